@@ -1,0 +1,53 @@
+# fsdp-recipes: `make finetune` runs the default recipe, `make test` runs the whole suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU wheel on machines without a GPU; GPU users install their CUDA build of torch 2.13 first
+# (make venv then leaves it alone) or set TORCH_SPEC.
+TORCH_SPEC ?= torch==2.13.0
+RECIPE ?= tiny-cpu-lora
+ARGS ?=
+PYTEST_ARGS ?=
+STAMP := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help venv finetune test test-fast tiny-assets sync-configs clean
+
+help: ## list targets and recipes
+	@echo "Targets:"
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@echo "Recipes (make finetune RECIPE=<name>):"
+	@if [ -x $(PY) ]; then PYTHONPATH=src $(PY) -m fsdp_recipes.recipes list; else ls -1 recipes | sed 's/^/  /'; fi
+
+venv: $(STAMP) ## create .venv and install the pack (idempotent; seconds when present)
+
+$(STAMP): pyproject.toml
+	@echo "[venv] creating $(VENV) with $$($(PYTHON) --version)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[venv] installing $(TORCH_SPEC)"
+	@$(PY) -m pip install --disable-pip-version-check "$(TORCH_SPEC)"
+	@echo "[venv] installing the pack and its pinned dependencies"
+	@$(PY) -m pip install --disable-pip-version-check -e ".[test]"
+	@touch $@
+	@echo "[venv] ready"
+
+finetune: $(STAMP) ## run RECIPE (default tiny-cpu-lora) end to end; ARGS="--max_steps 20" overrides its YAML
+	@$(PY) -m fsdp_recipes.recipes check $(RECIPE)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/$(RECIPE)/launch.sh $(ARGS)
+
+tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into $$FSDP_RECIPES_CACHE
+	@$(PY) -m fsdp_recipes.tiny_assets
+
+sync-configs: $(STAMP) ## regenerate recipes/*/accelerate.yaml from accelerate_configs/
+	@$(PY) scripts/sync_accelerate_configs.py
+
+test: $(STAMP) ## the whole test suite (CPU, no network; several minutes on 2 cores)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v --durations=10 $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+test-fast: $(STAMP) ## the suite without the multi-process training tests
+	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean: ## remove runs/ (keeps .venv and the asset cache)
+	rm -rf runs

@@ -1,0 +1,136 @@
+"""Checks that turn a user's configuration mistake into one line naming the problem and the fix.
+
+They run in the launcher, before `accelerate launch` starts any process, and again in the entry point, so
+a mistake never becomes N tracebacks from N ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from fsdp_recipes.errors import UserError
+
+
+def load_yaml(path: str | Path, what: str = "config") -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{what} file not found: {path}. Fix: check the path (recipes live in recipes/<name>/).")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"malformed YAML in {path}{where}: {problem}. Fix: correct the YAML syntax there.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a YAML mapping of `key: value` lines, not {type(data).__name__}.")
+    return data
+
+
+def check_known_keys(config: dict, dataclass_types, path: str | Path) -> None:
+    """Every key must be a field of one of the parser's dataclasses (or TRL's `env`)."""
+    known = {f.name for dc in dataclass_types for f in dataclasses.fields(dc)} | {"env"}
+    for key in config:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else "remove it, or see `--help` for the valid keys"
+            raise UserError(f"unknown config key `{key}` in {path}. Fix: {hint}")
+
+
+def check_accelerate_config(path: str | Path) -> dict:
+    """Parse with accelerate's own loader, then apply the rules that accelerate only discovers at run time."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    raw = load_yaml(path, "accelerate config")
+    try:
+        load_config_from_file(str(path))
+    except Exception as err:  # accelerate raises TypeError/ValueError for unknown or bad keys
+        raise UserError(f"accelerate cannot read {path}: {err}. Fix: compare with accelerate_configs/.") from None
+    fsdp = raw.get("fsdp_config") or {}
+    if raw.get("distributed_type") == "FSDP":
+        version = int(fsdp.get("fsdp_version", 1))
+        if version == 1 and fsdp.get("fsdp_cpu_ram_efficient_loading") and not fsdp.get("fsdp_sync_module_states"):
+            raise UserError(
+                f"{path}: fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true "
+                "(the other ranks receive rank 0's weights by broadcast). Fix: set fsdp_sync_module_states: true."
+            )
+        if version == 2:
+            fsdp1_only = sorted(k for k in fsdp if k in FSDP1_ONLY_KEYS)
+            if fsdp1_only:
+                raise UserError(
+                    f"{path}: {', '.join(fsdp1_only)} only apply to FSDP1 but fsdp_version is 2. "
+                    "Fix: remove them (FSDP2 uses fsdp_reshard_after_forward instead of fsdp_sharding_strategy)."
+                )
+    return raw
+
+
+# Keys that mean something only to FSDP1; accelerate ignores or rejects them under FSDP2 (its FSDP2 migration
+# guide). A user who writes them in an FSDP2 config expects an effect they will not get.
+FSDP1_ONLY_KEYS = {
+    "fsdp_sharding_strategy",
+    "fsdp_backward_prefetch",
+    "fsdp_forward_prefetch",
+    "fsdp_use_orig_params",
+    "fsdp_sync_module_states",
+}
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_gpus(min_gpus: int, recipe: str) -> None:
+    found = gpu_count()
+    if min_gpus > found:
+        raise UserError(
+            f"recipe {recipe} needs {min_gpus} GPU(s) and this machine has {found}. "
+            "Fix: run it on a GPU node, or smoke-test the pack on CPU with `make finetune` (recipe tiny-cpu-lora)."
+        )
+
+
+def check_attn_implementation(attn: str | None) -> None:
+    if attn and attn.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+        raise UserError(
+            f"attn_implementation: {attn} needs the flash-attn package, which is not installed. "
+            "Fix: `pip install -e .[gpu]` on a CUDA machine, or use attn_implementation: sdpa."
+        )
+
+
+def looks_local(path: str) -> bool:
+    """A hub id is `org/name`; anything absolute, relative-explicit, home- or file-like is a local path."""
+    return path.startswith(("/", "./", "../", "~", "$")) or path.endswith(
+        (".json", ".jsonl", ".parquet", ".csv")
+    ) or os.path.exists(path)
+
+
+def check_local_model(path: str) -> None:
+    if looks_local(path) and not (Path(path) / "config.json").is_file():
+        raise UserError(
+            f"model not found: {path} has no config.json. "
+            "Fix: point model_name_or_path at a model directory or a hub id "
+            "(the tiny default is built by `python -m fsdp_recipes.tiny_assets`)."
+        )
+
+
+def gpu_inventory() -> str:
+    """What the seeds' wrappers print: the GPUs and how they are linked, where nvidia-smi exists."""
+    if not shutil.which("nvidia-smi"):
+        return "GPUs: none (no nvidia-smi on PATH); running on CPU"
+    out = []
+    for cmd in (["nvidia-smi", "-L"], ["nvidia-smi", "topo", "-m"], ["nvidia-smi", "nvlink", "--status"]):
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            out.append(f"$ {' '.join(cmd)}\n{res.stdout.strip() or res.stderr.strip()}")
+        except (OSError, subprocess.SubprocessError) as err:
+            out.append(f"$ {' '.join(cmd)}: {err}")
+    return "\n".join(out)

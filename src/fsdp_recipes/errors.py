@@ -1,0 +1,26 @@
+"""User mistakes become one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """A problem the user can fix: the message names the problem and the fix."""
+
+
+def cli(main):
+    """Decorate a CLI `main`: a UserError prints `error: <message>` on stderr and exits 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+
+    return wrapper

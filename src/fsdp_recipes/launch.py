@@ -1,0 +1,109 @@
+"""The launcher behind every recipe's launch.sh: check, prepare, `accelerate launch`, summarise.
+
+    python -m fsdp_recipes.launch <recipe name or folder> [--sft_field value ...]
+
+1. Sets what the seeds' wrappers set (TOKENIZERS_PARALLELISM, PYTORCH_CUDA_ALLOC_CONF) and prints the
+   GPU inventory and NVLink status where nvidia-smi exists.
+2. Checks the recipe in this one process -- GPU requirement, accelerate YAML, recipe YAML, model,
+   dataset -- so a mistake is one line here instead of a traceback from every rank.
+3. Builds the tiny local assets when the recipe uses them.
+4. Runs the real `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train_sft`.
+5. Prints the summary (fsdp_recipes.summary) of the finished run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fsdp_recipes import config_check, recipes, summary, train_sft
+from fsdp_recipes.errors import UserError, cli
+
+
+def say(msg: str) -> None:
+    print(f"[launch] {msg}", flush=True)
+
+
+def override(argv: list[str], key: str, default):
+    """The value of `--key v` / `--key=v` among the command-line overrides, else `default`."""
+    for i, arg in enumerate(argv):
+        if arg == f"--{key}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(f"--{key}="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "accelerate"
+    found = str(exe) if exe.exists() else shutil.which("accelerate")
+    if not found:
+        raise UserError("the `accelerate` command is not installed. Fix: pip install -e . (or make venv).")
+    return [found, "launch"]
+
+
+def check_recipe(recipe: Path, overrides: list[str]) -> tuple:
+    sft_yaml, acc_yaml = recipe / "sft.yaml", recipe / "accelerate.yaml"
+    raw = config_check.load_yaml(sft_yaml, "recipe config")
+    # The GPU requirement first: a GPU recipe's other settings (bf16, hub model) cannot be checked on CPU.
+    config_check.check_gpus(int(override(overrides, "min_gpus", raw.get("min_gpus", 0))), recipe.name)
+    acc = config_check.check_accelerate_config(acc_yaml)
+    if config_check.gpu_count() == 0 and acc.get("distributed_type") == "FSDP":
+        if int((acc.get("fsdp_config") or {}).get("fsdp_version", 1)) != 2:
+            raise UserError(
+                f"{acc_yaml}: FSDP1 cannot run on CPU (it needs CUDA streams). "
+                "Fix: use fsdp_version: 2 for CPU runs, or run on GPUs."
+            )
+    args = train_sft.parse_args(["--config", str(sft_yaml), *overrides])
+    train_sft.check_before_launch(*args)
+    return args, acc
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        raise UserError("usage: python -m fsdp_recipes.launch <recipe name or folder> [--field value ...]")
+    recipe, overrides = recipes.resolve(argv[0]), argv[1:]
+    t0 = time.time()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    say(f"recipe {recipe.name} ({recipe})")
+    print(config_check.gpu_inventory(), flush=True)
+
+    (script, training, model, mixture, pack), acc = check_recipe(recipe, overrides)
+    if pack.tiny_assets:
+        from fsdp_recipes.tiny_assets import ensure_assets
+
+        ensure_assets()
+    if script.dataset_name and config_check.looks_local(script.dataset_name):
+        from fsdp_recipes.loading import load_sft_datasets
+
+        load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
+
+    cmd = accelerate_cmd() + ["--config_file", str(recipe / "accelerate.yaml")]
+    if int(acc.get("num_machines", 1)) == 1 and "MASTER_PORT" not in os.environ:
+        cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide
+    cmd += ["-m", "fsdp_recipes.train_sft", "--config", str(recipe / "sft.yaml"), *overrides]
+    say(f"checks passed in {time.time() - t0:.1f}s; starting {acc.get('num_processes', 1)} process(es):")
+    say(" ".join(cmd))
+    rc = subprocess.call(cmd)
+    if rc != 0:
+        say(f"training exited with code {rc}; the run report (status) is in {training.output_dir}/metrics.json")
+        return rc
+    return summary.main([training.output_dir])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

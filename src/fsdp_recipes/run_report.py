@@ -1,0 +1,330 @@
+"""The run report: `run_args.json` and `metrics.json` in every run's output_dir.
+
+A `transformers.TrainerCallback` (the hook transformers gives for exactly this) plus a token counter that
+the entry point's trainer feeds. Files are written by rank 0 only, atomically (temp file + rename), and
+also when the run fails or is interrupted, with a `status` field. The schema is documented in README.md
+("Run report") and checked by tests/test_run_report.py.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+from transformers import TrainerCallback
+
+from fsdp_recipes import flops
+
+SCHEMA_VERSION = 1
+PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write to a temp file in the same directory, then rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in PACKAGES + ("fsdp-recipes",):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_commit(cwd: Path | None = None) -> str | None:
+    for where in (cwd, Path(__file__).resolve().parent):
+        try:
+            out = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return None
+
+
+def launcher_env() -> dict:
+    """What torchrun / accelerate launch told this process about the job."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return {
+        "world_size": world,
+        "num_nodes": max(1, world // max(1, local_world)),
+        "local_world_size": local_world,
+        "rank": int(os.environ.get("RANK", 0)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "master_addr": os.environ.get("MASTER_ADDR"),
+        "master_port": os.environ.get("MASTER_PORT"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }
+
+
+def accelerate_env() -> dict[str, str]:
+    """The accelerate/FSDP settings as `accelerate launch` exported them from the config file."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("ACCELERATE_", "FSDP_"))}
+
+
+def device_info() -> dict:
+    import torch
+
+    if torch.cuda.is_available():
+        return {"type": "cuda", "name": torch.cuda.get_device_name(0), "count_per_node": torch.cuda.device_count()}
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"type": "cpu", "name": name, "count_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", 1))}
+
+
+def sharding_info() -> dict:
+    """Sharding strategy and FSDP version as accelerate resolved them (not as the YAML spelled them)."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    state = AcceleratorState()
+    if state.distributed_type != DistributedType.FSDP:
+        kind = "DDP" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else "NONE"
+        return {"sharding_strategy": kind, "fsdp_version": None, "mixed_precision": str(state.mixed_precision)}
+    plugin = state.fsdp_plugin
+    if plugin.fsdp_version == 2:
+        reshard = plugin.reshard_after_forward
+        strategy = "FULL_SHARD" if reshard is True else "SHARD_GRAD_OP" if reshard is False else str(reshard)
+        pc = getattr(state, "parallelism_config", None)
+        if pc is not None and getattr(pc, "dp_replicate_size", 1) > 1:
+            strategy = f"HYBRID_SHARD (replicate {pc.dp_replicate_size} x shard {pc.dp_shard_size})"
+    else:
+        strategy = getattr(plugin.sharding_strategy, "name", str(plugin.sharding_strategy))
+    return {
+        "sharding_strategy": strategy,
+        "fsdp_version": plugin.fsdp_version,
+        "mixed_precision": str(state.mixed_precision),
+    }
+
+
+@dataclass
+class TokenCounter:
+    """Per-rank counts of what the model was fed; summed over ranks when the run ends."""
+
+    non_padding: int = 0
+    padded: int = 0
+    sequences: int = 0
+
+    def add(self, inputs: dict) -> None:
+        ids = inputs["input_ids"]
+        self.padded += ids.numel()
+        mask = inputs.get("attention_mask")
+        self.non_padding += int(mask.sum()) if mask is not None else ids.numel()
+        pos = inputs.get("position_ids")
+        if mask is None and pos is not None:  # padding-free: one row holds several sequences
+            self.sequences += int((pos == 0).sum())
+        else:
+            self.sequences += ids.shape[0]
+
+
+def _reduce(values: list[float], op: str) -> list[float]:
+    """Sum or max a few numbers over ranks (gloo takes CPU tensors, NCCL needs CUDA ones)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return values
+    device = "cpu" if "gloo" in str(dist.get_backend()) else torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _peak_memory() -> dict:
+    import torch
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    if torch.cuda.is_available():
+        return {
+            "allocated": torch.cuda.max_memory_allocated(),
+            "reserved": torch.cuda.max_memory_reserved(),
+            "host_rss": rss,
+        }
+    return {"allocated": -1, "reserved": -1, "host_rss": rss}
+
+
+class RunReportCallback(TrainerCallback):
+    """Writes run_args.json at the start and metrics.json at the end (or on failure) of every run."""
+
+    def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None):
+        self.output_dir = Path(output_dir)
+        self.resolved_args = resolved_args
+        self.recipe = recipe
+        self.tokens = TokenCounter()
+        self.process_start = psutil.Process().create_time()
+        self.started_at = now_iso()
+        self.is_main = int(os.environ.get("RANK", 0)) == 0
+        self.train_start = self.train_end = self.first_step_end = None
+        self.log_history: list[dict] = []
+        self.params: dict[str, int] = {}
+        self.model_config = None
+        self.finalized = False
+
+    # -- trainer hooks ------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.train_start = time.time()
+        if model is not None:
+            self.params = flops.count_params(model)
+            self.model_config = getattr(model, "config", None)
+        if self.is_main:
+            write_json_atomic(self.output_dir / "run_args.json", self.run_args())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.first_step_end is None:
+            self.first_step_end = time.time()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.log_history = list(state.log_history)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.log_history = list(state.log_history)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.train_end = time.time()
+        self.log_history = list(state.log_history)
+        self.global_step = state.global_step
+        # Collectives: every rank is here, so counts and peaks can be combined over ranks.
+        nonpad, padded, seqs = _reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
+        mem = _peak_memory()
+        alloc, reserved, rss = _reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
+        self.totals = {"non_padding": int(nonpad), "padded": int(padded), "sequences": int(seqs)}
+        self.peaks = {"allocated": alloc, "reserved": reserved, "host_rss": rss}
+
+    # -- files --------------------------------------------------------------------------------------
+    def run_args(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "recipe": self.recipe,
+            "started_at": self.started_at,
+            "hostname": socket.gethostname(),
+            "command": sys.argv,
+            "git_commit": git_commit(Path.cwd()),
+            "versions": versions(),
+            "launcher": launcher_env(),
+            "accelerate_env": accelerate_env(),
+            **self.resolved_args,
+        }
+
+    def finalize(self, status: str, error: str | None = None) -> dict | None:
+        """Write metrics.json once, from rank 0. On a failure path no collectives are attempted."""
+        if self.finalized or not self.is_main:
+            return None
+        self.finalized = True
+        end = time.time()
+        if not (self.output_dir / "run_args.json").exists():
+            write_json_atomic(self.output_dir / "run_args.json", self.run_args())
+        metrics = self.metrics(status, error, end)
+        write_json_atomic(self.output_dir / "metrics.json", metrics)
+        return metrics
+
+    def metrics(self, status: str, error: str | None, end: float) -> dict:
+        env = launcher_env()
+        world, nodes = env["world_size"], env["num_nodes"]
+        device = device_info()
+        completed_collectives = hasattr(self, "totals")
+        if completed_collectives:
+            tokens, peaks, scope = self.totals, self.peaks, "all_ranks"
+        else:  # failed before on_train_end: this rank's own figures, labelled as such
+            mem = _peak_memory()
+            tokens = {"non_padding": self.tokens.non_padding, "padded": self.tokens.padded,
+                      "sequences": self.tokens.sequences}
+            peaks, scope = {"allocated": mem["allocated"], "reserved": mem["reserved"], "host_rss": mem["host_rss"]}, "rank0_only"
+        train_end = self.train_end or end
+        train_time = (train_end - self.train_start) if self.train_start else None
+        tps = tokens["non_padding"] / train_time if train_time else None
+
+        losses = [h["loss"] for h in self.log_history if "loss" in h]
+        eval_losses = [h["eval_loss"] for h in self.log_history if "eval_loss" in h]
+
+        fpt, seq_len, mfu, mfu_note = None, None, None, None
+        if self.model_config is not None and self.params and tokens["sequences"]:
+            seq_len = tokens["padded"] / tokens["sequences"]  # mean padded length: what attention really ran on
+            layers, heads, head_dim = flops.attention_shape(self.model_config)
+            fpt = flops.flops_per_token(
+                self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
+                layers, heads, head_dim, seq_len,
+            )
+        peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
+        if device["type"] != "cuda":
+            why = f"device is a CPU ({device['name']}): no dense bf16 peak to compare against"
+        if fpt is not None and tps and peak:
+            mfu = flops.mfu(fpt, tps, peak, world)
+        else:
+            mfu_note = why if not peak else "no tokens or no model config recorded"
+
+        no_device_mem = peaks["allocated"] < 0
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "status": status,
+            "error": error,
+            "recipe": self.recipe,
+            "started_at": self.started_at,
+            "finished_at": now_iso(),
+            "wall_clock_s": end - self.process_start,
+            "train_time_s": train_time,
+            "time_to_first_step_s": (self.first_step_end - self.process_start) if self.first_step_end else None,
+            "steps": getattr(self, "global_step", None) or (self.log_history[-1].get("step") if self.log_history else 0),
+            "samples": tokens["sequences"],
+            "tokens": {"non_padding": tokens["non_padding"], "padded": tokens["padded"], "scope": scope},
+            "tokens_per_second": tps,
+            "tokens_per_second_per_device": tps / world if tps else None,
+            "world_size": world,
+            "num_nodes": nodes,
+            **sharding_info(),
+            "device": {"type": device["type"], "name": device["name"], "count": world},
+            "peak_memory": {
+                "device_allocated_bytes": None if no_device_mem else int(peaks["allocated"]),
+                "device_reserved_bytes": None if no_device_mem else int(peaks["reserved"]),
+                "device_note": "CPU run: no device memory; see host_rss_bytes" if no_device_mem else None,
+                "host_rss_bytes": int(peaks["host_rss"]),
+                "scope": "max_over_ranks" if scope == "all_ranks" else scope,
+            },
+            "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
+            "flops_per_token": fpt,
+            "flops_seq_len": seq_len,
+            "peak_flops_per_device": peak,
+            "mfu": mfu,
+            "mfu_note": mfu_note,
+            "first_train_loss": losses[0] if losses else None,
+            "final_train_loss": losses[-1] if losses else None,
+            "final_eval_loss": eval_losses[-1] if eval_losses else None,
+        }

@@ -1,0 +1,193 @@
+"""Supervised fine-tuning entry point: TRL's SFTTrainer driven by a recipe YAML.
+
+    accelerate launch --config_file recipes/<name>/accelerate.yaml \\
+        -m fsdp_recipes.train_sft --config recipes/<name>/sft.yaml [--any_field value ...]
+
+The YAML holds the fields of TRL's ScriptArguments (dataset), SFTConfig (every training setting),
+ModelConfig (model, dtype, attention, LoRA) and DatasetMixtureConfig, plus the pack's own PackArguments;
+command-line flags override it (TrlParser's convention, as in alignment-handbook and `trl sft`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from fsdp_recipes import config_check, cpu_fsdp
+from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.paths import expand
+
+
+@dataclass
+class PackArguments:
+    """Fields the pack adds to TRL's; they live in the same recipe YAML."""
+
+    recipe_name: str | None = field(default=None, metadata={"help": "Recorded in the run report."})
+    min_gpus: int = field(default=0, metadata={"help": "GPUs the recipe needs; 0 means it runs on CPU."})
+    tiny_assets: bool = field(
+        default=False, metadata={"help": "Build the tiny local model and dataset before training."}
+    )
+    save_merged_model: bool = field(
+        default=False, metadata={"help": "LoRA runs: also save base+adapter merged to <output_dir>/merged."}
+    )
+
+
+def dataclass_types():
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
+
+    return (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, PackArguments)
+
+
+def parse_args(argv: list[str]):
+    """(script, training, model, mixture, pack) arguments, with one-line errors for config mistakes."""
+    from trl import TrlParser
+
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise UserError("--config needs a path. Fix: --config recipes/<name>/sft.yaml")
+        path = argv[i + 1]
+        config_check.check_known_keys(config_check.load_yaml(path, "recipe config"), dataclass_types(), path)
+    parser = TrlParser(dataclass_types())
+    try:
+        script, training, model, mixture, pack = parser.parse_args_and_config(argv)
+    except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
+        raise UserError(f"invalid configuration: {str(err).splitlines()[0]}") from None
+    model.model_name_or_path = expand(model.model_name_or_path)
+    script.dataset_name = expand(script.dataset_name)
+    training.output_dir = expand(training.output_dir)
+    if not model.model_name_or_path:
+        raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
+    return script, training, model, mixture, pack
+
+
+def check_before_launch(script, training, model, mixture, pack) -> None:
+    """Everything that can be checked without starting processes or loading weights."""
+    config_check.check_gpus(pack.min_gpus, pack.recipe_name or "(unnamed)")
+    config_check.check_attn_implementation(model.attn_implementation)
+    config_check.check_local_model(model.model_name_or_path)
+
+
+def resolved_args(script, training, model, mixture, pack, peft_config) -> dict:
+    return {
+        "pack_args": dataclasses.asdict(pack),
+        "script_args": dataclasses.asdict(script),
+        "model_args": dataclasses.asdict(model),
+        "dataset_mixture": dataclasses.asdict(mixture),
+        "sft_config": training.to_dict(),
+        "lora_config": peft_config.to_dict() if peft_config is not None else None,
+    }
+
+
+def make_trainer_class():
+    from trl import SFTTrainer
+
+    class ReportingSFTTrainer(SFTTrainer):
+        """SFTTrainer that feeds the run report's token counter.
+
+        Gap it fills: Trainer's `include_num_input_tokens_seen` counts either padded or non-padding tokens,
+        not both; the run report needs both (and the sequence count for the FLOPs formula).
+        """
+
+        token_counter = None
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            if self.token_counter is not None:
+                self.token_counter.add(inputs)
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    return ReportingSFTTrainer
+
+
+def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
+    """Rank 0: reload base + saved adapter with plain transformers/peft (no FSDP), merge, save."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    merged.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+
+
+def raise_on_sigterm() -> None:
+    """Turn SIGTERM into an exception so the run report is written with status `interrupted`."""
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
+    script, training, model_args, mixture, pack = parse_args(argv)
+    check_before_launch(script, training, model_args, mixture, pack)
+
+    from trl import get_peft_config
+
+    from fsdp_recipes.loading import load_sft_datasets
+    from fsdp_recipes.run_report import RunReportCallback
+    from fsdp_recipes.tiny_assets import ensure_assets
+
+    if pack.tiny_assets:
+        ensure_assets(quiet=True)  # idempotent; the launcher normally built them already
+    peft_config = get_peft_config(model_args)
+    want_eval = training.eval_strategy != "no"
+    train_ds, eval_ds = load_sft_datasets(script, mixture, want_eval, training.dataset_text_field)
+
+    training.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": model_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training.model_init_kwargs or {}),
+    }
+    report = RunReportCallback(
+        training.output_dir, resolved_args(script, training, model_args, mixture, pack, peft_config), pack.recipe_name
+    )
+    report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
+    raise_on_sigterm()
+    trainer = None
+    try:
+        Trainer = make_trainer_class()
+        trainer = Trainer(
+            model=model_args.model_name_or_path,  # TRL calls from_pretrained: the same path for hub ids
+            args=training,
+            train_dataset=train_ds,
+            eval_dataset=eval_ds,
+            peft_config=peft_config,
+            callbacks=[report],
+        )
+        trainer.token_counter = report.tokens
+        trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+        trainer.save_model(training.output_dir)
+        if peft_config is not None and pack.save_merged_model:
+            trainer.accelerator.wait_for_everyone()
+            if trainer.accelerator.is_main_process:
+                save_merged(model_args.model_name_or_path, training.output_dir,
+                            os.path.join(training.output_dir, "merged"), model_args.dtype)
+        trainer.accelerator.wait_for_everyone()
+    except KeyboardInterrupt as err:
+        report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")
+        return 130
+    except UserError:
+        raise
+    except BaseException as err:
+        report.finalize("failed", error=f"{type(err).__name__}: {err}")
+        raise
+    metrics = report.finalize("completed")
+    if metrics is not None:
+        trainer.accelerator.print(f"[train_sft] run report written to {training.output_dir}/metrics.json")
+    if hasattr(trainer, "end"):  # transformers >= 5.18: ends trackers and the process group
+        trainer.end()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
