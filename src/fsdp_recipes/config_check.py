@@ -35,14 +35,32 @@ def load_yaml(path: str | Path, what: str = "config") -> dict:
     return data
 
 
+def known_fields(dataclass_types) -> set[str]:
+    return {f.name for dc in dataclass_types for f in dataclasses.fields(dc)}
+
+
+def _suggest(key: str, known: set[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f"did you mean `{close[0]}`?" if close else "remove it, or see `--help` for the valid keys"
+
+
 def check_known_keys(config: dict, dataclass_types, path: str | Path) -> None:
     """Every key must be a field of one of the parser's dataclasses (or TRL's `env`)."""
-    known = {f.name for dc in dataclass_types for f in dataclasses.fields(dc)} | {"env"}
+    known = known_fields(dataclass_types) | {"env"}
     for key in config:
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"did you mean `{close[0]}`?" if close else "remove it, or see `--help` for the valid keys"
-            raise UserError(f"unknown config key `{key}` in {path}. Fix: {hint}")
+            raise UserError(f"unknown config key `{key}` in {path}. Fix: {_suggest(key, known)}")
+
+
+def check_known_flags(argv: list[str], dataclass_types) -> None:
+    """Command-line overrides must name fields too (`--no_<bool field>` included, as HfArgumentParser allows)."""
+    known = known_fields(dataclass_types) | {"config", "help", "h"}
+    for arg in argv:
+        if not arg.startswith("--"):
+            continue
+        key = arg[2:].split("=", 1)[0]
+        if key not in known and not (key.startswith("no_") and key[3:] in known):
+            raise UserError(f"unknown command-line flag `--{key}`. Fix: {_suggest(key, known)}")
 
 
 def check_accelerate_config(path: str | Path) -> dict:

@@ -47,15 +47,19 @@ def flops_per_token(
 
 
 def count_params(model) -> dict[str, int]:
-    """Total, trainable, and the non-embedding split that flops_per_token takes. DTensor numel is global."""
+    """Total, trainable, and the non-embedding split that flops_per_token takes. DTensor numel is global.
+
+    PEFT's `modules_to_save` keeps an unused `original_module` beside the trained copy: it counts towards
+    the parameters but not the FLOPs.
+    """
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
     counts = {"total": 0, "trainable": 0, "trainable_non_embedding": 0, "frozen_non_embedding": 0}
-    for p in model.parameters():
+    for name, p in model.named_parameters():
         n = p.numel()
         counts["total"] += n
         counts["trainable"] += n if p.requires_grad else 0
-        if id(p) not in embed_ids:
+        if id(p) not in embed_ids and ".original_module." not in name:
             counts["trainable_non_embedding" if p.requires_grad else "frozen_non_embedding"] += n
     return counts
 

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 from fsdp_recipes import config_check, recipes, summary, train_sft
@@ -65,7 +66,13 @@ def check_recipe(recipe: Path, overrides: list[str]) -> tuple:
                 f"{acc_yaml}: FSDP1 cannot run on CPU (it needs CUDA streams). "
                 "Fix: use fsdp_version: 2 for CPU runs, or run on GPUs."
             )
-    args = train_sft.parse_args(["--config", str(sft_yaml), *overrides])
+    with warnings.catch_warnings():  # the training processes parse again and show these warnings there
+        warnings.simplefilter("ignore")
+        args = train_sft.parse_args(["--config", str(sft_yaml), *overrides])
+    if args[-1].tiny_assets:  # before the model check: the tiny model is one of these assets
+        from fsdp_recipes.tiny_assets import ensure_assets
+
+        ensure_assets()
     train_sft.check_before_launch(*args)
     return args, acc
 
@@ -83,13 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     print(config_check.gpu_inventory(), flush=True)
 
     (script, training, model, mixture, pack), acc = check_recipe(recipe, overrides)
-    if pack.tiny_assets:
-        from fsdp_recipes.tiny_assets import ensure_assets
-
-        ensure_assets()
     if script.dataset_name and config_check.looks_local(script.dataset_name):
+        import datasets
+
         from fsdp_recipes.loading import load_sft_datasets
 
+        datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
         load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
 
     cmd = accelerate_cmd() + ["--config_file", str(recipe / "accelerate.yaml")]
@@ -100,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     say(" ".join(cmd))
     rc = subprocess.call(cmd)
     if rc != 0:
-        say(f"training exited with code {rc}; the run report (status) is in {training.output_dir}/metrics.json")
+        report = Path(training.output_dir) / "metrics.json"
+        where = f"its run report is {report}" if report.exists() else "it failed before writing a run report"
+        say(f"training exited with code {rc} (see the log above); {where}")
         return rc
     return summary.main([training.output_dir])
 

@@ -116,6 +116,8 @@ def sharding_info() -> dict:
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
+    if not AcceleratorState._shared_state:  # no Accelerator yet (the run failed before the Trainer existed)
+        return {"sharding_strategy": None, "fsdp_version": None, "mixed_precision": None}
     state = AcceleratorState()
     if state.distributed_type != DistributedType.FSDP:
         kind = "DDP" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else "NONE"
@@ -169,6 +171,32 @@ def _reduce(values: list[float], op: str) -> list[float]:
     return t.tolist()
 
 
+def _gather(value) -> list:
+    """One picklable value from every rank, in rank order."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def param_shards(model) -> dict:
+    """How the parameters are laid out on this rank: evidence that sharding really happened."""
+    from torch.distributed.tensor import DTensor
+
+    dtensors = global_numel = local_numel = 0
+    for p in model.parameters():
+        global_numel += p.numel()
+        if isinstance(p, DTensor):
+            dtensors += 1
+            local_numel += p.to_local().numel()
+        else:
+            local_numel += p.numel()
+    return {"dtensor_params": dtensors, "global_numel": global_numel, "local_numel": local_numel}
+
+
 def _peak_memory() -> dict:
     import torch
 
@@ -197,6 +225,7 @@ class RunReportCallback(TrainerCallback):
         self.log_history: list[dict] = []
         self.params: dict[str, int] = {}
         self.model_config = None
+        self.shards = None
         self.finalized = False
 
     # -- trainer hooks ------------------------------------------------------------------------------
@@ -205,6 +234,12 @@ class RunReportCallback(TrainerCallback):
         if model is not None:
             self.params = flops.count_params(model)
             self.model_config = getattr(model, "config", None)
+            shards = _gather(param_shards(model))  # a collective: every rank runs on_train_begin
+            self.shards = {
+                "dtensor_params": shards[0]["dtensor_params"],
+                "global_numel": shards[0]["global_numel"],
+                "local_numel_per_rank": [s["local_numel"] for s in shards],
+            }
         if self.is_main:
             write_json_atomic(self.output_dir / "run_args.json", self.run_args())
 
@@ -319,6 +354,7 @@ class RunReportCallback(TrainerCallback):
                 "scope": "max_over_ranks" if scope == "all_ranks" else scope,
             },
             "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
+            "param_shards": self.shards,
             "flops_per_token": fpt,
             "flops_seq_len": seq_len,
             "peak_flops_per_device": peak,

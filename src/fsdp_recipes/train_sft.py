@@ -51,11 +51,14 @@ def parse_args(argv: list[str]):
             raise UserError("--config needs a path. Fix: --config recipes/<name>/sft.yaml")
         path = argv[i + 1]
         config_check.check_known_keys(config_check.load_yaml(path, "recipe config"), dataclass_types(), path)
+    config_check.check_known_flags(argv, dataclass_types())
     parser = TrlParser(dataclass_types())
     try:
         script, training, model, mixture, pack = parser.parse_args_and_config(argv)
     except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
-        raise UserError(f"invalid configuration: {str(err).splitlines()[0]}") from None
+        raise UserError(
+            f"invalid configuration: {str(err).splitlines()[0]} Fix: correct that setting in the recipe YAML or ARGS."
+        ) from None
     model.model_name_or_path = expand(model.model_name_or_path)
     script.dataset_name = expand(script.dataset_name)
     training.output_dir = expand(training.output_dir)
@@ -127,27 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
     script, training, model_args, mixture, pack = parse_args(argv)
+    if pack.tiny_assets:
+        from fsdp_recipes.tiny_assets import ensure_assets
+
+        ensure_assets(quiet=True)  # idempotent; the launcher normally built them already
     check_before_launch(script, training, model_args, mixture, pack)
 
     from trl import get_peft_config
 
     from fsdp_recipes.loading import load_sft_datasets
     from fsdp_recipes.run_report import RunReportCallback
-    from fsdp_recipes.tiny_assets import ensure_assets
 
-    if pack.tiny_assets:
-        ensure_assets(quiet=True)  # idempotent; the launcher normally built them already
     peft_config = get_peft_config(model_args)
-    want_eval = training.eval_strategy != "no"
-    train_ds, eval_ds = load_sft_datasets(script, mixture, want_eval, training.dataset_text_field)
-
-    training.model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": model_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-        **(training.model_init_kwargs or {}),
-    }
     report = RunReportCallback(
         training.output_dir, resolved_args(script, training, model_args, mixture, pack, peft_config), pack.recipe_name
     )
@@ -155,6 +149,15 @@ def main(argv: list[str] | None = None) -> int:
     raise_on_sigterm()
     trainer = None
     try:
+        want_eval = training.eval_strategy != "no"
+        train_ds, eval_ds = load_sft_datasets(script, mixture, want_eval, training.dataset_text_field)
+        training.model_init_kwargs = {
+            "revision": model_args.model_revision,
+            "trust_remote_code": training.trust_remote_code,
+            "attn_implementation": model_args.attn_implementation,
+            "dtype": model_args.dtype,
+            **(training.model_init_kwargs or {}),
+        }
         Trainer = make_trainer_class()
         trainer = Trainer(
             model=model_args.model_name_or_path,  # TRL calls from_pretrained: the same path for hub ids
@@ -176,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as err:
         report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")
         return 130
-    except UserError:
-        raise
-    except BaseException as err:
+    except BaseException as err:  # UserError included: the report records why the run stopped
         report.finalize("failed", error=f"{type(err).__name__}: {err}")
         raise
     metrics = report.finalize("completed")

@@ -1,0 +1,41 @@
+"""Shared fixtures: an isolated asset cache, and a helper that runs pack commands as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # the venv's bin: python, accelerate
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """A fresh $FSDP_RECIPES_CACHE with the tiny assets built once for the whole session."""
+    root = tmp_path_factory.mktemp("cache")
+    os.environ["FSDP_RECIPES_CACHE"] = str(root)
+    from fsdp_recipes.tiny_assets import ensure_assets
+
+    ensure_assets(root, quiet=True)
+    return root
+
+
+def pack_env(cache: Path, **extra) -> dict:
+    env = dict(os.environ)
+    env.update(FSDP_RECIPES_CACHE=str(cache), PATH=f"{BIN}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1")
+    env.pop("MASTER_PORT", None)
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=pack_env(cache, **env), capture_output=True, text=True, timeout=timeout)
+
+
+def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`python -m fsdp_recipes.launch ...`, what every recipe's launch.sh runs."""
+    return run([sys.executable, "-m", "fsdp_recipes.launch", *args], cache, cwd=cwd, timeout=timeout)

@@ -1,0 +1,123 @@
+"""User mistakes end in one line naming the problem and the fix, exit code 2, and no traceback.
+
+Each case runs the launcher the way a recipe's launch.sh does, on a copy of the default recipe with one
+thing broken, and stops before any process is spawned or any weight is loaded.
+"""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import REPO, launch, pack_env
+
+
+def assert_one_line_error(res, fragment):
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    assert "Traceback" not in out, out
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), res.stderr
+    assert fragment in errors[0], errors[0]
+    assert "Fix:" in errors[0] or "Available:" in errors[0], errors[0]
+
+
+@pytest.fixture
+def recipe(tmp_path, cache_dir):
+    """A private copy of the default recipe to break."""
+    dst = tmp_path / "my-recipe"
+    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", dst)
+    return dst
+
+
+def edit_yaml(path, **changes):
+    data = yaml.safe_load(path.read_text())
+    data.update(changes)
+    path.write_text(yaml.safe_dump(data))
+
+
+def test_unknown_recipe_through_make(cache_dir):
+    res = subprocess.run(["make", "--no-print-directory", "finetune", "RECIPE=no-such-recipe"], cwd=REPO,
+                         env=pack_env(cache_dir), capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and "Traceback" not in out
+    assert "error: unknown recipe 'no-such-recipe'. Available: " in res.stderr
+    assert "tiny-cpu-lora" in res.stderr
+
+
+def test_unknown_recipe(cache_dir):
+    assert_one_line_error(launch(["no-such-recipe"], cache_dir), "unknown recipe 'no-such-recipe'")
+
+
+def test_missing_dataset_file(recipe, cache_dir):
+    res = launch([str(recipe), "--dataset_name", "/nonexistent/train.jsonl"], cache_dir)
+    assert_one_line_error(res, "dataset not found: /nonexistent/train.jsonl")
+
+
+def test_malformed_yaml(recipe, cache_dir):
+    sft = recipe / "sft.yaml"
+    sft.write_text(sft.read_text() + "\nlearning_rate: [1e-3\n")
+    assert_one_line_error(launch([str(recipe)], cache_dir), "malformed YAML in")
+
+
+def test_malformed_accelerate_yaml(recipe, cache_dir):
+    (recipe / "accelerate.yaml").write_text("distributed_type: FSDP\nfsdp_config: {fsdp_version: 2\n")
+    assert_one_line_error(launch([str(recipe)], cache_dir), "malformed YAML in")
+
+
+def test_unknown_config_key_suggests_the_right_one(recipe, cache_dir):
+    edit_yaml(recipe / "sft.yaml", lerning_rate=1e-3)
+    assert_one_line_error(launch([str(recipe)], cache_dir), "unknown config key `lerning_rate`")
+    res = launch([str(recipe)], cache_dir)
+    assert "did you mean `learning_rate`?" in res.stderr
+
+
+def test_unknown_command_line_flag(recipe, cache_dir):
+    assert_one_line_error(launch([str(recipe), "--max_stepz", "3"], cache_dir), "--max_stepz")
+
+
+def test_dataset_without_expected_columns(recipe, cache_dir, tmp_path):
+    bad = tmp_path / "qa.jsonl"
+    bad.write_text("".join(json.dumps({"question": f"q{i}", "answer": "a"}) + "\n" for i in range(4)))
+    res = launch([str(recipe), "--dataset_name", str(bad), "--eval_strategy", "no"], cache_dir)
+    assert_one_line_error(res, "has columns ['answer', 'question']")
+
+
+def test_missing_eval_split(recipe, cache_dir, tmp_path):
+    only_train = tmp_path / "train.jsonl"
+    shutil.copy(cache_dir / "tiny-arith" / "train.jsonl", only_train)
+    assert_one_line_error(launch([str(recipe), "--dataset_name", str(only_train)], cache_dir), "no `test` split")
+
+
+def test_gpu_recipe_on_cpu_names_the_cpu_alternative(cache_dir):
+    res = launch(["mistral-small-lora"], cache_dir)
+    assert_one_line_error(res, "needs 8 GPU(s) and this machine has 0")
+    assert "make finetune" in res.stderr
+
+
+def test_fsdp1_on_cpu(recipe, cache_dir):
+    acc = recipe / "accelerate.yaml"
+    data = yaml.safe_load(acc.read_text())
+    data["fsdp_config"].update(fsdp_version=1, fsdp_sync_module_states=True)
+    acc.write_text(yaml.safe_dump(data))
+    assert_one_line_error(launch([str(recipe)], cache_dir), "FSDP1 cannot run on CPU")
+
+
+def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir):
+    acc = recipe / "accelerate.yaml"
+    data = yaml.safe_load(acc.read_text())
+    data["fsdp_config"]["fsdp_use_orig_params"] = True
+    acc.write_text(yaml.safe_dump(data))
+    assert_one_line_error(launch([str(recipe)], cache_dir), "fsdp_use_orig_params only apply to FSDP1")
+
+
+def test_missing_model_directory(recipe, cache_dir, tmp_path):
+    res = launch([str(recipe), "--model_name_or_path", str(tmp_path / "no-model")], cache_dir)
+    assert_one_line_error(res, "model not found")
+
+
+def test_flash_attention_requested_but_not_installed(recipe, cache_dir):
+    res = launch([str(recipe), "--attn_implementation", "flash_attention_2"], cache_dir)
+    assert_one_line_error(res, "needs the flash-attn package")

@@ -1,0 +1,130 @@
+"""The run-report callback: counters, atomic files, failure path, consistency, schema == README."""
+
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import MistralConfig, MistralForCausalLM
+
+from fsdp_recipes import run_report
+from fsdp_recipes.run_report import RunReportCallback, TokenCounter, write_json_atomic
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_token_counter_padded_batch():
+    c = TokenCounter()
+    c.add({"input_ids": torch.zeros(2, 5, dtype=torch.long),
+           "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])})
+    assert (c.non_padding, c.padded, c.sequences) == (8, 10, 2)
+
+
+def test_token_counter_padding_free_counts_sequences_from_position_ids():
+    c = TokenCounter()
+    c.add({"input_ids": torch.zeros(1, 7, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]])})
+    assert (c.non_padding, c.padded, c.sequences) == (7, 7, 3)
+
+
+def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "metrics.json"
+    write_json_atomic(target, {"a": 1})
+    write_json_atomic(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+def test_atomic_write_failure_keeps_the_old_file(tmp_path, monkeypatch):
+    target = tmp_path / "metrics.json"
+    write_json_atomic(target, {"a": 1})
+
+    def broken_dump(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(run_report.json, "dump", broken_dump)
+    with pytest.raises(OSError):
+        write_json_atomic(target, {"a": 2})
+    assert json.loads(target.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.json"]
+
+
+def test_failure_before_training_still_writes_both_files(tmp_path):
+    cb = RunReportCallback(str(tmp_path), {"sft_config": {"learning_rate": 1e-4}}, recipe="r")
+    m = cb.finalize("failed", error="ValueError: boom")
+    assert m["status"] == "failed" and m["error"] == "ValueError: boom"
+    assert json.loads((tmp_path / "metrics.json").read_text())["status"] == "failed"
+    args = json.loads((tmp_path / "run_args.json").read_text())
+    assert args["recipe"] == "r" and args["sft_config"] == {"learning_rate": 1e-4}
+    assert args["versions"]["torch"] == torch.__version__
+    assert cb.finalize("completed") is None  # written once
+
+
+def tiny_model():
+    return MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+
+
+def simulated_run(tmp_path, monkeypatch, device=None):
+    """Drive the callback through the hooks the Trainer calls, with a real (tiny) model."""
+    if device:
+        monkeypatch.setattr(run_report, "device_info", lambda: device)
+    cb = RunReportCallback(str(tmp_path), {}, recipe="sim")
+    model = tiny_model()
+    state = SimpleNamespace(global_step=0, log_history=[])
+    cb.on_train_begin(None, state, None, model=model)
+    for step in range(1, 4):
+        cb.tokens.add({"input_ids": torch.zeros(4, 10, dtype=torch.long),
+                       "attention_mask": torch.ones(4, 10, dtype=torch.long)})
+        state.global_step = step
+        cb.on_step_end(None, state, None)
+        state.log_history.append({"loss": 3.0 / step, "step": step})
+        cb.on_log(None, state, None)
+    state.log_history.append({"eval_loss": 0.9, "step": 3})
+    cb.on_train_end(None, state, None)
+    return cb.finalize("completed"), model
+
+
+def test_completed_run_metrics_are_consistent(tmp_path, monkeypatch):
+    m, model = simulated_run(tmp_path, monkeypatch)
+    assert m["steps"] == 3 and m["samples"] == 12
+    assert m["tokens"] == {"non_padding": 120, "padded": 120, "scope": "all_ranks"}
+    assert m["tokens_per_second"] == pytest.approx(120 / m["train_time_s"])
+    assert m["first_train_loss"] == 3.0 and m["final_train_loss"] == 1.0 and m["final_eval_loss"] == 0.9
+    assert m["params"]["total"] == sum(p.numel() for p in model.parameters())
+    # CPU: no MFU, and the reason is given
+    assert m["mfu"] is None and "CPU" in m["mfu_note"]
+    assert m["peak_memory"]["device_allocated_bytes"] is None and m["peak_memory"]["host_rss_bytes"] > 0
+    non_embed = m["params"]["total"] - 64 * 32
+    assert m["flops_per_token"] == 6 * non_embed + 12 * 2 * 4 * 8 * 10
+    assert m["param_shards"]["dtensor_params"] == 0  # not sharded: single process
+
+
+def test_mfu_on_a_known_gpu(tmp_path, monkeypatch):
+    m, _ = simulated_run(tmp_path, monkeypatch, device={"type": "cuda", "name": "NVIDIA H100 80GB HBM3",
+                                                         "count_per_node": 1})
+    assert m["peak_flops_per_device"] == 989e12
+    assert m["mfu"] == pytest.approx(m["flops_per_token"] * m["tokens_per_second"] / 989e12)
+    assert m["mfu_note"] is None
+
+
+def documented_fields() -> set[str]:
+    """Field names in the README's metrics.json table (first column, in backticks)."""
+    text = README.read_text()
+    section = text.split("### metrics.json", 1)[1].split("\n#", 1)[0]
+    return set(re.findall(r"^\| `([a-z_.]+)`", section, flags=re.M))
+
+
+def flatten(d: dict, prefix: str = "") -> set[str]:
+    keys = set()
+    for k, v in d.items():
+        keys.add(prefix + k)
+        if isinstance(v, dict):
+            keys |= flatten(v, prefix + k + ".")
+    return keys
+
+
+def test_metrics_schema_matches_readme(tmp_path, monkeypatch):
+    m, _ = simulated_run(tmp_path, monkeypatch)
+    assert flatten(m) == documented_fields()
