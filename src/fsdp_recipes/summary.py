@@ -105,6 +105,13 @@ def render(run_dir: Path, metrics: dict, check: dict | None) -> str:
         f"sharding    {m['sharding_strategy']} (FSDP{m['fsdp_version'] or '-'}), world size {m['world_size']}, "
         f"{m['num_nodes']} node(s), {m['device']['type']}: {m['device']['name']}"
     )
+    shards = m.get("param_shards") or {}
+    if shards.get("dtensor_params"):
+        shares = ", ".join(f"{100 * n / shards['global_numel']:.1f}%" for n in shards["local_numel_per_rank"])
+        lines.append(
+            f"shards      {shards['dtensor_params']} parameters are DTensors; the ranks hold {shares} "
+            f"of {shards['global_numel'] / 1e6:.2f}M"
+        )
     files = [p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir()) if not p.name.startswith(".")]
     lines.append(f"files       {run_dir}/: {', '.join(files)}")
     if check:

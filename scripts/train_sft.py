@@ -1,0 +1,12 @@
+#!/usr/bin/env python
+"""The SFT entry point as a script, for `accelerate launch scripts/train_sft.py --config ...`.
+
+The code lives in the package (fsdp_recipes.train_sft) so recipe folders copied elsewhere can use it too.
+"""
+
+import sys
+
+from fsdp_recipes.train_sft import main
+
+if __name__ == "__main__":
+    sys.exit(main())

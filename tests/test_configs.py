@@ -1,0 +1,55 @@
+"""Every accelerate YAML loads with accelerate's own loader, every recipe YAML with TRL's parser, and the
+recipes' accelerate copies match accelerate_configs/."""
+
+import subprocess
+import sys
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+
+from conftest import REPO
+from fsdp_recipes import recipes, train_sft
+from fsdp_recipes.config_check import check_accelerate_config
+
+ACCELERATE_YAMLS = sorted(
+    p for p in [*REPO.glob("accelerate_configs/*.yaml"), *REPO.glob("recipes/*/accelerate.yaml")]
+    if p.name != "recipes.yaml"
+)
+RECIPES = recipes.available(REPO / "recipes")
+
+
+def test_there_is_something_to_check():
+    assert "tiny-cpu-lora" in RECIPES and len(ACCELERATE_YAMLS) >= 4
+
+
+@pytest.mark.parametrize("path", ACCELERATE_YAMLS, ids=lambda p: str(p.relative_to(REPO)))
+def test_accelerate_yaml_loads_with_accelerate(path):
+    config = load_config_from_file(str(path))
+    assert config.distributed_type.value in {"FSDP", "MULTI_GPU", "NO"}
+    check_accelerate_config(path)  # the pack's own rules pass too
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_yaml_parses_with_trl(name, cache_dir):
+    # use_cpu lets bf16 recipes validate on this CPU-only machine; nothing else is overridden.
+    script, training, model, mixture, pack = train_sft.parse_args(
+        ["--config", str(REPO / "recipes" / name / "sft.yaml"), "--use_cpu", "true"]
+    )
+    assert pack.recipe_name == name
+    assert training.output_dir == f"runs/{name}"
+    assert model.model_name_or_path and (script.dataset_name or mixture.datasets)
+    for required in ("launch.sh", "README.md"):
+        assert (REPO / "recipes" / name / required).is_file()
+
+
+def test_recipe_accelerate_copies_are_in_sync():
+    res = subprocess.run([sys.executable, "scripts/sync_accelerate_configs.py", "--check"], cwd=REPO,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+def test_make_help_lists_targets_and_recipes():
+    res = subprocess.run(["make", "--no-print-directory", "help"], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0
+    for word in ("make finetune", "make test", *RECIPES):
+        assert word in res.stdout

@@ -1,0 +1,92 @@
+"""The default recipe end to end: real `accelerate launch`, 2 processes, FSDP2 on CPU over gloo.
+
+One run (module-scoped fixture, about a minute on 2 cores) and several checks of what it left behind.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import launch
+
+pytestmark = pytest.mark.slow
+STEPS = 200
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("e2e") / "run"
+    res = launch(["tiny-cpu-lora", "--max_steps", str(STEPS), "--eval_steps", "100", "--output_dir", str(out)],
+                 cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out.joinpath("launch.log").write_text(res.stdout)
+    return out
+
+
+def load(run_dir, name):
+    return json.loads((run_dir / name).read_text())
+
+
+def test_training_was_sharded_over_two_ranks(run_dir):
+    m = load(run_dir, "metrics.json")
+    assert m["world_size"] == 2 and m["num_nodes"] == 1
+    assert m["sharding_strategy"] == "FULL_SHARD" and m["fsdp_version"] == 2
+    shards = m["param_shards"]
+    # every parameter is a DTensor, and each rank holds about half of them
+    assert shards["dtensor_params"] > 0
+    assert len(shards["local_numel_per_rank"]) == 2
+    for local in shards["local_numel_per_rank"]:
+        assert abs(local / shards["global_numel"] - 0.5) < 0.02, shards
+    assert load(run_dir, "run_args.json")["cpu_fsdp_adapter"] is True
+
+
+def test_loss_falls(run_dir):
+    m = load(run_dir, "metrics.json")
+    assert m["status"] == "completed" and m["steps"] == STEPS
+    assert m["final_train_loss"] < 0.25 * m["first_train_loss"], m
+    assert m["final_eval_loss"] is not None and m["final_eval_loss"] < 1.0
+
+
+def test_report_files_are_consistent(run_dir):
+    m, a = load(run_dir, "metrics.json"), load(run_dir, "run_args.json")
+    assert m["tokens_per_second"] == pytest.approx(m["tokens"]["non_padding"] / m["train_time_s"])
+    assert m["tokens_per_second_per_device"] == pytest.approx(m["tokens_per_second"] / 2)
+    assert 0 < m["tokens"]["non_padding"] <= m["tokens"]["padded"]
+    assert m["samples"] == STEPS * 16 * 2  # per-device batch x ranks
+    assert 0 < m["time_to_first_step_s"] < m["wall_clock_s"]
+    assert m["train_time_s"] < m["wall_clock_s"]
+    assert m["mfu"] is None and m["mfu_note"]
+    assert m["flops_per_token"] > 0 and m["peak_memory"]["host_rss_bytes"] > 0
+    assert a["launcher"]["world_size"] == 2 and a["recipe"] == "tiny-cpu-lora"
+    assert a["sft_config"]["max_steps"] == STEPS  # the command-line override reached the trainer
+    assert a["lora_config"]["r"] == 32 and a["accelerate_env"]["FSDP_VERSION"] == "2"
+    assert all(a["versions"][p] for p in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"))
+
+
+def test_adapter_and_merged_model_reload_without_fsdp(run_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base_path = load(run_dir, "run_args.json")["model_args"]["model_name_or_path"]
+    tok = AutoTokenizer.from_pretrained(run_dir)
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), run_dir).eval()
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged").eval()
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 3 + 4?"}], tokenize=False,
+                                     add_generation_prompt=True)
+    ids = tok(prompt, return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        a = with_adapter(**ids).logits
+        b = merged(**ids).logits
+        out = merged.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert torch.allclose(a, b, atol=1e-4)
+    assert tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip() == "7"
+
+
+def test_summary_shows_learning(run_dir):
+    log = (run_dir / "launch.log").read_text()
+    assert "loss" in log and "exact match on 64 eval prompts" in log
+    check = load(run_dir, "sample_generations.json")
+    assert check["trained_correct"] >= 0.9 * check["n"] and check["base_correct"] <= 0.1 * check["n"], check
+    assert not math.isnan(load(run_dir, "metrics.json")["final_train_loss"])
