@@ -69,8 +69,8 @@ def test_malformed_accelerate_yaml(recipe, cache_dir):
 
 def test_unknown_config_key_suggests_the_right_one(recipe, cache_dir):
     edit_yaml(recipe / "sft.yaml", lerning_rate=1e-3)
-    assert_one_line_error(launch([str(recipe)], cache_dir), "unknown config key `lerning_rate`")
     res = launch([str(recipe)], cache_dir)
+    assert_one_line_error(res, "unknown config key `lerning_rate`")
     assert "did you mean `learning_rate`?" in res.stderr
 
 
