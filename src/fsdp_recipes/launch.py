@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from fsdp_recipes import config_check, recipes, summary, train_sft
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.preemption import EXIT_PREEMPTED
 
 
 def say(msg: str) -> None:
@@ -52,6 +55,18 @@ def accelerate_cmd() -> list[str]:
     if not found:
         raise UserError("the `accelerate` command is not installed. Fix: pip install -e . (or make venv).")
     return [found, "launch"]
+
+
+def run_forwarding_signals(cmd: list[str]) -> int:
+    """Run the launcher child, passing on what a scheduler sends (SIGTERM, SIGUSR1, SIGINT) instead of dying."""
+    child = subprocess.Popen(cmd)
+    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def check_recipe(recipe: Path, overrides: list[str]) -> tuple:
@@ -104,9 +119,18 @@ def main(argv: list[str] | None = None) -> int:
     cmd += ["-m", "fsdp_recipes.train_sft", "--config", str(recipe / "sft.yaml"), *overrides]
     say(f"checks passed in {time.time() - t0:.1f}s; starting {acc.get('num_processes', 1)} process(es):")
     say(" ".join(cmd))
-    rc = subprocess.call(cmd)
+    # torchrun forwards these signals to every rank and then allows the grace period before killing them.
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", str(pack.preemption_grace_s))
+    started = time.time()
+    rc = run_forwarding_signals(cmd)
+    report = Path(training.output_dir) / "metrics.json"
+    fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
+    status = json.loads(report.read_text()).get("status") if fresh else None
+    if status == "preempted":
+        say(f"preempted: a checkpoint was saved in {training.output_dir}; run the same command again to resume")
+        return EXIT_PREEMPTED
     if rc != 0:
-        report = Path(training.output_dir) / "metrics.json"
         where = f"its run report is {report}" if report.exists() else "it failed before writing a run report"
         say(f"training exited with code {rc} (see the log above); {where}")
         return rc

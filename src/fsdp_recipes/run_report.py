@@ -27,6 +27,7 @@ from transformers import TrainerCallback
 from fsdp_recipes import flops
 
 SCHEMA_VERSION = 1
+COUNTERS_FILE = "run_report_counters.json"  # inside each checkpoint: what a resumed run continues from
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
 
 
@@ -213,8 +214,14 @@ def _peak_memory() -> dict:
 class RunReportCallback(TrainerCallback):
     """Writes run_args.json at the start and metrics.json at the end (or on failure) of every run."""
 
-    def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None):
+    def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None,
+                 resume_from: str | Path | None = None):
         self.output_dir = Path(output_dir)
+        self.resumed_from = str(resume_from) if resume_from else None
+        # Counters of the run so far, as saved with the checkpoint this run resumes from.
+        self.prior = {"non_padding": 0, "padded": 0, "sequences": 0, "train_time_s": 0.0}
+        if resume_from and (Path(resume_from) / COUNTERS_FILE).is_file():
+            self.prior.update(json.loads((Path(resume_from) / COUNTERS_FILE).read_text()))
         self.resolved_args = resolved_args
         self.recipe = recipe
         self.tokens = TokenCounter()
@@ -253,15 +260,30 @@ class RunReportCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.log_history = list(state.log_history)
 
+    def counters_so_far(self, now: float) -> dict:
+        """Run totals (all ranks) up to now: a collective, so every rank must call it."""
+        nonpad, padded, seqs = _reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
+        return {
+            "non_padding": int(nonpad) + self.prior["non_padding"],
+            "padded": int(padded) + self.prior["padded"],
+            "sequences": int(seqs) + self.prior["sequences"],
+            "train_time_s": self.prior["train_time_s"] + (now - self.train_start),
+        }
+
+    def on_save(self, args, state, control, **kwargs):
+        counters = self.counters_so_far(time.time())
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if self.is_main and ckpt.is_dir():
+            write_json_atomic(ckpt / COUNTERS_FILE, counters)
+
     def on_train_end(self, args, state, control, **kwargs):
         self.train_end = time.time()
         self.log_history = list(state.log_history)
         self.global_step = state.global_step
         # Collectives: every rank is here, so counts and peaks can be combined over ranks.
-        nonpad, padded, seqs = _reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
+        self.totals = self.counters_so_far(self.train_end)
         mem = _peak_memory()
         alloc, reserved, rss = _reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
-        self.totals = {"non_padding": int(nonpad), "padded": int(padded), "sequences": int(seqs)}
         self.peaks = {"allocated": alloc, "reserved": reserved, "host_rss": rss}
 
     # -- files --------------------------------------------------------------------------------------
@@ -288,6 +310,7 @@ class RunReportCallback(TrainerCallback):
         if not (self.output_dir / "run_args.json").exists():
             write_json_atomic(self.output_dir / "run_args.json", self.run_args())
         metrics = self.metrics(status, error, end)
+        write_json_atomic(self.output_dir / "log_history.json", {"log_history": self.log_history})
         write_json_atomic(self.output_dir / "metrics.json", metrics)
         return metrics
 
@@ -300,11 +323,10 @@ class RunReportCallback(TrainerCallback):
             tokens, peaks, scope = self.totals, self.peaks, "all_ranks"
         else:  # failed before on_train_end: this rank's own figures, labelled as such
             mem = _peak_memory()
-            tokens = {"non_padding": self.tokens.non_padding, "padded": self.tokens.padded,
-                      "sequences": self.tokens.sequences}
+            tokens = {k: getattr(self.tokens, k) + self.prior[k] for k in ("non_padding", "padded", "sequences")}
             peaks, scope = {"allocated": mem["allocated"], "reserved": mem["reserved"], "host_rss": mem["host_rss"]}, "rank0_only"
         train_end = self.train_end or end
-        train_time = (train_end - self.train_start) if self.train_start else None
+        train_time = (self.prior["train_time_s"] + train_end - self.train_start) if self.train_start else None
         tps = tokens["non_padding"] / train_time if train_time else None
 
         losses = [h["loss"] for h in self.log_history if "loss" in h]
@@ -332,6 +354,7 @@ class RunReportCallback(TrainerCallback):
             "status": status,
             "error": error,
             "recipe": self.recipe,
+            "resumed_from": self.resumed_from,
             "started_at": self.started_at,
             "finished_at": now_iso(),
             "wall_clock_s": end - self.process_start,

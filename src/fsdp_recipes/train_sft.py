@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 from dataclasses import dataclass, field
 
@@ -32,6 +31,14 @@ class PackArguments:
     )
     save_merged_model: bool = field(
         default=False, metadata={"help": "LoRA runs: also save base+adapter merged to <output_dir>/merged."}
+    )
+    auto_resume: bool = field(
+        default=True,
+        metadata={"help": "Resume from the newest complete checkpoint in output_dir when there is one."},
+    )
+    preemption_grace_s: int = field(
+        default=120,
+        metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
     )
 
 
@@ -116,13 +123,18 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
 
 
-def raise_on_sigterm() -> None:
-    """Turn SIGTERM into an exception so the run report is written with status `interrupted`."""
+def checkpoint_to_resume(training, pack) -> str | None:
+    """An explicit resume_from_checkpoint wins; else, with auto_resume, the newest complete checkpoint."""
+    if training.resume_from_checkpoint:
+        return training.resume_from_checkpoint
+    if not pack.auto_resume:
+        return None
+    from fsdp_recipes import checkpoints
 
-    def handler(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
+    for skipped in checkpoints.incomplete(training.output_dir):
+        print(f"[train_sft] skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)", flush=True)
+    latest = checkpoints.latest_complete(training.output_dir)
+    return str(latest) if latest else None
 
 
 @cli
@@ -138,15 +150,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from trl import get_peft_config
 
+    from fsdp_recipes.checkpoints import CompletionMarkerCallback
     from fsdp_recipes.loading import load_sft_datasets
+    from fsdp_recipes.preemption import EXIT_PREEMPTED, PreemptionCallback
     from fsdp_recipes.run_report import RunReportCallback
 
     peft_config = get_peft_config(model_args)
+    resume = checkpoint_to_resume(training, pack)
+    if resume and int(os.environ.get("RANK", 0)) == 0:
+        print(f"[train_sft] resuming from {resume}", flush=True)
     report = RunReportCallback(
-        training.output_dir, resolved_args(script, training, model_args, mixture, pack, peft_config), pack.recipe_name
+        training.output_dir, resolved_args(script, training, model_args, mixture, pack, peft_config),
+        pack.recipe_name, resume_from=resume,
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
-    raise_on_sigterm()
+    preemption = PreemptionCallback()
     trainer = None
     try:
         want_eval = training.eval_strategy != "no"
@@ -165,10 +183,18 @@ def main(argv: list[str] | None = None) -> int:
             train_dataset=train_ds,
             eval_dataset=eval_ds,
             peft_config=peft_config,
-            callbacks=[report],
+            # order matters: the report saves its counters into a checkpoint before it is marked complete
+            callbacks=[report, CompletionMarkerCallback(), preemption],
         )
         trainer.token_counter = report.tokens
-        trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
+        trainer.train(resume_from_checkpoint=resume)
+        if preemption.preempted:
+            report.finalize("preempted", error=f"stopped by a signal (rank 0 saw: {preemption.signal_received})")
+            trainer.accelerator.print(
+                f"[train_sft] preempted: checkpoint saved at step {trainer.state.global_step}; "
+                f"relaunch the same command to resume (exit code {EXIT_PREEMPTED})"
+            )
+            return EXIT_PREEMPTED
         trainer.save_model(training.output_dir)
         if peft_config is not None and pack.save_merged_model:
             trainer.accelerator.wait_for_everyone()

@@ -1,0 +1,49 @@
+"""Stop at the next step boundary on SIGTERM or SIGUSR1, save a checkpoint, and exit with EXIT_PREEMPTED.
+
+Kubernetes and Run:ai send SIGTERM before killing a pod; Slurm sends what `--signal` names (USR1 here)
+before the time limit or on preemption. torchrun forwards the signal it receives to every rank and then
+waits `PET_SHUTDOWN_TIMEOUT` seconds (the grace period; the launcher sets it) before killing them.
+
+A handler only sets a flag. At every step end the ranks combine their flags (one all-reduce of a single
+number), so all of them stop after the same step, save the same checkpoint, and exit together.
+Gap this fills: the Trainer has no preemption handling; a signal kills it wherever it is.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from transformers import TrainerCallback
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again; the relaunched command resumes from the checkpoint
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def any_rank(flag: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    device = "cpu" if "gloo" in str(dist.get_backend()) else torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+class PreemptionCallback(TrainerCallback):
+    def __init__(self):
+        self.signal_received: int | None = None
+        self.preempted = False
+        for sig in SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signal_received = signum
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if any_rank(self.signal_received is not None):
+            self.preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+        return control

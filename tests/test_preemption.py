@@ -1,0 +1,131 @@
+"""Preemption and exact resume, through the real launcher and `accelerate launch` with 2 processes.
+
+A run signalled in the middle saves a checkpoint at the next step boundary, exits with EXIT_PREEMPTED and
+reports `status: preempted`; the same command run again resumes from the newest *complete* checkpoint
+(skipping a half-written one) and ends with the same per-step losses, the same weights and the same
+token counters as a run that was never interrupted.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, launch, pack_env
+from fsdp_recipes import checkpoints
+from fsdp_recipes.preemption import EXIT_PREEMPTED
+
+# logging_steps 1: each logged loss is one step's loss. With longer intervals the first log after a resume
+# averages fewer steps than the uninterrupted run's (the Trainer does not checkpoint its running loss sum).
+ARGS = ["tiny-cpu-lora", "--max_steps", "60", "--save_strategy", "steps", "--save_steps", "20",
+        "--logging_steps", "1", "--eval_strategy", "no", "--save_merged_model", "false"]
+
+
+def losses(run):
+    history = json.loads((run / "log_history.json").read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+@pytest.mark.slow
+def test_preempted_run_resumes_exactly(tmp_path, cache_dir):
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+
+    res = launch([*ARGS, "--output_dir", str(straight)], cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch", *ARGS, "--output_dir", str(preempted)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not checkpoints.is_complete(preempted / "checkpoint-20"):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler would
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    first = json.loads((preempted / "metrics.json").read_text())
+    assert first["status"] == "preempted" and 20 <= first["steps"] < 60, first
+    stop = checkpoints.latest_complete(preempted)
+    assert stop.name == f"checkpoint-{first['steps']}"  # saved at the step where the ranks stopped
+
+    # a save killed half-way leaves a newer, incomplete checkpoint: it must be skipped
+    partial = preempted / "checkpoint-59"
+    partial.mkdir()
+    (partial / "optimizer.bin").write_bytes(b"truncated")
+
+    res = launch([*ARGS, "--output_dir", str(preempted)], cache_dir)  # the same command again
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"skipping {partial}: incomplete" in res.stdout
+    done = json.loads((preempted / "metrics.json").read_text())
+    assert done["status"] == "completed" and done["resumed_from"] == str(stop)
+
+    a, b = losses(straight), losses(preempted)
+    assert sorted(a) == sorted(b) == list(range(1, 61))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a[step], b[step])
+    wa = load_file(straight / "adapter_model.safetensors")
+    wb = load_file(preempted / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.allclose(wa[key], wb[key], atol=1e-5), key
+
+    straight_m = json.loads((straight / "metrics.json").read_text())
+    assert done["steps"] == straight_m["steps"] == 60
+    assert done["tokens"]["non_padding"] == straight_m["tokens"]["non_padding"]
+    assert done["samples"] == straight_m["samples"]
+    assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint
+
+
+def test_latest_complete_skips_unmarked(tmp_path):
+    for step, complete in ((10, True), (20, True), (30, False)):
+        d = tmp_path / f"checkpoint-{step}"
+        d.mkdir()
+        if complete:
+            (d / checkpoints.MARKER).write_text(str(step))
+    (tmp_path / "checkpoint-x").mkdir()  # not a checkpoint
+    assert checkpoints.latest_complete(tmp_path) == tmp_path / "checkpoint-20"
+    assert checkpoints.incomplete(tmp_path) == [tmp_path / "checkpoint-30"]
+    assert checkpoints.latest_complete(tmp_path / "missing") is None
+
+
+def test_cpu_fsdp_adapter_is_inactive_outside_an_fsdp_launch(monkeypatch):
+    from fsdp_recipes import cpu_fsdp
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert cpu_fsdp.needed() is False and cpu_fsdp.enable() is False
+
+
+def test_cpu_fsdp_adapter_refuses_fsdp1(monkeypatch):
+    from fsdp_recipes import cpu_fsdp
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(UserError, match="FSDP1 .* cannot run on CPU"):
+        cpu_fsdp.enable()
+
+
+@pytest.mark.slow
+def test_ctrl_c_writes_status_interrupted(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--max_steps", "100000",
+           "--eval_strategy", "no", "--output_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (out / "run_args.json").exists():  # written when training begins
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out_text, _ = proc.communicate(timeout=300)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted", out_text[-3000:]
+    assert metrics["tokens"]["scope"] == "rank0_only" and metrics["tokens"]["non_padding"] > 0
+    assert proc.returncode != 0
