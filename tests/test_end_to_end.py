@@ -65,6 +65,12 @@ def test_report_files_are_consistent(run_dir):
     assert all(a["versions"][p] for p in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"))
 
 
+def test_final_save_was_verified(run_dir):
+    # 7 projections x 4 layers x (A, B) + the fully trained LM head (modules_to_save)
+    assert load(run_dir, "metrics.json")["final_save_check"] == {"tensors": 57, "lora_b_checked": 28}
+    assert "final save verified: 57 tensors" in (run_dir / "launch.log").read_text()
+
+
 def test_adapter_and_merged_model_reload_without_fsdp(run_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,3 +96,20 @@ def test_summary_shows_learning(run_dir):
     check = load(run_dir, "sample_generations.json")
     assert check["trained_correct"] >= 0.9 * check["n"] and check["base_correct"] <= 0.1 * check["n"], check
     assert not math.isnan(load(run_dir, "metrics.json")["final_train_loss"])
+
+
+def test_full_finetune_saves_a_plain_model_directory(tmp_path, cache_dir):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "full"
+    res = launch(["tiny-cpu-lora", "--use_peft", "false", "--learning_rate", "1e-3", "--max_steps", "20",
+                  "--eval_strategy", "no", "--output_dir", str(out)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = load(out, "metrics.json")
+    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0}  # every weight of the 3M model
+    assert m["params"]["trainable"] == m["params"]["total"] and m["param_shards"]["dtensor_params"] == 39
+    assert not (out / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)  # no FSDP, no peft
+    base = AutoModelForCausalLM.from_pretrained(load(out, "run_args.json")["model_args"]["model_name_or_path"])
+    changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    assert len(changed) == 39  # every tensor was trained and saved unsharded

@@ -233,6 +233,7 @@ class RunReportCallback(TrainerCallback):
         self.params: dict[str, int] = {}
         self.model_config = None
         self.shards = None
+        self.final_save_check = None  # set by the entry point after verifying the final save
         self.finalized = False
 
     # -- trainer hooks ------------------------------------------------------------------------------
@@ -378,6 +379,7 @@ class RunReportCallback(TrainerCallback):
             },
             "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
             "param_shards": self.shards,
+            "final_save_check": self.final_save_check,
             "flops_per_token": fpt,
             "flops_seq_len": seq_len,
             "peak_flops_per_device": peak,

@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_recipes.loading import load_sft_datasets
     from fsdp_recipes.preemption import EXIT_PREEMPTED, PreemptionCallback
     from fsdp_recipes.run_report import RunReportCallback
+    from fsdp_recipes.save_check import verify_final_save
 
     peft_config = get_peft_config(model_args)
     resume = checkpoint_to_resume(training, pack)
@@ -196,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             return EXIT_PREEMPTED
         trainer.save_model(training.output_dir)
+        report.final_save_check = verify_final_save(trainer, training.output_dir)  # raises when incomplete
+        if report.final_save_check:
+            print(f"[train_sft] final save verified: {report.final_save_check['tensors']} tensors complete, "
+                  f"unsharded and equal to the weights in memory", flush=True)
         if peft_config is not None and pack.save_merged_model:
             trainer.accelerator.wait_for_everyone()
             if trainer.accelerator.is_main_process:

@@ -1,0 +1,86 @@
+"""Check the final save against the weights in memory: complete, unsharded, equal, and actually trained.
+
+Gap this fills: a save under FSDP can be silently incomplete -- a LoRA adapter holding only rank 0's slice
+(accelerate PR 4206, axolotl issue 3772), or B matrices still at their zero init. Nothing in the ecosystem
+checks the written files, so after every final save the pack gathers the full state dict (the same call
+the Trainer used to save) and compares every tensor in the files with it. A mismatch fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+class IncompleteSave(RuntimeError):
+    pass
+
+
+def read_saved(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a saved PEFT adapter or (possibly sharded) safetensors model directory."""
+    directory = Path(directory)
+    if (directory / "adapter_model.safetensors").is_file():
+        return load_file(directory / "adapter_model.safetensors")
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    out = {}
+    for name in files:
+        if not (directory / name).is_file():
+            raise IncompleteSave(f"{directory / name} is missing")
+        out.update(load_file(directory / name))
+    return out
+
+
+def compare(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], check_lora_b: bool) -> dict:
+    """Raise IncompleteSave on any missing/extra key, shape or value difference, or an untrained LoRA B."""
+    problems = []
+    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if missing:
+        problems.append(f"{len(missing)} tensors missing from the files (e.g. {missing[0]})")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensors in the files (e.g. {extra[0]})")
+    for key in sorted(set(expected) & set(saved)):
+        want, got = expected[key], saved[key]
+        if tuple(want.shape) != tuple(got.shape):
+            problems.append(f"{key}: saved shape {tuple(got.shape)}, full shape {tuple(want.shape)}")
+        elif not torch.equal(want.to(got.dtype).cpu(), got):
+            diff = (want.float().cpu() - got.float()).abs().max().item()
+            problems.append(f"{key}: saved values differ from the weights in memory (max abs diff {diff:.3g})")
+    lora_b = [k for k in saved if "lora_B" in k]
+    if check_lora_b:
+        zero = [k for k in lora_b if not saved[k].any()]
+        if zero:
+            problems.append(f"{len(zero)} of {len(lora_b)} LoRA B matrices are still all zeros (e.g. {zero[0]})")
+    if problems:
+        raise IncompleteSave("final save failed its completeness check: " + "; ".join(problems[:5]))
+    return {"tensors": len(saved), "lora_b_checked": len(lora_b) if check_lora_b else 0}
+
+
+def expected_state_dict(trainer) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) state dict, as the files should hold it. A collective: call on every rank.
+    Returns None on ranks other than the main one."""
+    full = trainer.accelerator.get_state_dict(trainer.model)
+    if not trainer.accelerator.is_main_process:
+        return None
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        return get_peft_model_state_dict(model, state_dict=full)
+    if getattr(model.config, "tie_word_embeddings", False):
+        full.pop("lm_head.weight", None)  # save_pretrained stores tied weights once
+    return full
+
+
+def verify_final_save(trainer, output_dir: str) -> dict | None:
+    expected = expected_state_dict(trainer)
+    if expected is None:
+        return None
+    trained = trainer.state.global_step > 0 and trainer.args.learning_rate > 0
+    return compare(expected, read_saved(Path(output_dir)), check_lora_b=trained)

@@ -1,0 +1,60 @@
+"""The completeness check of the final save catches the known failure classes."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from fsdp_recipes.save_check import IncompleteSave, compare, read_saved
+
+A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+def adapter():
+    return {A: torch.randn(8, 32), B: torch.randn(32, 8)}
+
+
+def test_identical_files_pass(tmp_path):
+    full = adapter()
+    save_file(full, tmp_path / "adapter_model.safetensors")
+    assert compare(full, read_saved(tmp_path), check_lora_b=True) == {"tensors": 2, "lora_b_checked": 1}
+
+
+def test_rank0_slice_is_caught():
+    full = adapter()
+    sliced = {A: full[A][:4].clone(), B: full[B][:16].clone()}  # what a rank-0-only FSDP save holds
+    with pytest.raises(IncompleteSave, match=r"saved shape \(4, 32\), full shape \(8, 32\)"):
+        compare(full, sliced, check_lora_b=True)
+
+
+def test_missing_tensor_is_caught():
+    full = adapter()
+    with pytest.raises(IncompleteSave, match="1 tensors missing"):
+        compare(full, {A: full[A]}, check_lora_b=True)
+
+
+def test_different_values_are_caught():
+    full = adapter()
+    stale = {A: full[A], B: full[B] + 1e-3}
+    with pytest.raises(IncompleteSave, match="differ from the weights in memory"):
+        compare(full, stale, check_lora_b=True)
+
+
+def test_untrained_lora_b_is_caught_only_after_training():
+    full = {A: torch.randn(8, 32), B: torch.zeros(32, 8)}
+    with pytest.raises(IncompleteSave, match="1 of 1 LoRA B matrices are still all zeros"):
+        compare(full, dict(full), check_lora_b=True)
+    assert compare(full, dict(full), check_lora_b=False)["tensors"] == 2
+
+
+def test_sharded_model_directory_is_read_whole(tmp_path):
+    import json
+
+    save_file({"a": torch.ones(2)}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.zeros(3)}, tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    assert sorted(read_saved(tmp_path)) == ["a", "b"]
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(IncompleteSave, match="is missing"):
+        read_saved(tmp_path)
