@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune test test-fast tiny-assets sync-configs clean
+.PHONY: help venv finetune test test-fast tiny-assets sync-configs bench-loading clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -48,6 +48,9 @@ test: $(STAMP) ## the whole test suite (CPU, no network; several minutes on 2 co
 
 test-fast: $(STAMP) ## the suite without the multi-process training tests
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with and without cpu_ram_efficient_loading
+	@$(PY) -m fsdp_recipes.bench_loading
 
 clean: ## remove runs/ (keeps .venv and the asset cache)
 	rm -rf runs

@@ -18,8 +18,8 @@ STEPS = 200
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("e2e") / "run"
-    res = launch(["tiny-cpu-lora", "--max_steps", str(STEPS), "--eval_steps", "100", "--output_dir", str(out)],
-                 cache_dir)
+    res = launch(["tiny-cpu-lora", "--max_steps", str(STEPS), "--eval_steps", "100", "--verify_loaded_weights",
+                  "true", "--output_dir", str(out)], cache_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out.joinpath("launch.log").write_text(res.stdout)
     return out
@@ -63,6 +63,13 @@ def test_report_files_are_consistent(run_dir):
     assert a["sft_config"]["max_steps"] == STEPS  # the command-line override reached the trainer
     assert a["lora_config"]["r"] == 32 and a["accelerate_env"]["FSDP_VERSION"] == "2"
     assert all(a["versions"][p] for p in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"))
+
+
+def test_every_rank_loaded_the_files_weights(run_dir):
+    # cpu_ram_efficient_loading is on in the recipe: rank 1 got its weights by broadcast from rank 0
+    m = load(run_dir, "metrics.json")
+    assert m["load_check"] == {"parameters_checked": 40}  # 39 base tensors + the LM head's trainable copy
+    assert len(m["peak_memory"]["host_rss_at_train_start_bytes_per_rank"]) == 2
 
 
 def test_final_save_was_verified(run_dir):

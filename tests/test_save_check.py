@@ -58,3 +58,22 @@ def test_sharded_model_directory_is_read_whole(tmp_path):
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(IncompleteSave, match="is missing"):
         read_saved(tmp_path)
+
+
+def test_load_check_catches_weights_that_differ_from_the_file(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from fsdp_recipes.load_check import file_key, verify_loaded_weights
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    model.save_pretrained(tmp_path)
+    assert verify_loaded_weights(model, tmp_path, is_main=True)["parameters_checked"] == 12
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.zero_()  # what a rank that missed the broadcast would hold
+    with pytest.raises(RuntimeError, match="1 parameters differ"):
+        verify_loaded_weights(model, tmp_path, is_main=True)
+    assert file_key("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    assert file_key("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
+    assert file_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None

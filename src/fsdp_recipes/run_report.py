@@ -234,6 +234,8 @@ class RunReportCallback(TrainerCallback):
         self.model_config = None
         self.shards = None
         self.final_save_check = None  # set by the entry point after verifying the final save
+        self.load_check = None  # set by LoadCheckCallback when verify_loaded_weights is on
+        self.rss_at_train_start = None
         self.finalized = False
 
     # -- trainer hooks ------------------------------------------------------------------------------
@@ -242,7 +244,9 @@ class RunReportCallback(TrainerCallback):
         if model is not None:
             self.params = flops.count_params(model)
             self.model_config = getattr(model, "config", None)
-            shards = _gather(param_shards(model))  # a collective: every rank runs on_train_begin
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            shards = _gather({**param_shards(model), "rss": rss})  # a collective: every rank runs on_train_begin
+            self.rss_at_train_start = [s["rss"] for s in shards]
             self.shards = {
                 "dtensor_params": shards[0]["dtensor_params"],
                 "global_numel": shards[0]["global_numel"],
@@ -375,10 +379,12 @@ class RunReportCallback(TrainerCallback):
                 "device_reserved_bytes": None if no_device_mem else int(peaks["reserved"]),
                 "device_note": "CPU run: no device memory; see host_rss_bytes" if no_device_mem else None,
                 "host_rss_bytes": int(peaks["host_rss"]),
+                "host_rss_at_train_start_bytes_per_rank": self.rss_at_train_start,
                 "scope": "max_over_ranks" if scope == "all_ranks" else scope,
             },
             "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
             "param_shards": self.shards,
+            "load_check": self.load_check,
             "final_save_check": self.final_save_check,
             "flops_per_token": fpt,
             "flops_seq_len": seq_len,

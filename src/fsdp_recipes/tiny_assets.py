@@ -96,19 +96,18 @@ def train_tokenizer(data_dir: Path, out: Path):
     return hf_tok
 
 
-def build_model(tokenizer, out: Path, seed: int = 0):
-    """A randomly initialised Mistral (MistralForCausalLM, ~3.4M parameters) saved as safetensors."""
+TINY_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64)
+
+
+def build_model(tokenizer, out: Path, seed: int = 0, shape: dict | None = None):
+    """A randomly initialised Mistral (MistralForCausalLM; ~3.0M parameters by default) saved as safetensors."""
     import torch
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(
         vocab_size=len(tokenizer),
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
+        **(shape or TINY_SHAPE),
         max_position_embeddings=512,
         sliding_window=None,
         bos_token_id=tokenizer.bos_token_id,

@@ -36,6 +36,10 @@ class PackArguments:
         default=True,
         metadata={"help": "Resume from the newest complete checkpoint in output_dir when there is one."},
     )
+    verify_loaded_weights: bool = field(
+        default=False,
+        metadata={"help": "At train start, check every rank's (gathered) weights against the model files."},
+    )
     preemption_grace_s: int = field(
         default=120,
         metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
@@ -151,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from trl import get_peft_config
 
     from fsdp_recipes.checkpoints import CompletionMarkerCallback
+    from fsdp_recipes.load_check import LoadCheckCallback
     from fsdp_recipes.loading import load_sft_datasets
     from fsdp_recipes.preemption import EXIT_PREEMPTED, PreemptionCallback
     from fsdp_recipes.run_report import RunReportCallback
@@ -185,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             eval_dataset=eval_ds,
             peft_config=peft_config,
             # order matters: the report saves its counters into a checkpoint before it is marked complete
-            callbacks=[report, CompletionMarkerCallback(), preemption],
+            callbacks=[report, CompletionMarkerCallback(), preemption]
+            + ([LoadCheckCallback(model_args.model_name_or_path, report)] if pack.verify_loaded_weights else []),
         )
         trainer.token_counter = report.tokens
         trainer.train(resume_from_checkpoint=resume)

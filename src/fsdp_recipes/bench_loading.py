@@ -1,0 +1,107 @@
+"""Benchmark: peak host RSS per rank while loading a model, with and without cpu_ram_efficient_loading.
+
+    python -m fsdp_recipes.bench_loading          # make bench-loading
+
+Builds a randomly initialised Mistral of about 400 MB (float32) beside the tiny assets, then runs the default
+recipe's real launch path (accelerate launch, 2 processes, FSDP2) for two steps, once with
+`fsdp_cpu_ram_efficient_loading: false` and once with `true`. Both runs turn on `verify_loaded_weights`, so every
+rank's weights are checked against the file. The figure is each rank's peak RSS once the model is loaded and
+sharded, before the first step (`peak_memory.host_rss_at_train_start_bytes_per_rank` in metrics.json).
+Results go to bench/results/loading-<date>.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.run_report import device_info, versions, write_json_atomic
+from fsdp_recipes.tiny_assets import MODEL_DIRNAME, build_model, ensure_assets
+
+BENCH_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=8, head_dim=128)
+RECIPE = Path("recipes/tiny-cpu-lora")
+
+
+def bench_model() -> Path:
+    out = cache_dir() / "bench-mistral-400mb"
+    if not (out / "model.safetensors").is_file():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(ensure_assets()["model"])
+        print(f"[bench-loading] building {out}", flush=True)
+        build_model(tok, out, shape=BENCH_SHAPE)
+    return out
+
+
+def run_variant(model_dir: Path, efficient: bool, work: Path) -> dict:
+    acc = yaml.safe_load((RECIPE / "accelerate.yaml").read_text())
+    acc["fsdp_config"]["fsdp_cpu_ram_efficient_loading"] = efficient
+    acc_path = work / f"accelerate-{efficient}.yaml"
+    acc_path.write_text(yaml.safe_dump(acc))
+    out = work / f"run-{efficient}"
+    cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(acc_path),
+           "--main_process_port", "0", "-m", "fsdp_recipes.train_sft", "--config", str(RECIPE / "sft.yaml"),
+           "--model_name_or_path", str(model_dir), "--max_steps", "2", "--eval_strategy", "no",
+           "--save_strategy", "no", "--save_merged_model", "false", "--verify_loaded_weights", "true",
+           "--output_dir", str(out)]
+    print(f"[bench-loading] cpu_ram_efficient_loading={efficient}: running 2 processes", flush=True)
+    log = out.with_suffix(".log")
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT)
+    if rc != 0:
+        first_error = next((l for l in log.read_text().splitlines() if "Error:" in l), "see the log")
+        sys.exit(f"[bench-loading] the run failed ({first_error.strip()}); full log: {log}")
+    m = json.loads((out / "metrics.json").read_text())
+    return {
+        "cpu_ram_efficient_loading": efficient,
+        "rss_at_train_start_bytes_per_rank": m["peak_memory"]["host_rss_at_train_start_bytes_per_rank"],
+        "peak_rss_bytes_max_over_ranks": m["peak_memory"]["host_rss_bytes"],
+        "load_check": m["load_check"],
+        "time_to_first_step_s": m["time_to_first_step_s"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=Path("bench/results"))
+    args = ap.parse_args(argv)
+    model_dir = bench_model()
+    size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+    work = Path(tempfile.mkdtemp(prefix="bench-loading-"))
+    rows = [run_variant(model_dir, eff, work) for eff in (False, True)]
+    result = {
+        "benchmark": "loading",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpu": device_info()["name"],
+        "versions": versions(),
+        "model_file_bytes": size,
+        "world_size": 2,
+        "runs": rows,
+    }
+    path = args.results / f"loading-{result['date'][:10]}.json"
+    write_json_atomic(path, result)
+    mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
+    print(f"\nmodel file {mib(size)}, 2 ranks, FSDP2 on CPU; peak RSS once loaded and sharded:")
+    print("| cpu_ram_efficient_loading | rank 0 | rank 1 | weights verified |")
+    print("|---|---|---|---|")
+    for r in rows:
+        r0, r1 = r["rss_at_train_start_bytes_per_rank"]
+        print(f"| {str(r['cpu_ram_efficient_loading']).lower()} | {mib(r0)} | {mib(r1)} | "
+              f"{r['load_check']['parameters_checked']} parameters |")
+    print(f"\nwritten to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
