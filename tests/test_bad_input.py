@@ -121,3 +121,48 @@ def test_missing_model_directory(recipe, cache_dir, tmp_path):
 def test_flash_attention_requested_but_not_installed(recipe, cache_dir):
     res = launch([str(recipe), "--attn_implementation", "flash_attention_2"], cache_dir)
     assert_one_line_error(res, "needs the flash-attn package")
+
+
+def fake_checkpoint(output_dir, cache_dir, **changes):
+    """A complete checkpoint folder whose recorded identity differs from the default recipe's."""
+    from peft import LoraConfig
+
+    from fsdp_recipes import checkpoints
+
+    ident = checkpoints.identity(str(cache_dir / "tiny-mistral"), LoraConfig(
+        r=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        modules_to_save=["lm_head"]))
+    for key, value in changes.items():
+        section, field = key.split("__")
+        if field:
+            ident[section][field] = value
+        else:
+            ident[section] = value
+    ckpt = output_dir / "checkpoint-10"
+    ckpt.mkdir(parents=True)
+    (ckpt / checkpoints.IDENTITY).write_text(json.dumps(ident))
+    (ckpt / checkpoints.MARKER).write_text("10")
+    return ckpt
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"peft__r": 8}, "its LoRA r is 8 and this run's is 32"),
+    ({"peft__": None}, "it is a full fine-tuning checkpoint and this run is LoRA"),
+    ({"architecture__hidden_size": 512}, "it was trained on another model (hidden_size 512 vs 256)"),
+])
+def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, changes, fragment):
+    out = tmp_path / "run"
+    fake_checkpoint(out, cache_dir, **changes)
+    assert_one_line_error(launch([str(recipe), "--output_dir", str(out)], cache_dir), fragment)
+
+
+def test_lora_under_fsdp1_needs_use_orig_params(tmp_path):
+    from fsdp_recipes.config_check import check_fsdp_with_peft
+    from fsdp_recipes.errors import UserError
+
+    acc = yaml.safe_load((REPO / "accelerate_configs" / "fsdp1_1node.yaml").read_text())
+    check_fsdp_with_peft(acc, True, "fsdp1.yaml")  # the shipped FSDP1 config is right
+    acc["fsdp_config"]["fsdp_use_orig_params"] = False
+    with pytest.raises(UserError, match="LoRA under FSDP1 needs fsdp_use_orig_params: true"):
+        check_fsdp_with_peft(acc, True, "fsdp1.yaml")
+    check_fsdp_with_peft(acc, False, "fsdp1.yaml")  # full fine-tuning does not need it

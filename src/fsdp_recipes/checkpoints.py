@@ -8,13 +8,20 @@ ranks in `on_save` and then rank 0 writes a marker file into the folder.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.errors import UserError
+
 MARKER = "checkpoint_complete"
+IDENTITY = "checkpoint_identity.json"  # what was trained: checked before a resume loads any weight
+ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "vocab_size")
+PEFT_KEYS = ("r", "target_modules", "modules_to_save")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -47,12 +54,52 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def identity(model_name_or_path: str, peft_config) -> dict:
+    """The model architecture (from a local config.json) and the adapter shape a checkpoint belongs to."""
+    config_file = Path(model_name_or_path) / "config.json"
+    arch = None
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        arch = {k: config.get(k) for k in ARCH_KEYS}
+    peft = None
+    if peft_config is not None:
+        d = peft_config.to_dict()
+        peft = {k: sorted(d[k]) if isinstance(d.get(k), (list, set)) else d.get(k) for k in PEFT_KEYS}
+    return {"model": model_name_or_path, "architecture": arch, "peft": peft}
+
+
+def check_compatible(ckpt: Path, current: dict) -> None:
+    """Refuse, before any weight is loaded, to resume a run of another model or another LoRA shape."""
+    saved_file = Path(ckpt) / IDENTITY
+    if not saved_file.is_file():
+        return  # a checkpoint written by something else: the Trainer's own checks apply
+    saved = json.loads(saved_file.read_text())
+    fix = "Fix: use a new output_dir, --auto_resume false, or the checkpoint's settings."
+    if (saved["peft"] is None) != (current["peft"] is None):
+        kinds = ["full fine-tuning", "LoRA"]
+        raise UserError(f"cannot resume from {ckpt}: it is a {kinds[saved['peft'] is not None]} checkpoint and "
+                        f"this run is {kinds[current['peft'] is not None]}. {fix}")
+    for key in PEFT_KEYS if saved["peft"] else ():
+        if saved["peft"][key] != current["peft"][key]:
+            raise UserError(f"cannot resume from {ckpt}: its LoRA {key} is {saved['peft'][key]} and this run's is "
+                            f"{current['peft'][key]}. {fix}")
+    if saved["architecture"] and current["architecture"] and saved["architecture"] != current["architecture"]:
+        diff = [k for k in ARCH_KEYS if saved["architecture"].get(k) != current["architecture"].get(k)]
+        raise UserError(f"cannot resume from {ckpt}: it was trained on another model ({diff[0]} "
+                        f"{saved['architecture'][diff[0]]} vs {current['architecture'][diff[0]]}). {fix}")
+
+
 class CompletionMarkerCallback(TrainerCallback):
-    """Mark `checkpoint-<step>` complete once all ranks have returned from saving it."""
+    """Record what each checkpoint belongs to, and mark it complete once all ranks have returned from saving."""
+
+    def __init__(self, run_identity: dict | None = None):
+        self.run_identity = run_identity
 
     def on_save(self, args, state, control, **kwargs):
         _barrier()  # every rank has finished its part of the checkpoint
         if int(os.environ.get("RANK", 0)) == 0:
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if ckpt.is_dir():
+                if self.run_identity is not None:
+                    (ckpt / IDENTITY).write_text(json.dumps(self.run_identity, indent=2) + "\n")
                 (ckpt / MARKER).write_text(f"{state.global_step}\n")

@@ -90,6 +90,17 @@ def check_accelerate_config(path: str | Path) -> dict:
     return raw
 
 
+def check_fsdp_with_peft(acc: dict, use_peft: bool, path) -> None:
+    """FSDP1 flattens parameters; LoRA mixes frozen and trainable ones, which needs use_orig_params."""
+    fsdp = acc.get("fsdp_config") or {}
+    if (use_peft and acc.get("distributed_type") == "FSDP" and int(fsdp.get("fsdp_version", 1)) == 1
+            and not fsdp.get("fsdp_use_orig_params")):
+        raise UserError(
+            f"{path}: LoRA under FSDP1 needs fsdp_use_orig_params: true (FSDP1 cannot flatten frozen and trainable "
+            "parameters together). Fix: set fsdp_use_orig_params: true, or use fsdp_version: 2."
+        )
+
+
 # Keys that mean something only to FSDP1; accelerate ignores or rejects them under FSDP2 (its FSDP2 migration
 # guide). A user who writes them in an FSDP2 config expects an effect they will not get.
 FSDP1_ONLY_KEYS = {

@@ -89,6 +89,9 @@ def check_recipe(recipe: Path, overrides: list[str]) -> tuple:
 
         ensure_assets()
     train_sft.check_before_launch(*args)
+    script, training, model, mixture, pack = args
+    config_check.check_fsdp_with_peft(acc, model.use_peft, acc_yaml)
+    train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
     return args, acc
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fsdp_recipes import config_check, cpu_fsdp
 from fsdp_recipes.errors import UserError, cli
@@ -127,18 +128,26 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
 
 
-def checkpoint_to_resume(training, pack) -> str | None:
-    """An explicit resume_from_checkpoint wins; else, with auto_resume, the newest complete checkpoint."""
-    if training.resume_from_checkpoint:
-        return training.resume_from_checkpoint
-    if not pack.auto_resume:
-        return None
+def checkpoint_to_resume(training, model_args, pack, verbose: bool = True) -> str | None:
+    """An explicit resume_from_checkpoint wins; else, with auto_resume, the newest complete checkpoint.
+    Either way it must belong to this model and LoRA shape (checked before any weight is loaded)."""
+    from trl import get_peft_config
+
     from fsdp_recipes import checkpoints
 
-    for skipped in checkpoints.incomplete(training.output_dir):
-        print(f"[train_sft] skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)", flush=True)
-    latest = checkpoints.latest_complete(training.output_dir)
-    return str(latest) if latest else None
+    resume = training.resume_from_checkpoint
+    if not resume and pack.auto_resume:
+        for skipped in checkpoints.incomplete(training.output_dir):
+            if verbose:
+                print(f"[train_sft] skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)", flush=True)
+        latest = checkpoints.latest_complete(training.output_dir)
+        resume = str(latest) if latest else None
+    if resume:
+        if not Path(resume).is_dir():
+            raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
+        checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
+                                                                        get_peft_config(model_args)))
+    return resume
 
 
 @cli
@@ -154,15 +163,16 @@ def main(argv: list[str] | None = None) -> int:
 
     from trl import get_peft_config
 
-    from fsdp_recipes.checkpoints import CompletionMarkerCallback
+    from fsdp_recipes.checkpoints import CompletionMarkerCallback, identity
     from fsdp_recipes.load_check import LoadCheckCallback
     from fsdp_recipes.loading import load_sft_datasets
+    from fsdp_recipes.peft_fsdp import RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer
     from fsdp_recipes.preemption import EXIT_PREEMPTED, PreemptionCallback
     from fsdp_recipes.run_report import RunReportCallback
     from fsdp_recipes.save_check import verify_final_save
 
     peft_config = get_peft_config(model_args)
-    resume = checkpoint_to_resume(training, pack)
+    resume = checkpoint_to_resume(training, model_args, pack, verbose=int(os.environ.get("RANK", 0)) == 0)
     if resume and int(os.environ.get("RANK", 0)) == 0:
         print(f"[train_sft] resuming from {resume}", flush=True)
     report = RunReportCallback(
@@ -190,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
             eval_dataset=eval_ds,
             peft_config=peft_config,
             # order matters: the report saves its counters into a checkpoint before it is marked complete
-            callbacks=[report, CompletionMarkerCallback(), preemption]
+            callbacks=[report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption]
             + ([LoadCheckCallback(model_args.model_name_or_path, report)] if pack.verify_loaded_weights else []),
         )
         trainer.token_counter = report.tokens
+        if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
+            trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted:
             report.finalize("preempted", error=f"stopped by a signal (rank 0 saw: {preemption.signal_received})")
