@@ -150,6 +150,56 @@ def checkpoint_to_resume(training, model_args, pack, verbose: bool = True) -> st
     return resume
 
 
+def build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption):
+    """SFTTrainer with the pack's callbacks; the model is loaded by TRL with from_pretrained."""
+    from fsdp_recipes.checkpoints import CompletionMarkerCallback, identity
+    from fsdp_recipes.load_check import LoadCheckCallback
+    from fsdp_recipes.loading import load_sft_datasets
+    from fsdp_recipes.peft_fsdp import RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer
+
+    train_ds, eval_ds = load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
+    training.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training.model_init_kwargs or {}),
+    }
+    # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
+    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption]
+    if pack.verify_loaded_weights:
+        callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
+    trainer = make_trainer_class()(
+        model=model_args.model_name_or_path,  # a directory or a hub id: the same from_pretrained path
+        args=training,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        peft_config=peft_config,
+        callbacks=callbacks,
+    )
+    trainer.token_counter = report.tokens
+    if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
+        trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
+    return trainer
+
+
+def save_final(trainer, training, model_args, pack, peft_config, report) -> None:
+    """The final model or adapter, checked against the weights in memory, and optionally merged."""
+    from fsdp_recipes.save_check import verify_final_save
+
+    trainer.save_model(training.output_dir)
+    report.final_save_check = verify_final_save(trainer, training.output_dir)  # raises when incomplete
+    if report.final_save_check:
+        print(f"[train_sft] final save verified: {report.final_save_check['tensors']} tensors complete, "
+              f"unsharded and equal to the weights in memory", flush=True)
+    if peft_config is not None and pack.save_merged_model:
+        trainer.accelerator.wait_for_everyone()
+        if trainer.accelerator.is_main_process:
+            save_merged(model_args.model_name_or_path, training.output_dir,
+                        os.path.join(training.output_dir, "merged"), model_args.dtype)
+    trainer.accelerator.wait_for_everyone()
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -163,17 +213,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from trl import get_peft_config
 
-    from fsdp_recipes.checkpoints import CompletionMarkerCallback, identity
-    from fsdp_recipes.load_check import LoadCheckCallback
-    from fsdp_recipes.loading import load_sft_datasets
-    from fsdp_recipes.peft_fsdp import RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer
     from fsdp_recipes.preemption import EXIT_PREEMPTED, PreemptionCallback
     from fsdp_recipes.run_report import RunReportCallback
-    from fsdp_recipes.save_check import verify_final_save
 
+    is_main = int(os.environ.get("RANK", 0)) == 0
     peft_config = get_peft_config(model_args)
-    resume = checkpoint_to_resume(training, model_args, pack, verbose=int(os.environ.get("RANK", 0)) == 0)
-    if resume and int(os.environ.get("RANK", 0)) == 0:
+    resume = checkpoint_to_resume(training, model_args, pack, verbose=is_main)
+    if resume and is_main:
         print(f"[train_sft] resuming from {resume}", flush=True)
     report = RunReportCallback(
         training.output_dir, resolved_args(script, training, model_args, mixture, pack, peft_config),
@@ -181,31 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     preemption = PreemptionCallback()
-    trainer = None
     try:
-        want_eval = training.eval_strategy != "no"
-        train_ds, eval_ds = load_sft_datasets(script, mixture, want_eval, training.dataset_text_field)
-        training.model_init_kwargs = {
-            "revision": model_args.model_revision,
-            "trust_remote_code": training.trust_remote_code,
-            "attn_implementation": model_args.attn_implementation,
-            "dtype": model_args.dtype,
-            **(training.model_init_kwargs or {}),
-        }
-        Trainer = make_trainer_class()
-        trainer = Trainer(
-            model=model_args.model_name_or_path,  # TRL calls from_pretrained: the same path for hub ids
-            args=training,
-            train_dataset=train_ds,
-            eval_dataset=eval_ds,
-            peft_config=peft_config,
-            # order matters: the report saves its counters into a checkpoint before it is marked complete
-            callbacks=[report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption]
-            + ([LoadCheckCallback(model_args.model_name_or_path, report)] if pack.verify_loaded_weights else []),
-        )
-        trainer.token_counter = report.tokens
-        if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
-            trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
+        trainer = build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption)
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted:
             report.finalize("preempted", error=f"stopped by a signal (rank 0 saw: {preemption.signal_received})")
@@ -214,25 +237,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"relaunch the same command to resume (exit code {EXIT_PREEMPTED})"
             )
             return EXIT_PREEMPTED
-        trainer.save_model(training.output_dir)
-        report.final_save_check = verify_final_save(trainer, training.output_dir)  # raises when incomplete
-        if report.final_save_check:
-            print(f"[train_sft] final save verified: {report.final_save_check['tensors']} tensors complete, "
-                  f"unsharded and equal to the weights in memory", flush=True)
-        if peft_config is not None and pack.save_merged_model:
-            trainer.accelerator.wait_for_everyone()
-            if trainer.accelerator.is_main_process:
-                save_merged(model_args.model_name_or_path, training.output_dir,
-                            os.path.join(training.output_dir, "merged"), model_args.dtype)
-        trainer.accelerator.wait_for_everyone()
+        save_final(trainer, training, model_args, pack, peft_config, report)
     except KeyboardInterrupt as err:
         report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")
         return 130
     except BaseException as err:  # UserError included: the report records why the run stopped
         report.finalize("failed", error=f"{type(err).__name__}: {err}")
         raise
-    metrics = report.finalize("completed")
-    if metrics is not None:
+    if report.finalize("completed") is not None:
         trainer.accelerator.print(f"[train_sft] run report written to {training.output_dir}/metrics.json")
     if hasattr(trainer, "end"):  # transformers >= 5.18: ends trackers and the process group
         trainer.end()
