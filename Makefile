@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune test test-fast tiny-assets sync-configs bench-loading clean
+.PHONY: help venv finetune test test-fast tiny-assets sync-configs bench-loading export clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -51,6 +51,10 @@ test-fast: $(STAMP) ## the suite without the multi-process training tests
 
 bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with and without cpu_ram_efficient_loading
 	@$(PY) -m fsdp_recipes.bench_loading
+
+export: $(STAMP) ## CKPT=<sharded checkpoint> OUT=<dir>: an inference-ready model or adapter, on CPU
+	@if [ -z "$(CKPT)" ] || [ -z "$(OUT)" ]; then echo "error: make export needs CKPT=<output_dir>/checkpoint-N and OUT=<dir>" >&2; exit 2; fi
+	@$(PY) -m fsdp_recipes.export "$(CKPT)" "$(OUT)"
 
 clean: ## remove runs/ (keeps .venv and the asset cache)
 	rm -rf runs

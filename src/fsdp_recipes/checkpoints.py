@@ -61,11 +61,13 @@ def identity(model_name_or_path: str, peft_config) -> dict:
     if config_file.is_file():
         config = json.loads(config_file.read_text())
         arch = {k: config.get(k) for k in ARCH_KEYS}
-    peft = None
+    peft = peft_full = None
     if peft_config is not None:
         d = peft_config.to_dict()
         peft = {k: sorted(d[k]) if isinstance(d.get(k), (list, set)) else d.get(k) for k in PEFT_KEYS}
-    return {"model": model_name_or_path, "architecture": arch, "peft": peft}
+        # the whole config, so `make export` can write adapter_config.json for a sharded checkpoint
+        peft_full = json.loads(json.dumps(d, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    return {"model": model_name_or_path, "architecture": arch, "peft": peft, "peft_config": peft_full}
 
 
 def check_compatible(ckpt: Path, current: dict) -> None:

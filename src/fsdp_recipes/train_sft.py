@@ -187,7 +187,12 @@ def save_final(trainer, training, model_args, pack, peft_config, report) -> None
     """The final model or adapter, checked against the weights in memory, and optionally merged."""
     from fsdp_recipes.save_check import verify_final_save
 
-    trainer.save_model(training.output_dir)
+    if trainer.is_fsdp_enabled and "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type):
+        # With SHARDED_STATE_DICT the Trainer writes no final model at all; gather once (the same call it uses
+        # for FULL_STATE_DICT) so every run ends with an inference-ready model or adapter.
+        trainer._save(training.output_dir, state_dict=trainer.accelerator.get_state_dict(trainer.model))
+    else:
+        trainer.save_model(training.output_dir)
     report.final_save_check = verify_final_save(trainer, training.output_dir)  # raises when incomplete
     if report.final_save_check:
         print(f"[train_sft] final save verified: {report.final_save_check['tensors']} tensors complete, "

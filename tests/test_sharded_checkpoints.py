@@ -1,0 +1,108 @@
+"""Sharded (DCP) checkpoints: saved by 2 ranks, resumed by 1 and by 4, exported to an adapter on CPU.
+
+Every run sees the same 32 samples per optimizer step (2 ranks x 16, 1 x 32, 4 x 8), so a resumed run must
+continue the uninterrupted run's per-step losses and end with its weights.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import REPO, launch, pack_env
+from fsdp_recipes import checkpoints
+
+COMMON = ["--max_steps", "20", "--save_strategy", "steps", "--save_steps", "10", "--logging_steps", "1",
+          "--eval_strategy", "no", "--save_merged_model", "false"]
+
+
+def sharded_recipe(tmp_path, processes):
+    dst = tmp_path / f"sharded-{processes}"
+    if not dst.exists():
+        shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", dst)
+        acc = yaml.safe_load((dst / "accelerate.yaml").read_text())
+        acc["fsdp_config"]["fsdp_state_dict_type"] = "SHARDED_STATE_DICT"
+        acc["num_processes"] = processes
+        (dst / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    return dst
+
+
+def losses(run):
+    history = json.loads((run / "log_history.json").read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def export(args, cache_dir):
+    return subprocess.run([sys.executable, "-m", "fsdp_recipes.export", *map(str, args)], cwd=REPO,
+                          env=pack_env(cache_dir), capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, cache_dir):
+    tmp = tmp_path_factory.mktemp("sharded")
+    out = tmp / "two-ranks"
+    res = launch([str(sharded_recipe(tmp, 2)), *COMMON, "--output_dir", str(out)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return tmp, out
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_has_one_file_per_rank_and_a_verified_final_save(saved):
+    _, out = saved
+    ckpt = out / "checkpoint-10"
+    assert checkpoints.is_complete(ckpt)
+    assert sorted(p.name for p in (ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["status"] == "completed" and m["final_save_check"]["tensors"] == 57
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 4])
+def test_resume_with_another_world_size(saved, cache_dir, processes):
+    tmp, out = saved
+    resumed = tmp / f"resumed-{processes}"
+    res = launch([str(sharded_recipe(tmp, processes)), *COMMON, "--per_device_train_batch_size", str(32 // processes),
+                  "--resume_from_checkpoint", str(out / "checkpoint-10"), "--output_dir", str(resumed)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = json.loads((resumed / "metrics.json").read_text())
+    assert m["world_size"] == processes and m["steps"] == 20
+    a, b = losses(out), losses(resumed)
+    for step in range(11, 21):
+        assert b[step] == pytest.approx(a[step], rel=1e-3), (step, a[step], b[step])
+    wa, wb = load_file(out / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
+    for key in wa:
+        assert torch.allclose(wa[key], wb[key], rtol=1e-3, atol=1e-5), key
+
+
+@pytest.mark.slow
+def test_export_gives_the_final_adapter(saved, cache_dir):
+    tmp, out = saved
+    res = export([out / "checkpoint-20", tmp / "exported"], cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "57 tensors written and verified" in res.stdout
+    final, exported = load_file(out / "adapter_model.safetensors"), load_file(tmp / "exported" / "adapter_model.safetensors")
+    assert final.keys() == exported.keys() and all(torch.equal(final[k], exported[k]) for k in final)
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(cache_dir / "tiny-mistral")
+    PeftModel.from_pretrained(base, tmp / "exported")  # plain peft loads it
+
+
+@pytest.mark.slow
+def test_export_bad_input(saved, cache_dir):
+    tmp, out = saved
+    res = export([out, tmp / "x"], cache_dir)  # the run folder itself, not a sharded checkpoint
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "is not a sharded checkpoint" in res.stderr
+    anonymous = tmp / "anonymous"
+    shutil.copytree(out / "checkpoint-20", anonymous)
+    (anonymous / checkpoints.IDENTITY).unlink()
+    res = export([anonymous, tmp / "y"], cache_dir)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("error: exporting") and "needs the model config" in res.stderr
