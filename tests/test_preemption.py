@@ -14,11 +14,11 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from conftest import REPO, launch, pack_env
 from fsdp_recipes import checkpoints
 from fsdp_recipes.preemption import EXIT_PREEMPTED
+from fsdp_recipes.save_check import read_saved
 
 # logging_steps 1: each logged loss is one step's loss. With longer intervals the first log after a resume
 # averages fewer steps than the uninterrupted run's (the Trainer does not checkpoint its running loss sum).
@@ -32,13 +32,15 @@ def losses(run):
 
 
 @pytest.mark.slow
-def test_preempted_run_resumes_exactly(tmp_path, cache_dir):
+@pytest.mark.parametrize("method", [[], ["--use_peft", "false", "--learning_rate", "1e-3"]], ids=["lora", "full"])
+def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method):
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    args = [*ARGS, *method]
 
-    res = launch([*ARGS, "--output_dir", str(straight)], cache_dir)
+    res = launch([*args, "--output_dir", str(straight)], cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
 
-    cmd = [sys.executable, "-m", "fsdp_recipes.launch", *ARGS, "--output_dir", str(preempted)]
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch", *args, "--output_dir", str(preempted)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
@@ -58,7 +60,7 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir):
     partial.mkdir()
     (partial / "optimizer.bin").write_bytes(b"truncated")
 
-    res = launch([*ARGS, "--output_dir", str(preempted)], cache_dir)  # the same command again
+    res = launch([*args, "--output_dir", str(preempted)], cache_dir)  # the same command again
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"skipping {partial}: incomplete" in res.stdout
     done = json.loads((preempted / "metrics.json").read_text())
@@ -68,8 +70,7 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir):
     assert sorted(a) == sorted(b) == list(range(1, 61))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a[step], b[step])
-    wa = load_file(straight / "adapter_model.safetensors")
-    wb = load_file(preempted / "adapter_model.safetensors")
+    wa, wb = read_saved(straight), read_saved(preempted)  # the adapter, or the whole model
     assert wa.keys() == wb.keys()
     for key in wa:
         assert torch.allclose(wa[key], wb[key], atol=1e-5), key
@@ -79,6 +80,26 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir):
     assert done["tokens"]["non_padding"] == straight_m["tokens"]["non_padding"]
     assert done["samples"] == straight_m["samples"]
     assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint
+
+
+@pytest.mark.slow
+def test_sigusr1_preempts_like_sigterm(tmp_path, cache_dir):
+    """Slurm's `--signal=USR1@<grace>`: the launcher and torchrun pass SIGUSR1 on to the ranks."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch", *ARGS, "--max_steps", "100000", "--output_dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (out / "run_args.json").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    time.sleep(2)
+    proc.send_signal(signal.SIGUSR1)
+    out_text, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, out_text[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "preempted" and metrics["error"].endswith(f"{int(signal.SIGUSR1)})")
+    assert checkpoints.latest_complete(out).name == f"checkpoint-{metrics['steps']}"
 
 
 def test_latest_complete_skips_unmarked(tmp_path):
