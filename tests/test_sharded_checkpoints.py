@@ -106,3 +106,20 @@ def test_export_bad_input(saved, cache_dir):
     res = export([anonymous, tmp / "y"], cache_dir)
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: exporting") and "needs the model config" in res.stderr
+
+
+@pytest.mark.slow
+def test_full_finetune_sharded_checkpoint_exports_to_a_plain_model(tmp_path, cache_dir):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "full"
+    res = launch([str(sharded_recipe(tmp_path, 2)), "--use_peft", "false", "--learning_rate", "1e-3",
+                  "--max_steps", "10", "--save_strategy", "steps", "--save_steps", "10", "--eval_strategy", "no",
+                  "--output_dir", str(out)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = export([out / "checkpoint-10", tmp_path / "exported"], cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")  # config from the recorded model
+    final = AutoModelForCausalLM.from_pretrained(out)
+    for (name, p), (_, q) in zip(exported.named_parameters(), final.named_parameters()):
+        assert torch.equal(p, q), name

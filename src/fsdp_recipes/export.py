@@ -64,7 +64,7 @@ def export(ckpt: Path, out: Path, model_override: str | None = None) -> dict:
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        model.save_pretrained(out, state_dict=tensors)
+        model.save_pretrained(out, state_dict=dict(tensors))  # save_pretrained consumes the dict it is given
     if model_ref and Path(model_ref).is_dir():
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
             if (Path(model_ref) / name).is_file():
