@@ -36,7 +36,7 @@ finetune: $(STAMP) ## run RECIPE (default tiny-cpu-lora) end to end; ARGS="--max
 	@$(PY) -m fsdp_recipes.recipes check $(RECIPE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
-tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into $$FSDP_RECIPES_CACHE
+tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)
 	@$(PY) -m fsdp_recipes.tiny_assets
 
 sync-configs: $(STAMP) ## regenerate recipes/*/accelerate.yaml from accelerate_configs/
