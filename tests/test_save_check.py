@@ -77,3 +77,18 @@ def test_load_check_catches_weights_that_differ_from_the_file(tmp_path):
         "model.layers.0.self_attn.q_proj.weight"
     assert file_key("base_model.model.lm_head.modules_to_save.default.weight") == "lm_head.weight"
     assert file_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") is None
+
+
+def test_shard_check_catches_a_wrong_region(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from fsdp_recipes.sharded_save import shard_mismatches
+
+    state = {"a.weight": torch.randn(4, 3), "b.weight": torch.randn(2)}
+    save_file(state, tmp_path / "model-00001-of-00001.safetensors")
+    assert shard_mismatches(state, tmp_path) == []
+    broken = load_file(tmp_path / "model-00001-of-00001.safetensors")
+    broken["a.weight"][1, 2] += 1.0
+    save_file(broken, tmp_path / "model-00001-of-00001.safetensors")
+    assert shard_mismatches(state, tmp_path) == ["a.weight differs"]
+    assert shard_mismatches({**state, "c.weight": torch.zeros(1)}, tmp_path)[-1] == "c.weight missing"

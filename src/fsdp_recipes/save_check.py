@@ -62,10 +62,11 @@ def compare(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], c
     return {"tensors": len(saved), "lora_b_checked": len(lora_b) if check_lora_b else 0}
 
 
-def expected_state_dict(trainer) -> dict[str, torch.Tensor] | None:
-    """The full (unsharded) state dict, as the files should hold it. A collective: call on every rank.
-    Returns None on ranks other than the main one."""
-    full = trainer.accelerator.get_state_dict(trainer.model)
+def expected_state_dict(trainer, full: dict | None = None, gathered: bool = False) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) state dict, as the files should hold it. A collective unless `gathered` (then `full`
+    holds what rank 0 gathered already): call on every rank. Returns None on ranks other than the main one."""
+    if not gathered:
+        full = trainer.accelerator.get_state_dict(trainer.model)
     if not trainer.accelerator.is_main_process:
         return None
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -78,8 +79,8 @@ def expected_state_dict(trainer) -> dict[str, torch.Tensor] | None:
     return full
 
 
-def verify_final_save(trainer, output_dir: str) -> dict | None:
-    expected = expected_state_dict(trainer)
+def verify_final_save(trainer, output_dir: str, full: dict | None = None, gathered: bool = False) -> dict | None:
+    expected = expected_state_dict(trainer, full, gathered)
     if expected is None:
         return None
     # Warmup schedules start at learning rate 0: the first step leaves LoRA B at zero by design.

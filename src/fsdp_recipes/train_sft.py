@@ -186,14 +186,18 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
 def save_final(trainer, training, model_args, pack, peft_config, report) -> None:
     """The final model or adapter, checked against the weights in memory, and optionally merged."""
     from fsdp_recipes.save_check import verify_final_save
+    from fsdp_recipes.sharded_save import save_full_model_distributed, trainable_state_dict
 
-    if trainer.is_fsdp_enabled and "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type):
-        # With SHARDED_STATE_DICT the Trainer writes no final model at all; gather once (the same call it uses
-        # for FULL_STATE_DICT) so every run ends with an inference-ready model or adapter.
-        trainer._save(training.output_dir, state_dict=trainer.accelerator.get_state_dict(trainer.model))
+    out = training.output_dir
+    if not (trainer.is_fsdp_enabled and "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)):
+        trainer.save_model(out)  # FULL_STATE_DICT: the Trainer gathers on rank 0 and saves
+        report.final_save_check = verify_final_save(trainer, out)  # raises when incomplete
+    elif peft_config is None:  # SHARDED_STATE_DICT: the Trainer saves nothing final; never gather the model
+        report.final_save_check = save_full_model_distributed(trainer, out)  # checks each rank's shards
     else:
-        trainer.save_model(training.output_dir)
-    report.final_save_check = verify_final_save(trainer, training.output_dir)  # raises when incomplete
+        adapter = trainable_state_dict(trainer)  # only the trainable tensors, one at a time
+        trainer._save(out, state_dict=adapter)  # what save_model does with a gathered state dict
+        report.final_save_check = verify_final_save(trainer, out, full=adapter, gathered=True)
     if report.final_save_check:
         print(f"[train_sft] final save verified: {report.final_save_check['tensors']} tensors complete, "
               f"unsharded and equal to the weights in memory", flush=True)
