@@ -189,9 +189,13 @@ def save_final(trainer, training, model_args, pack, peft_config, report) -> None
     from fsdp_recipes.sharded_save import save_full_model_distributed, trainable_state_dict
 
     out = training.output_dir
-    if not (trainer.is_fsdp_enabled and "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)):
+    sharded = trainer.is_fsdp_enabled and "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
+    if not sharded:
         trainer.save_model(out)  # FULL_STATE_DICT: the Trainer gathers on rank 0 and saves
         report.final_save_check = verify_final_save(trainer, out)  # raises when incomplete
+    elif not trainer.accelerator.is_fsdp2:  # FSDP1 (flat parameters, no DTensors): gather once, as FULL would
+        trainer._save(out, state_dict=trainer.accelerator.get_state_dict(trainer.model))
+        report.final_save_check = verify_final_save(trainer, out)
     elif peft_config is None:  # SHARDED_STATE_DICT: the Trainer saves nothing final; never gather the model
         report.final_save_check = save_full_model_distributed(trainer, out)  # checks each rank's shards
     else:
