@@ -26,6 +26,21 @@ ARGS = ["tiny-cpu-lora", "--max_steps", "60", "--save_strategy", "steps", "--sav
         "--logging_steps", "1", "--eval_strategy", "no", "--save_merged_model", "false"]
 
 
+def signal_launch(args, cache_dir, ready, sig, settle=0.0):
+    """Start the launcher, wait until `ready()` holds, send `sig` to it, and wait for it to end."""
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not ready():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.2)
+    time.sleep(settle)  # a few steps in
+    proc.send_signal(sig)  # to the launcher, as a scheduler would
+    out, _ = proc.communicate(timeout=300)
+    return proc.returncode, out
+
+
 def losses(run):
     history = json.loads((run / "log_history.json").read_text())["log_history"]
     return {h["step"]: h["loss"] for h in history if "loss" in h}
@@ -40,16 +55,9 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method):
     res = launch([*args, "--output_dir", str(straight)], cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
 
-    cmd = [sys.executable, "-m", "fsdp_recipes.launch", *args, "--output_dir", str(preempted)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not checkpoints.is_complete(preempted / "checkpoint-20"):
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)  # to the launcher, as a scheduler would
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    rc, out = signal_launch([*args, "--output_dir", str(preempted)], cache_dir,
+                            lambda: checkpoints.is_complete(preempted / "checkpoint-20"), signal.SIGTERM)
+    assert rc == EXIT_PREEMPTED, out[-3000:]
     first = json.loads((preempted / "metrics.json").read_text())
     assert first["status"] == "preempted" and 20 <= first["steps"] < 60, first
     stop = checkpoints.latest_complete(preempted)
@@ -86,17 +94,9 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method):
 def test_sigusr1_preempts_like_sigterm(tmp_path, cache_dir):
     """Slurm's `--signal=USR1@<grace>`: the launcher and torchrun pass SIGUSR1 on to the ranks."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fsdp_recipes.launch", *ARGS, "--max_steps", "100000", "--output_dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not (out / "run_args.json").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
-        time.sleep(0.2)
-    time.sleep(2)
-    proc.send_signal(signal.SIGUSR1)
-    out_text, _ = proc.communicate(timeout=300)
-    assert proc.returncode == EXIT_PREEMPTED, out_text[-3000:]
+    rc, out_text = signal_launch([*ARGS, "--max_steps", "100000", "--output_dir", str(out)], cache_dir,
+                                 (out / "run_args.json").exists, signal.SIGUSR1, settle=2)
+    assert rc == EXIT_PREEMPTED, out_text[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "preempted" and metrics["error"].endswith(f"{int(signal.SIGUSR1)})")
     assert checkpoints.latest_complete(out).name == f"checkpoint-{metrics['steps']}"
@@ -135,18 +135,9 @@ def test_cpu_fsdp_adapter_refuses_fsdp1(monkeypatch):
 @pytest.mark.slow
 def test_ctrl_c_writes_status_interrupted(tmp_path, cache_dir):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--max_steps", "100000",
-           "--eval_strategy", "no", "--output_dir", str(out)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while not (out / "run_args.json").exists():  # written when training begins
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
-        time.sleep(0.2)
-    time.sleep(2)
-    proc.send_signal(signal.SIGINT)
-    out_text, _ = proc.communicate(timeout=300)
+    rc, out_text = signal_launch(["tiny-cpu-lora", "--max_steps", "100000", "--eval_strategy", "no", "--output_dir",
+                                  str(out)], cache_dir, (out / "run_args.json").exists, signal.SIGINT, settle=2)
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "interrupted", out_text[-3000:]
     assert metrics["tokens"]["scope"] == "rank0_only" and metrics["tokens"]["non_padding"] > 0
-    assert proc.returncode != 0
+    assert rc != 0

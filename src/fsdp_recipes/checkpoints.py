@@ -15,6 +15,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.dist_utils import barrier
 from fsdp_recipes.errors import UserError
 
 MARKER = "checkpoint_complete"
@@ -45,13 +46,6 @@ def latest_complete(output_dir: str | Path) -> Path | None:
 
 def incomplete(output_dir: str | Path) -> list[Path]:
     return [p for p in checkpoint_dirs(output_dir) if not is_complete(p)]
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
 
 
 def identity(model_name_or_path: str, peft_config) -> dict:
@@ -98,7 +92,7 @@ class CompletionMarkerCallback(TrainerCallback):
         self.run_identity = run_identity
 
     def on_save(self, args, state, control, **kwargs):
-        _barrier()  # every rank has finished its part of the checkpoint
+        barrier()  # every rank has finished its part of the checkpoint
         if int(os.environ.get("RANK", 0)) == 0:
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if ckpt.is_dir():

@@ -14,13 +14,13 @@ attribute shadows `get_output_embeddings` and is removed when training begins.
 
 from __future__ import annotations
 
-import os
-
 from transformers import TrainerCallback
+
+from fsdp_recipes import cpu_fsdp
 
 
 def fsdp2_requested() -> bool:
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
+    return cpu_fsdp.fsdp_requested() and cpu_fsdp.fsdp_version_from_env() == 2
 
 
 def hide_wrapped_output_layer(model) -> bool:

@@ -15,20 +15,14 @@ import signal
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.dist_utils import all_reduce
+
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: try again; the relaunched command resumes from the checkpoint
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 def any_rank(flag: bool) -> bool:
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return flag
-    device = "cpu" if "gloo" in str(dist.get_backend()) else torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+    return all_reduce([1.0 if flag else 0.0], "max")[0] > 0
 
 
 class PreemptionCallback(TrainerCallback):

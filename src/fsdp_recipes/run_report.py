@@ -25,6 +25,7 @@ import psutil
 from transformers import TrainerCallback
 
 from fsdp_recipes import flops
+from fsdp_recipes.dist_utils import all_reduce, initialized
 
 SCHEMA_VERSION = 1
 COUNTERS_FILE = "run_report_counters.json"  # inside each checkpoint: what a resumed run continues from
@@ -159,24 +160,11 @@ class TokenCounter:
             self.sequences += ids.shape[0]
 
 
-def _reduce(values: list[float], op: str) -> list[float]:
-    """Sum or max a few numbers over ranks (gloo takes CPU tensors, NCCL needs CUDA ones)."""
-    import torch
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return values
-    device = "cpu" if "gloo" in str(dist.get_backend()) else torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return t.tolist()
-
-
 def _gather(value) -> list:
     """One picklable value from every rank, in rank order."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not initialized():
         return [value]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
@@ -267,7 +255,7 @@ class RunReportCallback(TrainerCallback):
 
     def counters_so_far(self, now: float) -> dict:
         """Run totals (all ranks) up to now: a collective, so every rank must call it."""
-        nonpad, padded, seqs = _reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
+        nonpad, padded, seqs = all_reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
         return {
             "non_padding": int(nonpad) + self.prior["non_padding"],
             "padded": int(padded) + self.prior["padded"],
@@ -288,7 +276,7 @@ class RunReportCallback(TrainerCallback):
         # Collectives: every rank is here, so counts and peaks can be combined over ranks.
         self.totals = self.counters_so_far(self.train_end)
         mem = _peak_memory()
-        alloc, reserved, rss = _reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
+        alloc, reserved, rss = all_reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
         self.peaks = {"allocated": alloc, "reserved": reserved, "host_rss": rss}
 
     # -- files --------------------------------------------------------------------------------------

@@ -53,8 +53,9 @@ def shard_mismatches(state: dict, directory: Path) -> list[str]:
 
 def save_full_model_distributed(trainer, output_dir: str) -> dict:
     """Full fine-tuning: distributed write + per-rank verification. A collective: every rank calls it."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+
+    from fsdp_recipes.dist_utils import all_reduce
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     state = {k: v for k, v in model.state_dict().items()}
@@ -69,13 +70,11 @@ def save_full_model_distributed(trainer, output_dir: str) -> dict:
             trainer.processing_class.save_pretrained(out)
     trainer.accelerator.wait_for_everyone()
     problems = shard_mismatches(state, out)
-    counts = torch.tensor([len(problems)])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts)
-    if counts.item():
+    bad = int(all_reduce([len(problems)], "sum")[0])
+    if bad:
         from fsdp_recipes.save_check import IncompleteSave
 
-        raise IncompleteSave(f"distributed final save failed its check on {int(counts.item())} tensor(s)"
+        raise IncompleteSave(f"distributed final save failed its check on {bad} tensor(s)"
                              + (f", e.g. rank {os.environ.get('RANK', 0)}: {problems[0]}" if problems else ""))
     if trainer.accelerator.is_main_process:  # the per-rank shards are now in the consolidated files
         shutil.rmtree(out / "sharded", ignore_errors=True)
