@@ -128,7 +128,7 @@ def test_cpu_fsdp_adapter_refuses_fsdp1(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(UserError, match="FSDP1 .* cannot run on CPU"):
+    with pytest.raises(UserError, match="FSDP1 cannot run on CPU"):
         cpu_fsdp.enable()
 
 

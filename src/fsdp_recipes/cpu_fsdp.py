@@ -43,13 +43,9 @@ def enable() -> bool:
     global _PATCHED
     if not needed():
         return False
-    if fsdp_version_from_env() != 2:
-        from fsdp_recipes.errors import UserError
+    from fsdp_recipes.config_check import check_fsdp_runs_on_cpu
 
-        raise UserError(
-            "FSDP1 (fsdp_version: 1) cannot run on CPU: it needs CUDA streams. "
-            "Fix: use an FSDP2 accelerate config (fsdp_version: 2) for CPU runs, or run on GPUs."
-        )
+    check_fsdp_runs_on_cpu(fsdp_version_from_env(), "the accelerate config (FSDP_VERSION)")
     os.environ["ACCELERATE_USE_CPU"] = "true"
     if _PATCHED:
         return True

@@ -76,19 +76,10 @@ def check_recipe(recipe: Path, overrides: list[str]) -> tuple:
     config_check.check_gpus(int(override(overrides, "min_gpus", raw.get("min_gpus", 0))), recipe.name)
     acc = config_check.check_accelerate_config(acc_yaml)
     if config_check.gpu_count() == 0 and acc.get("distributed_type") == "FSDP":
-        if int((acc.get("fsdp_config") or {}).get("fsdp_version", 1)) != 2:
-            raise UserError(
-                f"{acc_yaml}: FSDP1 cannot run on CPU (it needs CUDA streams). "
-                "Fix: use fsdp_version: 2 for CPU runs, or run on GPUs."
-            )
+        config_check.check_fsdp_runs_on_cpu(int((acc.get("fsdp_config") or {}).get("fsdp_version", 1)), str(acc_yaml))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
-        args = train_sft.parse_args(["--config", str(sft_yaml), *overrides])
-    if args[-1].tiny_assets:  # before the model check: the tiny model is one of these assets
-        from fsdp_recipes.tiny_assets import ensure_assets
-
-        ensure_assets()
-    train_sft.check_before_launch(*args)
+        args = train_sft.parse_and_check(["--config", str(sft_yaml), *overrides])
     script, training, model, mixture, pack = args
     config_check.check_fsdp_with_peft(acc, model.use_peft, acc_yaml)
     train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint

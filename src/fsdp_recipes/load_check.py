@@ -14,8 +14,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.save_check import safetensors_index
+
 import torch
-from safetensors import safe_open
 
 
 def file_key(param_name: str) -> str | None:
@@ -28,16 +29,11 @@ def file_key(param_name: str) -> str | None:
     return name
 
 
-def safetensors_files(model_dir: Path) -> list[Path]:
-    return sorted(Path(model_dir).glob("*.safetensors"))
-
-
 def verify_loaded_weights(model, model_dir: str | Path, is_main: bool) -> dict | None:
     """Every rank must call this (full_tensor() gathers). Raises on rank 0 when a weight differs."""
     from torch.distributed.tensor import DTensor
 
-    handles = [safe_open(str(f), framework="pt") for f in safetensors_files(Path(model_dir))] if is_main else []
-    where = {k: h for h in handles for k in h.keys()}
+    where = safetensors_index(model_dir) if is_main else {}
     checked, problems = 0, []
     for name, param in model.named_parameters():
         full = param.full_tensor() if isinstance(param, DTensor) else param.data

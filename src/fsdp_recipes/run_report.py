@@ -253,6 +253,10 @@ class RunReportCallback(TrainerCallback):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.log_history = list(state.log_history)
 
+    def train_time_until(self, t: float) -> float:
+        """Training time of the whole run up to `t`, continued from the checkpoint it resumed from."""
+        return self.prior["train_time_s"] + (t - self.train_start)
+
     def counters_so_far(self, now: float) -> dict:
         """Run totals (all ranks) up to now: a collective, so every rank must call it."""
         nonpad, padded, seqs = all_reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
@@ -260,7 +264,7 @@ class RunReportCallback(TrainerCallback):
             "non_padding": int(nonpad) + self.prior["non_padding"],
             "padded": int(padded) + self.prior["padded"],
             "sequences": int(seqs) + self.prior["sequences"],
-            "train_time_s": self.prior["train_time_s"] + (now - self.train_start),
+            "train_time_s": self.train_time_until(now),
         }
 
     def on_save(self, args, state, control, **kwargs):
@@ -315,11 +319,9 @@ class RunReportCallback(TrainerCallback):
         if completed_collectives:
             tokens, peaks, scope = self.totals, self.peaks, "all_ranks"
         else:  # failed before on_train_end: this rank's own figures, labelled as such
-            mem = _peak_memory()
             tokens = {k: getattr(self.tokens, k) + self.prior[k] for k in ("non_padding", "padded", "sequences")}
-            peaks, scope = {"allocated": mem["allocated"], "reserved": mem["reserved"], "host_rss": mem["host_rss"]}, "rank0_only"
-        train_end = self.train_end or end
-        train_time = (self.prior["train_time_s"] + train_end - self.train_start) if self.train_start else None
+            peaks, scope = _peak_memory(), "rank0_only"
+        train_time = self.train_time_until(self.train_end or end) if self.train_start else None
         tps = tokens["non_padding"] / train_time if train_time else None
 
         losses = [h["loss"] for h in self.log_history if "loss" in h]

@@ -19,6 +19,14 @@ class IncompleteSave(RuntimeError):
     pass
 
 
+def safetensors_index(directory: str | Path, pattern: str = "*.safetensors") -> dict:
+    """Tensor name -> open safetensors handle, over the files in `directory`; tensors are read on demand."""
+    from safetensors import safe_open
+
+    handles = [safe_open(str(f), framework="pt") for f in sorted(Path(directory).glob(pattern))]
+    return {key: h for h in handles for key in h.keys()}
+
+
 def read_saved(directory: Path) -> dict[str, torch.Tensor]:
     """All tensors of a saved PEFT adapter or (possibly sharded) safetensors model directory."""
     directory = Path(directory)

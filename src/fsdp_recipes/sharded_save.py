@@ -34,10 +34,9 @@ def _local_slice(param):
 
 def shard_mismatches(state: dict, directory: Path) -> list[str]:
     """This rank's part of every tensor against the same region of the safetensors files in `directory`."""
-    from safetensors import safe_open
+    from fsdp_recipes.save_check import safetensors_index
 
-    handles = [safe_open(str(f), framework="pt") for f in sorted(Path(directory).glob("model*.safetensors"))]
-    where = {k: h for h in handles for k in h.keys()}
+    where = safetensors_index(directory, "model*.safetensors")
     problems = []
     for name, tensor in state.items():
         local, region = _local_slice(tensor)

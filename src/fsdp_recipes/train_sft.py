@@ -86,6 +86,18 @@ def check_before_launch(script, training, model, mixture, pack) -> None:
     config_check.check_local_model(model.model_name_or_path)
 
 
+def parse_and_check(argv: list[str], quiet: bool = False) -> tuple:
+    """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
+    of them, so before the model check), and run the checks that need no process group."""
+    args = parse_args(argv)
+    if args[-1].tiny_assets:
+        from fsdp_recipes.tiny_assets import ensure_assets
+
+        ensure_assets(quiet=quiet)
+    check_before_launch(*args)
+    return args
+
+
 def resolved_args(script, training, model, mixture, pack, peft_config) -> dict:
     return {
         "pack_args": dataclasses.asdict(pack),
@@ -217,12 +229,8 @@ def save_final(trainer, training, model_args, pack, peft_config, report) -> None
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
-    script, training, model_args, mixture, pack = parse_args(argv)
-    if pack.tiny_assets:
-        from fsdp_recipes.tiny_assets import ensure_assets
-
-        ensure_assets(quiet=True)  # idempotent; the launcher normally built them already
-    check_before_launch(script, training, model_args, mixture, pack)
+    # idempotent: the launcher normally built the assets and ran these checks already
+    script, training, model_args, mixture, pack = parse_and_check(argv, quiet=True)
 
     from trl import get_peft_config
 
