@@ -8,15 +8,18 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 RECIPE ?= tiny-cpu-lora
 ARGS ?=
+GPUS ?= 8
+NODES ?= 1
+GPU ?= H100
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune test test-fast tiny-assets sync-configs bench-loading export clean
+.PHONY: help venv finetune smoke plan k8s test test-fast tiny-assets sync-configs bench-loading export clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "Recipes (make finetune RECIPE=<name>):"
 	@if [ -x $(PY) ]; then PYTHONPATH=src $(PY) -m fsdp_recipes.recipes list; else ls -1 recipes | sed 's/^/  /'; fi
 
@@ -35,6 +38,16 @@ $(STAMP): pyproject.toml
 finetune: $(STAMP) ## run RECIPE (default tiny-cpu-lora) end to end; ARGS="--max_steps 20" overrides its YAML
 	@$(PY) -m fsdp_recipes.recipes check $(RECIPE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/$(RECIPE)/launch.sh $(ARGS)
+
+smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
+	@$(PY) -m fsdp_recipes.recipes check $(RECIPE)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 bash recipes/$(RECIPE)/launch.sh $(ARGS)
+
+plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100: will it fit? per-GPU memory budget, launches nothing
+	@$(PY) -m fsdp_recipes.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU)
+
+k8s: $(STAMP) ## RECIPE NODES GPUS: Run:ai, Kubeflow PyTorchJob and TrainJob manifests under k8s/generated/
+	@$(PY) -m fsdp_recipes.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS)
 
 tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)
 	@$(PY) -m fsdp_recipes.tiny_assets

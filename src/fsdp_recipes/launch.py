@@ -9,12 +9,19 @@
 3. Builds the tiny local assets when the recipe uses them.
 4. Runs the real `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train_sft`.
 5. Prints the summary (fsdp_recipes.summary) of the finished run.
+
+Environment for cluster wrappers (slurm/, k8s/):
+    FSDP_RECIPES_LAUNCH_ARGS   extra `accelerate launch` options, shell-quoted, appended after the config file:
+                               "--num_machines 2 --machine_rank 1 --main_process_ip node1 --main_process_port
+                               29500 --num_processes 16 --rdzv_backend c10d". With --num_machines the launcher
+                               leaves the rendezvous port alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -107,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
         load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
 
-    cmd = accelerate_cmd() + ["--config_file", str(recipe / "accelerate.yaml")]
-    if int(acc.get("num_machines", 1)) == 1 and "MASTER_PORT" not in os.environ:
+    extra = shlex.split(os.environ.get("FSDP_RECIPES_LAUNCH_ARGS", ""))
+    cmd = accelerate_cmd() + ["--config_file", str(recipe / "accelerate.yaml"), *extra]
+    multi_node = int(acc.get("num_machines", 1)) > 1 or "--num_machines" in extra
+    if not multi_node and "MASTER_PORT" not in os.environ:
         cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide
     cmd += ["-m", "fsdp_recipes.train_sft", "--config", str(recipe / "sft.yaml"), *overrides]
     say(f"checks passed in {time.time() - t0:.1f}s; starting {acc.get('num_processes', 1)} process(es):")
