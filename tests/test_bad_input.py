@@ -97,14 +97,6 @@ def test_gpu_recipe_on_cpu_names_the_cpu_alternative(cache_dir):
     assert "make finetune" in res.stderr
 
 
-def test_fsdp1_on_cpu(recipe, cache_dir):
-    acc = recipe / "accelerate.yaml"
-    data = yaml.safe_load(acc.read_text())
-    data["fsdp_config"].update(fsdp_version=1, fsdp_sync_module_states=True)
-    acc.write_text(yaml.safe_dump(data))
-    assert_one_line_error(launch([str(recipe)], cache_dir), "FSDP1 cannot run on CPU")
-
-
 def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir):
     acc = recipe / "accelerate.yaml"
     data = yaml.safe_load(acc.read_text())

@@ -121,17 +121,6 @@ def test_cpu_fsdp_adapter_is_inactive_outside_an_fsdp_launch(monkeypatch):
     assert cpu_fsdp.needed() is False and cpu_fsdp.enable() is False
 
 
-def test_cpu_fsdp_adapter_refuses_fsdp1(monkeypatch):
-    from fsdp_recipes import cpu_fsdp
-    from fsdp_recipes.errors import UserError
-
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setenv("FSDP_VERSION", "1")
-    with pytest.raises(UserError, match="FSDP1 cannot run on CPU"):
-        cpu_fsdp.enable()
-
-
 @pytest.mark.slow
 def test_ctrl_c_writes_status_interrupted(tmp_path, cache_dir):
     out = tmp_path / "run"

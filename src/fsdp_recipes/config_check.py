@@ -90,15 +90,6 @@ def check_accelerate_config(path: str | Path) -> dict:
     return raw
 
 
-def check_fsdp_runs_on_cpu(fsdp_version: int, where: str) -> None:
-    """Only FSDP2 runs on CPU processes (fsdp_recipes.cpu_fsdp); FSDP1 needs CUDA streams."""
-    if fsdp_version != 2:
-        raise UserError(
-            f"{where}: FSDP1 cannot run on CPU (it needs CUDA streams). "
-            "Fix: use fsdp_version: 2 for CPU runs, or run on GPUs."
-        )
-
-
 def check_fsdp_with_peft(acc: dict, use_peft: bool, path) -> None:
     """FSDP1 flattens parameters; LoRA mixes frozen and trainable ones, which needs use_orig_params."""
     fsdp = acc.get("fsdp_config") or {}

@@ -10,9 +10,18 @@ works on CPU tensors over gloo, so the only missing piece is accelerate's own de
    ACCELERATE_USE_FSDP environment or explicitly) and the state came up as MULTI_CPU, the distributed type
    becomes FSDP with that plugin -- exactly what accelerate does for MULTI_GPU in the same place.
 
-From there on everything is accelerate's and transformers' unmodified FSDP code: `fsdp2_prepare_model`,
-`fully_shard` per decoder layer, FSDP-aware saving. Only FSDP2 is supported on CPU (FSDP1 needs CUDA
-streams); FSDP1 recipes stop with a clear error on CPU. Nothing here runs when a GPU is present.
+3. for FSDP1 with sync_module_states (which cpu_ram_efficient_loading forces), completes
+   `FullyShardedDataParallelPlugin.__post_init__`: its last step looks up an accelerator device for the
+   `param_init_fn` that materialises the meta-device weights of ranks > 0, and raises when there is none.
+   On CPU that function is `to_empty(device="cpu")`, which torch's FSDP1 accepts with `device_id=cpu`;
+   and lifts FSDP1's refusal to broadcast CPU tensors for sync_module_states (a guard against NCCL, which
+   cannot; gloo, the CPU backend, can); and turns FSDP1's `offload_to_cpu` off when gathering a full state
+   dict (accelerate always asks for it): on CPU the "offloaded" copy is the very storage FSDP then frees,
+   and the process segfaults.
+
+From there on everything is accelerate's and transformers' unmodified FSDP code: `fsdp2_prepare_model` and
+`fully_shard` per decoder layer (FSDP2), `FullyShardedDataParallel` with `device_id=cpu` (FSDP1), FSDP-aware
+saving. Nothing here runs when a GPU is present.
 """
 
 from __future__ import annotations
@@ -43,15 +52,13 @@ def enable() -> bool:
     global _PATCHED
     if not needed():
         return False
-    from fsdp_recipes.config_check import check_fsdp_runs_on_cpu
-
-    check_fsdp_runs_on_cpu(fsdp_version_from_env(), "the accelerate config (FSDP_VERSION)")
     os.environ["ACCELERATE_USE_CPU"] = "true"
     if _PATCHED:
         return True
 
+    import torch
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     original_init = AcceleratorState.__init__
 
@@ -65,7 +72,38 @@ def enable() -> bool:
             self.fsdp_plugin = fsdp_plugin
             # accelerate mirrors the type into PartialState; later AcceleratorState() calls copy it back.
             PartialState._shared_state["distributed_type"] = self.distributed_type
+            if fsdp_plugin.fsdp_version == 1:
+                # MULTI_CPU names the device "cpu:0"; FSDP1 computes on "cpu" and rejects a device_id that differs.
+                self.device = PartialState._shared_state["device"] = torch.device("cpu")
 
     AcceleratorState.__init__ = init_with_cpu_fsdp
+
+    original_post_init = FullyShardedDataParallelPlugin.__post_init__
+
+    @functools.wraps(original_post_init)
+    def post_init_on_cpu(self):
+        try:
+            original_post_init(self)
+        except RuntimeError as err:
+            # Raised by the device lookup for sync_module_states, the last step that matters on torch >= 2.7;
+            # every field has been resolved by then. Finish it the way accelerate does for a GPU.
+            if not (self.sync_module_states and "no available devices" in str(err)):
+                raise
+            self.param_init_fn = lambda module: module.to_empty(device=torch.device("cpu"), recurse=False)
+
+    FullyShardedDataParallelPlugin.__post_init__ = post_init_on_cpu
+
+    from torch.distributed.fsdp import _init_utils
+
+    _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
+
+    from torch.distributed.fsdp import _state_dict_utils
+
+    unshard = _state_dict_utils._unshard_fsdp_state_params
+
+    def unshard_in_place(module, state, writeback, rank0_only, offload_to_cpu, with_grads):
+        return unshard(module, state, writeback, rank0_only, False, with_grads)
+
+    _state_dict_utils._unshard_fsdp_state_params = unshard_in_place
     _PATCHED = True
     return True

@@ -82,8 +82,6 @@ def check_recipe(recipe: Path, overrides: list[str]) -> tuple:
     # The GPU requirement first: a GPU recipe's other settings (bf16, hub model) cannot be checked on CPU.
     config_check.check_gpus(int(override(overrides, "min_gpus", raw.get("min_gpus", 0))), recipe.name)
     acc = config_check.check_accelerate_config(acc_yaml)
-    if config_check.gpu_count() == 0 and acc.get("distributed_type") == "FSDP":
-        config_check.check_fsdp_runs_on_cpu(int((acc.get("fsdp_config") or {}).get("fsdp_version", 1)), str(acc_yaml))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
         args = train_sft.parse_and_check(["--config", str(sft_yaml), *overrides])
