@@ -53,7 +53,7 @@ tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the ca
 	@$(PY) -m fsdp_recipes.tiny_assets
 
 sync-configs: $(STAMP) ## regenerate recipes/*/accelerate.yaml from accelerate_configs/
-	@$(PY) scripts/sync_accelerate_configs.py
+	@$(PY) scripts/sync_recipes.py
 
 test: $(STAMP) ## the whole test suite (CPU, no network; several minutes on 2 cores)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v --durations=10 $(PYTEST_ARGS); rc=$$?; \

@@ -43,7 +43,7 @@ def test_recipe_yaml_parses_with_trl(name, cache_dir):
 
 
 def test_recipe_accelerate_copies_are_in_sync():
-    res = subprocess.run([sys.executable, "scripts/sync_accelerate_configs.py", "--check"], cwd=REPO,
+    res = subprocess.run([sys.executable, "scripts/sync_recipes.py", "--check"], cwd=REPO,
                          capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 
