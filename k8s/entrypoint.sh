@@ -20,7 +20,8 @@ addr="${PET_MASTER_ADDR:-${MASTER_ADDR:-localhost}}"
 port="${PET_MASTER_PORT:-${MASTER_PORT:-29500}}"
 
 if [ "$rank" -ge "$nnodes" ]; then
-  echo "error: node rank $rank is outside the $nnodes node(s) this job was generated for. Fix: regenerate with make k8s NODES=<n>." >&2
+  echo "error: node rank $rank is outside the $nnodes node(s) this job was generated for." \
+    "Fix: regenerate with make k8s NODES=<n>." >&2
   exit 2
 fi
 if [ "$nnodes" -gt 1 ]; then
@@ -35,10 +36,17 @@ echo "[k8s] node $rank of $nnodes, $gpus GPU(s) per node; accelerate launch opti
 
 # A child plus `wait` instead of exec: the script must see the exit code to map it, and as PID 1 it must pass
 # on the kubelet's SIGTERM (bash defers traps while a foreground child runs, but not during `wait`).
+# The traps go in before the child starts, and a signal that lands before `child` is known is sent afterwards.
+# SIGINT is passed on as SIGTERM: a background child of a non-interactive shell ignores SIGINT.
+child=""
+pending=""
+# shellcheck disable=SC2329  # called from the trap strings, which shellcheck does not read
+forward() { if [ -n "$child" ]; then kill -"$1" "$child" 2>/dev/null || true; else pending="$1"; fi; }
+trap 'forward TERM' TERM INT
+trap 'forward USR1' USR1
 bash "recipes/$recipe/launch.sh" "$@" &
 child=$!
-trap 'kill -TERM "$child" 2>/dev/null || true' TERM INT
-trap 'kill -USR1 "$child" 2>/dev/null || true' USR1
+if [ -n "$pending" ]; then kill -"$pending" "$child" 2>/dev/null || true; fi
 rc=0
 wait "$child" || rc=$?
 # `wait` returns early (rc > 128) when a trapped signal arrives; wait again for the launcher's own exit code.

@@ -155,7 +155,9 @@ def test_runai_submit_script_passes_workers_gpus_and_claims(outputs, tmp_path):
     assert argv[argv.index("--termination-grace-period") + 1] == f"{300 + k8s.GRACE_MARGIN_S}s"
     assert "FSDP_K8S_LAUNCH_EXTRA=--parallelism_config_dp_replicate_size 4" in argv
     assert argv[argv.index("--command") + 2 :][:3] == ["bash", "k8s/entrypoint.sh", "hsdp-demo"]
-    single = subprocess.run(["bash", str(outputs["tiny-1x2"]["runai-submit.sh"])], env=env, capture_output=True, text=True)
+    single = subprocess.run(
+        ["bash", str(outputs["tiny-1x2"]["runai-submit.sh"])], env=env, capture_output=True, text=True
+    )
     assert single.stdout.splitlines()[:2] == ["training", "submit"] and "--workers" not in single.stdout
     no_project = subprocess.run(
         ["bash", str(outputs["tiny-1x2"]["runai-submit.sh"])], env=dict(env, RUNAI_PROJECT=""), capture_output=True
@@ -175,7 +177,8 @@ def kubernetes_validate(paths: list[Path]) -> subprocess.CompletedProcess:
 def as_pod_template(job: dict, replica: str = "Master") -> dict:
     """The PyTorchJob's pod template as a core PodTemplate, so the real Kubernetes schema checks it strictly."""
     template = job["spec"]["pytorchReplicaSpecs"][replica]["template"]
-    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": job["metadata"]["name"]}, "template": template}
+    name = job["metadata"]["name"]
+    return {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name}, "template": template}
 
 
 def test_core_kinds_pass_kubernetes_validate_strict(outputs, tmp_path):
@@ -218,19 +221,23 @@ def openapi_to_jsonschema(node):
         return [openapi_to_jsonschema(n) for n in node]
     if not isinstance(node, dict):
         return node
-    out = {k: openapi_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"}
+    out = {
+        k: openapi_to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes-") and k != "nullable"
+    }
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
     if node.get("nullable") and "type" in out:
         out["type"] = [out["type"], "null"]
-    if "properties" in out and "additionalProperties" not in out and not node.get("x-kubernetes-preserve-unknown-fields"):
+    preserve = node.get("x-kubernetes-preserve-unknown-fields")
+    if "properties" in out and "additionalProperties" not in out and not preserve:
         out["additionalProperties"] = False
     return out
 
 
 def errors(schema: dict, doc: dict) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in jsonschema.Draft7Validator(schema).iter_errors(doc)]
+    found = jsonschema.Draft7Validator(schema).iter_errors(doc)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in found]
 
 
 @pytest.mark.parametrize(
@@ -363,8 +370,10 @@ def entrypoint(repo: Path, **env) -> subprocess.CompletedProcess:
 
 
 def test_entrypoint_pytorchjob_env(fake_repo):
-    out = entrypoint(fake_repo, FSDP_NNODES="2", FSDP_GPUS_PER_NODE="8", RANK="1", MASTER_ADDR="job-master-0",
-                     MASTER_PORT="23456", WORLD_SIZE="2", FSDP_K8S_LAUNCH_EXTRA="--parallelism_config_dp_replicate_size 2")
+    out = entrypoint(
+        fake_repo, FSDP_NNODES="2", FSDP_GPUS_PER_NODE="8", RANK="1", MASTER_ADDR="job-master-0", MASTER_PORT="23456",
+        WORLD_SIZE="2", FSDP_K8S_LAUNCH_EXTRA="--parallelism_config_dp_replicate_size 2",
+    )
     assert out.returncode == 0, out.stderr
     assert "ARGS=--output_dir /checkpoints/demo" in out.stdout
     assert ("LAUNCH=--num_machines 2 --machine_rank 1 --main_process_ip job-master-0 --main_process_port 23456 "
@@ -396,8 +405,9 @@ def test_entrypoint_forwards_sigterm(fake_repo):
         echo ready
         while true; do sleep 0.1; done
         """))
-    proc = subprocess.Popen(["bash", "k8s/entrypoint.sh", "demo"], cwd=fake_repo, env={**os.environ, "FSDP_GPUS_PER_NODE": "1"},
-                            stdout=subprocess.PIPE, text=True)
+    env = {**os.environ, "FSDP_GPUS_PER_NODE": "1"}
+    cmd = ["bash", "k8s/entrypoint.sh", "demo"]
+    proc = subprocess.Popen(cmd, cwd=fake_repo, env=env, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if line.strip() == "ready":
             break

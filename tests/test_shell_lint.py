@@ -54,7 +54,8 @@ def shell_scripts() -> list[Path]:
 
 def run_shellcheck(paths: list[Path]) -> subprocess.CompletedProcess:
     # -x follows `source`d files; sbatch files are bash scripts with #SBATCH comments.
-    return subprocess.run([shellcheck(), "-x", "--shell=bash", *map(str, paths)], cwd=REPO, capture_output=True, text=True)
+    cmd = [shellcheck(), "-x", "--shell=bash", *map(str, paths)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
 
 
 def test_finds_the_known_scripts():
