@@ -119,7 +119,7 @@ class Cluster:
         for node, port in zip(self.nodes, node_ports):
             lines.append(f"NodeName={node} NodeAddr=127.0.0.1 NodeHostname=localhost Port={port} CPUs={self.cpus} "
                          f"RealMemory=1000 Gres=gpu:{GPUS_PER_NODE} State=UNKNOWN")
-        lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=60 State=UP")
+        lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP")
         self.conf.write_text("\n".join(lines) + "\n")
         # gres.conf sits next to slurm.conf; AutoDetect=off: the devices are fakes, there is no NVML
         (self.root / "gres.conf").write_text(
@@ -157,9 +157,16 @@ class Cluster:
     def wait_job(self, job_id: int, timeout: float, states=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
                                                              "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")) -> dict:
         """Poll until the job is in one of `states` (sbatch --wait backs off for tens of seconds)."""
-        return wait_for(f"job {job_id} in {states}",
-                        lambda: (lambda j: j if j.get("JobState") in states else None)(self.job(job_id)),
-                        timeout, interval=0.5, log=self.root / "slurmctld.log")
+        last: dict = {}
+
+        def done():
+            last.update(self.job(job_id))
+            return dict(last) if last.get("JobState") in states else None
+
+        try:
+            return wait_for(f"job {job_id}", done, timeout, interval=0.5)
+        except TimeoutError as err:
+            raise TimeoutError(f"{err}: still {last.get('JobState')} (reason {last.get('Reason')})") from None
 
     # -- stop --------------------------------------------------------------------------------------------
     def stop(self):

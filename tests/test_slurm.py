@@ -1,0 +1,140 @@
+"""slurm/*.sbatch against a real Slurm: a throw-away cluster of 3 slurmd nodes on 127.0.0.1 (tests/slurm_cluster.py).
+
+Each test submits the sbatch files as a user would (sbatch, the #SBATCH headers unchanged, including
+--gpus-per-node=8 served by fake GPU devices) on the tiny CPU recipe, polls `scontrol show job`, and checks
+the job's state and exit code, the log under slurm-logs/ and the run report (metrics.json).
+
+Slurm comes from Debian (scripts/install_slurm.sh). Without it, or without root, the tests skip with the
+reason -- except in CI (CI=true), where they fail: they must never silently not run there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, pack_env
+from fsdp_recipes import checkpoints
+from slurm_cluster import Cluster, missing_tools, wait_for
+
+ONE_NODE, MULTI_NODE = REPO / "slurm" / "fsdp_1node.sbatch", REPO / "slurm" / "fsdp_multinode.sbatch"
+QUICK = ["--eval_strategy", "no", "--save_merged_model", "false", "--logging_steps", "5"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    missing = missing_tools()
+    reason = (f"Slurm is not installed ({', '.join(missing)} not found). Fix: sudo scripts/install_slurm.sh"
+              if missing else
+              "needs root: starts munged and slurmd, makes fake GPU device files, edits /etc/hosts"
+              if os.geteuid() != 0 else None)
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the Slurm tests: {reason}")
+        pytest.skip(reason)
+    c = Cluster(tmp_path_factory.mktemp("slurm"), nodes=3).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def submit(cluster, cache_dir, tmp_path):
+    """sbatch a script from tmp_path (its slurm-logs/ is there) with RECIPE/ARGS as environment."""
+    (tmp_path / "slurm-logs").mkdir()
+
+    def _submit(script, args, *opts, recipe="tiny-cpu-lora", **env):
+        job_env = pack_env(cache_dir, RECIPE=recipe, ARGS=shlex.join(args), FSDP_RECIPES_HOME=str(REPO),
+                           PYTHON=sys.executable, **env)
+        job = cluster.sbatch(script, *opts, cwd=tmp_path, env=job_env)
+        log = tmp_path / "slurm-logs" / f"{'fsdp-1node' if script == ONE_NODE else 'fsdp-multinode'}-{job}.out"
+        return job, log
+
+    return _submit
+
+
+def finished(cluster, job, log, timeout, state="COMPLETED", code="0:0"):
+    info = cluster.wait_job(job, timeout)
+    text = log.read_text() if log.exists() else "(no log)"
+    assert (info["JobState"], info["ExitCode"]) == (state, code), f"{info}\n{text[-4000:]}"
+    return info, text
+
+
+@pytest.mark.slow
+def test_one_node(cluster, submit, tmp_path):
+    out = tmp_path / "run"
+    job, log = submit(ONE_NODE, ["--max_steps", "20", *QUICK, "--output_dir", str(out)])
+    info, text = finished(cluster, job, log, 180)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["status"] == "completed" and m["steps"] == 20
+    assert (m["world_size"], m["num_nodes"]) == (2, 1)
+    assert info["NumNodes"] == "1" and f"[slurm] job {job} on" in text
+    assert "== tiny-cpu-lora: completed in" in text  # the pack's summary, in slurm-logs/
+
+
+@pytest.mark.slow
+def test_multinode_two_nodes(cluster, submit, tmp_path):
+    """2 nodes x 1 process (a CPU recipe): one launcher per node, joined by the c10d rendezvous."""
+    out = tmp_path / "run"
+    job, log = submit(MULTI_NODE, ["--max_steps", "20", *QUICK, "--output_dir", str(out)])
+    info, text = finished(cluster, job, log, 180)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["status"] == "completed" and m["steps"] == 20
+    assert (m["world_size"], m["num_nodes"]) == (2, 2)  # num_nodes = WORLD_SIZE / LOCAL_WORLD_SIZE
+    assert m["sharding_strategy"] == "FULL_SHARD"  # world 2 = the recipe's shard group: one replica
+    assert info["NumNodes"] == "2" and info["NodeList"] == "fsdpn[1-2]"
+    for rank in (0, 1):  # both launchers ran, with their machine rank from SLURM_NODEID
+        assert f"--machine_rank {rank} --rdzv_conf join_timeout=300,is_host={int(rank == 0)}" in text, text[-4000:]
+
+
+@pytest.mark.slow
+def test_multinode_hsdp(cluster, submit, tmp_path):
+    """2 nodes x 2 processes: 2 replicas of the recipe's 2-way sharding, i.e. HSDP."""
+    out = tmp_path / "run"
+    job, log = submit(MULTI_NODE, ["--max_steps", "10", *QUICK, "--output_dir", str(out)], PROCS_PER_NODE="2")
+    finished(cluster, job, log, 240)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["status"] == "completed"
+    assert (m["world_size"], m["num_nodes"]) == (4, 2)
+    assert m["sharding_strategy"] == "HYBRID_SHARD (replicate 2 x shard 2)"
+
+
+@pytest.mark.slow
+def test_preempted_job_requeues_and_resumes(cluster, submit, tmp_path):
+    """USR1 to the job's step (what `--signal=USR1@300` sends before the time limit): save, exit 75, requeue, resume."""
+    out = tmp_path / "run"
+    job, log = submit(MULTI_NODE, ["--max_steps", "60", *QUICK, "--save_strategy", "steps", "--save_steps", "10",
+                                   "--output_dir", str(out)])
+    wait_for("the first checkpoint", lambda: checkpoints.is_complete(out / "checkpoint-10"), 150, log=log)
+    res = subprocess.run(["scancel", "--signal=USR1", str(job)], env=cluster.env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    info, text = finished(cluster, job, log, 240)
+    assert info["Restarts"] == "1", info
+    assert "preempted: checkpoint saved; requeueing" in text
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["status"] == "completed" and m["steps"] == 60
+    assert m["resumed_from"] and m["resumed_from"].startswith(str(out / "checkpoint-")), m
+    assert m["resumed_from"] != str(out / "checkpoint-60")  # it resumed mid-run, not after the end
+
+
+def one_error_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), text
+    return lines[0]
+
+
+def test_bad_input_is_one_line(cluster, submit):
+    jobs = [
+        submit(ONE_NODE, [], recipe="no-such-recipe"),
+        submit(MULTI_NODE, [], "--nodes=3"),  # 3 x 1 process cannot hold the recipe's 2-way shard groups
+        submit(MULTI_NODE, [], "--nodes=1"),
+    ]
+    lines = [one_error_line(finished(cluster, job, log, 60, "FAILED", "2:0")[1]) for job, log in jobs]
+    assert "unknown recipe 'no-such-recipe'" in lines[0]
+    assert "3 nodes x 1 process(es) = 3 is not a multiple of 2" in lines[1]
+    assert "got 1 node" in lines[2] and "fsdp_1node.sbatch" in lines[2]
