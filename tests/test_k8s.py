@@ -64,11 +64,18 @@ def outputs(tmp_path_factory) -> dict[str, dict[str, Path]]:
     """Manifests for the shipped recipes and for synthetic HSDP / long-grace recipes."""
     root = tmp_path_factory.mktemp("k8s")
     hsdp = make_recipe(root / "recipes", "hsdp-demo", HSDP_ACCELERATE, "min_gpus: 16\npreemption_grace_s: 300\n")
-    return {
+    made = {
         "mistral-2x8": generate("mistral-small-lora", root / "m", "--nodes", "2", "--gpus", "8"),
         "tiny-1x2": generate("tiny-cpu-lora", root / "t", "--nodes", "1", "--gpus", "2"),
         "hsdp-4x8": generate(hsdp, root / "h", "--nodes", "4", "--gpus", "8", "--env", "NCCL_SOCKET_IFNAME=eth0"),
     }
+    # Every shipped recipe at the size its accelerate.yaml was written for, so a new recipe is validated too.
+    for folder in sorted(p for p in (REPO / "recipes").iterdir() if (p / "accelerate.yaml").is_file()):
+        acc = load(folder / "accelerate.yaml")
+        nodes = int(acc.get("num_machines", 1))
+        gpus = max(1, int(acc.get("num_processes", 1)) // nodes)
+        made[f"recipe:{folder.name}"] = generate(folder, root / folder.name, "--nodes", str(nodes), "--gpus", str(gpus))
+    return made
 
 
 def all_files(outputs, suffix: str) -> list[Path]:
