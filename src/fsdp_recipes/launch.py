@@ -31,7 +31,7 @@ import time
 import warnings
 from pathlib import Path
 
-from fsdp_recipes import config_check, recipes, summary, train_sft
+from fsdp_recipes import config_check, model_check, recipes, smoke, summary, train_sft
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.preemption import EXIT_PREEMPTED
 
@@ -76,8 +76,8 @@ def run_forwarding_signals(cmd: list[str]) -> int:
             signal.signal(sig, handler)
 
 
-def check_recipe(recipe: Path, overrides: list[str]) -> tuple:
-    sft_yaml, acc_yaml = recipe / "sft.yaml", recipe / "accelerate.yaml"
+def check_recipe(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple:
+    sft_yaml = recipe / "sft.yaml"
     raw = config_check.load_yaml(sft_yaml, "recipe config")
     # The GPU requirement first: a GPU recipe's other settings (bf16, hub model) cannot be checked on CPU.
     config_check.check_gpus(int(override(overrides, "min_gpus", raw.get("min_gpus", 0))), recipe.name)
@@ -87,6 +87,7 @@ def check_recipe(recipe: Path, overrides: list[str]) -> tuple:
         args = train_sft.parse_and_check(["--config", str(sft_yaml), *overrides])
     script, training, model, mixture, pack = args
     config_check.check_fsdp_with_peft(acc, model.use_peft, acc_yaml)
+    model_check.check(model.model_name_or_path, recipe, acc, acc_yaml, model)
     train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
     return args, acc
 
@@ -97,13 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0].startswith("-"):
         raise UserError("usage: python -m fsdp_recipes.launch <recipe name or folder> [--field value ...]")
     recipe, overrides = recipes.resolve(argv[0]), argv[1:]
+    acc_yaml = recipe / "accelerate.yaml"
     t0 = time.time()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     say(f"recipe {recipe.name} ({recipe})")
     print(config_check.gpu_inventory(), flush=True)
+    if smoke.active():
+        acc_yaml, overrides = smoke.prepare(recipe, overrides)
 
-    (script, training, model, mixture, pack), acc = check_recipe(recipe, overrides)
+    (script, training, model, mixture, pack), acc = check_recipe(recipe, acc_yaml, overrides)
     if script.dataset_name and config_check.looks_local(script.dataset_name):
         import datasets
 
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
 
     extra = shlex.split(os.environ.get("FSDP_RECIPES_LAUNCH_ARGS", ""))
-    cmd = accelerate_cmd() + ["--config_file", str(recipe / "accelerate.yaml"), *extra]
+    cmd = accelerate_cmd() + ["--config_file", str(acc_yaml), *extra]
     multi_node = int(acc.get("num_machines", 1)) > 1 or "--num_machines" in extra
     if not multi_node and "MASTER_PORT" not in os.environ:
         cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide

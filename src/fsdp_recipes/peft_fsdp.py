@@ -1,6 +1,15 @@
-"""Workaround: PEFT `modules_to_save` on the output layer gets wrong gradients under accelerate's FSDP2.
+"""Workarounds for PEFT under FSDP, each a gap in the pinned versions (peft 0.21, accelerate 1.15).
 
-Gap this fills: accelerate 1.15's `fsdp2_prepare_model` puts `model.get_output_embeddings()` and the final norm
+1. An empty adapter under FSDP1 (`strip_fsdp1_wrapper_names`). PEFT picks the adapter's tensors out of the
+   full state dict by module name, and removes FSDP's `_fsdp_wrapped_module.` only where it leads the name.
+   FSDP1's auto-wrap puts it in the middle of every wrapped decoder layer's name
+   (`...layers.0._fsdp_wrapped_module.self_attn.q_proj`), while the gathered state dict has it nowhere, so
+   nothing matches: `save_pretrained` writes an adapter with no tensors, at every checkpoint and at the end.
+   Found by the pack's final-save check on `make smoke RECIPE=mistral-small-lora`. The fix strips the wrapper
+   names (and activation checkpointing's) from PEFT's prefixes wherever they occur.
+
+2. PEFT `modules_to_save` on the output layer gets wrong gradients under accelerate's FSDP2.
+   Gap this fills: accelerate 1.15's `fsdp2_prepare_model` puts `model.get_output_embeddings()` and the final norm
 into one FSDP unit of their own (the "tail", `reshard_after_forward=False`). When the output layer is a PEFT
 `ModulesToSaveWrapper` (e.g. `lora_modules_to_save: [lm_head]`), the trained copy's gradient comes out wrong
 with more than one rank. Measured on the tiny recipe, one SGD step without clipping: the LM head's update
@@ -17,6 +26,28 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from fsdp_recipes import cpu_fsdp
+
+WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def strip_fsdp1_wrapper_names() -> None:
+    """Patch PEFT's adapter-key prefixes to ignore FSDP1 / checkpoint wrapper names (workaround 1 above)."""
+    from peft.tuners import tuners_utils
+
+    original = tuners_utils._get_tuner_state_dict_key_prefixes
+    if getattr(original, "_strips_wrappers", False):
+        return
+
+    def prefixes_without_wrappers(model, adapter_name=None):
+        out = set()
+        for prefix in original(model, adapter_name=adapter_name):
+            for name in WRAPPER_NAMES:
+                prefix = prefix.replace(name, "")
+            out.add(prefix)
+        return out
+
+    prefixes_without_wrappers._strips_wrappers = True
+    tuners_utils._get_tuner_state_dict_key_prefixes = prefixes_without_wrappers
 
 
 def fsdp2_requested() -> bool:

@@ -81,7 +81,16 @@ def expected_state_dict(trainer, full: dict | None = None, gathered: bool = Fals
     if hasattr(model, "peft_config"):
         from peft import get_peft_model_state_dict
 
-        return get_peft_model_state_dict(model, state_dict=full)
+        adapter = get_peft_model_state_dict(model, state_dict=full)
+        # PEFT selects the adapter's tensors by name; when that selection goes wrong it is empty or short, in
+        # the files and here alike, so also count against what the model actually trains.
+        trainable = sum(1 for p in model.parameters() if p.requires_grad)
+        if len(adapter) != trainable:
+            raise IncompleteSave(
+                f"final save failed its completeness check: the adapter has {len(adapter)} tensors but the model "
+                f"trains {trainable} parameters"
+            )
+        return adapter
     if getattr(model.config, "tie_word_embeddings", False):
         full.pop("lm_head.weight", None)  # save_pretrained stores tied weights once
     return full

@@ -167,7 +167,10 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     from fsdp_recipes.checkpoints import CompletionMarkerCallback, identity
     from fsdp_recipes.load_check import LoadCheckCallback
     from fsdp_recipes.loading import load_sft_datasets
-    from fsdp_recipes.peft_fsdp import RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer
+    from fsdp_recipes.peft_fsdp import (RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer,
+                                        strip_fsdp1_wrapper_names)
+
+    strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
 
     train_ds, eval_ds = load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
     training.model_init_kwargs = {
