@@ -94,7 +94,7 @@ def test_missing_eval_split(recipe, cache_dir, tmp_path):
 def test_gpu_recipe_on_cpu_names_the_cpu_alternative(cache_dir):
     res = launch(["mistral-small-lora"], cache_dir)
     assert_one_line_error(res, "needs 8 GPU(s) and this machine has 0")
-    assert "make finetune" in res.stderr
+    assert "make smoke RECIPE=mistral-small-lora" in res.stderr
 
 
 def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir):

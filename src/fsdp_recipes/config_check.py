@@ -73,6 +73,12 @@ def check_accelerate_config(path: str | Path) -> dict:
     except Exception as err:  # accelerate raises TypeError/ValueError for unknown or bad keys
         raise UserError(f"accelerate cannot read {path}: {err}. Fix: compare with accelerate_configs/.") from None
     fsdp = raw.get("fsdp_config") or {}
+    for section in ("fsdp_config", "parallelism_config"):  # accelerate ignores unknown keys in these silently
+        known = launch_options(section.split("_config")[0] + "_")
+        for key in raw.get(section) or {}:
+            if key not in known:
+                raise UserError(f"{path}: unknown {section} key `{key}` (accelerate would ignore it). "
+                                f"Fix: {_suggest(key, known)}")
     if raw.get("distributed_type") == "FSDP":
         version = int(fsdp.get("fsdp_version", 1))
         if version == 1 and fsdp.get("fsdp_cpu_ram_efficient_loading") and not fsdp.get("fsdp_sync_module_states"):
@@ -88,6 +94,41 @@ def check_accelerate_config(path: str | Path) -> dict:
                     "Fix: remove them (FSDP2 uses fsdp_reshard_after_forward instead of fsdp_sharding_strategy)."
                 )
     return raw
+
+
+def launch_options(prefix: str) -> set[str]:
+    """The `accelerate launch` options starting with `prefix`: the keys its config sections may hold."""
+    from accelerate.commands.launch import launch_command_parser
+
+    return {a.dest for a in launch_command_parser()._actions if a.dest.startswith(prefix)}
+
+
+def hsdp_sizes(acc: dict) -> tuple[int, int] | None:
+    """(replicate, shard) group sizes of an FSDP2 HSDP config, else None."""
+    par = acc.get("parallelism_config") or {}
+    replicate = int(par.get("parallelism_config_dp_replicate_size", 1))
+    if acc.get("distributed_type") != "FSDP" or replicate <= 1:
+        return None
+    return replicate, int(par.get("parallelism_config_dp_shard_size", 1))
+
+
+def check_topology(acc: dict, path, num_machines: int, num_processes: int) -> None:
+    """An HSDP layout must cover the world exactly, with each shard group inside one node."""
+    sizes = hsdp_sizes(acc)
+    if sizes is None:
+        return
+    replicate, shard = sizes
+    if replicate * shard != num_processes:
+        raise UserError(
+            f"{path}: dp_replicate_size {replicate} x dp_shard_size {shard} = {replicate * shard}, but the job has "
+            f"{num_processes} processes. Fix: make their product the world size ({num_machines} node(s) x GPUs per node)."
+        )
+    per_node = num_processes // max(num_machines, 1)
+    if num_machines > 1 and (shard > per_node or per_node % shard):
+        raise UserError(
+            f"{path}: a shard group of {shard} does not fit inside one node of {per_node} GPUs, so FSDP's all-gathers "
+            f"would cross the network. Fix: set parallelism_config_dp_shard_size to {per_node} (or a divisor of it)."
+        )
 
 
 def check_fsdp_with_peft(acc: dict, use_peft: bool, path) -> None:
@@ -122,8 +163,8 @@ def check_gpus(min_gpus: int, recipe: str) -> None:
     found = gpu_count()
     if min_gpus > found:
         raise UserError(
-            f"recipe {recipe} needs {min_gpus} GPU(s) and this machine has {found}. "
-            "Fix: run it on a GPU node, or smoke-test the pack on CPU with `make finetune` (recipe tiny-cpu-lora)."
+            f"recipe {recipe} needs {min_gpus} GPU(s) and this machine has {found}. Fix: run it on a GPU node, or "
+            f"test it on CPU with `make smoke RECIPE={recipe}` (a tiny model of the same architecture, 2 processes)."
         )
 
 

@@ -50,6 +50,10 @@ def override(argv: list[str], key: str, default):
     return default
 
 
+def launch_args() -> list[str]:
+    return shlex.split(os.environ.get("FSDP_RECIPES_LAUNCH_ARGS", ""))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,9 +83,15 @@ def run_forwarding_signals(cmd: list[str]) -> int:
 def check_recipe(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple:
     sft_yaml = recipe / "sft.yaml"
     raw = config_check.load_yaml(sft_yaml, "recipe config")
+    extra = launch_args()
+    machines = int(override(extra, "num_machines", config_check.load_yaml(acc_yaml, "accelerate config")
+                            .get("num_machines", 1)))
     # The GPU requirement first: a GPU recipe's other settings (bf16, hub model) cannot be checked on CPU.
-    config_check.check_gpus(int(override(overrides, "min_gpus", raw.get("min_gpus", 0))), recipe.name)
+    # min_gpus counts the whole job; each of its nodes runs this launcher with its share.
+    min_gpus = int(override(overrides, "min_gpus", raw.get("min_gpus", 0)))
+    config_check.check_gpus(-(-min_gpus // machines), recipe.name)
     acc = config_check.check_accelerate_config(acc_yaml)
+    config_check.check_topology(acc, acc_yaml, machines, int(override(extra, "num_processes", acc.get("num_processes", 1))))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
         args = train_sft.parse_and_check(["--config", str(sft_yaml), *overrides])
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
         load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
 
-    extra = shlex.split(os.environ.get("FSDP_RECIPES_LAUNCH_ARGS", ""))
+    extra = launch_args()
     cmd = accelerate_cmd() + ["--config_file", str(acc_yaml), *extra]
     multi_node = int(acc.get("num_machines", 1)) > 1 or "--num_machines" in extra
     if not multi_node and "MASTER_PORT" not in os.environ:

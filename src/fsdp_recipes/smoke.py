@@ -118,9 +118,8 @@ def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str]]:
         smoke_args += ["--attn_implementation", "sdpa"]
         say("attention: flash-attn needs CUDA -> sdpa")
     scaled = scale_accelerate(acc)
-    out = Path("runs/smoke")
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{recipe.name}.accelerate.yaml"
+    path = cache_dir() / "smoke" / f"{recipe.name}.accelerate.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# recipes/{recipe.name}/accelerate.yaml scaled for a CPU smoke test (fsdp_recipes.smoke)\n"
                     + yaml.safe_dump(scaled, sort_keys=True))
     say(f"accelerate: recipes/{recipe.name}/accelerate.yaml with {acc.get('num_processes', 1)} process(es) on "

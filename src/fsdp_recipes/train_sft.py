@@ -41,6 +41,11 @@ class PackArguments:
         default=False,
         metadata={"help": "At train start, check every rank's (gathered) weights against the model files."},
     )
+    measure_memory: bool = field(
+        default=False,
+        metadata={"help": "Write memory_probe.rank<N>.json: bytes of weights, gradients, optimizer states and "
+                          "saved activations each rank held in the first step (checks `make plan`'s estimate)."},
+    )
     preemption_grace_s: int = field(
         default=120,
         metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
@@ -195,6 +200,10 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     trainer.token_counter = report.tokens
     if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
+    if pack.measure_memory:
+        from fsdp_recipes.memory_probe import MemoryProbeCallback
+
+        trainer.add_callback(MemoryProbeCallback(trainer.model, training.output_dir, trainer.accelerator.process_index))
     return trainer
 
 
