@@ -96,8 +96,9 @@ def check_recipe(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple:
         warnings.simplefilter("ignore")
         args = train_sft.parse_and_check(["--config", str(sft_yaml), *overrides])
     script, training, model, mixture, pack = args
-    config_check.check_fsdp_with_peft(acc, model.use_peft, acc_yaml)
-    model_check.check(model.model_name_or_path, recipe, acc, acc_yaml, model)
+    named = recipe / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
+    config_check.check_fsdp_with_peft(acc, model.use_peft, named)
+    model_check.check(model.model_name_or_path, recipe, acc, named, model)
     train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
     return args, acc
 

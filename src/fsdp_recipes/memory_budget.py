@@ -10,13 +10,18 @@ parameter's dtype; AdamW keeps two fp32 moments. Sharding divides all three by t
 
 Activations, bytes per token per decoder layer, counted from what autograd saves in transformers' Llama /
 Mistral / Qwen3 layers with SDPA (no materialised attention matrix; Korthikanti et al. 2022 do the same
-count for GPT): each RMSNorm keeps its fp32 input and a normalised copy (8h at bf16 compute), attention
-keeps q, k, v (GQA heads repeated to the query width when transformers' SDPA path repeats them), its output
-and the o_proj input (5q), the MLP keeps gate, up, SiLU(gate) and their product (4I), all at the compute
-width c (2 bytes for bf16, 4 for fp32):  per_layer = c * (4h + 4h + 5q + 4I) [+ LoRA dropout copies].
+count for GPT) and checked tensor by tensor with saved_tensors_hooks on the tiny model: each RMSNorm keeps
+an fp32 copy of its input and its output (h * (4 + c)); SDPA keeps q, k, v (GQA's k and v unrepeated: torch's
+enable_gqa) and its output, which o_proj reuses (c * (2q + 2kv)); the MLP keeps gate, up, SiLU(gate) and their
+product (4cI); each LoRA-targeted linear keeps its r-wide A output, and with dropout its dropped-out input
+and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
+
+    per_layer = 2h(4 + c) + c(2q + 2kv + 4I + r * targets) [+ (c + 1) * in_features per target, with dropout]
+
 With activation checkpointing only each layer's input (c*h) stays, plus one layer's full set during its
 recompute. TRL 1.16's SFTTrainer computes the loss through a fused, chunked LM head, so full logits are never
-materialised; one [4096 tokens x chunk] tile is, and is counted. Worst case: every sequence max_length long.
+materialised; one tile of at most 4096 tokens x 4096 vocabulary entries is, and is counted. Worst case: every
+sequence max_length long.
 
 Communication buffers: FSDP all-gathers one decoder layer's parameters at the compute width while
 prefetching the next (2 layers), plus that layer's gradients for the reduce-scatter; the root unit
@@ -34,7 +39,7 @@ import math
 
 GIB = 1024**3
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adafactor": 4}  # per trainable parameter, fp32 states
-LM_HEAD_TILE = 4096 * 4096  # TRL's chunked log-prob tile: TOKEN_CHUNK_SIZE x a vocabulary chunk
+LM_HEAD_TILE = 4096  # TRL's chunked log-prob tile is at most TOKEN_CHUNK_SIZE tokens x 4096 vocabulary entries
 
 
 @dataclasses.dataclass
@@ -46,10 +51,12 @@ class ModelShape:
     q_dim: int  # num_attention_heads * head_dim
     kv_dim: int  # num_key_value_heads * head_dim
     intermediate: int
+    vocab: int
     layer_params: int  # one decoder layer, adapters included
     layer_trainable: int
     root_params: int  # outside the decoder layers: embeddings, final norm, LM head
     lora_dropout_width: int  # sum of in_features over LoRA-targeted linears of one layer, when dropout > 0
+    lora_rank_width: int  # LoRA r x the number of targeted linears in one layer (the A outputs B keeps)
 
 
 @dataclasses.dataclass
@@ -76,7 +83,7 @@ def shape_of(model, model_args) -> ModelShape:
     layer0 = layers[0]
     base_layer = sum(p.numel() for p in layer0.parameters())
     total = sum(p.numel() for p in model.parameters())
-    lora_layer, dropout_width, lora_other, saved = 0, 0, 0, 0
+    lora_layer, dropout_width, rank_width, lora_other, saved = 0, 0, 0, 0, 0
     if model_args.use_peft:
         targets = model_args.lora_target_modules
         for name, module in model.named_modules():
@@ -88,6 +95,7 @@ def shape_of(model, model_args) -> ModelShape:
                 if name.startswith("model.layers.0."):
                     lora_layer += adapter
                     dropout_width += module.in_features if model_args.lora_dropout else 0
+                    rank_width += model_args.lora_r
                 elif not name.startswith("model.layers."):
                     lora_other += adapter
             if leaf in (model_args.lora_modules_to_save or []):
@@ -100,17 +108,17 @@ def shape_of(model, model_args) -> ModelShape:
     return ModelShape(
         params=params, trainable=trainable, layers=len(layers), hidden=cfg.hidden_size,
         q_dim=cfg.num_attention_heads * head_dim, kv_dim=cfg.num_key_value_heads * head_dim,
-        intermediate=cfg.intermediate_size, layer_params=layer_params,
+        intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, layer_params=layer_params,
         layer_trainable=lora_layer if model_args.use_peft else base_layer,
-        root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width,
+        root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
     )
 
 
 def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
-    q_saved = 3 * m.q_dim  # q, and k and v repeated to the query heads
-    elements = 4 * m.hidden + 4 * m.hidden + q_saved + 2 * m.q_dim + 4 * m.intermediate
-    dropout = 3 * m.lora_dropout_width  # the dropout output (c bytes) and its mask (1 byte) per LoRA input
-    return s.compute_bytes * elements + dropout * (s.compute_bytes + 1) // 3
+    c = s.compute_bytes
+    norms = 2 * m.hidden * (4 + c)
+    saved = c * (2 * m.q_dim + 2 * m.kv_dim + 4 * m.intermediate + m.lora_rank_width)
+    return norms + saved + (c + 1) * m.lora_dropout_width
 
 
 def budget(m: ModelShape, s: Setup) -> dict[str, int]:
@@ -125,7 +133,8 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
         activations = s.tokens * (m.layers * m.hidden * s.compute_bytes + per_layer)
     else:
         activations = s.tokens * m.layers * per_layer
-    activations += s.tokens * m.hidden * 4 * 2 + LM_HEAD_TILE * 4  # final norm (fp32) + fused LM head tile
+    tile = min(s.tokens, 4096) * min(m.vocab, LM_HEAD_TILE) * 4
+    activations += s.tokens * m.hidden * 4 * 2 + tile  # final norm (fp32) + the fused LM head's tile
     if s.strategy in ("FSDP", "HSDP") and s.shard > 1:
         comm = (2 * m.layer_params + m.root_params) * s.compute_bytes + m.layer_trainable * master
     elif s.strategy == "DDP":

@@ -26,14 +26,17 @@ def tensor_bytes(tensors) -> int:
 
 
 class MemoryProbeCallback(TrainerCallback):
-    def __init__(self, model, output_dir: str, rank: int):
-        self.model, self.out, self.rank = model, Path(output_dir), rank
+    def __init__(self, model, output_dir: str, rank: int, token_counter=None):
+        self.model, self.out, self.rank, self.counter = model, Path(output_dir), rank, token_counter
         self.result: dict = {}
         self.saved: dict[int, int] = {}
         self.hooks = None
 
     def _pack(self, t: torch.Tensor):
-        if not isinstance(t, torch.nn.Parameter):
+        # Linear layers save their weight (or its transpose, a view) for the input gradient: that is the
+        # parameter's memory, counted under weights, not an activation.
+        base = t._base if t._base is not None else t
+        if not isinstance(base, torch.nn.Parameter):
             storage = t.untyped_storage()
             self.saved[storage.data_ptr()] = storage.nbytes()
         return t
@@ -47,11 +50,14 @@ class MemoryProbeCallback(TrainerCallback):
             self.hooks.__enter__()
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if self.hooks is not None:
+        if self.hooks:
             self.hooks.__exit__(None, None, None)
             self.hooks = False  # measured once
             # Saved tensors of all micro-batches were counted; one micro-batch's set is alive at a time.
-            self.result["activations"] = sum(self.saved.values()) // max(args.gradient_accumulation_steps, 1)
+            micro_batches = max(args.gradient_accumulation_steps, 1)
+            self.result["activations"] = sum(self.saved.values()) // micro_batches
+            if self.counter is not None:  # padded tokens per micro-batch: what the activations scale with
+                self.result["tokens_per_micro_batch"] = self.counter.padded // micro_batches
         if "gradients" not in self.result:
             self.result["gradients"] = tensor_bytes(p.grad for p in (model or self.model).parameters())
 

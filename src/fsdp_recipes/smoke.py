@@ -62,6 +62,7 @@ def shrink(config, tokenizer):
 def build_model(recipe: Path, assets: dict) -> Path:
     """recipes/<name>/model_config.json -> a tiny model of that architecture in the cache."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_recipes.model_check import load_config
@@ -75,6 +76,7 @@ def build_model(recipe: Path, assets: dict) -> Path:
     config = shrink(load_config(source), tokenizer)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    transformers.utils.logging.disable_progress_bar()  # a few KB: keep the output to the [smoke] lines
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     stamp.write_text(source.read_text())  # last: a half-built folder is rebuilt

@@ -203,7 +203,8 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     if pack.measure_memory:
         from fsdp_recipes.memory_probe import MemoryProbeCallback
 
-        trainer.add_callback(MemoryProbeCallback(trainer.model, training.output_dir, trainer.accelerator.process_index))
+        trainer.add_callback(MemoryProbeCallback(trainer.model, training.output_dir, trainer.accelerator.process_index,
+                                                 report.tokens))
     return trainer
 
 

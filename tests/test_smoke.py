@@ -1,0 +1,109 @@
+"""`make smoke RECIPE=<any>`: every recipe's own accelerate YAML, SFT config and launch path on CPU, with a tiny
+model of its architecture; and the mistakes it must catch before the cluster does."""
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import REPO, pack_env
+from fsdp_recipes import recipes
+
+RECIPES = recipes.available(REPO / "recipes")
+
+
+def smoke(recipe: str, cache, out, *args, timeout=600):
+    argv = " ".join(["--output_dir", str(out), *args])
+    return subprocess.run(["make", "--no-print-directory", "smoke", f"RECIPE={recipe}", f"ARGS={argv}"], cwd=REPO,
+                          env=pack_env(cache), capture_output=True, text=True, timeout=timeout)
+
+
+def expected_layout(acc: dict) -> tuple[int, str]:
+    """(world size, sharding strategy) the smoke run must report for this recipe's accelerate YAML."""
+    if acc["distributed_type"] == "MULTI_GPU":
+        return 2, "DDP"
+    replicate = (acc.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1)
+    if replicate > 1:
+        return 4, "HYBRID_SHARD (replicate 2 x shard 2)"
+    return 2, "FULL_SHARD"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RECIPES)
+def test_smoke_every_recipe(name, cache_dir, tmp_path):
+    out = tmp_path / "run"
+    res = smoke(name, cache_dir, out)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    acc = yaml.safe_load((REPO / "recipes" / name / "accelerate.yaml").read_text())
+    world, strategy = expected_layout(acc)
+    assert metrics["status"] == "completed" and metrics["steps"] == 3
+    assert metrics["world_size"] == world
+    assert metrics["sharding_strategy"].startswith(strategy), metrics["sharding_strategy"]
+    if acc["distributed_type"] == "FSDP":
+        assert metrics["fsdp_version"] == acc["fsdp_config"]["fsdp_version"]
+    assert metrics["final_save_check"]["tensors"] > 0  # the final save was complete and checked
+    assert (out / "checkpoint-2").is_dir()
+    shipped = REPO / "recipes" / name / "model_config.json"
+    if shipped.exists():  # the tiny model has the real model's architecture
+        tiny = json.loads((cache_dir / "smoke" / name / "config.json").read_text())
+        real = json.loads(shipped.read_text())
+        assert tiny["architectures"] == real["architectures"] and tiny["model_type"] == real["model_type"]
+        assert tiny["num_hidden_layers"] == 2 < real["num_hidden_layers"]
+
+
+def copy_recipe(name: str, tmp_path):
+    dst = tmp_path / name
+    shutil.copytree(REPO / "recipes" / name, dst)
+    return dst
+
+
+def one_error_line(res) -> str:
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), res.stderr
+    return lines[0]
+
+
+def smoke_folder(folder, cache, *args):
+    return subprocess.run(["bash", str(folder / "launch.sh"), *args], cwd=REPO,
+                          env=pack_env(cache, FSDP_RECIPES_SMOKE="1"), capture_output=True, text=True, timeout=300)
+
+
+def test_smoke_catches_a_wrong_wrap_class(cache_dir, tmp_path):
+    folder = copy_recipe("qwen3-8b-full", tmp_path)
+    acc = yaml.safe_load((folder / "accelerate.yaml").read_text())
+    acc["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = "MistralDecoderLayer"  # the copy-paste mistake
+    (folder / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    line = one_error_line(smoke_folder(folder, cache_dir))
+    assert "MistralDecoderLayer" in line and "Qwen3DecoderLayer" in line
+
+
+def test_smoke_catches_a_lora_target_the_model_lacks(cache_dir, tmp_path):
+    res = smoke_folder(REPO / "recipes" / "llama-3.1-8b-lora", cache_dir,
+                       "--lora_target_modules", "q_proj", "qkv_proj", "--output_dir", str(tmp_path / "run"))
+    line = one_error_line(res)
+    assert "qkv_proj" in line and "q_proj" in line
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("fsdp_config.fsdp_sharding_stategy", "FULL_SHARD", "did you mean `fsdp_sharding_strategy`"),
+    ("fsdp_config.fsdp_reshard_after_forward", True, "only apply to"),  # an FSDP2 key is fine; see below
+])
+def test_smoke_catches_a_bad_fsdp_key(cache_dir, tmp_path, key, value, message):
+    folder = copy_recipe("mistral-small-lora", tmp_path)
+    acc = yaml.safe_load((folder / "accelerate.yaml").read_text())
+    section, name = key.split(".")
+    acc[section][name] = value
+    if name == "fsdp_reshard_after_forward":  # FSDP1 keys in an FSDP2 config
+        acc[section]["fsdp_version"] = 2
+    (folder / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    assert message in one_error_line(smoke_folder(folder, cache_dir))
+
+
+def test_smoke_of_an_unknown_recipe(cache_dir):
+    res = smoke("nope", cache_dir, "/tmp/unused")
+    assert res.returncode != 0 and "unknown recipe 'nope'" in res.stderr and "Traceback" not in res.stderr
