@@ -11,6 +11,7 @@ ARGS ?=
 GPUS ?= 8
 NODES ?= 1
 GPU ?= H100
+K8S_ARGS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
@@ -46,13 +47,13 @@ smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tin
 plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100: will it fit? per-GPU memory budget, launches nothing
 	@$(PY) -m fsdp_recipes.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU)
 
-k8s: $(STAMP) ## RECIPE NODES GPUS: Run:ai, Kubeflow PyTorchJob and TrainJob manifests under k8s/generated/
-	@$(PY) -m fsdp_recipes.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS)
+k8s: $(STAMP) ## RECIPE NODES GPUS [K8S_ARGS]: Kubeflow PyTorchJob, TrainJob and Run:ai manifests in k8s/generated/
+	@$(PY) -m fsdp_recipes.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)
 
 tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)
 	@$(PY) -m fsdp_recipes.tiny_assets
 
-sync-configs: $(STAMP) ## regenerate recipes/*/accelerate.yaml from accelerate_configs/
+sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.yaml, launch.sh, variants, README budgets)
 	@$(PY) scripts/sync_recipes.py
 
 test: $(STAMP) ## the whole test suite (CPU, no network; several minutes on 2 cores)
