@@ -8,6 +8,9 @@
 #   PYTHON          interpreter with the pack installed (default: <repo>/.venv/bin/python, else python3)
 #   FSDP_RECIPES_HOME  the repository (default: $SLURM_SUBMIT_DIR, i.e. submit from the repository root)
 
+# absolute, for the per-node shells that srun starts (they source this file again)
+COMMON="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
+export COMMON
 EXIT_PREEMPTED=75  # fsdp_recipes.preemption.EXIT_PREEMPTED: a checkpoint was saved, run again to resume
 
 die() {
@@ -19,7 +22,8 @@ say() {
   echo "[slurm] $*"
 }
 
-# cd to the repository, pick the interpreter, check the recipe; sets PACK_DIR PYTHON RECIPE OVERRIDES.
+# cd to the repository, pick the interpreter, check the recipe; sets PACK_DIR PYTHON RECIPE OVERRIDES and
+# exports what the per-node shells need.
 fsdp_setup() {
   [ -n "${SLURM_JOB_ID:-}" ] || die "not inside a Slurm job. Fix: submit with sbatch, e.g. RECIPE=tiny-cpu-lora sbatch $0"
   PACK_DIR="${FSDP_RECIPES_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}"
@@ -35,6 +39,7 @@ fsdp_setup() {
   mapfile -d '' -t OVERRIDES < <("$PYTHON" -c \
     'import shlex, sys; sys.stdout.write("".join(a + "\0" for a in shlex.split(sys.argv[1])))' "${ARGS:-}")
   OVERRIDES+=("$@")
+  export PYTHON RECIPE
 }
 
 # What the recipe's sharding was planned for: sets RECIPE_PROCS (accelerate num_processes, the shard group),
@@ -68,14 +73,41 @@ nccl_defaults() {
   # NCCL_SOCKET_IFNAME is site specific (e.g. ib0, eth0): set it yourself when NCCL picks the wrong interface
 }
 
-# Run a job step (srun ...) and act on how it ends. Slurm's `--signal=USR1@<grace>` is delivered to the
-# step's tasks, i.e. to the pack's launcher, which saves a checkpoint and exits 75; we then requeue the job,
+# One node's part of the job step (run by srun on every node). Exit 75 from the launcher (saved, preempted)
+# becomes 0 plus a marker on the node: otherwise the first node to finish its save would count as a bad exit
+# and --kill-on-bad-exit would kill the launchers that are still saving. The batch shell reads the marker.
+node_launch() {
+  local rc=0 is_host=0
+  if [ -n "${FSDP_LAUNCH_BASE:-}" ]; then  # multi-node: machine rank from SLURM_NODEID
+    # node 0 hosts the c10d store (is_host): no guessing from hostnames, which may be aliases or shared
+    [ "$SLURM_NODEID" -eq 0 ] && is_host=1
+    export FSDP_RECIPES_LAUNCH_ARGS="$FSDP_LAUNCH_BASE --machine_rank $SLURM_NODEID --rdzv_conf join_timeout=$RDZV_JOIN_TIMEOUT,is_host=$is_host"
+  fi
+  # Slurm signals every process of the step; the launcher passes them on. This shell must just not die of
+  # them (a trap, not an ignore, so that the launcher starts with the default handlers).
+  trap ':' USR1 TERM INT
+  "$PYTHON" -m fsdp_recipes.launch "$@" || rc=$?
+  if [ "$rc" -eq "$EXIT_PREEMPTED" ]; then
+    touch "$(preempt_marker)"
+    rc=0
+  fi
+  exit "$rc"
+}
+
+preempt_marker() {
+  echo "${TMPDIR:-/tmp}/fsdp-recipes-preempted-${SLURM_JOB_ID}"
+}
+
+# Run the job step (srun ... node_launch) and act on how it ends. Slurm's `--signal=USR1@<grace>` reaches the
+# step's processes, i.e. the pack's launcher, which saves a checkpoint and exits 75; we then requeue the job
 # and the requeued run resumes from that checkpoint. The step runs in the background so that a SIGTERM to
 # this batch shell (scancel, preemption) is noted while the step finishes its save, instead of killing us.
 run_step() {
   local pid rc
+  rm -f "$(preempt_marker)"
   trap 'say "batch shell got SIGTERM; waiting for the step to save and exit"' TERM
-  "$@" &
+  # shellcheck disable=SC2016  # $0 and $@ belong to the per-node shell
+  "$@" bash -c 'source "$0" && node_launch "$@"' "$COMMON" "$RECIPE" "${OVERRIDES[@]}" &
   pid=$!
   while true; do
     rc=0
@@ -83,7 +115,8 @@ run_step() {
     kill -0 "$pid" 2>/dev/null || break  # still running: wait was interrupted by the trap
   done
   trap - TERM
-  if [ "$rc" -eq "$EXIT_PREEMPTED" ]; then
+  if [ -e "$(preempt_marker)" ]; then
+    rm -f "$(preempt_marker)"
     say "preempted: checkpoint saved; requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) to resume"
     scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed; resubmit the same command to resume."
     exit 0

@@ -46,7 +46,7 @@ def wait_for(what: str, ok, timeout: float, interval: float = 0.2, log: Path | N
         if value:
             return value
         time.sleep(interval)
-    tail = log.read_text()[-3000:] if log and log.exists() else ""
+    tail = log.read_text(errors="replace")[-3000:] if log and log.exists() else ""
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}\n{tail}")
 
 
@@ -103,7 +103,8 @@ class Cluster:
         lines = [
             "ClusterName=fsdptest", "SlurmctldHost=localhost(127.0.0.1)", f"SlurmctldPort={ctld_port}",
             "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
+            # cred_expire: a requeued job may not start before it has passed (default 120 s)
+            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket},cred_expire=5",
             f"StateSaveLocation={self.root / 'state'}",
             f"SlurmdSpoolDir={self.root}/spool.%n", f"SlurmdPidFile={self.root}/slurmd.%n.pid",
             f"SlurmctldPidFile={self.root}/slurmctld.pid",
@@ -112,6 +113,8 @@ class Cluster:
             # no cgroups on a test host: track processes by parent PID, bind nothing
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "SchedulerType=sched/builtin",
+            # then it waits for the next full scheduling pass (default every 60 s)
+            "SchedulerParameters=sched_interval=1",
             "MpiDefault=none", "ReturnToService=2", "SlurmdParameters=config_overrides",
             "GresTypes=gpu", "JobRequeue=1", "KillWait=5", "MinJobAge=600", "InactiveLimit=0",
             "SlurmdTimeout=60", "MessageTimeout=20",
@@ -168,8 +171,24 @@ class Cluster:
         except TimeoutError as err:
             raise TimeoutError(f"{err}: still {last.get('JobState')} (reason {last.get('Reason')})") from None
 
+    def _cancel_all(self):
+        """Cancel what a failed test left running, so that no job step outlives the cluster."""
+        def queue() -> list[str]:
+            res = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True, timeout=30)
+            return res.stdout.split() if res.returncode == 0 else []
+
+        jobs = queue()
+        if jobs:
+            subprocess.run(["scancel", "--full", *jobs], env=self.env, capture_output=True, timeout=30)
+            try:
+                wait_for("cancelled jobs to end", lambda: not queue(), 60, interval=0.5)
+            except TimeoutError:
+                pass  # the daemons are stopped anyway; slurmd's stop ends its steps
+
     # -- stop --------------------------------------------------------------------------------------------
     def stop(self):
+        if "slurmctld" in self.procs:
+            self._cancel_all()
         # slurmd first (they kill their job steps), then the controller, then munge
         order = [n for n in self.nodes if n in self.procs] + [n for n in ("slurmctld", "munged") if n in self.procs]
         for name in order:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def submit(cluster, cache_dir, tmp_path):
 
 def finished(cluster, job, log, timeout, state="COMPLETED", code="0:0"):
     info = cluster.wait_job(job, timeout)
-    text = log.read_text() if log.exists() else "(no log)"
+    # errors="replace": two nodes' progress bars share the log and can split a multi-byte character
+    text = log.read_text(errors="replace") if log.exists() else "(no log)"
     assert (info["JobState"], info["ExitCode"]) == (state, code), f"{info}\n{text[-4000:]}"
     return info, text
 
@@ -81,10 +83,14 @@ def test_one_node(cluster, submit, tmp_path):
 def test_multinode_two_nodes(cluster, submit, tmp_path):
     """2 nodes x 1 process (a CPU recipe): one launcher per node, joined by the c10d rendezvous."""
     out = tmp_path / "run"
-    job, log = submit(MULTI_NODE, ["--max_steps", "20", *QUICK, "--output_dir", str(out)])
+    # LOGLEVEL=INFO: torchrun prints the launch config it really used (run id, rendezvous endpoint, timeouts)
+    job, log = submit(MULTI_NODE, ["--max_steps", "20", *QUICK, "--output_dir", str(out)], LOGLEVEL="INFO")
     info, text = finished(cluster, job, log, 180)
     m = json.loads((out / "metrics.json").read_text())
     assert m["status"] == "completed" and m["steps"] == 20
+    assert len(re.findall(rf"run_id +: {job}\n", text)) == 2, text[-4000:]  # --rdzv_id=$SLURM_JOB_ID, both nodes
+    assert len(re.findall(r"rdzv_endpoint +: fsdpn1:\d+\n", text)) == 2
+    assert text.count("'join_timeout': '300'") == 2
     assert (m["world_size"], m["num_nodes"]) == (2, 2)  # num_nodes = WORLD_SIZE / LOCAL_WORLD_SIZE
     assert m["sharding_strategy"] == "FULL_SHARD"  # world 2 = the recipe's shard group: one replica
     assert info["NumNodes"] == "2" and info["NodeList"] == "fsdpn[1-2]"
@@ -108,7 +114,7 @@ def test_multinode_hsdp(cluster, submit, tmp_path):
 def test_preempted_job_requeues_and_resumes(cluster, submit, tmp_path):
     """USR1 to the job's step (what `--signal=USR1@300` sends before the time limit): save, exit 75, requeue, resume."""
     out = tmp_path / "run"
-    job, log = submit(MULTI_NODE, ["--max_steps", "60", *QUICK, "--save_strategy", "steps", "--save_steps", "10",
+    job, log = submit(MULTI_NODE, ["--max_steps", "40", *QUICK, "--save_strategy", "steps", "--save_steps", "10",
                                    "--output_dir", str(out)])
     wait_for("the first checkpoint", lambda: checkpoints.is_complete(out / "checkpoint-10"), 150, log=log)
     res = subprocess.run(["scancel", "--signal=USR1", str(job)], env=cluster.env, capture_output=True, text=True)
@@ -117,9 +123,9 @@ def test_preempted_job_requeues_and_resumes(cluster, submit, tmp_path):
     assert info["Restarts"] == "1", info
     assert "preempted: checkpoint saved; requeueing" in text
     m = json.loads((out / "metrics.json").read_text())
-    assert m["status"] == "completed" and m["steps"] == 60
+    assert m["status"] == "completed" and m["steps"] == 40
     assert m["resumed_from"] and m["resumed_from"].startswith(str(out / "checkpoint-")), m
-    assert m["resumed_from"] != str(out / "checkpoint-60")  # it resumed mid-run, not after the end
+    assert m["resumed_from"] != str(out / "checkpoint-40")  # it resumed mid-run, not after the end
 
 
 def one_error_line(text: str) -> str:
