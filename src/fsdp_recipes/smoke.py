@@ -104,7 +104,7 @@ def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str]]:
     assets = ensure_assets(quiet=True)
     smoke_args = ["--dataset_name", str(assets["data"]), "--dataset_train_split", "train",
                   "--dataset_test_split", "test", "--min_gpus", "0", "--tiny_assets", "true", "--use_cpu", "true",
-                  "--max_steps", str(STEPS), "--save_steps", "2", "--logging_steps", "1",
+                  "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
                   "--output_dir", f"runs/smoke/{recipe.name}"]
     if (recipe / "model_config.json").is_file():
         model_dir = build_model(recipe, assets)
