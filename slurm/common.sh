@@ -36,6 +36,8 @@ fsdp_setup() {
   RECIPE="${RECIPE:-tiny-cpu-lora}"
   "$PYTHON" -m fsdp_recipes.recipes check "$RECIPE" || exit 2  # prints its own one-line error
   # ARGS is split like a shell would (quotes kept), by Python's shlex rather than eval
+  "$PYTHON" -c 'import shlex, sys; shlex.split(sys.argv[1])' "${ARGS:-}" 2>/dev/null ||
+    die "ARGS has unbalanced quotes: ${ARGS:-}. Fix: ARGS=\"--field value ...\" with matched quotes."
   mapfile -d '' -t OVERRIDES < <("$PYTHON" -c \
     'import shlex, sys; sys.stdout.write("".join(a + "\0" for a in shlex.split(sys.argv[1])))' "${ARGS:-}")
   OVERRIDES+=("$@")
@@ -118,8 +120,12 @@ run_step() {
   if [ -e "$(preempt_marker)" ]; then
     rm -f "$(preempt_marker)"
     say "preempted: checkpoint saved; requeueing job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) to resume"
-    scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed; resubmit the same command to resume."
-    exit 0
+    if scontrol requeue "$SLURM_JOB_ID"; then
+      exit 0
+    fi
+    # scancel'd (nothing to requeue), or Slurm's own preemption is already requeueing it
+    say "scontrol requeue $SLURM_JOB_ID refused (see above); to resume, submit the same command again"
+    exit "$EXIT_PREEMPTED"
   fi
   [ "$rc" -eq 0 ] || say "the step exited with code $rc"
   exit "$rc"

@@ -114,7 +114,7 @@ def test_multinode_hsdp(cluster, submit, tmp_path):
 def test_preempted_job_requeues_and_resumes(cluster, submit, tmp_path):
     """USR1 to the job's step (what `--signal=USR1@300` sends before the time limit): save, exit 75, requeue, resume."""
     out = tmp_path / "run"
-    job, log = submit(MULTI_NODE, ["--max_steps", "40", *QUICK, "--save_strategy", "steps", "--save_steps", "10",
+    job, log = submit(MULTI_NODE, ["--max_steps", "60", *QUICK, "--save_strategy", "steps", "--save_steps", "10",
                                    "--output_dir", str(out)])
     wait_for("the first checkpoint", lambda: checkpoints.is_complete(out / "checkpoint-10"), 150, log=log)
     res = subprocess.run(["scancel", "--signal=USR1", str(job)], env=cluster.env, capture_output=True, text=True)
@@ -123,9 +123,9 @@ def test_preempted_job_requeues_and_resumes(cluster, submit, tmp_path):
     assert info["Restarts"] == "1", info
     assert "preempted: checkpoint saved; requeueing" in text
     m = json.loads((out / "metrics.json").read_text())
-    assert m["status"] == "completed" and m["steps"] == 40
+    assert m["status"] == "completed" and m["steps"] == 60
     assert m["resumed_from"] and m["resumed_from"].startswith(str(out / "checkpoint-")), m
-    assert m["resumed_from"] != str(out / "checkpoint-40")  # it resumed mid-run, not after the end
+    assert m["resumed_from"] != str(out / "checkpoint-60")  # it resumed mid-run, not after the end
 
 
 def one_error_line(text: str) -> str:
