@@ -84,13 +84,12 @@ def check_recipe(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple:
     sft_yaml = recipe / "sft.yaml"
     raw = config_check.load_yaml(sft_yaml, "recipe config")
     extra = launch_args()
-    machines = int(override(extra, "num_machines", config_check.load_yaml(acc_yaml, "accelerate config")
-                            .get("num_machines", 1)))
-    # The GPU requirement first: a GPU recipe's other settings (bf16, hub model) cannot be checked on CPU.
-    # min_gpus counts the whole job; each of its nodes runs this launcher with its share.
+    acc = config_check.check_accelerate_config(acc_yaml)
+    machines = int(override(extra, "num_machines", acc.get("num_machines", 1)))
+    # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
+    # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
     min_gpus = int(override(overrides, "min_gpus", raw.get("min_gpus", 0)))
     config_check.check_gpus(-(-min_gpus // machines), recipe.name)
-    acc = config_check.check_accelerate_config(acc_yaml)
     config_check.check_topology(acc, acc_yaml, machines, int(override(extra, "num_processes", acc.get("num_processes", 1))))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
