@@ -12,11 +12,12 @@ GPUS ?= 8
 NODES ?= 1
 GPU ?= H100
 K8S_ARGS ?=
+RUNS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune smoke plan k8s test test-fast tiny-assets sync-configs bench-loading export clean
+.PHONY: help venv finetune smoke plan k8s report test test-fast tiny-assets sync-configs bench-loading export clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -49,6 +50,10 @@ plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100: will it fit? per-GPU memory bu
 
 k8s: $(STAMP) ## RECIPE NODES GPUS [K8S_ARGS]: Kubeflow PyTorchJob, TrainJob and Run:ai manifests in k8s/generated/
 	@$(PY) -m fsdp_recipes.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)
+
+report: $(STAMP) ## RUNS="runs/a runs/b" [ARGS="--out DIR"]: report.md, loss/throughput/memory PNGs in the runs' common parent
+	@if [ -z "$(RUNS)" ]; then echo 'error: make report needs RUNS="runs/a runs/b"' >&2; exit 2; fi
+	@$(PY) -m fsdp_recipes.report $(RUNS) $(ARGS)
 
 tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)
 	@$(PY) -m fsdp_recipes.tiny_assets

@@ -39,3 +39,23 @@ def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env
 def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m fsdp_recipes.launch ...`, what every recipe's launch.sh runs."""
     return run([sys.executable, "-m", "fsdp_recipes.launch", *args], cache, cwd=cwd, timeout=timeout)
+
+
+def fsdp1_recipe(parent: Path, **fsdp_config) -> Path:
+    """The tiny recipe with the FSDP1 settings the seeds use (accelerate_configs/fsdp1_1node.yaml: use_orig_params,
+    sync_module_states + cpu_ram_efficient_loading, backward prefetch), on 2 CPU processes. Without
+    lora_modules_to_save: TRL 1.16's fused LM head cannot run a wrapped LM head under FSDP1 (README)."""
+    import shutil
+
+    import yaml
+
+    dst = parent / "tiny-fsdp1"
+    if not dst.exists():
+        shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", dst)
+        acc = yaml.safe_load((REPO / "accelerate_configs" / "fsdp1_1node.yaml").read_text())
+        acc.update(num_processes=2, mixed_precision="no")
+        acc["fsdp_config"].update(fsdp_config)
+        (dst / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+        sft = (dst / "sft.yaml").read_text().replace("lora_modules_to_save: [lm_head]", "")
+        (dst / "sft.yaml").write_text(sft)
+    return dst

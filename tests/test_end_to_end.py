@@ -120,3 +120,14 @@ def test_full_finetune_saves_a_plain_model_directory(tmp_path, cache_dir):
     base = AutoModelForCausalLM.from_pretrained(load(out, "run_args.json")["model_args"]["model_name_or_path"])
     changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
     assert len(changed) == 39  # every tensor was trained and saved unsharded
+
+
+def test_run_writes_a_prometheus_textfile(run_dir):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = load(run_dir, "metrics.json")
+    families = {f.name: f for f in text_string_to_metric_families((run_dir / "metrics.prom").read_text())}
+    (sample,) = families["training_tokens_per_second"].samples
+    assert sample.value == pytest.approx(m["tokens_per_second"])
+    assert sample.labels["recipe"] == "tiny-cpu-lora" and sample.labels["world_size"] == "2"
+    assert "training_mfu" not in families  # null on CPU: left out, not NaN

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, launch, pack_env
+from conftest import REPO, fsdp1_recipe, launch, pack_env
 from fsdp_recipes import checkpoints
 from fsdp_recipes.preemption import EXIT_PREEMPTED
 from fsdp_recipes.save_check import read_saved
@@ -47,10 +47,12 @@ def losses(run):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
 @pytest.mark.parametrize("method", [[], ["--use_peft", "false", "--learning_rate", "1e-3"]], ids=["lora", "full"])
-def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method):
+def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    args = [*ARGS, *method]
+    recipe = ARGS[0] if fsdp == "fsdp2" else str(fsdp1_recipe(tmp_path))  # FSDP1: the seeds' settings
+    args = [recipe, *ARGS[1:], *method]
 
     res = launch([*args, "--output_dir", str(straight)], cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]

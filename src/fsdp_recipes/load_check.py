@@ -23,14 +23,24 @@ def file_key(param_name: str) -> str | None:
     """The checkpoint-file name of a (possibly PEFT-wrapped) parameter; None for adapter weights."""
     if "lora_" in param_name:
         return None
-    name = param_name.removeprefix("base_model.model.")
+    name = param_name.replace("_fsdp_wrapped_module.", "")  # FSDP1's wrappers, where its units begin
+    name = name.removeprefix("base_model.model.")
     for wrapper in (".base_layer", ".original_module", ".modules_to_save.default"):
         name = name.replace(wrapper, "")
     return name
 
 
 def verify_loaded_weights(model, model_dir: str | Path, is_main: bool) -> dict | None:
-    """Every rank must call this (full_tensor() gathers). Raises on rank 0 when a weight differs."""
+    """Every rank must call this (it gathers). Raises on rank 0 when a weight differs."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if isinstance(model, FullyShardedDataParallel):  # FSDP1: flat shards; gather them as whole parameters
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return compare_with_file(model, model_dir, is_main)
+    return compare_with_file(model, model_dir, is_main)  # FSDP2: DTensors gather one by one
+
+
+def compare_with_file(model, model_dir: str | Path, is_main: bool) -> dict | None:
     from torch.distributed.tensor import DTensor
 
     where = safetensors_index(model_dir) if is_main else {}

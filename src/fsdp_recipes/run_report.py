@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 
 from fsdp_recipes import flops
 from fsdp_recipes.dist_utils import all_reduce, initialized
+from fsdp_recipes.prometheus import write_textfile
 
 SCHEMA_VERSION = 1
 COUNTERS_FILE = "run_report_counters.json"  # inside each checkpoint: what a resumed run continues from
@@ -309,6 +310,7 @@ class RunReportCallback(TrainerCallback):
         metrics = self.metrics(status, error, end)
         write_json_atomic(self.output_dir / "log_history.json", {"log_history": self.log_history})
         write_json_atomic(self.output_dir / "metrics.json", metrics)
+        write_textfile(metrics, self.output_dir / "metrics.prom")  # for node_exporter's textfile collector
         return metrics
 
     def metrics(self, status: str, error: str | None, end: float) -> dict:

@@ -1,0 +1,70 @@
+"""The FSDP1 settings the seeds use (use_orig_params, sync_module_states with cpu_ram_efficient_loading, backward
+prefetch), through the real launcher on 2 CPU processes: loading checked against the file, a plain final model,
+and sharded checkpoints that resume on another world size. (Preemption and exact resume under FSDP1 are
+parametrized in test_preemption.py; LoRA final saves under FSDP1 in test_smoke.py's mistral-small-lora runs.)"""
+
+import json
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from conftest import fsdp1_recipe, launch
+
+COMMON = ["--max_steps", "20", "--save_strategy", "steps", "--save_steps", "10", "--logging_steps", "1",
+          "--eval_strategy", "no", "--save_merged_model", "false"]
+
+
+def losses(run):
+    history = json.loads((run / "log_history.json").read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+@pytest.mark.slow
+def test_fsdp1_full_finetune_loads_checks_and_saves_a_plain_model(tmp_path, cache_dir):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "full"
+    res = launch([str(fsdp1_recipe(tmp_path)), *COMMON, "--use_peft", "false", "--learning_rate", "1e-3",
+                  "--verify_loaded_weights", "true", "--output_dir", str(out)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["fsdp_version"] == 1 and m["sharding_strategy"] == "FULL_SHARD" and m["world_size"] == 2
+    # rank 1 received its weights by broadcast (sync_module_states) and they equal the file's
+    assert m["load_check"] == {"parameters_checked": 39}
+    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0}
+    model = AutoModelForCausalLM.from_pretrained(out)  # a plain model directory: no FSDP, no flat parameters
+    base = AutoModelForCausalLM.from_pretrained(json.loads((out / "run_args.json").read_text())
+                                                ["model_args"]["model_name_or_path"])
+    changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    assert len(changed) == 39
+
+
+@pytest.mark.slow
+def test_fsdp1_sharded_checkpoint_resumes_on_four_processes(tmp_path, cache_dir):
+    # Not 1: with one process FSDP1 switches to NO_SHARD, whose sharded state dict of a LoRA model fails in
+    # torch's own post-hook ("FSDP assumes ...base_layer.weight is in the state_dict"); see README.
+    two = fsdp1_recipe(tmp_path / "two", fsdp_state_dict_type="SHARDED_STATE_DICT")
+    out = tmp_path / "two-ranks"
+    res = launch([str(two), *COMMON, "--output_dir", str(out)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoint-10" / "pytorch_model_fsdp_0").glob("*.distcp")) == \
+        ["__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own shard
+
+    four = fsdp1_recipe(tmp_path / "four", fsdp_state_dict_type="SHARDED_STATE_DICT")
+    acc = yaml.safe_load((four / "accelerate.yaml").read_text())
+    acc["num_processes"] = 4
+    (four / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    resumed = tmp_path / "resumed"
+    res = launch([str(four), *COMMON, "--per_device_train_batch_size", "8",  # the same 32 samples per step
+                  "--resume_from_checkpoint", str(out / "checkpoint-10"), "--output_dir", str(resumed)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert json.loads((resumed / "metrics.json").read_text())["world_size"] == 4
+    a, b = losses(out), losses(resumed)
+    for step in range(11, 21):
+        assert b[step] == pytest.approx(a[step], rel=1e-3), (step, a[step], b[step])
+    wa, wb = load_file(out / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
+    assert len(wa) == 56
+    for key in wa:
+        assert torch.allclose(wa[key], wb[key], rtol=1e-3, atol=1e-5), key
