@@ -8,6 +8,19 @@
    Found by the pack's final-save check on `make smoke RECIPE=mistral-small-lora`. The fix strips the wrapper
    names (and activation checkpointing's) from PEFT's prefixes wherever they occur.
 
+   Loading has the same gap, and it was silent (`load_adapter_through_fsdp1_root`). On resume, accelerate 1.15's
+   `load_fsdp_model(adapter_only=True)` hands the FSDP1 root to peft 0.21's `set_peft_model_state_dict`, which
+   (a) decides whether keys keep `base_model.model.` from `model.named_parameters()`, whose names here begin
+   with `_fsdp_wrapped_module.`, so it strips the prefix from every key; and (b) builds the key map from
+   `model.state_dict()`, which under FULL_STATE_DICT (rank0_only) is empty on every rank but 0, so those ranks
+   do not even insert the adapter name. Its `load_state_dict(strict=False)` then loads none of the 56 LoRA
+   tensors (56 unexpected keys), the Trainer ignores the result, and training resumes from the untrained
+   adapter (tests/test_preemption.py, FULL and SHARDED: step-22 loss 5.69 instead of 2.33). Found by
+   tests/test_preemption.py's FSDP1 LoRA resume; the keys were seen by printing that load's result. The fix
+   runs PEFT's own loader on a view of the FSDP1 root with wrapper-free names and a key list every rank has,
+   loads through the root (so FSDP's state-dict hooks still apply), and raises if a saved key matches nothing.
+   resume_check.py verifies the result independently after every PEFT resume.
+
 2. PEFT `modules_to_save` on the output layer gets wrong gradients under accelerate's FSDP2.
    Gap this fills: accelerate 1.15's `fsdp2_prepare_model` puts `model.get_output_embeddings()` and the final norm
 into one FSDP unit of their own (the "tail", `reshard_after_forward=False`). When the output layer is a PEFT
@@ -48,6 +61,60 @@ def strip_fsdp1_wrapper_names() -> None:
 
     prefixes_without_wrappers._strips_wrappers = True
     tuners_utils._get_tuner_state_dict_key_prefixes = prefixes_without_wrappers
+
+
+def without_wrapper_names(name: str) -> str:
+    """`a._fsdp_wrapped_module.b` -> `a.b` (also a trailing or leading wrapper name, and checkpoint wrappers)."""
+    return ".".join(part for part in name.split(".") if part + "." not in WRAPPER_NAMES)
+
+
+class _Fsdp1RootView:
+    """The FSDP1 root as `set_peft_model_state_dict` must see it (workaround 1, loading): the names of the
+    gathered state dict, known on every rank, and `load_state_dict` through the root. Everything else is the root's.
+    """
+
+    def __init__(self, root):
+        self._root = root
+
+    def __getattr__(self, name):
+        return getattr(self._root, name)
+
+    def named_parameters(self, *args, **kwargs):
+        return [(without_wrapper_names(n), p) for n, p in self._root.named_parameters(*args, **kwargs)]
+
+    def named_modules(self, *args, **kwargs):
+        return [(without_wrapper_names(n), m) for n, m in self._root.named_modules(*args, **kwargs)]
+
+    def state_dict(self, *args, **kwargs):  # PEFT uses only its keys (and shapes when ignoring mismatched sizes)
+        tensors = list(self._root.named_parameters()) + list(self._root.named_buffers())
+        return {without_wrapper_names(n): t for n, t in tensors}
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):
+        return self._root.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def load_adapter_through_fsdp1_root() -> None:
+    """Patch `peft.set_peft_model_state_dict` (accelerate imports it at call time) for FSDP1 roots (workaround 1)."""
+    import peft
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    original = peft.set_peft_model_state_dict
+    if getattr(original, "_fsdp1_view", False):
+        return
+
+    def set_peft_model_state_dict(model, peft_model_state_dict, adapter_name="default", **kwargs):
+        if not isinstance(model, FullyShardedDataParallel):  # FSDP2, or no FSDP: PEFT as it is
+            return original(model, peft_model_state_dict, adapter_name=adapter_name, **kwargs)
+        result = original(_Fsdp1RootView(model), peft_model_state_dict, adapter_name=adapter_name, **kwargs)
+        if result.unexpected_keys:  # a saved adapter tensor that matched no parameter: never resume silently
+            raise RuntimeError(
+                f"FSDP1: {len(result.unexpected_keys)} saved adapter tensors matched no parameter when loading "
+                f"(e.g. {result.unexpected_keys[0]}); the adapter was not restored"
+            )
+        return result
+
+    set_peft_model_state_dict._fsdp1_view = True
+    peft.set_peft_model_state_dict = set_peft_model_state_dict
 
 
 def fsdp2_requested() -> bool:

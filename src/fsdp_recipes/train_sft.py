@@ -167,15 +167,16 @@ def checkpoint_to_resume(training, model_args, pack, verbose: bool = True) -> st
     return resume
 
 
-def build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption):
+def build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption, resume=None):
     """SFTTrainer with the pack's callbacks; the model is loaded by TRL with from_pretrained."""
     from fsdp_recipes.checkpoints import CompletionMarkerCallback, identity
     from fsdp_recipes.load_check import LoadCheckCallback
     from fsdp_recipes.loading import load_sft_datasets
     from fsdp_recipes.peft_fsdp import (RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer,
-                                        strip_fsdp1_wrapper_names)
+                                        load_adapter_through_fsdp1_root, strip_fsdp1_wrapper_names)
 
     strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
+    load_adapter_through_fsdp1_root()  # see peft_fsdp.py: without it an FSDP1 resume silently loads no adapter
 
     train_ds, eval_ds = load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
     training.model_init_kwargs = {
@@ -189,6 +190,10 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption]
     if pack.verify_loaded_weights:
         callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
+    if resume and peft_config is not None:  # resume_check.py: the adapter in memory must equal the checkpoint's
+        from fsdp_recipes.resume_check import ResumeCheckCallback
+
+        callbacks.append(ResumeCheckCallback(resume, report))
     trainer = make_trainer_class()(
         model=model_args.model_name_or_path,  # a directory or a hub id: the same from_pretrained path
         args=training,
@@ -238,10 +243,35 @@ def save_final(trainer, training, model_args, pack, peft_config, report) -> None
     trainer.accelerator.wait_for_everyone()
 
 
+def copy_gathered_optimizer_states_on_cpu() -> None:
+    """CPU FSDP only (belongs next to cpu_fsdp.py's `offload_to_cpu` workaround for model state dicts).
+
+    Gap: torch 2.13's FSDP1 (use_orig_params) gathers every optimizer state of a flat parameter into ONE
+    reused buffer and keeps a copy only through `.clone()`, or, when offloading to CPU (accelerate always asks
+    for it), through `.cpu()` -- which on CPU returns the buffer itself. So exp_avg is overwritten by exp_avg_sq
+    and every FSDP1 checkpoint's optimizer.bin holds exp_avg == exp_avg_sq (LoRA and full fine-tuning alike):
+    a resume takes the first step from a wrong Adam state (tiny recipe: step 12 loss 3.045 instead of 3.016).
+    Found by dumping AdamW's state before the first resumed step. Offloading is a no-op on CPU, so it is off.
+    """
+    from torch.distributed.fsdp import _optim_utils
+
+    original = _optim_utils._unflatten_orig_param_states
+    if getattr(original, "_copies_on_cpu", False):
+        return
+
+    def unflatten_with_copy(fsdp_param_info, output_states, state_name, shard_state, to_save, cpu_offload):
+        return original(fsdp_param_info, output_states, state_name, shard_state, to_save, False)
+
+    unflatten_with_copy._copies_on_cpu = True
+    _optim_utils._unflatten_orig_param_states = unflatten_with_copy
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
+    if cpu_fsdp_active:  # see the docstring: without it FSDP1 checkpoints save exp_avg == exp_avg_sq on CPU
+        copy_gathered_optimizer_states_on_cpu()
     # idempotent: the launcher normally built the assets and ran these checks already
     script, training, model_args, mixture, pack = parse_and_check(argv, quiet=True)
 
@@ -262,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     preemption = PreemptionCallback()
     try:
-        trainer = build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption)
+        trainer = build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption, resume)
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted:
             report.finalize("preempted", error=f"stopped by a signal (rank 0 saw: {preemption.signal_received})")

@@ -1,0 +1,113 @@
+"""Check, after a PEFT run resumes, that the trainable weights in memory are the checkpoint's saved adapter.
+
+Why: a resume that loads no adapter is silent. The Trainer ignores the result of accelerate's
+`load_fsdp_model(adapter_only=True)`, and PEFT loads with `strict=False`, so a key-name mismatch loads nothing
+and training goes on from the freshly initialised adapter; only the loss shows it (FSDP1, peft 0.21 +
+accelerate 1.15: step-11 loss 5.69 instead of 2.33; see peft_fsdp.py, workaround 1). This check makes any such
+failure loud, whatever its cause.
+
+How: when training begins (the checkpoint is loaded, no step taken), every rank gathers the trainable
+parameters (FSDP1: `summon_full_params`; FSDP2: `DTensor.full_tensor()`, both collectives), and rank 0
+compares each with `<checkpoint>/adapter_model.safetensors`, by name and exactly. Every trainable parameter
+must have its tensor in the file and every tensor in the file must have its parameter. Costs one gather of
+the trainable weights (the adapter: small), once per resume.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+ADAPTER_FILE = "adapter_model.safetensors"
+WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def adapter_key(param_name: str, adapter_name: str = "default") -> str:
+    """The key `save_pretrained` writes for a trainable parameter of a PeftModel (FSDP wrappers or not):
+    `base_model.model.<m>.lora_A.default.weight` -> `base_model.model.<m>.lora_A.weight`;
+    `<m>.modules_to_save.default.weight` -> `<m>.weight`."""
+    parts = [p for p in param_name.split(".") if p not in WRAPPER_PARTS]
+    name = ".".join(parts)
+    name = name.replace(f".modules_to_save.{adapter_name}.", ".")
+    if name.endswith(f".{adapter_name}"):  # an nn.Parameter held directly in a ParameterDict
+        return name.removesuffix(f".{adapter_name}")
+    head, _, suffix = name.rpartition(".")
+    return f"{head.removesuffix(f'.{adapter_name}')}.{suffix}"
+
+
+def trainable_tensors(model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of the trainable parameters, by their PEFT-saved key. Every rank must call it."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    def collect() -> dict[str, torch.Tensor]:
+        out = {}
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            full = param.full_tensor() if isinstance(param, DTensor) else param.data
+            out[adapter_key(name)] = full.detach().cpu().clone()
+        return out
+
+    if isinstance(model, FullyShardedDataParallel):  # FSDP1: flat shards; gather them as whole parameters
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            return collect()
+    return collect()
+
+
+def compare_with_adapter(memory: dict[str, torch.Tensor], checkpoint: str | Path) -> dict:
+    """Raise when the weights in memory are not the checkpoint's adapter; else a summary."""
+    from safetensors import safe_open
+
+    path = Path(checkpoint) / ADAPTER_FILE
+    if not path.is_file():
+        raise RuntimeError(f"resume check: {path} does not exist, so the restored adapter cannot be verified")
+    problems, checked = [], 0
+    with safe_open(str(path), framework="pt") as f:
+        saved = set(f.keys())
+        missing = sorted(set(memory) - saved)
+        unused = sorted(saved - set(memory))
+        for key in sorted(set(memory) & saved):
+            expected, actual = f.get_tensor(key), memory[key]
+            checked += 1
+            if tuple(actual.shape) != tuple(expected.shape):
+                problems.append(f"{key}: shape {tuple(actual.shape)} in memory, {tuple(expected.shape)} saved")
+            elif not torch.equal(actual, expected.to(actual.dtype)):
+                diff = (actual.float() - expected.float()).abs().max().item()
+                problems.append(f"{key}: differs by up to {diff:.3g}")
+    if missing or unused or problems or checked == 0:
+        detail = "; ".join(
+            ([f"{len(problems)} differ (e.g. {problems[0]})"] if problems else [])
+            + ([f"{len(missing)} trainable parameters not in the file (e.g. {missing[0]})"] if missing else [])
+            + ([f"{len(unused)} saved tensors match no trainable parameter (e.g. {unused[0]})"] if unused else [])
+            + (["nothing to compare"] if checked == 0 else [])
+        )
+        raise RuntimeError(
+            f"resume check failed: the trainable weights in memory are not the adapter saved in {path} "
+            f"({detail}). The checkpoint was not restored; training would continue from other weights."
+        )
+    return {"tensors_checked": checked, "checkpoint": str(checkpoint)}
+
+
+def verify_resumed_adapter(model, checkpoint: str | Path, is_main: bool) -> dict | None:
+    """Every rank must call this (it gathers); rank 0 compares and raises."""
+    memory = trainable_tensors(model)
+    return compare_with_adapter(memory, checkpoint) if is_main else None
+
+
+class ResumeCheckCallback(TrainerCallback):
+    """Run the check once, when training begins after a resume (checkpoint loaded, no step taken)."""
+
+    def __init__(self, checkpoint: str, report=None):
+        self.checkpoint, self.report = checkpoint, report
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        result = verify_resumed_adapter(model, self.checkpoint, int(os.environ.get("RANK", 0)) == 0)
+        if result is not None:
+            print(f"[train_sft] resumed adapter verified: {result['tensors_checked']} trainable tensors equal "
+                  f"{self.checkpoint}/{ADAPTER_FILE}", flush=True)
+            if self.report is not None:
+                self.report.resume_check = result
