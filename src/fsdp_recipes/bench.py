@@ -1,0 +1,121 @@
+"""`make bench`: the pack's speed, measured (issue 6). CPU part everywhere; the GPU part only where CUDA exists.
+
+    python -m fsdp_recipes.bench [--results bench/results] [--quick]
+
+Runs, in this order (each module's docstring says what it includes and excludes):
+
+1. bench_overhead: the pack's training step against a bare PyTorch loop, 1 process and 2-process FSDP2.
+2. bench_first_step: time to the first step of the default run, phase by phase.
+3. bench_data: data preparation throughput, the entry point's path against TRL's default.
+
+Writes bench/results/bench-cpu-<date>.json (device, core count, load average before and after, versions, date,
+every figure and every repetition) and prints a markdown table. There is no GPU benchmark yet: without a CUDA
+device it says so, and it never prints a GPU figure it did not measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+GPU_PENDING = "GPU table pending: no CUDA device here"
+GPU_NOT_WRITTEN = "GPU table pending: this pack has no GPU benchmark yet; no GPU figure is published unmeasured"
+
+
+def load_average() -> list[float]:
+    return [float(x) for x in open("/proc/loadavg").read().split()[:3]]
+
+
+def environment() -> dict:
+    from fsdp_recipes.run_report import device_info, versions
+
+    return {
+        "device": {"type": "cpu", "name": device_info()["name"], "cores": os.cpu_count()},
+        "host": platform.node(),
+        "versions": versions(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def table(result: dict) -> str:
+    """The markdown table of every headline figure; the JSON holds the repetitions behind each median."""
+    lines = ["| benchmark | figure | value |", "|---|---|---:|"]
+    ov = result.get("overhead")
+    if ov:
+        for name, layout in ov["layouts"].items():
+            s = layout["summary"]
+            what = f"overhead, {name} ({'FSDP2, ' if layout['fsdp'] else ''}{layout['torch_threads']} thread(s)/rank)"
+            lines.append(f"| {what} | bare loop, median s/step | {s['median_step_s']['bare']:.3f} |")
+            lines.append(f"| {what} | pack (SFTTrainer + callbacks), median s/step | {s['median_step_s']['pack']:.3f} |")
+            lines.append(f"| {what} | pack overhead (ratio of medians - 1) | {s['overhead_pct']:+.1f}% |")
+            lines.append(f"| {what} | per-repetition ratios | {', '.join(f'{r:.3f}' for r in s['per_rep_ratio'])} |")
+    fs = result.get("first_step")
+    if fs:
+        for name, sec in fs["phases_s"].items():
+            lines.append(f"| time to first step | {name} | {sec:.2f} s |")
+        lines.append(f"| time to first step | first step ends (probed run) | "
+                     f"{fs['probed_run']['rank0_marks_s']['first_step_end_end']:.2f} s |")
+        lines.append(f"| time to first step | whole command, probed / unprobed | {fs['probed_run']['total_s']:.2f} s / "
+                     f"{fs['unprobed_total_s']:.2f} s |")
+    data = result.get("data")
+    if data:
+        for key, v in data["summary"].items():
+            if key.startswith("ratio"):
+                lines.append(f"| data prep ({data['examples']:,} examples) | {key} | {v:.2f} |")
+            else:
+                lines.append(f"| data prep ({data['examples']:,} examples) | {key}: load + prepare, median "
+                             f"examples/s | {v['median_examples_per_s']:,.0f} |")
+    return "\n".join(lines)
+
+
+def gpu_part() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return GPU_PENDING
+    return GPU_NOT_WRITTEN
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", type=Path, default=Path("bench/results"))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the plumbing (not for publishing)")
+    args = ap.parse_args(argv)
+
+    from fsdp_recipes import bench_data, bench_first_step, bench_overhead
+    from fsdp_recipes.run_report import write_json_atomic
+
+    result = {"benchmark": "cpu", "quick": args.quick, **environment(), "load_average_before": load_average()}
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        work = Path(tmp)
+        print("[bench] 1/3 pack overhead vs a bare loop", flush=True)
+        quick_sizes = dict(batch=2, seq=16, warmup=1, steps=2, reps=1)
+        result["overhead"] = bench_overhead.run(work / "overhead", quick_sizes if args.quick else None,
+                                                shape=bench_overhead.QUICK_SHAPE if args.quick else
+                                                bench_overhead.SHAPE)
+        print("[bench] 2/3 time to first step of the default run", flush=True)
+        result["first_step"] = bench_first_step.run(work / "first-step")
+        print("[bench] 3/3 data preparation throughput", flush=True)
+        result["data"] = bench_data.run(work / "data", **(dict(examples=500, reps=1) if args.quick else {}))
+    result["duration_s"] = time.time() - t0
+    result["load_average_after"] = load_average()
+    result["gpu"] = gpu_part()
+    path = args.results / f"bench-cpu-{result['date'][:10]}{'-quick' if args.quick else ''}.json"
+    write_json_atomic(path, result)
+    print(f"\nCPU: {result['device']['name']}, {result['device']['cores']} cores; {result['date']}; load average "
+          f"before {result['load_average_before']}, after {result['load_average_after']}")
+    print(table(result))
+    print(f"\n{result['gpu']}")
+    print(f"written to {path} ({result['duration_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

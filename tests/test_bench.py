@@ -1,0 +1,118 @@
+"""make bench: structure and honesty of the results, not speed (no timing thresholds anywhere).
+
+The overhead and data benchmarks really run here, at tiny sizes; the time-to-first-step benchmark launches the
+default recipe twice (~40 s), so its phase arithmetic is checked on recorded clocks instead.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+
+import pytest
+
+from fsdp_recipes import bench, bench_data, bench_first_step, bench_overhead
+
+TINY = dict(batch=2, seq=16, warmup=1, steps=2, reps=2)
+
+
+@pytest.fixture(scope="module")
+def overhead(tmp_path_factory, cache_dir):
+    return bench_overhead.run(tmp_path_factory.mktemp("overhead"), TINY, layouts=(1,), shape=bench_overhead.QUICK_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, cache_dir):
+    return bench_data.run(tmp_path_factory.mktemp("data"), examples=200, reps=1)
+
+
+def first_step_record() -> dict:
+    """Clocks as a probed run records them (seconds from the command's start)."""
+    names = ["process_created", "probe_start", "imports_done", "load_datasets_start", "load_datasets_end",
+             "model_load_start", "model_load_end", "peft_wrap_start", "peft_wrap_end", "dataset_prep_start",
+             "dataset_prep_end", "sft_trainer_init_end", "fsdp_wrap_and_optimizer_end", "first_step_end_end"]
+    marks = {n: 4.0 + i for i, n in enumerate(names)}
+    probed = {"total_s": 25.0, "launcher_first_output_s": 1.5, "launcher_checks_done_s": 3.0, "rank0_marks_s": marks}
+    return {"probed_run": probed, "phases_s": bench_first_step.phases(probed), "unprobed_total_s": 24.0}
+
+
+def test_overhead_ratio_is_computed_from_the_measured_medians(overhead):
+    layout = overhead["layouts"]["1proc"]
+    runs = layout["runs"]
+    # every repetition of both sides, alternating order, each with its measured steps after the warm-up
+    assert [(r["rep"], r["side"]) for r in runs] == [(0, "bare"), (0, "pack"), (1, "pack"), (1, "bare")]
+    assert all(len(r["step_times_s"]) == TINY["steps"] and all(t > 0 for t in r["step_times_s"]) for r in runs)
+    med = {side: statistics.median(t for r in runs if r["side"] == side for t in r["step_times_s"])
+           for side in ("bare", "pack")}
+    s = layout["summary"]
+    assert s["median_step_s"] == med
+    assert s["overhead_ratio"] == pytest.approx(med["pack"] / med["bare"])
+    assert s["overhead_pct"] == pytest.approx(100 * (med["pack"] / med["bare"] - 1))
+    assert len(s["per_rep_ratio"]) == TINY["reps"]
+    # the model really is the configured one: the parameter formula against the saved config's real module
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(overhead["model"]["path"])
+    assert overhead["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+
+
+def test_default_overhead_model_is_tens_of_millions_of_parameters(tmp_path, cache_dir):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch
+
+    cfg = AutoConfig.for_model("mistral", vocab_size=268, **bench_overhead.SHAPE)
+    with torch.device("meta"):
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    assert 20e6 <= n <= 40e6
+
+
+def test_data_bench_records_every_run_and_its_medians(data):
+    assert len(data["runs"]) == 4  # 2 paths x packing off/on x 1 repetition
+    for key, path, packing in (("pack", "pack", False), ("trl_default_packing", "trl_default", True)):
+        sel = [r for r in data["runs"] if r["path"] == path and r["packing"] == packing]
+        assert data["summary"][key]["median_examples_per_s"] == statistics.median(
+            200 / (r["load"] + r["prepare"]) for r in sel)
+    assert {r["max_length"] for r in data["runs"] if r["path"] == "pack"} == {64}  # the recipe's setting
+    assert data["summary"]["ratio_pack_over_trl"] == pytest.approx(
+        data["summary"]["pack"]["median_examples_per_s"] / data["summary"]["trl_default"]["median_examples_per_s"])
+
+
+def test_first_step_phases_add_up_to_the_first_step():
+    rec = first_step_record()
+    assert sum(rec["phases_s"].values()) == pytest.approx(rec["probed_run"]["rank0_marks_s"]["first_step_end_end"])
+    assert all(v >= 0 for v in rec["phases_s"].values())
+
+
+def test_json_schema_table_and_gpu_pending(tmp_path, monkeypatch, capsys, overhead, data):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench_overhead, "run", lambda *a, **k: overhead)
+    monkeypatch.setattr(bench_first_step, "run", lambda *a, **k: first_step_record())
+    monkeypatch.setattr(bench_data, "run", lambda *a, **k: data)
+    assert bench.main(["--results", str(tmp_path), "--quick"]) == 0
+    out = capsys.readouterr().out
+    (path,) = tmp_path.glob("bench-cpu-*-quick.json")
+    res = json.loads(path.read_text())
+    assert res["device"]["type"] == "cpu" and res["device"]["name"] and res["device"]["cores"] >= 1
+    for pkg in ("python", "torch", "transformers", "trl", "peft", "accelerate", "datasets"):
+        assert res["versions"][pkg], pkg
+    assert dt.datetime.fromisoformat(res["date"]).tzinfo is not None
+    assert path.name == f"bench-cpu-{res['date'][:10]}-quick.json"
+    assert len(res["load_average_before"]) == 3 and len(res["load_average_after"]) == 3
+    assert res["overhead"]["layouts"]["1proc"]["runs"] and res["data"]["runs"]
+    assert res["gpu"] == bench.GPU_PENDING
+    # the table shows the measured medians and ratio, and the GPU line says pending instead of figures
+    s = overhead["layouts"]["1proc"]["summary"]
+    assert f"{s['median_step_s']['pack']:.3f}" in out and f"{s['overhead_pct']:+.1f}%" in out
+    assert f"{data['summary']['pack']['median_examples_per_s']:,.0f}" in out
+    assert bench.GPU_PENDING in out
+
+
+def test_gpu_branch_never_invents_figures(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    msg = bench.gpu_part()
+    assert "pending" in msg and not any(ch.isdigit() for ch in msg)
