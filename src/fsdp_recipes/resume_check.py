@@ -8,7 +8,8 @@ failure loud, whatever its cause.
 
 How: when training begins (the checkpoint is loaded, no step taken), every rank gathers the trainable
 parameters (FSDP1: `summon_full_params`; FSDP2: `DTensor.full_tensor()`, both collectives), and rank 0
-compares each with `<checkpoint>/adapter_model.safetensors`, by name and exactly. Every trainable parameter
+compares each with `<checkpoint>/adapter_model.safetensors` (SHARDED_STATE_DICT checkpoints: the
+sharded model folder, read whole on rank 0), by name and exactly. Every trainable parameter
 must have its tensor in the file and every tensor in the file must have its parameter. Costs one gather of
 the trainable weights (the adapter: small), once per resume.
 """
@@ -22,6 +23,7 @@ import torch
 from transformers import TrainerCallback
 
 ADAPTER_FILE = "adapter_model.safetensors"
+SHARDED_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's SHARDED_STATE_DICT model folder (model index 0)
 WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
@@ -58,26 +60,43 @@ def trainable_tensors(model) -> dict[str, torch.Tensor]:
     return collect()
 
 
-def compare_with_adapter(memory: dict[str, torch.Tensor], checkpoint: str | Path) -> dict:
-    """Raise when the weights in memory are not the checkpoint's adapter; else a summary."""
-    from safetensors import safe_open
+def saved_adapter(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The checkpoint's adapter: `adapter_model.safetensors` (FULL_STATE_DICT), else the sharded (DCP) model
+    folder accelerate writes under SHARDED_STATE_DICT, read whole by this process alone (no collective)."""
+    from safetensors.torch import load_file
 
     path = Path(checkpoint) / ADAPTER_FILE
-    if not path.is_file():
-        raise RuntimeError(f"resume check: {path} does not exist, so the restored adapter cannot be verified")
+    if path.is_file():
+        return load_file(str(path)), path
+    sharded = Path(checkpoint) / SHARDED_MODEL_DIR
+    if sharded.is_dir():
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        state: dict = {}
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(str(sharded)),
+                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        return state.get("model", {}), sharded
+    raise RuntimeError(f"resume check: neither {path} nor {sharded} exists, so the restored adapter cannot be "
+                       "verified")
+
+
+def compare_with_adapter(memory: dict[str, torch.Tensor], checkpoint: str | Path) -> dict:
+    """Raise when the weights in memory are not the checkpoint's adapter; else a summary."""
+    tensors, path = saved_adapter(checkpoint)
     problems, checked = [], 0
-    with safe_open(str(path), framework="pt") as f:
-        saved = set(f.keys())
-        missing = sorted(set(memory) - saved)
-        unused = sorted(saved - set(memory))
-        for key in sorted(set(memory) & saved):
-            expected, actual = f.get_tensor(key), memory[key]
-            checked += 1
-            if tuple(actual.shape) != tuple(expected.shape):
-                problems.append(f"{key}: shape {tuple(actual.shape)} in memory, {tuple(expected.shape)} saved")
-            elif not torch.equal(actual, expected.to(actual.dtype)):
-                diff = (actual.float() - expected.float()).abs().max().item()
-                problems.append(f"{key}: differs by up to {diff:.3g}")
+    saved = set(tensors)
+    missing = sorted(set(memory) - saved)
+    unused = sorted(saved - set(memory))
+    for key in sorted(set(memory) & saved):
+        expected, actual = tensors[key], memory[key]
+        checked += 1
+        if tuple(actual.shape) != tuple(expected.shape):
+            problems.append(f"{key}: shape {tuple(actual.shape)} in memory, {tuple(expected.shape)} saved")
+        elif not torch.equal(actual, expected.to(actual.dtype)):
+            diff = (actual.float() - expected.float()).abs().max().item()
+            problems.append(f"{key}: differs by up to {diff:.3g}")
     if missing or unused or problems or checked == 0:
         detail = "; ".join(
             ([f"{len(problems)} differ (e.g. {problems[0]})"] if problems else [])
@@ -89,7 +108,7 @@ def compare_with_adapter(memory: dict[str, torch.Tensor], checkpoint: str | Path
             f"resume check failed: the trainable weights in memory are not the adapter saved in {path} "
             f"({detail}). The checkpoint was not restored; training would continue from other weights."
         )
-    return {"tensors_checked": checked, "checkpoint": str(checkpoint)}
+    return {"tensors_checked": checked, "checkpoint": str(checkpoint), "source": path.name}
 
 
 def verify_resumed_adapter(model, checkpoint: str | Path, is_main: bool) -> dict | None:
@@ -108,6 +127,6 @@ class ResumeCheckCallback(TrainerCallback):
         result = verify_resumed_adapter(model, self.checkpoint, int(os.environ.get("RANK", 0)) == 0)
         if result is not None:
             print(f"[train_sft] resumed adapter verified: {result['tensors_checked']} trainable tensors equal "
-                  f"{self.checkpoint}/{ADAPTER_FILE}", flush=True)
+                  f"{self.checkpoint}/{result['source']}", flush=True)
             if self.report is not None:
                 self.report.resume_check = result
