@@ -42,6 +42,9 @@ def test_fsdp1_full_finetune_loads_checks_and_saves_a_plain_model(tmp_path, cach
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known, open: under FSDP1 + SHARDED_STATE_DICT the resumed AdamW state is "
+                   "wrong (step 11 matches, step 12 does not; 2->2 ranks too); the adapter itself is restored and "
+                   "checked. README, Known issues.")
 def test_fsdp1_sharded_checkpoint_resumes_on_four_processes(tmp_path, cache_dir):
     # Not 1: with one process FSDP1 switches to NO_SHARD, whose sharded state dict of a LoRA model fails in
     # torch's own post-hook ("FSDP assumes ...base_layer.weight is in the state_dict"); see README.

@@ -17,7 +17,10 @@ works on CPU tensors over gloo, so the only missing piece is accelerate's own de
    and lifts FSDP1's refusal to broadcast CPU tensors for sync_module_states (a guard against NCCL, which
    cannot; gloo, the CPU backend, can); and turns FSDP1's `offload_to_cpu` off when gathering a full state
    dict (accelerate always asks for it): on CPU the "offloaded" copy is the very storage FSDP then frees,
-   and the process segfaults.
+   and the process segfaults; and likewise for FSDP1's gathered optimizer states: torch 2.13 gathers every
+   state of a flat parameter into one reused buffer and keeps a copy through `.cpu()` when offloading, which
+   on CPU is that buffer, so every checkpoint held exp_avg == exp_avg_sq (found by dumping AdamW's state
+   before the first resumed step: step 12 of a resumed tiny run gave 3.045 instead of 3.016).
 
 From there on everything is accelerate's and transformers' unmodified FSDP code: `fsdp2_prepare_model` and
 `fully_shard` per decoder layer (FSDP2), `FullyShardedDataParallel` with `device_id=cpu` (FSDP1), FSDP-aware
@@ -105,5 +108,14 @@ def enable() -> bool:
         return unshard(module, state, writeback, rank0_only, False, with_grads)
 
     _state_dict_utils._unshard_fsdp_state_params = unshard_in_place
+
+    from torch.distributed.fsdp import _optim_utils
+
+    unflatten = _optim_utils._unflatten_orig_param_states
+
+    def unflatten_with_copies(fsdp_param_info, output_states, state_name, shard_state, to_save, cpu_offload):
+        return unflatten(fsdp_param_info, output_states, state_name, shard_state, to_save, False)  # clones
+
+    _optim_utils._unflatten_orig_param_states = unflatten_with_copies
     _PATCHED = True
     return True

@@ -243,35 +243,10 @@ def save_final(trainer, training, model_args, pack, peft_config, report) -> None
     trainer.accelerator.wait_for_everyone()
 
 
-def copy_gathered_optimizer_states_on_cpu() -> None:
-    """CPU FSDP only (belongs next to cpu_fsdp.py's `offload_to_cpu` workaround for model state dicts).
-
-    Gap: torch 2.13's FSDP1 (use_orig_params) gathers every optimizer state of a flat parameter into ONE
-    reused buffer and keeps a copy only through `.clone()`, or, when offloading to CPU (accelerate always asks
-    for it), through `.cpu()` -- which on CPU returns the buffer itself. So exp_avg is overwritten by exp_avg_sq
-    and every FSDP1 checkpoint's optimizer.bin holds exp_avg == exp_avg_sq (LoRA and full fine-tuning alike):
-    a resume takes the first step from a wrong Adam state (tiny recipe: step 12 loss 3.045 instead of 3.016).
-    Found by dumping AdamW's state before the first resumed step. Offloading is a no-op on CPU, so it is off.
-    """
-    from torch.distributed.fsdp import _optim_utils
-
-    original = _optim_utils._unflatten_orig_param_states
-    if getattr(original, "_copies_on_cpu", False):
-        return
-
-    def unflatten_with_copy(fsdp_param_info, output_states, state_name, shard_state, to_save, cpu_offload):
-        return original(fsdp_param_info, output_states, state_name, shard_state, to_save, False)
-
-    unflatten_with_copy._copies_on_cpu = True
-    _optim_utils._unflatten_orig_param_states = unflatten_with_copy
-
-
 @cli
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
-    if cpu_fsdp_active:  # see the docstring: without it FSDP1 checkpoints save exp_avg == exp_avg_sq on CPU
-        copy_gathered_optimizer_states_on_cpu()
     # idempotent: the launcher normally built the assets and ran these checks already
     script, training, model_args, mixture, pack = parse_and_check(argv, quiet=True)
 
