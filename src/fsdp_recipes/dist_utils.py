@@ -1,6 +1,9 @@
-"""Small helpers for the few collectives the pack runs itself (run report, preemption, checkpoint markers)."""
+"""Small helpers for the few collectives the pack runs itself (run report, preemption, checkpoint markers,
+the load and resume checks)."""
 
 from __future__ import annotations
+
+import contextlib
 
 
 def initialized() -> bool:
@@ -36,3 +39,23 @@ def barrier() -> None:
 
     if initialized():
         dist.barrier()
+
+
+@contextlib.contextmanager
+def gathered_parameters(model, trainable_only: bool = False):
+    """(name, full unsharded tensor) of every parameter, as an iterator that every rank must run to the end:
+    FSDP2 gathers each DTensor as it comes (`full_tensor()`), FSDP1 gathers its flat shards once for the block
+    (`summon_full_params`); without FSDP the tensors are the parameters themselves."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    def tensors():
+        for name, param in model.named_parameters():
+            if not trainable_only or param.requires_grad:
+                yield name, (param.full_tensor() if isinstance(param, DTensor) else param.data)
+
+    if isinstance(model, FullyShardedDataParallel):
+        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
+            yield tensors()
+    else:
+        yield tensors()

@@ -12,19 +12,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from transformers import TrainerCallback
 
+from fsdp_recipes.dist_utils import gathered_parameters
+from fsdp_recipes.peft_fsdp import without_wrapper_names
 from fsdp_recipes.save_check import safetensors_index
-
-import torch
 
 
 def file_key(param_name: str) -> str | None:
     """The checkpoint-file name of a (possibly PEFT-wrapped) parameter; None for adapter weights."""
     if "lora_" in param_name:
         return None
-    name = param_name.replace("_fsdp_wrapped_module.", "")  # FSDP1's wrappers, where its units begin
-    name = name.removeprefix("base_model.model.")
+    name = without_wrapper_names(param_name).removeprefix("base_model.model.")
     for wrapper in (".base_layer", ".original_module", ".modules_to_save.default"):
         name = name.replace(wrapper, "")
     return name
@@ -32,29 +32,18 @@ def file_key(param_name: str) -> str | None:
 
 def verify_loaded_weights(model, model_dir: str | Path, is_main: bool) -> dict | None:
     """Every rank must call this (it gathers). Raises on rank 0 when a weight differs."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if isinstance(model, FullyShardedDataParallel):  # FSDP1: flat shards; gather them as whole parameters
-        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
-            return compare_with_file(model, model_dir, is_main)
-    return compare_with_file(model, model_dir, is_main)  # FSDP2: DTensors gather one by one
-
-
-def compare_with_file(model, model_dir: str | Path, is_main: bool) -> dict | None:
-    from torch.distributed.tensor import DTensor
-
     where = safetensors_index(model_dir) if is_main else {}
     checked, problems = 0, []
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if isinstance(param, DTensor) else param.data
-        key = file_key(name)
-        if not is_main or key is None or key not in where:
-            continue
-        expected = where[key].get_tensor(key)
-        checked += 1
-        full = full.detach().cpu()
-        if tuple(full.shape) != tuple(expected.shape) or not torch.equal(full, expected.to(full.dtype)):
-            problems.append(name)
+    with gathered_parameters(model) as params:
+        for name, full in params:
+            key = file_key(name)
+            if not is_main or key is None or key not in where:
+                continue
+            expected = where[key].get_tensor(key)
+            checked += 1
+            full = full.detach().cpu()
+            if tuple(full.shape) != tuple(expected.shape) or not torch.equal(full, expected.to(full.dtype)):
+                problems.append(name)
     if is_main and checked == 0:
         raise RuntimeError(f"no parameter of the model matched a tensor in {model_dir}: cannot verify the load")
     if is_main and problems:

@@ -52,12 +52,7 @@ def strip_fsdp1_wrapper_names() -> None:
         return
 
     def prefixes_without_wrappers(model, adapter_name=None):
-        out = set()
-        for prefix in original(model, adapter_name=adapter_name):
-            for name in WRAPPER_NAMES:
-                prefix = prefix.replace(name, "")
-            out.add(prefix)
-        return out
+        return {without_wrapper_names(prefix) for prefix in original(model, adapter_name=adapter_name)}
 
     prefixes_without_wrappers._strips_wrappers = True
     tuners_utils._get_tuner_state_dict_key_prefixes = prefixes_without_wrappers

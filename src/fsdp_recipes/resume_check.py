@@ -22,18 +22,18 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from fsdp_recipes.dist_utils import gathered_parameters
+from fsdp_recipes.peft_fsdp import without_wrapper_names
+
 ADAPTER_FILE = "adapter_model.safetensors"
 SHARDED_MODEL_DIR = "pytorch_model_fsdp_0"  # accelerate's SHARDED_STATE_DICT model folder (model index 0)
-WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
 def adapter_key(param_name: str, adapter_name: str = "default") -> str:
     """The key `save_pretrained` writes for a trainable parameter of a PeftModel (FSDP wrappers or not):
     `base_model.model.<m>.lora_A.default.weight` -> `base_model.model.<m>.lora_A.weight`;
     `<m>.modules_to_save.default.weight` -> `<m>.weight`."""
-    parts = [p for p in param_name.split(".") if p not in WRAPPER_PARTS]
-    name = ".".join(parts)
-    name = name.replace(f".modules_to_save.{adapter_name}.", ".")
+    name = without_wrapper_names(param_name).replace(f".modules_to_save.{adapter_name}.", ".")
     if name.endswith(f".{adapter_name}"):  # an nn.Parameter held directly in a ParameterDict
         return name.removesuffix(f".{adapter_name}")
     head, _, suffix = name.rpartition(".")
@@ -42,22 +42,8 @@ def adapter_key(param_name: str, adapter_name: str = "default") -> str:
 
 def trainable_tensors(model) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of the trainable parameters, by their PEFT-saved key. Every rank must call it."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
-
-    def collect() -> dict[str, torch.Tensor]:
-        out = {}
-        for name, param in model.named_parameters():
-            if not param.requires_grad:
-                continue
-            full = param.full_tensor() if isinstance(param, DTensor) else param.data
-            out[adapter_key(name)] = full.detach().cpu().clone()
-        return out
-
-    if isinstance(model, FullyShardedDataParallel):  # FSDP1: flat shards; gather them as whole parameters
-        with FullyShardedDataParallel.summon_full_params(model, writeback=False):
-            return collect()
-    return collect()
+    with gathered_parameters(model, trainable_only=True) as params:
+        return {adapter_key(name): full.detach().cpu().clone() for name, full in params}
 
 
 def saved_adapter(checkpoint: str | Path) -> tuple[dict[str, torch.Tensor], Path]:
