@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune smoke plan k8s report bench test test-fast tiny-assets sync-configs bench-loading export clean
+.PHONY: help venv finetune smoke plan k8s report bench test test-fast tiny-assets sync-configs bench-loading bench-gpu export clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -70,6 +70,9 @@ test-fast: $(STAMP) ## the suite without the multi-process training tests
 
 bench: $(STAMP) ## speed, measured: pack overhead vs a bare loop, time to first step, data prep; JSON in bench/results/
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m fsdp_recipes.bench
+
+bench-gpu: $(STAMP) ## GPU ladder (issue 6), tokens/s, MFU, peak memory per rung; ARGS="--dry-run" tests it on CPU
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m fsdp_recipes.bench_gpu $(ARGS)
 
 bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with and without cpu_ram_efficient_loading
 	@$(PY) -m fsdp_recipes.bench_loading

@@ -7,10 +7,12 @@ Runs, in this order (each module's docstring says what it includes and excludes)
 1. bench_overhead: the pack's training step against a bare PyTorch loop, 1 process and 2-process FSDP2.
 2. bench_first_step: time to the first step of the default run, phase by phase.
 3. bench_data: data preparation throughput, the entry point's path against TRL's default.
+4. bench_gpu, only where torch sees a CUDA device: the GPU ladder (1B and 8B Mistral, rung by rung; see its
+   docstring), which writes its own bench/results/bench-gpu-<device>-<date>.json. It has never run on a GPU yet.
 
 Writes bench/results/bench-cpu-<date>.json (device, core count, load average before and after, versions, date,
-every figure and every repetition) and prints a markdown table. There is no GPU benchmark yet: without a CUDA
-device it says so, and it never prints a GPU figure it did not measure.
+every figure and every repetition) and prints a markdown table. Without a CUDA device it says the GPU table is
+pending, and it never prints a GPU figure it did not measure.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 
 GPU_PENDING = "GPU table pending: no CUDA device here"
-GPU_NOT_WRITTEN = "GPU table pending: this pack has no GPU benchmark yet; no GPU figure is published unmeasured"
+GPU_NO_DEVICE = "GPU table pending: torch reports CUDA available but sees no device"
 
 
 def load_average() -> list[float]:
@@ -74,12 +76,19 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def gpu_part() -> str:
+def gpu_part(results: Path = Path("bench/results")) -> str:
+    """The GPU ladder (bench_gpu.py) where torch sees a CUDA device: its table and the path of its JSON; else why
+    not. Every GPU figure comes from a run of the ladder, none from here."""
     import torch
 
     if not torch.cuda.is_available():
         return GPU_PENDING
-    return GPU_NOT_WRITTEN
+    if torch.cuda.device_count() == 0:
+        return GPU_NO_DEVICE
+    from fsdp_recipes import bench_gpu
+
+    _, text, path = bench_gpu.run(["--results", str(results)])
+    return f"{text}\nGPU ladder written to {path}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         result["data"] = bench_data.run(work / "data", **(dict(examples=500, reps=1) if args.quick else {}))
     result["duration_s"] = time.time() - t0
     result["load_average_after"] = load_average()
-    result["gpu"] = gpu_part()
+    result["gpu"] = gpu_part(args.results)
     path = args.results / f"bench-cpu-{result['date'][:10]}{'-quick' if args.quick else ''}.json"
     write_json_atomic(path, result)
     print(f"\nCPU: {result['device']['name']}, {result['device']['cores']} cores; {result['date']}; load average "

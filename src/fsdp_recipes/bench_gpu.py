@@ -1,0 +1,654 @@
+"""GPU benchmark ladder (issue 6): tokens/s per GPU, MFU and peak memory of full fine-tuning, rung by rung.
+
+    python -m fsdp_recipes.bench_gpu [--sizes 1b,8b] [--gpus 1,all] [--results bench/results]
+    python -m fsdp_recipes.bench_gpu --dry-run      # the same ladder on CPU, tiny model: plumbing only
+
+UNTESTED ON A GPU. This module has only run in `--dry-run` mode, on a 2-core CPU machine. Its GPU path (bf16,
+NCCL, Liger, inductor, float8, the memory figures) has never run; until a GPU session runs it, no GPU figure
+exists, and none is written anywhere in this repository.
+
+What runs. A Mistral (MistralForCausalLM) built from a config with random weights, nothing downloaded, saved once
+per size with save_pretrained (bf16) and loaded by every rung from those files:
+
+- `1b`: hidden 2048, intermediate 8192, 16 layers, 32 heads (8 key/value heads, head_dim 64), vocabulary 32768,
+  untied embeddings: 1,107,363,840 parameters (1,040,254,976 without the input embedding, which is what the FLOPs
+  count uses).
+- `8b`: Ministral-8B's shape, hidden 4096, intermediate 12288, 36 layers, 32 heads (8 key/value, head_dim 128),
+  vocabulary 131072, untied: 8,019,808,256 parameters (7,482,937,344 without the input embedding).
+
+Counted on the meta device with flops.count_params (tests/test_bench_gpu.py checks both). Sequence length 4096,
+bf16 mixed precision with fp32 master weights (accelerate's FSDP2 upcasts trainable parameters), AdamW (fused, the
+Trainer's default), full fine-tuning of every parameter. The tokenizer is the pack's tiny one (for TRL's pad
+token); the data are token ids drawn directly.
+
+Data: a synthetic SFT set of pre-tokenized conversations (`input_ids`, loss on every token) whose lengths are
+lognormal, median 800 tokens and sigma 0.9, clipped to [16, 4096], seeded: mean about 1,126 tokens, 10th and 90th
+percentiles about 252 and 2,535, about 3.5% of the conversations cut at 4096. Ids are uniform over the vocabulary
+(the cost of a step does not depend on which ids they are). `--dry-run` scales the same distribution to its 128
+tokens.
+
+Layouts: one GPU (FSDP2 with world size 1) and, where the machine has more than one, all of them (`--gpus`).
+
+Rungs, each its own `accelerate launch` (FSDP2, a YAML generated from accelerate_configs/fsdp2_1node.yaml with
+num_processes, reshard_after_forward and mixed precision set) of this module's worker, which drives the entry
+point's trainer (train_sft.parse_args and train_sft.build_trainer, as bench_overhead.py does: TRL's SFTTrainer,
+its fused LM head and metrics, the pack's run report, completion-marker and preemption callbacks):
+
+  0   baseline: TRL SFTTrainer defaults: padded batches of 8 (per_device_train_batch_size's default), no packing,
+      SDPA, TRL's default activation checkpointing (full, non-reentrant), bf16, reshard_after_forward True.
+  1   padding-free packing: `packing: true` (TRL's "bfd" strategy, which turns padding_free on: one flattened row
+      with position_ids, no attention mask), 2 packed rows of 4096 tokens per step; attention flash_attention_2
+      when flash_attn imports, else SDPA (transformers then builds a block-diagonal mask from the position_ids, so
+      attention costs as much as one 8192-token sequence: the JSON records which one ran).
+  2   Liger kernels: `use_liger_kernel: true` (RMSNorm, SwiGLU, RoPE; TRL keeps its own fused LM head, so Liger's
+      fused cross-entropy is off). Skipped, with the reason, without CUDA or liger_kernel.
+  3   regional torch.compile: `layer.compile()` on every decoder layer before FSDP2 wraps it (torchtitan's way;
+      dynamo skips FSDP2's hooks).
+  4   torchao float8 training: convert_to_float8_training (tensorwise dynamic scaling) on every nn.Linear but the
+      LM head. Skipped, with the reason, without CUDA, without torchao, or below compute capability 8.9.
+  5a  no activation checkpointing; 5b selective activation checkpointing (TRL's policy: save the attention
+      outputs, recompute the rest); 5c FSDP2 reshard_after_forward False.
+
+Cumulative: each rung starts from the fastest rung measured so far in its ladder (tokens/s per GPU) and makes its
+one change; a rung that failed, was skipped or was slower is not built on. So 5a-5c compare checkpointing and
+resharding on top of the best configuration found by 0-4. "Tuned" in the table is the fastest measured rung.
+
+A rung whose estimated memory (memory_budget.budget, the arithmetic of `make plan`) exceeds the GPU is skipped with
+the estimate as the reason (`--no-fit-check` runs it anyway): 8B full fine-tuning needs about 16 bytes per
+parameter for fp32 weights, gradients and AdamW states, about 120 GiB, so on one 80 GiB H100 every 8B rung is
+skipped. A rung that crashes, runs out of memory or times out is recorded as `{"status": "failed", "error": ...}`
+(the run report's error, else the last error line of its log) and the ladder goes on.
+
+Figures come from the run's own metrics.json (run_report.RunReport): tokens/s per GPU (non-padding tokens), MFU
+(flops.flops_per_token over flops.peak_flops, dense bf16 peak, also for the float8 rung), peak memory
+(torch.cuda.max_memory_allocated and max_memory_reserved, max over ranks, whole run). Warm-up is excluded: at the
+end of step `--warmup` (default 4: the first steps compile, allocate and tune) the worker synchronizes the device
+and restarts the report's training clock and token counters, and it synchronizes again before the report reads
+the clock at the end; so tokens/s and MFU cover only the `--steps` measured steps (default 16). Not included:
+process start, imports, model load, data preparation, FSDP wrapping, saving (no final save is made), evaluation.
+
+Output: bench/results/bench-gpu-<device-slug>-<date>[-<sizes>].json (device, GPU count, versions, date, every
+rung's configuration, figures, command and log tail; written after every rung, so a killed run keeps what it
+measured) and a markdown table with the speed-up over rung 0 and whether the issue's goals were met: tuned
+tokens/s >= 1.5x rung 0, and >= 45% MFU for 1B full fine-tuning on one GPU. A goal is only ever marked met or not
+met from measured figures.
+
+`--dry-run`: the same ladder on CPU processes (CUDA hidden), a tiny Mistral (hidden 64, 2 layers), sequence 128,
+1 warm-up and 2 measured steps, fp32, 1 process; Liger and float8 are skipped (they need CUDA) and compile uses
+the aot_eager backend (dynamo and AOTAutograd, no inductor). It tests the plumbing only: its JSON says
+`"plumbing_only": true` and its table says its figures are not benchmarks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
+GIB = 1024**3
+
+# MistralConfig fields per size; the docstring states the parameter counts (checked by the tests).
+SIZES = {
+    "1b": dict(vocab_size=32768, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    "8b": dict(vocab_size=131072, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+    "tiny": dict(vocab_size=268, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=2, num_key_value_heads=2, head_dim=32),  # --dry-run only
+}
+# Lognormal conversation lengths at max_length 4096; scaled linearly for other lengths.
+LENGTHS = dict(median=800, sigma=0.9, min=16, max=4096)
+GOAL_SPEEDUP = 1.5
+GOAL_MFU_1B_1GPU = 0.45
+
+GPU_RUN = dict(max_length=4096, warmup=4, steps=16, baseline_batch=8, pack_rows=2, dtype="bfloat16",
+               rung_timeout_s=360, deadline_s=None)
+DRY_RUN = dict(max_length=128, warmup=1, steps=2, baseline_batch=8, pack_rows=2, dtype="float32",
+               rung_timeout_s=120, deadline_s=None)
+
+BASELINE = dict(packing=False, attn="sdpa", batch="baseline", liger=False, compile=False, float8=False,
+                activation_checkpointing="full", reshard_after_forward=True)
+RUNGS = [
+    dict(id="0", name="TRL defaults, padded", change={}),
+    dict(id="1", name="padding-free packing", change=dict(packing=True, attn="auto", batch="pack")),
+    dict(id="2", name="Liger kernels", change=dict(liger=True)),
+    dict(id="3", name="regional torch.compile", change=dict(compile=True)),
+    dict(id="4", name="torchao float8", change=dict(float8=True)),
+    dict(id="5a", name="activation checkpointing off", change=dict(activation_checkpointing="none")),
+    dict(id="5b", name="selective activation checkpointing", change=dict(activation_checkpointing="selective")),
+    dict(id="5c", name="reshard_after_forward False", change=dict(reshard_after_forward=False)),
+]
+
+
+# ---- model and data -----------------------------------------------------------------------------------------------
+
+def mistral_config(size: str, max_length: int = 4096):
+    from transformers import MistralConfig
+
+    return MistralConfig(**SIZES[size], max_position_embeddings=max(max_length, 4096), sliding_window=None,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3)
+
+
+def param_counts(size: str) -> dict[str, int]:
+    """flops.count_params of the model built on the meta device (no memory, no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes import flops
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mistral_config(size))
+    return flops.count_params(model)
+
+
+def build_model(size: str, out: Path, device: str, dtype: str, max_length: int) -> Path:
+    """Random weights (transformers' own init, seed 0) saved with save_pretrained, plus the tiny tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_recipes.tiny_assets import ensure_assets
+
+    if (out / "config.json").is_file():
+        return out
+    tok = AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"])
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(mistral_config(size, max_length), dtype=getattr(torch, dtype))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    del model
+    if device == "cuda":  # give the rungs the memory back (this process keeps only its CUDA context)
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def synthetic_lengths(n: int, max_length: int = 4096, seed: int = 0) -> list[int]:
+    """Lognormal conversation lengths (LENGTHS at 4096, scaled to max_length), clipped to [min, max_length]."""
+    scale = max_length / LENGTHS["max"]
+    rng = random.Random(seed)
+    lo = max(2, round(LENGTHS["min"] * scale))
+    mu = math.log(LENGTHS["median"] * scale)
+    return [min(max_length, max(lo, round(rng.lognormvariate(mu, LENGTHS["sigma"])))) for _ in range(n)]
+
+
+def length_stats(lengths: list[int]) -> dict:
+    s = sorted(lengths)
+    q = lambda p: s[min(len(s) - 1, int(p * len(s)))]  # noqa: E731
+    return {"n": len(s), "min": s[0], "p10": q(0.1), "median": q(0.5), "mean": sum(s) / len(s), "p90": q(0.9),
+            "max": s[-1], "fraction_at_max": sum(x == s[-1] for x in s) / len(s)}
+
+
+def write_dataset(out: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
+    """train.jsonl of pre-tokenized rows. `input_ids` makes TRL skip tokenization; the empty `text` column only
+    satisfies the entry point's column check (the Trainer drops it)."""
+    rng = random.Random(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "train.jsonl", "w") as f:
+        for n in lengths:  # ids from 6 on: 0-5 are the tiny tokenizer's special tokens
+            f.write(json.dumps({"text": "", "input_ids": [rng.randrange(6, vocab) for _ in range(n)]}) + "\n")
+    return out
+
+
+# ---- the device ---------------------------------------------------------------------------------------------------
+
+def device_facts(dry_run: bool) -> dict:
+    import torch
+
+    from fsdp_recipes.run_report import device_info
+
+    if dry_run or not torch.cuda.is_available():
+        return {"type": "cpu", "name": device_info()["name"], "count": 1, "capability": None, "memory_bytes": None}
+    props = torch.cuda.get_device_properties(0)
+    return {"type": "cuda", "name": props.name, "count": torch.cuda.device_count(),
+            "capability": [props.major, props.minor], "memory_bytes": props.total_memory}
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+# ---- rungs --------------------------------------------------------------------------------------------------------
+
+def resolve(settings: dict, sizes: dict, device: dict) -> dict:
+    """Concrete settings: batch size and attention implementation filled in."""
+    s = dict(settings)
+    if s["batch"] in ("baseline", "pack"):
+        s["batch"] = sizes["baseline_batch"] if s["batch"] == "baseline" else sizes["pack_rows"]
+    if s["attn"] == "auto":
+        flash = device["type"] == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        s["attn"] = "flash_attention_2" if flash else "sdpa"
+    return s
+
+
+def why_skip(rung: dict, s: dict, device: dict) -> str | None:
+    """The reason a rung cannot run here, or None."""
+    cuda = device["type"] == "cuda"
+    if rung["change"].get("liger"):
+        if not cuda:
+            return "needs CUDA (Liger's kernels are Triton GPU kernels); this is a CPU plumbing run"
+        if importlib.util.find_spec("liger_kernel") is None:
+            return "liger_kernel is not importable (pip install liger-kernel; scripts/device_wheels.sh carries it)"
+    if rung["change"].get("float8"):
+        if not cuda:
+            return "needs CUDA (float8 matmuls); this is a CPU plumbing run"
+        if importlib.util.find_spec("torchao") is None:
+            return "torchao is not importable (pip install torchao; scripts/device_wheels.sh carries it)"
+        if tuple(device["capability"]) < (8, 9):
+            return f"float8 needs compute capability >= 8.9, this GPU has {device['capability'][0]}." \
+                   f"{device['capability'][1]}"
+    return None
+
+
+def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
+    """Bytes per GPU by memory_budget (the arithmetic `make plan` prints); selective checkpointing adds the saved
+    attention outputs to full checkpointing's figure."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes import memory_budget
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(mistral_config(size))
+    shape = memory_budget.shape_of(model, SimpleNamespace(use_peft=False))
+    tokens = s["batch"] * max_length
+    setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP" if processes > 1 else "single",
+                                load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
+                                activation_checkpointing=s["activation_checkpointing"] != "none", optimizer_bytes=8,
+                                runtime_bytes=2 * GIB)
+    total = memory_budget.budget(shape, setup)["total"]
+    if s["activation_checkpointing"] == "selective":
+        total += tokens * shape.layers * 2 * shape.q_dim
+    return total
+
+
+def accelerate_yaml(path: Path, processes: int, reshard: bool, mixed_precision: str) -> Path:
+    import yaml
+
+    cfg = yaml.safe_load(ACCELERATE_TEMPLATE.read_text())
+    cfg.update(num_processes=processes, mixed_precision=mixed_precision)
+    cfg["fsdp_config"]["fsdp_reshard_after_forward"] = reshard
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def sft_args(s: dict, model_dir: Path, data_dir: Path, out_dir: Path, sizes: dict, bf16: bool) -> list[str]:
+    """The entry point's flags for one rung. Everything not named here is TRL's / transformers' default."""
+    b = lambda v: "true" if v else "false"  # noqa: E731
+    total = sizes["warmup"] + sizes["steps"]
+    args = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out_dir),
+            "--use_peft", "false", "--tiny_assets", "false", "--save_merged_model", "false", "--auto_resume", "false",
+            "--dtype", sizes["dtype"], "--bf16", b(bf16), "--attn_implementation", s["attn"],
+            "--max_length", str(sizes["max_length"]), "--per_device_train_batch_size", str(s["batch"]),
+            "--packing", b(s["packing"]), "--use_liger_kernel", b(s["liger"]),
+            "--activation_checkpointing", b(s["activation_checkpointing"] != "none"),
+            "--max_steps", str(total), "--logging_steps", str(total), "--eval_strategy", "no",
+            "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
+    if s["activation_checkpointing"] == "selective":
+        args += ["--activation_checkpointing_kwargs", '{"selective": true}']
+    return args
+
+
+LAUNCHER_ERRORS = ("ChildFailedError", "CalledProcessError")  # torchrun's and accelerate's wrappers of the real one
+
+
+def error_line(log: str, metrics: dict | None) -> str:
+    """The run report's error, else the log's last Python exception line that is not the launchers' wrapper of it,
+    else the log's last line."""
+    if metrics and metrics.get("error"):
+        return metrics["error"].splitlines()[0][:400]
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        m = re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", ln)
+        if m and not any(w in m.group(0) for w in LAUNCHER_ERRORS):
+            return ln[:400]
+    return lines[-1][:400] if lines else "no output"
+
+
+def figures(metrics: dict, sizes: dict) -> dict:
+    """The headline figures, read from the run's metrics.json (which covers the measured steps only)."""
+    pm = metrics["peak_memory"]
+    tok = metrics["tokens"]
+    gib = lambda v: v / GIB if v is not None else None  # noqa: E731
+    return {
+        "tokens_per_s_per_gpu": metrics["tokens_per_second_per_device"],
+        "tokens_per_s": metrics["tokens_per_second"],
+        "mfu": metrics["mfu"],
+        "mfu_note": metrics["mfu_note"],
+        "peak_allocated_gib": gib(pm["device_allocated_bytes"]),
+        "peak_reserved_gib": gib(pm["device_reserved_bytes"]),
+        "host_rss_gib": gib(pm["host_rss_bytes"]),
+        "measured_steps": sizes["steps"],
+        "warmup_steps_excluded": sizes["warmup"],
+        "measured_time_s": metrics["train_time_s"],
+        "non_padding_tokens": tok["non_padding"],
+        "padded_tokens": tok["padded"],
+        "padding_fraction": 1 - tok["non_padding"] / tok["padded"] if tok["padded"] else None,
+        "flops_per_token": metrics["flops_per_token"],
+        "mean_sequence_length": metrics["flops_seq_len"],
+    }
+
+
+def run_rung(cmd: list[str], env: dict, out_dir: Path, log_path: Path, timeout_s: float) -> tuple[int | None, str]:
+    """One launch in its own process group; on timeout the whole group is killed. (return code or None, log)."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+    return rc, log_path.read_text(errors="replace")
+
+
+def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
+    """All rungs of one (size, processes) ladder, filled into `lad`, each from the fastest measured so far."""
+    sizes, device, work = ctx["sizes"], ctx["device"], ctx["work"]
+    size, processes = lad["size"], lad["processes"]
+    best = None  # (tokens/s per GPU, settings)
+    model_dir = None
+    for rung in rungs:
+        base = best[1] if best else BASELINE
+        s = resolve({**base, **rung["change"]}, sizes, device)
+        rec = {"id": rung["id"], "name": rung["name"], "built_on": best[2] if best else None, "config": s}
+        lad["rungs"].append(rec)
+        elapsed = time.time() - ctx["t0"]
+        reason = why_skip(rung, s, device)
+        deadline = ctx["deadline_s"]
+        if reason is None and deadline is not None and elapsed > deadline - 30:
+            reason = f"time budget: {elapsed:.0f} s of --deadline-s {deadline:.0f} spent before this rung"
+        if reason is None and device["type"] == "cuda" and ctx["fit_check"]:
+            est = memory_estimate(size, s, processes, sizes["max_length"])
+            rec["memory_estimate_gib"] = est / GIB
+            if est > device["memory_bytes"]:
+                reason = (f"estimated {est / GIB:.0f} GiB per GPU > {device['memory_bytes'] / GIB:.0f} GiB "
+                          f"(memory_budget, as `make plan`; --no-fit-check runs it anyway)")
+        if reason is not None:
+            rec.update(status="skipped", reason=reason)
+            print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): skipped: {reason}", flush=True)
+            on_update()
+            continue
+        if model_dir is None:
+            model_dir = build_model(size, work / f"model-{size}", ctx["build_device"], sizes["dtype"],
+                                    sizes["max_length"])
+        out_dir = work / f"run-{size}-{processes}-{rung['id']}"
+        yaml_path = accelerate_yaml(work / f"accelerate-{size}-{processes}-{rung['id']}.yaml", processes,
+                                    s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16")
+        worker = ["--worker", "--warmup", str(sizes["warmup"]),
+                  "--compile", ("aot_eager" if ctx["dry_run"] else "inductor") if s["compile"] else "none",
+                  "--float8", "true" if s["float8"] else "false", "--"]
+        args = sft_args(s, model_dir, ctx["data_dir"], out_dir, sizes, bf16=not ctx["dry_run"])
+        if rung["id"] in ctx["inject_failure"]:  # tests: a setting the entry point rejects
+            args += ["--no_such_setting", "1"]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
+               "--num_processes", str(processes), "--main_process_port", "0",
+               "-m", "fsdp_recipes.bench_gpu", *worker, *args]
+        rec["command"] = " ".join(cmd)
+        timeout = sizes["rung_timeout_s"]
+        if deadline is not None:
+            timeout = max(30.0, min(timeout, deadline - (time.time() - ctx["t0"])))
+        print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): running", flush=True)
+        t = time.time()
+        rc, log = run_rung(cmd, ctx["env"], out_dir, work / f"log-{size}-{processes}-{rung['id']}.txt", timeout)
+        rec["wall_s"] = time.time() - t
+        rec["log_tail"] = log.splitlines()[-30:]
+        mpath = out_dir / "metrics.json"
+        metrics = json.loads(mpath.read_text()) if mpath.is_file() else None
+        rec["metrics_json"] = metrics
+        ok = rc == 0 and metrics and metrics["status"] == "completed" and (metrics["tokens_per_second"] or 0) > 0
+        if ok:
+            rec["status"] = "measured"
+            rec["figures"] = figures(metrics, sizes)
+            tps = rec["figures"]["tokens_per_s_per_gpu"]
+            if best is None or tps > best[0]:
+                best = (tps, s, rung["id"])
+            print(f"[bench-gpu]   {tps:,.0f} tokens/s/GPU in {rec['wall_s']:.0f} s", flush=True)
+        else:
+            why = f"timed out after {timeout:.0f} s" if rc is None else error_line(log, metrics)
+            rec.update(status="failed", error=why, returncode=rc)
+            print(f"[bench-gpu]   failed: {why}", flush=True)
+        on_update()
+    lad["goals"] = goals(lad, ctx["dry_run"])
+    on_update()
+
+
+def goals(lad: dict, dry_run: bool) -> dict:
+    """The issue's goals, from measured figures only."""
+    measured = [r for r in lad["rungs"] if r["status"] == "measured"]
+    base = next((r for r in measured if r["id"] == "0"), None)
+    tuned = max(measured, key=lambda r: r["figures"]["tokens_per_s_per_gpu"], default=None)
+    out = {"tuned_rung": tuned["id"] if tuned else None}
+    if dry_run:
+        why = "not evaluated: plumbing run (CPU, tiny model); its figures are not benchmarks"
+        return {**out, "speedup": why, "mfu": why}
+    if base is None or tuned is None:
+        out["speedup"] = "not evaluated: rung 0 was not measured"
+    else:
+        x = tuned["figures"]["tokens_per_s_per_gpu"] / base["figures"]["tokens_per_s_per_gpu"]
+        out["speedup"] = f"{'met' if x >= GOAL_SPEEDUP else 'not met'}: {x:.2f}x (goal >= {GOAL_SPEEDUP}x)"
+    if lad["size"] != "1b" or lad["processes"] != 1:
+        out["mfu"] = "not applicable (the MFU goal is for 1B on one GPU)"
+    elif tuned is None or tuned["figures"]["mfu"] is None:
+        out["mfu"] = "not evaluated: no measured MFU"
+    else:
+        m = tuned["figures"]["mfu"]
+        out["mfu"] = f"{'met' if m >= GOAL_MFU_1B_1GPU else 'not met'}: {100 * m:.1f}% (goal >= 45%)"
+    return out
+
+
+def table(result: dict) -> str:
+    lines = []
+    if result["plumbing_only"]:
+        lines.append("PLUMBING RUN (--dry-run): CPU, tiny model, 2 steps. These figures are NOT benchmarks.")
+    for lad in result["ladders"]:
+        lines += ["", f"{lad['size']} ({lad['parameters']['total']:,} parameters), {lad['processes']} "
+                      f"{'process' if result['plumbing_only'] else 'GPU'}(s)", "",
+                  "| rung | what | tokens/s/GPU | MFU | peak GiB alloc / reserved | speed-up vs rung 0 | status |",
+                  "|---|---|---:|---:|---:|---:|---|"]
+        base = next((r for r in lad["rungs"] if r["id"] == "0" and r["status"] == "measured"), None)
+        for r in lad["rungs"]:
+            if r["status"] != "measured":
+                detail = r.get("reason") or r.get("error") or ""
+                lines.append(f"| {r['id']} | {r['name']} | - | - | - | - | {r['status']}: {detail} |")
+                continue
+            f = r["figures"]
+            mfu = f"{100 * f['mfu']:.1f}%" if f["mfu"] is not None else "n/a"
+            on_gpu = f["peak_allocated_gib"] is not None
+            mem = (f"{f['peak_allocated_gib']:.1f} / {f['peak_reserved_gib']:.1f}" if on_gpu
+                   else f"host RSS {f['host_rss_gib']:.2f}")
+            up = (f"{f['tokens_per_s_per_gpu'] / base['figures']['tokens_per_s_per_gpu']:.2f}x" if base else "-")
+            extra = f" (on {r['built_on']}, {r['config']['attn']})" if r["built_on"] else f" ({r['config']['attn']})"
+            lines.append(f"| {r['id']} | {r['name']}{extra} | {f['tokens_per_s_per_gpu']:,.0f} | {mfu} | {mem} | {up} "
+                         f"| measured |")
+        g = lad.get("goals") or {}
+        lines += ["", f"Goal, tuned (rung {g.get('tuned_rung')}) tokens/s >= 1.5x rung 0: {g.get('speedup')}",
+                  f"Goal, >= 45% MFU for 1B full fine-tuning on one GPU: {g.get('mfu')}"]
+    return "\n".join(lines)
+
+
+# ---- driver -------------------------------------------------------------------------------------------------------
+
+def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
+    """Run the ladders; (result, table, path of the JSON)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", "--cpu-plumbing", action="store_true", dest="dry_run",
+                    help="the ladder on CPU with a tiny model: tests the plumbing, measures nothing")
+    ap.add_argument("--sizes", default=None, help="comma-separated: 1b,8b (default both; tiny with --dry-run)")
+    ap.add_argument("--gpus", default="1,all", help="layouts: 1, all, or 1,all (default)")
+    ap.add_argument("--rungs", default=None, help="comma-separated rung ids to run (default all: 0,1,2,3,4,5a,5b,5c)")
+    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--work", type=Path, default=None, help="models, data, logs (default: a temporary folder)")
+    ap.add_argument("--warmup", type=int)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--deadline-s", type=float, help="skip the rungs that would start within 30 s of this many "
+                    "seconds from the start, and cut the last one's timeout to it (default: none)")
+    ap.add_argument("--rung-timeout-s", type=float)
+    ap.add_argument("--no-fit-check", action="store_true", help="run rungs whose memory estimate exceeds the GPU")
+    ap.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests: rung ids given a bad setting
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from fsdp_recipes.run_report import now_iso, versions, write_json_atomic
+
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("bench_gpu: no CUDA device here. Use --dry-run to test the plumbing on CPU.")
+    sizes = {**(DRY_RUN if dry else GPU_RUN)}
+    for k in ("warmup", "steps", "deadline_s", "rung_timeout_s"):
+        if getattr(args, k) is not None:
+            sizes[k] = getattr(args, k)
+    size_names = (args.sizes or ("tiny" if dry else "1b,8b")).split(",")
+    device = device_facts(dry)
+    layouts = []
+    for g in args.gpus.split(","):
+        n = device["count"] if g == "all" else int(g)
+        if n not in layouts and n <= device["count"]:
+            layouts.append(n)
+    selected = args.rungs.split(",") if args.rungs else [r["id"] for r in RUNGS]
+    rungs = [r for r in RUNGS if r["id"] in selected]
+
+    date = now_iso()
+    name = f"bench-gpu-{'cpu-plumbing' if dry else slug(device['name'])}-{date[:10]}"
+    if not dry and args.sizes:
+        name += "-" + "-".join(size_names)
+    path = args.results / f"{name}.json"
+    result = {"benchmark": "gpu-ladder", "plumbing_only": dry,
+              "untested_note": None if not dry else "CPU plumbing run: no figure here is a benchmark",
+              "device": device, "gpu_count": 0 if dry else device["count"], "versions": versions(), "date": date,
+              "host": os.uname().nodename, "command": sys.argv, "sizes": sizes,
+              "lengths": {**LENGTHS, "scaled_to": sizes["max_length"]}, "rungs": RUNGS, "baseline": BASELINE,
+              "ladders": []}
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env.pop("MASTER_PORT", None)
+    if dry:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path even on a GPU machine
+
+    def save():
+        result["duration_s"] = time.time() - t0
+        write_json_atomic(path, result)
+
+    t0 = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        max_batch = max(sizes["baseline_batch"], sizes["pack_rows"] * 4)
+        lengths = synthetic_lengths(max_batch * (sizes["warmup"] + sizes["steps"]) + 64, sizes["max_length"])
+        result["dataset"] = length_stats(lengths)
+        params = {s: param_counts(s) for s in size_names}
+        for s in size_names:
+            result.setdefault("models", {})[s] = {"config": SIZES[s], "parameters": params[s]}
+        ctx = dict(sizes=sizes, device=device, work=work, params=params, dry_run=dry, t0=t0, env=env,
+                   deadline_s=sizes["deadline_s"], fit_check=not args.no_fit_check,
+                   build_device="cpu" if dry else "cuda",
+                   inject_failure=set(filter(None, args.inject_failure.split(","))))
+        for s in size_names:
+            # one data set per vocabulary; the same rows, in the same order, for every rung of the size
+            ctx["data_dir"] = write_dataset(work / f"data-{s}", lengths, SIZES[s]["vocab_size"])
+            for n in layouts:
+                lad = {"size": s, "processes": n, "parameters": params[s], "rungs": []}
+                result["ladders"].append(lad)  # saved after every rung: a killed run keeps what it measured
+                ladder(lad, ctx, rungs, save)
+    save()
+    text = table(result)
+    return result, text, path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    result, text, path = run(argv)
+    print()
+    print(text)
+    print(f"\nwritten to {path} ({result['duration_s']:.0f} s)")
+    return 0
+
+
+# ---- worker (inside `accelerate launch`) --------------------------------------------------------------------------
+
+def worker(argv: list[str]) -> int:
+    """One rung: the entry point's trainer, plus compile/float8, with warm-up excluded from the report's clock."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--warmup", type=int, required=True)
+    ap.add_argument("--compile", choices=["none", "inductor", "aot_eager"], default="none")
+    ap.add_argument("--float8", default="false")
+    split = argv.index("--")
+    wargs = ap.parse_args(argv[:split])
+
+    from fsdp_recipes import cpu_fsdp
+
+    cpu_fsdp.enable()  # a no-op with a GPU
+    import torch
+    from transformers import TrainerCallback
+    from trl import get_peft_config
+
+    from fsdp_recipes import train_sft
+    from fsdp_recipes.preemption import PreemptionCallback
+    from fsdp_recipes.run_report import RunReportCallback
+
+    script, training, model_args, mixture, pack = train_sft.parse_args(argv[split + 1:])
+    peft_config = get_peft_config(model_args)
+    report = RunReportCallback(training.output_dir, train_sft.resolved_args(script, training, model_args, mixture,
+                                                                            pack, peft_config), "bench-gpu")
+    report.resolved_args["bench_worker"] = vars(wargs)
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    class ExcludeWarmup(TrainerCallback):
+        """First in the callback list: restarts the report's clock and counters once the warm-up steps are done,
+        and synchronizes before the report reads the clock at the end."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == wargs.warmup:
+                sync()
+                report.train_start = time.time()
+                report.tokens.non_padding = report.tokens.padded = report.tokens.sequences = 0
+
+        def on_train_end(self, args, state, control, **kwargs):
+            sync()
+
+    try:
+        trainer = train_sft.build_trainer(script, training, model_args, mixture, pack, peft_config, report,
+                                          PreemptionCallback())
+        model = trainer.model
+        if wargs.float8 == "true":
+            from torchao.float8 import convert_to_float8_training
+
+            convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+        if wargs.compile != "none":
+            for layer in model.model.layers:  # compiled in place: FSDP2 still finds MistralDecoderLayer to wrap
+                layer.compile(backend=wargs.compile)
+        trainer.callback_handler.callbacks.insert(0, ExcludeWarmup())
+        trainer.train()
+    except BaseException as err:
+        report.finalize("failed", error=f"{type(err).__name__}: {err}")
+        raise
+    report.finalize("completed")
+    if hasattr(trainer, "end"):
+        trainer.end()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

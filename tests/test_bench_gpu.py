@@ -1,0 +1,190 @@
+"""make bench-gpu: the ladder's plumbing on CPU (`--dry-run`), the model sizes, the synthetic data, the goal logic.
+
+Nothing here measures or asserts a GPU figure: the dry run trains a tiny Mistral on CPU processes, and the goal and
+table tests use made-up figures to check the arithmetic and the wording.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import statistics
+
+import pytest
+
+from fsdp_recipes import bench, bench_gpu
+
+RUNG_IDS = ["0", "1", "2", "3", "4", "5a", "5b", "5c"]
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory, cache_dir):
+    """One dry-run ladder (~1 minute on 2 cores), with rung 5b given a setting the entry point rejects."""
+    out = tmp_path_factory.mktemp("bench-gpu")
+    result, text, path = bench_gpu.run(["--dry-run", "--results", str(out), "--inject-failure", "5b"])
+    return result, text, path
+
+
+@pytest.mark.slow
+def test_dry_run_ladder_runs_end_to_end_and_says_it_is_plumbing(dry):
+    result, text, path = dry
+    saved = json.loads(path.read_text())
+    assert saved["ladders"] == json.loads(json.dumps(result["ladders"]))
+    assert path.name == f"bench-gpu-cpu-plumbing-{saved['date'][:10]}.json"
+    assert dt.datetime.fromisoformat(saved["date"]).tzinfo is not None
+    assert saved["plumbing_only"] is True and saved["gpu_count"] == 0 and saved["device"]["type"] == "cpu"
+    for pkg in ("python", "torch", "transformers", "trl", "accelerate"):
+        assert saved["versions"][pkg], pkg
+    assert "NOT benchmarks" in text and "not evaluated: plumbing run" in text
+
+    (lad,) = saved["ladders"]
+    assert (lad["size"], lad["processes"]) == ("tiny", 1)
+    rungs = {r["id"]: r for r in lad["rungs"]}
+    assert list(rungs) == RUNG_IDS
+    for r in lad["rungs"]:
+        if r["status"] == "measured":
+            f = r["figures"]
+            assert f["tokens_per_s_per_gpu"] > 0 and f["measured_time_s"] > 0, r["id"]
+            assert f["mfu"] is None and f["peak_allocated_gib"] is None  # CPU: no MFU, no device memory
+            assert r["metrics_json"]["status"] == "completed" and "accelerate.commands.launch" in r["command"]
+        elif r["status"] == "skipped":
+            assert r["reason"], r["id"]
+        else:
+            assert r["id"] == "5b", r  # the injected failure only
+    # Liger and float8 need CUDA; everything else really ran
+    assert {i for i, r in rungs.items() if r["status"] == "skipped"} == {"2", "4"}
+    assert all("CUDA" in rungs[i]["reason"] for i in ("2", "4"))
+    assert {i for i, r in rungs.items() if r["status"] == "measured"} == {"0", "1", "3", "5a", "5c"}
+
+
+@pytest.mark.slow
+def test_dry_run_rungs_run_what_they_claim(dry):
+    result, _, _ = dry
+    rungs = {r["id"]: r for r in result["ladders"][0]["rungs"]}
+    sizes = result["sizes"]
+    r0, r1 = rungs["0"], rungs["1"]
+    # warm-up excluded: the report's counters hold the measured steps' sequences only
+    assert r0["metrics_json"]["steps"] == sizes["warmup"] + sizes["steps"]
+    assert r0["metrics_json"]["samples"] == sizes["steps"] * sizes["baseline_batch"]
+    # rung 0 pads, rung 1 is padding-free packing (one flattened row with position_ids: no padding at all)
+    assert r0["figures"]["padding_fraction"] > 0.2 and r1["figures"]["padding_fraction"] == 0
+    assert r1["config"]["packing"] and r1["config"]["attn"] == "sdpa"  # no flash-attn on CPU
+    full = sizes["steps"] * sizes["pack_rows"] * sizes["max_length"]  # best-fit packing leaves a few tokens free
+    assert 0.9 * full <= r1["metrics_json"]["tokens"]["padded"] == r1["metrics_json"]["tokens"]["non_padding"] <= full
+    assert "--compile aot_eager" in rungs["3"]["command"]
+    assert rungs["5a"]["config"]["activation_checkpointing"] == "none"
+    assert r0["metrics_json"]["sharding_strategy"] == "FULL_SHARD"
+    assert rungs["5c"]["metrics_json"]["sharding_strategy"] == "SHARD_GRAD_OP"  # reshard_after_forward False
+    assert r0["metrics_json"]["fsdp_version"] == 2 and r0["metrics_json"]["world_size"] == 1
+    # cumulative: every rung is built on the fastest measured before it
+    best, best_tps = None, 0.0
+    for r in result["ladders"][0]["rungs"]:
+        assert r["built_on"] == best, r["id"]
+        if r["status"] == "measured" and r["figures"]["tokens_per_s_per_gpu"] > best_tps:
+            best, best_tps = r["id"], r["figures"]["tokens_per_s_per_gpu"]
+
+
+@pytest.mark.slow
+def test_a_failed_rung_is_recorded_and_the_ladder_goes_on(dry):
+    result, text, _ = dry
+    rungs = {r["id"]: r for r in result["ladders"][0]["rungs"]}
+    failed = rungs["5b"]
+    assert failed["status"] == "failed" and failed["returncode"] not in (0, None)
+    assert "no_such_setting" in failed["error"] and "ChildFailedError" not in failed["error"]
+    assert rungs["5c"]["status"] == "measured" and rungs["5c"]["built_on"] != "5b"
+    assert "| 5b | selective activation checkpointing | - |" in text and "failed: " in text
+
+
+def test_model_sizes_on_the_meta_device():
+    one, eight = bench_gpu.param_counts("1b"), bench_gpu.param_counts("8b")
+    assert one["total"] == 1_107_363_840 and one["trainable_non_embedding"] == 1_040_254_976  # the docstring's
+    assert eight["total"] == 8_019_808_256 and eight["trainable_non_embedding"] == 7_482_937_344
+    assert 0.9e9 < one["total"] < 1.3e9 and 7.5e9 < eight["total"] < 8.5e9
+    assert bench_gpu.mistral_config("8b").model_type == "mistral"
+
+
+def test_synthetic_lengths_have_the_claimed_spread():
+    lengths = bench_gpu.synthetic_lengths(20_000)
+    assert lengths == bench_gpu.synthetic_lengths(20_000)  # seeded
+    s = bench_gpu.length_stats(lengths)
+    assert s["min"] >= 16 and s["max"] == 4096
+    assert statistics.median(lengths) == pytest.approx(800, rel=0.05)
+    assert s["mean"] == pytest.approx(1126, rel=0.05)  # the clipped lognormal's mean, as the docstring says
+    assert s["p10"] == pytest.approx(252, rel=0.1) and s["p90"] == pytest.approx(2535, rel=0.08)
+    assert s["fraction_at_max"] == pytest.approx(0.035, abs=0.008)
+    assert s["p90"] / s["p10"] > 8  # a real spread, not near-constant lengths
+    small = bench_gpu.synthetic_lengths(2000, max_length=128)
+    assert max(small) == 128 and statistics.median(small) == pytest.approx(25, rel=0.1)
+
+
+def _measured(rid, tps, mfu=None):
+    return {"id": rid, "name": rid, "status": "measured", "built_on": None, "config": {"attn": "sdpa"},
+            "figures": {"tokens_per_s_per_gpu": tps, "mfu": mfu, "peak_allocated_gib": 10.0,
+                        "peak_reserved_gib": 12.0, "host_rss_gib": 1.0}}
+
+
+def test_goals_are_judged_from_measured_figures_only():
+    lad = {"size": "1b", "processes": 1, "rungs": [_measured("0", 1000.0, 0.2), _measured("1", 1600.0, 0.41),
+                                                   {"id": "2", "name": "x", "status": "skipped", "reason": "r"}]}
+    g = bench_gpu.goals(lad, dry_run=False)
+    assert g["tuned_rung"] == "1" and g["speedup"].startswith("met: 1.60x") and g["mfu"].startswith("not met: 41.0%")
+    lad["rungs"][0] = {"id": "0", "name": "x", "status": "failed", "error": "OOM"}
+    g = bench_gpu.goals(lad, dry_run=False)
+    assert g["speedup"].startswith("not evaluated")
+    lad8 = {"size": "8b", "processes": 1, "rungs": [_measured("0", 100.0, 0.5)]}
+    assert bench_gpu.goals(lad8, dry_run=False)["mfu"].startswith("not applicable")
+    assert bench_gpu.goals(lad8, dry_run=True)["speedup"].startswith("not evaluated: plumbing")
+
+
+def test_table_and_skip_reasons(monkeypatch):
+    result = {"plumbing_only": False, "ladders": [{
+        "size": "1b", "processes": 1, "parameters": {"total": 1_107_363_840},
+        "rungs": [_measured("0", 1000.0, 0.2), _measured("5a", 1500.0, 0.3)],
+        "goals": {"tuned_rung": "5a", "speedup": "met: 1.50x", "mfu": "not met: 30.0%"}}]}
+    text = bench_gpu.table(result)
+    assert "| 5a | 5a (sdpa) | 1,500 | 30.0% | 10.0 / 12.0 | 1.50x | measured |" in text
+    assert "NOT benchmarks" not in text and "met: 1.50x" in text
+    cpu = {"type": "cpu"}
+    h100 = {"type": "cuda", "capability": [9, 0]}
+    a100 = {"type": "cuda", "capability": [8, 0]}
+    f8 = next(r for r in bench_gpu.RUNGS if r["id"] == "4")
+    assert "CUDA" in bench_gpu.why_skip(f8, {}, cpu)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    assert "torchao is not importable" in bench_gpu.why_skip(f8, {}, h100)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
+    assert "8.9" in bench_gpu.why_skip(f8, {}, a100) and bench_gpu.why_skip(f8, {}, h100) is None
+    assert bench_gpu.why_skip(next(r for r in bench_gpu.RUNGS if r["id"] == "5a"), {}, h100) is None
+
+
+def test_memory_estimate_skips_8b_on_one_80gb_gpu():
+    packed_full_ac = bench_gpu.resolve({**bench_gpu.BASELINE, "packing": True, "batch": "pack"},
+                                       bench_gpu.GPU_RUN, {"type": "cuda"})
+    eight = bench_gpu.memory_estimate("8b", packed_full_ac, 1, 4096)
+    one = bench_gpu.memory_estimate("1b", bench_gpu.resolve(bench_gpu.BASELINE, bench_gpu.GPU_RUN, {"type": "cuda"}),
+                                    1, 4096)
+    assert eight > 80 * bench_gpu.GIB  # 16 bytes per parameter alone is ~120 GiB
+    assert one < 40 * bench_gpu.GIB
+
+
+def test_error_line_names_the_real_error_not_the_launchers_wrapper():
+    log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+           "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n=====\n"
+           "subprocess.CalledProcessError: Command '[...]' returned non-zero exit status 1.\n")
+    assert bench_gpu.error_line(log, None).startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert bench_gpu.error_line(log, {"error": "ValueError: bad\nmore"}) == "ValueError: bad"
+
+
+def test_make_bench_runs_the_ladder_only_where_a_cuda_device_is_seen(monkeypatch, tmp_path):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(bench_gpu, "run", lambda argv: calls.append(argv) or ({}, "TABLE", tmp_path / "x.json"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.gpu_part(tmp_path) == bench.GPU_PENDING and not calls
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert bench.gpu_part(tmp_path).startswith("TABLE") and calls == [["--results", str(tmp_path)]]
