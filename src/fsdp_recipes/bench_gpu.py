@@ -492,7 +492,8 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     ap.add_argument("--dry-run", "--cpu-plumbing", action="store_true", dest="dry_run",
                     help="the ladder on CPU with a tiny model: tests the plumbing, measures nothing")
     ap.add_argument("--sizes", default=None, help="comma-separated: 1b,8b (default both; tiny with --dry-run)")
-    ap.add_argument("--gpus", default="1,all", help="layouts: 1, all, or 1,all (default)")
+    ap.add_argument("--gpus", default="1,all", help="layouts: 1, all, or 1,all (default); with --dry-run a number "
+                    "is that many CPU processes")
     ap.add_argument("--rungs", default=None, help="comma-separated rung ids to run (default all: 0,1,2,3,4,5a,5b,5c)")
     ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
     ap.add_argument("--work", type=Path, default=None, help="models, data, logs (default: a temporary folder)")
@@ -521,7 +522,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     layouts = []
     for g in args.gpus.split(","):
         n = device["count"] if g == "all" else int(g)
-        if n not in layouts and n <= device["count"]:
+        if n not in layouts and (dry or n <= device["count"]):  # --dry-run: N CPU processes
             layouts.append(n)
     selected = args.rungs.split(",") if args.rungs else [r["id"] for r in RUNGS]
     rungs = [r for r in RUNGS if r["id"] in selected]
