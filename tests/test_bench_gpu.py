@@ -169,6 +169,23 @@ def test_memory_estimate_skips_8b_on_one_80gb_gpu():
     assert one < 40 * bench_gpu.GIB
 
 
+def test_a_model_that_cannot_be_built_fails_its_rungs_without_launching(monkeypatch, tmp_path):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 16.00 GiB\nmore")
+
+    monkeypatch.setattr(bench_gpu, "build_model", no_memory)
+    monkeypatch.setattr(bench_gpu, "run_rung", lambda *a, **k: pytest.fail("launched without a model"))
+    lad = {"size": "tiny", "processes": 1, "rungs": []}
+    ctx = dict(sizes=bench_gpu.DRY_RUN, device={"type": "cpu"}, work=tmp_path, dry_run=True, t0=0.0,
+               deadline_s=None, fit_check=True, build_device="cpu", inject_failure=set())
+    bench_gpu.ladder(lad, ctx, [r for r in bench_gpu.RUNGS if r["id"] in ("0", "1")], lambda: None)
+    assert [(r["id"], r["status"]) for r in lad["rungs"]] == [("0", "failed"), ("1", "failed")]
+    assert lad["rungs"][1]["error"] == "building the tiny model failed: RuntimeError: CUDA out of memory. " \
+                                       "Tried to allocate 16.00 GiB"
+    assert lad["goals"]["tuned_rung"] is None and "no rung measured" in bench_gpu.table(
+        {"plumbing_only": True, "ladders": [{**lad, "parameters": {"total": 1}}]})
+
+
 def test_error_line_names_the_real_error_not_the_launchers_wrapper():
     log = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"

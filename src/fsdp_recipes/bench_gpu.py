@@ -89,6 +89,7 @@ import math
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,14 +162,17 @@ def build_model(size: str, out: Path, device: str, dtype: str, max_length: int) 
 
     from fsdp_recipes.tiny_assets import ensure_assets
 
-    if (out / "config.json").is_file():
+    if (out / "config.json").is_file():  # built by an earlier invocation with the same --work
         return out
     tok = AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"])
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(mistral_config(size, max_length), dtype=getattr(torch, dtype))
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
+    partial = out.with_name(out.name + ".partial")  # renamed when complete: a killed build leaves no model behind
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tok.save_pretrained(partial)
+    partial.rename(out)
     del model
     if device == "cuda":  # give the rungs the memory back (this process keeps only its CUDA context)
         import gc
@@ -346,7 +350,7 @@ def figures(metrics: dict, sizes: dict) -> dict:
     }
 
 
-def run_rung(cmd: list[str], env: dict, out_dir: Path, log_path: Path, timeout_s: float) -> tuple[int | None, str]:
+def run_rung(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> tuple[int | None, str]:
     """One launch in its own process group; on timeout the whole group is killed. (return code or None, log)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
@@ -363,8 +367,8 @@ def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
     """All rungs of one (size, processes) ladder, filled into `lad`, each from the fastest measured so far."""
     sizes, device, work = ctx["sizes"], ctx["device"], ctx["work"]
     size, processes = lad["size"], lad["processes"]
-    best = None  # (tokens/s per GPU, settings)
-    model_dir = None
+    best = None  # (tokens/s per GPU, settings, rung id) of the fastest measured rung
+    model_dir, build_error = None, None
     for rung in rungs:
         base = best[1] if best else BASELINE
         s = resolve({**base, **rung["change"]}, sizes, device)
@@ -386,10 +390,19 @@ def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
             print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): skipped: {reason}", flush=True)
             on_update()
             continue
-        if model_dir is None:
-            model_dir = build_model(size, work / f"model-{size}", ctx["build_device"], sizes["dtype"],
-                                    sizes["max_length"])
+        if model_dir is None and build_error is None:
+            try:
+                model_dir = build_model(size, work / f"model-{size}", ctx["build_device"], sizes["dtype"],
+                                        sizes["max_length"])
+            except Exception as err:  # e.g. out of memory building 8B: every rung of this size fails with it
+                build_error = f"building the {size} model failed: {type(err).__name__}: {str(err).splitlines()[0]}"
+        if build_error is not None:
+            rec.update(status="failed", error=build_error)
+            print(f"[bench-gpu]   failed: {build_error}", flush=True)
+            on_update()
+            continue
         out_dir = work / f"run-{size}-{processes}-{rung['id']}"
+        shutil.rmtree(out_dir, ignore_errors=True)  # never read a metrics.json left by an earlier invocation
         yaml_path = accelerate_yaml(work / f"accelerate-{size}-{processes}-{rung['id']}.yaml", processes,
                                     s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16")
         worker = ["--worker", "--warmup", str(sizes["warmup"]),
@@ -407,7 +420,7 @@ def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
             timeout = max(30.0, min(timeout, deadline - (time.time() - ctx["t0"])))
         print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): running", flush=True)
         t = time.time()
-        rc, log = run_rung(cmd, ctx["env"], out_dir, work / f"log-{size}-{processes}-{rung['id']}.txt", timeout)
+        rc, log = run_rung(cmd, ctx["env"], work / f"log-{size}-{processes}-{rung['id']}.txt", timeout)
         rec["wall_s"] = time.time() - t
         rec["log_tail"] = log.splitlines()[-30:]
         mpath = out_dir / "metrics.json"
@@ -479,7 +492,8 @@ def table(result: dict) -> str:
             lines.append(f"| {r['id']} | {r['name']}{extra} | {f['tokens_per_s_per_gpu']:,.0f} | {mfu} | {mem} | {up} "
                          f"| measured |")
         g = lad.get("goals") or {}
-        lines += ["", f"Goal, tuned (rung {g.get('tuned_rung')}) tokens/s >= 1.5x rung 0: {g.get('speedup')}",
+        tuned = f"rung {g['tuned_rung']}" if g.get("tuned_rung") else "no rung measured"
+        lines += ["", f"Goal, tuned ({tuned}) tokens/s >= 1.5x rung 0: {g.get('speedup')}",
                   f"Goal, >= 45% MFU for 1B full fine-tuning on one GPU: {g.get('mfu')}"]
     return "\n".join(lines)
 
