@@ -42,9 +42,6 @@ def test_fsdp1_full_finetune_loads_checks_and_saves_a_plain_model(tmp_path, cach
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known, open: under FSDP1 + SHARDED_STATE_DICT the resumed AdamW state is "
-                   "wrong (step 11 matches, step 12 does not; 2->2 ranks too); the adapter itself is restored and "
-                   "checked. README, Known issues.")
 def test_fsdp1_sharded_checkpoint_resumes_on_four_processes(tmp_path, cache_dir):
     # Not 1: with one process FSDP1 switches to NO_SHARD, whose sharded state dict of a LoRA model fails in
     # torch's own post-hook ("FSDP assumes ...base_layer.weight is in the state_dict"); see README.
@@ -64,6 +61,8 @@ def test_fsdp1_sharded_checkpoint_resumes_on_four_processes(tmp_path, cache_dir)
                   "--resume_from_checkpoint", str(out / "checkpoint-10"), "--output_dir", str(resumed)], cache_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert json.loads((resumed / "metrics.json").read_text())["world_size"] == 4
+    resume_check = json.loads((resumed / "metrics.json").read_text())["resume_check"]
+    assert resume_check["step"] == 10 and resume_check["optimizer_states_checked"] > 0  # AdamW restored (optim_resume.py)
     a, b = losses(out), losses(resumed)
     for step in range(11, 21):
         assert b[step] == pytest.approx(a[step], rel=1e-3), (step, a[step], b[step])
@@ -71,3 +70,21 @@ def test_fsdp1_sharded_checkpoint_resumes_on_four_processes(tmp_path, cache_dir)
     assert len(wa) == 56
     for key in wa:
         assert torch.allclose(wa[key], wb[key], rtol=1e-3, atol=1e-5), key
+
+
+def test_resume_check_refuses_an_optimizer_that_was_not_restored(tmp_path):
+    """What FSDP1 + SHARDED_STATE_DICT resumes gave before optim_resume.py: no state, or only the zero-step init."""
+    from fsdp_recipes.resume_check import verify_optimizer_steps
+
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    param = torch.nn.Parameter(torch.ones(3))
+    optim = torch.optim.AdamW([param])
+    with pytest.raises(RuntimeError, match="optimizer has no state"):
+        verify_optimizer_steps(optim, tmp_path)
+    param.grad = torch.zeros(3)
+    optim.step()  # step 1: initialised, not loaded
+    with pytest.raises(RuntimeError, match="1 of 1 optimizer states have step 1 .* saved at step 10"):
+        verify_optimizer_steps(optim, tmp_path)
+    for _ in range(9):
+        optim.step()
+    assert verify_optimizer_steps(optim, tmp_path) == {"optimizer_states_checked": 1, "step": 10}

@@ -1,4 +1,5 @@
-"""Check, after a PEFT run resumes, that the trainable weights in memory are the checkpoint's saved adapter.
+"""Check, after a run resumes, that the checkpoint really was restored: the adapter (PEFT runs) and the
+optimizer state (every run).
 
 Why: a resume that loads no adapter is silent. The Trainer ignores the result of accelerate's
 `load_fsdp_model(adapter_only=True)`, and PEFT loads with `strict=False`, so a key-name mismatch loads nothing
@@ -12,10 +13,16 @@ compares each with `<checkpoint>/adapter_model.safetensors` (SHARDED_STATE_DICT 
 sharded model folder, read whole on rank 0), by name and exactly. Every trainable parameter
 must have its tensor in the file and every tensor in the file must have its parameter. Costs one gather of
 the trainable weights (the adapter: small), once per resume.
+
+The optimizer state: each rank checks its own (no collective) that every state entry's `step` equals the
+checkpoint's global step. A fresh optimizer has no state, and one initialised but not loaded has step 1, so a
+resume that restored nothing fails here (FSDP1 + SHARDED_STATE_DICT did, silently: optim_resume.py). Skipped
+for fp16, where the gradient scaler may skip optimizer steps, and for optimizers without a `step` state.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -103,16 +110,45 @@ def verify_resumed_adapter(model, checkpoint: str | Path, is_main: bool) -> dict
     return compare_with_adapter(memory, checkpoint) if is_main else None
 
 
+def checkpoint_step(checkpoint: str | Path) -> int:
+    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+
+
+def verify_optimizer_steps(optimizer, checkpoint: str | Path) -> dict | None:
+    """Raise unless every state entry of this rank's optimizer has the checkpoint's step count."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps torch's
+    expected = checkpoint_step(checkpoint)
+    has_params = any(p.requires_grad and p.numel() > 0 for g in inner.param_groups for p in g["params"])
+    steps = [float(s["step"]) for s in inner.state.values() if "step" in s]
+    if not inner.state and has_params and expected > 0:
+        raise RuntimeError(f"resume check failed: the optimizer has no state after resuming from {checkpoint} "
+                           f"(step {expected}); it was not restored and training would restart AdamW from zero")
+    if not steps:
+        return None  # an optimizer without a step count (e.g. SGD without momentum)
+    wrong = [s for s in steps if s != expected]
+    if wrong:
+        raise RuntimeError(f"resume check failed: {len(wrong)} of {len(steps)} optimizer states have step "
+                           f"{wrong[0]:g} after resuming from {checkpoint}, which was saved at step {expected}; "
+                           "the optimizer state was not restored")
+    return {"optimizer_states_checked": len(steps), "step": expected}
+
+
 class ResumeCheckCallback(TrainerCallback):
-    """Run the check once, when training begins after a resume (checkpoint loaded, no step taken)."""
+    """Run the checks once, when training begins after a resume (checkpoint loaded, no step taken)."""
 
-    def __init__(self, checkpoint: str, report=None):
-        self.checkpoint, self.report = checkpoint, report
+    def __init__(self, checkpoint: str, report=None, peft: bool = True):
+        self.checkpoint, self.report, self.peft = checkpoint, report, peft
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if optimizer is not None and not args.fp16:
+            optim = verify_optimizer_steps(optimizer, self.checkpoint)
+            if optim and self.report is not None:
+                self.report.resume_check = {**(self.report.resume_check or {}), **optim}
+        if not self.peft:
+            return
         result = verify_resumed_adapter(model, self.checkpoint, int(os.environ.get("RANK", 0)) == 0)
         if result is not None:
             print(f"[train_sft] resumed adapter verified: {result['tensors_checked']} trainable tensors equal "
                   f"{self.checkpoint}/{result['source']}", flush=True)
             if self.report is not None:
-                self.report.resume_check = result
+                self.report.resume_check = {**(self.report.resume_check or {}), **result}

@@ -224,6 +224,8 @@ class RunReportCallback(TrainerCallback):
         self.shards = None
         self.final_save_check = None  # set by the entry point after verifying the final save
         self.load_check = None  # set by LoadCheckCallback when verify_loaded_weights is on
+        self.resume_check = None  # set by ResumeCheckCallback after a resume
+        self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by train_sft.save_final
         self.rss_at_train_start = None
         self.finalized = False
 
@@ -313,7 +315,13 @@ class RunReportCallback(TrainerCallback):
         write_textfile(metrics, self.output_dir / "metrics.prom")  # for node_exporter's textfile collector
         return metrics
 
-    def metrics(self, status: str, error: str | None, end: float) -> dict:
+    def write_provisional(self, status: str, error: str) -> None:
+        """Write metrics.json now, from rank 0's own figures, without closing the report: what stays on disk
+        when the process is killed before `finalize` (a preemption save that outlives the grace period)."""
+        if self.is_main and not self.finalized:
+            write_json_atomic(self.output_dir / "metrics.json", self.metrics(status, error, time.time(), True))
+
+    def metrics(self, status: str, error: str | None, end: float, provisional: bool = False) -> dict:
         env = launcher_env()
         world, nodes = env["world_size"], env["num_nodes"]
         device = device_info()
@@ -349,6 +357,7 @@ class RunReportCallback(TrainerCallback):
         return {
             "schema_version": SCHEMA_VERSION,
             "status": status,
+            "provisional": provisional,
             "error": error,
             "recipe": self.recipe,
             "resumed_from": self.resumed_from,
@@ -372,11 +381,14 @@ class RunReportCallback(TrainerCallback):
                 "device_note": "CPU run: no device memory; see host_rss_bytes" if no_device_mem else None,
                 "host_rss_bytes": int(peaks["host_rss"]),
                 "host_rss_at_train_start_bytes_per_rank": self.rss_at_train_start,
+                "host_rss_rise_final_save_bytes_per_rank": [r["save"] for r in self.final_save_rss or []] or None,
+                "host_rss_rise_final_check_bytes_per_rank": [r["check"] for r in self.final_save_rss or []] or None,
                 "scope": "max_over_ranks" if scope == "all_ranks" else scope,
             },
             "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
             "param_shards": self.shards,
             "load_check": self.load_check,
+            "resume_check": self.resume_check,
             "final_save_check": self.final_save_check,
             "flops_per_token": fpt,
             "flops_seq_len": seq_len,

@@ -172,11 +172,13 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     from fsdp_recipes.checkpoints import CompletionMarkerCallback, identity
     from fsdp_recipes.load_check import LoadCheckCallback
     from fsdp_recipes.loading import load_sft_datasets
+    from fsdp_recipes.optim_resume import init_state_before_fsdp1_sharded_load
     from fsdp_recipes.peft_fsdp import (RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer,
                                         load_adapter_through_fsdp1_root, strip_fsdp1_wrapper_names)
 
     strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
     load_adapter_through_fsdp1_root()  # see peft_fsdp.py: without it an FSDP1 resume silently loads no adapter
+    init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
 
     train_ds, eval_ds = load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
     training.model_init_kwargs = {
@@ -190,10 +192,10 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption]
     if pack.verify_loaded_weights:
         callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
-    if resume and peft_config is not None:  # resume_check.py: the adapter in memory must equal the checkpoint's
+    if resume:  # resume_check.py: the optimizer state (and a PEFT adapter) in memory must be the checkpoint's
         from fsdp_recipes.resume_check import ResumeCheckCallback
 
-        callbacks.append(ResumeCheckCallback(resume, report))
+        callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
     trainer = make_trainer_class()(
         model=model_args.model_name_or_path,  # a directory or a hub id: the same from_pretrained path
         args=training,
@@ -215,23 +217,29 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
 
 def save_final(trainer, training, model_args, pack, peft_config, report) -> None:
     """The final model or adapter, checked against the weights in memory, and optionally merged."""
+    from fsdp_recipes.rss_watch import RssRise
+    from fsdp_recipes.run_report import _gather
     from fsdp_recipes.save_check import verify_final_save
     from fsdp_recipes.sharded_save import save_full_model_distributed, trainable_state_dict
 
     out = training.output_dir
     sharded = trainer.is_fsdp_enabled and "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
-    if not sharded:
-        trainer.save_model(out)  # FULL_STATE_DICT: the Trainer gathers on rank 0 and saves
-        report.final_save_check = verify_final_save(trainer, out)  # raises when incomplete
-    elif not trainer.accelerator.is_fsdp2:  # FSDP1 (flat parameters, no DTensors): gather once, as FULL would
-        trainer._save(out, state_dict=trainer.accelerator.get_state_dict(trainer.model))
-        report.final_save_check = verify_final_save(trainer, out)
-    elif peft_config is None:  # SHARDED_STATE_DICT: the Trainer saves nothing final; never gather the model
-        report.final_save_check = save_full_model_distributed(trainer, out)  # checks each rank's shards
-    else:
-        adapter = trainable_state_dict(trainer)  # only the trainable tensors, one at a time
-        trainer._save(out, state_dict=adapter)  # what save_model does with a gathered state dict
-        report.final_save_check = verify_final_save(trainer, out, full=adapter, gathered=True)
+    check_kwargs = {}
+    with RssRise() as saving:  # each rank's host-memory rise while saving, then while checking (rss_watch.py)
+        if not sharded:
+            trainer.save_model(out)  # FULL_STATE_DICT: the Trainer gathers on rank 0 and saves
+        elif not trainer.accelerator.is_fsdp2:  # FSDP1 (flat parameters, no DTensors): gather once, as FULL would
+            trainer._save(out, state_dict=trainer.accelerator.get_state_dict(trainer.model))
+        elif peft_config is None:  # SHARDED_STATE_DICT: the Trainer saves nothing final; never gather the model
+            report.final_save_check = save_full_model_distributed(trainer, out)  # checks each rank's shards
+        else:
+            adapter = trainable_state_dict(trainer)  # only the trainable tensors, one at a time
+            trainer._save(out, state_dict=adapter)  # what save_model does with a gathered state dict
+            check_kwargs = dict(full=adapter, gathered=True)
+    with RssRise() as checking:
+        if report.final_save_check is None:
+            report.final_save_check = verify_final_save(trainer, out, **check_kwargs)  # raises when incomplete
+    report.final_save_rss = _gather({"save": saving.rise_bytes, "check": checking.rise_bytes})
     if report.final_save_check:
         print(f"[train_sft] final save verified: {report.final_save_check['tensors']} tensors complete, "
               f"unsharded and equal to the weights in memory", flush=True)
@@ -265,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         pack.recipe_name, resume_from=resume,
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
-    preemption = PreemptionCallback()
+    preemption = PreemptionCallback(report)
     try:
         trainer = build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption, resume)
         trainer.train(resume_from_checkpoint=resume)
