@@ -7,6 +7,7 @@ token counters as a run that was never interrupted.
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -22,14 +23,15 @@ from fsdp_recipes.save_check import read_saved
 
 # logging_steps 1: each logged loss is one step's loss. With longer intervals the first log after a resume
 # averages fewer steps than the uninterrupted run's (the Trainer does not checkpoint its running loss sum).
+PROBES = REPO / "tests" / "probes"
 ARGS = ["tiny-cpu-lora", "--max_steps", "60", "--save_strategy", "steps", "--save_steps", "20",
         "--logging_steps", "1", "--eval_strategy", "no", "--save_merged_model", "false"]
 
 
-def signal_launch(args, cache_dir, ready, sig, settle=0.0):
+def signal_launch(args, cache_dir, ready, sig, settle=0.0, **env):
     """Start the launcher, wait until `ready()` holds, send `sig` to it, and wait for it to end."""
     cmd = [sys.executable, "-m", "fsdp_recipes.launch", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir, **env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not ready():
@@ -37,7 +39,9 @@ def signal_launch(args, cache_dir, ready, sig, settle=0.0):
         time.sleep(0.2)
     time.sleep(settle)  # a few steps in
     proc.send_signal(sig)  # to the launcher, as a scheduler would
+    signalled = time.time()
     out, _ = proc.communicate(timeout=300)
+    signal_launch.seconds_after_signal = time.time() - signalled
     return proc.returncode, out
 
 
@@ -102,6 +106,36 @@ def test_sigusr1_preempts_like_sigterm(tmp_path, cache_dir):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "preempted" and metrics["error"].endswith(f"{int(signal.SIGUSR1)})")
     assert checkpoints.latest_complete(out).name == f"checkpoint-{metrics['steps']}"
+
+
+@pytest.mark.slow
+def test_grace_period_bounds_a_slow_save_and_the_relaunch_skips_it(tmp_path, cache_dir):
+    """A preemption save slower than preemption_grace_s: torchrun kills the ranks when the grace ends, the
+    half-written checkpoint has no completion marker, the launcher still exits 75 with a report that says so,
+    and the same command resumes from the previous complete checkpoint."""
+    out = tmp_path / "run"
+    args = [*ARGS, "--max_steps", "30", "--save_steps", "10", "--preemption_grace_s", "3",
+            "--output_dir", str(out)]
+    probe = dict(PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", SLOW_SAVE_S="120",
+                 SLOW_SAVE_AFTER_STEP="10")  # every save after checkpoint-10 sleeps 120 s (tests/probes)
+    rc, text = signal_launch(args, cache_dir, lambda: checkpoints.is_complete(out / "checkpoint-10"),
+                             signal.SIGTERM, **probe)
+    assert rc == EXIT_PREEMPTED, text[-3000:]
+    assert signal_launch.seconds_after_signal < 60, text[-3000:]  # the grace period ended the 120 s save
+    print(f"launcher returned {signal_launch.seconds_after_signal:.1f} s after SIGTERM (grace 3 s, save 120 s)")
+    assert "did not finish within the grace period (3 s)" in text
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "preempted" and metrics["provisional"] is False, metrics
+    assert f"resumes from {out / 'checkpoint-10'}" in metrics["error"]
+    half = checkpoints.incomplete(out)
+    assert len(half) == 1 and int(half[0].name.split("-")[1]) > 10, half  # written in part, never marked
+
+    res = launch(args, cache_dir)  # the same command, without the slow save
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"skipping {half[0]}: incomplete" in res.stdout
+    done = json.loads((out / "metrics.json").read_text())
+    assert done["status"] == "completed" and done["steps"] == 30
+    assert done["resumed_from"] == str(out / "checkpoint-10")
 
 
 def test_latest_complete_skips_unmarked(tmp_path):

@@ -68,16 +68,41 @@ def accelerate_cmd() -> list[str]:
     return [found, "launch"]
 
 
-def run_forwarding_signals(cmd: list[str]) -> int:
-    """Run the launcher child, passing on what a scheduler sends (SIGTERM, SIGUSR1, SIGINT) instead of dying."""
+def run_forwarding_signals(cmd: list[str]) -> tuple[int, int | None]:
+    """Run the launcher child, passing on what a scheduler sends (SIGTERM, SIGUSR1, SIGINT) instead of dying.
+    Returns the exit code and the first preemption signal (SIGTERM/SIGUSR1) passed on, if any."""
     child = subprocess.Popen(cmd)
-    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
+    preempted_by: list[int] = []
+
+    def forward(signum, frame):
+        if signum != signal.SIGINT and not preempted_by:
+            preempted_by.append(signum)
+        child.send_signal(signum)
+
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     try:
-        return child.wait()
+        return child.wait(), (preempted_by[0] if preempted_by else None)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
+    """The ranks were stopped before the preemption checkpoint was complete: say so, in the report too."""
+    from fsdp_recipes import checkpoints
+    from fsdp_recipes.run_report import write_json_atomic
+
+    latest = checkpoints.latest_complete(output_dir)
+    note = (f"preempted, but the ranks did not finish within the grace period ({grace_s} s) and were stopped; "
+            f"an incomplete checkpoint is skipped on resume, so the same command resumes from "
+            f"{latest or 'the beginning (no complete checkpoint)'}. Fix: raise preemption_grace_s (and the "
+            f"scheduler's grace) above the checkpoint save time")
+    if fresh:
+        metrics = json.loads(report.read_text())
+        metrics.update(status="preempted", error=f"{metrics.get('error') or ''} -- {note}".lstrip(" -"),
+                       provisional=False)
+        write_json_atomic(report, metrics)
+    return note
 
 
 def check_recipe(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple:
@@ -138,12 +163,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", str(pack.preemption_grace_s))
     started = time.time()
-    rc = run_forwarding_signals(cmd)
+    rc, preempted_by = run_forwarding_signals(cmd)
     report = Path(training.output_dir) / "metrics.json"
     fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
-    status = json.loads(report.read_text()).get("status") if fresh else None
-    if status == "preempted":
+    metrics = json.loads(report.read_text()) if fresh else {}
+    if metrics.get("status") == "preempted" and not metrics.get("provisional"):
         say(f"preempted: a checkpoint was saved in {training.output_dir}; run the same command again to resume")
+        return EXIT_PREEMPTED
+    if preempted_by is not None and (metrics.get("provisional") or rc != 0):
+        say(grace_ran_out(training.output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh))
         return EXIT_PREEMPTED
     if rc != 0:
         where = f"its run report is {report}" if report.exists() else "it failed before writing a run report"

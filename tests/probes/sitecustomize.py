@@ -1,7 +1,8 @@
-"""Test probe, loaded by Python at start-up when this folder is on PYTHONPATH (tests/test_grad_accumulation.py).
+"""Test probes, loaded by Python at start-up when this folder is on PYTHONPATH; each is off unless its variable is set.
 
-Counts FSDP2's gradient reduce-scatters in each rank and writes the count to $REDUCE_SCATTER_COUNT_FILE.<rank>
-at exit. It wraps `torch.distributed.reduce_scatter_single`, the call FSDP2's reduce path makes.
+REDUCE_SCATTER_COUNT_FILE (tests/test_grad_accumulation.py): counts FSDP2's gradient reduce-scatters in each rank
+and writes the count to $REDUCE_SCATTER_COUNT_FILE.<rank> at exit. It wraps `torch.distributed.reduce_scatter_single`,
+the call FSDP2's reduce path makes.
 """
 
 import atexit
@@ -25,3 +26,22 @@ if os.environ.get("REDUCE_SCATTER_COUNT_FILE"):
                 f.write(str(_calls[0]))
 
     atexit.register(_dump)
+
+if os.environ.get("SLOW_SAVE_S"):
+    # SLOW_SAVE_S (tests/test_preemption.py): a checkpoint save slower than the grace period. Every torch.save into
+    # checkpoint-N with N > $SLOW_SAVE_AFTER_STEP sleeps $SLOW_SAVE_S seconds once the file is written.
+    import re
+    import time
+
+    import torch
+
+    _save = torch.save
+
+    def _slow_save(obj, f, *args, **kwargs):
+        result = _save(obj, f, *args, **kwargs)
+        step = re.search(r"checkpoint-(\d+)", str(f))
+        if step and int(step.group(1)) > int(os.environ.get("SLOW_SAVE_AFTER_STEP", "0")):
+            time.sleep(float(os.environ["SLOW_SAVE_S"]))
+        return result
+
+    torch.save = _slow_save
