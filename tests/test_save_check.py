@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fsdp_recipes.save_check import IncompleteSave, compare, read_saved
+from fsdp_recipes.save_check import IncompleteSave, compare, open_saved, read_saved
 
 A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
@@ -18,6 +18,24 @@ def test_identical_files_pass(tmp_path):
     full = adapter()
     save_file(full, tmp_path / "adapter_model.safetensors")
     assert compare(full, read_saved(tmp_path), check_lora_b=True) == {"tensors": 2, "lora_b_checked": 1}
+
+
+def test_sharded_model_files_are_read_lazily_and_checked(tmp_path):
+    """The final-save check reads a sharded model directory tensor by tensor (save_check.open_saved)."""
+    import json
+
+    full = {"a.weight": torch.randn(4, 4), "b.weight": torch.randn(2, 4)}
+    save_file({"a.weight": full["a.weight"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b.weight": full["b.weight"] + 1}, tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}))
+    lazy = open_saved(tmp_path)
+    assert sorted(lazy) == ["a.weight", "b.weight"] and torch.equal(lazy["a.weight"], full["a.weight"])
+    with pytest.raises(IncompleteSave, match="b.weight: saved values differ"):
+        compare(full, lazy, check_lora_b=False)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(IncompleteSave, match="model-00002-of-00002.safetensors is missing"):
+        open_saved(tmp_path)
 
 
 def test_rank0_slice_is_caught():

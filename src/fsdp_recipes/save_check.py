@@ -27,21 +27,48 @@ def safetensors_index(directory: str | Path, pattern: str = "*.safetensors") -> 
     return {key: h for h in handles for key in h.keys()}
 
 
-def read_saved(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of a saved PEFT adapter or (possibly sharded) safetensors model directory."""
+class LazyTensors(dict):
+    """name -> tensor, read from the safetensors files only when asked for, one at a time.
+
+    Why: the check runs right after the save, on the rank that holds the gathered model; reading the files
+    whole would hold the model a second time there."""
+
+    def __init__(self, handles: dict):
+        super().__init__(handles)
+
+    def __getitem__(self, key):
+        return super().__getitem__(key).get_tensor(key)
+
+    def items(self):
+        return ((k, self[k]) for k in self.keys())
+
+
+def saved_files(directory: Path) -> list[Path]:
+    """The safetensors files of a saved PEFT adapter or (possibly sharded) model directory."""
     directory = Path(directory)
     if (directory / "adapter_model.safetensors").is_file():
-        return load_file(directory / "adapter_model.safetensors")
+        return [directory / "adapter_model.safetensors"]
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    out = {}
-    for name in files:
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    for name in names:
         if not (directory / name).is_file():
             raise IncompleteSave(f"{directory / name} is missing")
-        out.update(load_file(directory / name))
+    return [directory / name for name in names]
+
+
+def open_saved(directory: Path) -> LazyTensors:
+    from safetensors import safe_open
+
+    handles = [safe_open(str(f), framework="pt") for f in saved_files(directory)]
+    return LazyTensors({key: h for h in handles for key in h.keys()})
+
+
+def read_saved(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a saved PEFT adapter or (possibly sharded) safetensors model directory, in memory."""
+    out = {}
+    for f in saved_files(directory):
+        out.update(load_file(f))
     return out
 
 
@@ -103,4 +130,4 @@ def verify_final_save(trainer, output_dir: str, full: dict | None = None, gather
     # Warmup schedules start at learning rate 0: the first step leaves LoRA B at zero by design.
     steps, args = trainer.state.global_step, trainer.args
     trained = args.learning_rate > 0 and (steps >= 2 or (steps == 1 and not args.warmup_steps))
-    return compare(expected, read_saved(Path(output_dir)), check_lora_b=trained)
+    return compare(expected, open_saved(Path(output_dir)), check_lora_b=trained)
