@@ -111,18 +111,11 @@ def test_json_schema_table_and_gpu_pending(tmp_path, monkeypatch, capsys, overhe
 
 
 def test_gpu_branch_never_invents_figures(monkeypatch):
-    """Without a device the GPU part says it is pending and prints no figure; with one it runs bench_gpu's ladder
-    (tests/test_bench_gpu.py) and prints only what that measured."""
+    """A CUDA setup that is broken (available, no device) gets the pending line and no figure. Where a device is
+    seen, the ladder runs instead (tests/test_bench_gpu.py)."""
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert bench.gpu_part() == bench.GPU_PENDING
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a broken CUDA setup: available, no device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     msg = bench.gpu_part()
-    assert msg == bench.GPU_NO_DEVICE and not any(ch.isdigit() for ch in msg)
-    ran = []
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    from fsdp_recipes import bench_gpu
-
-    monkeypatch.setattr(bench_gpu, "run", lambda argv: ran.append(argv) or ({}, "TABLE", "x.json"))
-    assert bench.gpu_part() == "TABLE\nGPU ladder written to x.json" and ran == [["--results", "bench/results"]]
+    assert msg == bench.GPU_NO_DEVICE and "pending" in msg and not any(ch.isdigit() for ch in msg)

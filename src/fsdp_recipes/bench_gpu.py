@@ -509,7 +509,8 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     ap.add_argument("--gpus", default="1,all", help="layouts: 1, all, or 1,all (default); with --dry-run a number "
                     "is that many CPU processes")
     ap.add_argument("--rungs", default=None, help="comma-separated rung ids to run (default all: 0,1,2,3,4,5a,5b,5c)")
-    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
+    ap.add_argument("--results", type=Path, default=None, help="default bench/results; with --dry-run runs/ (a "
+                    "plumbing run is not a result to publish)")
     ap.add_argument("--work", type=Path, default=None, help="models, data, logs (default: a temporary folder)")
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--steps", type=int)
@@ -525,6 +526,8 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     from fsdp_recipes.run_report import now_iso, versions, write_json_atomic
 
     dry = args.dry_run
+    if args.results is None:
+        args.results = REPO / ("runs" if dry else "bench") / "results"
     if not dry and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: no CUDA device here. Use --dry-run to test the plumbing on CPU.")
     sizes = {**(DRY_RUN if dry else GPU_RUN)}
