@@ -158,3 +158,16 @@ def test_lora_under_fsdp1_needs_use_orig_params(tmp_path):
     with pytest.raises(UserError, match="LoRA under FSDP1 needs fsdp_use_orig_params: true"):
         check_fsdp_with_peft(acc, True, "fsdp1.yaml")
     check_fsdp_with_peft(acc, False, "fsdp1.yaml")  # full fine-tuning does not need it
+
+
+def test_fsdp1_lora_sharded_checkpoints_on_one_process_stop_before_launch(tmp_path, cache_dir):
+    """One FSDP1 process is NO_SHARD, whose sharded LoRA state dict crashes the first checkpoint save (seen:
+    AssertionError in torch's state-dict post-hook after step 1). The launcher refuses it up front."""
+    from conftest import fsdp1_recipe
+
+    recipe = fsdp1_recipe(tmp_path, fsdp_state_dict_type="SHARDED_STATE_DICT")
+    acc = yaml.safe_load((recipe / "accelerate.yaml").read_text())
+    acc["num_processes"] = 1
+    (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    assert_one_line_error(launch([str(recipe)], cache_dir), "LoRA under FSDP1 with one process cannot save "
+                          "SHARDED_STATE_DICT checkpoints")

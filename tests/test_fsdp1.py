@@ -44,7 +44,8 @@ def test_fsdp1_full_finetune_loads_checks_and_saves_a_plain_model(tmp_path, cach
 @pytest.mark.slow
 def test_fsdp1_sharded_checkpoint_resumes_on_four_processes(tmp_path, cache_dir):
     # Not 1: with one process FSDP1 switches to NO_SHARD, whose sharded state dict of a LoRA model fails in
-    # torch's own post-hook ("FSDP assumes ...base_layer.weight is in the state_dict"); see README.
+    # torch's own post-hook ("FSDP assumes ...base_layer.weight is in the state_dict"); the launcher refuses
+    # that setting (config_check.check_fsdp_with_peft, tests/test_bad_input.py).
     two = fsdp1_recipe(tmp_path / "two", fsdp_state_dict_type="SHARDED_STATE_DICT")
     out = tmp_path / "two-ranks"
     res = launch([str(two), *COMMON, "--output_dir", str(out)], cache_dir)

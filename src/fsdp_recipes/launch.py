@@ -115,13 +115,14 @@ def check_recipe(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple:
     # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
     min_gpus = int(override(overrides, "min_gpus", raw.get("min_gpus", 0)))
     config_check.check_gpus(-(-min_gpus // machines), recipe.name)
-    config_check.check_topology(acc, acc_yaml, machines, int(override(extra, "num_processes", acc.get("num_processes", 1))))
+    processes = int(override(extra, "num_processes", acc.get("num_processes", 1)))
+    config_check.check_topology(acc, acc_yaml, machines, processes)
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
         args = train_sft.parse_and_check(["--config", str(sft_yaml), *overrides])
     script, training, model, mixture, pack = args
     named = recipe / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
-    config_check.check_fsdp_with_peft(acc, model.use_peft, named)
+    config_check.check_fsdp_with_peft(acc, model.use_peft, named, processes)
     model_check.check(model.model_name_or_path, recipe, acc, named, model)
     train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
     return args, acc
