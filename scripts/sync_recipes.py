@@ -79,19 +79,19 @@ def render_sft(name: str, spec: dict) -> str:
     return "\n".join(header + lines) + "\n"
 
 
-def plan_section(name: str) -> str:
+def plan_section(name: str, gpu: str) -> str:
     from fsdp_recipes.plan import budget_markdown
 
-    return budget_markdown(name, RECIPES)
+    return budget_markdown(name, RECIPES, gpu)
 
 
-def render_readme(name: str, current: str) -> str:
+def render_readme(name: str, current: str, gpu: str = "H100") -> str:
     begin, end = "<!-- plan -->", "<!-- /plan -->"
     if begin not in current:
         return current
     head, rest = current.split(begin, 1)
     tail = rest.split(end, 1)[1] if end in rest else ""
-    return f"{head}{begin}\n{plan_section(name)}{end}{tail}"
+    return f"{head}{begin}\n{plan_section(name, gpu)}{end}{tail}"
 
 
 def targets(name: str, spec: dict) -> dict[Path, str]:
@@ -128,7 +128,7 @@ def main() -> int:
         readme = RECIPES / name / "README.md"
         if not readme.exists():
             continue
-        text = render_readme(name, readme.read_text())
+        text = render_readme(name, readme.read_text(), manifest[name].get("gpu", "H100"))
         if text != readme.read_text():
             if args.check:
                 stale.append(str(readme.relative_to(ROOT)))

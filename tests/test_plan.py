@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import REPO, launch
 from fsdp_recipes import memory_budget, model_check, plan, recipes, train_sft
@@ -48,7 +49,8 @@ def test_estimate_matches_what_a_tiny_fsdp_run_holds(tmp_path, cache_dir):
 @pytest.mark.parametrize("name", [r for r in RECIPES if r != "tiny-cpu-lora"])
 def test_every_recipe_fits_its_own_hardware(name):
     """Each GPU recipe, on the hardware its README names, plans as fitting (exit 0) and reports a budget."""
-    report = plan.budget_markdown(name, REPO / "recipes")
+    gpu = yaml.safe_load((REPO / "accelerate_configs" / "recipes.yaml").read_text())[name].get("gpu", "H100")
+    report = plan.budget_markdown(name, REPO / "recipes", gpu)
     assert "fits:" in report and "| **total** |" in report and "global batch" in report
 
 

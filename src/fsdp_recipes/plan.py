@@ -161,13 +161,13 @@ def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None =
     return "\n".join(lines), fits, (own, budgets[own]["total"], capacity)
 
 
-def budget_markdown(name: str, recipes_root: Path) -> str:
-    """The README table for a recipe's own hardware (scripts/sync_recipes.py puts it between markers)."""
+def budget_markdown(name: str, recipes_root: Path, gpu: str = "H100") -> str:
+    """The README table for a recipe's own hardware: its accelerate.yaml's GPUs and nodes, on `gpu` (its `gpu:` in
+    accelerate_configs/recipes.yaml). scripts/sync_recipes.py puts it between markers."""
     recipe = recipes_root / name
     acc = config_check.load_yaml(recipe / "accelerate.yaml")
     nodes = int(acc.get("num_machines", 1))
     gpus = max(int(acc.get("num_processes", 1)) // nodes, 1)
-    gpu = "H200" if "h200" in name else "H100"
     report, fits, _ = plan(name, gpus, nodes, gpu, recipes_root)
     cmd = f"make plan RECIPE={name} GPUS={gpus} NODES={nodes} GPU={gpu}"
     return f"```\n$ {cmd}\n{report}\n```\n"
