@@ -9,7 +9,8 @@ recipe's real launch path (accelerate launch, 2 processes, FSDP2) for two steps,
 `fsdp_cpu_ram_efficient_loading: false` and once with `true`. Both runs turn on `verify_loaded_weights`, so every
 rank's weights are checked against the file. The figure is each rank's peak RSS once the model is loaded and
 sharded, before the first step (`peak_memory.host_rss_at_train_start_bytes_per_rank` in metrics.json).
-The final-save part trains the same model in full for one step under FSDP2, once per state-dict type, and reads
+The final-save part trains the same model for one step under FSDP2, in full and with LoRA, once per state-dict
+type, and reads
 each rank's anonymous-RSS rise during the save and during its completeness check (`peak_memory.host_rss_rise_final_*` in
 metrics.json; sampled every 20 ms by rss_watch.py, so lower bounds).
 Results go to bench/results/loading-<date>.json and tables on stdout.
@@ -81,10 +82,12 @@ def run_variant(model_dir: Path, efficient: bool, work: Path) -> dict:
     }
 
 
-def run_final_save(model_dir: Path, state_dict_type: str, work: Path) -> dict:
-    m = launch_variant(model_dir, {"fsdp_state_dict_type": state_dict_type}, work, f"save-{state_dict_type}",
-                       ["--max_steps", "1", "--use_peft", "false", "--learning_rate", "1e-5"])
+def run_final_save(model_dir: Path, state_dict_type: str, work: Path, lora: bool = False) -> dict:
+    method = ["--learning_rate", "1e-3"] if lora else ["--use_peft", "false", "--learning_rate", "1e-5"]
+    m = launch_variant(model_dir, {"fsdp_state_dict_type": state_dict_type}, work,
+                       f"save-{'lora' if lora else 'full'}-{state_dict_type}", ["--max_steps", "1", *method])
     return {
+        "method": "lora" if lora else "full",
         "state_dict_type": state_dict_type,
         "save_rise_bytes_per_rank": m["peak_memory"]["host_rss_rise_final_save_bytes_per_rank"],
         "check_rise_bytes_per_rank": m["peak_memory"]["host_rss_rise_final_check_bytes_per_rank"],
@@ -100,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     work = Path(tempfile.mkdtemp(prefix="bench-loading-"))
     rows = [run_variant(model_dir, eff, work) for eff in (False, True)]
-    saves = [run_final_save(model_dir, kind, work) for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
+    saves = [run_final_save(model_dir, kind, work, lora) for lora in (False, True)
+             for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
     result = {
         "benchmark": "loading",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -122,13 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         r0, r1 = r["rss_at_train_start_bytes_per_rank"]
         print(f"| {str(r['cpu_ram_efficient_loading']).lower()} | {mib(r0)} | {mib(r1)} | "
               f"{r['load_check']['parameters_checked']} parameters |")
-    print(f"\nfinal save of a full fine-tuning run (FSDP2), anonymous RSS (RssAnon) rise above its level at the "
+    print(f"\nfinal save (FSDP2, 1 step), anonymous RSS (RssAnon) rise above its level at the "
           f"start of each phase:")
-    print("| state dict | save: rank 0 | save: rank 1 | check: rank 0 | check: rank 1 | tensors verified |")
-    print("|---|---|---|---|---|---|")
+    print("| method | state dict | save: rank 0 | save: rank 1 | check: rank 0 | check: rank 1 | tensors verified |")
+    print("|---|---|---|---|---|---|---|")
     for r in saves:
         (s0, s1), (c0, c1) = r["save_rise_bytes_per_rank"], r["check_rise_bytes_per_rank"]
-        print(f"| {r['state_dict_type']} | {mib(s0)} | {mib(s1)} | {mib(c0)} | {mib(c1)} | "
+        print(f"| {r['method']} | {r['state_dict_type']} | {mib(s0)} | {mib(s1)} | {mib(c0)} | {mib(c1)} | "
               f"{r['final_save_check']['tensors']} |")
     print(f"\nwritten to {path}")
     return 0

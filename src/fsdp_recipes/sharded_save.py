@@ -91,6 +91,6 @@ def trainable_state_dict(trainer) -> dict | None:
         if not param.requires_grad:
             continue
         full = param.full_tensor() if isinstance(param, DTensor) else param.data
-        if trainer.accelerator.is_main_process:
-            out[name] = full.detach().cpu()
+        if trainer.accelerator.is_main_process:  # a copy: on CPU `.cpu()` is the same storage, maybe a view
+            out[name] = full.detach().to("cpu", copy=True).contiguous()
     return out if trainer.accelerator.is_main_process else None
