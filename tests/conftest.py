@@ -41,10 +41,10 @@ def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600) -
     return run([sys.executable, "-m", "fsdp_recipes.launch", *args], cache, cwd=cwd, timeout=timeout)
 
 
-def fsdp1_recipe(parent: Path, **fsdp_config) -> Path:
+def fsdp1_recipe(parent: Path, train_lm_head: bool = False, **fsdp_config) -> Path:
     """The tiny recipe with the FSDP1 settings the seeds use (accelerate_configs/fsdp1_1node.yaml: use_orig_params,
     sync_module_states + cpu_ram_efficient_loading, backward prefetch), on 2 CPU processes. Without
-    lora_modules_to_save: TRL 1.16's fused LM head cannot run a wrapped LM head under FSDP1 (README)."""
+    lora_modules_to_save unless `train_lm_head`: the LM head's tests are their own (peft_fsdp.py, workaround 3)."""
     import shutil
 
     import yaml
@@ -56,6 +56,7 @@ def fsdp1_recipe(parent: Path, **fsdp_config) -> Path:
         acc.update(num_processes=2, mixed_precision="no")
         acc["fsdp_config"].update(fsdp_config)
         (dst / "accelerate.yaml").write_text(yaml.safe_dump(acc))
-        sft = (dst / "sft.yaml").read_text().replace("lora_modules_to_save: [lm_head]", "")
-        (dst / "sft.yaml").write_text(sft)
+        if not train_lm_head:
+            sft = (dst / "sft.yaml").read_text().replace("lora_modules_to_save: [lm_head]", "")
+            (dst / "sft.yaml").write_text(sft)
     return dst

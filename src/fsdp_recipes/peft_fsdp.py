@@ -32,6 +32,19 @@ the 1-process run exactly (difference 0.0). tests/test_grad_accumulation.py keep
 
 The workaround hides the wrapper from the carve-out only while accelerate prepares the model: an instance
 attribute shadows `get_output_embeddings` and is removed when training begins.
+
+3. PEFT `modules_to_save` on the output layer cannot train under FSDP1 with TRL 1.16 (`keep_fsdp1_output_layer_in_root`).
+   transformers 5.23 gives FSDP1 PEFT's auto-wrap policy, which makes every leaf module with a trainable weight
+   an FSDP unit of its own, the LM head's trainable copy included. FSDP1 unshards a unit's parameters only
+   around that unit's forward, and TRL's fused LM head never calls the head's forward: it multiplies by
+   `lm_head.weight` directly, which is then the flat local shard ("mat2 must be a matrix" at the first step).
+   The fix leaves the output layer out of the auto-wrap, so its parameters belong to the root unit, which is
+   unsharded for the whole forward (use_orig_params keeps the frozen and the trainable copy apart).
+   tests/test_fsdp1.py compares the trained adapter, LM head included, with a 1-process run of the same samples.
+   Saving a checkpoint then failed on rank 1 (`KeyError: 'modules_to_save.default.weight'`): under
+   FULL_STATE_DICT (rank0_only) the other ranks' state dict is empty, and PEFT's
+   `ModulesToSaveWrapper.adapter_state_dict` indexes it. The wrapper now gives nothing from an empty state dict;
+   a state dict that has entries but lacks the key still raises.
 """
 
 from __future__ import annotations
@@ -135,3 +148,42 @@ class RestoreOutputEmbeddings(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.model.__dict__.pop("get_output_embeddings", None)
+
+
+def keep_fsdp1_output_layer_in_root() -> None:
+    """Workaround 3: wrap transformers' `update_fsdp_plugin_peft` (it installs PEFT's auto-wrap policy when the
+    Trainer prepares the model) so that, under FSDP1, the policy skips a ModulesToSaveWrapper output layer."""
+    import transformers.trainer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    original = transformers.trainer.update_fsdp_plugin_peft
+    if getattr(original, "_keeps_output_layer", False):
+        return
+
+    def update_fsdp_plugin_peft(model, accelerator):
+        original(model, accelerator)
+        plugin = accelerator.state.fsdp_plugin
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if get is not None else None
+        if plugin.fsdp_version != 1 or plugin.auto_wrap_policy is None or not isinstance(head, ModulesToSaveWrapper):
+            return
+        policy, in_head = plugin.auto_wrap_policy, set(head.modules())
+
+        def policy_without_output_layer(module, recurse, nonwrapped_numel):
+            if not recurse and module in in_head:
+                return False  # not a unit of its own: its parameters stay in the root unit
+            return policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel)
+
+        plugin.auto_wrap_policy = policy_without_output_layer
+
+    update_fsdp_plugin_peft._keeps_output_layer = True
+    transformers.trainer.update_fsdp_plugin_peft = update_fsdp_plugin_peft
+
+    adapter_state_dict = ModulesToSaveWrapper.adapter_state_dict
+
+    def adapter_state_dict_of_any_rank(self, adapter_name, state_dict):
+        if not state_dict:  # a rank > 0 under a rank0_only full state dict holds nothing to select from
+            return {}
+        return adapter_state_dict(self, adapter_name, state_dict)
+
+    ModulesToSaveWrapper.adapter_state_dict = adapter_state_dict_of_any_rank

@@ -174,10 +174,12 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     from fsdp_recipes.loading import load_sft_datasets
     from fsdp_recipes.optim_resume import init_state_before_fsdp1_sharded_load
     from fsdp_recipes.peft_fsdp import (RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer,
-                                        load_adapter_through_fsdp1_root, strip_fsdp1_wrapper_names)
+                                        keep_fsdp1_output_layer_in_root, load_adapter_through_fsdp1_root,
+                                        strip_fsdp1_wrapper_names)
 
     strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
     load_adapter_through_fsdp1_root()  # see peft_fsdp.py: without it an FSDP1 resume silently loads no adapter
+    keep_fsdp1_output_layer_in_root()  # see peft_fsdp.py: TRL's fused LM head needs the head unsharded
     init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
 
     train_ds, eval_ds = load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
@@ -228,20 +230,23 @@ def save_final(trainer, training, model_args, pack, peft_config, report) -> None
     with RssRise() as saving:  # each rank's host-memory rise while saving, then while checking (rss_watch.py)
         if not trainer.is_fsdp_enabled:
             trainer.save_model(out)
+        elif peft_config is not None and trainer.accelerator.is_fsdp2:
+            # LoRA under FSDP2, FULL or SHARDED: gather only the trainable tensors, one at a time. The Trainer's
+            # FULL_STATE_DICT save gathers the whole model, frozen base included, on rank 0 to keep the adapter
+            # (make bench-loading, 394 MiB model: rank 0 rose 183 MiB that way, 6 MiB this way).
+            adapter = trainable_state_dict(trainer)
+            trainer._save(out, state_dict=adapter)  # what save_model does with a gathered state dict
+            check_kwargs = dict(full=adapter, gathered=True)
         elif not sharded or not trainer.accelerator.is_fsdp2:
             # FULL_STATE_DICT, and FSDP1 (flat parameters, no DTensors) in any case: gather on rank 0 as
             # Trainer.save_model does, save, and check against that same gathered copy. Gathering again for the
-            # check held the model twice on rank 0 (make bench-loading, 394 MiB model: 561 MiB rise in the check).
+            # check held the model twice on rank 0 (make bench-loading, 394 MiB model: total RSS rose 561 MiB in it).
             full = trainer.accelerator.get_state_dict(trainer.model)
             trainer._save(out, state_dict=full)
             check_kwargs = dict(full=full, gathered=True)
-        elif peft_config is None:  # SHARDED_STATE_DICT: the Trainer saves nothing final; never gather the model
+        else:  # full fine-tuning, FSDP2, SHARDED_STATE_DICT: never gather the model
             report.final_save_check = save_full_model_distributed(trainer, out)  # checks each rank's shards
             checked_in_save = True  # on every rank (the result may be rank 0's only)
-        else:
-            adapter = trainable_state_dict(trainer)  # only the trainable tensors, one at a time
-            trainer._save(out, state_dict=adapter)  # what save_model does with a gathered state dict
-            check_kwargs = dict(full=adapter, gathered=True)
     with RssRise() as checking:
         if not checked_in_save:
             report.final_save_check = verify_final_save(trainer, out, **check_kwargs)  # raises when incomplete
