@@ -33,7 +33,7 @@ def test_fsdp1_full_finetune_loads_checks_and_saves_a_plain_model(tmp_path, cach
     assert m["fsdp_version"] == 1 and m["sharding_strategy"] == "FULL_SHARD" and m["world_size"] == 2
     # rank 1 received its weights by broadcast (sync_module_states) and they equal the file's
     assert m["load_check"] == {"parameters_checked": 39}
-    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0}
+    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0, "model_shapes_checked": 0}
     model = AutoModelForCausalLM.from_pretrained(out)  # a plain model directory: no FSDP, no flat parameters
     base = AutoModelForCausalLM.from_pretrained(json.loads((out / "run_args.json").read_text())
                                                 ["model_args"]["model_name_or_path"])

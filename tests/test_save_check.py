@@ -17,7 +17,8 @@ def adapter():
 def test_identical_files_pass(tmp_path):
     full = adapter()
     save_file(full, tmp_path / "adapter_model.safetensors")
-    assert compare(full, read_saved(tmp_path), check_lora_b=True) == {"tensors": 2, "lora_b_checked": 1}
+    assert compare(full, read_saved(tmp_path), check_lora_b=True) == {"tensors": 2, "lora_b_checked": 1,
+                                                                      "model_shapes_checked": 0}
 
 
 def test_sharded_model_files_are_read_lazily_and_checked(tmp_path):
@@ -43,6 +44,16 @@ def test_rank0_slice_is_caught():
     sliced = {A: full[A][:4].clone(), B: full[B][:16].clone()}  # what a rank-0-only FSDP save holds
     with pytest.raises(IncompleteSave, match=r"saved shape \(4, 32\), full shape \(8, 32\)"):
         compare(full, sliced, check_lora_b=True)
+
+
+def test_a_gather_that_kept_a_shard_is_caught_against_the_models_shapes():
+    """The save and its check see the same gathered tensors; the model's own (DTensor global) shapes catch a gather
+    that returned rank 0's slice, even when the files faithfully hold that slice."""
+    full = adapter()
+    sliced = {A: full[A][:4].clone(), B: full[B][:16].clone()}
+    assert compare(sliced, sliced, check_lora_b=True)["tensors"] == 2  # files == gather: nothing else would see it
+    with pytest.raises(IncompleteSave, match=r"gathered shape \(4, 32\), the model's \(8, 32\)"):
+        compare(sliced, sliced, check_lora_b=True, model_shapes={A: (8, 32), B: (32, 8)})
 
 
 def test_missing_tensor_is_caught():

@@ -118,7 +118,8 @@ def test_full_finetune_sharded_checkpoint_exports_to_a_plain_model(tmp_path, cac
                   "--output_dir", str(out)], cache_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     # the final save was written by both ranks and consolidated, never gathered on one rank
-    assert json.loads((out / "metrics.json").read_text())["final_save_check"] == {"tensors": 39, "lora_b_checked": 0}
+    assert json.loads((out / "metrics.json").read_text())["final_save_check"] == {"tensors": 39, "lora_b_checked": 0,
+                                                                                       "model_shapes_checked": 39}
     assert (out / "model.safetensors.index.json").is_file() and not (out / "sharded").exists()
     res = export([out / "checkpoint-10", tmp_path / "exported"], cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -72,9 +72,16 @@ def read_saved(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def compare(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], check_lora_b: bool) -> dict:
-    """Raise IncompleteSave on any missing/extra key, shape or value difference, or an untrained LoRA B."""
+def compare(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], check_lora_b: bool,
+            model_shapes: dict[str, tuple] | None = None) -> dict:
+    """Raise IncompleteSave on any missing/extra key, shape or value difference, or an untrained LoRA B.
+    `model_shapes`: the model's own (global) shape of each key, where known. The files are compared with what the
+    save gathered; this checks the gather too, so a gather that kept only a shard (accelerate PR 4206) fails."""
     problems = []
+    shaped = [key for key in (model_shapes or {}) if key in expected]
+    for key in shaped:
+        if tuple(expected[key].shape) != tuple(model_shapes[key]):
+            problems.append(f"{key}: gathered shape {tuple(expected[key].shape)}, the model's {tuple(model_shapes[key])}")
     missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
     if missing:
         problems.append(f"{len(missing)} tensors missing from the files (e.g. {missing[0]})")
@@ -94,7 +101,8 @@ def compare(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], c
             problems.append(f"{len(zero)} of {len(lora_b)} LoRA B matrices are still all zeros (e.g. {zero[0]})")
     if problems:
         raise IncompleteSave("final save failed its completeness check: " + "; ".join(problems[:5]))
-    return {"tensors": len(saved), "lora_b_checked": len(lora_b) if check_lora_b else 0}
+    return {"tensors": len(saved), "lora_b_checked": len(lora_b) if check_lora_b else 0,
+            "model_shapes_checked": len(shaped)}
 
 
 def expected_state_dict(trainer, full: dict | None = None, gathered: bool = False) -> dict[str, torch.Tensor] | None:
@@ -123,6 +131,23 @@ def expected_state_dict(trainer, full: dict | None = None, gathered: bool = Fals
     return full
 
 
+def model_shapes(model) -> dict[str, tuple]:
+    """Saved key -> global shape, from the model's DTensor parameters (FSDP2; a DTensor's shape is the global one)
+    and from plain parameters when nothing is sharded. FSDP1's flat shards carry no such shape and are left out."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_recipes.resume_check import adapter_key
+
+    peft = hasattr(model, "peft_config")
+    flat = any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules())
+    shapes = {}
+    for name, param in model.named_parameters():
+        if (peft and not param.requires_grad) or (flat and not isinstance(param, DTensor)):
+            continue
+        shapes[adapter_key(name) if peft else name] = tuple(param.shape)
+    return shapes
+
+
 def verify_final_save(trainer, output_dir: str, full: dict | None = None, gathered: bool = False) -> dict | None:
     expected = expected_state_dict(trainer, full, gathered)
     if expected is None:
@@ -130,4 +155,5 @@ def verify_final_save(trainer, output_dir: str, full: dict | None = None, gather
     # Warmup schedules start at learning rate 0: the first step leaves LoRA B at zero by design.
     steps, args = trainer.state.global_step, trainer.args
     trained = args.learning_rate > 0 and (steps >= 2 or (steps == 1 and not args.warmup_steps))
-    return compare(expected, open_saved(Path(output_dir)), check_lora_b=trained)
+    shapes = model_shapes(trainer.accelerator.unwrap_model(trainer.model))
+    return compare(expected, open_saved(Path(output_dir)), check_lora_b=trained, model_shapes=shapes)

@@ -44,6 +44,9 @@ def shard_mismatches(state: dict, directory: Path) -> list[str]:
             problems.append(f"{name} missing")
             continue
         written = where[name].get_slice(name)
+        if tuple(written.get_shape()) != tuple(tensor.shape):  # a DTensor's shape is the model's global one
+            problems.append(f"{name} saved with shape {tuple(written.get_shape())}, the model's is {tuple(tensor.shape)}")
+            continue
         expected = written[region] if region is not None else written[:]
         if tuple(expected.shape) != tuple(local.shape) or not torch.equal(local.detach().cpu(), expected.to(local.dtype)):
             problems.append(f"{name} differs")
@@ -77,7 +80,7 @@ def save_full_model_distributed(trainer, output_dir: str) -> dict:
                              + (f", e.g. rank {os.environ.get('RANK', 0)}: {problems[0]}" if problems else ""))
     if trainer.accelerator.is_main_process:  # the per-rank shards are now in the consolidated files
         shutil.rmtree(out / "sharded", ignore_errors=True)
-        return {"tensors": len(state), "lora_b_checked": 0}
+        return {"tensors": len(state), "lora_b_checked": 0, "model_shapes_checked": len(state)}
     return None
 
 
