@@ -198,17 +198,6 @@ def length_stats(lengths: list[int]) -> dict:
             "max": s[-1], "fraction_at_max": sum(x == s[-1] for x in s) / len(s)}
 
 
-def write_dataset(out: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
-    """train.jsonl of pre-tokenized rows. `input_ids` makes TRL skip tokenization; the empty `text` column only
-    satisfies the entry point's column check (the Trainer drops it)."""
-    rng = random.Random(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "train.jsonl", "w") as f:
-        for n in lengths:  # ids from 6 on: 0-5 are the tiny tokenizer's special tokens
-            f.write(json.dumps({"text": "", "input_ids": [rng.randrange(6, vocab) for _ in range(n)]}) + "\n")
-    return out
-
-
 # ---- the device ---------------------------------------------------------------------------------------------------
 
 def device_facts(dry_run: bool) -> dict:
@@ -523,6 +512,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
 
     import torch
 
+    from fsdp_recipes.bench_overhead import write_token_rows
     from fsdp_recipes.run_report import now_iso, versions, write_json_atomic
 
     dry = args.dry_run
@@ -580,7 +570,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
                    inject_failure=set(filter(None, args.inject_failure.split(","))))
         for s in size_names:
             # one data set per vocabulary; the same rows, in the same order, for every rung of the size
-            ctx["data_dir"] = write_dataset(work / f"data-{s}", lengths, SIZES[s]["vocab_size"])
+            ctx["data_dir"] = write_token_rows(work / f"data-{s}", lengths, SIZES[s]["vocab_size"])
             for n in layouts:
                 lad = {"size": s, "processes": n, "parameters": params[s], "rungs": []}
                 result["ladders"].append(lad)  # saved after every rung: a killed run keeps what it measured

@@ -81,17 +81,19 @@ def build_bench_model(out: Path, shape: dict = SHAPE) -> dict:
     return {"path": str(out), "parameters": params, **{k: cfg[k] for k in SHAPE}, "vocab_size": v}
 
 
-def write_batches(out: Path, rows: int, seq: int, vocab: int, seed: int = 0) -> None:
-    """train.jsonl of fixed-length random token rows. `input_ids` makes TRL treat the data as tokenized; the empty
-    `text` column only satisfies the entry point's column check (the Trainer drops it: not a model input)."""
+def write_token_rows(out: Path, lengths: list[int], vocab: int, seed: int = 0) -> Path:
+    """train.jsonl of random token rows of the given lengths (bench_gpu.py uses it too). `input_ids` makes TRL treat
+    the data as tokenized; the empty `text` column only satisfies the entry point's column check (the Trainer drops
+    it: not a model input)."""
     import random
 
     rng = random.Random(seed)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.jsonl", "w") as f:
-        for _ in range(rows):
+        for n in lengths:
             # ids from 6 on: 0-5 are the tiny tokenizer's special tokens (<pad> among them)
-            f.write(json.dumps({"text": "", "input_ids": [rng.randrange(6, vocab) for _ in range(seq)]}) + "\n")
+            f.write(json.dumps({"text": "", "input_ids": [rng.randrange(6, vocab) for _ in range(n)]}) + "\n")
+    return out
 
 
 # ---- the two sides (run inside the worker processes) --------------------------------------------------------------
@@ -290,7 +292,8 @@ def run(work: Path, sizes: dict | None = None, layouts: tuple[int, ...] = (1, 2)
     model = build_bench_model(work / "model", shape)
     data_dir = work / "data"
     # one row per global batch slot and step: every layout reads the same rows in the same order
-    write_batches(data_dir, sizes["batch"] * (sizes["warmup"] + sizes["steps"]), sizes["seq"], model["vocab_size"])
+    write_token_rows(data_dir, [sizes["seq"]] * (sizes["batch"] * (sizes["warmup"] + sizes["steps"])),
+                     model["vocab_size"])
     return {"model": model, "optimizer": "torch AdamW fused, recipe lr/cosine/warm-up, clip 1.0",
             "sizes": sizes, "layouts": {f"{p}proc": run_layout(p, model, data_dir, work, sizes) for p in layouts}}
 

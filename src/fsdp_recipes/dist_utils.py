@@ -34,6 +34,17 @@ def all_reduce(values: list[float], op: str = "sum") -> list[float]:
     return t.tolist()
 
 
+def gather_objects(value) -> list:
+    """One picklable value from every rank, in rank order; [value] without a process group."""
+    import torch.distributed as dist
+
+    if not initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def barrier() -> None:
     import torch.distributed as dist
 

@@ -25,7 +25,7 @@ import psutil
 from transformers import TrainerCallback
 
 from fsdp_recipes import flops
-from fsdp_recipes.dist_utils import all_reduce, initialized
+from fsdp_recipes.dist_utils import all_reduce, gather_objects
 from fsdp_recipes.prometheus import write_textfile
 
 SCHEMA_VERSION = 1
@@ -161,17 +161,6 @@ class TokenCounter:
             self.sequences += ids.shape[0]
 
 
-def _gather(value) -> list:
-    """One picklable value from every rank, in rank order."""
-    import torch.distributed as dist
-
-    if not initialized():
-        return [value]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
-
-
 def param_shards(model) -> dict:
     """How the parameters are laid out on this rank: evidence that sharding really happened."""
     from torch.distributed.tensor import DTensor
@@ -236,7 +225,7 @@ class RunReportCallback(TrainerCallback):
             self.params = flops.count_params(model)
             self.model_config = getattr(model, "config", None)
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            shards = _gather({**param_shards(model), "rss": rss})  # a collective: every rank runs on_train_begin
+            shards = gather_objects({**param_shards(model), "rss": rss})  # a collective: every rank runs on_train_begin
             self.rss_at_train_start = [s["rss"] for s in shards]
             self.shards = {
                 "dtensor_params": shards[0]["dtensor_params"],

@@ -33,9 +33,6 @@ class LazyTensors(dict):
     Why: the check runs right after the save, on the rank that holds the gathered model; reading the files
     whole would hold the model a second time there."""
 
-    def __init__(self, handles: dict):
-        super().__init__(handles)
-
     def __getitem__(self, key):
         return super().__getitem__(key).get_tensor(key)
 
@@ -134,12 +131,13 @@ def expected_state_dict(trainer, full: dict | None = None, gathered: bool = Fals
 def model_shapes(model) -> dict[str, tuple]:
     """Saved key -> global shape, from the model's DTensor parameters (FSDP2; a DTensor's shape is the global one)
     and from plain parameters when nothing is sharded. FSDP1's flat shards carry no such shape and are left out."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
     from fsdp_recipes.resume_check import adapter_key
 
     peft = hasattr(model, "peft_config")
-    flat = any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules())
+    flat = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
     shapes = {}
     for name, param in model.named_parameters():
         if (peft and not param.requires_grad) or (flat and not isinstance(param, DTensor)):

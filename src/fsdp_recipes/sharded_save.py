@@ -86,14 +86,12 @@ def save_full_model_distributed(trainer, output_dir: str) -> dict:
 
 def trainable_state_dict(trainer) -> dict | None:
     """LoRA: gather only the trainable parameters, one at a time (a collective). Full tensors on rank 0."""
-    from torch.distributed.tensor import DTensor
+    from fsdp_recipes.dist_utils import gathered_parameters
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     out = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        full = param.full_tensor() if isinstance(param, DTensor) else param.data
-        if trainer.accelerator.is_main_process:  # a copy: on CPU `.cpu()` is the same storage, maybe a view
-            out[name] = full.detach().to("cpu", copy=True).contiguous()
+    with gathered_parameters(model, trainable_only=True) as params:
+        for name, full in params:
+            if trainer.accelerator.is_main_process:  # a copy: on CPU `.cpu()` is the same storage, maybe a view
+                out[name] = full.detach().to("cpu", copy=True).contiguous()
     return out if trainer.accelerator.is_main_process else None

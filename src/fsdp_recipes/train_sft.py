@@ -220,7 +220,7 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
 def save_final(trainer, training, model_args, pack, peft_config, report) -> None:
     """The final model or adapter, checked against the weights in memory, and optionally merged."""
     from fsdp_recipes.rss_watch import RssRise
-    from fsdp_recipes.run_report import _gather
+    from fsdp_recipes.dist_utils import gather_objects
     from fsdp_recipes.save_check import verify_final_save
     from fsdp_recipes.sharded_save import save_full_model_distributed, trainable_state_dict
 
@@ -250,7 +250,7 @@ def save_final(trainer, training, model_args, pack, peft_config, report) -> None
     with RssRise() as checking:
         if not checked_in_save:
             report.final_save_check = verify_final_save(trainer, out, **check_kwargs)  # raises when incomplete
-    report.final_save_rss = _gather({"save": saving.rise_bytes, "check": checking.rise_bytes})
+    report.final_save_rss = gather_objects({"save": saving.rise_bytes, "check": checking.rise_bytes})
     if report.final_save_check:
         print(f"[train_sft] final save verified: {report.final_save_check['tensors']} tensors complete, "
               f"unsharded and equal to the weights in memory", flush=True)
