@@ -13,6 +13,7 @@ import statistics
 import pytest
 
 from fsdp_recipes import bench, bench_data, bench_first_step, bench_overhead
+from fsdp_recipes.run_report import file_stamp
 
 TINY = dict(batch=2, seq=16, warmup=1, steps=2, reps=2)
 
@@ -28,13 +29,19 @@ def data(tmp_path_factory, cache_dir):
 
 
 def first_step_record() -> dict:
-    """Clocks as a probed run records them (seconds from the command's start)."""
-    names = ["process_created", "probe_start", "imports_done", "load_datasets_start", "load_datasets_end",
-             "model_load_start", "model_load_end", "peft_wrap_start", "peft_wrap_end", "dataset_prep_start",
-             "dataset_prep_end", "sft_trainer_init_end", "fsdp_wrap_and_optimizer_end", "first_step_end_end"]
-    marks = {n: 4.0 + i for i, n in enumerate(names)}
-    probed = {"total_s": 25.0, "launcher_first_output_s": 1.5, "launcher_checks_done_s": 3.0, "rank0_marks_s": marks}
-    return {"probed_run": probed, "phases_s": bench_first_step.phases(probed), "unprobed_total_s": 24.0}
+    """Clocks as the probed runs record them (seconds from the command's start), in both start orders."""
+    names = ["process_created", "probe_start", "imports_done", "gate_start", "gate_end", "load_datasets_start",
+             "load_datasets_end", "model_load_start", "model_load_end", "peft_wrap_start", "peft_wrap_end",
+             "dataset_prep_start", "dataset_prep_end", "sft_trainer_init_end", "fsdp_wrap_and_optimizer_end",
+             "first_step_end_end"]
+    probed = {}
+    for order, start in (("serial", 4.0), ("overlap", 1.0)):
+        probed[order] = {"order": order, "total_s": 20.0 + start, "launcher_first_output_s": 0.5,
+                         "launcher_starts_ranks_s": start, "launcher_checks_s": 3.0, "launcher_checks_done_s": 3.5,
+                         "rank0_marks_s": {n: start + 1.0 + i for i, n in enumerate(names)}}
+    return {"probed_runs": probed, "phases_s": {o: bench_first_step.phases(r) for o, r in probed.items()},
+            "first_step_end_s": {o: r["rank0_marks_s"]["first_step_end_end"] for o, r in probed.items()},
+            "unprobed_total_s": {"serial": 24.0, "overlap": 21.0}}
 
 
 def test_overhead_ratio_is_computed_from_the_measured_medians(overhead):
@@ -80,8 +87,10 @@ def test_data_bench_records_every_run_and_its_medians(data):
 
 def test_first_step_phases_add_up_to_the_first_step():
     rec = first_step_record()
-    assert sum(rec["phases_s"].values()) == pytest.approx(rec["probed_run"]["rank0_marks_s"]["first_step_end_end"])
-    assert all(v >= 0 for v in rec["phases_s"].values())
+    for order, phases in rec["phases_s"].items():
+        assert sum(phases.values()) == pytest.approx(rec["first_step_end_s"][order])
+        assert all(v >= 0 for v in phases.values())
+    assert list(rec["phases_s"]["serial"]) == list(rec["phases_s"]["overlap"])  # one table row per phase
 
 
 def test_json_schema_table_and_gpu_pending(tmp_path, monkeypatch, capsys, overhead, data):
@@ -99,7 +108,7 @@ def test_json_schema_table_and_gpu_pending(tmp_path, monkeypatch, capsys, overhe
     for pkg in ("python", "torch", "transformers", "trl", "peft", "accelerate", "datasets"):
         assert res["versions"][pkg], pkg
     assert dt.datetime.fromisoformat(res["date"]).tzinfo is not None
-    assert path.name == f"bench-cpu-{res['date'][:10]}-quick.json"
+    assert path.name == f"bench-cpu-{file_stamp(res['date'])}-quick.json"
     assert len(res["load_average_before"]) == 3 and len(res["load_average_after"]) == 3
     assert res["overhead"]["layouts"]["1proc"]["runs"] and res["data"]["runs"]
     assert res["gpu"] == bench.GPU_PENDING

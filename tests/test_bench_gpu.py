@@ -13,6 +13,7 @@ import statistics
 import pytest
 
 from fsdp_recipes import bench, bench_gpu
+from fsdp_recipes.run_report import file_stamp
 
 RUNG_IDS = ["0", "1", "2", "3", "4", "5a", "5b", "5c"]
 
@@ -30,7 +31,7 @@ def test_dry_run_ladder_runs_end_to_end_and_says_it_is_plumbing(dry):
     result, text, path = dry
     saved = json.loads(path.read_text())
     assert saved["ladders"] == json.loads(json.dumps(result["ladders"]))
-    assert path.name == f"bench-gpu-cpu-plumbing-{saved['date'][:10]}.json"
+    assert path.name == f"bench-gpu-cpu-plumbing-{file_stamp(saved['date'])}.json"
     assert dt.datetime.fromisoformat(saved["date"]).tzinfo is not None
     assert saved["plumbing_only"] is True and saved["gpu_count"] == 0 and saved["device"]["type"] == "cpu"
     for pkg in ("python", "torch", "transformers", "trl", "accelerate"):

@@ -8,9 +8,9 @@ Runs, in this order (each module's docstring says what it includes and excludes)
 2. bench_first_step: time to the first step of the default run, phase by phase.
 3. bench_data: data preparation throughput, the entry point's path against TRL's default.
 4. bench_gpu, only where torch sees a CUDA device: the GPU ladder (1B and 8B Mistral, rung by rung; see its
-   docstring), which writes its own bench/results/bench-gpu-<device>-<date>.json. It has never run on a GPU yet.
+   docstring), which writes its own bench/results/bench-gpu-<device>-<date>T<HHMM>Z.json. It has never run on a GPU yet.
 
-Writes bench/results/bench-cpu-<date>.json (device, core count, load average before and after, versions, date,
+Writes bench/results/bench-cpu-<date>T<HHMM>Z.json (device, core count, load average before and after, versions, date,
 every figure and every repetition) and prints a markdown table. Without a CUDA device it says the GPU table is
 pending, and it never prints a GPU figure it did not measure.
 """
@@ -59,12 +59,19 @@ def table(result: dict) -> str:
             lines.append(f"| {what} | per-repetition ratios | {', '.join(f'{r:.3f}' for r in s['per_rep_ratio'])} |")
     fs = result.get("first_step")
     if fs:
-        for name, sec in fs["phases_s"].items():
-            lines.append(f"| time to first step | {name} | {sec:.2f} s |")
-        lines.append(f"| time to first step | first step ends (probed run) | "
-                     f"{fs['probed_run']['rank0_marks_s']['first_step_end_end']:.2f} s |")
-        lines.append(f"| time to first step | whole command, probed / unprobed | {fs['probed_run']['total_s']:.2f} s / "
-                     f"{fs['unprobed_total_s']:.2f} s |")
+        orders = list(fs["phases_s"])  # serial, overlap
+
+        def both(value, fmt=".2f"):  # "serial / overlap"
+            return " / ".join(format(value(o), fmt) for o in orders)
+
+        lines.append(f"| time to first step | phase of rank 0's critical path | {' / '.join(orders)} |")
+        for name in fs["phases_s"][orders[-1]]:
+            lines.append(f"| time to first step | {name} | {both(lambda o: fs['phases_s'][o][name])} s |")
+        lines.append(f"| time to first step | launcher's checks (its \"checks passed in\") | "
+                     f"{both(lambda o: fs['probed_runs'][o]['launcher_checks_s'], '.1f')} s |")
+        lines.append(f"| time to first step | first step ends (probed runs) | "
+                     f"{both(lambda o: fs['first_step_end_s'][o])} s |")
+        lines.append(f"| time to first step | whole command, unprobed | {both(lambda o: fs['unprobed_total_s'][o])} s |")
     data = result.get("data")
     if data:
         for key, v in data["summary"].items():
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from fsdp_recipes import bench_data, bench_first_step, bench_overhead
-    from fsdp_recipes.run_report import write_json_atomic
+    from fsdp_recipes.run_report import file_stamp, write_json_atomic
 
     result = {"benchmark": "cpu", "quick": args.quick, **environment(), "load_average_before": load_average()}
     t0 = time.time()
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     result["duration_s"] = time.time() - t0
     result["load_average_after"] = load_average()
     result["gpu"] = gpu_part(args.results)
-    path = args.results / f"bench-cpu-{result['date'][:10]}{'-quick' if args.quick else ''}.json"
+    path = args.results / f"bench-cpu-{file_stamp(result['date'])}{'-quick' if args.quick else ''}.json"
     write_json_atomic(path, result)
     print(f"\nCPU: {result['device']['name']}, {result['device']['cores']} cores; {result['date']}; load average "
           f"before {result['load_average_before']}, after {result['load_average_after']}")

@@ -9,15 +9,23 @@ Runs the default recipe's real command, unmodified:
 
 with the tiny assets already built (the first ever run also builds them, ~2 s, reported as `assets_build_s` when
 this benchmark had to build them) and an empty datasets cache (so the data is really loaded and tokenized, as in
-a first run; a repeated run reuses datasets' cached Arrow files). Phases come from clocks, not estimates:
+a first run; a repeated run reuses datasets' cached Arrow files).
 
-- launcher: interpreter start + `import fsdp_recipes.launch` (until its first output line), then its checks (the
-  launcher's own "checks passed in X s").
+It runs the command in both start orders, side by side: `overlap` (the default: the launcher starts the ranks, then
+checks the recipe while they import; they wait at start_gate.py's gate) and `serial` (FSDP_RECIPES_OVERLAP_CHECKS=0:
+check, then start the ranks, the order before the gate). Phases of rank 0's critical path come from clocks, not
+estimates, and add up to the end of its first step:
+
+- the launcher until it starts `accelerate launch` (its line "starting N process(es)"): interpreter start and
+  imports, then, in the serial order only, all of its checks;
 - `accelerate launch` + torchrun until the rank processes exist (their creation time, read with psutil while the
-  run goes on).
-- inside rank 0, from its process creation: imports, argument parsing and checks, dataset loading, model load,
-  LoRA wrap, dataset preparation (TRL's `_prepare_dataset`), the rest of the SFTTrainer construction, the FSDP
-  wrap + optimizer (`Trainer._prepare_for_training`), and the first step itself.
+  run goes on);
+- inside rank 0, from its process creation: interpreter start, imports, the wait at the gate for the launcher's
+  checks, argument parsing and checks, dataset loading, model load, LoRA wrap, dataset preparation (TRL's
+  `_prepare_dataset`), the rest of the SFTTrainer construction, the FSDP wrap + optimizer
+  (`Trainer._prepare_for_training`), and the first step itself.
+
+The launcher's own clocks are recorded beside them: its first output line and its "checks passed in X s".
 
 The in-rank clocks come from a probe that wraps those functions with timers: `FSDP_RECIPES_BENCH_PROBE=<file>`
 plus a generated `sitecustomize.py` on PYTHONPATH (in a temp dir) make each rank call `install_probe()` at start-up.
@@ -65,7 +73,7 @@ def install_probe() -> None:
     import trl.trainer.sft_trainer as sft_mod
 
     import fsdp_recipes.train_sft  # noqa: F401
-    from fsdp_recipes import loading
+    from fsdp_recipes import loading, start_gate
 
     marks["imports_done"] = time.time()
 
@@ -83,6 +91,7 @@ def install_probe() -> None:
 
     # `python -m fsdp_recipes.train_sft` runs that file as __main__, a module that does not exist yet here, so the
     # probe wraps only what it calls from other modules.
+    timed(start_gate, "wait", "gate")
     timed(loading, "load_sft_datasets", "load_datasets")
     timed(sft_mod, "create_model_from_path", "model_load")
     timed(sft_mod, "get_peft_model", "peft_wrap")
@@ -102,19 +111,23 @@ def install_probe() -> None:
 
 # ---- the driver --------------------------------------------------------------------------------------------------
 
+ORDERS = {"overlap": {}, "serial": {"FSDP_RECIPES_OVERLAP_CHECKS": "0"}}
+
+
 def launch_cmd(out_dir: Path) -> list[str]:
     return [sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--max_steps", "1", "--eval_strategy", "no",
             "--save_merged_model", "false", "--output_dir", str(out_dir)]
 
 
-def run_default(work: Path, probe: bool) -> dict:
+def run_default(work: Path, probe: bool, order: str = "overlap") -> dict:
     """One launch of the default command; line arrival times and the ranks' creation times."""
-    out_dir = work / ("run-probe" if probe else "run")
+    out_dir = work / f"run-{order}{'-probe' if probe else ''}"
     # A fresh datasets cache: a first run of the default prepares its data (datasets would otherwise reuse the
     # tokenized Arrow files of an earlier run with the same fingerprint and skip the work).
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_CACHE=str(work / f"hf-datasets-{probe}"))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_DATASETS_CACHE=str(work / f"hf-datasets-{order}-{probe}"),
+               **ORDERS[order])
     env.pop("MASTER_PORT", None)
-    marks_file = work / "probe.json"
+    marks_file = work / f"probe-{order}.json"
     if probe:
         (work / "site").mkdir(exist_ok=True)
         (work / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -151,16 +164,17 @@ def run_default(work: Path, probe: bool) -> dict:
     watcher.join()
     if rc != 0:
         tail = "\n".join(text for _, text in lines[-15:])
-        raise RuntimeError(f"the default run failed with code {rc}:\n{tail}")
-    first_line = next(t for t, text in lines if text.startswith("[launch]"))
+        raise RuntimeError(f"the default run ({order}) failed with code {rc}:\n{tail}")
+    line_at = lambda pattern: next(t for t, text in lines if re.search(pattern, text))  # noqa: E731
     checks = next(float(m.group(1)) for _, text in lines if (m := re.search(r"checks passed in ([\d.]+)s", text)))
-    checks_line = next(t for t, text in lines if "checks passed in" in text)
     metrics = json.loads((out_dir / "metrics.json").read_text())
     res = {
+        "order": order,
         "total_s": total,
-        "launcher_first_output_s": first_line,
+        "launcher_first_output_s": line_at(r"^\[launch\]"),
+        "launcher_starts_ranks_s": line_at(r"^\[launch\].*starting \d+ process"),
         "launcher_checks_s": checks,
-        "launcher_checks_done_s": checks_line,
+        "launcher_checks_done_s": line_at("checks passed in"),
         "ranks_created_s": sorted(c - t0 for c in ranks.values()),
         "time_to_first_step_s_from_run_report": metrics["time_to_first_step_s"],
         "run_report_wall_clock_s": metrics["wall_clock_s"],
@@ -172,14 +186,15 @@ def run_default(work: Path, probe: bool) -> dict:
 
 
 def phases(run: dict) -> dict[str, float]:
-    """Consecutive phases (seconds) from the probed run's clocks; they add up to the first step's end."""
+    """Consecutive phases (seconds) of rank 0's critical path; they add up to the first step's end."""
     m = run["rank0_marks_s"]
     points = [
-        ("launcher: python start + imports", run["launcher_first_output_s"]),
-        ("launcher: checks (recipe, model, dataset)", run["launcher_checks_done_s"]),
+        ("launcher: python start, imports (serial: and all its checks), until it starts `accelerate launch`",
+         run["launcher_starts_ranks_s"]),
         ("accelerate launch + torchrun start the ranks", m["process_created"]),
         ("rank: interpreter start", m["probe_start"]),
         ("rank: imports (torch, transformers, trl, peft, accelerate, datasets)", m["imports_done"]),
+        ("rank: waits at the gate for the launcher's checks", m["gate_end"]),
         ("rank: parse recipe, checks, run report set-up", m["load_datasets_start"]),
         ("rank: dataset load (load_sft_datasets)", m["load_datasets_end"]),
         ("rank: SFTTrainer start to model load", m["model_load_start"]),
@@ -218,21 +233,29 @@ def slowest_imports() -> dict:
 
 
 def run(work: Path) -> dict:
+    """Both start orders, probed and not, interleaved: serial, overlap, serial, overlap."""
     from fsdp_recipes.tiny_assets import ensure_assets
 
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     ensure_assets(quiet=True)
     assets = time.time() - t0
-    probed = run_default(work, probe=True)
-    plain = run_default(work, probe=False)
+    probed, plain = {}, {}
+    for order in ("serial", "overlap"):
+        probed[order] = run_default(work, probe=True, order=order)
+    for order in ("serial", "overlap"):
+        plain[order] = run_default(work, probe=False, order=order)
+    first_step = {o: r["rank0_marks_s"]["first_step_end_end"] for o, r in probed.items()}
     return {
         "command": "python " + " ".join(launch_cmd(Path("<tmp>"))[1:]),
+        "orders": {o: ORDERS[o] for o in ORDERS},
         "assets_build_s": assets if assets > 0.5 else 0.0,
-        "probed_run": probed,
-        "phases_s": phases(probed),
-        "unprobed_total_s": plain["total_s"],
-        "unprobed_run": plain,
+        "probed_runs": probed,
+        "phases_s": {o: phases(r) for o, r in probed.items()},
+        "first_step_end_s": first_step,
+        "overlap_saves_s": first_step["serial"] - first_step["overlap"],
+        "unprobed_total_s": {o: r["total_s"] for o, r in plain.items()},
+        "unprobed_runs": plain,
         "imports": slowest_imports(),
     }
 
@@ -240,10 +263,12 @@ def run(work: Path) -> dict:
 def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-first-step-") as tmp:
         res = run(Path(tmp))
-    for name, s in res["phases_s"].items():
-        print(f"{s:7.2f} s  {name}")
-    print(f"first step ends at {res['probed_run']['rank0_marks_s']['first_step_end_end']:.2f} s; whole command "
-          f"{res['probed_run']['total_s']:.2f} s (unprobed {res['unprobed_total_s']:.2f} s)")
+    for order, ph in res["phases_s"].items():
+        print(f"{order}:")
+        for name, s in ph.items():
+            print(f"{s:7.2f} s  {name}")
+    print("first step ends at " + ", ".join(f"{s:.2f} s ({o})" for o, s in res["first_step_end_s"].items())
+          + "; whole command unprobed " + ", ".join(f"{s:.2f} s ({o})" for o, s in res["unprobed_total_s"].items()))
     return 0
 
 

@@ -67,7 +67,7 @@ and restarts the report's training clock and token counters, and it synchronizes
 the clock at the end; so tokens/s and MFU cover only the `--steps` measured steps (default 16). Not included:
 process start, imports, model load, data preparation, FSDP wrapping, saving (no final save is made), evaluation.
 
-Output: bench/results/bench-gpu-<device-slug>-<date>[-<sizes>].json (device, GPU count, versions, date, every
+Output: bench/results/bench-gpu-<device-slug>-<date>T<HHMM>Z[-<sizes>].json (device, GPU count, versions, date, every
 rung's configuration, figures, command and log tail; written after every rung, so a killed run keeps what it
 measured) and a markdown table with the speed-up over rung 0 and whether the issue's goals were met: tuned
 tokens/s >= 1.5x rung 0, and >= 45% MFU for 1B full fine-tuning on one GPU. A goal is only ever marked met or not
@@ -513,7 +513,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     import torch
 
     from fsdp_recipes.bench_overhead import write_token_rows
-    from fsdp_recipes.run_report import now_iso, versions, write_json_atomic
+    from fsdp_recipes.run_report import file_stamp, now_iso, versions, write_json_atomic
 
     dry = args.dry_run
     if args.results is None:
@@ -535,7 +535,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     rungs = [r for r in RUNGS if r["id"] in selected]
 
     date = now_iso()
-    name = f"bench-gpu-{'cpu-plumbing' if dry else slug(device['name'])}-{date[:10]}"
+    name = f"bench-gpu-{'cpu-plumbing' if dry else slug(device['name'])}-{file_stamp(date)}"
     if not dry and args.sizes:
         name += "-" + "-".join(size_names)
     path = args.results / f"{name}.json"

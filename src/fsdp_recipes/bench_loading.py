@@ -13,7 +13,7 @@ The final-save part trains the same model for one step under FSDP2, in full and 
 type, and reads
 each rank's anonymous-RSS rise during the save and during its completeness check (`peak_memory.host_rss_rise_final_*` in
 metrics.json; sampled every 20 ms by rss_watch.py, so lower bounds).
-Results go to bench/results/loading-<date>.json and tables on stdout.
+Results go to bench/results/loading-<date>T<HHMM>Z.json and tables on stdout.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from fsdp_recipes.paths import cache_dir
-from fsdp_recipes.run_report import device_info, versions, write_json_atomic
+from fsdp_recipes.run_report import device_info, file_stamp, versions, write_json_atomic
 from fsdp_recipes.tiny_assets import MODEL_DIRNAME, build_model, ensure_assets
 
 BENCH_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": rows,
         "final_save": saves,
     }
-    path = args.results / f"loading-{result['date'][:10]}.json"
+    path = args.results / f"loading-{file_stamp(result['date'])}.json"
     write_json_atomic(path, result)
     mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
     print(f"\nmodel file {mib(size)}, 2 ranks, FSDP2 on CPU; peak RSS once loaded and sharded:")

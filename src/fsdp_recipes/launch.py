@@ -4,10 +4,13 @@
 
 1. Sets what the seeds' wrappers set (TOKENIZERS_PARALLELISM, PYTORCH_CUDA_ALLOC_CONF) and prints the
    GPU inventory and NVLink status where nvidia-smi exists.
-2. Checks the recipe in this one process -- GPU requirement, accelerate YAML, recipe YAML, model,
-   dataset -- so a mistake is one line here instead of a traceback from every rank.
-3. Builds the tiny local assets when the recipe uses them.
-4. Runs the real `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train_sft`.
+2. Checks what needs no heavy import (accelerate YAML, GPU requirement, topology), then starts the real
+   `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train_sft`, in a session of its own.
+3. While the ranks import torch and the rest, checks the recipe in this one process -- recipe YAML, model,
+   dataset, resume -- and builds the tiny local assets when the recipe uses them. The ranks wait at a gate
+   (start_gate.py) and their output is held back until the checks pass; a mistake kills them and is one line
+   here instead of a traceback from every rank.
+4. Passes on what a scheduler sends (SIGTERM, SIGUSR1, SIGINT) and relays the ranks' output.
 5. Prints the summary (fsdp_recipes.summary) of the finished run.
 
 Environment for cluster wrappers (slurm/, k8s/):
@@ -27,13 +30,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
 
-from fsdp_recipes import config_check, model_check, recipes, smoke, summary, train_sft
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# import the same in parallel.
+from fsdp_recipes import config_check, model_check, recipes, smoke, start_gate, summary, train_sft
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.preemption import EXIT_PREEMPTED
+
+EXIT_PREEMPTED = 75  # = preemption.EXIT_PREEMPTED, which imports transformers (tests check they agree)
 
 
 def say(msg: str) -> None:
@@ -68,23 +75,133 @@ def accelerate_cmd() -> list[str]:
     return [found, "launch"]
 
 
-def run_forwarding_signals(cmd: list[str]) -> tuple[int, int | None]:
-    """Run the launcher child, passing on what a scheduler sends (SIGTERM, SIGUSR1, SIGINT) instead of dying.
-    Returns the exit code and the first preemption signal (SIGTERM/SIGUSR1) passed on, if any."""
-    child = subprocess.Popen(cmd)
-    preempted_by: list[int] = []
+class HeldOutput:
+    """Relays the child's stdout and stderr, holding both back until release(); drop() discards what is held.
+    (Output printed before the checks fail -- torchrun's warnings -- would break the one-line error.)"""
 
-    def forward(signum, frame):
-        if signum != signal.SIGINT and not preempted_by:
-            preempted_by.append(signum)
-        child.send_signal(signum)
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lock = threading.Lock()
+        self.held: list[tuple] = []
+        self.passing = self.dropped = False
+        self.threads = [threading.Thread(target=self._pump, args=(pipe, dst), daemon=True)
+                        for pipe, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for t in self.threads:
+            t.start()
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
-    try:
-        return child.wait(), (preempted_by[0] if preempted_by else None)
-    finally:
-        for sig, handler in previous.items():
+    @staticmethod
+    def _write(dst, chunk: bytes) -> None:
+        try:
+            if hasattr(dst, "buffer"):
+                dst.buffer.write(chunk)
+                dst.buffer.flush()
+            else:  # a text-only stream (a test's capture)
+                dst.write(chunk.decode(errors="replace"))
+                dst.flush()
+        except (OSError, ValueError):  # our own stdout is gone: the ranks go on regardless
+            pass
+
+    def _pump(self, pipe, dst) -> None:
+        fd = pipe.fileno()
+        while chunk := os.read(fd, 65536):
+            with self.lock:
+                if self.passing:
+                    self._write(dst, chunk)
+                elif not self.dropped:
+                    self.held.append((dst, chunk))
+
+    def release(self) -> None:
+        with self.lock:
+            sys.stdout.flush()
+            for dst, chunk in self.held:
+                self._write(dst, chunk)
+            self.held.clear()
+            self.passing = True
+
+    def drop(self) -> None:
+        with self.lock:
+            self.held.clear()
+            self.dropped = True
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+
+
+class Preempted(BaseException):  # like KeyboardInterrupt: no check's `except Exception` may swallow it
+    """SIGTERM/SIGUSR1 arrived before the checks passed: the ranks had not started work, nothing to save."""
+
+
+class Ranks:
+    """`accelerate launch` in a session of its own, gated (start_gate.py) until release(). Passes on what a
+    scheduler sends (SIGTERM, SIGUSR1, SIGINT) instead of dying, and remembers the first preemption signal."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, cmd: list[str], gated: bool = True) -> None:
+        self.gate = start_gate.Gate()
+        env = dict(os.environ, **self.gate.env())
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks write to a pipe now: keep their lines live
+        self.released = not gated
+        if not gated:
+            self.gate.open()
+        self.preempted_by: int | None = None
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        # Its own session, as torchrun gives each rank: Ctrl-C in a terminal reaches the ranks through _on_signal
+        # and torchrun (PET_SIGNALS_TO_HANDLE), and a Ctrl-C during the checks stops the launcher alone.
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                         start_new_session=True)
+        except BaseException:
+            self._done()
+            raise
+        self.output = HeldOutput(self.proc)
+
+    def _on_signal(self, signum, frame):
+        if not self.released:  # the ranks are importing or at the gate: stop everything here
+            raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signal.Signals(signum).name)
+        if signum != signal.SIGINT and self.preempted_by is None:
+            self.preempted_by = signum
+        self.proc.send_signal(signum)
+
+    def release(self) -> None:
+        self.released = True  # first: from here on a signal is passed on, never raised in the launcher
+        self.gate.open()
+        self.output.release()
+
+    def abort(self) -> None:
+        """The checks failed or were interrupted: kill accelerate, torchrun and the ranks, drop their output.
+        (torchrun starts each rank in a session of its own, so killing the launcher child's session is not
+        enough; a rank that escapes the list below sees the gate's ABORT and exits by itself.)"""
+        import psutil
+
+        self.output.drop()
+        self.gate.abort()
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            procs = []
+        for p in [psutil.Process(self.proc.pid), *procs] if self.proc.poll() is None else procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        self.proc.wait()
+        psutil.wait_procs(procs, timeout=10)
+        self._done()
+
+    def wait(self) -> tuple[int, int | None]:
+        """The exit code, and the first preemption signal (SIGTERM/SIGUSR1) passed on, if any."""
+        try:
+            rc = self.proc.wait()
+            self.output.join()
+        finally:
+            self._done()
+        return rc, self.preempted_by
+
+    def _done(self) -> None:
+        for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        self.gate.remove()
 
 
 def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
@@ -105,9 +222,9 @@ def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> s
     return note
 
 
-def check_recipe(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple:
-    sft_yaml = recipe / "sft.yaml"
-    raw = config_check.load_yaml(sft_yaml, "recipe config")
+def check_launch(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple[dict, dict]:
+    """What can be checked without importing torch: the YAMLs parse, the accelerate config, GPUs, topology."""
+    raw = config_check.load_yaml(recipe / "sft.yaml", "recipe config")
     extra = launch_args()
     acc = config_check.check_accelerate_config(acc_yaml)
     machines = int(override(extra, "num_machines", acc.get("num_machines", 1)))
@@ -117,15 +234,37 @@ def check_recipe(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple:
     config_check.check_gpus(-(-min_gpus // machines), recipe.name)
     processes = int(override(extra, "num_processes", acc.get("num_processes", 1)))
     config_check.check_topology(acc, acc_yaml, machines, processes)
+    return raw, acc
+
+
+def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> tuple:
+    """The recipe as the ranks will parse it, the model, the dataset and the checkpoint to resume."""
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
-        args = train_sft.parse_and_check(["--config", str(sft_yaml), *overrides])
+        args = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides])
     script, training, model, mixture, pack = args
     named = recipe / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
+    processes = int(override(launch_args(), "num_processes", acc.get("num_processes", 1)))
     config_check.check_fsdp_with_peft(acc, model.use_peft, named, processes)
     model_check.check(model.model_name_or_path, recipe, acc, named, model)
     train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
-    return args, acc
+    if script.dataset_name and config_check.looks_local(script.dataset_name):
+        import datasets
+
+        from fsdp_recipes.loading import load_sft_datasets
+
+        datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
+        load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
+    return args
+
+
+def grace_seconds(raw: dict, overrides: list[str]) -> str:
+    """preemption_grace_s before the recipe is parsed (torchrun reads it at start); the parse checks it later."""
+    value = override(overrides, "preemption_grace_s", raw.get("preemption_grace_s"))
+    try:
+        return str(int(value))
+    except (TypeError, ValueError):
+        return str(train_sft.PackArguments.preemption_grace_s)
 
 
 @cli
@@ -143,14 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if smoke.active():
         acc_yaml, overrides = smoke.prepare(recipe, overrides)
 
-    (script, training, model, mixture, pack), acc = check_recipe(recipe, acc_yaml, overrides)
-    if script.dataset_name and config_check.looks_local(script.dataset_name):
-        import datasets
-
-        from fsdp_recipes.loading import load_sft_datasets
-
-        datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
-        load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
+    raw, acc = check_launch(recipe, acc_yaml, overrides)
 
     extra = launch_args()
     cmd = accelerate_cmd() + ["--config_file", str(acc_yaml), *extra]
@@ -158,13 +290,41 @@ def main(argv: list[str] | None = None) -> int:
     if not multi_node and "MASTER_PORT" not in os.environ:
         cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide
     cmd += ["-m", "fsdp_recipes.train_sft", "--config", str(recipe / "sft.yaml"), *overrides]
-    say(f"checks passed in {time.time() - t0:.1f}s; starting {acc.get('num_processes', 1)} process(es):")
-    say(" ".join(cmd))
     # torchrun forwards these signals to every rank and then allows the grace period before killing them.
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", str(pack.preemption_grace_s))
+    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", grace_seconds(raw, overrides))
+    # FSDP_RECIPES_OVERLAP_CHECKS=0: check first, then start the ranks (the order before start_gate.py), for a
+    # node whose host memory cannot take the ranks' imports and the launcher's dataset check at once.
+    overlap = os.environ.get("FSDP_RECIPES_OVERLAP_CHECKS", "1") != "0"
     started = time.time()
-    rc, preempted_by = run_forwarding_signals(cmd)
+    ranks = None
+    if overlap:
+        say(f"starting {acc.get('num_processes', 1)} process(es); they wait at a gate until the checks pass:")
+        say(" ".join(cmd))
+        ranks = Ranks(cmd)
+    try:
+        script, training, model, mixture, pack = check_recipe(recipe, acc, overrides)
+    except Preempted as sig:
+        ranks.abort()
+        say(f"{sig} before the checks finished: nothing had started, nothing to save; run the same command again")
+        return EXIT_PREEMPTED
+    except KeyboardInterrupt:
+        if ranks is not None:
+            ranks.abort()
+        say("interrupted before the checks finished: nothing had started")
+        return 130
+    except BaseException:
+        if ranks is not None:
+            ranks.abort()
+        raise
+    if overlap:
+        say(f"checks passed in {time.time() - t0:.1f}s; the ranks go on")
+    else:
+        say(f"checks passed in {time.time() - t0:.1f}s; starting {acc.get('num_processes', 1)} process(es):")
+        say(" ".join(cmd))
+        ranks = Ranks(cmd, gated=False)
+    ranks.release()
+    rc, preempted_by = ranks.wait()
     report = Path(training.output_dir) / "metrics.json"
     fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
     metrics = json.loads(report.read_text()) if fresh else {}

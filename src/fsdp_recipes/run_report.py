@@ -52,6 +52,12 @@ def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def file_stamp(iso: str) -> str:
+    """now_iso() for a file name, to the minute in UTC: 2026-11-22T10:15:00+00:00 -> 2026-11-22T1015Z. Several
+    benchmark runs on one day each keep their file."""
+    return dt.datetime.fromisoformat(iso).astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H%MZ")
+
+
 def versions() -> dict[str, str | None]:
     from importlib.metadata import PackageNotFoundError, version
 

@@ -45,3 +45,18 @@ if os.environ.get("SLOW_SAVE_S"):
         return result
 
     torch.save = _slow_save
+
+if os.environ.get("SLOW_CHECK_S") and "LOCAL_RANK" not in os.environ:
+    # SLOW_CHECK_S (tests/test_start_gate.py): the launcher's recipe checks take this many seconds longer, so a
+    # test can look at the ranks while they wait at the start gate. Only in the launcher, not in the ranks.
+    import time
+
+    from fsdp_recipes import train_sft
+
+    _parse_and_check = train_sft.parse_and_check
+
+    def _slow_parse_and_check(*args, **kwargs):
+        time.sleep(float(os.environ["SLOW_CHECK_S"]))
+        return _parse_and_check(*args, **kwargs)
+
+    train_sft.parse_and_check = _slow_parse_and_check

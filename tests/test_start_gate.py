@@ -1,0 +1,171 @@
+"""The launcher starts the ranks while it checks the recipe; they wait at a gate (start_gate.py) and touch nothing
+until the checks pass. A failed or interrupted check kills them all and is still one line."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from conftest import REPO, pack_env
+from fsdp_recipes import launch, start_gate
+from fsdp_recipes.preemption import EXIT_PREEMPTED
+
+PROBES = REPO / "tests" / "probes"
+WAITER = "from fsdp_recipes import start_gate; start_gate.wait(poll_s=0.01); print('passed', flush=True)"
+
+
+def waiter(gate_env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", WAITER], env={**os.environ, **gate_env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_the_launcher_exit_code_for_preemption_is_the_ranks():
+    assert launch.EXIT_PREEMPTED == EXIT_PREEMPTED  # launch.py keeps its own copy to stay free of heavy imports
+
+
+def test_no_gate_without_the_launcher(monkeypatch):
+    monkeypatch.delenv(start_gate.FILE_ENV, raising=False)
+    assert start_gate.wait() == 0.0
+
+
+def test_a_rank_waits_until_the_gate_opens():
+    gate = start_gate.Gate()
+    try:
+        proc = waiter(gate.env())
+        time.sleep(1.5)
+        assert proc.poll() is None, proc.communicate()
+        gate.open()
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and out.strip() == "passed", err
+    finally:
+        gate.remove()
+
+
+def test_an_aborted_gate_ends_the_rank_quietly():
+    gate = start_gate.Gate()
+    try:
+        proc = waiter(gate.env())
+        gate.abort()
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and out == "" and err == ""
+    finally:
+        gate.remove()
+
+
+def test_a_rank_does_not_wait_for_a_launcher_that_is_gone():
+    gate = start_gate.Gate()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        proc = waiter({**gate.env(), start_gate.PID_ENV: str(gone.pid)})
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and out == ""
+        assert "the launcher exited before its checks finished" in err, err
+    finally:
+        gate.remove()
+
+
+class SlowCheckLaunch:
+    """The launcher with its recipe checks made SLOW_CHECK_S longer (tests/probes), its output read line by line,
+    and every process it started remembered."""
+
+    def __init__(self, args, cache_dir, slow_s=20):
+        env = pack_env(cache_dir, PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", SLOW_CHECK_S=str(slow_s))
+        self.proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch", *args], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out, self.err, self.started = [], [], set()
+        self.readers = [threading.Thread(target=lambda s=s, d=d: d.extend(s), daemon=True)
+                        for s, d in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for t in self.readers:
+            t.start()
+
+    def ranks(self) -> list[psutil.Process]:
+        found = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                self.started.add(child)
+                cmd = child.cmdline()
+            except psutil.Error:
+                continue
+            if "fsdp_recipes.train_sft" in cmd and "launch" not in cmd:
+                found.append(child)
+        return found
+
+    def wait_for_ranks_at_the_gate(self, n=2, timeout=120):
+        """Until n ranks exist and have imported the training stack (their CPU time stops growing)."""
+        deadline = time.time() + timeout
+        while len(self.ranks()) < n:
+            assert self.proc.poll() is None and time.time() < deadline, "".join(self.out + self.err)
+            time.sleep(0.2)
+        cpu = lambda: sum(sum(p.cpu_times()[:2]) for p in self.ranks())  # noqa: E731
+        before = cpu()
+        while True:  # importing costs seconds of CPU; waiting at the gate polls a file every 20 ms
+            time.sleep(1.0)
+            now = cpu()
+            if now - before < 0.2:
+                return
+            before = now
+            assert time.time() < deadline, "the ranks never settled at the gate"
+
+    def finish(self, timeout=300) -> int:
+        rc = self.proc.wait(timeout=timeout)
+        for t in self.readers:
+            t.join()
+        return rc
+
+    def leftovers(self) -> list:
+        alive = []
+        for p in self.started:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+
+@pytest.mark.slow
+def test_ranks_wait_at_the_gate_and_run_once_the_checks_pass(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    run = SlowCheckLaunch(["tiny-cpu-lora", "--max_steps", "1", "--eval_strategy", "no",
+                           "--save_merged_model", "false", "--output_dir", str(out)], cache_dir, slow_s=20)
+    run.wait_for_ranks_at_the_gate()
+    assert run.proc.poll() is None and not out.exists(), "a rank wrote before the checks passed"
+    assert not any("[train_sft]" in line for line in run.out), run.out  # their output is held back
+    assert run.finish() == 0, "".join(run.out[-40:] + run.err[-40:])
+    text = "".join(run.out)
+    assert text.index("they wait at a gate") < text.index("checks passed in") < text.index("run report written")
+    assert (out / "metrics.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_failed_check_kills_the_waiting_ranks_and_is_one_line(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    run = SlowCheckLaunch(["tiny-cpu-lora", "--dataset_name", str(tmp_path / "missing.jsonl"), "--output_dir",
+                           str(out)], cache_dir, slow_s=15)
+    run.wait_for_ranks_at_the_gate()
+    assert run.finish(timeout=120) == 2
+    errors = [line for line in run.err if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: dataset not found"), run.err
+    assert run.started and not run.leftovers(), run.leftovers()
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_sigterm_while_checking_stops_everything_with_the_preemption_code(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    run = SlowCheckLaunch(["tiny-cpu-lora", "--output_dir", str(out)], cache_dir, slow_s=60)
+    run.wait_for_ranks_at_the_gate()
+    run.proc.send_signal(signal.SIGTERM)  # as a scheduler would, to the launcher
+    t = time.time()
+    assert run.finish(timeout=60) == EXIT_PREEMPTED, "".join(run.out + run.err)
+    assert time.time() - t < 10
+    assert "SIGTERM before the checks finished: nothing had started" in "".join(run.out)
+    assert "Traceback" not in "".join(run.err), run.err
+    assert run.started and not run.leftovers(), run.leftovers()
+    assert not out.exists()
