@@ -65,20 +65,16 @@ def check_known_flags(argv: list[str], dataclass_types) -> None:
 
 def check_accelerate_config(path: str | Path) -> dict:
     """Parse with accelerate's own loader, then apply the rules that accelerate only discovers at run time."""
-    from accelerate.commands.config.config_args import load_config_from_file
+    raw = read_accelerate_config(path)
+    check_accelerate_keys(path, raw)
+    return raw
 
+
+def read_accelerate_config(path: str | Path) -> dict:
+    """The YAML and the pack's FSDP rules, without importing accelerate (which imports torch, 2 s: the launcher
+    needs the config before it starts the ranks, and checks the keys while they import)."""
     raw = load_yaml(path, "accelerate config")
-    try:
-        load_config_from_file(str(path))
-    except Exception as err:  # accelerate raises TypeError/ValueError for unknown or bad keys
-        raise UserError(f"accelerate cannot read {path}: {err}. Fix: compare with accelerate_configs/.") from None
     fsdp = raw.get("fsdp_config") or {}
-    for section in ("fsdp_config", "parallelism_config"):  # accelerate ignores unknown keys in these silently
-        known = launch_options(section.split("_config")[0] + "_")
-        for key in raw.get(section) or {}:
-            if key not in known:
-                raise UserError(f"{path}: unknown {section} key `{key}` (accelerate would ignore it). "
-                                f"Fix: {_suggest(key, known)}")
     if raw.get("distributed_type") == "FSDP":
         version = int(fsdp.get("fsdp_version", 1))
         if version == 1 and fsdp.get("fsdp_cpu_ram_efficient_loading") and not fsdp.get("fsdp_sync_module_states"):
@@ -94,6 +90,22 @@ def check_accelerate_config(path: str | Path) -> dict:
                     "Fix: remove them (FSDP2 uses fsdp_reshard_after_forward instead of fsdp_sharding_strategy)."
                 )
     return raw
+
+
+def check_accelerate_keys(path: str | Path, raw: dict) -> None:
+    """accelerate's own loader, and the keys in sections where accelerate ignores unknown ones silently."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        load_config_from_file(str(path))
+    except Exception as err:  # accelerate raises TypeError/ValueError for unknown or bad keys
+        raise UserError(f"accelerate cannot read {path}: {err}. Fix: compare with accelerate_configs/.") from None
+    for section in ("fsdp_config", "parallelism_config"):
+        known = launch_options(section.split("_config")[0] + "_")
+        for key in raw.get(section) or {}:
+            if key not in known:
+                raise UserError(f"{path}: unknown {section} key `{key}` (accelerate would ignore it). "
+                                f"Fix: {_suggest(key, known)}")
 
 
 def launch_options(prefix: str) -> set[str]:
@@ -170,6 +182,8 @@ def gpu_count() -> int:
 
 
 def check_gpus(min_gpus: int, recipe: str) -> None:
+    if min_gpus <= 0:  # a CPU recipe: no need to import torch to count
+        return
     found = gpu_count()
     if min_gpus > found:
         raise UserError(

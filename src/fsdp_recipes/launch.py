@@ -223,10 +223,11 @@ def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> s
 
 
 def check_launch(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple[dict, dict]:
-    """What can be checked without importing torch: the YAMLs parse, the accelerate config, GPUs, topology."""
+    """What can be checked without importing torch: the YAMLs parse, the pack's FSDP rules, the GPU count (torch
+    is imported for that only when the recipe needs GPUs), the topology."""
     raw = config_check.load_yaml(recipe / "sft.yaml", "recipe config")
     extra = launch_args()
-    acc = config_check.check_accelerate_config(acc_yaml)
+    acc = config_check.read_accelerate_config(acc_yaml)
     machines = int(override(extra, "num_machines", acc.get("num_machines", 1)))
     # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
     # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
@@ -238,12 +239,14 @@ def check_launch(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple[di
 
 
 def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> tuple:
-    """The recipe as the ranks will parse it, the model, the dataset and the checkpoint to resume."""
+    """accelerate's reading of its config; the recipe as the ranks will parse it, the model, the dataset and the
+    checkpoint to resume."""
+    named = recipe / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
+    config_check.check_accelerate_keys(named, config_check.load_yaml(named, "accelerate config"))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
         args = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides])
     script, training, model, mixture, pack = args
-    named = recipe / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
     processes = int(override(launch_args(), "num_processes", acc.get("num_processes", 1)))
     config_check.check_fsdp_with_peft(acc, model.use_peft, named, processes)
     model_check.check(model.model_name_or_path, recipe, acc, named, model)
