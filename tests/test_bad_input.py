@@ -171,3 +171,37 @@ def test_fsdp1_lora_sharded_checkpoints_on_one_process_stop_before_launch(tmp_pa
     (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
     assert_one_line_error(launch([str(recipe)], cache_dir), "LoRA under FSDP1 with one process cannot save "
                           "SHARDED_STATE_DICT checkpoints")
+
+
+def test_min_gpus_is_shared_among_the_nodes(monkeypatch):
+    """min_gpus counts the whole job: a 16-GPU recipe on 2 nodes needs 8 per node, in the launcher and in every
+    rank (the ranks read the node count from torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)."""
+    from fsdp_recipes import config_check
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.setattr(config_check, "gpu_count", lambda: 8)
+    config_check.check_gpus(16, "big", nodes=2)
+    config_check.check_gpus(16, "big", nodes=4)
+    with pytest.raises(UserError, match=r"needs 16 GPU\(s\) and this machine has 8"):
+        config_check.check_gpus(16, "big", nodes=1)
+    with pytest.raises(UserError, match=r"needs 10 GPU\(s\) per node \(min_gpus 30 over 3 nodes\)"):
+        config_check.check_gpus(30, "big", nodes=3)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert config_check.job_nodes() == 2
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert config_check.job_nodes() == 1
+
+
+def test_gpu_count_hint_reads_cuda_visible_devices(monkeypatch):
+    """The launcher's torch-free count, used to decide whether to start the ranks before torch counts."""
+    from fsdp_recipes import config_check
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert config_check.gpu_count_hint() == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert config_check.gpu_count_hint() == 0
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: no GPU
+    assert config_check.gpu_count_hint() == 0

@@ -222,17 +222,24 @@ def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> s
     return note
 
 
+def job_machines(acc: dict) -> int:
+    return int(override(launch_args(), "num_machines", acc.get("num_machines", 1)))
+
+
 def check_launch(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple[dict, dict]:
     """What can be checked without importing torch: the YAMLs parse, the pack's FSDP rules, the GPU count (torch
-    is imported for that only when the recipe needs GPUs), the topology."""
+    counts them here only when nvidia-smi / CUDA_VISIBLE_DEVICES show too few; else check_recipe does), the
+    topology."""
     raw = config_check.load_yaml(recipe / "sft.yaml", "recipe config")
     extra = launch_args()
     acc = config_check.read_accelerate_config(acc_yaml)
-    machines = int(override(extra, "num_machines", acc.get("num_machines", 1)))
+    machines = job_machines(acc)
     # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
     # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
     min_gpus = int(override(overrides, "min_gpus", raw.get("min_gpus", 0)))
-    config_check.check_gpus(-(-min_gpus // machines), recipe.name)
+    per_node = -(-min_gpus // machines)
+    if per_node > 0 and ((hint := config_check.gpu_count_hint()) is None or hint < per_node):
+        config_check.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
     processes = int(override(extra, "num_processes", acc.get("num_processes", 1)))
     config_check.check_topology(acc, acc_yaml, machines, processes)
     return raw, acc
@@ -245,7 +252,7 @@ def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> tuple:
     config_check.check_accelerate_keys(named, config_check.load_yaml(named, "accelerate config"))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
-        args = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides])
+        args = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
     script, training, model, mixture, pack = args
     processes = int(override(launch_args(), "num_processes", acc.get("num_processes", 1)))
     config_check.check_fsdp_with_peft(acc, model.use_peft, named, processes)

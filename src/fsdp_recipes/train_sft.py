@@ -84,22 +84,23 @@ def parse_args(argv: list[str]):
     return script, training, model, mixture, pack
 
 
-def check_before_launch(script, training, model, mixture, pack) -> None:
+def check_before_launch(script, training, model, mixture, pack, nodes: int = 1) -> None:
     """Everything that can be checked without starting processes or loading weights."""
-    config_check.check_gpus(pack.min_gpus, pack.recipe_name or "(unnamed)")
+    config_check.check_gpus(pack.min_gpus, pack.recipe_name or "(unnamed)", nodes)
     config_check.check_attn_implementation(model.attn_implementation)
     config_check.check_local_model(model.model_name_or_path)
 
 
-def parse_and_check(argv: list[str], quiet: bool = False) -> tuple:
+def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None) -> tuple:
     """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
-    of them, so before the model check), and run the checks that need no process group."""
+    of them, so before the model check), and run the checks that need no process group. `nodes`: of the job
+    (min_gpus is shared among them); by default read from torchrun's environment."""
     args = parse_args(argv)
     if args[-1].tiny_assets:
         from fsdp_recipes.tiny_assets import ensure_assets
 
         ensure_assets(quiet=quiet)
-    check_before_launch(*args)
+    check_before_launch(*args, nodes=config_check.job_nodes() if nodes is None else nodes)
     return args
 
 
