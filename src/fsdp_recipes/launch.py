@@ -122,9 +122,11 @@ class HeldOutput:
             self.held.clear()
             self.dropped = True
 
-    def join(self) -> None:
+    def join(self, timeout_s: float = 10.0) -> None:
+        """Until the pipes close; bounded, because a process the ranks left behind (a compile worker) may hold
+        them open after torchrun has exited."""
         for t in self.threads:
-            t.join()
+            t.join(timeout_s)
 
 
 class Preempted(BaseException):  # like KeyboardInterrupt: no check's `except Exception` may swallow it
