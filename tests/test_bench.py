@@ -75,14 +75,19 @@ def test_default_overhead_model_is_tens_of_millions_of_parameters(tmp_path, cach
 
 
 def test_data_bench_records_every_run_and_its_medians(data):
-    assert len(data["runs"]) == 4  # 2 paths x packing off/on x 1 repetition
+    assert len(data["runs"]) == 6  # 3 paths x packing off/on x 1 repetition
     for key, path, packing in (("pack", "pack", False), ("trl_default_packing", "trl_default", True)):
         sel = [r for r in data["runs"] if r["path"] == path and r["packing"] == packing]
         assert data["summary"][key]["median_examples_per_s"] == statistics.median(
             200 / (r["load"] + r["prepare"]) for r in sel)
-    assert {r["max_length"] for r in data["runs"] if r["path"] == "pack"} == {64}  # the recipe's setting
+    lengths = {path: {r["max_length"] for r in data["runs"] if r["path"] == path} for path in bench_data.PATHS}
+    # the recipe's setting, TRL's default, and TRL at the recipe's setting
+    assert lengths == {"pack": {64}, "trl_default": {1024}, "trl_recipe_length": {64}}
     assert data["summary"]["ratio_pack_over_trl"] == pytest.approx(
         data["summary"]["pack"]["median_examples_per_s"] / data["summary"]["trl_default"]["median_examples_per_s"])
+    assert data["summary"]["ratio_pack_over_trl_recipe_length_packing"] == pytest.approx(
+        data["summary"]["pack_packing"]["median_examples_per_s"]
+        / data["summary"]["trl_recipe_length_packing"]["median_examples_per_s"])
 
 
 def test_first_step_phases_add_up_to_the_first_step():
