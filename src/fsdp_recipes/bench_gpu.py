@@ -30,7 +30,7 @@ tokens.
 Layouts: one GPU (FSDP2 with world size 1) and, where the machine has more than one, all of them (`--gpus`).
 
 Rungs, each its own `accelerate launch` (FSDP2, a YAML generated from accelerate_configs/fsdp2_1node.yaml with
-num_processes, reshard_after_forward and mixed precision set) of this module's worker, which drives the entry
+num_processes, reshard_after_forward and mixed precision set) of bench_gpu_worker.py, which drives the entry
 point's trainer (train_sft.parse_args and train_sft.build_trainer, as bench_overhead.py does: TRL's SFTTrainer,
 its fused LM head and metrics, the pack's run report, completion-marker and preemption callbacks):
 
@@ -394,7 +394,7 @@ def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
         shutil.rmtree(out_dir, ignore_errors=True)  # never read a metrics.json left by an earlier invocation
         yaml_path = accelerate_yaml(work / f"accelerate-{size}-{processes}-{rung['id']}.yaml", processes,
                                     s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16")
-        worker = ["--worker", "--warmup", str(sizes["warmup"]),
+        worker = ["--warmup", str(sizes["warmup"]),
                   "--compile", ("aot_eager" if ctx["dry_run"] else "inductor") if s["compile"] else "none",
                   "--float8", "true" if s["float8"] else "false", "--"]
         args = sft_args(s, model_dir, ctx["data_dir"], out_dir, sizes, bf16=not ctx["dry_run"])
@@ -402,7 +402,7 @@ def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
             args += ["--no_such_setting", "1"]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
                "--num_processes", str(processes), "--main_process_port", "0",
-               "-m", "fsdp_recipes.bench_gpu", *worker, *args]
+               "-m", "fsdp_recipes.bench_gpu_worker", *worker, *args]
         rec["command"] = " ".join(cmd)
         timeout = sizes["rung_timeout_s"]
         if deadline is not None:
@@ -581,80 +581,10 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        return worker(argv[1:])
-    result, text, path = run(argv)
+    result, text, path = run(sys.argv[1:] if argv is None else argv)
     print()
     print(text)
     print(f"\nwritten to {path} ({result['duration_s']:.0f} s)")
-    return 0
-
-
-# ---- worker (inside `accelerate launch`) --------------------------------------------------------------------------
-
-def worker(argv: list[str]) -> int:
-    """One rung: the entry point's trainer, plus compile/float8, with warm-up excluded from the report's clock."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--warmup", type=int, required=True)
-    ap.add_argument("--compile", choices=["none", "inductor", "aot_eager"], default="none")
-    ap.add_argument("--float8", default="false")
-    split = argv.index("--")
-    wargs = ap.parse_args(argv[:split])
-
-    from fsdp_recipes import cpu_fsdp
-
-    cpu_fsdp.enable()  # a no-op with a GPU
-    import torch
-    from transformers import TrainerCallback
-    from trl import get_peft_config
-
-    from fsdp_recipes import train_sft
-    from fsdp_recipes.preemption import PreemptionCallback
-    from fsdp_recipes.run_report import RunReportCallback
-
-    script, training, model_args, mixture, pack = train_sft.parse_args(argv[split + 1:])
-    peft_config = get_peft_config(model_args)
-    report = RunReportCallback(training.output_dir, train_sft.resolved_args(script, training, model_args, mixture,
-                                                                            pack, peft_config), "bench-gpu")
-    report.resolved_args["bench_worker"] = vars(wargs)
-
-    def sync():
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-
-    class ExcludeWarmup(TrainerCallback):
-        """First in the callback list: restarts the report's clock and counters once the warm-up steps are done,
-        and synchronizes before the report reads the clock at the end."""
-
-        def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == wargs.warmup:
-                sync()
-                report.train_start = time.time()
-                report.tokens.non_padding = report.tokens.padded = report.tokens.sequences = 0
-
-        def on_train_end(self, args, state, control, **kwargs):
-            sync()
-
-    try:
-        trainer = train_sft.build_trainer(script, training, model_args, mixture, pack, peft_config, report,
-                                          PreemptionCallback())
-        model = trainer.model
-        if wargs.float8 == "true":
-            from torchao.float8 import convert_to_float8_training
-
-            convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
-        if wargs.compile != "none":
-            for layer in model.model.layers:  # compiled in place: FSDP2 still finds MistralDecoderLayer to wrap
-                layer.compile(backend=wargs.compile)
-        trainer.callback_handler.callbacks.insert(0, ExcludeWarmup())
-        trainer.train()
-    except BaseException as err:
-        report.finalize("failed", error=f"{type(err).__name__}: {err}")
-        raise
-    report.finalize("completed")
-    if hasattr(trainer, "end"):
-        trainer.end()
     return 0
 
 
