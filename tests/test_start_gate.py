@@ -1,6 +1,7 @@
 """The launcher starts the ranks while it checks the recipe; they wait at a gate (start_gate.py) and touch nothing
 until the checks pass. A failed or interrupted check kills them all and is still one line."""
 
+import json
 import os
 import signal
 import subprocess
@@ -169,3 +170,19 @@ def test_sigterm_while_checking_stops_everything_with_the_preemption_code(tmp_pa
     assert "Traceback" not in "".join(run.err), run.err
     assert run.started and not run.leftovers(), run.leftovers()
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_a_rank_crashing_after_a_completed_run_is_reported_as_such(tmp_path, cache_dir):
+    """A rank that aborts in interpreter teardown, after the run completed (tests/probes: ABORT_AT_EXIT_RANK): the
+    exit code stays non-zero, and the launcher says that the outputs are complete."""
+    from conftest import run
+
+    out = tmp_path / "run"
+    res = run([sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--max_steps", "1", "--eval_strategy",
+               "no", "--save_merged_model", "false", "--output_dir", str(out)], cache_dir,
+              PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", ABORT_AT_EXIT_RANK="1")
+    assert res.returncode != 0, res.stdout[-2000:]
+    assert "training completed and its run report" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"the outputs in {out} are complete" in res.stdout
+    assert json.loads((out / "metrics.json").read_text())["status"] == "completed"

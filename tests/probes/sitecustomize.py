@@ -60,3 +60,8 @@ if os.environ.get("SLOW_CHECK_S") and "LOCAL_RANK" not in os.environ:
         return _parse_and_check(*args, **kwargs)
 
     train_sft.parse_and_check = _slow_parse_and_check
+
+if os.environ.get("ABORT_AT_EXIT_RANK") and os.environ.get("RANK") == os.environ["ABORT_AT_EXIT_RANK"]:
+    # ABORT_AT_EXIT_RANK (tests/test_start_gate.py): that rank dies of SIGABRT when its interpreter exits, after
+    # the run has finished, as a teardown crash in a C++ destructor would.
+    atexit.register(os.abort)
