@@ -19,7 +19,6 @@ Results go to bench/results/loading-<date>T<HHMM>Z.json and tables on stdout.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import platform
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from fsdp_recipes.paths import cache_dir
-from fsdp_recipes.run_report import device_info, file_stamp, versions, write_json_atomic
+from fsdp_recipes.run_report import device_info, file_stamp, now_iso, versions, write_json_atomic
 from fsdp_recipes.tiny_assets import MODEL_DIRNAME, build_model, ensure_assets
 
 BENCH_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
              for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
     result = {
         "benchmark": "loading",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": now_iso(),
         "host": platform.node(),
         "cpu": device_info()["name"],
         "versions": versions(),

@@ -198,9 +198,13 @@ def gpu_count_hint() -> int | None:
     return sum(line.startswith("GPU ") for line in out.splitlines())
 
 
+def gpus_per_node(min_gpus: int, nodes: int) -> int:
+    """min_gpus counts the whole job; each of its `nodes` needs its share (rounded up)."""
+    return -(-min_gpus // max(nodes, 1))
+
+
 def check_gpus(min_gpus: int, recipe: str, nodes: int = 1) -> None:
-    """min_gpus counts the whole job; each of its `nodes` needs its share."""
-    per_node = -(-min_gpus // max(nodes, 1))
+    per_node = gpus_per_node(min_gpus, nodes)
     if per_node <= 0:  # a CPU recipe: no need to import torch to count
         return
     found = gpu_count()

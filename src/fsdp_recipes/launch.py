@@ -228,22 +228,24 @@ def job_machines(acc: dict) -> int:
     return int(override(launch_args(), "num_machines", acc.get("num_machines", 1)))
 
 
+def job_processes(acc: dict) -> int:
+    return int(override(launch_args(), "num_processes", acc.get("num_processes", 1)))
+
+
 def check_launch(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple[dict, dict]:
     """What can be checked without importing torch: the YAMLs parse, the pack's FSDP rules, the GPU count (torch
     counts them here only when nvidia-smi / CUDA_VISIBLE_DEVICES show too few; else check_recipe does), the
     topology."""
     raw = config_check.load_yaml(recipe / "sft.yaml", "recipe config")
-    extra = launch_args()
     acc = config_check.read_accelerate_config(acc_yaml)
     machines = job_machines(acc)
     # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
     # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
     min_gpus = int(override(overrides, "min_gpus", raw.get("min_gpus", 0)))
-    per_node = -(-min_gpus // machines)
+    per_node = config_check.gpus_per_node(min_gpus, machines)
     if per_node > 0 and ((hint := config_check.gpu_count_hint()) is None or hint < per_node):
         config_check.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
-    processes = int(override(extra, "num_processes", acc.get("num_processes", 1)))
-    config_check.check_topology(acc, acc_yaml, machines, processes)
+    config_check.check_topology(acc, acc_yaml, machines, job_processes(acc))
     return raw, acc
 
 
@@ -256,8 +258,7 @@ def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> tuple:
         warnings.simplefilter("ignore")
         args = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
     script, training, model, mixture, pack = args
-    processes = int(override(launch_args(), "num_processes", acc.get("num_processes", 1)))
-    config_check.check_fsdp_with_peft(acc, model.use_peft, named, processes)
+    config_check.check_fsdp_with_peft(acc, model.use_peft, named, job_processes(acc))
     model_check.check(model.model_name_or_path, recipe, acc, named, model)
     train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
     if script.dataset_name and config_check.looks_local(script.dataset_name):
@@ -309,32 +310,32 @@ def main(argv: list[str] | None = None) -> int:
     # node whose host memory cannot take the ranks' imports and the launcher's dataset check at once.
     overlap = os.environ.get("FSDP_RECIPES_OVERLAP_CHECKS", "1") != "0"
     started = time.time()
-    ranks = None
-    if overlap:
-        say(f"starting {acc.get('num_processes', 1)} process(es); they wait at a gate until the checks pass:")
+
+    def start(said: str, gated: bool) -> Ranks:
+        wait = "; they wait at a gate until the checks pass" if gated else ""
+        say(f"{said}starting {acc.get('num_processes', 1)} process(es){wait}:")
         say(" ".join(cmd))
-        ranks = Ranks(cmd)
+        return Ranks(cmd, gated)
+
+    ranks = start("", gated=True) if overlap else None
     try:
         script, training, model, mixture, pack = check_recipe(recipe, acc, overrides)
-    except Preempted as sig:
-        ranks.abort()
-        say(f"{sig} before the checks finished: nothing had started, nothing to save; run the same command again")
-        return EXIT_PREEMPTED
-    except KeyboardInterrupt:
+    except BaseException as err:
         if ranks is not None:
             ranks.abort()
-        say("interrupted before the checks finished: nothing had started")
-        return 130
-    except BaseException:
-        if ranks is not None:
-            ranks.abort()
+        if isinstance(err, Preempted):
+            say(f"{err} before the checks finished: nothing had started, nothing to save; run the same command "
+                "again")
+            return EXIT_PREEMPTED
+        if isinstance(err, KeyboardInterrupt):
+            say("interrupted before the checks finished: nothing had started")
+            return 130
         raise
-    if overlap:
-        say(f"checks passed in {time.time() - t0:.1f}s; the ranks go on")
+    passed = f"checks passed in {time.time() - t0:.1f}s; "
+    if ranks is None:
+        ranks = start(passed, gated=False)
     else:
-        say(f"checks passed in {time.time() - t0:.1f}s; starting {acc.get('num_processes', 1)} process(es):")
-        say(" ".join(cmd))
-        ranks = Ranks(cmd, gated=False)
+        say(passed + "the ranks go on")
     ranks.release()
     rc, preempted_by = ranks.wait()
     report = Path(training.output_dir) / "metrics.json"

@@ -51,16 +51,6 @@ class Gate:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def state(path: str) -> str | None:
     try:
         return Path(path).read_text() or None
@@ -75,12 +65,14 @@ def wait(poll_s: float = 0.02) -> float:
     path = os.environ.get(FILE_ENV)
     if not path:
         return 0.0
+    import psutil
+
     launcher = int(os.environ.get(PID_ENV, "0"))
     t0 = time.time()
     while (s := state(path)) != OPEN:
         if s == ABORT:
             os._exit(1)  # the launcher kills this session anyway; no traceback, no atexit handlers
-        if launcher and not _alive(launcher):
+        if launcher and not psutil.pid_exists(launcher):
             sys.exit("[train_sft] the launcher exited before its checks finished; nothing was run")
         time.sleep(poll_s)
     return time.time() - t0
