@@ -205,3 +205,10 @@ def test_gpu_count_hint_reads_cuda_visible_devices(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: no GPU
     assert config_check.gpu_count_hint() == 0
+
+
+@pytest.mark.parametrize("name, fragment", [("fsdp.txt", "does not end in .prom"),
+                                            ("missing/fsdp.prom", "does not exist or is not writable")])
+def test_prometheus_textfile_that_node_exporter_would_never_read(recipe, cache_dir, tmp_path, name, fragment):
+    res = launch([str(recipe), "--prometheus_textfile", str(tmp_path / name)], cache_dir)
+    assert_one_line_error(res, fragment)

@@ -64,6 +64,38 @@ def test_overhead_ratio_is_computed_from_the_measured_medians(overhead):
     assert overhead["model"]["parameters"] == sum(p.numel() for p in model.parameters())
 
 
+def synthetic_layout(pack_factor: float, rep_drift: list[float], noise: float = 0.01, steps: int = 8) -> dict:
+    """Step times of a known overhead: every repetition has its own machine speed (drift), pack = bare x factor."""
+    import random
+
+    rng = random.Random(1)
+    runs = []
+    for rep, speed in enumerate(rep_drift):
+        for side, factor in (("bare", 1.0), ("pack", pack_factor)):
+            times = [speed * factor * (1 + rng.uniform(-noise, noise)) for _ in range(steps)]
+            runs.append({"rep": rep, "side": side, "step_times_s": times, "median_step_s": statistics.median(times)})
+    return {"runs": runs, "reps": len(rep_drift), "batch_per_rank": 1, "seq_len": 8, "world_size": 1}
+
+
+@pytest.mark.parametrize("factor, expected", [(1.01, "within goal"), (1.12, "over goal")])
+def test_overhead_interval_holds_the_true_overhead_and_decides_the_goal(factor, expected):
+    s = bench_overhead.summarize(synthetic_layout(factor, [0.40, 0.42, 0.41, 0.43]))
+    lo, hi = s["overhead_pct_ci95"]
+    assert lo <= 100 * (factor - 1) <= hi and hi - lo < 3  # tight when every repetition agrees
+    assert s["verdict"] == expected
+
+
+def test_overhead_interval_widens_when_repetitions_disagree():
+    # the 11:31 FSDP2 run's shape: repetitions at 0.82, 1.14 and 1.03 cannot settle a 5% goal
+    layout = synthetic_layout(1.0, [0.5, 0.5, 0.5])
+    for run, factor in zip((r for r in layout["runs"] if r["side"] == "pack"), (0.82, 1.14, 1.03)):
+        run["step_times_s"] = [t * factor for t in run["step_times_s"]]
+    s = bench_overhead.summarize(layout)
+    lo, hi = s["overhead_pct_ci95"]
+    assert lo < 0 < 5 < hi
+    assert s["verdict"].startswith("undecided")
+
+
 def test_default_overhead_model_is_tens_of_millions_of_parameters(tmp_path, cache_dir):
     from transformers import AutoConfig, AutoModelForCausalLM
     import torch

@@ -132,3 +132,6 @@ def test_run_writes_a_prometheus_textfile(run_dir):
     assert sample.value == pytest.approx(m["tokens_per_second"])
     assert sample.labels["recipe"] == "tiny-cpu-lora" and sample.labels["world_size"] == "2"
     assert "training_mfu" not in families  # null on CPU: left out, not NaN
+    # rewritten at every training log while the run trained; the last write is the final report's
+    assert families["training_running"].samples[0].value == 0
+    assert families["training_step"].samples[0].value == m["steps"]

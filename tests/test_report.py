@@ -209,6 +209,9 @@ def test_write_textfile_one_run(runs):
         "training_tokens_per_second": {"gpu-full": (labels, 123456.8176)},
         "training_peak_device_memory_bytes": {"gpu-full": (labels, 40 * GIB)},
         "training_peak_host_rss_bytes": {"gpu-full": (labels, 12 * GIB + 512 * MIB)},
+        "training_step": {"gpu-full": (labels, 1200)},
+        "training_running": {"gpu-full": (labels, 0)},  # status "completed": the report is final
+        "training_last_update_timestamp_seconds": {"gpu-full": (labels, 1795258800)},  # finished_at, in Unix time
     }
     assert oct(path.stat().st_mode & 0o777) == "0o644"  # readable by node_exporter's own user
     assert sorted(p.name for p in runs[0].iterdir() if "prom" in p.name) == ["metrics.prom"]  # no temp file left
@@ -217,7 +220,8 @@ def test_write_textfile_one_run(runs):
 def test_cpu_run_omits_mfu_and_device_memory_with_a_comment(runs):
     path = prometheus.write_textfile(CPU_METRICS, runs[1] / "metrics.prom")
     text = path.read_text()
-    assert set(parse_textfile(path)) == {"training_tokens_per_second", "training_peak_host_rss_bytes"}
+    assert set(parse_textfile(path)) == {"training_tokens_per_second", "training_peak_host_rss_bytes", "training_step",
+                                         "training_running", "training_last_update_timestamp_seconds"}
     assert f"# training_mfu omitted for run 'cpu-lora': {CPU_NOTE}\n" in text
     assert "# training_peak_device_memory_bytes omitted for run 'cpu-lora': CPU run" in text
     assert "nan" not in text.lower() and "HELP training_mfu" not in text  # no NaN, no empty family
@@ -263,7 +267,7 @@ def test_alert_rules_structure_and_promql():
     group = doc["groups"][0]
     assert set(group) == {"name", "rules"} and group["name"]
     rules = {r["alert"]: r for r in group["rules"]}
-    assert set(rules) == {"TrainingMFUDrop", "TrainingThroughputStalled"}
+    assert set(rules) == {"TrainingMFUDrop", "TrainingThroughputStalled", "TrainingStalled"}
     gauges = {name for name, *_ in prometheus.GAUGES}
     for rule in rules.values():
         assert set(rule) == {"alert", "expr", "for", "labels", "annotations"}, rule
@@ -281,6 +285,13 @@ def test_alert_rules_structure_and_promql():
     assert expr.rhs.rhs.func.name == "avg_over_time" and window.vector_selector.name == "training_mfu"
     assert (window.range.total_seconds(), window.vector_selector.offset.total_seconds()) == (3600, 600)
     assert rules["TrainingMFUDrop"]["for"] == "15m"
+
+    # The stall rule's value is the age of the last training log (what its description prints), kept only for
+    # series whose run still says it is training.
+    expr = promql.parse(rules["TrainingStalled"]["expr"])
+    assert str(expr.op) == "and" and str(expr.lhs.op) == ">" and expr.lhs.rhs.val == 1800
+    assert expr.lhs.lhs.lhs.func.name == "time" and expr.lhs.lhs.rhs.name == "training_last_update_timestamp_seconds"
+    assert (expr.rhs.lhs.name, str(expr.rhs.op), expr.rhs.rhs.val) == ("training_running", "==", 1)
 
     with pytest.raises(ValueError):  # the parser does reject what promtool would: a range function on a vector
         promql.parse("training_mfu < 0.8 * avg_over_time(training_mfu offset 10m)")

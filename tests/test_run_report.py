@@ -109,6 +109,64 @@ def test_mfu_on_a_known_gpu(tmp_path, monkeypatch):
     assert m["mfu_note"] is None
 
 
+def prom_samples(path: Path) -> dict:
+    """{metric: value} of a one-run textfile, through prometheus_client's parser (it raises on bad syntax)."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    return {s.name: s.value for f in parser.text_string_to_metric_families(path.read_text()) for s in f.samples}
+
+
+def test_gauges_are_rewritten_at_every_training_log_with_that_interval(tmp_path, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(run_report, "time", SimpleNamespace(time=lambda: clock[0]))
+    monkeypatch.setattr(run_report, "device_info", lambda: {"type": "cuda", "name": "NVIDIA H100 80GB HBM3",
+                                                            "count_per_node": 1})
+    collector = tmp_path / "textfile"
+    collector.mkdir()
+    cb = RunReportCallback(str(tmp_path / "run-a"), {}, recipe="sim", prometheus_textfile=str(collector / "a.prom"))
+    state = SimpleNamespace(global_step=0, log_history=[])
+    cb.on_train_begin(None, state, None, model=tiny_model())
+
+    def train(steps: int, seconds: float) -> None:
+        for _ in range(steps):
+            cb.tokens.add({"input_ids": torch.zeros(4, 10, dtype=torch.long),
+                           "attention_mask": torch.ones(4, 10, dtype=torch.long)})  # 40 tokens a step
+            state.global_step += 1
+        clock[0] += seconds
+        cb.on_log(None, state, None, logs={"loss": 1.0})
+
+    train(2, 10.0)  # 80 tokens in 10 s
+    first = prom_samples(tmp_path / "run-a" / "metrics.prom")
+    assert first["training_tokens_per_second"] == pytest.approx(8.0) and first["training_step"] == 2
+    train(3, 20.0)  # 120 tokens in 20 s: the gauge is this interval's, not the average since start (200 / 30)
+    for path in (tmp_path / "run-a" / "metrics.prom", collector / "a.prom"):
+        live = prom_samples(path)
+        assert live["training_tokens_per_second"] == pytest.approx(6.0)
+        assert live["training_step"] == 5 and live["training_running"] == 1
+        assert live["training_last_update_timestamp_seconds"] == 130
+        fpt = cb.mfu_figures({"padded": 120, "sequences": 12}, 6.0, 1, run_report.device_info())["flops_per_token"]
+        assert live["training_mfu"] == pytest.approx(fpt * 6.0 / 989e12)
+    before = (collector / "a.prom").read_text()
+    clock[0] += 5.0
+    cb.on_log(None, state, None, logs={"eval_loss": 0.5})  # not a training log: nothing rewritten
+    assert (collector / "a.prom").read_text() == before
+    cb.on_train_end(None, state, None)
+    m = cb.finalize("completed")
+    final = prom_samples(collector / "a.prom")
+    assert final["training_running"] == 0 and final["training_step"] == 5
+    assert final["training_tokens_per_second"] == pytest.approx(m["tokens_per_second"]) == pytest.approx(200 / 35)
+
+
+def test_an_unwritable_textfile_does_not_stop_training(tmp_path, monkeypatch, capsys):
+    cb = RunReportCallback(str(tmp_path / "run"), {}, recipe="sim",
+                           prometheus_textfile=str(tmp_path / "gone" / "a.prom"))
+    monkeypatch.setattr(run_report, "write_textfile", lambda *a, **k: (_ for _ in ()).throw(PermissionError("ro")))
+    state = SimpleNamespace(global_step=1, log_history=[])
+    cb.on_train_begin(None, state, None, model=tiny_model())
+    cb.tokens.add({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    cb.on_log(None, state, None, logs={"loss": 1.0})
+    assert capsys.readouterr().err.count("could not write") == 2  # both files, one warning each, no exception
+
+
 def documented_fields() -> set[str]:
     """Field names in the README's metrics.json table (first column, in backticks)."""
     text = README.read_text()

@@ -56,6 +56,9 @@ def table(result: dict) -> str:
             lines.append(f"| {what} | bare loop, median s/step | {s['median_step_s']['bare']:.3f} |")
             lines.append(f"| {what} | pack (SFTTrainer + callbacks), median s/step | {s['median_step_s']['pack']:.3f} |")
             lines.append(f"| {what} | pack overhead (ratio of medians - 1) | {s['overhead_pct']:+.1f}% |")
+            lo, hi = s["overhead_pct_ci95"]
+            lines.append(f"| {what} | 95% bootstrap interval; vs the {s['goal_pct']:.0f}% goal | "
+                         f"{lo:+.1f}% to {hi:+.1f}%; {s['verdict']} |")
             lines.append(f"| {what} | per-repetition ratios | {', '.join(f'{r:.3f}' for r in s['per_rep_ratio'])} |")
     fs = result.get("first_step")
     if fs:

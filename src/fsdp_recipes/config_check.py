@@ -245,6 +245,21 @@ def check_local_model(path: str) -> None:
         )
 
 
+def check_prometheus_textfile(path: str | None) -> None:
+    """node_exporter reads only `*.prom` files directly inside its directory: any other name is silently ignored,
+    so it is an error here, not a surprise on the dashboard."""
+    if not path:
+        return
+    target = Path(path)
+    if target.suffix != ".prom":
+        raise UserError(f"prometheus_textfile {path} does not end in .prom, and node_exporter's textfile collector "
+                        f"reads only *.prom files. Fix: name it like {target.with_suffix('.prom')}.")
+    if not target.parent.is_dir() or not os.access(target.parent, os.W_OK):
+        raise UserError(f"prometheus_textfile {path}: directory {target.parent} does not exist or is not writable. "
+                        "Fix: point it into node_exporter's --collector.textfile.directory, or create that "
+                        "directory with write access for this job.")
+
+
 def gpu_inventory() -> str:
     """What the seeds' wrappers print: the GPUs and how they are linked, where nvidia-smi exists."""
     if not shutil.which("nvidia-smi"):

@@ -1,5 +1,8 @@
 """A run's headline figures as Prometheus gauges, in node_exporter's textfile-collector format.
 
+While a run trains, the run report rewrites these gauges at every training log with the figures of the interval
+since the previous log (status "running"); when it ends, with the whole run's figures from metrics.json.
+
     python -m fsdp_recipes.prometheus runs/a runs/b --out /var/lib/node_exporter/textfile/fsdp_recipes.prom
 
 `write_textfile(metrics, path)` is the same for one run, from its metrics.json dict (the run report writes
@@ -11,6 +14,7 @@ See monitoring/README.md for node_exporter and monitoring/alerts.yaml for the al
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import os
 import sys
 import tempfile
@@ -29,7 +33,17 @@ GAUGES = (
      lambda m: _peak(m, "device_allocated_bytes"), lambda m: _peak(m, "device_note")),
     ("training_peak_host_rss_bytes", "Peak resident set size of a rank's process, max over ranks",
      lambda m: _peak(m, "host_rss_bytes"), lambda m: "not measured"),
+    ("training_step", "Optimizer steps done (metrics.json steps)",
+     lambda m: m.get("steps"), lambda m: "no step recorded"),
+    ("training_running", "1 while the run trains, 0 once its report is final (completed, failed, preempted)",
+     lambda m: int(m.get("status") == "running"), lambda m: None),
+    ("training_last_update_timestamp_seconds", "Unix time this file was last written by the run",
+     lambda m: _unix_time(m.get("updated_at") or m.get("finished_at")), lambda m: "no time recorded"),
 )
+
+
+def _unix_time(iso: str | None) -> int | None:
+    return int(dt.datetime.fromisoformat(iso).timestamp()) if iso else None
 
 
 def _peak(metrics: dict, key: str):

@@ -199,8 +199,12 @@ class RunReportCallback(TrainerCallback):
     """Writes run_args.json at the start and metrics.json at the end (or on failure) of every run."""
 
     def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None,
-                 resume_from: str | Path | None = None):
+                 resume_from: str | Path | None = None, prometheus_textfile: str | None = None):
         self.output_dir = Path(output_dir)
+        # metrics.prom in output_dir, and the collector's file when the recipe names one: rewritten at every
+        # training log while the run trains (write_live), and with the whole run's figures at the end.
+        self.prom_paths = [self.output_dir / "metrics.prom"] + ([Path(prometheus_textfile)] if prometheus_textfile else [])
+        self.live_mark = None  # (time, [non_padding, padded, sequences] of this process's run) at the last log
         self.resumed_from = str(resume_from) if resume_from else None
         # Counters of the run so far, as saved with the checkpoint this run resumes from.
         self.prior = {"non_padding": 0, "padded": 0, "sequences": 0, "train_time_s": 0.0}
@@ -247,6 +251,50 @@ class RunReportCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.log_history = list(state.log_history)
+        # A training log (it has the loss) comes at the same step on every rank: the collectives inside are safe.
+        # The Trainer's evaluation and end-of-training logs carry no "loss" and are left to finalize.
+        if logs and "loss" in logs and self.train_start is not None:
+            self.write_live(state.global_step)
+
+    def write_live(self, step: int) -> None:
+        """The Prometheus gauges over the interval since the last training log (tokens/s and MFU of that interval,
+        peaks so far), so that an alert sees a run slow down while it trains.
+
+        Gap it fills: the Trainer logs its own throughput only as an average since train start
+        (`include_num_input_tokens_seen`), which hides a slowdown behind the hours before it, and gives no MFU."""
+        now = time.time()
+        counts = all_reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
+        mem = _peak_memory()
+        alloc, reserved, rss = all_reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
+        since, before = self.live_mark or (self.train_start, [0, 0, 0])
+        self.live_mark = (now, counts)
+        if not self.is_main or now <= since:
+            return
+        window = dict(zip(("non_padding", "padded", "sequences"), (a - b for a, b in zip(counts, before))))
+        tps = window["non_padding"] / (now - since)
+        world = launcher_env()["world_size"]
+        device = device_info()
+        live = {
+            "recipe": self.recipe,
+            "status": "running",
+            "steps": step,
+            "updated_at": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": world,
+            "device": {"name": device["name"]},
+            "tokens_per_second": tps,
+            "peak_memory": {"device_allocated_bytes": None if alloc < 0 else int(alloc),
+                            "device_note": "CPU run: no device memory" if alloc < 0 else None,
+                            "host_rss_bytes": int(rss)},
+            **self.mfu_figures(window, tps, world, device),
+        }
+        self.write_prom(live)
+
+    def write_prom(self, metrics: dict) -> None:
+        for path in self.prom_paths:
+            try:
+                write_textfile(metrics, path, run=self.output_dir.resolve().name)
+            except OSError as err:  # monitoring must never stop training; the launcher checked the path
+                print(f"[run_report] could not write {path}: {err}", file=sys.stderr, flush=True)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.log_history = list(state.log_history)
@@ -281,6 +329,26 @@ class RunReportCallback(TrainerCallback):
         alloc, reserved, rss = all_reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
         self.peaks = {"allocated": alloc, "reserved": reserved, "host_rss": rss}
 
+    def mfu_figures(self, tokens: dict, tps: float | None, world: int, device: dict) -> dict:
+        """FLOPs per token at the mean padded length of `tokens` (what attention really ran on), and MFU."""
+        fpt, seq_len, mfu, mfu_note = None, None, None, None
+        if self.model_config is not None and self.params and tokens["sequences"]:
+            seq_len = tokens["padded"] / tokens["sequences"]
+            layers, heads, head_dim = flops.attention_shape(self.model_config)
+            fpt = flops.flops_per_token(
+                self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
+                layers, heads, head_dim, seq_len,
+            )
+        peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
+        if device["type"] != "cuda":
+            why = f"device is a CPU ({device['name']}): no dense bf16 peak to compare against"
+        if fpt is not None and tps and peak:
+            mfu = flops.mfu(fpt, tps, peak, world)
+        else:
+            mfu_note = why if not peak else "no tokens or no model config recorded"
+        return {"flops_per_token": fpt, "flops_seq_len": seq_len, "peak_flops_per_device": peak, "mfu": mfu,
+                "mfu_note": mfu_note}
+
     # -- files --------------------------------------------------------------------------------------
     def run_args(self) -> dict:
         return {
@@ -307,14 +375,16 @@ class RunReportCallback(TrainerCallback):
         metrics = self.metrics(status, error, end)
         write_json_atomic(self.output_dir / "log_history.json", {"log_history": self.log_history})
         write_json_atomic(self.output_dir / "metrics.json", metrics)
-        write_textfile(metrics, self.output_dir / "metrics.prom")  # for node_exporter's textfile collector
+        self.write_prom(metrics)  # for node_exporter's textfile collector
         return metrics
 
     def write_provisional(self, status: str, error: str) -> None:
         """Write metrics.json now, from rank 0's own figures, without closing the report: what stays on disk
         when the process is killed before `finalize` (a preemption save that outlives the grace period)."""
         if self.is_main and not self.finalized:
-            write_json_atomic(self.output_dir / "metrics.json", self.metrics(status, error, time.time(), True))
+            metrics = self.metrics(status, error, time.time(), True)
+            write_json_atomic(self.output_dir / "metrics.json", metrics)
+            self.write_prom(metrics)  # training_running 0: the run is no longer training
 
     def metrics(self, status: str, error: str | None, end: float, provisional: bool = False) -> dict:
         env = launcher_env()
@@ -332,22 +402,7 @@ class RunReportCallback(TrainerCallback):
         losses = [h["loss"] for h in self.log_history if "loss" in h]
         eval_losses = [h["eval_loss"] for h in self.log_history if "eval_loss" in h]
 
-        fpt, seq_len, mfu, mfu_note = None, None, None, None
-        if self.model_config is not None and self.params and tokens["sequences"]:
-            seq_len = tokens["padded"] / tokens["sequences"]  # mean padded length: what attention really ran on
-            layers, heads, head_dim = flops.attention_shape(self.model_config)
-            fpt = flops.flops_per_token(
-                self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
-                layers, heads, head_dim, seq_len,
-            )
-        peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
-        if device["type"] != "cuda":
-            why = f"device is a CPU ({device['name']}): no dense bf16 peak to compare against"
-        if fpt is not None and tps and peak:
-            mfu = flops.mfu(fpt, tps, peak, world)
-        else:
-            mfu_note = why if not peak else "no tokens or no model config recorded"
-
+        figures = self.mfu_figures(tokens, tps, world, device)
         no_device_mem = peaks["allocated"] < 0
         return {
             "schema_version": SCHEMA_VERSION,
@@ -385,11 +440,7 @@ class RunReportCallback(TrainerCallback):
             "load_check": self.load_check,
             "resume_check": self.resume_check,
             "final_save_check": self.final_save_check,
-            "flops_per_token": fpt,
-            "flops_seq_len": seq_len,
-            "peak_flops_per_device": peak,
-            "mfu": mfu,
-            "mfu_note": mfu_note,
+            **figures,
             "first_train_loss": losses[0] if losses else None,
             "final_train_loss": losses[-1] if losses else None,
             "final_eval_loss": eval_losses[-1] if eval_losses else None,

@@ -46,6 +46,11 @@ class PackArguments:
         metadata={"help": "Write memory_probe.rank<N>.json: bytes of weights, gradients, optimizer states and "
                           "saved activations each rank held in the first step (checks `make plan`'s estimate)."},
     )
+    prometheus_textfile: str | None = field(
+        default=None,
+        metadata={"help": "Also write the run's gauges to this .prom file (in node_exporter's textfile-collector "
+                          "directory) at every training log, as <output_dir>/metrics.prom is written."},
+    )
     preemption_grace_s: int = field(
         default=120,
         metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
@@ -79,6 +84,7 @@ def parse_args(argv: list[str]):
     model.model_name_or_path = expand(model.model_name_or_path)
     script.dataset_name = expand(script.dataset_name)
     training.output_dir = expand(training.output_dir)
+    pack.prometheus_textfile = expand(pack.prometheus_textfile)
     if not model.model_name_or_path:
         raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
     return script, training, model, mixture, pack
@@ -89,6 +95,7 @@ def check_before_launch(script, training, model, mixture, pack, nodes: int = 1) 
     config_check.check_gpus(pack.min_gpus, pack.recipe_name or "(unnamed)", nodes)
     config_check.check_attn_implementation(model.attn_implementation)
     config_check.check_local_model(model.model_name_or_path)
+    config_check.check_prometheus_textfile(pack.prometheus_textfile)
 
 
 def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None) -> tuple:
@@ -294,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[train_sft] resuming from {resume}", flush=True)
     report = RunReportCallback(
         training.output_dir, resolved_args(script, training, model_args, mixture, pack, peft_config),
-        pack.recipe_name, resume_from=resume,
+        pack.recipe_name, resume_from=resume, prometheus_textfile=pack.prometheus_textfile,
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     preemption = PreemptionCallback(report)
