@@ -212,3 +212,11 @@ def test_gpu_count_hint_reads_cuda_visible_devices(monkeypatch):
 def test_prometheus_textfile_that_node_exporter_would_never_read(recipe, cache_dir, tmp_path, name, fragment):
     res = launch([str(recipe), "--prometheus_textfile", str(tmp_path / name)], cache_dir)
     assert_one_line_error(res, fragment)
+
+
+def test_unset_variable_in_a_path_is_refused_not_written_literally(recipe, cache_dir, tmp_path):
+    # os.path.expandvars would leave "$NO_SUCH_VAR_FOR_TEST" in the name and the run would write a file called that
+    res = launch([str(recipe), "--output_dir", str(tmp_path / "$NO_SUCH_VAR_FOR_TEST" / "run")], cache_dir)
+    assert_one_line_error(res, "output_dir")
+    assert "$NO_SUCH_VAR_FOR_TEST, which is not set here" in res.stderr
+    assert not (tmp_path / "$NO_SUCH_VAR_FOR_TEST").exists()

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+
+from fsdp_recipes.errors import UserError
 
 CACHE_ENV = "FSDP_RECIPES_CACHE"
 
@@ -15,9 +18,17 @@ def cache_dir() -> Path:
     return path
 
 
-def expand(value: str | None) -> str | None:
-    """Expand `~` and `$VARS` in a path-like recipe value (YAML has no such expansion; TRL's parser neither)."""
+def expand(value: str | None, what: str = "a recipe path") -> str | None:
+    """Expand `~` and `$VARS` in a path-like recipe value (YAML has no such expansion; TRL's parser neither).
+
+    os.path.expandvars leaves an unset variable as it is, so `$SLURM_JOB_ID.prom` outside Slurm would name a file
+    `$SLURM_JOB_ID.prom`: that is refused here instead of written."""
     if value is None:
         return None
     cache_dir()  # makes $FSDP_RECIPES_CACHE defined for the expansion below
-    return os.path.expanduser(os.path.expandvars(value))
+    out = os.path.expanduser(os.path.expandvars(value))
+    unset = re.search(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", out)
+    if unset:
+        raise UserError(f"{what} {value} uses ${unset.group(1)}, which is not set here. "
+                        f"Fix: export {unset.group(1)} before launching, or write the path out.")
+    return out

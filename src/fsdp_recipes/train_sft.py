@@ -81,10 +81,10 @@ def parse_args(argv: list[str]):
         raise UserError(
             f"invalid configuration: {str(err).splitlines()[0]} Fix: correct that setting in the recipe YAML or ARGS."
         ) from None
-    model.model_name_or_path = expand(model.model_name_or_path)
-    script.dataset_name = expand(script.dataset_name)
-    training.output_dir = expand(training.output_dir)
-    pack.prometheus_textfile = expand(pack.prometheus_textfile)
+    model.model_name_or_path = expand(model.model_name_or_path, "model_name_or_path")
+    script.dataset_name = expand(script.dataset_name, "dataset_name")
+    training.output_dir = expand(training.output_dir, "output_dir")
+    pack.prometheus_textfile = expand(pack.prometheus_textfile, "prometheus_textfile")
     if not model.model_name_or_path:
         raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
     return script, training, model, mixture, pack
