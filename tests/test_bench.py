@@ -49,6 +49,8 @@ def test_overhead_ratio_is_computed_from_the_measured_medians(overhead):
     runs = layout["runs"]
     # every repetition of both sides, alternating order, each with its measured steps after the warm-up
     assert [(r["rep"], r["side"]) for r in runs] == [(0, "bare"), (0, "pack"), (1, "pack"), (1, "bare")]
+    # one unmeasured repetition of both sides first, kept in the JSON but out of every figure below
+    assert [(r["rep"], r["side"]) for r in layout["warmup_runs"]] == [(-1, "pack"), (-1, "bare")]
     assert all(len(r["step_times_s"]) == TINY["steps"] and all(t > 0 for t in r["step_times_s"]) for r in runs)
     med = {side: statistics.median(t for r in runs if r["side"] == side for t in r["step_times_s"])
            for side in ("bare", "pack")}
@@ -57,6 +59,12 @@ def test_overhead_ratio_is_computed_from_the_measured_medians(overhead):
     assert s["overhead_ratio"] == pytest.approx(med["pack"] / med["bare"])
     assert s["overhead_pct"] == pytest.approx(100 * (med["pack"] / med["bare"] - 1))
     assert len(s["per_rep_ratio"]) == TINY["reps"]
+    # CPU time: measured per step too; a step cannot use more CPU than 1 thread x wall time (+ a little slack for
+    # the clock reads), since the 1-process layout runs torch on 1 thread
+    assert all(0 < c <= w * 1.5 + 0.01 for r in runs for c, w in zip(r["step_cpu_s"], r["step_times_s"]))
+    cpu_med = {side: statistics.median(t for r in runs if r["side"] == side for t in r["step_cpu_s"])
+               for side in ("bare", "pack")}
+    assert s["cpu_time"]["overhead_pct"] == pytest.approx(100 * (cpu_med["pack"] / cpu_med["bare"] - 1))
     # the model really is the configured one: the parameter formula against the saved config's real module
     from transformers import AutoModelForCausalLM
 
@@ -73,7 +81,8 @@ def synthetic_layout(pack_factor: float, rep_drift: list[float], noise: float = 
     for rep, speed in enumerate(rep_drift):
         for side, factor in (("bare", 1.0), ("pack", pack_factor)):
             times = [speed * factor * (1 + rng.uniform(-noise, noise)) for _ in range(steps)]
-            runs.append({"rep": rep, "side": side, "step_times_s": times, "median_step_s": statistics.median(times)})
+            runs.append({"rep": rep, "side": side, "step_times_s": times, "median_step_s": statistics.median(times),
+                         "step_cpu_s": [t * 0.9 for t in times]})
     return {"runs": runs, "reps": len(rep_drift), "batch_per_rank": 1, "seq_len": 8, "world_size": 1}
 
 

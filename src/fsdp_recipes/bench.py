@@ -60,6 +60,12 @@ def table(result: dict) -> str:
             lines.append(f"| {what} | 95% bootstrap interval; vs the {s['goal_pct']:.0f}% goal | "
                          f"{lo:+.1f}% to {hi:+.1f}%; {s['verdict']} |")
             lines.append(f"| {what} | per-repetition ratios | {', '.join(f'{r:.3f}' for r in s['per_rep_ratio'])} |")
+            c = s["cpu_time"]
+            if c:
+                lo, hi = c["overhead_pct_ci95"]
+                lines.append(f"| {what} | by CPU time: bare / pack median s/step; overhead, 95% interval | "
+                             f"{c['median_step_s']['bare']:.3f} / {c['median_step_s']['pack']:.3f}; "
+                             f"{c['overhead_pct']:+.1f}% ({lo:+.1f}% to {hi:+.1f}%; {c['verdict']}) |")
     fs = result.get("first_step")
     if fs:
         orders = list(fs["phases_s"])  # serial, overlap

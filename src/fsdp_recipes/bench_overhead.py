@@ -14,7 +14,8 @@ recipe's learning rate, cosine schedule with warm-up, gradient clipping at max_g
 (no LoRA): every parameter gets gradients and optimizer updates on both sides.
 
 Two layouts, each side by side in the same processes, alternating the order of the sides per repetition
-(bare-pack, pack-bare, ...) so that slow drift of the shared machine hits both:
+(bare-pack, pack-bare, ...) so that slow drift of the shared machine hits both, after one unmeasured repetition
+of both sides (`warmup_runs` in the JSON):
 
 - 1 process, no FSDP, 1 thread: `python -m fsdp_recipes.bench_overhead --worker`.
 - 2 processes, FSDP2 over gloo: `accelerate launch --config_file recipes/tiny-cpu-lora/accelerate.yaml` (the
@@ -35,7 +36,9 @@ fetch + collate + forward + backward + clip + step + callbacks. The first `warmu
 (allocator and thread-pool warm-up, the Trainer's lazy set-up). Not measured here: process start, imports,
 model load, dataset preparation, the FSDP wrap, saving (see bench_first_step.py for those).
 Overhead = median(pack step times) / median(bare step times) - 1, medians over all measured steps of all
-repetitions of one side; each repetition's own medians and every step time are kept. Its 95% interval comes from a
+repetitions of one side; each repetition's own medians and every step time are kept. The same is computed from
+the process's CPU time per step (`time.process_time`, all threads of rank 0's process): the wall clock is what a
+user waits for, and the CPU time is steadier on a shared machine, since other work on the cores does not enter it. Its 95% interval comes from a
 two-level bootstrap (`overhead_interval`): repetitions drawn with replacement, then steps within each drawn
 repetition. Steps of one repetition share that moment's load on the machine, so resampling steps alone would give
 an interval that is too narrow; drawing repetitions carries the drift between them into the interval. The verdict
@@ -126,14 +129,14 @@ def run_pack(argv: list[str]) -> list[float]:
                                                                             pack, peft_config), pack.recipe_name)
     trainer = train_sft.build_trainer(script, training, model_args, mixture, pack, peft_config, report,
                                       PreemptionCallback())
-    ticks: list[float] = []
+    ticks: list[tuple[float, float]] = []
 
     class StepClock(TrainerCallback):  # added last: the pack's callbacks run inside the measured interval
         def on_train_begin(self, args, state, control, **kwargs):
-            ticks.append(time.perf_counter())
+            ticks.append(clock())
 
         def on_step_end(self, args, state, control, **kwargs):
-            ticks.append(time.perf_counter())
+            ticks.append(clock())
 
     trainer.add_callback(StepClock())
     trainer.train()
@@ -178,7 +181,7 @@ def run_bare(model_dir: str, data_dir: str, batch: int, seq: int, steps: int) ->
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    ticks = [time.perf_counter()]
+    ticks = [clock()]
     for step in range(steps):
         b = step * world + rank  # accelerate's per-rank batches of a sequential sampler: r, r + world, ...
         ids = torch.tensor(rows[b * batch:(b + 1) * batch])
@@ -188,14 +191,21 @@ def run_bare(model_dir: str, data_dir: str, batch: int, seq: int, steps: int) ->
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        ticks.append(time.perf_counter())
+        ticks.append(clock())
     del model, opt
     return ticks
 
 
-def step_times(ticks: list[float], warmup: int) -> list[float]:
-    """Intervals between consecutive step ends, without the first `warmup` steps."""
-    return [b - a for a, b in zip(ticks, ticks[1:])][warmup:]
+def clock() -> tuple[float, float]:
+    """(wall clock, this process's CPU time over all its threads). The CPU time leaves out what the wall clock
+    also counts when the 2-core VM's other work takes the core: it is the steadier measure of the work a step
+    does, though it misses time spent waiting (for a collective's peer, for I/O)."""
+    return time.perf_counter(), time.process_time()
+
+
+def step_times(ticks: list[tuple[float, float]], warmup: int, which: int = 0) -> list[float]:
+    """Intervals between consecutive step ends (which=0: wall clock, 1: CPU time), without the first `warmup`."""
+    return [b[which] - a[which] for a, b in zip(ticks, ticks[1:])][warmup:]
 
 
 def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmup: int, steps: int,
@@ -219,8 +229,11 @@ def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmu
         # other jobs, 2 threads stall on whichever core is busy, and the step time then varied 0.2-5 s (measured).
         torch.set_num_threads(1)
     total = warmup + steps
-    runs = []
-    for rep in range(reps):
+    runs, warmup_runs = [], []
+    # Repetition -1 runs both sides unmeasured: the first run in a fresh process was slow over several steps, not
+    # just its first (2 processes: 0.80-1.12 s against 0.52-0.70 s later, in three runs of 2026-11-22), and as it
+    # is always a bare run it biased the overhead downwards.
+    for rep in range(-1, reps):
         order = ("bare", "pack") if rep % 2 == 0 else ("pack", "bare")
         for side in order:
             gc.collect()
@@ -232,19 +245,23 @@ def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmu
                 else:
                     ticks = run_pack(pack_args(model_dir, data_dir, tmp, batch, seq, total))
             times = step_times(ticks, warmup)
-            runs.append({"rep": rep, "side": side, "step_times_s": times, "median_step_s": statistics.median(times)})
+            (runs if rep >= 0 else warmup_runs).append(
+                {"rep": rep, "side": side, "step_times_s": times, "median_step_s": statistics.median(times),
+                 "step_cpu_s": step_times(ticks, warmup, which=1)})
             if rank == 0:
                 print(f"[bench-overhead] rep {rep} {side}: median step {statistics.median(times):.3f} s", flush=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
     result = {"world_size": world, "fsdp": "FSDP2 (cpu_fsdp adapter, gloo)" if fsdp else None,
               "torch_threads": torch.get_num_threads(), "batch_per_rank": batch, "seq_len": seq,
-              "warmup_steps_dropped": warmup, "measured_steps_per_run": steps, "reps": reps, "runs": runs}
+              "warmup_steps_dropped": warmup, "measured_steps_per_run": steps, "reps": reps, "runs": runs,
+              "warmup_runs": warmup_runs}
     if rank == 0:
         out.write_text(json.dumps(result))
     return result
 
 
-def overhead_interval(layout: dict, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+def overhead_interval(layout: dict, resamples: int = 2000, seed: int = 0,
+                      key: str = "step_times_s") -> tuple[float, float]:
     """95% bootstrap interval of the overhead in %, two levels: draw repetitions with replacement, then each drawn
     repetition's pack and bare step times with replacement; the statistic is the one `summarize` reports (ratio of
     the pooled medians - 1). Percentile interval; the seed is fixed so that the same JSON gives the same interval."""
@@ -253,7 +270,7 @@ def overhead_interval(layout: dict, resamples: int = 2000, seed: int = 0) -> tup
     rng = random.Random(seed)
     by_rep = {}
     for r in layout["runs"]:
-        by_rep.setdefault(r["rep"], {})[r["side"]] = r["step_times_s"]
+        by_rep.setdefault(r["rep"], {})[r["side"]] = r[key]
     reps = sorted(by_rep)
     stats = []
     for _ in range(resamples):
@@ -276,26 +293,28 @@ def verdict(interval: tuple[float, float], goal_pct: float = GOAL_PCT) -> str:
 
 
 def summarize(layout: dict) -> dict:
-    """Medians per side from the recorded step times, and the overhead computed from them."""
-    med = {}
-    for side in ("bare", "pack"):
-        all_times = [t for r in layout["runs"] if r["side"] == side for t in r["step_times_s"]]
-        med[side] = statistics.median(all_times)
+    """Medians per side from the recorded step times, and the overhead computed from them: by the wall clock (the
+    headline) and by CPU time (`step_cpu_s`, where the JSON has it)."""
+
+    def overhead(key: str) -> dict:
+        med = {side: statistics.median(t for r in layout["runs"] if r["side"] == side for t in r[key])
+               for side in ("bare", "pack")}
+        interval = overhead_interval(layout, key=key)
+        return {"median_step_s": med, "overhead_ratio": med["pack"] / med["bare"],
+                "overhead_pct": 100.0 * (med["pack"] / med["bare"] - 1.0), "overhead_pct_ci95": list(interval),
+                "goal_pct": GOAL_PCT, "verdict": verdict(interval)}
+
+    wall = overhead("step_times_s")
     tokens_per_step = layout["batch_per_rank"] * layout["seq_len"] * layout["world_size"]
-    interval = overhead_interval(layout)
     return {
-        "median_step_s": med,
-        "tokens_per_s": {k: tokens_per_step / v for k, v in med.items()},
-        "overhead_ratio": med["pack"] / med["bare"],
-        "overhead_pct": 100.0 * (med["pack"] / med["bare"] - 1.0),
-        "overhead_pct_ci95": list(interval),
-        "goal_pct": GOAL_PCT,
-        "verdict": verdict(interval),
+        **wall,
+        "tokens_per_s": {k: tokens_per_step / v for k, v in wall["median_step_s"].items()},
         "per_rep_ratio": [
             next(r["median_step_s"] for r in layout["runs"] if r["rep"] == rep and r["side"] == "pack")
             / next(r["median_step_s"] for r in layout["runs"] if r["rep"] == rep and r["side"] == "bare")
             for rep in range(layout["reps"])
         ],
+        "cpu_time": overhead("step_cpu_s") if all("step_cpu_s" in r for r in layout["runs"]) else None,
     }
 
 
@@ -358,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: bare {s['median_step_s']['bare']:.3f} s/step, pack {s['median_step_s']['pack']:.3f} s/step, "
               f"overhead {s['overhead_pct']:+.1f}% (95% interval {s['overhead_pct_ci95'][0]:+.1f}% to "
               f"{s['overhead_pct_ci95'][1]:+.1f}%: {s['verdict']})")
+        c = s["cpu_time"]
+        print(f"{name}, CPU time: bare {c['median_step_s']['bare']:.3f} s/step, pack {c['median_step_s']['pack']:.3f} "
+              f"s/step, overhead {c['overhead_pct']:+.1f}% ({c['overhead_pct_ci95'][0]:+.1f}% to "
+              f"{c['overhead_pct_ci95'][1]:+.1f}%: {c['verdict']})")
     return 0
 
 
