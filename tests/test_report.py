@@ -203,7 +203,8 @@ def parse_textfile(path: Path) -> dict[str, dict[str, tuple[dict, float]]]:
 def test_write_textfile_one_run(runs):
     path = prometheus.write_textfile(GPU_METRICS, runs[0] / "metrics.prom")
     families = parse_textfile(path)
-    labels = {"recipe": "mistral-7b-full", "run": "gpu-full", "device": "NVIDIA H100 80GB HBM3", "world_size": "8"}
+    labels = {"recipe": "mistral-7b-full", "run": "gpu-full", "output_dir": str(runs[0].resolve()),
+              "device": "NVIDIA H100 80GB HBM3", "world_size": "8"}
     assert families == {
         "training_mfu": {"gpu-full": (labels, 0.41234)},
         "training_tokens_per_second": {"gpu-full": (labels, 123456.8176)},
@@ -222,8 +223,8 @@ def test_cpu_run_omits_mfu_and_device_memory_with_a_comment(runs):
     text = path.read_text()
     assert set(parse_textfile(path)) == {"training_tokens_per_second", "training_peak_host_rss_bytes", "training_step",
                                          "training_running", "training_last_update_timestamp_seconds"}
-    assert f"# training_mfu omitted for run 'cpu-lora': {CPU_NOTE}\n" in text
-    assert "# training_peak_device_memory_bytes omitted for run 'cpu-lora': CPU run" in text
+    assert f"# training_mfu omitted for run '{runs[1].resolve()}': {CPU_NOTE}\n" in text
+    assert f"# training_peak_device_memory_bytes omitted for run '{runs[1].resolve()}': CPU run" in text
     assert "nan" not in text.lower() and "HELP training_mfu" not in text  # no NaN, no empty family
 
 
@@ -235,11 +236,20 @@ def test_cli_collects_several_runs_into_one_file(runs, tmp_path):
         "gpu-full": 123456.8176, "cpu-lora": 3352.3467, "hsdp": 20480.0}
     assert set(families["training_mfu"]) == {"gpu-full", "hsdp"}  # the CPU run has none
     assert families["training_peak_host_rss_bytes"]["hsdp"][0] == {
-        "recipe": "mistral-large-hsdp", "run": "hsdp", "device": "NVIDIA H100 80GB HBM3", "world_size": "16"}
+        "recipe": "mistral-large-hsdp", "run": "hsdp", "output_dir": str(runs[2].resolve()),
+        "device": "NVIDIA H100 80GB HBM3", "world_size": "16"}
 
-    twin = make_run(tmp_path / "other" / "gpu-full", GPU_METRICS, None)  # same directory name as runs[0]
+    # Two users' runs of one recipe share the directory name (the default output_dir is runs/<recipe>): the
+    # output_dir label keeps their series apart, where the same labels twice would break node_exporter's gather.
+    twin = make_run(tmp_path / "other" / "gpu-full", GPU_METRICS, None)
     out = cli("fsdp_recipes.prometheus", runs[0], twin, "--out", tmp_path / "twins.prom")
-    assert out.returncode == 2 and out.stderr.startswith("error: two runs are named 'gpu-full'"), out.stderr
+    assert out.returncode == 0, out.stderr
+    parser = need("prometheus_client.parser")
+    samples = [s for f in parser.text_string_to_metric_families((tmp_path / "twins.prom").read_text())
+               for s in f.samples if s.name == "training_mfu"]
+    assert sorted(s.labels["output_dir"] for s in samples) == sorted([str(runs[0].resolve()), str(twin.resolve())])
+    out = cli("fsdp_recipes.prometheus", runs[0], runs[0], "--out", tmp_path / "same.prom")
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {runs[0]} is given twice"), out.stderr
 
 
 def test_label_values_are_escaped(tmp_path):

@@ -7,7 +7,10 @@ since the previous log (status "running"); when it ends, with the whole run's fi
 
 `write_textfile(metrics, path)` is the same for one run, from its metrics.json dict (the run report writes
 `<output_dir>/metrics.prom` with it). Standard library only, so the run report can import it on every rank.
-Every sample carries the labels recipe, run (the output_dir's name), device and world_size.
+Every sample carries the labels recipe, run (the output_dir's name), output_dir (its absolute path), device and
+world_size. The path is what keeps two runs apart: every recipe's default output_dir is runs/<recipe>, so two users
+of one recipe on one node share the name, and two files with the same series make node_exporter's whole gather
+fail (monitoring/README.md).
 See monitoring/README.md for node_exporter and monitoring/alerts.yaml for the alert rules.
 """
 
@@ -55,10 +58,11 @@ def _label_value(value) -> str:
     return str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def _labels(metrics: dict, run: str) -> str:
+def _labels(metrics: dict, run_dir: str) -> str:
     labels = {
         "recipe": metrics.get("recipe") or "",
-        "run": run,
+        "run": Path(run_dir).name,
+        "output_dir": run_dir,
         "device": (metrics.get("device") or {}).get("name") or "",
         "world_size": metrics.get("world_size") if metrics.get("world_size") is not None else "",
     }
@@ -66,7 +70,7 @@ def _labels(metrics: dict, run: str) -> str:
 
 
 def render(runs: dict[str, dict]) -> str:
-    """The exposition text for {run name: metrics.json dict}, one block per metric family.
+    """The exposition text for {run directory (absolute): metrics.json dict}, one block per metric family.
 
     A null figure is left out, with a comment line saying why, rather than written as NaN. NaN is a valid
     sample value, and client libraries use it for "no observations yet" (an empty summary's quantiles). Here the
@@ -77,15 +81,15 @@ def render(runs: dict[str, dict]) -> str:
     lines = []
     for name, help_text, value_of, why_null in GAUGES:
         samples, omitted = [], []
-        for run, metrics in runs.items():
+        for run_dir, metrics in runs.items():
             value = value_of(metrics)
             if value is None:
                 reason = " ".join(str(why_null(metrics) or "null in metrics.json").split())  # one line
-                omitted.append(f"# {name} omitted for run {run!r}: {reason}")
+                omitted.append(f"# {name} omitted for run {run_dir!r}: {reason}")
             else:
                 # ints stay ints (bytes); floats keep full precision (repr round-trips)
                 text = str(value) if isinstance(value, int) else repr(float(value))
-                samples.append(f"{name}{_labels(metrics, run)} {text}")
+                samples.append(f"{name}{_labels(metrics, run_dir)} {text}")
         if samples:  # HELP/TYPE only for a family that has samples: no empty families
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", *samples]
         lines += omitted
@@ -109,10 +113,10 @@ def write_atomic(text: str, path: Path) -> Path:
     return path
 
 
-def write_textfile(metrics: dict, path, run: str | None = None) -> Path:
-    """One run's gauges into `path`; `run` defaults to the name of the directory holding it (its output_dir)."""
+def write_textfile(metrics: dict, path, run_dir=None) -> Path:
+    """One run's gauges into `path`; `run_dir` (its output_dir) defaults to the directory holding `path`."""
     path = Path(path)
-    return write_atomic(render({run or path.resolve().parent.name: metrics}), path)
+    return write_atomic(render({str(Path(run_dir or path.parent).resolve()): metrics}), path)
 
 
 @cli
@@ -123,11 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs: dict[str, dict] = {}
     for run_dir in args.runs:
-        name = run_dir.resolve().name
-        if name in runs:  # two samples with the same labels would make the whole file invalid
-            raise UserError(f"two runs are named {name!r} (the `run` label is the directory name). "
-                            f"Fix: write them to separate files with separate --out.")
-        runs[name] = load_metrics(run_dir)
+        key = str(run_dir.resolve())
+        if key in runs:  # two samples with the same labels would make the whole file invalid
+            raise UserError(f"{run_dir} is given twice. Fix: name each run directory once.")
+        runs[key] = load_metrics(run_dir)
     print(f"[prometheus] {len(runs)} run(s) -> {write_atomic(render(runs), args.out)}")
     return 0
 

@@ -292,7 +292,7 @@ class RunReportCallback(TrainerCallback):
     def write_prom(self, metrics: dict) -> None:
         for path in self.prom_paths:
             try:
-                write_textfile(metrics, path, run=self.output_dir.resolve().name)
+                write_textfile(metrics, path, run_dir=self.output_dir)
             except OSError as err:  # monitoring must never stop training; the launcher checked the path
                 print(f"[run_report] could not write {path}: {err}", file=sys.stderr, flush=True)
 
