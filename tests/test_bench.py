@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from fsdp_recipes import bench, bench_data, bench_first_step, bench_overhead
+from fsdp_recipes import bench, bench_data, bench_first_step, bench_overhead, bench_plot
 from fsdp_recipes.run_report import file_stamp
 
 TINY = dict(batch=2, seq=16, warmup=1, steps=2, reps=2)
@@ -163,6 +163,37 @@ def test_json_schema_table_and_gpu_pending(tmp_path, monkeypatch, capsys, overhe
     assert f"{s['median_step_s']['pack']:.3f}" in out and f"{s['overhead_pct']:+.1f}%" in out
     assert f"{data['summary']['pack']['median_examples_per_s']:,.0f}" in out
     assert bench.GPU_PENDING in out
+    # and its picture beside it: a PNG with the three panels' worth of height
+    height, width, _ = matplotlib_shape(path.with_suffix(".png"))
+    assert height > width > 500 and f"{path.with_suffix('.png').name}" in out
+
+
+def test_first_step_phases_are_all_in_one_plot_group():
+    record = first_step_record()
+    for order, phases in record["phases_s"].items():
+        groups = bench_plot.grouped_phases(phases)  # asserts that no phase is left out of every group
+        assert [g for g, _ in groups] == [g for g, _ in bench_plot.PHASE_GROUPS]
+        assert sum(v for _, v in groups) == pytest.approx(record["first_step_end_s"][order])
+
+
+def test_plot_of_a_stored_run_without_the_newer_fields(tmp_path, overhead, data):
+    # files written before the interval and the CPU time existed (bench/results/*T1131Z.json) still plot
+    old = json.loads(json.dumps(overhead))
+    for layout in old["layouts"].values():
+        for run in layout["runs"]:
+            del run["step_cpu_s"]
+        del layout["summary"]
+    src = tmp_path / "bench-cpu-old.json"
+    src.write_text(json.dumps({"device": {"name": "cpu", "cores": 2}, "date": "2026-11-22T11:31:30+00:00",
+                               "overhead": old, "first_step": first_step_record(), "data": data}))
+    assert bench_plot.main([str(src)]) == 0
+    assert matplotlib_shape(src.with_suffix(".png"))[0] > 500
+
+
+def matplotlib_shape(path):
+    import matplotlib.image
+
+    return matplotlib.image.imread(path).shape
 
 
 def test_gpu_branch_never_invents_figures(monkeypatch):

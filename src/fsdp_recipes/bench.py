@@ -11,8 +11,8 @@ Runs, in this order (each module's docstring says what it includes and excludes)
    docstring), which writes its own bench/results/bench-gpu-<device>-<date>T<HHMM>Z.json. It has never run on a GPU yet.
 
 Writes bench/results/bench-cpu-<date>T<HHMM>Z.json (device, core count, load average before and after, versions, date,
-every figure and every repetition) and prints a markdown table. Without a CUDA device it says the GPU table is
-pending, and it never prints a GPU figure it did not measure.
+every figure and every repetition) and its picture beside it (.png, bench_plot.py), and prints a markdown table.
+Without a CUDA device it says the GPU table is pending, and it never prints a GPU figure it did not measure.
 """
 
 from __future__ import annotations
@@ -134,11 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     result["gpu"] = gpu_part(args.results)
     path = args.results / f"bench-cpu-{file_stamp(result['date'])}{'-quick' if args.quick else ''}.json"
     write_json_atomic(path, result)
+    from fsdp_recipes import bench_plot
+
+    picture = bench_plot.plot(result, path.with_suffix(".png"))
     print(f"\nCPU: {result['device']['name']}, {result['device']['cores']} cores; {result['date']}; load average "
           f"before {result['load_average_before']}, after {result['load_average_after']}")
     print(table(result))
     print(f"\n{result['gpu']}")
-    print(f"written to {path} ({result['duration_s']:.0f} s)")
+    print(f"written to {path} and {picture.name} ({result['duration_s']:.0f} s)")
     return 0
 
 
