@@ -83,9 +83,15 @@ def test_one_node(cluster, submit, tmp_path):
 def test_multinode_two_nodes(cluster, submit, tmp_path):
     """2 nodes x 1 process (a CPU recipe): one launcher per node, joined by the c10d rendezvous."""
     out = tmp_path / "run"
+    textfile = tmp_path / "textfile"  # a node_exporter collector directory; the job id is expanded in the job
+    textfile.mkdir()
     # LOGLEVEL=INFO: torchrun prints the launch config it really used (run id, rendezvous endpoint, timeouts)
-    job, log = submit(MULTI_NODE, ["--max_steps", "20", *QUICK, "--output_dir", str(out)], LOGLEVEL="INFO")
+    job, log = submit(MULTI_NODE, ["--max_steps", "20", *QUICK, "--output_dir", str(out),
+                                   "--prometheus_textfile", f"{textfile}/fsdp-$SLURM_JOB_ID.prom"], LOGLEVEL="INFO")
     info, text = finished(cluster, job, log, 180)
+    (prom,) = textfile.iterdir()  # rank 0 alone writes it, named after the job
+    assert prom.name == f"fsdp-{job}.prom"
+    assert re.search(r'^training_running\{.*world_size="2"\} 0$', prom.read_text(), flags=re.M), prom.read_text()
     m = json.loads((out / "metrics.json").read_text())
     assert m["status"] == "completed" and m["steps"] == 20
     assert len(re.findall(rf"run_id +: {job}\n", text)) == 2, text[-4000:]  # --rdzv_id=$SLURM_JOB_ID, both nodes
