@@ -38,10 +38,12 @@ model load, dataset preparation, the FSDP wrap, saving (see bench_first_step.py 
 Overhead = median(pack step times) / median(bare step times) - 1, medians over all measured steps of all
 repetitions of one side; each repetition's own medians and every step time are kept. The same is computed from
 the process's CPU time per step (`time.process_time`, all threads of rank 0's process): the wall clock is what a
-user waits for, and the CPU time is steadier on a shared machine, since other work on the cores does not enter it. Its 95% interval comes from a
-two-level bootstrap (`overhead_interval`): repetitions drawn with replacement, then steps within each drawn
-repetition. Steps of one repetition share that moment's load on the machine, so resampling steps alone would give
-an interval that is too narrow; drawing repetitions carries the drift between them into the interval. The verdict
+user waits for; the CPU time leaves out the time the process waits for a core that other work holds (on the
+2-core VM, in 1 process, the two agreed to the millisecond: the swings there are in the work itself).
+Each figure's 95% interval comes from a two-level bootstrap (`overhead_interval`): repetitions drawn with
+replacement, then steps within each drawn repetition. Steps of one repetition share that moment's state of the
+machine, so resampling steps alone would give an interval that is too narrow; drawing repetitions carries the
+drift between them into the interval. The verdict
 against the 5% goal is "within" only when the whole interval lies under it.
 """
 

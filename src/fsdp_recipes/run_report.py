@@ -203,7 +203,9 @@ class RunReportCallback(TrainerCallback):
         self.output_dir = Path(output_dir)
         # metrics.prom in output_dir, and the collector's file when the recipe names one: rewritten at every
         # training log while the run trains (write_live), and with the whole run's figures at the end.
-        self.prom_paths = [self.output_dir / "metrics.prom"] + ([Path(prometheus_textfile)] if prometheus_textfile else [])
+        self.prom_paths = [self.output_dir / "metrics.prom"]
+        if prometheus_textfile:
+            self.prom_paths.append(Path(prometheus_textfile))
         self.live_mark = None  # (time, [non_padding, padded, sequences] of this process's run) at the last log
         self.resumed_from = str(resume_from) if resume_from else None
         # Counters of the run so far, as saved with the checkpoint this run resumes from.
@@ -265,7 +267,7 @@ class RunReportCallback(TrainerCallback):
         now = time.time()
         counts = all_reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
         mem = _peak_memory()
-        alloc, reserved, rss = all_reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
+        alloc, rss = all_reduce([mem["allocated"], mem["host_rss"]], "max")
         since, before = self.live_mark or (self.train_start, [0, 0, 0])
         self.live_mark = (now, counts)
         if not self.is_main or now <= since:
