@@ -4,9 +4,7 @@
 The code lives in the package (fsdp_recipes.train_sft) so recipe folders copied elsewhere can use it too.
 """
 
-import sys
-
-from fsdp_recipes.train_sft import main
+from fsdp_recipes.train_sft import exit_without_teardown, main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

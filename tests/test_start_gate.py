@@ -186,3 +186,24 @@ def test_a_rank_crashing_after_a_completed_run_is_reported_as_such(tmp_path, cac
     assert "training completed and its run report" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"the outputs in {out} are complete" in res.stdout
     assert json.loads((out / "metrics.json").read_text())["status"] == "completed"
+
+
+def test_a_rank_exits_after_its_atexit_handlers_without_interpreter_teardown():
+    """train_sft's exit: what atexit holds still runs (logging, trackers, the probes above); the finalization that
+    frees the leftovers, where the teardown crash happens, does not."""
+    code = ("import atexit, sys\n"
+            "from fsdp_recipes.train_sft import exit_without_teardown\n"
+            "class Leftover:\n"
+            "    def __del__(self):\n"
+            "        print('finalized', flush=True)\n"
+            "kept = Leftover()\n"
+            "atexit.register(print, 'atexit ran')\n"
+            "print('buffered, not flushed', end='')\n"
+            "exit_without_teardown(3)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3
+    assert res.stdout == "buffered, not flushedatexit ran\n", res.stdout + res.stderr  # flushed, no finalization
+    # and without it, the same process would have finalized the leftover
+    res = subprocess.run([sys.executable, "-c", code.replace("exit_without_teardown(3)", "sys.exit(3)")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 3 and "finalized" in res.stdout

@@ -329,5 +329,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_without_teardown(code: int) -> None:
+    """End a rank whose run is over: the atexit handlers run as usual (logging, trackers, test probes), then the
+    process exits without interpreter finalization.
+
+    Gap it fills: in finalization, Python frees what is still alive (the FSDP modules and DeviceMesh keep the
+    process group's C++ objects alive past `destroy_process_group`), and a gloo worker thread torn down there can
+    abort the process ("terminate called without an active exception", SIGABRT; pytorch PR 179291). CI saw it
+    twice, on rank 1, after a completed run whose final save was verified. Everything the run writes is on disk by
+    now, so nothing is lost by skipping that teardown."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
