@@ -37,6 +37,10 @@ def test_dry_run_ladder_runs_end_to_end_and_says_it_is_plumbing(dry):
     for pkg in ("python", "torch", "transformers", "trl", "accelerate"):
         assert saved["versions"][pkg], pkg
     assert "NOT benchmarks" in text and "not evaluated: plumbing run" in text
+    import matplotlib.image  # the picture beside the JSON: one panel for the one ladder
+
+    height, width, _ = matplotlib.image.imread(path.with_suffix(".png")).shape
+    assert width > height > 300
 
     (lad,) = saved["ladders"]
     assert (lad["size"], lad["processes"]) == ("tiny", 1)
@@ -206,3 +210,17 @@ def test_make_bench_runs_the_ladder_only_where_a_cuda_device_is_seen(monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert bench.gpu_part(tmp_path).startswith("TABLE") and calls == [["--results", str(tmp_path)]]
+
+
+@pytest.mark.slow
+def test_ladder_picture_with_gpu_shaped_figures(dry, tmp_path):
+    """The picture's GPU branch (MFU and device memory on the bars), on the dry run's ladder with those two fields
+    filled in by hand: a fixture for the drawing code, not a figure anyone publishes."""
+    from fsdp_recipes import bench_plot
+
+    result = json.loads(json.dumps(dry[0]))
+    for r in result["ladders"][0]["rungs"]:
+        if r["status"] == "measured":
+            r["figures"].update(mfu=0.4, peak_allocated_gib=10.0, peak_reserved_gib=12.0)
+    path = bench_plot.plot_gpu_ladders(result, tmp_path / "ladder.png")
+    assert path.stat().st_size > 10_000

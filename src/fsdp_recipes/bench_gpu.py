@@ -576,6 +576,9 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
                 result["ladders"].append(lad)  # saved after every rung: a killed run keeps what it measured
                 ladder(lad, ctx, rungs, save)
     save()
+    from fsdp_recipes.bench_plot import plot_gpu_ladders
+
+    plot_gpu_ladders(result, path.with_suffix(".png"))  # beside the JSON
     text = table(result)
     return result, text, path
 
@@ -584,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     result, text, path = run(sys.argv[1:] if argv is None else argv)
     print()
     print(text)
-    print(f"\nwritten to {path} ({result['duration_s']:.0f} s)")
+    print(f"\nwritten to {path} and {path.with_suffix('.png').name} ({result['duration_s']:.0f} s)")
     return 0
 
 

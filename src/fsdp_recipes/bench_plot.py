@@ -1,4 +1,5 @@
-"""One picture of a `make bench` run, next to its JSON: bench-cpu-<date>T<HHMM>Z.png.
+"""One picture of a `make bench` run, next to its JSON: bench-cpu-<date>T<HHMM>Z.png (and bench-gpu-*.png for
+the GPU ladder, `plot_gpu_ladders`: tokens/s per GPU of every rung, with MFU, peak memory and the speed-up).
 
     python -m fsdp_recipes.bench_plot bench/results/bench-cpu-2026-11-22T1346Z.json   # re-plot a stored run
 
@@ -125,11 +126,66 @@ def plot(result: dict, path: Path) -> Path:
     return path
 
 
+def plot_ladder(ax, lad: dict, plumbing: bool) -> None:
+    """One ladder: tokens/s per GPU of every rung, MFU and peak memory written on the bar, and what did not run."""
+    rungs = lad["rungs"]
+    base = next((r for r in rungs if r["id"] == "0" and r["status"] == "measured"), None)
+    top = max((r["figures"]["tokens_per_s_per_gpu"] for r in rungs if r["status"] == "measured"), default=1.0)
+    for y, r in enumerate(rungs):
+        if r["status"] != "measured":
+            detail = (r.get("reason") or r.get("error") or "")[:70]
+            ax.annotate(f"{r['status']}: {detail}", (0, y), xytext=(4, 0), textcoords="offset points", va="center",
+                        fontsize=7, color="C7")
+            continue
+        f = r["figures"]
+        tps = f["tokens_per_s_per_gpu"]
+        ax.barh(y, tps, color="C0" if r["id"] != "0" else "C7")
+        mem = (f"{f['peak_allocated_gib']:.1f} GiB" if f["peak_allocated_gib"] is not None
+               else f"host RSS {f['host_rss_gib']:.2f} GiB")
+        parts = [f"{tps:,.0f}", f"MFU {100 * f['mfu']:.1f}%" if f["mfu"] is not None else "MFU n/a", mem]
+        if base:
+            parts.append(f"{tps / base['figures']['tokens_per_s_per_gpu']:.2f}x rung 0")
+        ax.annotate(", ".join(parts), (tps, y), xytext=(4, 0), textcoords="offset points", va="center", fontsize=7)
+    if base:  # the issue's goal: the tuned defaults at least 1.5 x the baseline's tokens/s
+        goal = 1.5 * base["figures"]["tokens_per_s_per_gpu"]
+        ax.axvline(goal, color="C3", ls="--", lw=1, label="goal: 1.5x rung 0")
+        ax.legend(loc="upper right", fontsize=7)
+        top = max(top, goal)
+    ax.set_xlim(0, top * 1.6)  # room for the labels
+    ax.set_yticks(range(len(rungs)), [f"{r['id']}: {r['name']}"[:48] for r in rungs], fontsize=8)
+    ax.invert_yaxis()
+    unit = "process" if plumbing else "GPU"
+    ax.set(xlabel=f"tokens/s per {unit} (non-padding)",
+           title=f"{lad['size']} ({lad['parameters']['total']:,} parameters), {lad['processes']} {unit}(s)")
+
+
+def plot_gpu_ladders(result: dict, path: Path) -> Path:
+    """The picture of a bench_gpu.py run: one panel per ladder (size x GPUs), rungs top to bottom."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ladders = result["ladders"]
+    fig, axes = plt.subplots(max(1, len(ladders)), 1, figsize=(11, 3.6 * max(1, len(ladders))), squeeze=False)
+    for ax, lad in zip(axes[:, 0], ladders):
+        plot_ladder(ax, lad, result["plumbing_only"])
+    warning = " - PLUMBING RUN ON CPU: NOT A BENCHMARK" if result["plumbing_only"] else ""
+    fig.suptitle(f"make bench-gpu, {result['device'].get('name', '')}, {result['date']}{warning}", fontsize=10,
+                 color="C3" if warning else "black")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", type=Path, help="bench-cpu-*.json files")
+    ap.add_argument("results", nargs="+", type=Path, help="bench-cpu-*.json or bench-gpu-*.json files")
     for src in ap.parse_args(argv).results:
-        print(f"[bench-plot] {plot(json.loads(src.read_text()), src.with_suffix('.png'))}")
+        result = json.loads(src.read_text())
+        draw = plot_gpu_ladders if result.get("benchmark") == "gpu-ladder" else plot
+        print(f"[bench-plot] {draw(result, src.with_suffix('.png'))}")
     return 0
 
 
