@@ -47,6 +47,8 @@ def environment() -> dict:
 
 def table(result: dict) -> str:
     """The markdown table of every headline figure; the JSON holds the repetitions behind each median."""
+    from fsdp_recipes.bench_overhead import describe
+
     lines = ["| benchmark | figure | value |", "|---|---|---:|"]
     ov = result.get("overhead")
     if ov:
@@ -62,10 +64,9 @@ def table(result: dict) -> str:
             lines.append(f"| {what} | per-repetition ratios | {', '.join(f'{r:.3f}' for r in s['per_rep_ratio'])} |")
             c = s["cpu_time"]
             if c:
-                lo, hi = c["overhead_pct_ci95"]
                 lines.append(f"| {what} | by CPU time: bare / pack median s/step; overhead, 95% interval | "
                              f"{c['median_step_s']['bare']:.3f} / {c['median_step_s']['pack']:.3f}; "
-                             f"{c['overhead_pct']:+.1f}% ({lo:+.1f}% to {hi:+.1f}%; {c['verdict']}) |")
+                             f"{describe(c)} |")
     fs = result.get("first_step")
     if fs:
         orders = list(fs["phases_s"])  # serial, overlap

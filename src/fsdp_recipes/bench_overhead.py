@@ -43,8 +43,8 @@ user waits for; the CPU time leaves out the time the process waits for a core th
 Each figure's 95% interval comes from a two-level bootstrap (`overhead_interval`): repetitions drawn with
 replacement, then steps within each drawn repetition. Steps of one repetition share that moment's state of the
 machine, so resampling steps alone would give an interval that is too narrow; drawing repetitions carries the
-drift between them into the interval. The verdict
-against the 5% goal is "within" only when the whole interval lies under it.
+drift between them into the interval. The verdict against the 5% goal is "within" only when the whole interval
+lies under it.
 """
 
 from __future__ import annotations
@@ -199,9 +199,8 @@ def run_bare(model_dir: str, data_dir: str, batch: int, seq: int, steps: int) ->
 
 
 def clock() -> tuple[float, float]:
-    """(wall clock, this process's CPU time over all its threads). The CPU time leaves out what the wall clock
-    also counts when the 2-core VM's other work takes the core: it is the steadier measure of the work a step
-    does, though it misses time spent waiting (for a collective's peer, for I/O)."""
+    """(wall clock, this process's CPU time over all its threads); the module docstring says what each shows.
+    The CPU time misses time spent waiting (for a collective's peer, for I/O)."""
     return time.perf_counter(), time.process_time()
 
 
@@ -294,6 +293,12 @@ def verdict(interval: tuple[float, float], goal_pct: float = GOAL_PCT) -> str:
     return "undecided: the interval spans the goal"
 
 
+def describe(overhead: dict) -> str:
+    """One overhead figure of `summarize` in words: "+1.9% (95% interval -2.4% to +10.1%: undecided: ...)"."""
+    lo, hi = overhead["overhead_pct_ci95"]
+    return f"{overhead['overhead_pct']:+.1f}% (95% interval {lo:+.1f}% to {hi:+.1f}%: {overhead['verdict']})"
+
+
 def summarize(layout: dict) -> dict:
     """Medians per side from the recorded step times, and the overhead computed from them: by the wall clock (the
     headline) and by CPU time (`step_cpu_s`, where the JSON has it)."""
@@ -376,13 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         res = run(Path(tmp), sizes)
     for name, layout in res["layouts"].items():
         s = layout["summary"]
-        print(f"{name}: bare {s['median_step_s']['bare']:.3f} s/step, pack {s['median_step_s']['pack']:.3f} s/step, "
-              f"overhead {s['overhead_pct']:+.1f}% (95% interval {s['overhead_pct_ci95'][0]:+.1f}% to "
-              f"{s['overhead_pct_ci95'][1]:+.1f}%: {s['verdict']})")
-        c = s["cpu_time"]
-        print(f"{name}, CPU time: bare {c['median_step_s']['bare']:.3f} s/step, pack {c['median_step_s']['pack']:.3f} "
-              f"s/step, overhead {c['overhead_pct']:+.1f}% ({c['overhead_pct_ci95'][0]:+.1f}% to "
-              f"{c['overhead_pct_ci95'][1]:+.1f}%: {c['verdict']})")
+        for clock_name, o in (("wall clock", s), ("CPU time", s["cpu_time"])):
+            print(f"{name}, {clock_name}: bare {o['median_step_s']['bare']:.3f} s/step, "
+                  f"pack {o['median_step_s']['pack']:.3f} s/step, overhead {describe(o)}")
     return 0
 
 

@@ -56,7 +56,7 @@ def plot_overhead(ax, overhead: dict) -> None:
         mid = s["overhead_pct"]
         ax.errorbar(mid, y, xerr=[[mid - lo], [hi - mid]], fmt="o", color="C0", capsize=4)
         if reps:
-            ax.plot([100 * (r - 1) for r in reps], [y + 0.2] * len(reps), ".", color="C7", label=None)
+            ax.plot([100 * (r - 1) for r in reps], [y + 0.2] * len(reps), ".", color="C7")
         ax.annotate(f"{mid:+.1f}% [{lo:+.1f}, {hi:+.1f}]", (mid, y - 0.3), ha="center", fontsize=8)
     goal = rows[0][1]["goal_pct"] if rows else 5.0
     ax.axvline(0, color="black", lw=0.8)

@@ -206,7 +206,7 @@ class RunReportCallback(TrainerCallback):
         self.prom_paths = [self.output_dir / "metrics.prom"]
         if prometheus_textfile:
             self.prom_paths.append(Path(prometheus_textfile))
-        self.live_mark = None  # (time, [non_padding, padded, sequences] of this process's run) at the last log
+        self.live_mark = None  # (time, counters_so_far) at the last training log
         self.resumed_from = str(resume_from) if resume_from else None
         # Counters of the run so far, as saved with the checkpoint this run resumes from.
         self.prior = {"non_padding": 0, "padded": 0, "sequences": 0, "train_time_s": 0.0}
@@ -265,14 +265,13 @@ class RunReportCallback(TrainerCallback):
         Gap it fills: the Trainer logs its own throughput only as an average since train start
         (`include_num_input_tokens_seen`), which hides a slowdown behind the hours before it, and gives no MFU."""
         now = time.time()
-        counts = all_reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
-        mem = _peak_memory()
-        alloc, rss = all_reduce([mem["allocated"], mem["host_rss"]], "max")
-        since, before = self.live_mark or (self.train_start, [0, 0, 0])
-        self.live_mark = (now, counts)
+        totals, peaks = self.counters_so_far(now), self.peaks_so_far()  # collectives: every rank runs them
+        since, before = self.live_mark or (self.train_start, self.prior)
+        self.live_mark = (now, totals)
         if not self.is_main or now <= since:
             return
-        window = dict(zip(("non_padding", "padded", "sequences"), (a - b for a, b in zip(counts, before))))
+        window = {k: totals[k] - before[k] for k in ("non_padding", "padded", "sequences")}
+        alloc = peaks["allocated"]
         tps = window["non_padding"] / (now - since)
         world = launcher_env()["world_size"]
         device = device_info()
@@ -286,7 +285,7 @@ class RunReportCallback(TrainerCallback):
             "tokens_per_second": tps,
             "peak_memory": {"device_allocated_bytes": None if alloc < 0 else int(alloc),
                             "device_note": "CPU run: no device memory" if alloc < 0 else None,
-                            "host_rss_bytes": int(rss)},
+                            "host_rss_bytes": int(peaks["host_rss"])},
             **self.mfu_figures(window, tps, world, device),
         }
         self.write_prom(live)
@@ -327,9 +326,13 @@ class RunReportCallback(TrainerCallback):
         self.global_step = state.global_step
         # Collectives: every rank is here, so counts and peaks can be combined over ranks.
         self.totals = self.counters_so_far(self.train_end)
+        self.peaks = self.peaks_so_far()
+
+    def peaks_so_far(self) -> dict:
+        """Peak device memory and host RSS so far, max over ranks: a collective, so every rank must call it."""
         mem = _peak_memory()
         alloc, reserved, rss = all_reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
-        self.peaks = {"allocated": alloc, "reserved": reserved, "host_rss": rss}
+        return {"allocated": alloc, "reserved": reserved, "host_rss": rss}
 
     def mfu_figures(self, tokens: dict, tps: float | None, world: int, device: dict) -> dict:
         """FLOPs per token at the mean padded length of `tokens` (what attention really ran on), and MFU."""
