@@ -94,6 +94,13 @@ def test_overhead_interval_holds_the_true_overhead_and_decides_the_goal(factor, 
     assert s["verdict"] == expected
 
 
+def test_one_repetition_decides_nothing():
+    # a single repetition's steps agree closely with each other (the interval is narrow), but only repetitions carry
+    # the machine's drift: `make bench --quick` (1 repetition) must not say "within goal"
+    s = bench_overhead.summarize(synthetic_layout(1.01, [0.40]))
+    assert s["overhead_pct_ci95"][1] < 5 and s["verdict"].startswith("undecided: one repetition")
+
+
 def test_overhead_interval_widens_when_repetitions_disagree():
     # the 11:31 FSDP2 run's shape: repetitions at 0.82, 1.14 and 1.03 cannot settle a 5% goal
     layout = synthetic_layout(1.0, [0.5, 0.5, 0.5])

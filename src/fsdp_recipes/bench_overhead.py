@@ -284,7 +284,9 @@ def overhead_interval(layout: dict, resamples: int = 2000, seed: int = 0,
     return stats[int(0.025 * (resamples - 1))], stats[int(0.975 * (resamples - 1))]
 
 
-def verdict(interval: tuple[float, float], goal_pct: float = GOAL_PCT) -> str:
+def verdict(interval: tuple[float, float], repetitions: int, goal_pct: float = GOAL_PCT) -> str:
+    if repetitions < 2:  # the bootstrap then resamples steps only: its interval says nothing about the drift
+        return "undecided: one repetition gives no interval across the machine's drift"
     lo, hi = interval
     if hi < goal_pct:
         return "within goal"
@@ -309,7 +311,7 @@ def summarize(layout: dict) -> dict:
         interval = overhead_interval(layout, key=key)
         return {"median_step_s": med, "overhead_ratio": med["pack"] / med["bare"],
                 "overhead_pct": 100.0 * (med["pack"] / med["bare"] - 1.0), "overhead_pct_ci95": list(interval),
-                "goal_pct": GOAL_PCT, "verdict": verdict(interval)}
+                "goal_pct": GOAL_PCT, "verdict": verdict(interval, len({r["rep"] for r in layout["runs"]}))}
 
     wall = overhead("step_times_s")
     tokens_per_step = layout["batch_per_rank"] * layout["seq_len"] * layout["world_size"]
