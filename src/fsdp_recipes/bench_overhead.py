@@ -2,10 +2,9 @@
 
     python -m fsdp_recipes.bench_overhead              # both layouts below; part of `make bench`
 
-Model: a Mistral built from a config with random weights (MistralForCausalLM, hidden 512, 8 layers, intermediate
+Model: a Mistral built from a config with random weights (MistralForCausalLM, hidden 512, 8 heads, intermediate
 1536, 6 layers, the tiny tokenizer's 268-token vocabulary: 20.7M parameters, so the decoder layers' matmuls
-dominate),
-fp32, saved once with save_pretrained and loaded by both sides from the same files.
+dominate), fp32, saved once with save_pretrained and loaded by both sides from the same files.
 Batches: fixed-length rows of random token ids (no padding), taken in the same order by both sides
 (`train_sampling_strategy: sequential`; with 2 ranks, rank r takes batches r, r+2, ... as accelerate's
 dataloader does). Optimizer: what the Trainer builds from the recipe's settings, written out by hand on the
@@ -13,9 +12,12 @@ bare side: torch AdamW (fused, as `optim: adamw_torch_fused`, transformers' defa
 recipe's learning rate, cosine schedule with warm-up, gradient clipping at max_grad_norm 1.0. Full fine-tuning
 (no LoRA): every parameter gets gradients and optimizer updates on both sides.
 
-Two layouts, each side by side in the same processes, alternating the order of the sides per repetition
-(bare-pack, pack-bare, ...) so that slow drift of the shared machine hits both, after one unmeasured repetition
-of both sides (`warmup_runs` in the JSON):
+Two layouts, each measured step by step in pairs: in every run the pack's trainer takes its steps, and after each
+of them a callback (added last) runs one bare step on a second model in the same process (or ranks). So every pack
+step and its bare step are measured within about a second of each other, under the same state of the shared
+machine: on the 2-core VM the same step took 0.43 s in one run and 0.62 s in another, a swing that comparing
+separate runs per side (this benchmark's design until 2026-11-22 16:30 UTC) could not tell from overhead. Every pack
+step follows a bare step and every bare step a pack step, so cache and allocator effects of the switch fall on both.
 
 - 1 process, no FSDP, 1 thread: `python -m fsdp_recipes.bench_overhead --worker`.
 - 2 processes, FSDP2 over gloo: `accelerate launch --config_file recipes/tiny-cpu-lora/accelerate.yaml` (the
@@ -30,21 +32,20 @@ RunReportCallback with its token counter, CompletionMarkerCallback and Preemptio
 under 2 processes), the Trainer's logging every `logging_steps`. Bare side: forward with labels, backward, clip,
 optimizer step, scheduler step, zero_grad.
 
-Measured: the time from one optimizer step's end to the next (on the pack side: a callback added last, so the
-pack's own callbacks are inside the interval; on the bare side: a clock read after zero_grad), i.e. batch
-fetch + collate + forward + backward + clip + step + callbacks. The first `warmup` steps of every run are dropped
-(allocator and thread-pool warm-up, the Trainer's lazy set-up). Not measured here: process start, imports,
-model load, dataset preparation, the FSDP wrap, saving (see bench_first_step.py for those).
-Overhead = median(pack step times) / median(bare step times) - 1, medians over all measured steps of all
-repetitions of one side; each repetition's own medians and every step time are kept. The same is computed from
-the process's CPU time per step (`time.process_time`, all threads of rank 0's process): the wall clock is what a
-user waits for; the CPU time leaves out the time the process waits for a core that other work holds (on the
-2-core VM, in 1 process, the two agreed to the millisecond: the swings there are in the work itself).
+Measured, per pair: the pack's span runs from the end of the previous bare step (or the start of training) to the
+pack's step end (its callbacks included), i.e. the Trainer's loop, batch fetch + collate, forward, backward, clip,
+optimizer step, scheduler, logging and the pack's callbacks; the bare span runs from there to the end of the bare
+step (batch from the same rows, forward, backward, clip, step, schedule, zero_grad). The first `warmup` pairs of
+every run are dropped (allocator and thread-pool warm-up, the Trainer's lazy set-up; the first run in a fresh
+process stayed slow for about 4 steps under 2 processes). Not measured here: process start, imports, model load,
+dataset preparation, the FSDP wrap, saving (see bench_first_step.py for those).
+Overhead = median over all measured pairs of all repetitions of (pack span / bare span) - 1 (`overhead_of`); the
+medians per side and every span are kept. The same is computed from the process's CPU time per span
+(`time.process_time`, all threads of rank 0's process): the wall clock is what a user waits for; the CPU time leaves
+out the time the process waits for a core that other work holds or for its peer rank in a collective.
 Each figure's 95% interval comes from a two-level bootstrap (`overhead_interval`): repetitions drawn with
-replacement, then steps within each drawn repetition. Steps of one repetition share that moment's state of the
-machine, so resampling steps alone would give an interval that is too narrow; drawing repetitions carries the
-drift between them into the interval. The verdict against the 5% goal is "within" only when the whole interval
-lies under it.
+replacement, then pairs within each drawn repetition, which carries differences between runs (each builds its own
+models) into the interval. The verdict against the 5% goal is "within" only when the whole interval lies under it.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=6, num_a
 QUICK_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                    num_key_value_heads=2, head_dim=32)
 # Sizes of the measured run (batch is the global batch: 2 rows per step in both layouts, 1 per rank under 2
-# processes); chosen so that the whole `make bench` stays near 5 minutes on 2 cores. Tests pass smaller ones.
-DEFAULTS = dict(batch=2, seq=128, warmup=1, steps=6, reps=4)
+# processes): 4 x 12 pairs per layout, about 3 minutes for both on 2 cores. Tests pass smaller ones.
+DEFAULTS = dict(batch=2, seq=128, warmup=2, steps=12, reps=4)
 GOAL_PCT = 5.0  # issue 6: the pack's step at most 5% slower than the bare loop
 
 
@@ -116,8 +117,68 @@ def pack_args(model_dir: str, data_dir: str, out_dir: str, batch: int, seq: int,
             "--output_dir", out_dir, "--disable_tqdm", "true"]
 
 
-def run_pack(argv: list[str]) -> list[float]:
-    """The entry point's trainer (train_sft.build_trainer) for max_steps; returns the step-end clock readings."""
+class BareLoop:
+    """The bare side: forward with labels, backward, clip, AdamW step, schedule, zero_grad; the same settings the
+    Trainer resolves, one `step(k)` at a time so that the pack's run can call it between its own steps."""
+
+    def __init__(self, model_dir: str, data_dir: str, batch: int, seq: int, steps: int):
+        import math
+
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+        from fsdp_recipes import train_sft
+
+        # The recipe's optimizer settings, resolved by the same parser (no hand-copied numbers).
+        training = train_sft.parse_args(pack_args(model_dir, data_dir, tempfile.gettempdir(), batch, seq, steps))[1]
+        if training.optim != "adamw_torch_fused":  # the only optimizer written out below
+            raise ValueError(f"bench_overhead mirrors adamw_torch_fused, the recipe resolves {training.optim}")
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.batch, self.max_grad_norm = batch, training.max_grad_norm
+        self.rows = [json.loads(line)["input_ids"] for line in open(Path(data_dir) / "train.jsonl")]
+        torch.manual_seed(training.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        model.train()
+        if self.world > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer, reshard_after_forward=True)
+            fully_shard(model, reshard_after_forward=True)
+        self.model = model
+        self.opt = torch.optim.AdamW(model.parameters(), lr=training.learning_rate,
+                                     betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
+                                     weight_decay=training.weight_decay, fused=True)
+        warm = training.warmup_steps
+
+        def lr_lambda(step: int) -> float:  # transformers' get_cosine_schedule_with_warmup, half a cosine wave
+            if step < warm:
+                return step / max(1, warm)
+            progress = (step - warm) / max(1, steps - warm)
+            return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda)
+
+    def step(self, k: int) -> None:
+        import torch
+
+        b = k * self.world + self.rank  # accelerate's per-rank batches of a sequential sampler: r, r + world, ...
+        ids = torch.tensor(self.rows[b * self.batch:(b + 1) * self.batch])
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def run_paired(argv: list[str], bare: BareLoop) -> dict[str, list[tuple[tuple, tuple]]]:
+    """The entry point's trainer (train_sft.build_trainer) for max_steps, with one bare step after each of its steps.
+
+    Returns each side's step spans as (start, end) clock readings: the pack's from the end of the previous bare step
+    (or the start of training) to its own step end, so that the Trainer's loop, batch fetch, forward, backward,
+    optimizer, logging and the pack's callbacks all fall in it; the bare step's from there to its own end."""
     from transformers import TrainerCallback
     from trl import get_peft_config
 
@@ -131,71 +192,24 @@ def run_pack(argv: list[str]) -> list[float]:
                                                                             pack, peft_config), pack.recipe_name)
     trainer = train_sft.build_trainer(script, training, model_args, mixture, pack, peft_config, report,
                                       PreemptionCallback())
-    ticks: list[tuple[float, float]] = []
+    spans = {"pack": [], "bare": []}
+    last = []
 
-    class StepClock(TrainerCallback):  # added last: the pack's callbacks run inside the measured interval
+    class PairedStep(TrainerCallback):  # added last: the pack's callbacks run inside the pack's span
         def on_train_begin(self, args, state, control, **kwargs):
-            ticks.append(clock())
+            last.append(clock())
 
         def on_step_end(self, args, state, control, **kwargs):
-            ticks.append(clock())
+            end = clock()
+            spans["pack"].append((last[-1], end))
+            bare.step(state.global_step - 1)
+            last.append(clock())
+            spans["bare"].append((end, last[-1]))
 
-    trainer.add_callback(StepClock())
+    trainer.add_callback(PairedStep())
     trainer.train()
     del trainer
-    return ticks
-
-
-def run_bare(model_dir: str, data_dir: str, batch: int, seq: int, steps: int) -> list[float]:
-    """forward, loss, backward, clip, AdamW step, schedule, zero_grad; the same settings the Trainer resolves."""
-    import math
-
-    import torch
-    import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
-    from fsdp_recipes import train_sft
-
-    # The recipe's optimizer settings, resolved by the same parser (no hand-copied numbers).
-    training = train_sft.parse_args(pack_args(model_dir, data_dir, tempfile.gettempdir(), batch, seq, steps))[1]
-    if training.optim != "adamw_torch_fused":  # the only optimizer written out below
-        raise ValueError(f"bench_overhead mirrors adamw_torch_fused, the recipe resolves {training.optim}")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rows = [json.loads(line)["input_ids"] for line in open(Path(data_dir) / "train.jsonl")]
-    torch.manual_seed(training.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
-    model.train()
-    if world > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer, reshard_after_forward=True)
-        fully_shard(model, reshard_after_forward=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=training.learning_rate,
-                            betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_epsilon,
-                            weight_decay=training.weight_decay, fused=True)
-    warm = training.warmup_steps
-
-    def lr_lambda(step: int) -> float:  # transformers' get_cosine_schedule_with_warmup, half a cosine wave
-        if step < warm:
-            return step / max(1, warm)
-        progress = (step - warm) / max(1, steps - warm)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    ticks = [clock()]
-    for step in range(steps):
-        b = step * world + rank  # accelerate's per-rank batches of a sequential sampler: r, r + world, ...
-        ids = torch.tensor(rows[b * batch:(b + 1) * batch])
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), training.max_grad_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        ticks.append(clock())
-    del model, opt
-    return ticks
+    return spans
 
 
 def clock() -> tuple[float, float]:
@@ -204,14 +218,14 @@ def clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def step_times(ticks: list[tuple[float, float]], warmup: int, which: int = 0) -> list[float]:
-    """Intervals between consecutive step ends (which=0: wall clock, 1: CPU time), without the first `warmup`."""
-    return [b[which] - a[which] for a, b in zip(ticks, ticks[1:])][warmup:]
+def step_times(spans: list[tuple[tuple, tuple]], warmup: int, which: int = 0) -> list[float]:
+    """Durations of the (start, end) spans (which=0: wall clock, 1: CPU time), without the first `warmup`."""
+    return [b[which] - a[which] for a, b in spans][warmup:]
 
 
 def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmup: int, steps: int,
            reps: int) -> dict:
-    """Alternate bare and pack runs in this process (or these ranks); rank 0 writes every step time to `out`."""
+    """`reps` paired runs in this process (or these ranks); rank 0 writes every step time to `out`."""
     import gc
 
     from fsdp_recipes import cpu_fsdp
@@ -230,56 +244,72 @@ def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmu
         # other jobs, 2 threads stall on whichever core is busy, and the step time then varied 0.2-5 s (measured).
         torch.set_num_threads(1)
     total = warmup + steps
-    runs, warmup_runs = [], []
-    # Repetition -1 runs both sides unmeasured: the first run in a fresh process was slow over several steps, not
-    # just its first (2 processes: 0.80-1.12 s against 0.52-0.70 s later, in three runs of 2026-11-22), and as it
-    # is always a bare run it biased the overhead downwards.
-    for rep in range(-1, reps):
-        order = ("bare", "pack") if rep % 2 == 0 else ("pack", "bare")
-        for side in order:
-            gc.collect()
-            if dist.is_initialized():
-                dist.barrier()
-            with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
-                if side == "bare":
-                    ticks = run_bare(model_dir, data_dir, batch, seq, total)
-                else:
-                    ticks = run_pack(pack_args(model_dir, data_dir, tmp, batch, seq, total))
-            times = step_times(ticks, warmup)
-            (runs if rep >= 0 else warmup_runs).append(
-                {"rep": rep, "side": side, "step_times_s": times, "median_step_s": statistics.median(times),
-                 "step_cpu_s": step_times(ticks, warmup, which=1)})
-            if rank == 0:
-                print(f"[bench-overhead] rep {rep} {side}: median step {statistics.median(times):.3f} s", flush=True)
+    runs = []
+    for rep in range(reps):
+        gc.collect()
+        if dist.is_initialized():
+            dist.barrier()
+        bare = BareLoop(model_dir, data_dir, batch, seq, total)
+        with tempfile.TemporaryDirectory(prefix="bench-overhead-") as tmp:
+            spans = run_paired(pack_args(model_dir, data_dir, tmp, batch, seq, total), bare)
+        del bare
+        for side in ("pack", "bare"):
+            times = step_times(spans[side], warmup)
+            runs.append({"rep": rep, "side": side, "step_times_s": times, "median_step_s": statistics.median(times),
+                         "step_cpu_s": step_times(spans[side], warmup, which=1)})
+        if rank == 0:
+            ratios = [p / b for p, b in zip(runs[-2]["step_times_s"], runs[-1]["step_times_s"])]
+            print(f"[bench-overhead] rep {rep}: median step pack {runs[-2]['median_step_s']:.3f} s, "
+                  f"bare {runs[-1]['median_step_s']:.3f} s, median pair ratio {statistics.median(ratios):.3f}",
+                  flush=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    result = {"world_size": world, "fsdp": "FSDP2 (cpu_fsdp adapter, gloo)" if fsdp else None,
+    result = {"design": "paired", "world_size": world, "fsdp": "FSDP2 (cpu_fsdp adapter, gloo)" if fsdp else None,
               "torch_threads": torch.get_num_threads(), "batch_per_rank": batch, "seq_len": seq,
-              "warmup_steps_dropped": warmup, "measured_steps_per_run": steps, "reps": reps, "runs": runs,
-              "warmup_runs": warmup_runs}
+              "warmup_steps_dropped": warmup, "measured_steps_per_run": steps, "reps": reps, "runs": runs}
     if rank == 0:
         out.write_text(json.dumps(result))
     return result
 
 
+def by_rep(layout: dict, key: str = "step_times_s") -> dict[int, dict[str, list[float]]]:
+    out: dict[int, dict[str, list[float]]] = {}
+    for r in layout["runs"]:
+        out.setdefault(r["rep"], {})[r["side"]] = r[key]
+    return out
+
+
+def overhead_of(sides: dict[str, list[float]], paired: bool) -> float:
+    """The overhead statistic, in %. Paired runs: the median of the per-step ratios pack_i / bare_i, each pair
+    measured within about a second, so the machine's drift cancels inside every ratio. Files of the earlier design
+    (separate runs per side, no `"design": "paired"`): the ratio of the two sides' medians."""
+    if paired:
+        return 100.0 * (statistics.median(p / b for p, b in zip(sides["pack"], sides["bare"])) - 1.0)
+    return 100.0 * (statistics.median(sides["pack"]) / statistics.median(sides["bare"]) - 1.0)
+
+
 def overhead_interval(layout: dict, resamples: int = 2000, seed: int = 0,
                       key: str = "step_times_s") -> tuple[float, float]:
-    """95% bootstrap interval of the overhead in %, two levels: draw repetitions with replacement, then each drawn
-    repetition's pack and bare step times with replacement; the statistic is the one `summarize` reports (ratio of
-    the pooled medians - 1). Percentile interval; the seed is fixed so that the same JSON gives the same interval."""
+    """95% bootstrap interval of the overhead in %, two levels: draw repetitions with replacement, then within each
+    drawn repetition its steps with replacement (paired: whole pairs; earlier design: each side's steps on their
+    own); the statistic is `overhead_of`. Percentile interval; the seed is fixed so that the same JSON gives the
+    same interval."""
     import random
 
     rng = random.Random(seed)
-    by_rep = {}
-    for r in layout["runs"]:
-        by_rep.setdefault(r["rep"], {})[r["side"]] = r[key]
-    reps = sorted(by_rep)
+    paired = layout.get("design") == "paired"
+    reps = by_rep(layout, key)
     stats = []
     for _ in range(resamples):
         pooled = {"bare": [], "pack": []}
-        for rep in rng.choices(reps, k=len(reps)):
-            for side, times in by_rep[rep].items():
-                pooled[side] += rng.choices(times, k=len(times))
-        stats.append(100.0 * (statistics.median(pooled["pack"]) / statistics.median(pooled["bare"]) - 1.0))
+        for rep in rng.choices(sorted(reps), k=len(reps)):
+            if paired:
+                idx = rng.choices(range(len(reps[rep]["pack"])), k=len(reps[rep]["pack"]))
+                for side in pooled:
+                    pooled[side] += [reps[rep][side][i] for i in idx]
+            else:
+                for side, times in reps[rep].items():
+                    pooled[side] += rng.choices(times, k=len(times))
+        stats.append(overhead_of(pooled, paired))
     stats.sort()
     return stats[int(0.025 * (resamples - 1))], stats[int(0.975 * (resamples - 1))]
 
@@ -302,27 +332,26 @@ def describe(overhead: dict) -> str:
 
 
 def summarize(layout: dict) -> dict:
-    """Medians per side from the recorded step times, and the overhead computed from them: by the wall clock (the
-    headline) and by CPU time (`step_cpu_s`, where the JSON has it)."""
+    """Medians per side from the recorded step times, and the overhead (`overhead_of`) with its interval: by the
+    wall clock (the headline) and by CPU time (`step_cpu_s`, where the JSON has it)."""
+    paired = layout.get("design") == "paired"
 
     def overhead(key: str) -> dict:
-        med = {side: statistics.median(t for r in layout["runs"] if r["side"] == side for t in r[key])
-               for side in ("bare", "pack")}
+        reps = by_rep(layout, key)
+        pooled = {side: [t for rep in sorted(reps) for t in reps[rep][side]] for side in ("bare", "pack")}
+        pct = overhead_of(pooled, paired)
         interval = overhead_interval(layout, key=key)
-        return {"median_step_s": med, "overhead_ratio": med["pack"] / med["bare"],
-                "overhead_pct": 100.0 * (med["pack"] / med["bare"] - 1.0), "overhead_pct_ci95": list(interval),
-                "goal_pct": GOAL_PCT, "verdict": verdict(interval, len({r["rep"] for r in layout["runs"]}))}
+        return {"median_step_s": {side: statistics.median(t) for side, t in pooled.items()},
+                "overhead_ratio": 1.0 + pct / 100.0, "overhead_pct": pct, "overhead_pct_ci95": list(interval),
+                "goal_pct": GOAL_PCT, "verdict": verdict(interval, len(reps)),
+                "per_rep_ratio": [1.0 + overhead_of(reps[rep], paired) / 100.0 for rep in sorted(reps)]}
 
     wall = overhead("step_times_s")
     tokens_per_step = layout["batch_per_rank"] * layout["seq_len"] * layout["world_size"]
     return {
         **wall,
+        "statistic": "median of per-step pack/bare ratios" if paired else "ratio of the sides' medians",
         "tokens_per_s": {k: tokens_per_step / v for k, v in wall["median_step_s"].items()},
-        "per_rep_ratio": [
-            next(r["median_step_s"] for r in layout["runs"] if r["rep"] == rep and r["side"] == "pack")
-            / next(r["median_step_s"] for r in layout["runs"] if r["rep"] == rep and r["side"] == "bare")
-            for rep in range(layout["reps"])
-        ],
         "cpu_time": overhead("step_cpu_s") if all("step_cpu_s" in r for r in layout["runs"]) else None,
     }
 
