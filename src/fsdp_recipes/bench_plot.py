@@ -64,8 +64,10 @@ def plot_overhead(ax, overhead: dict) -> None:
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_ylim(-0.8, len(rows) - 0.4)
     ax.invert_yaxis()
+    paired = all(layout.get("design") == "paired" for layout in overhead["layouts"].values())
     ax.set(xlabel="pack step time vs bare loop (%); dot: median with 95% interval, grey: repetitions",
-           title="Pack overhead per training step")
+           title="Pack overhead per training step" + (" (each pack step paired with a bare step)" if paired else
+                                                      " (separate runs per side)"))
     ax.legend(loc="lower right", fontsize=8)
 
 
