@@ -20,12 +20,43 @@ def test_token_counter_padded_batch():
     c.add({"input_ids": torch.zeros(2, 5, dtype=torch.long),
            "attention_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])})
     assert (c.non_padding, c.padded, c.sequences) == (8, 10, 2)
+    assert c.squared_lengths == 3 ** 2 + 5 ** 2  # the real lengths, not the padded 5
 
 
 def test_token_counter_padding_free_counts_sequences_from_position_ids():
     c = TokenCounter()
     c.add({"input_ids": torch.zeros(1, 7, dtype=torch.long), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 0, 1]])})
     assert (c.non_padding, c.padded, c.sequences) == (7, 7, 3)
+    assert c.squared_lengths == 3 ** 2 + 2 ** 2 + 2 ** 2  # sequences of 3, 2 and 2 tokens in one row
+
+
+def test_mfu_attention_length_is_token_weighted(tmp_path):
+    # a row of 6 + 2 tokens: 6 of the 8 tokens attend over a 6-token sequence, so the per-token attention length
+    # is (36 + 4) / 8 = 5, not the mean sequence length 4
+    cb = RunReportCallback(str(tmp_path / "run"), {}, recipe="sim")
+    cb.on_train_begin(None, SimpleNamespace(global_step=0, log_history=[]), None, model=tiny_model())
+    cb.tokens.add({"input_ids": torch.zeros(1, 8, dtype=torch.long),
+                   "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1]])})
+    tokens = {k: getattr(cb.tokens, k) for k in run_report.COUNTS}
+    fig = cb.mfu_figures(tokens, 8.0, 1, {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"})
+    assert fig["flops_seq_len"] == pytest.approx(5.0)
+    layers, heads, head_dim = 2, 4, 8  # tiny_model(): hidden 32 over 4 heads
+    assert fig["flops_per_token"] == pytest.approx(6 * cb.params["trainable_non_embedding"]
+                                                   + 12 * layers * heads * head_dim * 5.0)
+
+
+def test_resume_from_counters_without_squared_lengths_falls_back_to_the_mean_length(tmp_path):
+    ckpt = tmp_path / "checkpoint-4"
+    ckpt.mkdir()
+    (ckpt / run_report.COUNTERS_FILE).write_text(json.dumps({"non_padding": 80, "padded": 100, "sequences": 10,
+                                                             "train_time_s": 5.0}))
+    cb = RunReportCallback(str(tmp_path / "run"), {}, recipe="sim", resume_from=ckpt)
+    cb.on_train_begin(None, SimpleNamespace(global_step=4, log_history=[]), None, model=tiny_model())
+    cb.tokens.add({"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 5)})
+    totals = cb.counters_so_far(cb.train_start + 1.0)
+    assert totals["squared_lengths"] is None and totals["sequences"] == 12
+    fig = cb.mfu_figures(totals, 1.0, 1, {"type": "cpu", "name": "cpu"})
+    assert fig["flops_seq_len"] == pytest.approx(110 / 12)
 
 
 def test_atomic_write_replaces_and_leaves_no_temp(tmp_path):

@@ -335,7 +335,7 @@ def figures(metrics: dict, sizes: dict) -> dict:
         "padded_tokens": tok["padded"],
         "padding_fraction": 1 - tok["non_padding"] / tok["padded"] if tok["padded"] else None,
         "flops_per_token": metrics["flops_per_token"],
-        "mean_sequence_length": metrics["flops_seq_len"],
+        "flops_seq_len": metrics["flops_seq_len"],  # sum(n^2) / sum(n): the attention term's length
     }
 
 

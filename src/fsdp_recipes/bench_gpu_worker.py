@@ -33,7 +33,7 @@ def worker(argv: list[str]) -> int:
 
     from fsdp_recipes import train_sft
     from fsdp_recipes.preemption import PreemptionCallback
-    from fsdp_recipes.run_report import RunReportCallback
+    from fsdp_recipes.run_report import COUNTS, RunReportCallback
 
     script, training, model_args, mixture, pack = train_sft.parse_args(argv[split + 1:])
     peft_config = get_peft_config(model_args)
@@ -53,7 +53,8 @@ def worker(argv: list[str]) -> int:
             if state.global_step == wargs.warmup:
                 sync()
                 report.train_start = time.time()
-                report.tokens.non_padding = report.tokens.padded = report.tokens.sequences = 0
+                for k in COUNTS:  # in place: the trainer holds this counter too
+                    setattr(report.tokens, k, 0)
 
         def on_train_end(self, args, state, control, **kwargs):
             sync()

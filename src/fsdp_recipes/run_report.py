@@ -147,24 +147,41 @@ def sharding_info() -> dict:
     }
 
 
+COUNTS = ("non_padding", "padded", "sequences", "squared_lengths")
+
+
 @dataclass
 class TokenCounter:
-    """Per-rank counts of what the model was fed; summed over ranks when the run ends."""
+    """Per-rank counts of what the model was fed; summed over ranks when the run ends.
+
+    `squared_lengths` is the sum of n^2 over the sequences' real lengths n: attention's work per token grows with
+    the length of the sequence the token is in, so its per-token average is sum(n^2) / sum(n), the token-weighted
+    mean length, not the mean length (on the GPU ladder's data: 1,971 against 1,126 tokens)."""
 
     non_padding: int = 0
     padded: int = 0
     sequences: int = 0
+    squared_lengths: int = 0
 
     def add(self, inputs: dict) -> None:
+        import torch
+
         ids = inputs["input_ids"]
         self.padded += ids.numel()
-        mask = inputs.get("attention_mask")
-        self.non_padding += int(mask.sum()) if mask is not None else ids.numel()
-        pos = inputs.get("position_ids")
-        if mask is None and pos is not None:  # padding-free: one row holds several sequences
-            self.sequences += int((pos == 0).sum())
+        mask, pos = inputs.get("attention_mask"), inputs.get("position_ids")
+        if mask is not None:  # padded rows: one sequence each, of its mask's length
+            lengths = mask.reshape(ids.shape[0], -1).sum(dim=-1)
+            nonpad, squared = torch.stack([lengths.sum(), (lengths * lengths).sum()]).tolist()  # one device sync
+            seqs = ids.shape[0]
+        elif pos is not None:  # padding-free: one row holds several sequences, each restarting at position 0;
+            # over a sequence of length n, sum(2p + 1) for p = 0..n-1 is n^2, so no boundaries need finding
+            nonpad = ids.numel()
+            seqs, squared = torch.stack([(pos == 0).sum(), (2 * pos + 1).sum()]).tolist()
         else:
-            self.sequences += ids.shape[0]
+            nonpad, seqs, squared = ids.numel(), ids.shape[0], ids.shape[0] * ids.shape[-1] ** 2
+        self.non_padding += int(nonpad)
+        self.sequences += int(seqs)
+        self.squared_lengths += int(squared)
 
 
 def param_shards(model) -> dict:
@@ -209,9 +226,11 @@ class RunReportCallback(TrainerCallback):
         self.live_mark = None  # (time, counters_so_far) at the last training log
         self.resumed_from = str(resume_from) if resume_from else None
         # Counters of the run so far, as saved with the checkpoint this run resumes from.
-        self.prior = {"non_padding": 0, "padded": 0, "sequences": 0, "train_time_s": 0.0}
+        self.prior = {"non_padding": 0, "padded": 0, "sequences": 0, "squared_lengths": 0, "train_time_s": 0.0}
         if resume_from and (Path(resume_from) / COUNTERS_FILE).is_file():
-            self.prior.update(json.loads((Path(resume_from) / COUNTERS_FILE).read_text()))
+            saved = json.loads((Path(resume_from) / COUNTERS_FILE).read_text())
+            # a checkpoint from before squared_lengths was counted: MFU then falls back to the mean length
+            self.prior.update({"squared_lengths": None, **saved})
         self.resolved_args = resolved_args
         self.recipe = recipe
         self.tokens = TokenCounter()
@@ -270,7 +289,7 @@ class RunReportCallback(TrainerCallback):
         self.live_mark = (now, totals)
         if not self.is_main or now <= since:
             return
-        window = {k: totals[k] - before[k] for k in ("non_padding", "padded", "sequences")}
+        window = {k: None if totals[k] is None or before[k] is None else totals[k] - before[k] for k in COUNTS}
         alloc = peaks["allocated"]
         tps = window["non_padding"] / (now - since)
         world = launcher_env()["world_size"]
@@ -306,13 +325,9 @@ class RunReportCallback(TrainerCallback):
 
     def counters_so_far(self, now: float) -> dict:
         """Run totals (all ranks) up to now: a collective, so every rank must call it."""
-        nonpad, padded, seqs = all_reduce([self.tokens.non_padding, self.tokens.padded, self.tokens.sequences], "sum")
-        return {
-            "non_padding": int(nonpad) + self.prior["non_padding"],
-            "padded": int(padded) + self.prior["padded"],
-            "sequences": int(seqs) + self.prior["sequences"],
-            "train_time_s": self.train_time_until(now),
-        }
+        summed = all_reduce([getattr(self.tokens, k) for k in COUNTS], "sum")
+        return {**{k: None if self.prior[k] is None else int(v) + self.prior[k] for k, v in zip(COUNTS, summed)},
+                "train_time_s": self.train_time_until(now)}
 
     def on_save(self, args, state, control, **kwargs):
         counters = self.counters_so_far(time.time())
@@ -335,10 +350,15 @@ class RunReportCallback(TrainerCallback):
         return {"allocated": alloc, "reserved": reserved, "host_rss": rss}
 
     def mfu_figures(self, tokens: dict, tps: float | None, world: int, device: dict) -> dict:
-        """FLOPs per token at the mean padded length of `tokens` (what attention really ran on), and MFU."""
+        """FLOPs per token with attention at the token-weighted mean length sum(n^2) / sum(n) of the sequences in
+        `tokens` (useful work: padding and attention across packed sequences count for nothing), and MFU. Counts
+        without squared_lengths (a resume from an older checkpoint) fall back to the mean padded length."""
         fpt, seq_len, mfu, mfu_note = None, None, None, None
         if self.model_config is not None and self.params and tokens["sequences"]:
-            seq_len = tokens["padded"] / tokens["sequences"]
+            if tokens.get("squared_lengths") and tokens["non_padding"]:
+                seq_len = tokens["squared_lengths"] / tokens["non_padding"]
+            else:
+                seq_len = tokens["padded"] / tokens["sequences"]
             layers, heads, head_dim = flops.attention_shape(self.model_config)
             fpt = flops.flops_per_token(
                 self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
@@ -399,7 +419,7 @@ class RunReportCallback(TrainerCallback):
         if completed_collectives:
             tokens, peaks, scope = self.totals, self.peaks, "all_ranks"
         else:  # failed before on_train_end: this rank's own figures, labelled as such
-            tokens = {k: getattr(self.tokens, k) + self.prior[k] for k in ("non_padding", "padded", "sequences")}
+            tokens = {k: None if self.prior[k] is None else getattr(self.tokens, k) + self.prior[k] for k in COUNTS}
             peaks, scope = _peak_memory(), "rank0_only"
         train_time = self.train_time_until(self.train_end or end) if self.train_start else None
         tps = tokens["non_padding"] / train_time if train_time else None
