@@ -182,8 +182,9 @@ def test_a_model_that_cannot_be_built_fails_its_rungs_without_launching(monkeypa
     monkeypatch.setattr(bench_gpu, "run_rung", lambda *a, **k: pytest.fail("launched without a model"))
     lad = {"size": "tiny", "processes": 1, "rungs": []}
     ctx = dict(sizes=bench_gpu.DRY_RUN, device={"type": "cpu"}, work=tmp_path, dry_run=True, t0=0.0,
-               deadline_s=None, fit_check=True, build_device="cpu", inject_failure=set())
-    bench_gpu.ladder(lad, ctx, [r for r in bench_gpu.RUNGS if r["id"] in ("0", "1")], lambda: None)
+               deadline_s=None, fit_check=True, build_device="cpu", inject_failure=set(), carried={},
+               rungs_named=True, resume_from=None)
+    bench_gpu.ladder(lad, ctx, ["0", "1"], lambda: None)
     assert [(r["id"], r["status"]) for r in lad["rungs"]] == [("0", "failed"), ("1", "failed")]
     assert lad["rungs"][1]["error"] == "building the tiny model failed: RuntimeError: CUDA out of memory. " \
                                        "Tried to allocate 16.00 GiB"
@@ -224,3 +225,36 @@ def test_ladder_picture_with_gpu_shaped_figures(dry, tmp_path):
             r["figures"].update(mfu=0.4, peak_allocated_gib=10.0, peak_reserved_gib=12.0)
     path = bench_plot.plot_gpu_ladders(result, tmp_path / "ladder.png")
     assert path.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_resume_carries_the_earlier_rungs_and_builds_on_them(dry, tmp_path):
+    # the 10-minute command limit cuts a GPU ladder in two: the second command goes on from the first one's JSON
+    _, _, first = dry
+    result, _, path = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--resume", str(first), "--rungs", "5c"])
+    rungs = {r["id"]: r for r in result["ladders"][0]["rungs"]}
+    # measured and failed rungs come over as they were; skipped ones (2, 4: no CUDA) are not; 5c, named, runs again
+    assert list(rungs) == ["0", "1", "3", "5a", "5b", "5c"]
+    assert all(rungs[i]["carried_from"] == str(first) for i in ("0", "1", "3", "5a", "5b"))
+    assert "carried_from" not in rungs["5c"] and rungs["5c"]["status"] == "measured"
+    old = {r["id"]: r for r in json.loads(first.read_text())["ladders"][0]["rungs"]}
+    fastest = max((r for r in old.values() if r["status"] == "measured" and r["id"] != "5c"),
+                  key=lambda r: r["figures"]["tokens_per_s_per_gpu"])
+    assert rungs["5c"]["built_on"] == fastest["id"]  # on the fastest carried rung, not on TRL's defaults
+    assert json.loads(path.read_text())["resumed_from"] == str(first)
+
+
+def test_resume_refuses_figures_measured_differently(dry, tmp_path):
+    _, _, first = dry
+    with pytest.raises(SystemExit, match="measured differently.*steps"):
+        bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--resume", str(first), "--steps", "3"])
+    with pytest.raises(SystemExit, match="unknown rung"):
+        bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--rungs", "0,9"])
+
+
+def test_a_rung_without_time_to_finish_is_skipped_not_started(tmp_path, cache_dir):
+    result, _, _ = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--deadline-s", "1", "--rungs", "0,3"])
+    rungs = result["ladders"][0]["rungs"]
+    assert [r["status"] for r in rungs] == ["skipped", "skipped"]
+    assert all(r["reason"].startswith("time budget") and "--resume" in r["reason"] for r in rungs)
+    assert "under 10 s left" in rungs[1]["reason"]  # a compiled rung needs twice the minimum

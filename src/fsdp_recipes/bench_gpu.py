@@ -42,10 +42,12 @@ its fused LM head and metrics, the pack's run report, completion-marker and pree
       attention costs as much as one 8192-token sequence: the JSON records which one ran).
   2   Liger kernels: `use_liger_kernel: true` (RMSNorm, SwiGLU, RoPE; TRL keeps its own fused LM head, so Liger's
       fused cross-entropy is off). Skipped, with the reason, without CUDA or liger_kernel.
-  3   regional torch.compile: `layer.compile()` on every decoder layer before FSDP2 wraps it (torchtitan's way;
-      dynamo skips FSDP2's hooks).
-  4   torchao float8 training: convert_to_float8_training (tensorwise dynamic scaling) on every nn.Linear but the
-      LM head. Skipped, with the reason, without CUDA, without torchao, or below compute capability 8.9.
+  3   regional torch.compile: `layer.compile(dynamic=True)` on every decoder layer before FSDP2 wraps it
+      (torchtitan's way; dynamo skips FSDP2's hooks; dynamic because every packed row has another length). On top
+      of Liger, Liger's RoPE is left to the compiler (bench_gpu_worker.py says why).
+  4   torchao float8 training: convert_to_float8_training (tensorwise dynamic scaling, pad_inner_dim) on every
+      nn.Linear but the LM head. Skipped, with the reason, without CUDA, without torchao, or below compute
+      capability 8.9.
   5a  no activation checkpointing; 5b selective activation checkpointing (TRL's policy: save the attention
       outputs, recompute the rest); 5c FSDP2 reshard_after_forward False.
 
@@ -53,18 +55,22 @@ Cumulative: each rung starts from the fastest rung measured so far in its ladder
 one change; a rung that failed, was skipped or was slower is not built on. So 5a-5c compare checkpointing and
 resharding on top of the best configuration found by 0-4. "Tuned" in the table is the fastest measured rung.
 
-A rung whose estimated memory (memory_budget.budget, the arithmetic of `make plan`) exceeds the GPU is skipped with
-the estimate as the reason (`--no-fit-check` runs it anyway): 8B full fine-tuning needs about 16 bytes per
-parameter for fp32 weights, gradients and AdamW states, about 120 GiB, so on one 80 GiB H100 every 8B rung is
-skipped. A rung that crashes, runs out of memory or times out is recorded as `{"status": "failed", "error": ...}`
-(the run report's error, else the last error line of its log) and the ladder goes on.
+A rung whose estimated memory (memory_budget.budget, the arithmetic of `make plan`) exceeds FIT_FRACTION of the GPU
+is skipped with the estimate as the reason (`--no-fit-check` runs it anyway): 8B full fine-tuning needs about 16
+bytes per parameter for fp32 weights, gradients and AdamW states, about 120 GiB, so on one GPU, even an H200, every
+8B rung is skipped. A rung that crashes, runs out of memory or times out is recorded as `{"status": "failed",
+"error": ...}` (the run report's error, else the last error line of its log) and the ladder goes on. With
+`--deadline-s`, a rung with less than `min_rung_s` left (twice that if it compiles) is skipped as "time budget";
+`--resume <JSON>` in a later command carries the measured and failed rungs of that file and runs the rest on top of
+the fastest of them.
 
 Figures come from the run's own metrics.json (run_report.RunReport): tokens/s per GPU (non-padding tokens), MFU
-(flops.flops_per_token over flops.peak_flops, dense bf16 peak, also for the float8 rung), peak memory
-(torch.cuda.max_memory_allocated and max_memory_reserved, max over ranks, whole run). Warm-up is excluded: at the
-end of step `--warmup` (default 4: the first steps compile, allocate and tune) the worker synchronizes the device
-and restarts the report's training clock and token counters, and it synchronizes again before the report reads
-the clock at the end; so tokens/s and MFU cover only the `--steps` measured steps (default 16). Not included:
+(flops.flops_per_token over flops.peak_flops, dense bf16 peak, also for the float8 rung; attention at the
+token-weighted mean document length), peak memory (torch.cuda.max_memory_allocated and max_memory_reserved, max
+over ranks, of the measured steps; the peaks up to the end of warm-up are kept beside them). Warm-up is excluded:
+at the end of step `--warmup` (default 4: the first steps compile, allocate and tune) the worker synchronizes the
+device, records and resets the memory peaks, and restarts the report's training clock and token counters, and it
+synchronizes again before the report reads the clock at the end; so tokens/s and MFU cover only the `--steps` measured steps (default 16). Not included:
 process start, imports, model load, data preparation, FSDP wrapping, saving (no final save is made), evaluation.
 
 Output: bench/results/bench-gpu-<device-slug>-<date>T<HHMM>Z[-<sizes>].json (device, GPU count, versions, date, every
@@ -97,6 +103,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from fsdp_recipes.bench_gpu_worker import WARMUP_PEAKS
+
 REPO = Path(__file__).resolve().parents[2]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
 GIB = 1024**3
@@ -116,9 +124,11 @@ GOAL_SPEEDUP = 1.5
 GOAL_MFU_1B_1GPU = 0.45
 
 GPU_RUN = dict(max_length=4096, warmup=4, steps=16, baseline_batch=8, pack_rows=2, dtype="bfloat16",
-               rung_timeout_s=360, deadline_s=None)
+               rung_timeout_s=360, deadline_s=None, min_rung_s=90)
 DRY_RUN = dict(max_length=128, warmup=1, steps=2, baseline_batch=8, pack_rows=2, dtype="float32",
-               rung_timeout_s=120, deadline_s=None)
+               rung_timeout_s=120, deadline_s=None, min_rung_s=5)
+COMPILE_TIME_FACTOR = 2  # a compiled rung's minimum time (min_rung_s) and 1.5x its timeout: inductor's cold compile
+FIT_FRACTION = 0.92  # run a rung only if memory_budget's estimate is within this share of the GPU: allocator slack
 
 BASELINE = dict(packing=False, attn="sdpa", batch="baseline", liger=False, compile=False, float8=False,
                 activation_checkpointing="full", reshard_after_forward=True)
@@ -262,7 +272,7 @@ def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
         model = AutoModelForCausalLM.from_config(mistral_config(size))
     shape = memory_budget.shape_of(model, SimpleNamespace(use_peft=False))
     tokens = s["batch"] * max_length
-    setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP" if processes > 1 else "single",
+    setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
                                 load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
                                 activation_checkpointing=s["activation_checkpointing"] != "none", optimizer_bytes=8,
                                 runtime_bytes=2 * GIB)
@@ -315,9 +325,11 @@ def error_line(log: str, metrics: dict | None) -> str:
     return lines[-1][:400] if lines else "no output"
 
 
-def figures(metrics: dict, sizes: dict) -> dict:
-    """The headline figures, read from the run's metrics.json (which covers the measured steps only)."""
+def figures(metrics: dict, sizes: dict, warmup_peaks: dict | None = None) -> dict:
+    """The headline figures, read from the run's metrics.json (which covers the measured steps only) and the peaks
+    the worker recorded up to the end of warm-up (model load, compilation; bench_gpu_worker.WARMUP_PEAKS)."""
     pm = metrics["peak_memory"]
+    wp = warmup_peaks or {}
     tok = metrics["tokens"]
     gib = lambda v: v / GIB if v is not None else None  # noqa: E731
     return {
@@ -327,6 +339,8 @@ def figures(metrics: dict, sizes: dict) -> dict:
         "mfu_note": metrics["mfu_note"],
         "peak_allocated_gib": gib(pm["device_allocated_bytes"]),
         "peak_reserved_gib": gib(pm["device_reserved_bytes"]),
+        "warmup_peak_allocated_gib": gib(wp.get("device_allocated_bytes")),
+        "warmup_peak_reserved_gib": gib(wp.get("device_reserved_bytes")),
         "host_rss_gib": gib(pm["host_rss_bytes"]),
         "measured_steps": sizes["steps"],
         "warmup_steps_excluded": sizes["warmup"],
@@ -352,13 +366,26 @@ def run_rung(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> tup
     return rc, log_path.read_text(errors="replace")
 
 
-def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
-    """All rungs of one (size, processes) ladder, filled into `lad`, each from the fastest measured so far."""
+def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
+    """The selected rungs of one (size, processes) ladder, filled into `lad`, each from the fastest measured so far.
+    Rungs that `--resume` carries from an earlier file of the same ladder go in as they were (and count for the
+    fastest so far), unless --rungs names them again."""
     sizes, device, work = ctx["sizes"], ctx["device"], ctx["work"]
     size, processes = lad["size"], lad["processes"]
+    carried = ctx["carried"].get((size, processes), {})
     best = None  # (tokens/s per GPU, settings, rung id) of the fastest measured rung
     model_dir, build_error = None, None
-    for rung in rungs:
+    for rung in RUNGS:
+        prev = carried.get(rung["id"])
+        if prev is not None and not (ctx["rungs_named"] and rung["id"] in selected):
+            lad["rungs"].append({**prev, "carried_from": prev.get("carried_from") or ctx["resume_from"]})
+            if prev["status"] == "measured" and (best is None or prev["figures"]["tokens_per_s_per_gpu"] > best[0]):
+                best = (prev["figures"]["tokens_per_s_per_gpu"], prev["config"], prev["id"])
+            print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): {prev['status']} in "
+                  f"{ctx['resume_from']}, carried over", flush=True)
+            continue
+        if rung["id"] not in selected:
+            continue
         base = best[1] if best else BASELINE
         s = resolve({**base, **rung["change"]}, sizes, device)
         rec = {"id": rung["id"], "name": rung["name"], "built_on": best[2] if best else None, "config": s}
@@ -366,14 +393,18 @@ def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
         elapsed = time.time() - ctx["t0"]
         reason = why_skip(rung, s, device)
         deadline = ctx["deadline_s"]
-        if reason is None and deadline is not None and elapsed > deadline - 30:
-            reason = f"time budget: {elapsed:.0f} s of --deadline-s {deadline:.0f} spent before this rung"
+        need = sizes["min_rung_s"] * (COMPILE_TIME_FACTOR if s["compile"] else 1)
+        if reason is None and deadline is not None and deadline - elapsed < need:
+            # a rung that starts with less left is killed before it measures anything (start, load, warm-up)
+            reason = (f"time budget: {elapsed:.0f} s of --deadline-s {deadline:.0f} spent, under {need:.0f} s left "
+                      f"for this rung (--resume <this JSON> runs the rest)")
         if reason is None and device["type"] == "cuda" and ctx["fit_check"]:
             est = memory_estimate(size, s, processes, sizes["max_length"])
             rec["memory_estimate_gib"] = est / GIB
-            if est > device["memory_bytes"]:
-                reason = (f"estimated {est / GIB:.0f} GiB per GPU > {device['memory_bytes'] / GIB:.0f} GiB "
-                          f"(memory_budget, as `make plan`; --no-fit-check runs it anyway)")
+            if est > FIT_FRACTION * device["memory_bytes"]:
+                reason = (f"estimated {est / GIB:.0f} GiB per GPU > {FIT_FRACTION:.0%} of "
+                          f"{device['memory_bytes'] / GIB:.0f} GiB (memory_budget, as `make plan`; --no-fit-check "
+                          f"runs it anyway)")
         if reason is not None:
             rec.update(status="skipped", reason=reason)
             print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): skipped: {reason}", flush=True)
@@ -404,12 +435,13 @@ def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
                "--num_processes", str(processes), "--main_process_port", "0",
                "-m", "fsdp_recipes.bench_gpu_worker", *worker, *args]
         rec["command"] = " ".join(cmd)
-        timeout = sizes["rung_timeout_s"]
+        timeout = sizes["rung_timeout_s"] * (1.5 if s["compile"] else 1)
         if deadline is not None:
-            timeout = max(30.0, min(timeout, deadline - (time.time() - ctx["t0"])))
+            timeout = min(timeout, deadline - (time.time() - ctx["t0"]))
+        env = dict(ctx["env"], TORCH_LOGS="graph_breaks,recompiles") if s["compile"] else ctx["env"]
         print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): running", flush=True)
         t = time.time()
-        rc, log = run_rung(cmd, ctx["env"], work / f"log-{size}-{processes}-{rung['id']}.txt", timeout)
+        rc, log = run_rung(cmd, env, work / f"log-{size}-{processes}-{rung['id']}.txt", timeout)
         rec["wall_s"] = time.time() - t
         rec["log_tail"] = log.splitlines()[-30:]
         mpath = out_dir / "metrics.json"
@@ -418,7 +450,8 @@ def ladder(lad: dict, ctx: dict, rungs: list[dict], on_update) -> None:
         ok = rc == 0 and metrics and metrics["status"] == "completed" and (metrics["tokens_per_second"] or 0) > 0
         if ok:
             rec["status"] = "measured"
-            rec["figures"] = figures(metrics, sizes)
+            wpath = out_dir / WARMUP_PEAKS
+            rec["figures"] = figures(metrics, sizes, json.loads(wpath.read_text()) if wpath.is_file() else None)
             tps = rec["figures"]["tokens_per_s_per_gpu"]
             if best is None or tps > best[0]:
                 best = (tps, s, rung["id"])
@@ -489,6 +522,30 @@ def table(result: dict) -> str:
 
 # ---- driver -------------------------------------------------------------------------------------------------------
 
+COMPARABLE = ("max_length", "warmup", "steps", "baseline_batch", "pack_rows", "dtype")  # what --resume must match
+
+
+def resume_rungs(path: Path, dry: bool, device: dict, sizes: dict) -> dict:
+    """{(size, processes): {rung id: record}} of the measured and failed rungs in an earlier file of this benchmark,
+    after checking that its figures are comparable with this run's (same device name, plumbing flag and sizes; the
+    data and models are rebuilt from the same seeds). Skipped rungs are left to run now."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"bench_gpu: cannot read --resume {path}: {err}. Fix: name a bench-gpu-*.json this "
+                         f"benchmark wrote.") from None
+    if old.get("benchmark") != "gpu-ladder":
+        raise SystemExit(f"bench_gpu: --resume {path} is not a GPU ladder result. Fix: name a bench-gpu-*.json.")
+    differ = [k for k in COMPARABLE if old["sizes"].get(k) != sizes[k]]
+    if old["plumbing_only"] != dry or old["device"]["name"] != device["name"] or differ:
+        what = ", ".join(differ) or ("the device" if old["device"]["name"] != device["name"] else "--dry-run")
+        raise SystemExit(f"bench_gpu: --resume {path} was measured differently ({what}: "
+                         f"{old['device']['name']}, {old['sizes']}). Fix: resume with the same device and options.")
+    return {(lad["size"], lad["processes"]): {r["id"]: r for r in lad["rungs"]
+                                              if r["status"] in ("measured", "failed")}
+            for lad in old["ladders"]}
+
+
 def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     """Run the ladders; (result, table, path of the JSON)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -503,10 +560,14 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     ap.add_argument("--work", type=Path, default=None, help="models, data, logs (default: a temporary folder)")
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--steps", type=int)
-    ap.add_argument("--deadline-s", type=float, help="skip the rungs that would start within 30 s of this many "
-                    "seconds from the start, and cut the last one's timeout to it (default: none)")
+    ap.add_argument("--deadline-s", type=float, help="skip the rungs that would start with less than min_rung_s "
+                    "(90 s, twice that for compiled rungs) left of this many seconds from the start, and cut the "
+                    "last one's timeout to it (default: none)")
     ap.add_argument("--rung-timeout-s", type=float)
     ap.add_argument("--no-fit-check", action="store_true", help="run rungs whose memory estimate exceeds the GPU")
+    ap.add_argument("--resume", type=Path, default=None, help="a JSON this command wrote before (same device, sizes "
+                    "and data): its measured and failed rungs are carried over, and the rest run on top of them "
+                    "(a 10-minute command limit cuts a ladder in two)")
     ap.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests: rung ids given a bad setting
     args = ap.parse_args(argv)
 
@@ -532,7 +593,11 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
         if n not in layouts and (dry or n <= device["count"]):  # --dry-run: N CPU processes
             layouts.append(n)
     selected = args.rungs.split(",") if args.rungs else [r["id"] for r in RUNGS]
-    rungs = [r for r in RUNGS if r["id"] in selected]
+    unknown = set(selected) - {r["id"] for r in RUNGS}
+    if unknown:
+        raise SystemExit(f"bench_gpu: unknown rung(s) {', '.join(sorted(unknown))}. Fix: --rungs from "
+                         f"{','.join(r['id'] for r in RUNGS)}.")
+    carried = resume_rungs(args.resume, dry, device, sizes) if args.resume else {}
 
     date = now_iso()
     name = f"bench-gpu-{'cpu-plumbing' if dry else slug(device['name'])}-{file_stamp(date)}"
@@ -543,12 +608,16 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
               "untested_note": None if not dry else "CPU plumbing run: no figure here is a benchmark",
               "device": device, "gpu_count": 0 if dry else device["count"], "versions": versions(), "date": date,
               "host": os.uname().nodename, "command": sys.argv, "sizes": sizes,
+              "resumed_from": str(args.resume) if args.resume else None,
               "lengths": {**LENGTHS, "scaled_to": sizes["max_length"]}, "rungs": RUNGS, "baseline": BASELINE,
               "ladders": []}
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
     env.pop("MASTER_PORT", None)
     if dry:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path even on a GPU machine
+    else:  # every rung alike: fewer fragmentation OOMs as packed lengths vary (torchtitan sets it too)
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    result["rung_env"] = {k: env.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")}
 
     def save():
         result["duration_s"] = time.time() - t0
@@ -565,6 +634,8 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
         for s in size_names:
             result.setdefault("models", {})[s] = {"config": SIZES[s], "parameters": params[s]}
         ctx = dict(sizes=sizes, device=device, work=work, params=params, dry_run=dry, t0=t0, env=env,
+                   carried=carried, rungs_named=args.rungs is not None,
+                   resume_from=str(args.resume) if args.resume else None,
                    deadline_s=sizes["deadline_s"], fit_check=not args.no_fit_check,
                    build_device="cpu" if dry else "cuda",
                    inject_failure=set(filter(None, args.inject_failure.split(","))))
@@ -574,7 +645,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
             for n in layouts:
                 lad = {"size": s, "processes": n, "parameters": params[s], "rungs": []}
                 result["ladders"].append(lad)  # saved after every rung: a killed run keeps what it measured
-                ladder(lad, ctx, rungs, save)
+                ladder(lad, ctx, selected, save)
     save()
     from fsdp_recipes.bench_plot import plot_gpu_ladders
 

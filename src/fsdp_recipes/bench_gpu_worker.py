@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+WARMUP_PEAKS = "bench_warmup_peaks.json"  # in the rung's output_dir: peak device memory up to the end of warm-up
 
 
 def worker(argv: list[str]) -> int:
@@ -33,9 +36,15 @@ def worker(argv: list[str]) -> int:
 
     from fsdp_recipes import train_sft
     from fsdp_recipes.preemption import PreemptionCallback
-    from fsdp_recipes.run_report import COUNTS, RunReportCallback
+    from fsdp_recipes.dist_utils import all_reduce
+    from fsdp_recipes.run_report import COUNTS, RunReportCallback, write_json_atomic
 
     script, training, model_args, mixture, pack = train_sft.parse_args(argv[split + 1:])
+    if wargs.compile != "none" and training.use_liger_kernel:
+        # Liger's RoPE runs behind @torch.compiler.disable (liger_kernel/backends/dispatch.py, 0.8.5): a graph break
+        # inside every compiled layer, within the activation-checkpoint region dynamo must trace whole. Inductor
+        # fuses RoPE itself, so the compiled rungs keep Liger's RMSNorm and SwiGLU and leave RoPE to the compiler.
+        training.liger_kernel_config = {**(training.liger_kernel_config or {}), "rope": False}
     peft_config = get_peft_config(model_args)
     report = RunReportCallback(training.output_dir, train_sft.resolved_args(script, training, model_args, mixture,
                                                                             pack, peft_config), "bench-gpu")
@@ -52,6 +61,15 @@ def worker(argv: list[str]) -> int:
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == wargs.warmup:
                 sync()
+                if torch.cuda.is_available():
+                    # The peaks so far include the model load, compilation and autotuning; the run report's peaks
+                    # then cover the measured steps only (a collective: every rank is at this step end).
+                    alloc, reserved = all_reduce([torch.cuda.max_memory_allocated(),
+                                                  torch.cuda.max_memory_reserved()], "max")
+                    if report.is_main:
+                        write_json_atomic(Path(training.output_dir) / WARMUP_PEAKS, {
+                            "device_allocated_bytes": int(alloc), "device_reserved_bytes": int(reserved)})
+                    torch.cuda.reset_peak_memory_stats()
                 report.train_start = time.time()
                 for k in COUNTS:  # in place: the trainer holds this counter too
                     setattr(report.tokens, k, 0)
@@ -64,12 +82,17 @@ def worker(argv: list[str]) -> int:
                                           PreemptionCallback())
         model = trainer.model
         if wargs.float8 == "true":
-            from torchao.float8 import convert_to_float8_training
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-            convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn != "lm_head")
+            # pad_inner_dim: the weight gradient's matmul runs over the token count, which torch._scaled_mm needs
+            # to be a multiple of 16; packed rows have any length (torchao 0.18 leaves padding off by default)
+            convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True),
+                                       module_filter_fn=lambda mod, fqn: fqn != "lm_head")
         if wargs.compile != "none":
             for layer in model.model.layers:  # compiled in place: FSDP2 still finds MistralDecoderLayer to wrap
-                layer.compile(backend=wargs.compile)
+                # dynamic: every packed row has another length; without it dynamo compiles a static graph first,
+                # then recompiles with a symbolic length (two cold compiles per layer graph inside the rung's time)
+                layer.compile(backend=wargs.compile, dynamic=True)
         trainer.callback_handler.callbacks.insert(0, ExcludeWarmup())
         trainer.train()
     except BaseException as err:

@@ -20,10 +20,13 @@ and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
 
 With activation checkpointing only each layer's input (c*h) stays, plus one layer's full set during its
 recompute. TRL 1.16's SFTTrainer computes the loss through a fused, chunked LM head, so full logits are never
-materialised; one tile of at most 4096 tokens x 4096 vocabulary entries is, and is counted. Worst case: every
+materialised; one tile of at most 4096 tokens x 32768 vocabulary entries is (trl/kernels/chunked_logprob.py), and
+is counted, as is what its backward accumulates in fp32: the hidden states' gradient, and in full fine-tuning the
+head weight's gradient (vocab x hidden x 4 bytes: 2 GiB for a 131k vocabulary at hidden 4096). Worst case: every
 sequence max_length long.
 
-Communication buffers: FSDP all-gathers one decoder layer's parameters at the compute width while
+Communication buffers (also at world size 1, where FSDP2 still casts each layer to a compute-width copy): FSDP
+all-gathers one decoder layer's parameters at the compute width while
 prefetching the next (2 layers), plus that layer's gradients for the reduce-scatter; the root unit
 (embeddings, final norm, LM head) stays gathered for the whole step. DDP keeps a gradient bucket copy of
 every trainable parameter (gradient_as_bucket_view is off by default).
@@ -39,7 +42,7 @@ import math
 
 GIB = 1024**3
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adafactor": 4}  # per trainable parameter, fp32 states
-LM_HEAD_TILE = 4096  # TRL's chunked log-prob tile is at most TOKEN_CHUNK_SIZE tokens x 4096 vocabulary entries
+LM_HEAD_TILE = 32768  # TRL's chunked log-prob tile: TOKEN_CHUNK_SIZE (4096) tokens x _CHUNKED_LOGPROB_CHUNK_SIZE
 
 
 @dataclasses.dataclass
@@ -134,8 +137,10 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     else:
         activations = s.tokens * m.layers * per_layer
     tile = min(s.tokens, 4096) * min(m.vocab, LM_HEAD_TILE) * 4
-    activations += s.tokens * m.hidden * 4 * 2 + tile  # final norm (fp32) + the fused LM head's tile
-    if s.strategy in ("FSDP", "HSDP") and s.shard > 1:
+    # the fused head's backward accumulates in fp32: the hidden states' gradient, and the head's when it trains
+    head_grads = s.tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 if m.trainable == m.params else 0)
+    activations += s.tokens * m.hidden * 4 * 2 + tile + head_grads  # + final norm (fp32)
+    if s.strategy in ("FSDP", "HSDP"):
         comm = (2 * m.layer_params + m.root_params) * s.compute_bytes + m.layer_trainable * master
     elif s.strategy == "DDP":
         comm = m.trainable * master
