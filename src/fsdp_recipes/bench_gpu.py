@@ -341,6 +341,7 @@ def figures(metrics: dict, sizes: dict, warmup_peaks: dict | None = None) -> dic
         "peak_reserved_gib": gib(pm["device_reserved_bytes"]),
         "warmup_peak_allocated_gib": gib(wp.get("device_allocated_bytes")),
         "warmup_peak_reserved_gib": gib(wp.get("device_reserved_bytes")),
+        "warmup_host_rss_gib": gib(wp.get("host_rss_bytes")),
         "host_rss_gib": gib(pm["host_rss_bytes"]),
         "measured_steps": sizes["steps"],
         "warmup_steps_excluded": sizes["warmup"],

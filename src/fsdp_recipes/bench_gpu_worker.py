@@ -36,7 +36,6 @@ def worker(argv: list[str]) -> int:
 
     from fsdp_recipes import train_sft
     from fsdp_recipes.preemption import PreemptionCallback
-    from fsdp_recipes.dist_utils import all_reduce
     from fsdp_recipes.run_report import COUNTS, RunReportCallback, write_json_atomic
 
     script, training, model_args, mixture, pack = train_sft.parse_args(argv[split + 1:])
@@ -61,14 +60,15 @@ def worker(argv: list[str]) -> int:
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == wargs.warmup:
                 sync()
+                # The peaks so far include the model load, compilation and autotuning; reset here, the run report's
+                # peaks cover the measured steps only. (peaks_so_far is a collective: every rank is at this step.)
+                peaks = report.peaks_so_far()
+                if report.is_main:
+                    write_json_atomic(Path(training.output_dir) / WARMUP_PEAKS, {
+                        "device_allocated_bytes": int(peaks["allocated"]) if peaks["allocated"] >= 0 else None,
+                        "device_reserved_bytes": int(peaks["reserved"]) if peaks["reserved"] >= 0 else None,
+                        "host_rss_bytes": int(peaks["host_rss"])})
                 if torch.cuda.is_available():
-                    # The peaks so far include the model load, compilation and autotuning; the run report's peaks
-                    # then cover the measured steps only (a collective: every rank is at this step end).
-                    alloc, reserved = all_reduce([torch.cuda.max_memory_allocated(),
-                                                  torch.cuda.max_memory_reserved()], "max")
-                    if report.is_main:
-                        write_json_atomic(Path(training.output_dir) / WARMUP_PEAKS, {
-                            "device_allocated_bytes": int(alloc), "device_reserved_bytes": int(reserved)})
                     torch.cuda.reset_peak_memory_stats()
                 report.train_start = time.time()
                 for k in COUNTS:  # in place: the trainer holds this counter too
