@@ -42,8 +42,9 @@ its fused LM head and metrics, the pack's run report, completion-marker and pree
       attention costs as much as one 8192-token sequence: the JSON records which one ran).
   2   Liger kernels: `use_liger_kernel: true` (RMSNorm, SwiGLU, RoPE; TRL keeps its own fused LM head, so Liger's
       fused cross-entropy is off). Skipped, with the reason, without CUDA or liger_kernel.
-  3   regional torch.compile: `layer.compile(dynamic=True)` on every decoder layer before FSDP2 wraps it
-      (torchtitan's way; dynamo skips FSDP2's hooks; dynamic because every packed row has another length). On top
+  3   regional torch.compile, accelerate's: the rung's accelerate YAML gets `dynamo_config` (backend INDUCTOR,
+      dynamo_use_regional_compilation, dynamo_use_dynamic), so accelerate compiles each decoder layer in place
+      before fully_shard (torchtitan's per-block recipe) exactly as a recipe with those YAML lines would. On top
       of Liger, Liger's RoPE is left to the compiler (bench_gpu_worker.py says why).
   4   torchao float8 training: convert_to_float8_training (tensorwise dynamic scaling, pad_inner_dim) on every
       nn.Linear but the LM head. Skipped, with the reason, without CUDA, without torchao, or below compute
@@ -81,7 +82,7 @@ met from measured figures.
 
 `--dry-run`: the same ladder on CPU processes (CUDA hidden), a tiny Mistral (hidden 64, 2 layers), sequence 128,
 1 warm-up and 2 measured steps, fp32, 1 process; Liger and float8 are skipped (they need CUDA) and compile uses
-the aot_eager backend (dynamo and AOTAutograd, no inductor). It tests the plumbing only: its JSON says
+the AOT_EAGER backend (dynamo and AOTAutograd, no inductor). It tests the plumbing only: its JSON says
 `"plumbing_only": true` and its table says its figures are not benchmarks.
 """
 
@@ -103,7 +104,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdp_recipes.bench_gpu_worker import WARMUP_PEAKS
+from fsdp_recipes.bench_gpu_worker import WARMUP_FILE
 
 REPO = Path(__file__).resolve().parents[2]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
@@ -282,12 +283,24 @@ def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
     return total
 
 
-def accelerate_yaml(path: Path, processes: int, reshard: bool, mixed_precision: str) -> Path:
+def dynamo_config(backend: str) -> dict:
+    """Regional compilation as accelerate does it, and as a recipe's accelerate YAML would ask for it: with FSDP2,
+    accelerate (1.15, Accelerator._prepare_fsdp2 -> compile_regions_fsdp2) compiles each repeated block (the decoder
+    layers) in place before fully_shard, torchtitan's per-block recipe, setting dynamo's flags for compile under
+    activation checkpointing. Dynamic: every packed row has another length, and a static first compile would be
+    followed by a second, dynamic one."""
+    return {"dynamo_backend": backend, "dynamo_use_regional_compilation": True, "dynamo_use_dynamic": True}
+
+
+def accelerate_yaml(path: Path, processes: int, reshard: bool, mixed_precision: str,
+                    compile_backend: str | None = None) -> Path:
     import yaml
 
     cfg = yaml.safe_load(ACCELERATE_TEMPLATE.read_text())
     cfg.update(num_processes=processes, mixed_precision=mixed_precision)
     cfg["fsdp_config"]["fsdp_reshard_after_forward"] = reshard
+    if compile_backend:
+        cfg["dynamo_config"] = dynamo_config(compile_backend)
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -327,7 +340,7 @@ def error_line(log: str, metrics: dict | None) -> str:
 
 def figures(metrics: dict, sizes: dict, warmup_peaks: dict | None = None) -> dict:
     """The headline figures, read from the run's metrics.json (which covers the measured steps only) and the peaks
-    the worker recorded up to the end of warm-up (model load, compilation; bench_gpu_worker.WARMUP_PEAKS)."""
+    the worker recorded up to the end of warm-up (model load, compilation; bench_gpu_worker.WARMUP_FILE)."""
     pm = metrics["peak_memory"]
     wp = warmup_peaks or {}
     tok = metrics["tokens"]
@@ -342,6 +355,7 @@ def figures(metrics: dict, sizes: dict, warmup_peaks: dict | None = None) -> dic
         "warmup_peak_allocated_gib": gib(wp.get("device_allocated_bytes")),
         "warmup_peak_reserved_gib": gib(wp.get("device_reserved_bytes")),
         "warmup_host_rss_gib": gib(wp.get("host_rss_bytes")),
+        "compiled_graphs": wp.get("compiled_graphs"),  # dynamo's unique graphs by the end of warm-up, rank 0
         "host_rss_gib": gib(pm["host_rss_bytes"]),
         "measured_steps": sizes["steps"],
         "warmup_steps_excluded": sizes["warmup"],
@@ -424,11 +438,11 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             continue
         out_dir = work / f"run-{size}-{processes}-{rung['id']}"
         shutil.rmtree(out_dir, ignore_errors=True)  # never read a metrics.json left by an earlier invocation
+        backend = ("AOT_EAGER" if ctx["dry_run"] else "INDUCTOR") if s["compile"] else None
         yaml_path = accelerate_yaml(work / f"accelerate-{size}-{processes}-{rung['id']}.yaml", processes,
-                                    s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16")
-        worker = ["--warmup", str(sizes["warmup"]),
-                  "--compile", ("aot_eager" if ctx["dry_run"] else "inductor") if s["compile"] else "none",
-                  "--float8", "true" if s["float8"] else "false", "--"]
+                                    s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16", backend)
+        rec["dynamo_config"] = dynamo_config(backend) if backend else None
+        worker = ["--warmup", str(sizes["warmup"]), "--float8", "true" if s["float8"] else "false", "--"]
         args = sft_args(s, model_dir, ctx["data_dir"], out_dir, sizes, bf16=not ctx["dry_run"])
         if rung["id"] in ctx["inject_failure"]:  # tests: a setting the entry point rejects
             args += ["--no_such_setting", "1"]
@@ -451,7 +465,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         ok = rc == 0 and metrics and metrics["status"] == "completed" and (metrics["tokens_per_second"] or 0) > 0
         if ok:
             rec["status"] = "measured"
-            wpath = out_dir / WARMUP_PEAKS
+            wpath = out_dir / WARMUP_FILE
             rec["figures"] = figures(metrics, sizes, json.loads(wpath.read_text()) if wpath.is_file() else None)
             tps = rec["figures"]["tokens_per_s_per_gpu"]
             if best is None or tps > best[0]:

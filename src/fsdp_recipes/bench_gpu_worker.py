@@ -1,28 +1,29 @@
 """One rung of the GPU ladder (bench_gpu.py), run inside `accelerate launch`:
 
     accelerate launch --config_file <rung>.yaml -m fsdp_recipes.bench_gpu_worker \
-        --warmup 4 --compile none|inductor|aot_eager --float8 false|true -- <the entry point's flags>
+        --warmup 4 --float8 false|true -- <the entry point's flags>
 
 The entry point's trainer (train_sft.parse_args + build_trainer, as bench_overhead.py drives it), plus what the
-entry point has no flag for (regional torch.compile, torchao float8), with the warm-up steps excluded from the run
-report's clock and token counters. Its figures are the run's own metrics.json, which bench_gpu.py reads.
+entry point has no flag for (torchao float8), with the warm-up steps excluded from the run report's clock and token
+counters. Regional compilation is not done here: the rung's accelerate YAML asks for it (`dynamo_config`), as a
+recipe would. Its figures are the run's own metrics.json, which bench_gpu.py reads.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
-WARMUP_PEAKS = "bench_warmup_peaks.json"  # in the rung's output_dir: peak device memory up to the end of warm-up
+WARMUP_FILE = "bench_warmup.json"  # in the rung's output_dir: peaks up to the end of warm-up, graphs compiled by then
 
 
 def worker(argv: list[str]) -> int:
     """One rung: the entry point's trainer, plus compile/float8, with warm-up excluded from the report's clock."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--warmup", type=int, required=True)
-    ap.add_argument("--compile", choices=["none", "inductor", "aot_eager"], default="none")
     ap.add_argument("--float8", default="false")
     split = argv.index("--")
     wargs = ap.parse_args(argv[:split])
@@ -39,7 +40,8 @@ def worker(argv: list[str]) -> int:
     from fsdp_recipes.run_report import COUNTS, RunReportCallback, write_json_atomic
 
     script, training, model_args, mixture, pack = train_sft.parse_args(argv[split + 1:])
-    if wargs.compile != "none" and training.use_liger_kernel:
+    compiled = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() != "NO"  # set by the YAML's dynamo_config
+    if compiled and training.use_liger_kernel:
         # Liger's RoPE runs behind @torch.compiler.disable (liger_kernel/backends/dispatch.py, 0.8.5): a graph break
         # inside every compiled layer, within the activation-checkpoint region dynamo must trace whole. Inductor
         # fuses RoPE itself, so the compiled rungs keep Liger's RMSNorm and SwiGLU and leave RoPE to the compiler.
@@ -47,7 +49,8 @@ def worker(argv: list[str]) -> int:
     peft_config = get_peft_config(model_args)
     report = RunReportCallback(training.output_dir, train_sft.resolved_args(script, training, model_args, mixture,
                                                                             pack, peft_config), "bench-gpu")
-    report.resolved_args["bench_worker"] = vars(wargs)
+    report.resolved_args["bench_worker"] = {**vars(wargs), "accelerate_dynamo": {
+        k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_DYNAMO_")}}
 
     def sync():
         if torch.cuda.is_available():
@@ -64,10 +67,13 @@ def worker(argv: list[str]) -> int:
                 # peaks cover the measured steps only. (peaks_so_far is a collective: every rank is at this step.)
                 peaks = report.peaks_so_far()
                 if report.is_main:
-                    write_json_atomic(Path(training.output_dir) / WARMUP_PEAKS, {
+                    from torch._dynamo.utils import counters
+
+                    write_json_atomic(Path(training.output_dir) / WARMUP_FILE, {
                         "device_allocated_bytes": int(peaks["allocated"]) if peaks["allocated"] >= 0 else None,
                         "device_reserved_bytes": int(peaks["reserved"]) if peaks["reserved"] >= 0 else None,
-                        "host_rss_bytes": int(peaks["host_rss"])})
+                        "host_rss_bytes": int(peaks["host_rss"]),
+                        "compiled_graphs": counters["stats"]["unique_graphs"]})  # evidence that compile ran
                 if torch.cuda.is_available():
                     torch.cuda.reset_peak_memory_stats()
                 report.train_start = time.time()
@@ -88,11 +94,6 @@ def worker(argv: list[str]) -> int:
             # to be a multiple of 16; packed rows have any length (torchao 0.18 leaves padding off by default)
             convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True),
                                        module_filter_fn=lambda mod, fqn: fqn != "lm_head")
-        if wargs.compile != "none":
-            for layer in model.model.layers:  # compiled in place: FSDP2 still finds MistralDecoderLayer to wrap
-                # dynamic: every packed row has another length; without it dynamo compiles a static graph first,
-                # then recompiles with a symbolic length (two cold compiles per layer graph inside the rung's time)
-                layer.compile(backend=wargs.compile, dynamic=True)
         trainer.callback_handler.callbacks.insert(0, ExcludeWarmup())
         trainer.train()
     except BaseException as err:
