@@ -21,7 +21,7 @@ WARMUP_FILE = "bench_warmup.json"  # in the rung's output_dir: peaks up to the e
 
 
 def worker(argv: list[str]) -> int:
-    """One rung: the entry point's trainer, plus compile/float8, with warm-up excluded from the report's clock."""
+    """One rung: the entry point's trainer, plus float8, with warm-up excluded from the report's clock."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--float8", default="false")
