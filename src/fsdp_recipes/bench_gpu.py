@@ -71,7 +71,8 @@ token-weighted mean document length), peak memory (torch.cuda.max_memory_allocat
 over ranks, of the measured steps; the peaks up to the end of warm-up are kept beside them). Warm-up is excluded:
 at the end of step `--warmup` (default 4: the first steps compile, allocate and tune) the worker synchronizes the
 device, records and resets the memory peaks, and restarts the report's training clock and token counters, and it
-synchronizes again before the report reads the clock at the end; so tokens/s and MFU cover only the `--steps` measured steps (default 16). Not included:
+synchronizes again before the report reads the clock at the end; so tokens/s and MFU cover only the `--steps`
+measured steps (default 16). Not included:
 process start, imports, model load, data preparation, FSDP wrapping, saving (no final save is made), evaluation.
 
 Output: bench/results/bench-gpu-<device-slug>-<date>T<HHMM>Z[-<sizes>].json (device, GPU count, versions, date, every
@@ -128,7 +129,9 @@ GPU_RUN = dict(max_length=4096, warmup=4, steps=16, baseline_batch=8, pack_rows=
                rung_timeout_s=360, deadline_s=None, min_rung_s=90)
 DRY_RUN = dict(max_length=128, warmup=1, steps=2, baseline_batch=8, pack_rows=2, dtype="float32",
                rung_timeout_s=120, deadline_s=None, min_rung_s=5)
-COMPILE_TIME_FACTOR = 2  # a compiled rung's minimum time (min_rung_s) and 1.5x its timeout: inductor's cold compile
+# A compiled rung needs longer for inductor's cold compile: this many times min_rung_s left, and its timeout scaled.
+COMPILE_MIN_TIME_FACTOR = 2
+COMPILE_TIMEOUT_FACTOR = 1.5
 FIT_FRACTION = 0.92  # run a rung only if memory_budget's estimate is within this share of the GPU: allocator slack
 
 BASELINE = dict(packing=False, attn="sdpa", batch="baseline", liger=False, compile=False, float8=False,
@@ -293,14 +296,14 @@ def dynamo_config(backend: str) -> dict:
 
 
 def accelerate_yaml(path: Path, processes: int, reshard: bool, mixed_precision: str,
-                    compile_backend: str | None = None) -> Path:
+                    dynamo: dict | None = None) -> Path:
     import yaml
 
     cfg = yaml.safe_load(ACCELERATE_TEMPLATE.read_text())
     cfg.update(num_processes=processes, mixed_precision=mixed_precision)
     cfg["fsdp_config"]["fsdp_reshard_after_forward"] = reshard
-    if compile_backend:
-        cfg["dynamo_config"] = dynamo_config(compile_backend)
+    if dynamo:
+        cfg["dynamo_config"] = dynamo
     path.write_text(yaml.safe_dump(cfg))
     return path
 
@@ -390,12 +393,17 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
     carried = ctx["carried"].get((size, processes), {})
     best = None  # (tokens/s per GPU, settings, rung id) of the fastest measured rung
     model_dir, build_error = None, None
+
+    def faster(rec: dict):  # best, after a measured rung (measured now or carried)
+        tps = rec["figures"]["tokens_per_s_per_gpu"]
+        return (tps, rec["config"], rec["id"]) if best is None or tps > best[0] else best
+
     for rung in RUNGS:
         prev = carried.get(rung["id"])
         if prev is not None and not (ctx["rungs_named"] and rung["id"] in selected):
             lad["rungs"].append({**prev, "carried_from": prev.get("carried_from") or ctx["resume_from"]})
-            if prev["status"] == "measured" and (best is None or prev["figures"]["tokens_per_s_per_gpu"] > best[0]):
-                best = (prev["figures"]["tokens_per_s_per_gpu"], prev["config"], prev["id"])
+            if prev["status"] == "measured":
+                best = faster(prev)
             print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): {prev['status']} in "
                   f"{ctx['resume_from']}, carried over", flush=True)
             continue
@@ -408,7 +416,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         elapsed = time.time() - ctx["t0"]
         reason = why_skip(rung, s, device)
         deadline = ctx["deadline_s"]
-        need = sizes["min_rung_s"] * (COMPILE_TIME_FACTOR if s["compile"] else 1)
+        need = sizes["min_rung_s"] * (COMPILE_MIN_TIME_FACTOR if s["compile"] else 1)
         if reason is None and deadline is not None and deadline - elapsed < need:
             # a rung that starts with less left is killed before it measures anything (start, load, warm-up)
             reason = (f"time budget: {elapsed:.0f} s of --deadline-s {deadline:.0f} spent, under {need:.0f} s left "
@@ -438,10 +446,10 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             continue
         out_dir = work / f"run-{size}-{processes}-{rung['id']}"
         shutil.rmtree(out_dir, ignore_errors=True)  # never read a metrics.json left by an earlier invocation
-        backend = ("AOT_EAGER" if ctx["dry_run"] else "INDUCTOR") if s["compile"] else None
+        rec["dynamo_config"] = dynamo_config("AOT_EAGER" if ctx["dry_run"] else "INDUCTOR") if s["compile"] else None
         yaml_path = accelerate_yaml(work / f"accelerate-{size}-{processes}-{rung['id']}.yaml", processes,
-                                    s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16", backend)
-        rec["dynamo_config"] = dynamo_config(backend) if backend else None
+                                    s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16",
+                                    rec["dynamo_config"])
         worker = ["--warmup", str(sizes["warmup"]), "--float8", "true" if s["float8"] else "false", "--"]
         args = sft_args(s, model_dir, ctx["data_dir"], out_dir, sizes, bf16=not ctx["dry_run"])
         if rung["id"] in ctx["inject_failure"]:  # tests: a setting the entry point rejects
@@ -450,7 +458,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
                "--num_processes", str(processes), "--main_process_port", "0",
                "-m", "fsdp_recipes.bench_gpu_worker", *worker, *args]
         rec["command"] = " ".join(cmd)
-        timeout = sizes["rung_timeout_s"] * (1.5 if s["compile"] else 1)
+        timeout = sizes["rung_timeout_s"] * (COMPILE_TIMEOUT_FACTOR if s["compile"] else 1)
         if deadline is not None:
             timeout = min(timeout, deadline - (time.time() - ctx["t0"]))
         env = dict(ctx["env"], TORCH_LOGS="graph_breaks,recompiles") if s["compile"] else ctx["env"]
@@ -467,10 +475,9 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             rec["status"] = "measured"
             wpath = out_dir / WARMUP_FILE
             rec["figures"] = figures(metrics, sizes, json.loads(wpath.read_text()) if wpath.is_file() else None)
-            tps = rec["figures"]["tokens_per_s_per_gpu"]
-            if best is None or tps > best[0]:
-                best = (tps, s, rung["id"])
-            print(f"[bench-gpu]   {tps:,.0f} tokens/s/GPU in {rec['wall_s']:.0f} s", flush=True)
+            best = faster(rec)
+            print(f"[bench-gpu]   {rec['figures']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU in {rec['wall_s']:.0f} s",
+                  flush=True)
         else:
             why = f"timed out after {timeout:.0f} s" if rc is None else error_line(log, metrics)
             rec.update(status="failed", error=why, returncode=rc)

@@ -258,10 +258,9 @@ def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmu
             runs.append({"rep": rep, "side": side, "step_times_s": times, "median_step_s": statistics.median(times),
                          "step_cpu_s": step_times(spans[side], warmup, which=1)})
         if rank == 0:
-            ratios = [p / b for p, b in zip(runs[-2]["step_times_s"], runs[-1]["step_times_s"])]
+            pct = overhead_of({r["side"]: r["step_times_s"] for r in runs[-2:]}, paired=True)
             print(f"[bench-overhead] rep {rep}: median step pack {runs[-2]['median_step_s']:.3f} s, "
-                  f"bare {runs[-1]['median_step_s']:.3f} s, median pair ratio {statistics.median(ratios):.3f}",
-                  flush=True)
+                  f"bare {runs[-1]['median_step_s']:.3f} s, overhead {pct:+.1f}%", flush=True)
     world = dist.get_world_size() if dist.is_initialized() else 1
     result = {"design": "paired", "world_size": world, "fsdp": "FSDP2 (cpu_fsdp adapter, gloo)" if fsdp else None,
               "torch_threads": torch.get_num_threads(), "batch_per_rank": batch, "seq_len": seq,
