@@ -15,6 +15,11 @@ K8S_ARGS ?=
 RUNS ?=
 PYTEST_ARGS ?=
 STAMP := $(VENV)/.installed
+# torchao for the float8 tests only, in its own directory that tests/test_float8.py puts on PYTHONPATH. Under torch
+# 2.13 its C++ extensions (built for torch 2.11) fail to load with four warnings in every process that imports
+# peft (peft imports torchao whenever it is installed); inside the venv they would break every one-line error.
+FLOAT8_SITE := $(VENV)/float8-site
+TORCHAO_SPEC ?= torchao==0.18.0
 
 .DEFAULT_GOAL := help
 .PHONY: help venv finetune smoke plan k8s report bench test test-fast tiny-assets sync-configs bench-loading bench-gpu export clean
@@ -34,6 +39,8 @@ $(STAMP): pyproject.toml
 	@$(PY) -m pip install --disable-pip-version-check "$(TORCH_SPEC)"
 	@echo "[venv] installing the pack and its pinned dependencies"
 	@$(PY) -m pip install --disable-pip-version-check -e ".[test]"
+	@echo "[venv] installing $(TORCHAO_SPEC) into $(FLOAT8_SITE), for the float8 tests"
+	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(FLOAT8_SITE) "$(TORCHAO_SPEC)"
 	@touch $@
 	@echo "[venv] ready"
 

@@ -11,6 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's bin: python, accelerate
+# torchao, for the float8 tests only: `make venv` installs it here, outside site-packages (the Makefile says why)
+FLOAT8_SITE = BIN.parent / "float8-site"
 
 
 @pytest.fixture(scope="session")

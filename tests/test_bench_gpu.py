@@ -12,6 +12,7 @@ import statistics
 
 import pytest
 
+from conftest import FLOAT8_SITE
 from fsdp_recipes import bench, bench_gpu
 from fsdp_recipes.run_report import file_stamp
 
@@ -20,9 +21,13 @@ RUNG_IDS = ["0", "1", "2", "3", "4", "5a", "5b", "5c"]
 
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory, cache_dir):
-    """One dry-run ladder (~1 minute on 2 cores), with rung 5b given a setting the entry point rejects."""
+    """One dry-run ladder (~1 minute on 2 cores), with rung 5b given a setting the entry point rejects; torchao
+    from FLOAT8_SITE is on the path of the ladder and its rungs, so rung 4 (float8) runs too."""
     out = tmp_path_factory.mktemp("bench-gpu")
-    result, text, path = bench_gpu.run(["--dry-run", "--results", str(out), "--inject-failure", "5b"])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(FLOAT8_SITE))
+        mp.setenv("PYTHONPATH", str(FLOAT8_SITE))
+        result, text, path = bench_gpu.run(["--dry-run", "--results", str(out), "--inject-failure", "5b"])
     return result, text, path
 
 
@@ -57,10 +62,9 @@ def test_dry_run_ladder_runs_end_to_end_and_says_it_is_plumbing(dry):
             assert r["reason"], r["id"]
         else:
             assert r["id"] == "5b", r  # the injected failure only
-    # Liger and float8 need CUDA; everything else really ran
-    assert {i for i, r in rungs.items() if r["status"] == "skipped"} == {"2", "4"}
-    assert all("CUDA" in rungs[i]["reason"] for i in ("2", "4"))
-    assert {i for i, r in rungs.items() if r["status"] == "measured"} == {"0", "1", "3", "5a", "5c"}
+    # Liger needs CUDA; everything else really ran (float8 on torch's reference CPU float8 matmul)
+    assert {i for i, r in rungs.items() if r["status"] == "skipped"} == {"2"} and "CUDA" in rungs["2"]["reason"]
+    assert {i for i, r in rungs.items() if r["status"] == "measured"} == {"0", "1", "3", "4", "5a", "5c"}
 
 
 @pytest.mark.slow
@@ -80,6 +84,9 @@ def test_dry_run_rungs_run_what_they_claim(dry):
     # regional compile through accelerate's own path (the rung's YAML), and it really compiled: dynamo made graphs
     assert rungs["3"]["dynamo_config"]["dynamo_backend"] == "AOT_EAGER" and rungs["0"]["dynamo_config"] is None
     assert rungs["3"]["figures"]["compiled_graphs"] > 0 and rungs["0"]["figures"]["compiled_graphs"] == 0
+    # float8 as the recipe setting: the entry point converted the tiny model's 8 decoder linears, not the LM head
+    assert "--float8 true" in rungs["4"]["command"] and "--float8 false" in r0["command"]
+    assert rungs["4"]["float8_linear_layers"] == {"converted": 14, "linear": 15}
     assert rungs["5a"]["config"]["activation_checkpointing"] == "none"
     assert r0["metrics_json"]["sharding_strategy"] == "FULL_SHARD"
     assert rungs["5c"]["metrics_json"]["sharding_strategy"] == "SHARD_GRAD_OP"  # reshard_after_forward False
@@ -156,14 +163,15 @@ def test_table_and_skip_reasons(monkeypatch):
     h100 = {"type": "cuda", "capability": [9, 0]}
     a100 = {"type": "cuda", "capability": [8, 0]}
     f8 = next(r for r in bench_gpu.RUNGS if r["id"] == "4")
-    assert "CUDA" in bench_gpu.why_skip(f8, {}, cpu)
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     assert "torchao is not importable" in bench_gpu.why_skip(f8, {}, h100)
+    assert "torchao is not importable" in bench_gpu.why_skip(f8, {}, cpu)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
     assert "8.9" in bench_gpu.why_skip(f8, {}, a100) and bench_gpu.why_skip(f8, {}, h100) is None
+    assert bench_gpu.why_skip(f8, {}, cpu) is None  # CPU: torch's reference float8 matmul (plumbing runs)
     assert bench_gpu.why_skip(next(r for r in bench_gpu.RUNGS if r["id"] == "5a"), {}, h100) is None
 
 
@@ -236,9 +244,10 @@ def test_resume_carries_the_earlier_rungs_and_builds_on_them(dry, tmp_path):
     _, _, first = dry
     result, _, path = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--resume", str(first), "--rungs", "5c"])
     rungs = {r["id"]: r for r in result["ladders"][0]["rungs"]}
-    # measured and failed rungs come over as they were; skipped ones (2, 4: no CUDA) are not; 5c, named, runs again
-    assert list(rungs) == ["0", "1", "3", "5a", "5b", "5c"]
-    assert all(rungs[i]["carried_from"] == str(first) for i in ("0", "1", "3", "5a", "5b"))
+    # measured and failed rungs come over as they were; skipped ones (2: Liger needs CUDA) are not; 5c, named, runs
+    # again
+    assert list(rungs) == ["0", "1", "3", "4", "5a", "5b", "5c"]
+    assert all(rungs[i]["carried_from"] == str(first) for i in ("0", "1", "3", "4", "5a", "5b"))
     assert "carried_from" not in rungs["5c"] and rungs["5c"]["status"] == "measured"
     old = {r["id"]: r for r in json.loads(first.read_text())["ladders"][0]["rungs"]}
     fastest = max((r for r in old.values() if r["status"] == "measured" and r["id"] != "5c"),

@@ -46,9 +46,9 @@ its fused LM head and metrics, the pack's run report, completion-marker and pree
       dynamo_use_regional_compilation, dynamo_use_dynamic), so accelerate compiles each decoder layer in place
       before fully_shard (torchtitan's per-block recipe) exactly as a recipe with those YAML lines would. On top
       of Liger, Liger's RoPE is left to the compiler (bench_gpu_worker.py says why).
-  4   torchao float8 training: convert_to_float8_training (tensorwise dynamic scaling, pad_inner_dim) on every
-      nn.Linear but the LM head. Skipped, with the reason, without CUDA, without torchao, or below compute
-      capability 8.9.
+  4   torchao float8 training: the recipe setting `float8: true` (float8.py: tensorwise dynamic scaling,
+      pad_inner_dim, every nn.Linear but the LM head), as a recipe adopting it would run. Skipped, with the
+      reason, without torchao or below compute capability 8.9.
   5a  no activation checkpointing; 5b selective activation checkpointing (TRL's policy: save the attention
       outputs, recompute the rest); 5c FSDP2 reshard_after_forward False.
 
@@ -82,8 +82,8 @@ tokens/s >= 1.5x rung 0, and >= 45% MFU for 1B full fine-tuning on one GPU. A go
 met from measured figures.
 
 `--dry-run`: the same ladder on CPU processes (CUDA hidden), a tiny Mistral (hidden 64, 2 layers), sequence 128,
-1 warm-up and 2 measured steps, fp32, 1 process; Liger and float8 are skipped (they need CUDA) and compile uses
-the AOT_EAGER backend (dynamo and AOTAutograd, no inductor). It tests the plumbing only: its JSON says
+1 warm-up and 2 measured steps, fp32, 1 process; Liger is skipped (it needs CUDA), float8 runs on torch's
+reference CPU float8 matmul where torchao is installed, and compile uses the AOT_EAGER backend (dynamo and AOTAutograd, no inductor). It tests the plumbing only: its JSON says
 `"plumbing_only": true` and its table says its figures are not benchmarks.
 """
 
@@ -105,6 +105,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fsdp_recipes import float8
 from fsdp_recipes.bench_gpu_worker import WARMUP_FILE
 
 REPO = Path(__file__).resolve().parents[2]
@@ -251,12 +252,10 @@ def why_skip(rung: dict, s: dict, device: dict) -> str | None:
             return "needs CUDA (Liger's kernels are Triton GPU kernels); this is a CPU plumbing run"
         if importlib.util.find_spec("liger_kernel") is None:
             return "liger_kernel is not importable (pip install liger-kernel; scripts/device_wheels.sh carries it)"
-    if rung["change"].get("float8"):
-        if not cuda:
-            return "needs CUDA (float8 matmuls); this is a CPU plumbing run"
+    if rung["change"].get("float8"):  # on CPU it runs (torch's reference float8 matmul): plumbing only
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not importable (pip install torchao; scripts/device_wheels.sh carries it)"
-        if tuple(device["capability"]) < (8, 9):
+        if cuda and tuple(device["capability"]) < float8.MIN_CAPABILITY:
             return f"float8 needs compute capability >= 8.9, this GPU has {device['capability'][0]}." \
                    f"{device['capability'][1]}"
     return None
@@ -316,7 +315,7 @@ def sft_args(s: dict, model_dir: Path, data_dir: Path, out_dir: Path, sizes: dic
             "--use_peft", "false", "--tiny_assets", "false", "--save_merged_model", "false", "--auto_resume", "false",
             "--dtype", sizes["dtype"], "--bf16", b(bf16), "--attn_implementation", s["attn"],
             "--max_length", str(sizes["max_length"]), "--per_device_train_batch_size", str(s["batch"]),
-            "--packing", b(s["packing"]), "--use_liger_kernel", b(s["liger"]),
+            "--packing", b(s["packing"]), "--use_liger_kernel", b(s["liger"]), "--float8", b(s["float8"]),
             "--activation_checkpointing", b(s["activation_checkpointing"] != "none"),
             "--max_steps", str(total), "--logging_steps", str(total), "--eval_strategy", "no",
             "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
@@ -450,7 +449,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         yaml_path = accelerate_yaml(work / f"accelerate-{size}-{processes}-{rung['id']}.yaml", processes,
                                     s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16",
                                     rec["dynamo_config"])
-        worker = ["--warmup", str(sizes["warmup"]), "--float8", "true" if s["float8"] else "false", "--"]
+        worker = ["--warmup", str(sizes["warmup"]), "--"]
         args = sft_args(s, model_dir, ctx["data_dir"], out_dir, sizes, bf16=not ctx["dry_run"])
         if rung["id"] in ctx["inject_failure"]:  # tests: a setting the entry point rejects
             args += ["--no_such_setting", "1"]
@@ -470,6 +469,9 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         mpath = out_dir / "metrics.json"
         metrics = json.loads(mpath.read_text()) if mpath.is_file() else None
         rec["metrics_json"] = metrics
+        apath = out_dir / "run_args.json"
+        if s["float8"] and apath.is_file():  # evidence that the layers were converted, and how many
+            rec["float8_linear_layers"] = json.loads(apath.read_text()).get("float8_linear_layers")
         ok = rc == 0 and metrics and metrics["status"] == "completed" and (metrics["tokens_per_second"] or 0) > 0
         if ok:
             rec["status"] = "measured"

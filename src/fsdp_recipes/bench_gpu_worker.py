@@ -1,12 +1,12 @@
 """One rung of the GPU ladder (bench_gpu.py), run inside `accelerate launch`:
 
     accelerate launch --config_file <rung>.yaml -m fsdp_recipes.bench_gpu_worker \
-        --warmup 4 --float8 false|true -- <the entry point's flags>
+        --warmup 4 -- <the entry point's flags>
 
-The entry point's trainer (train_sft.parse_args + build_trainer, as bench_overhead.py drives it), plus what the
-entry point has no flag for (torchao float8), with the warm-up steps excluded from the run report's clock and token
-counters. Regional compilation is not done here: the rung's accelerate YAML asks for it (`dynamo_config`), as a
-recipe would. Its figures are the run's own metrics.json, which bench_gpu.py reads.
+The entry point's trainer (train_sft.parse_args + build_trainer, as bench_overhead.py drives it), with the warm-up
+steps excluded from the run report's clock and token counters. Every rung's change is a recipe setting: float8 is
+the entry point's `--float8` (float8.py), regional compilation the rung's accelerate YAML (`dynamo_config`). Its
+figures are the run's own metrics.json, which bench_gpu.py reads.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ WARMUP_FILE = "bench_warmup.json"  # in the rung's output_dir: peaks up to the e
 
 
 def worker(argv: list[str]) -> int:
-    """One rung: the entry point's trainer, plus float8, with warm-up excluded from the report's clock."""
+    """One rung: the entry point's trainer, with warm-up excluded from the report's clock."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--warmup", type=int, required=True)
-    ap.add_argument("--float8", default="false")
     split = argv.index("--")
     wargs = ap.parse_args(argv[:split])
 
@@ -86,14 +85,6 @@ def worker(argv: list[str]) -> int:
     try:
         trainer = train_sft.build_trainer(script, training, model_args, mixture, pack, peft_config, report,
                                           PreemptionCallback())
-        model = trainer.model
-        if wargs.float8 == "true":
-            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-            # pad_inner_dim: the weight gradient's matmul runs over the token count, which torch._scaled_mm needs
-            # to be a multiple of 16; packed rows have any length (torchao 0.18 leaves padding off by default)
-            convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True),
-                                       module_filter_fn=lambda mod, fqn: fqn != "lm_head")
         trainer.callback_handler.callbacks.insert(0, ExcludeWarmup())
         trainer.train()
     except BaseException as err:

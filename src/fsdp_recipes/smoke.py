@@ -1,13 +1,15 @@
 """`make smoke RECIPE=<any>`: a recipe's own launch path on CPU, with a tiny model of its architecture.
 
 `FSDP_RECIPES_SMOKE=1 recipes/<name>/launch.sh` (what `make smoke` runs) goes through the same launcher,
-checks, `accelerate launch`, SFTTrainer and saving as the real job, with four substitutions, each printed:
+checks, `accelerate launch`, SFTTrainer and saving as the real job, with these substitutions, each printed:
 
 - the model: the recipe's hub config (its shipped `model_config.json`) loaded with AutoConfig, kept as it
   is -- architecture class, decoder layer class, GQA, rope scaling, biases, tied embeddings -- except for
   fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
   save_pretrained and loaded back through from_pretrained;
 - the data: the local synthetic chat dataset (tiny_assets);
+- attention: flash-attn (CUDA only) becomes sdpa; `float8: true` is kept where torchao is installed (its float8
+  matmuls run on CPU, slowly) and turned off where it is not;
 - the accelerate YAML: the recipe's own, with the processes scaled to 2 on one machine (an HSDP recipe
   keeps 2 replicas of 2 shards, 4 processes, so that both dimensions exist);
 - the length of the run: a few optimizer steps and one checkpoint, in runs/smoke/<name>.
@@ -19,6 +21,7 @@ and final saving with the recipe's state-dict type. What it cannot show: memory 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -119,6 +122,10 @@ def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str]]:
     if str(sft.get("attn_implementation", "")).startswith("flash_attention"):
         smoke_args += ["--attn_implementation", "sdpa"]
         say("attention: flash-attn needs CUDA -> sdpa")
+    if sft.get("float8") and importlib.util.find_spec("torchao") is None:
+        # float8 itself runs on CPU (torch's reference float8 matmul) when torchao is there: then it is kept
+        smoke_args += ["--float8", "false"]
+        say("float8: torchao is not installed here -> off (pip install torchao to smoke-test that path too)")
     scaled = scale_accelerate(acc)
     path = cache_dir() / "smoke" / f"{recipe.name}.accelerate.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes import config_check, cpu_fsdp, start_gate
+from fsdp_recipes import config_check, cpu_fsdp, float8, start_gate
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.paths import expand
 
@@ -50,6 +50,11 @@ class PackArguments:
         default=None,
         metadata={"help": "Also write the run's gauges to this .prom file (in node_exporter's textfile-collector "
                           "directory) at every training log, as <output_dir>/metrics.prom is written."},
+    )
+    float8: bool = field(
+        default=False,
+        metadata={"help": "torchao float8 training of the decoder's linear layers: full fine-tuning on a GPU of "
+                          "compute capability 8.9+ (H100, H200); on CPU it runs, no faster. See float8.py."},
     )
     preemption_grace_s: int = field(
         default=120,
@@ -96,6 +101,7 @@ def check_before_launch(script, training, model, mixture, pack, nodes: int = 1) 
     config_check.check_attn_implementation(model.attn_implementation)
     config_check.check_local_model(model.model_name_or_path)
     config_check.check_prometheus_textfile(pack.prometheus_textfile)
+    float8.check_config(pack.float8, model.use_peft)
 
 
 def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None) -> tuple:
@@ -215,6 +221,12 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
         callbacks=callbacks,
     )
     trainer.token_counter = report.tokens
+    if pack.float8:  # before train() hands the model to accelerate, which wraps it with FSDP
+        float8.check_device()
+        converted, linears = float8.convert(trainer.model)
+        report.resolved_args["float8_linear_layers"] = {"converted": converted, "linear": linears}
+        trainer.accelerator.print(f"[train_sft] float8: {converted} of {linears} linear layers converted "
+                                  f"(the LM head and layers with a dimension not a multiple of 16 are not)")
     if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
     if pack.measure_memory:

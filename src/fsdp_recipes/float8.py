@@ -1,0 +1,72 @@
+"""`float8: true` in a recipe's sft.yaml: torchao float8 training of the decoder's linear layers.
+
+Their matmuls (forward, input gradient, weight gradient) run in float8 with tensorwise dynamic scaling, torchao's
+default recipe and the one torchtitan's published float8 figures use; weights, gradients and optimizer states keep
+their dtypes, so checkpoints and the final model are the same files as without it.
+
+Gap this fills: accelerate has an fp8 path (`mixed_precision: fp8` with torchao), but a Trainer never reaches it:
+TrainingArguments' `bf16: true` (TRL's default) overwrites accelerate's mixed precision with bf16; and accelerate's
+default torchao config leaves `pad_inner_dim` off, so with padding-free packing (any number of tokens per batch)
+the weight gradient's matmul, which runs over the token count, fails in the first backward: torch._scaled_mm needs
+that dimension to be a multiple of 16.
+
+Where it pays: NVIDIA GPUs of compute capability 8.9 or newer (H100, H200, L4, L40S). On CPU torch has a reference
+float8 matmul, so the CPU smoke test runs this same path (no faster). Full fine-tuning only: under LoRA the base
+layers sit frozen inside PEFT's wrappers and the adapters' rank-r matmuls are too small to gain; the pack has not
+measured that combination, so it refuses it rather than guess.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from fsdp_recipes.errors import UserError
+
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper (torch._scaled_mm refuses older GPUs)
+
+
+def check_config(float8: bool, use_peft: bool) -> None:
+    """What can be checked without a device: in the launcher before any process starts, and again in each rank."""
+    if not float8:
+        return
+    if use_peft:
+        raise UserError("float8: true is for full fine-tuning, and this recipe trains LoRA adapters (use_peft: true). "
+                        "Fix: set float8: false, or use_peft: false.")
+    if importlib.util.find_spec("torchao") is None:
+        raise UserError("float8: true needs torchao, which is not installed. "
+                        "Fix: `pip install -e .[gpu]` (or `pip install torchao`), or set float8: false.")
+
+
+def check_device() -> None:
+    """In each rank, once torch knows the device: float8 matmuls need compute capability 8.9+ on CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        cap = torch.cuda.get_device_capability()
+        if cap < MIN_CAPABILITY:
+            raise UserError(f"float8: true needs an NVIDIA GPU of compute capability 8.9 or newer (H100, H200, L4, "
+                            f"L40S); this {torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}. Fix: set float8: false.")
+
+
+def convertible(module, fqn: str) -> bool:
+    """Linear layers whose dimensions torch._scaled_mm takes (multiples of 16), except the LM head: TRL's fused LM
+    head reads `lm_head.weight` and never calls its forward, so a converted head would compute nothing in float8
+    (torchtitan leaves the output layer in bf16 too)."""
+    import torch
+
+    return (isinstance(module, torch.nn.Linear) and fqn.split(".")[-1] != "lm_head"
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def convert(model) -> tuple[int, int]:
+    """Swap the convertible nn.Linear layers for torchao's Float8Linear, in place, before accelerate wraps the model
+    (FSDP then shards the same parameters). Returns (converted, linear layers in all)."""
+    import torch
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # pad_inner_dim: see the module docstring (token counts of packed batches are not multiples of 16)
+    convert_to_float8_training(model, config=Float8LinearConfig(pad_inner_dim=True), module_filter_fn=convertible)
+    from torchao.float8.float8_linear import Float8Linear
+
+    return sum(isinstance(m, Float8Linear) for m in model.modules()), linears

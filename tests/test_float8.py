@@ -1,0 +1,160 @@
+"""`float8: true`: torchao float8 training as a recipe setting (float8.py).
+
+On CPU, torch 2.13 has a reference float8 matmul, so the whole path runs here: the conversion, FSDP2 over two
+processes, a checkpoint, a resume and the final save. Not the speed: that is the GPU ladder's rung 4.
+torchao lives in its own directory (FLOAT8_SITE, see the Makefile), put on the path only for these tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import FLOAT8_SITE, REPO, run
+from test_bad_input import assert_one_line_error
+
+
+@pytest.fixture(scope="module")
+def torchao_site():
+    if not (FLOAT8_SITE / "torchao").is_dir():
+        if os.environ.get("CI"):
+            pytest.fail(f"{FLOAT8_SITE} has no torchao: `make venv` installs it there")
+        pytest.skip(f"torchao is not installed in {FLOAT8_SITE} (`make venv` installs it)")
+    return str(FLOAT8_SITE)
+
+
+def tiny_model():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from fsdp_recipes.tiny_assets import TINY_SHAPE
+
+    import torch
+
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=268, **TINY_SHAPE, tie_word_embeddings=False))
+
+
+def test_conversion_takes_the_decoder_linears_and_computes_in_float8(torchao_site, monkeypatch):
+    import torch
+
+    monkeypatch.syspath_prepend(torchao_site)
+    from torchao.float8.float8_linear import Float8Linear
+
+    from fsdp_recipes import float8
+
+    model = tiny_model()
+    ids = torch.randint(6, 268, (2, 37))  # 74 tokens: not a multiple of 16 (pad_inner_dim's case)
+    before = model(input_ids=ids, labels=ids).loss
+    converted, linears = float8.convert(model)
+    layers = model.config.num_hidden_layers
+    assert (converted, linears) == (7 * layers, 7 * layers + 1)
+    assert type(model.lm_head) is torch.nn.Linear  # TRL's fused head reads its weight: left as it is
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Float8Linear)
+    after = model(input_ids=ids, labels=ids).loss
+    after.backward()  # the weight-gradient matmul over 74 tokens: fails without pad_inner_dim
+    assert model.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+    # float8 rounding changes the loss a little, not a lot: evidence the matmuls really ran in float8
+    assert after.item() != before.item() and abs(after.item() - before.item()) < 0.05 * before.item()
+    keys = set(tiny_model().state_dict())
+    assert set(model.state_dict()) == keys  # checkpoints and the saved model keep the plain layout
+
+
+def test_layers_whose_dimensions_scaled_mm_refuses_are_left_alone(torchao_site, monkeypatch):
+    import torch
+
+    monkeypatch.syspath_prepend(torchao_site)
+    from fsdp_recipes import float8
+
+    net = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 40))  # 40: not a multiple of 16
+    assert float8.convert(net) == (1, 2)
+    assert type(net[1]) is torch.nn.Linear
+
+
+def test_float8_with_lora_is_refused_before_launch(cache_dir):
+    res = run([sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--float8", "true"], cache_dir)
+    assert_one_line_error(res, "float8: true is for full fine-tuning")
+
+
+def test_float8_without_torchao_names_the_install(monkeypatch):
+    import importlib.util
+
+    from fsdp_recipes import float8
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"needs torchao.*Fix: `pip install -e \.\[gpu\]`"):
+        float8.check_config(True, use_peft=False)
+    float8.check_config(False, use_peft=True)  # off: nothing to check
+
+
+def test_a_gpu_older_than_ada_is_refused(monkeypatch):
+    import torch
+
+    from fsdp_recipes import float8
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(UserError, match=r"A100-SXM4-80GB has 8\.0\. Fix: set float8: false"):
+        float8.check_device()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    float8.check_device()  # H100: fine
+
+
+@pytest.mark.slow
+def test_float8_full_finetune_trains_checkpoints_resumes_and_saves_a_plain_model(torchao_site, cache_dir, tmp_path):
+    """2 processes, FSDP2 over gloo, full fine-tuning in float8: 4 steps with a checkpoint at 2 and 4, then the
+    same command with max_steps 6 resumes from checkpoint-4; the final model loads without torchao."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "float8"
+    args = [sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--use_peft", "false", "--float8", "true",
+            "--learning_rate", "1e-3", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "2",
+            "--logging_steps", "1", "--save_merged_model", "false", "--output_dir", str(out)]
+    first = run([*args, "--max_steps", "4"], cache_dir, PYTHONPATH=torchao_site)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "[train_sft] float8: 28 of 29 linear layers converted" in first.stdout
+    second = run([*args, "--max_steps", "6"], cache_dir, PYTHONPATH=torchao_site)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resuming from" in second.stdout and "checkpoint-4" in second.stdout
+
+    run_args = json.loads((out / "run_args.json").read_text())
+    assert run_args["pack_args"]["float8"] is True
+    assert run_args["float8_linear_layers"] == {"converted": 28, "linear": 29}
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "completed" and metrics["steps"] == 6 and metrics["resumed_from"]
+    losses = [e["loss"] for e in json.loads((out / "log_history.json").read_text())["log_history"] if "loss" in e]
+    assert len(losses) == 6 and losses[-1] < losses[0]  # steps 1-4 kept from the first run, 5-6 after the resume
+    model = AutoModelForCausalLM.from_pretrained(out)  # plain transformers: no torchao on this path
+    base = AutoModelForCausalLM.from_pretrained(run_args["model_args"]["model_name_or_path"])
+    assert set(model.state_dict()) == set(base.state_dict())
+    changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    assert len(changed) == 39
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_smoke_keeps_float8_only_where_torchao_is_installed(installed, cache_dir, tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import shutil
+
+    import yaml
+
+    from fsdp_recipes import smoke
+
+    recipe = tmp_path / "mistral-7b-full"
+    shutil.copytree(REPO / "recipes" / "mistral-7b-full", recipe)
+    sft = yaml.safe_load((recipe / "sft.yaml").read_text())
+    (recipe / "sft.yaml").write_text(yaml.safe_dump({**sft, "float8": True}))
+    real = importlib.util.find_spec
+    found = object()  # smoke only asks whether torchao is found
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: (found if installed else None) if name == "torchao" else real(name, *a))
+    _, overrides = smoke.prepare(recipe, [])
+    turned_off = "[smoke] float8: torchao is not installed here -> off" in capsys.readouterr().out
+    assert turned_off is not installed
+    assert (overrides[overrides.index("--float8") + 1] == "false") if not installed else "--float8" not in overrides
