@@ -105,9 +105,12 @@ def runs(tmp_path) -> list[Path]:
     ]
 
 
-def table(markdown: str) -> dict[str, dict[str, str]]:
-    """report.md's table as {run: {column: cell}}."""
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in markdown.splitlines() if line.startswith("|")]
+def table(markdown: str, first_cell: str = "run") -> dict[str, dict[str, str]]:
+    """The report.md table whose header starts with `first_cell`, as {first column: {column: cell}}."""
+    lines = markdown.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_cell} |"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[start:end]]
     header, body = rows[0], rows[2:]
     assert all(len(r) == len(header) for r in body), rows
     return {r[0]: dict(zip(header, r)) for r in body}
@@ -138,6 +141,28 @@ def test_report_table_has_each_runs_figures(runs):
                                                                           "2", "16")
     assert (failed["final eval loss"], failed["commit"]) == ("n/a", "ab12")
     assert f"- MFU n/a for cpu-lora: {CPU_NOTE}" in text
+
+
+def test_report_names_the_settings_that_differ(tmp_path):
+    """What changed between runs, from their run_args.json: a setting, a library version; never the output path."""
+    def args(out: str, float8: bool, lr: float, trl: str) -> dict:
+        return {"pack_args": {"recipe_name": "mistral-7b-full", "float8": float8},
+                "sft_config": {"output_dir": out, "learning_rate": lr, "bf16": True},
+                "versions": {"torch": "2.13.0", "trl": trl}, "lora_config": None}
+
+    root = tmp_path / "runs"
+    runs = [make_run(root / "bf16", GPU_METRICS, None), make_run(root / "float8", GPU_METRICS, None)]
+    for run, a in zip(runs, (args("runs/bf16", False, 1e-5, "1.16.0"), args("runs/float8", True, 1e-5, "1.17.0"))):
+        (run / "run_args.json").write_text(json.dumps({**json.loads((run / "run_args.json").read_text()), **a}))
+    report.write_report(runs)
+    text = (root / "report.md").read_text()
+    assert table(text, "setting") == {
+        "pack_args.float8": {"setting": "pack_args.float8", "bf16": "false", "float8": "true"},
+        "versions.trl": {"setting": "versions.trl", "bf16": "1.16.0", "float8": "1.17.0"},
+    }
+    (runs[1] / "run_args.json").write_text((runs[0] / "run_args.json").read_text())
+    report.write_report(runs)
+    assert "the runs' recorded settings (run_args.json) are the same" in (root / "report.md").read_text()
 
 
 def test_report_plots_are_real_pngs(runs, tmp_path):

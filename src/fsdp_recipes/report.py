@@ -2,7 +2,7 @@
 
     python -m fsdp_recipes.report runs/a runs/b [--out DIR]
 
-Writes report.md (one table row per run), loss.png (train and eval loss against step, all runs on one axes),
+Writes report.md (one table row per run, then the settings that differ between the runs), loss.png (train and eval loss against step, all runs on one axes),
 throughput.png and memory.png (bar charts). By default they go into the runs' common parent directory.
 A run that failed or was preempted is reported with its status. A directory without metrics.json is an error.
 """
@@ -90,6 +90,54 @@ HEADER = ["run", "recipe", "status", "steps", "world size", "nodes", "sharding",
 TEXT_COLUMNS = {"run", "recipe", "status", "sharding", "mixed precision", "device", "commit"}  # the rest right-aligned
 
 
+# run_args.json sections whose fields are settings (or the software) a comparison should name when they differ
+SETTING_SECTIONS = ("pack_args", "script_args", "model_args", "dataset_mixture", "sft_config", "lora_config",
+                    "accelerate_env", "versions")
+# fields that differ between any two runs by construction: where the run writes, the launcher's rendezvous gate
+PER_RUN = {"sft_config.output_dir", "sft_config.logging_dir", "sft_config.run_name",
+           "accelerate_env.FSDP_RECIPES_START_GATE", "accelerate_env.FSDP_RECIPES_START_GATE_PID"}
+MAX_SETTING_ROWS = 40
+_ABSENT = object()
+
+
+def _setting_value(value) -> str:
+    if value is _ABSENT:
+        return "(not recorded)"
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
+    """(section.field, one value per run) for every setting in run_args.json that is not the same in all runs: what
+    was changed between them (`float8`, `learning_rate`, a library version, an accelerate setting, ...).
+    Gap it fills: the metrics say how runs differ in speed and loss; this says what differed in how they ran."""
+    flat = []
+    for r in runs:
+        args = r["run_args"]
+        flat.append({f"{sec}.{k}": v for sec in SETTING_SECTIONS for k, v in (args.get(sec) or {}).items()})
+    keys = sorted(set().union(*flat) - PER_RUN)
+    rows = []
+    for key in keys:
+        values = [_setting_value(f.get(key, _ABSENT)) for f in flat]
+        if len(set(values)) > 1:
+            rows.append((key, values))
+    return rows
+
+
+def settings_markdown(runs: list[dict]) -> list[str]:
+    if len(runs) < 2 or not any(r["run_args"].get(sec) for r in runs for sec in SETTING_SECTIONS):
+        return []  # one run, or runs without recorded settings: nothing to compare
+    rows = differing_settings(runs)
+    if not rows:
+        return ["", "Settings: the runs' recorded settings (run_args.json) are the same, output paths aside."]
+    esc = lambda v: v.replace("|", "\\|")  # noqa: E731
+    lines = ["", "## Settings that differ", "", "| setting | " + " | ".join(esc(r["name"]) for r in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    lines += ["| " + " | ".join(esc(c) for c in (key, *values)) + " |" for key, values in rows[:MAX_SETTING_ROWS]]
+    if len(rows) > MAX_SETTING_ROWS:
+        lines.append(f"\n... and {len(rows) - MAX_SETTING_ROWS} more (compare the runs' run_args.json).")
+    return lines
+
+
 def markdown(runs: list[dict]) -> str:
     lines = ["# Run comparison", "", "| " + " | ".join(HEADER) + " |",
              "|" + "|".join("---" if h in TEXT_COLUMNS else "---:" for h in HEADER) + "|"]
@@ -101,6 +149,7 @@ def markdown(runs: list[dict]) -> str:
             mfu_notes.setdefault(r["metrics"]["mfu_note"], []).append(r["name"])
     lines += ["", "Peak memory is the max over ranks. Plots: loss.png, throughput.png, memory.png.",
               *(f"- MFU n/a for {', '.join(names)}: {note}" for note, names in mfu_notes.items())]
+    lines += settings_markdown(runs)
     return "\n".join(lines) + "\n"
 
 
