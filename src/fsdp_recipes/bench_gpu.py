@@ -83,8 +83,9 @@ met from measured figures.
 
 `--dry-run`: the same ladder on CPU processes (CUDA hidden), a tiny Mistral (hidden 64, 2 layers), sequence 128,
 1 warm-up and 2 measured steps, fp32, 1 process; Liger is skipped (it needs CUDA), float8 runs on torch's
-reference CPU float8 matmul where torchao is installed, and compile uses the AOT_EAGER backend (dynamo and AOTAutograd, no inductor). It tests the plumbing only: its JSON says
-`"plumbing_only": true` and its table says its figures are not benchmarks.
+reference CPU float8 matmul where torchao is installed, and compile uses the AOT_EAGER backend (dynamo and
+AOTAutograd, no inductor). It tests the plumbing only: its JSON says `"plumbing_only": true` and its table says its
+figures are not benchmarks.
 """
 
 from __future__ import annotations
