@@ -158,3 +158,35 @@ def test_smoke_keeps_float8_only_where_torchao_is_installed(installed, cache_dir
     turned_off = "[smoke] float8: torchao is not installed here -> off" in capsys.readouterr().out
     assert turned_off is not installed
     assert (overrides[overrides.index("--float8") + 1] == "false") if not installed else "--float8" not in overrides
+
+
+def fake_nvidia_smi(tmp_path, monkeypatch, output: str, rc: int = 0):
+    """An nvidia-smi on PATH that answers the compute-capability query with `output`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/smi-args\nprintf '{output}'\nexit {rc}\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(tmp_path, monkeypatch):
+    from fsdp_recipes import float8
+    from fsdp_recipes.errors import UserError
+
+    fake_nvidia_smi(tmp_path, monkeypatch, "9.0\\n8.0\\n")
+    monkeypatch.setattr(float8.importlib.util, "find_spec", lambda name, *a: object())  # torchao "installed"
+    assert float8.gpu_capabilities() == [(9, 0), (8, 0)]
+    with pytest.raises(UserError, match=r"nvidia-smi reports 8\.0 here\. Fix: set float8: false"):
+        float8.check_config(True, use_peft=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # only the GPUs the job may use are asked about
+    float8.gpu_capabilities()
+    assert (tmp_path / "smi-args").read_text().splitlines()[-1].endswith("-i 0")
+
+
+def test_an_nvidia_smi_that_cannot_say_leaves_the_check_to_the_ranks(tmp_path, monkeypatch):
+    from fsdp_recipes import float8
+
+    fake_nvidia_smi(tmp_path, monkeypatch, "Field \"compute_cap\" is not a valid field to query.\\n", rc=2)
+    assert float8.gpu_capabilities() is None
