@@ -25,7 +25,8 @@ def dry(tmp_path_factory, cache_dir):
     """One dry-run ladder (~1 minute on 2 cores), with rung 5b given a setting the entry point rejects; torchao
     from FLOAT8_SITE is on the path of the ladder and its rungs, so rung 4 (float8) runs too."""
     if not (FLOAT8_SITE / "torchao").is_dir():
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"no torchao in {FLOAT8_SITE}: `make venv` puts it there")
+        stop = pytest.fail if os.environ.get("CI") else pytest.skip
+        stop(f"no torchao in {FLOAT8_SITE}: `make venv` puts it there")
     out = tmp_path_factory.mktemp("bench-gpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(FLOAT8_SITE))
