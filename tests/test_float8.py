@@ -47,7 +47,7 @@ def test_conversion_takes_the_decoder_linears_and_computes_in_float8(torchao_sit
     from fsdp_recipes import float8
 
     model = tiny_model()
-    ids = torch.randint(6, 268, (2, 37))  # 74 tokens: not a multiple of 16 (pad_inner_dim's case)
+    ids = torch.randint(6, 268, (2, 37))  # 74 tokens: not a multiple of 16, pad_inner_dim's case on CUDA
     before = model(input_ids=ids, labels=ids).loss
     converted, linears = float8.convert(model)
     layers = model.config.num_hidden_layers
@@ -55,7 +55,7 @@ def test_conversion_takes_the_decoder_linears_and_computes_in_float8(torchao_sit
     assert type(model.lm_head) is torch.nn.Linear  # TRL's fused head reads its weight: left as it is
     assert isinstance(model.model.layers[0].self_attn.q_proj, Float8Linear)
     after = model(input_ids=ids, labels=ids).loss
-    after.backward()  # the weight-gradient matmul over 74 tokens: fails without pad_inner_dim
+    after.backward()  # the weight-gradient matmul runs over the 74 tokens (CPU's reference matmul takes any count)
     assert model.model.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
     # float8 rounding changes the loss a little, not a lot: evidence the matmuls really ran in float8
     assert after.item() != before.item() and abs(after.item() - before.item()) < 0.05 * before.item()
