@@ -7,8 +7,8 @@ their dtypes, so checkpoints and the final model are the same files as without i
 Gap this fills: accelerate has an fp8 path (`mixed_precision: fp8` with torchao), but a Trainer never reaches it:
 TrainingArguments' `bf16: true` (TRL's default) overwrites accelerate's mixed precision with bf16; and accelerate's
 default torchao config leaves `pad_inner_dim` off, so with padding-free packing (any number of tokens per batch)
-the weight gradient's matmul, which runs over the token count, fails in the first backward: torch._scaled_mm needs
-that dimension to be a multiple of 16.
+the weight gradient's matmul, which runs over the token count, would fail in the first backward on a GPU: CUDA's
+torch._scaled_mm needs that dimension to be a multiple of 16 (CPU's reference matmul takes any).
 
 Where it pays: NVIDIA GPUs of compute capability 8.9 or newer (H100, H200, L4, L40S). On CPU torch has a reference
 float8 matmul, so the CPU smoke test runs this same path (no faster). Full fine-tuning only: under LoRA the base
