@@ -15,6 +15,14 @@ BIN = Path(sys.executable).parent  # the venv's bin: python, accelerate
 FLOAT8_SITE = BIN.parent / "float8-site"
 
 
+def torchao_site() -> str:
+    """FLOAT8_SITE, for a test that needs torchao: skip without it locally, fail without it in CI."""
+    if not (FLOAT8_SITE / "torchao").is_dir():
+        stop = pytest.fail if os.environ.get("CI") else pytest.skip
+        stop(f"no torchao in {FLOAT8_SITE}: `make venv` installs it there")
+    return str(FLOAT8_SITE)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """A fresh $FSDP_RECIPES_CACHE with the tiny assets built once for the whole session."""

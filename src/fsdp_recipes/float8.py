@@ -29,7 +29,8 @@ MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper (torch._scaled_mm
 
 
 def check_config(float8: bool, use_peft: bool) -> None:
-    """What can be checked without a device: in the launcher before any process starts, and again in each rank."""
+    """What can be checked without a device or a GPU query: in the launcher before any process starts, and again in
+    each rank."""
     if not float8:
         return
     if use_peft:
@@ -38,6 +39,11 @@ def check_config(float8: bool, use_peft: bool) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise UserError("float8: true needs torchao, which is not installed. "
                         "Fix: `pip install -e .[gpu]` (or `pip install torchao`), or set float8: false.")
+
+
+def check_gpus() -> None:
+    """In the launcher only, before any rank starts: the GPUs' capability from nvidia-smi (no torch import). The
+    ranks check again with torch (check_device), so they need not run nvidia-smi each."""
     old = [c for c in gpu_capabilities() or [] if c < MIN_CAPABILITY]
     if old:
         raise UserError(f"float8: true needs NVIDIA GPUs of compute capability 8.9 or newer (H100, H200, L4, L40S); "

@@ -37,7 +37,7 @@ from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
-from fsdp_recipes import config_check, model_check, recipes, smoke, start_gate, summary, train_sft
+from fsdp_recipes import config_check, float8, model_check, recipes, smoke, start_gate, summary, train_sft
 from fsdp_recipes.errors import UserError, cli
 
 EXIT_PREEMPTED = 75  # = preemption.EXIT_PREEMPTED, which imports transformers (tests check they agree)
@@ -259,6 +259,8 @@ def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> tuple:
         args = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
     script, training, model, mixture, pack = args
     config_check.check_fsdp_with_peft(acc, model.use_peft, named, job_processes(acc))
+    if pack.float8:
+        float8.check_gpus()
     model_check.check(model.model_name_or_path, recipe, acc, named, model)
     train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
     if script.dataset_name and config_check.looks_local(script.dataset_name):
