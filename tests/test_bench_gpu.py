@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import statistics
 
 import pytest
 
-from conftest import FLOAT8_SITE
+from conftest import torchao_site
 from fsdp_recipes import bench, bench_gpu
 from fsdp_recipes.run_report import file_stamp
 
@@ -24,13 +23,11 @@ RUNG_IDS = ["0", "1", "2", "3", "4", "5a", "5b", "5c"]
 def dry(tmp_path_factory, cache_dir):
     """One dry-run ladder (~1 minute on 2 cores), with rung 5b given a setting the entry point rejects; torchao
     from FLOAT8_SITE is on the path of the ladder and its rungs, so rung 4 (float8) runs too."""
-    if not (FLOAT8_SITE / "torchao").is_dir():
-        stop = pytest.fail if os.environ.get("CI") else pytest.skip
-        stop(f"no torchao in {FLOAT8_SITE}: `make venv` puts it there")
+    site = torchao_site()
     out = tmp_path_factory.mktemp("bench-gpu")
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(FLOAT8_SITE))
-        mp.setenv("PYTHONPATH", str(FLOAT8_SITE))
+        mp.syspath_prepend(site)
+        mp.setenv("PYTHONPATH", site)
         result, text, path = bench_gpu.run(["--dry-run", "--results", str(out), "--inject-failure", "5b"])
     return result, text, path
 

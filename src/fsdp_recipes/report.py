@@ -90,6 +90,12 @@ HEADER = ["run", "recipe", "status", "steps", "world size", "nodes", "sharding",
 TEXT_COLUMNS = {"run", "recipe", "status", "sharding", "mixed precision", "device", "commit"}  # the rest right-aligned
 
 
+def table_row(cells: list[str]) -> str:
+    """One markdown table row. A `|` inside a cell (a device name, a setting's value) would split it: markdown's
+    escape is a backslash before it."""
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
 # run_args.json sections whose fields are settings (or the software) a comparison should name when they differ
 SETTING_SECTIONS = ("pack_args", "script_args", "model_args", "dataset_mixture", "sft_config", "lora_config",
                     "accelerate_env", "versions")
@@ -129,20 +135,18 @@ def settings_markdown(runs: list[dict]) -> list[str]:
     rows = differing_settings(runs)
     if not rows:
         return ["", "Settings: the runs' recorded settings (run_args.json) are the same, output paths aside."]
-    esc = lambda v: v.replace("|", "\\|")  # noqa: E731
-    lines = ["", "## Settings that differ", "", "| setting | " + " | ".join(esc(r["name"]) for r in runs) + " |",
+    lines = ["", "## Settings that differ", "", table_row(["setting", *(r["name"] for r in runs)]),
              "|---|" + "---|" * len(runs)]
-    lines += ["| " + " | ".join(esc(c) for c in (key, *values)) + " |" for key, values in rows[:MAX_SETTING_ROWS]]
+    lines += [table_row([key, *values]) for key, values in rows[:MAX_SETTING_ROWS]]
     if len(rows) > MAX_SETTING_ROWS:
         lines.append(f"\n... and {len(rows) - MAX_SETTING_ROWS} more (compare the runs' run_args.json).")
     return lines
 
 
 def markdown(runs: list[dict]) -> str:
-    lines = ["# Run comparison", "", "| " + " | ".join(HEADER) + " |",
+    lines = ["# Run comparison", "", table_row(HEADER),
              "|" + "|".join("---" if h in TEXT_COLUMNS else "---:" for h in HEADER) + "|"]
-    # a `|` inside a cell (a device name, say) would split it: markdown's escape is `\|`
-    lines += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row(r)) + " |" for r in runs]
+    lines += [table_row(row(r)) for r in runs]
     mfu_notes: dict[str, list[str]] = {}  # one line per distinct reason, in run order
     for r in runs:
         if r["metrics"].get("mfu") is None and r["metrics"].get("mfu_note"):
