@@ -164,16 +164,18 @@ def test_table_and_skip_reasons(monkeypatch):
     h100 = {"type": "cuda", "capability": [9, 0]}
     a100 = {"type": "cuda", "capability": [8, 0]}
     f8 = next(r for r in bench_gpu.RUNGS if r["id"] == "4")
+    full, lora = bench_gpu.BASELINE, {**bench_gpu.BASELINE, "method": "lora"}
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
-    assert "torchao is not importable" in bench_gpu.why_skip(f8, {}, h100)
-    assert "torchao is not importable" in bench_gpu.why_skip(f8, {}, cpu)
+    assert "torchao is not importable" in bench_gpu.why_skip(f8, full, h100)
+    assert "torchao is not importable" in bench_gpu.why_skip(f8, full, cpu)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torchao" else real(name, *a))
-    assert "8.9" in bench_gpu.why_skip(f8, {}, a100) and bench_gpu.why_skip(f8, {}, h100) is None
-    assert bench_gpu.why_skip(f8, {}, cpu) is None  # CPU: torch's reference float8 matmul (plumbing runs)
-    assert bench_gpu.why_skip(next(r for r in bench_gpu.RUNGS if r["id"] == "5a"), {}, h100) is None
+    assert "8.9" in bench_gpu.why_skip(f8, full, a100) and bench_gpu.why_skip(f8, full, h100) is None
+    assert bench_gpu.why_skip(f8, full, cpu) is None  # CPU: torch's reference float8 matmul (plumbing runs)
+    assert "refuses it under LoRA" in bench_gpu.why_skip(f8, lora, h100)
+    assert bench_gpu.why_skip(next(r for r in bench_gpu.RUNGS if r["id"] == "5a"), full, h100) is None
 
 
 def test_memory_estimate_skips_8b_on_one_80gb_gpu():
@@ -184,6 +186,31 @@ def test_memory_estimate_skips_8b_on_one_80gb_gpu():
                                     1, 4096)
     assert eight > 80 * bench_gpu.GIB  # 16 bytes per parameter alone is ~120 GiB
     assert one < 40 * bench_gpu.GIB
+    # LoRA: the frozen 8B weights in bf16 (16 GB) and adapters: packed with full checkpointing fits an 80 GB GPU
+    # with room to spare, without checkpointing it does not
+    lora = {**packed_full_ac, "method": "lora"}
+    assert 20 * bench_gpu.GIB < bench_gpu.memory_estimate("8b", lora, 1, 4096) < 40 * bench_gpu.GIB
+    no_ac = bench_gpu.memory_estimate("8b", {**lora, "activation_checkpointing": "none"}, 1, 4096)
+    assert no_ac > bench_gpu.FIT_FRACTION * 80e9
+
+
+def test_lora_ladder_uses_the_8b_lora_recipes_adapters():
+    lora = bench_gpu.lora_settings()
+    assert lora == {"lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lora_target_modules": [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}  # recipes/llama-3.1-8b-lora
+    eight = bench_gpu.param_counts("8b", "lora")
+    # r x (in + out) per targeted linear: q, o 4096->4096; k, v 4096->1024; gate, up 4096->12288; down back; 36 layers
+    per_layer = 16 * (2 * 8192 + 2 * 5120 + 3 * 16384)
+    assert eight["trainable"] == eight["trainable_non_embedding"] == 36 * per_layer == 43_646_976
+    assert eight["total"] == 8_019_808_256 + eight["trainable"]
+    assert eight["frozen_non_embedding"] == 7_482_937_344  # every base weight but the input embedding: 4N in MFU
+    s = bench_gpu.resolve({**bench_gpu.BASELINE, "method": "lora"}, bench_gpu.GPU_RUN, {"type": "cuda"})
+    args = bench_gpu.sft_args(s, "m", "d", "o", bench_gpu.GPU_RUN, bf16=True)
+    assert args[args.index("--use_peft") + 1] == "true"
+    i = args.index("--lora_target_modules")
+    assert args[i + 1:i + 8] == lora["lora_target_modules"]
+    full = bench_gpu.sft_args({**s, "method": "full"}, "m", "d", "o", bench_gpu.GPU_RUN, bf16=True)
+    assert full[full.index("--use_peft") + 1] == "false" and "--lora_r" not in full
 
 
 def test_a_model_that_cannot_be_built_fails_its_rungs_without_launching(monkeypatch, tmp_path):
@@ -250,11 +277,36 @@ def test_resume_carries_the_earlier_rungs_and_builds_on_them(dry, tmp_path):
     assert list(rungs) == ["0", "1", "3", "4", "5a", "5b", "5c"]
     assert all(rungs[i]["carried_from"] == str(first) for i in ("0", "1", "3", "4", "5a", "5b"))
     assert "carried_from" not in rungs["5c"] and rungs["5c"]["status"] == "measured"
+    # carried by (size, GPUs, method): the full fine-tuning ladder's rungs never seed a LoRA ladder
+    assert set(bench_gpu.resume_rungs(first, True, result["device"], result["sizes"])) == {("tiny", 1, "full")}
     old = {r["id"]: r for r in json.loads(first.read_text())["ladders"][0]["rungs"]}
     fastest = max((r for r in old.values() if r["status"] == "measured" and r["id"] != "5c"),
                   key=lambda r: r["figures"]["tokens_per_s_per_gpu"])
     assert rungs["5c"]["built_on"] == fastest["id"]  # on the fastest carried rung, not on TRL's defaults
     assert json.loads(path.read_text())["resumed_from"] == str(first)
+
+
+@pytest.mark.slow
+def test_dry_run_lora_ladder(tmp_path, cache_dir):
+    """`--methods lora`: the entry point trains LoRA adapters (the 8B LoRA recipe's settings) under accelerate's
+    regional compile; float8 is skipped as the pack refuses it with LoRA; MFU's FLOPs count 4N for frozen weights."""
+    result, text, path = bench_gpu.run(["--dry-run", "--methods", "lora", "--rungs", "3,4", "--results",
+                                        str(tmp_path)])
+    assert path.name.endswith("-lora.json") and result["lora"]["recipe"] == "llama-3.1-8b-lora"
+    (lad,) = result["ladders"]
+    assert lad["method"] == "lora" and lad["parameters"] == bench_gpu.param_counts("tiny", "lora")
+    compiled, f8 = lad["rungs"]
+    assert compiled["status"] == "measured" and compiled["config"]["method"] == "lora", compiled.get("error")
+    assert compiled["figures"]["compiled_graphs"] > 0  # the LoRA layers went through dynamo
+    m, n = compiled["metrics_json"], lad["parameters"]
+    assert m["params"] == {"total": n["total"], "trainable": n["trainable"]} and n["trainable"] < n["total"] / 3
+    layers, heads, head_dim = 2, 2, 32
+    attention = 12 * layers * heads * head_dim * m["flops_seq_len"]
+    assert m["flops_per_token"] == pytest.approx(6 * n["trainable_non_embedding"] + 4 * n["frozen_non_embedding"]
+                                                 + attention)
+    assert f8["status"] == "skipped" and "refuses it under LoRA" in f8["reason"]
+    assert "tiny LoRA (151,360 parameters, 34,816 trained), 1 process(s)" in text
+    assert "MFU goal is for 1B full fine-tuning" in bench_gpu.goals({**lad, "size": "1b"}, dry_run=False)["mfu"]
 
 
 def test_resume_refuses_figures_measured_differently(dry, tmp_path):

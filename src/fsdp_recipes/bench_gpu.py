@@ -1,6 +1,6 @@
-"""GPU benchmark ladder (issue 6): tokens/s per GPU, MFU and peak memory of full fine-tuning, rung by rung.
+"""GPU benchmark ladder (issue 6): tokens/s per GPU, MFU and peak memory of fine-tuning, rung by rung.
 
-    python -m fsdp_recipes.bench_gpu [--sizes 1b,8b] [--gpus 1,all] [--results bench/results]
+    python -m fsdp_recipes.bench_gpu [--sizes 1b,8b] [--gpus 1,all] [--methods full,lora] [--results bench/results]
     python -m fsdp_recipes.bench_gpu --dry-run      # the same ladder on CPU, tiny model: plumbing only
 
 UNTESTED ON A GPU. This module has only run in `--dry-run` mode, on a 2-core CPU machine. Its GPU path (bf16,
@@ -18,8 +18,14 @@ per size with save_pretrained (bf16) and loaded by every rung from those files:
 
 Counted on the meta device with flops.count_params (tests/test_bench_gpu.py checks both). Sequence length 4096,
 bf16 mixed precision with fp32 master weights (accelerate's FSDP2 upcasts trainable parameters), AdamW (fused, the
-Trainer's default), full fine-tuning of every parameter. The tokenizer is the pack's tiny one (for TRL's pad
-token); the data are token ids drawn directly.
+Trainer's default). The tokenizer is the pack's tiny one (for TRL's pad token); the data are token ids drawn
+directly.
+
+Methods (`--methods`, default full): `full` trains every parameter. `lora` trains the LoRA adapters of the recipe
+LORA_RECIPE (llama-3.1-8b-lora: r 16, alpha 32, dropout 0.05 on all seven projections of every layer; read from its
+sft.yaml, so the benchmark follows the recipe), with the frozen weights in bf16. 8B full fine-tuning cannot fit one
+GPU (below); 8B LoRA needs about 30 GiB, so `--sizes 8b --methods lora --gpus 1` measures the 8B model on one GPU
+with the method the pack's 8B-and-larger LoRA recipes use. Its MFU counts 4N for the frozen weights (flops.py).
 
 Data: a synthetic SFT set of pre-tokenized conversations (`input_ids`, loss on every token) whose lengths are
 lognormal, median 800 tokens and sigma 0.9, clipped to [16, 4096], seeded: mean about 1,126 tokens, 10th and 90th
@@ -48,7 +54,7 @@ its fused LM head and metrics, the pack's run report, completion-marker and pree
       of Liger, Liger's RoPE is left to the compiler (bench_gpu_worker.py says why).
   4   torchao float8 training: the recipe setting `float8: true` (float8.py: tensorwise dynamic scaling,
       pad_inner_dim, every nn.Linear but the LM head), as a recipe adopting it would run. Skipped, with the
-      reason, without torchao or below compute capability 8.9.
+      reason, without torchao, below compute capability 8.9, or under LoRA (the pack refuses float8 with LoRA).
   5a  no activation checkpointing; 5b selective activation checkpointing (TRL's policy: save the attention
       outputs, recompute the rest); 5c FSDP2 reshard_after_forward False.
 
@@ -59,7 +65,7 @@ resharding on top of the best configuration found by 0-4. "Tuned" in the table i
 A rung whose estimated memory (memory_budget.budget, the arithmetic of `make plan`) exceeds FIT_FRACTION of the GPU
 is skipped with the estimate as the reason (`--no-fit-check` runs it anyway): 8B full fine-tuning needs about 16
 bytes per parameter for fp32 weights, gradients and AdamW states, about 120 GiB, so on one GPU, even an H200, every
-8B rung is skipped. A rung that crashes, runs out of memory or times out is recorded as `{"status": "failed",
+8B full fine-tuning rung is skipped. A rung that crashes, runs out of memory or times out is recorded as `{"status": "failed",
 "error": ...}` (the run report's error, else the last error line of its log) and the ladder goes on. With
 `--deadline-s`, a rung with less than `min_rung_s` left (twice that if it compiles) is skipped as "time budget";
 `--resume <JSON>` in a later command carries the measured and failed rungs of that file and runs the rest on top of
@@ -78,8 +84,8 @@ process start, imports, model load, data preparation, FSDP wrapping, saving (no 
 Output: bench/results/bench-gpu-<device-slug>-<date>T<HHMM>Z[-<sizes>].json (device, GPU count, versions, date, every
 rung's configuration, figures, command and log tail; written after every rung, so a killed run keeps what it
 measured) and a markdown table with the speed-up over rung 0 and whether the issue's goals were met: tuned
-tokens/s >= 1.5x rung 0, and >= 45% MFU for 1B full fine-tuning on one GPU. A goal is only ever marked met or not
-met from measured figures.
+tokens/s >= 1.5x rung 0 (every ladder), and >= 45% MFU for 1B full fine-tuning on one GPU. A goal is only ever
+marked met or not met from measured figures.
 
 `--dry-run`: the same ladder on CPU processes (CUDA hidden), a tiny Mistral (hidden 64, 2 layers), sequence 128,
 1 warm-up and 2 measured steps, fp32, 1 process; Liger is skipped (it needs CUDA), float8 runs on torch's
@@ -125,6 +131,9 @@ SIZES = {
 # Lognormal conversation lengths at max_length 4096; scaled linearly for other lengths.
 LENGTHS = dict(median=800, sigma=0.9, min=16, max=4096)
 GOAL_SPEEDUP = 1.5
+METHODS = ("full", "lora")
+# The LoRA ladder's adapters: this recipe's lora_* settings (the pack's 8B LoRA recipe), read from its sft.yaml.
+LORA_RECIPE = REPO / "recipes" / "llama-3.1-8b-lora"
 GOAL_MFU_1B_1GPU = 0.45
 
 GPU_RUN = dict(max_length=4096, warmup=4, steps=16, baseline_batch=8, pack_rows=2, dtype="bfloat16",
@@ -137,7 +146,7 @@ COMPILE_TIMEOUT_FACTOR = 1.5
 FIT_FRACTION = 0.92  # run a rung only if memory_budget's estimate is within this share of the GPU: allocator slack
 
 BASELINE = dict(packing=False, attn="sdpa", batch="baseline", liger=False, compile=False, float8=False,
-                activation_checkpointing="full", reshard_after_forward=True)
+                activation_checkpointing="full", reshard_after_forward=True, method="full")  # method: the ladder's
 RUNGS = [
     dict(id="0", name="TRL defaults, padded", change={}),
     dict(id="1", name="padding-free packing", change=dict(packing=True, attn="auto", batch="pack")),
@@ -159,8 +168,17 @@ def mistral_config(size: str, max_length: int = 4096):
                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=3)
 
 
-def param_counts(size: str) -> dict[str, int]:
-    """flops.count_params of the model built on the meta device (no memory, no weights)."""
+def lora_settings() -> dict:
+    """The lora_* fields of LORA_RECIPE's sft.yaml: r, alpha, dropout, target modules."""
+    import yaml
+
+    raw = yaml.safe_load((LORA_RECIPE / "sft.yaml").read_text())
+    return {k: v for k, v in raw.items() if k.startswith("lora_")}
+
+
+def param_counts(size: str, method: str = "full") -> dict[str, int]:
+    """flops.count_params of the model built on the meta device (no memory, no weights), with LORA_RECIPE's
+    adapters added for `lora` (peft on the meta model, as the entry point applies them)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -168,6 +186,13 @@ def param_counts(size: str) -> dict[str, int]:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))
+        if method == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            lora = lora_settings()
+            model = get_peft_model(model, LoraConfig(
+                r=lora["lora_r"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
+                target_modules=lora["lora_target_modules"], task_type="CAUSAL_LM"))
     return flops.count_params(model)
 
 
@@ -254,6 +279,8 @@ def why_skip(rung: dict, s: dict, device: dict) -> str | None:
         if importlib.util.find_spec("liger_kernel") is None:
             return "liger_kernel is not importable (pip install liger-kernel; scripts/device_wheels.sh carries it)"
     if rung["change"].get("float8"):  # on CPU it runs (torch's reference float8 matmul): plumbing only
+        if s["method"] == "lora":
+            return "float8 is for full fine-tuning: the pack refuses it under LoRA (float8.check_config)"
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not importable (pip install torchao; scripts/device_wheels.sh carries it)"
         if cuda and tuple(device["capability"]) < float8.MIN_CAPABILITY:
@@ -274,7 +301,9 @@ def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))
-    shape = memory_budget.shape_of(model, SimpleNamespace(use_peft=False))
+    lora = s["method"] == "lora"
+    shape = memory_budget.shape_of(model, SimpleNamespace(use_peft=lora, lora_modules_to_save=None,
+                                                          **(lora_settings() if lora else {})))
     tokens = s["batch"] * max_length
     setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
                                 load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
@@ -313,7 +342,7 @@ def sft_args(s: dict, model_dir: Path, data_dir: Path, out_dir: Path, sizes: dic
     b = lambda v: "true" if v else "false"  # noqa: E731
     total = sizes["warmup"] + sizes["steps"]
     args = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir), "--output_dir", str(out_dir),
-            "--use_peft", "false", "--tiny_assets", "false", "--save_merged_model", "false", "--auto_resume", "false",
+            "--use_peft", b(s["method"] == "lora"), "--tiny_assets", "false", "--save_merged_model", "false", "--auto_resume", "false",
             "--dtype", sizes["dtype"], "--bf16", b(bf16), "--attn_implementation", s["attn"],
             "--max_length", str(sizes["max_length"]), "--per_device_train_batch_size", str(s["batch"]),
             "--packing", b(s["packing"]), "--use_liger_kernel", b(s["liger"]), "--float8", b(s["float8"]),
@@ -322,6 +351,9 @@ def sft_args(s: dict, model_dir: Path, data_dir: Path, out_dir: Path, sizes: dic
             "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
     if s["activation_checkpointing"] == "selective":
         args += ["--activation_checkpointing_kwargs", '{"selective": true}']
+    if s["method"] == "lora":
+        for key, value in lora_settings().items():
+            args += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
     return args
 
 
@@ -389,8 +421,10 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
     Rungs that `--resume` carries from an earlier file of the same ladder go in as they were (and count for the
     fastest so far), unless --rungs names them again."""
     sizes, device, work = ctx["sizes"], ctx["device"], ctx["work"]
-    size, processes = lad["size"], lad["processes"]
-    carried = ctx["carried"].get((size, processes), {})
+    size, processes, method = lad["size"], lad["processes"], lad.get("method", "full")
+    label = f"{size}{'' if method == 'full' else ' ' + method} x{processes}"  # in the progress lines
+    tag = f"{size}-{processes}" + ("" if method == "full" else f"-{method}")  # in the work folder's file names
+    carried = ctx["carried"].get((size, processes, method), {})
     best = None  # (tokens/s per GPU, settings, rung id) of the fastest measured rung
     model_dir, build_error = None, None
 
@@ -404,13 +438,13 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             lad["rungs"].append({**prev, "carried_from": prev.get("carried_from") or ctx["resume_from"]})
             if prev["status"] == "measured":
                 best = faster(prev)
-            print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): {prev['status']} in "
+            print(f"[bench-gpu] {label} rung {rung['id']} ({rung['name']}): {prev['status']} in "
                   f"{ctx['resume_from']}, carried over", flush=True)
             continue
         if rung["id"] not in selected:
             continue
         base = best[1] if best else BASELINE
-        s = resolve({**base, **rung["change"]}, sizes, device)
+        s = resolve({**base, **rung["change"], "method": method}, sizes, device)
         rec = {"id": rung["id"], "name": rung["name"], "built_on": best[2] if best else None, "config": s}
         lad["rungs"].append(rec)
         elapsed = time.time() - ctx["t0"]
@@ -430,7 +464,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
                           f"runs it anyway)")
         if reason is not None:
             rec.update(status="skipped", reason=reason)
-            print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): skipped: {reason}", flush=True)
+            print(f"[bench-gpu] {label} rung {rung['id']} ({rung['name']}): skipped: {reason}", flush=True)
             on_update()
             continue
         if model_dir is None and build_error is None:
@@ -444,10 +478,10 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             print(f"[bench-gpu]   failed: {build_error}", flush=True)
             on_update()
             continue
-        out_dir = work / f"run-{size}-{processes}-{rung['id']}"
+        out_dir = work / f"run-{tag}-{rung['id']}"
         shutil.rmtree(out_dir, ignore_errors=True)  # never read a metrics.json left by an earlier invocation
         rec["dynamo_config"] = dynamo_config("AOT_EAGER" if ctx["dry_run"] else "INDUCTOR") if s["compile"] else None
-        yaml_path = accelerate_yaml(work / f"accelerate-{size}-{processes}-{rung['id']}.yaml", processes,
+        yaml_path = accelerate_yaml(work / f"accelerate-{tag}-{rung['id']}.yaml", processes,
                                     s["reshard_after_forward"], "no" if ctx["dry_run"] else "bf16",
                                     rec["dynamo_config"])
         worker = ["--warmup", str(sizes["warmup"]), "--"]
@@ -462,9 +496,9 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         if deadline is not None:
             timeout = min(timeout, deadline - (time.time() - ctx["t0"]))
         env = dict(ctx["env"], TORCH_LOGS="graph_breaks,recompiles") if s["compile"] else ctx["env"]
-        print(f"[bench-gpu] {size} x{processes} rung {rung['id']} ({rung['name']}): running", flush=True)
+        print(f"[bench-gpu] {label} rung {rung['id']} ({rung['name']}): running", flush=True)
         t = time.time()
-        rc, log = run_rung(cmd, env, work / f"log-{size}-{processes}-{rung['id']}.txt", timeout)
+        rc, log = run_rung(cmd, env, work / f"log-{tag}-{rung['id']}.txt", timeout)
         rec["wall_s"] = time.time() - t
         rec["log_tail"] = log.splitlines()[-30:]
         mpath = out_dir / "metrics.json"
@@ -504,8 +538,8 @@ def goals(lad: dict, dry_run: bool) -> dict:
     else:
         x = tuned["figures"]["tokens_per_s_per_gpu"] / base["figures"]["tokens_per_s_per_gpu"]
         out["speedup"] = f"{'met' if x >= GOAL_SPEEDUP else 'not met'}: {x:.2f}x (goal >= {GOAL_SPEEDUP}x)"
-    if lad["size"] != "1b" or lad["processes"] != 1:
-        out["mfu"] = "not applicable (the MFU goal is for 1B on one GPU)"
+    if lad["size"] != "1b" or lad["processes"] != 1 or lad.get("method", "full") != "full":
+        out["mfu"] = "not applicable (the MFU goal is for 1B full fine-tuning on one GPU)"
     elif tuned is None or tuned["figures"]["mfu"] is None:
         out["mfu"] = "not evaluated: no measured MFU"
     else:
@@ -514,13 +548,21 @@ def goals(lad: dict, dry_run: bool) -> dict:
     return out
 
 
+def ladder_title(lad: dict) -> str:
+    """'1b full fine-tuning (1,107,363,840 parameters)', '8b LoRA (8,061,751,296 parameters, 41,943,040 trained)'."""
+    n = lad["parameters"]
+    if lad.get("method", "full") == "full":
+        return f"{lad['size']} full fine-tuning ({n['total']:,} parameters)"
+    return f"{lad['size']} LoRA ({n['total']:,} parameters, {n['trainable']:,} trained)"
+
+
 def table(result: dict) -> str:
     lines = []
     if result["plumbing_only"]:
         lines.append("PLUMBING RUN (--dry-run): CPU, tiny model, 2 steps. These figures are NOT benchmarks.")
     for lad in result["ladders"]:
-        lines += ["", f"{lad['size']} ({lad['parameters']['total']:,} parameters), {lad['processes']} "
-                      f"{'process' if result['plumbing_only'] else 'GPU'}(s)", "",
+        lines += ["", f"{ladder_title(lad)}, {lad['processes']} {'process' if result['plumbing_only'] else 'GPU'}(s)",
+                  "",
                   "| rung | what | tokens/s/GPU | MFU | peak GiB alloc / reserved | speed-up vs rung 0 | status |",
                   "|---|---|---:|---:|---:|---:|---|"]
         base = next((r for r in lad["rungs"] if r["id"] == "0" and r["status"] == "measured"), None)
@@ -566,9 +608,8 @@ def resume_rungs(path: Path, dry: bool, device: dict, sizes: dict) -> dict:
         what = ", ".join(differ) or ("the device" if old["device"]["name"] != device["name"] else "--dry-run")
         raise SystemExit(f"bench_gpu: --resume {path} was measured differently ({what}: "
                          f"{old['device']['name']}, {old['sizes']}). Fix: resume with the same device and options.")
-    return {(lad["size"], lad["processes"]): {r["id"]: r for r in lad["rungs"]
-                                              if r["status"] in ("measured", "failed")}
-            for lad in old["ladders"]}
+    return {(lad["size"], lad["processes"], lad.get("method", "full")):  # files before --methods: full only
+            {r["id"]: r for r in lad["rungs"] if r["status"] in ("measured", "failed")} for lad in old["ladders"]}
 
 
 def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
@@ -579,6 +620,8 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     ap.add_argument("--sizes", default=None, help="comma-separated: 1b,8b (default both; tiny with --dry-run)")
     ap.add_argument("--gpus", default="1,all", help="layouts: 1, all, or 1,all (default); with --dry-run a number "
                     "is that many CPU processes")
+    ap.add_argument("--methods", default="full", help="comma-separated: full, lora (LoRA with the adapters of "
+                    "recipes/llama-3.1-8b-lora) or full,lora (default full)")
     ap.add_argument("--rungs", default=None, help="comma-separated rung ids to run (default all: 0,1,2,3,4,5a,5b,5c)")
     ap.add_argument("--results", type=Path, default=None, help="default bench/results; with --dry-run runs/ (a "
                     "plumbing run is not a result to publish)")
@@ -622,12 +665,18 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     if unknown:
         raise SystemExit(f"bench_gpu: unknown rung(s) {', '.join(sorted(unknown))}. Fix: --rungs from "
                          f"{','.join(r['id'] for r in RUNGS)}.")
+    methods = args.methods.split(",")
+    if set(methods) - set(METHODS):
+        raise SystemExit(f"bench_gpu: unknown method(s) in --methods {args.methods}. Fix: --methods from "
+                         f"{','.join(METHODS)}.")
     carried = resume_rungs(args.resume, dry, device, sizes) if args.resume else {}
 
     date = now_iso()
     name = f"bench-gpu-{'cpu-plumbing' if dry else slug(device['name'])}-{file_stamp(date)}"
     if not dry and args.sizes:
         name += "-" + "-".join(size_names)
+    if methods != ["full"]:
+        name += "-" + "-".join(methods)
     path = args.results / f"{name}.json"
     result = {"benchmark": "gpu-ladder", "plumbing_only": dry,
               "untested_note": None if not dry else "CPU plumbing run: no figure here is a benchmark",
@@ -655,9 +704,11 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
         max_batch = max(sizes["baseline_batch"], sizes["pack_rows"] * 4)
         lengths = synthetic_lengths(max_batch * (sizes["warmup"] + sizes["steps"]) + 64, sizes["max_length"])
         result["dataset"] = length_stats(lengths)
-        params = {s: param_counts(s) for s in size_names}
+        params = {(s, m): param_counts(s, m) for s in size_names for m in {"full", *methods}}
         for s in size_names:
-            result.setdefault("models", {})[s] = {"config": SIZES[s], "parameters": params[s]}
+            result.setdefault("models", {})[s] = {"config": SIZES[s], "parameters": params[s, "full"]}
+        if "lora" in methods:
+            result["lora"] = {"recipe": LORA_RECIPE.name, **lora_settings()}
         ctx = dict(sizes=sizes, device=device, work=work, params=params, dry_run=dry, t0=t0, env=env,
                    carried=carried, rungs_named=args.rungs is not None,
                    resume_from=str(args.resume) if args.resume else None,
@@ -667,10 +718,11 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
         for s in size_names:
             # one data set per vocabulary; the same rows, in the same order, for every rung of the size
             ctx["data_dir"] = write_token_rows(work / f"data-{s}", lengths, SIZES[s]["vocab_size"])
-            for n in layouts:
-                lad = {"size": s, "processes": n, "parameters": params[s], "rungs": []}
-                result["ladders"].append(lad)  # saved after every rung: a killed run keeps what it measured
-                ladder(lad, ctx, selected, save)
+            for m in methods:
+                for n in layouts:
+                    lad = {"size": s, "method": m, "processes": n, "parameters": params[s, m], "rungs": []}
+                    result["ladders"].append(lad)  # saved after every rung: a killed run keeps what it measured
+                    ladder(lad, ctx, selected, save)
     save()
     from fsdp_recipes.bench_plot import plot_gpu_ladders
 

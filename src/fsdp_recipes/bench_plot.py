@@ -157,13 +157,14 @@ def plot_ladder(ax, lad: dict, plumbing: bool) -> None:
     ax.set_xlim(0, top * 1.6)  # room for the labels
     ax.set_yticks(range(len(rungs)), [f"{r['id']}: {r['name']}"[:48] for r in rungs], fontsize=8)
     ax.invert_yaxis()
+    from fsdp_recipes.bench_gpu import ladder_title
+
     unit = "process" if plumbing else "GPU"
-    ax.set(xlabel=f"tokens/s per {unit} (non-padding)",
-           title=f"{lad['size']} ({lad['parameters']['total']:,} parameters), {lad['processes']} {unit}(s)")
+    ax.set(xlabel=f"tokens/s per {unit} (non-padding)", title=f"{ladder_title(lad)}, {lad['processes']} {unit}(s)")
 
 
 def plot_gpu_ladders(result: dict, path: Path) -> Path:
-    """The picture of a bench_gpu.py run: one panel per ladder (size x GPUs), rungs top to bottom."""
+    """The picture of a bench_gpu.py run: one panel per ladder (size x method x GPUs), rungs top to bottom."""
     import matplotlib
 
     matplotlib.use("Agg")
