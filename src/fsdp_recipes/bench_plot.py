@@ -110,23 +110,29 @@ def plot_data(ax, data: dict) -> None:
     ax.legend(fontsize=8)
 
 
-def plot(result: dict, path: Path) -> Path:
+def draw_panels(path: Path, items: list, draw, width: float, height: float, title: str, color: str = "black") -> Path:
+    """One panel per item, top to bottom, `draw(ax, item)` on each, the title above, saved to `path` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display in CI or on a login node
     import matplotlib.pyplot as plt
 
-    panels = [(plot_overhead, "overhead"), (plot_first_step, "first_step"), (plot_data, "data")]
-    panels = [(f, key) for f, key in panels if result.get(key)]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(10, 4.6 * len(panels)), squeeze=False)
-    for ax, (draw, key) in zip(axes[:, 0], panels):
-        draw(ax, result[key])
-    fig.suptitle(f"make bench, {result['device']['name']} ({result['device']['cores']} cores), {result['date']}"
-                 f"{' (quick: plumbing only)' if result.get('quick') else ''}", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.98))  # room for the suptitle
+    fig, axes = plt.subplots(max(1, len(items)), 1, figsize=(width, height * max(1, len(items))), squeeze=False)
+    for ax, item in zip(axes[:, 0], items):
+        draw(ax, item)
+    fig.suptitle(title, fontsize=10, color=color)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))  # room for the title
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot(result: dict, path: Path) -> Path:
+    panels = [(plot_overhead, "overhead"), (plot_first_step, "first_step"), (plot_data, "data")]
+    panels = [(f, result[key]) for f, key in panels if result.get(key)]
+    title = (f"make bench, {result['device']['name']} ({result['device']['cores']} cores), {result['date']}"
+             f"{' (quick: plumbing only)' if result.get('quick') else ''}")
+    return draw_panels(path, panels, lambda ax, panel: panel[0](ax, panel[1]), 10, 4.6, title)
 
 
 def plot_ladder(ax, lad: dict, plumbing: bool) -> None:
@@ -165,22 +171,10 @@ def plot_ladder(ax, lad: dict, plumbing: bool) -> None:
 
 def plot_gpu_ladders(result: dict, path: Path) -> Path:
     """The picture of a bench_gpu.py run: one panel per ladder (size x method x GPUs), rungs top to bottom."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ladders = result["ladders"]
-    fig, axes = plt.subplots(max(1, len(ladders)), 1, figsize=(11, 3.6 * max(1, len(ladders))), squeeze=False)
-    for ax, lad in zip(axes[:, 0], ladders):
-        plot_ladder(ax, lad, result["plumbing_only"])
     warning = " - PLUMBING RUN ON CPU: NOT A BENCHMARK" if result["plumbing_only"] else ""
-    fig.suptitle(f"make bench-gpu, {result['device'].get('name', '')}, {result['date']}{warning}", fontsize=10,
-                 color="C3" if warning else "black")
-    fig.tight_layout(rect=(0, 0, 1, 0.97))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return draw_panels(path, result["ladders"], lambda ax, lad: plot_ladder(ax, lad, result["plumbing_only"]), 11, 3.6,
+                       f"make bench-gpu, {result['device'].get('name', '')}, {result['date']}{warning}",
+                       "C3" if warning else "black")
 
 
 def main(argv: list[str] | None = None) -> int:
