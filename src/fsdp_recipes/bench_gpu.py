@@ -68,9 +68,9 @@ is skipped with the estimate as the reason (`--no-fit-check` runs it anyway): 8B
 bytes per parameter for fp32 weights, gradients and AdamW states, about 120 GiB, so on one GPU, even an H200, every
 8B full fine-tuning rung is skipped. A rung that crashes, runs out of memory or times out is recorded as
 `{"status": "failed", "error": ...}` (the run report's error, else the last error line of its log) and the ladder
-goes on. With `--deadline-s`, a rung with less than `min_rung_s` left (twice that if it compiles) is skipped as "time budget";
-`--resume <JSON>` in a later command carries the measured and failed rungs of that file and runs the rest on top of
-the fastest of them.
+goes on. With `--deadline-s`, a rung with less than `min_rung_s` left (twice that if it compiles) is skipped as
+"time budget"; `--resume <JSON>` in a later command carries the measured and failed rungs of that file and runs the
+rest on top of the fastest of them.
 
 Figures come from the run's own metrics.json (run_report.RunReport): tokens/s per GPU (non-padding tokens), MFU
 (flops.flops_per_token over flops.peak_flops, dense bf16 peak, also for the float8 rung; attention at the
