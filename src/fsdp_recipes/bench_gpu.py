@@ -179,7 +179,7 @@ def lora_settings() -> dict:
 
 def param_counts(size: str, method: str = "full") -> dict[str, int]:
     """flops.count_params of the model built on the meta device (no memory, no weights), with LORA_RECIPE's
-    adapters added for `lora` (peft on the meta model, as the entry point applies them)."""
+    adapters added for `lora` (TRL's get_peft_config, as the entry point builds them)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -188,12 +188,10 @@ def param_counts(size: str, method: str = "full") -> dict[str, int]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))
         if method == "lora":
-            from peft import LoraConfig, get_peft_model
+            from peft import get_peft_model
+            from trl import ModelConfig, get_peft_config
 
-            lora = lora_settings()
-            model = get_peft_model(model, LoraConfig(
-                r=lora["lora_r"], lora_alpha=lora["lora_alpha"], lora_dropout=lora["lora_dropout"],
-                target_modules=lora["lora_target_modules"], task_type="CAUSAL_LM"))
+            model = get_peft_model(model, get_peft_config(ModelConfig(use_peft=True, **lora_settings())))
     return flops.count_params(model)
 
 
@@ -269,6 +267,11 @@ def resolve(settings: dict, sizes: dict, device: dict) -> dict:
         flash = device["type"] == "cuda" and importlib.util.find_spec("flash_attn") is not None
         s["attn"] = "flash_attention_2" if flash else "sdpa"
     return s
+
+
+def method_of(lad: dict) -> str:
+    """A ladder's method; files written before `--methods` existed hold full fine-tuning only."""
+    return lad.get("method", "full")
 
 
 def why_skip(rung: dict, s: dict, device: dict) -> str | None:
@@ -423,7 +426,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
     Rungs that `--resume` carries from an earlier file of the same ladder go in as they were (and count for the
     fastest so far), unless --rungs names them again."""
     sizes, device, work = ctx["sizes"], ctx["device"], ctx["work"]
-    size, processes, method = lad["size"], lad["processes"], lad.get("method", "full")
+    size, processes, method = lad["size"], lad["processes"], method_of(lad)
     label = f"{size}{'' if method == 'full' else ' ' + method} x{processes}"  # in the progress lines
     tag = f"{size}-{processes}" + ("" if method == "full" else f"-{method}")  # in the work folder's file names
     carried = ctx["carried"].get((size, processes, method), {})
@@ -540,7 +543,7 @@ def goals(lad: dict, dry_run: bool) -> dict:
     else:
         x = tuned["figures"]["tokens_per_s_per_gpu"] / base["figures"]["tokens_per_s_per_gpu"]
         out["speedup"] = f"{'met' if x >= GOAL_SPEEDUP else 'not met'}: {x:.2f}x (goal >= {GOAL_SPEEDUP}x)"
-    if lad["size"] != "1b" or lad["processes"] != 1 or lad.get("method", "full") != "full":
+    if lad["size"] != "1b" or lad["processes"] != 1 or method_of(lad) != "full":
         out["mfu"] = "not applicable (the MFU goal is for 1B full fine-tuning on one GPU)"
     elif tuned is None or tuned["figures"]["mfu"] is None:
         out["mfu"] = "not evaluated: no measured MFU"
@@ -553,7 +556,7 @@ def goals(lad: dict, dry_run: bool) -> dict:
 def ladder_title(lad: dict) -> str:
     """'1b full fine-tuning (1,107,363,840 parameters)', '8b LoRA (8,063,455,232 parameters, 43,646,976 trained)'."""
     n = lad["parameters"]
-    if lad.get("method", "full") == "full":
+    if method_of(lad) == "full":
         return f"{lad['size']} full fine-tuning ({n['total']:,} parameters)"
     return f"{lad['size']} LoRA ({n['total']:,} parameters, {n['trainable']:,} trained)"
 
@@ -610,7 +613,7 @@ def resume_rungs(path: Path, dry: bool, device: dict, sizes: dict) -> dict:
         what = ", ".join(differ) or ("the device" if old["device"]["name"] != device["name"] else "--dry-run")
         raise SystemExit(f"bench_gpu: --resume {path} was measured differently ({what}: "
                          f"{old['device']['name']}, {old['sizes']}). Fix: resume with the same device and options.")
-    return {(lad["size"], lad["processes"], lad.get("method", "full")):  # files before --methods: full only
+    return {(lad["size"], lad["processes"], method_of(lad)):
             {r["id"]: r for r in lad["rungs"] if r["status"] in ("measured", "failed")} for lad in old["ladders"]}
 
 
@@ -711,7 +714,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
             result.setdefault("models", {})[s] = {"config": SIZES[s], "parameters": params[s, "full"]}
         if "lora" in methods:
             result["lora"] = {"recipe": LORA_RECIPE.name, **lora_settings()}
-        ctx = dict(sizes=sizes, device=device, work=work, params=params, dry_run=dry, t0=t0, env=env,
+        ctx = dict(sizes=sizes, device=device, work=work, dry_run=dry, t0=t0, env=env,
                    carried=carried, rungs_named=args.rungs is not None,
                    resume_from=str(args.resume) if args.resume else None,
                    deadline_s=sizes["deadline_s"], fit_check=not args.no_fit_check,

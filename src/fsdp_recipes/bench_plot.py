@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from fsdp_recipes.bench_gpu import GOAL_SPEEDUP
+from fsdp_recipes.bench_gpu import GOAL_SPEEDUP, ladder_title
 from fsdp_recipes.bench_overhead import summarize
 
 # Phases of bench_first_step.phases() grouped by what they are, in critical-path order (the names' first words).
@@ -163,8 +163,6 @@ def plot_ladder(ax, lad: dict, plumbing: bool) -> None:
     ax.set_xlim(0, top * 1.6)  # room for the labels
     ax.set_yticks(range(len(rungs)), [f"{r['id']}: {r['name']}"[:48] for r in rungs], fontsize=8)
     ax.invert_yaxis()
-    from fsdp_recipes.bench_gpu import ladder_title
-
     unit = "process" if plumbing else "GPU"
     ax.set(xlabel=f"tokens/s per {unit} (non-padding)", title=f"{ladder_title(lad)}, {lad['processes']} {unit}(s)")
 

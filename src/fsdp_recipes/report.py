@@ -2,9 +2,10 @@
 
     python -m fsdp_recipes.report runs/a runs/b [--out DIR]
 
-Writes report.md (one table row per run, then the settings that differ between the runs), loss.png (train and eval loss against step, all runs on one axes),
-throughput.png and memory.png (bar charts). By default they go into the runs' common parent directory.
-A run that failed or was preempted is reported with its status. A directory without metrics.json is an error.
+Writes report.md (one table row per run, then the settings that differ between the runs), loss.png (train and
+eval loss against step, all runs on one axes), throughput.png and memory.png (bar charts). By default they go into
+the runs' common parent directory. A run that failed or was preempted is reported with its status. A directory
+without metrics.json is an error.
 """
 
 from __future__ import annotations
