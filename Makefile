@@ -28,7 +28,7 @@ help: ## list targets and recipes
 	@echo "Targets:"
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "Recipes (make finetune RECIPE=<name>):"
-	@if [ -x $(PY) ]; then PYTHONPATH=src $(PY) -m fsdp_recipes.recipes list; else ls -1 recipes | sed 's/^/  /'; fi
+	@if [ -x $(PY) ]; then PYTHONPATH=src $(PY) -m fsdp_recipes.config.recipes list; else ls -1 recipes | sed 's/^/  /'; fi
 
 venv: $(STAMP) ## create .venv and install the pack (idempotent; seconds when present)
 
@@ -45,25 +45,25 @@ $(STAMP): pyproject.toml
 	@echo "[venv] ready"
 
 finetune: $(STAMP) ## run RECIPE (default tiny-cpu-lora) end to end; ARGS="--max_steps 20" overrides its YAML
-	@$(PY) -m fsdp_recipes.recipes check $(RECIPE)
+	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
-	@$(PY) -m fsdp_recipes.recipes check $(RECIPE)
+	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100: will it fit? per-GPU memory budget, launches nothing
-	@$(PY) -m fsdp_recipes.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU)
+	@$(PY) -m fsdp_recipes.planning.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU)
 
 k8s: $(STAMP) ## RECIPE NODES GPUS [K8S_ARGS]: Kubeflow PyTorchJob, TrainJob and Run:ai manifests in k8s/generated/
-	@$(PY) -m fsdp_recipes.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)
+	@$(PY) -m fsdp_recipes.cluster.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)
 
 report: $(STAMP) ## RUNS="runs/a runs/b" [ARGS="--out DIR"]: report.md, loss/throughput/memory PNGs in the runs' common parent
 	@if [ -z "$(RUNS)" ]; then echo 'error: make report needs RUNS="runs/a runs/b"' >&2; exit 2; fi
-	@$(PY) -m fsdp_recipes.report $(RUNS) $(ARGS)
+	@$(PY) -m fsdp_recipes.metrics.report $(RUNS) $(ARGS)
 
 tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)
-	@$(PY) -m fsdp_recipes.tiny_assets
+	@$(PY) -m fsdp_recipes.assets.tiny_assets
 
 sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.yaml, launch.sh, variants, README budgets)
 	@$(PY) scripts/sync_recipes.py
@@ -76,17 +76,17 @@ test-fast: $(STAMP) ## the suite without the multi-process training tests
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP) ## speed, measured: pack overhead vs a bare loop, time to first step, data prep; JSON in bench/results/
-	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m fsdp_recipes.bench
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.suite
 
 bench-gpu: $(STAMP) ## GPU ladder (issue 6), tokens/s, MFU, peak memory per rung; ARGS="--dry-run" tests it on CPU
-	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m fsdp_recipes.bench_gpu $(ARGS)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.gpu $(ARGS)
 
 bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with and without cpu_ram_efficient_loading
-	@$(PY) -m fsdp_recipes.bench_loading
+	@$(PY) -m bench.loading
 
 export: $(STAMP) ## CKPT=<sharded checkpoint> OUT=<dir>: an inference-ready model or adapter, on CPU
 	@if [ -z "$(CKPT)" ] || [ -z "$(OUT)" ]; then echo "error: make export needs CKPT=<output_dir>/checkpoint-N and OUT=<dir>" >&2; exit 2; fi
-	@$(PY) -m fsdp_recipes.export "$(CKPT)" "$(OUT)"
+	@$(PY) -m fsdp_recipes.checkpoint.export "$(CKPT)" "$(OUT)"
 
 clean: ## remove runs/ (keeps .venv and the asset cache)
 	rm -rf runs

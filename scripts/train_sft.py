@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """The SFT entry point as a script, for `accelerate launch scripts/train_sft.py --config ...`.
 
-The code lives in the package (fsdp_recipes.train_sft) so recipe folders copied elsewhere can use it too.
+The code lives in the package (fsdp_recipes.train.train_sft) so recipe folders copied elsewhere can use it too.
 """
 
-from fsdp_recipes.train_sft import exit_without_teardown, main
+from fsdp_recipes.train.train_sft import exit_without_teardown, main
 
 if __name__ == "__main__":
     exit_without_teardown(main())

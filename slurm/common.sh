@@ -11,7 +11,7 @@
 # absolute, for the per-node shells that srun starts (they source this file again)
 COMMON="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/common.sh"
 export COMMON
-EXIT_PREEMPTED=75  # fsdp_recipes.preemption.EXIT_PREEMPTED: a checkpoint was saved, run again to resume
+EXIT_PREEMPTED=75  # fsdp_recipes.errors.EXIT_PREEMPTED: a checkpoint was saved, run again to resume
 
 die() {
   echo "error: $*" >&2
@@ -34,7 +34,7 @@ fsdp_setup() {
   "$PYTHON" -c 'import fsdp_recipes' 2>/dev/null ||
     die "$PYTHON cannot import fsdp_recipes. Fix: make venv (or pip install -e .), or set PYTHON=<venv>/bin/python."
   RECIPE="${RECIPE:-tiny-cpu-lora}"
-  "$PYTHON" -m fsdp_recipes.recipes check "$RECIPE" || exit 2  # prints its own one-line error
+  "$PYTHON" -m fsdp_recipes.config.recipes check "$RECIPE" || exit 2  # prints its own one-line error
   # ARGS is split like a shell would (quotes kept), by Python's shlex rather than eval
   "$PYTHON" -c 'import shlex, sys; shlex.split(sys.argv[1])' "${ARGS:-}" 2>/dev/null ||
     die "ARGS has unbalanced quotes: ${ARGS:-}. Fix: ARGS=\"--field value ...\" with matched quotes."
@@ -51,8 +51,8 @@ recipe_info() {
   info="$("$PYTHON" - "$RECIPE" "${OVERRIDES[@]}" <<'PY'
 import sys
 import yaml
-from fsdp_recipes import recipes
-from fsdp_recipes.launch import override
+from fsdp_recipes.config import recipes
+from fsdp_recipes.launch.launcher import override
 recipe = recipes.resolve(sys.argv[1])
 acc = yaml.safe_load((recipe / "accelerate.yaml").read_text()) or {}
 sft = yaml.safe_load((recipe / "sft.yaml").read_text()) or {}
@@ -88,7 +88,7 @@ node_launch() {
   # Slurm signals every process of the step; the launcher passes them on. This shell must just not die of
   # them (a trap, not an ignore, so that the launcher starts with the default handlers).
   trap ':' USR1 TERM INT
-  "$PYTHON" -m fsdp_recipes.launch "$@" || rc=$?
+  "$PYTHON" -m fsdp_recipes.launch.launcher "$@" || rc=$?
   if [ "$rc" -eq "$EXIT_PREEMPTED" ]; then
     touch "$(preempt_marker)"
     rc=0

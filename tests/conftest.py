@@ -28,7 +28,7 @@ def cache_dir(tmp_path_factory) -> Path:
     """A fresh $FSDP_RECIPES_CACHE with the tiny assets built once for the whole session."""
     root = tmp_path_factory.mktemp("cache")
     os.environ["FSDP_RECIPES_CACHE"] = str(root)
-    from fsdp_recipes.tiny_assets import ensure_assets
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
 
     ensure_assets(root, quiet=True)
     return root
@@ -47,8 +47,8 @@ def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env
 
 
 def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -m fsdp_recipes.launch ...`, what every recipe's launch.sh runs."""
-    return run([sys.executable, "-m", "fsdp_recipes.launch", *args], cache, cwd=cwd, timeout=timeout)
+    """`python -m fsdp_recipes.launch.launcher ...`, what every recipe's launch.sh runs."""
+    return run([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cache, cwd=cwd, timeout=timeout)
 
 
 def fsdp1_recipe(parent: Path, train_lm_head: bool = False, **fsdp_config) -> Path:

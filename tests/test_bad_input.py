@@ -119,7 +119,7 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
     """A complete checkpoint folder whose recorded identity differs from the default recipe's."""
     from peft import LoraConfig
 
-    from fsdp_recipes import checkpoints
+    from fsdp_recipes.checkpoint import markers as checkpoints
 
     ident = checkpoints.identity(str(cache_dir / "tiny-mistral"), LoraConfig(
         r=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
@@ -149,7 +149,7 @@ def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, c
 
 
 def test_lora_under_fsdp1_needs_use_orig_params(tmp_path):
-    from fsdp_recipes.config_check import check_fsdp_with_peft
+    from fsdp_recipes.config.accelerate_yaml import check_fsdp_with_peft
     from fsdp_recipes.errors import UserError
 
     acc = yaml.safe_load((REPO / "accelerate_configs" / "fsdp1_1node.yaml").read_text())
@@ -176,35 +176,35 @@ def test_fsdp1_lora_sharded_checkpoints_on_one_process_stop_before_launch(tmp_pa
 def test_min_gpus_is_shared_among_the_nodes(monkeypatch):
     """min_gpus counts the whole job: a 16-GPU recipe on 2 nodes needs 8 per node, in the launcher and in every
     rank (the ranks read the node count from torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE)."""
-    from fsdp_recipes import config_check
+    from fsdp_recipes.config import hardware
     from fsdp_recipes.errors import UserError
 
-    monkeypatch.setattr(config_check, "gpu_count", lambda: 8)
-    config_check.check_gpus(16, "big", nodes=2)
-    config_check.check_gpus(16, "big", nodes=4)
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 8)
+    hardware.check_gpus(16, "big", nodes=2)
+    hardware.check_gpus(16, "big", nodes=4)
     with pytest.raises(UserError, match=r"needs 16 GPU\(s\) and this machine has 8"):
-        config_check.check_gpus(16, "big", nodes=1)
+        hardware.check_gpus(16, "big", nodes=1)
     with pytest.raises(UserError, match=r"needs 10 GPU\(s\) per node \(min_gpus 30 over 3 nodes\)"):
-        config_check.check_gpus(30, "big", nodes=3)
+        hardware.check_gpus(30, "big", nodes=3)
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert config_check.job_nodes() == 2
+    assert hardware.job_nodes() == 2
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert config_check.job_nodes() == 1
+    assert hardware.job_nodes() == 1
 
 
 def test_gpu_count_hint_reads_cuda_visible_devices(monkeypatch):
     """The launcher's torch-free count, used to decide whether to start the ranks before torch counts."""
-    from fsdp_recipes import config_check
+    from fsdp_recipes.config import hardware
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
-    assert config_check.gpu_count_hint() == 3
+    assert hardware.gpu_count_hint() == 3
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert config_check.gpu_count_hint() == 0
+    assert hardware.gpu_count_hint() == 0
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi: no GPU
-    assert config_check.gpu_count_hint() == 0
+    assert hardware.gpu_count_hint() == 0
 
 
 @pytest.mark.parametrize("name, fragment", [("fsdp.txt", "does not end in .prom"),

@@ -12,8 +12,12 @@ import statistics
 
 import pytest
 
-from fsdp_recipes import bench, bench_data, bench_first_step, bench_overhead, bench_plot
-from fsdp_recipes.run_report import file_stamp
+from bench import data as bench_data
+from bench import first_step as bench_first_step
+from bench import overhead as bench_overhead
+from bench import plot as bench_plot
+from bench import suite as bench
+from fsdp_recipes.records import file_stamp
 
 TINY = dict(batch=2, seq=16, warmup=1, steps=2, reps=2)
 
@@ -138,8 +142,8 @@ def test_overhead_interval_widens_when_repetitions_disagree():
 
 
 def test_default_overhead_model_is_tens_of_millions_of_parameters(tmp_path, cache_dir):
-    from transformers import AutoConfig, AutoModelForCausalLM
     import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("mistral", vocab_size=268, **bench_overhead.SHAPE)
     with torch.device("meta"):

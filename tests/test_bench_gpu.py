@@ -12,9 +12,10 @@ import statistics
 
 import pytest
 
+from bench import gpu as bench_gpu
+from bench import suite as bench
 from conftest import torchao_site
-from fsdp_recipes import bench, bench_gpu
-from fsdp_recipes.run_report import file_stamp
+from fsdp_recipes.records import file_stamp
 
 RUNG_IDS = ["0", "1", "2", "3", "4", "5a", "5b", "5c"]
 
@@ -256,7 +257,7 @@ def test_make_bench_runs_the_ladder_only_where_a_cuda_device_is_seen(monkeypatch
 def test_ladder_picture_with_gpu_shaped_figures(dry, tmp_path):
     """The picture's GPU branch (MFU and device memory on the bars), on the dry run's ladder with those two fields
     filled in by hand: a fixture for the drawing code, not a figure anyone publishes."""
-    from fsdp_recipes import bench_plot
+    from bench import plot as bench_plot
 
     result = json.loads(json.dumps(dry[0]))
     for r in result["ladders"][0]["rungs"]:

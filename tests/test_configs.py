@@ -8,8 +8,9 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import REPO
-from fsdp_recipes import recipes, train_sft
-from fsdp_recipes.config_check import check_accelerate_config
+from fsdp_recipes.config import recipes
+from fsdp_recipes.config.accelerate_yaml import check_accelerate_config
+from fsdp_recipes.train import train_sft
 
 ACCELERATE_YAMLS = sorted(
     p for p in [*REPO.glob("accelerate_configs/*.yaml"), *REPO.glob("recipes/*/accelerate.yaml")]

@@ -14,10 +14,10 @@ import re
 import sys
 
 import pytest
+from test_bad_input import assert_one_line_error
 
 import conftest
 from conftest import REPO, run
-from test_bad_input import assert_one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +26,10 @@ def torchao_site():
 
 
 def tiny_model():
+    import torch
     from transformers import MistralConfig, MistralForCausalLM
 
-    from fsdp_recipes.tiny_assets import TINY_SHAPE
-
-    import torch
+    from fsdp_recipes.assets.tiny_assets import TINY_SHAPE
 
     torch.manual_seed(0)
     return MistralForCausalLM(MistralConfig(vocab_size=268, **TINY_SHAPE, tie_word_embeddings=False))
@@ -42,7 +41,7 @@ def test_conversion_takes_the_decoder_linears_and_computes_in_float8(torchao_sit
     monkeypatch.syspath_prepend(torchao_site)
     from torchao.float8.float8_linear import Float8Linear
 
-    from fsdp_recipes import float8
+    from fsdp_recipes.train import float8
 
     model = tiny_model()
     ids = torch.randint(6, 268, (2, 37))  # 74 tokens: not a multiple of 16, pad_inner_dim's case on CUDA
@@ -65,7 +64,7 @@ def test_layers_whose_dimensions_scaled_mm_refuses_are_left_alone(torchao_site, 
     import torch
 
     monkeypatch.syspath_prepend(torchao_site)
-    from fsdp_recipes import float8
+    from fsdp_recipes.train import float8
 
     net = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 40))  # 40: not a multiple of 16
     assert float8.convert(net) == (1, 2)
@@ -73,15 +72,15 @@ def test_layers_whose_dimensions_scaled_mm_refuses_are_left_alone(torchao_site, 
 
 
 def test_float8_with_lora_is_refused_before_launch(cache_dir):
-    res = run([sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--float8", "true"], cache_dir)
+    res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--float8", "true"], cache_dir)
     assert_one_line_error(res, "float8: true is for full fine-tuning")
 
 
 def test_float8_without_torchao_names_the_install(monkeypatch):
     import importlib.util
 
-    from fsdp_recipes import float8
     from fsdp_recipes.errors import UserError
+    from fsdp_recipes.train import float8
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"needs torchao.*Fix: `pip install -e \.\[gpu\]`"):
@@ -92,8 +91,8 @@ def test_float8_without_torchao_names_the_install(monkeypatch):
 def test_a_gpu_older_than_ada_is_refused(monkeypatch):
     import torch
 
-    from fsdp_recipes import float8
     from fsdp_recipes.errors import UserError
+    from fsdp_recipes.train import float8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
@@ -112,7 +111,7 @@ def test_float8_full_finetune_trains_checkpoints_resumes_and_saves_a_plain_model
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "float8"
-    args = [sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--use_peft", "false", "--float8", "true",
+    args = [sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--use_peft", "false", "--float8", "true",
             "--learning_rate", "1e-3", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "2",
             "--logging_steps", "1", "--save_merged_model", "false", "--output_dir", str(out)]
     first = run([*args, "--max_steps", "4"], cache_dir, PYTHONPATH=torchao_site)
@@ -143,7 +142,7 @@ def test_smoke_keeps_float8_only_where_torchao_is_installed(installed, cache_dir
 
     import yaml
 
-    from fsdp_recipes import smoke
+    from fsdp_recipes.launch import smoke
 
     recipe = tmp_path / "mistral-7b-full"
     shutil.copytree(REPO / "recipes" / "mistral-7b-full", recipe)
@@ -171,14 +170,14 @@ def fake_nvidia_smi(tmp_path, monkeypatch, output: str, rc: int = 0):
 
 
 def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir, tmp_path, monkeypatch):
-    from fsdp_recipes import float8
     from fsdp_recipes.errors import UserError
+    from fsdp_recipes.train import float8
 
     fake_nvidia_smi(tmp_path, monkeypatch, "9.0\\n8.0\\n")
     assert float8.gpu_capabilities() == [(9, 0), (8, 0)]
     with pytest.raises(UserError, match=r"nvidia-smi reports 8\.0 here\. Fix: set float8: false"):
         float8.check_gpus()
-    res = run([sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--use_peft", "false", "--float8",
+    res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--use_peft", "false", "--float8",
                "true"], cache_dir, PATH=os.environ["PATH"], PYTHONPATH=torchao_site)  # the launcher's own check
     assert res.returncode == 2 and "Traceback" not in res.stdout + res.stderr, res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
@@ -193,7 +192,7 @@ def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir
 
 
 def test_an_nvidia_smi_that_cannot_say_leaves_the_check_to_the_ranks(tmp_path, monkeypatch):
-    from fsdp_recipes import float8
+    from fsdp_recipes.train import float8
 
     fake_nvidia_smi(tmp_path, monkeypatch, "Field \"compute_cap\" is not a valid field to query.\\n", rc=2)
     assert float8.gpu_capabilities() is None
@@ -215,7 +214,7 @@ def test_float8_under_accelerates_regional_compile(torchao_site, cache_dir, tmp_
                             "dynamo_use_dynamic": True}
     (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
     out = tmp_path / "run"
-    res = run([sys.executable, "-m", "fsdp_recipes.launch", str(recipe), "--use_peft", "false", "--float8", "true",
+    res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher", str(recipe), "--use_peft", "false", "--float8", "true",
                "--packing", "true", "--activation_checkpointing", "true", "--max_steps", "3", "--eval_strategy", "no",
                "--logging_steps", "1", "--save_merged_model", "false", "--output_dir", str(out)],
               cache_dir, PYTHONPATH=torchao_site)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig
 
-from fsdp_recipes import flops
+from fsdp_recipes.metrics import flops
 
 
 def meta_model(config):

@@ -106,7 +106,7 @@ def test_fsdp1_trains_a_modules_to_save_lm_head_like_one_process(tmp_path, cache
 
 def test_resume_check_refuses_an_optimizer_that_was_not_restored(tmp_path):
     """What FSDP1 + SHARDED_STATE_DICT resumes gave before optim_resume.py: no state, or only the zero-step init."""
-    from fsdp_recipes.resume_check import verify_optimizer_steps
+    from fsdp_recipes.checkpoint.resume_check import verify_optimizer_steps
 
     (tmp_path / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
     param = torch.nn.Parameter(torch.ones(3))

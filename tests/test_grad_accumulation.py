@@ -39,7 +39,7 @@ def recipe_with_processes(tmp_path, n):
 def run(tmp_path, cache_dir, name, batch, accumulation, processes=2):
     out = tmp_path / name
     counts = tmp_path / f"{name}.reduce_scatters"
-    cmd = [sys.executable, "-m", "fsdp_recipes.launch", str(recipe_with_processes(tmp_path, processes)), *COMMON,
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", str(recipe_with_processes(tmp_path, processes)), *COMMON,
            "--per_device_train_batch_size", str(batch), "--gradient_accumulation_steps", str(accumulation),
            "--output_dir", str(out)]
     res = conftest.run(cmd, cache_dir, PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}",

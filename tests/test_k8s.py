@@ -22,7 +22,7 @@ import jsonschema
 import pytest
 import yaml
 
-from fsdp_recipes import k8s
+from fsdp_recipes.cluster import k8s
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -332,7 +332,7 @@ def odd_recipes(tmp_path_factory) -> Path:
 def test_bad_input_is_one_error_line(odd_recipes, tmp_path, args, message):
     args = [a.format(odd=odd_recipes) for a in args]
     out = subprocess.run(
-        [sys.executable, "-m", "fsdp_recipes.k8s", *args, "--out", str(tmp_path / "out")],
+        [sys.executable, "-m", "fsdp_recipes.cluster.k8s", *args, "--out", str(tmp_path / "out")],
         cwd=REPO, capture_output=True, text=True,
     )
     assert out.returncode == 2

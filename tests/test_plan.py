@@ -8,13 +8,15 @@ import pytest
 import yaml
 
 from conftest import REPO, launch
-from fsdp_recipes import memory_budget, model_check, plan, recipes, train_sft
+from fsdp_recipes.config import model_check, recipes
+from fsdp_recipes.planning import memory_budget, plan
+from fsdp_recipes.train import train_sft
 
 RECIPES = recipes.available(REPO / "recipes")
 
 
 def run_plan(*args):
-    return subprocess.run([sys.executable, "-m", "fsdp_recipes.plan", *args], cwd=REPO, capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "fsdp_recipes.planning.plan", *args], cwd=REPO, capture_output=True, text=True)
 
 
 @pytest.mark.slow

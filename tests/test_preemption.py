@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from conftest import REPO, fsdp1_recipe, launch, pack_env
-from fsdp_recipes import checkpoints
-from fsdp_recipes.preemption import EXIT_PREEMPTED
-from fsdp_recipes.save_check import read_saved
+from fsdp_recipes.checkpoint import markers as checkpoints
+from fsdp_recipes.checkpoint.save_check import read_saved
+from fsdp_recipes.errors import EXIT_PREEMPTED
 
 # logging_steps 1: each logged loss is one step's loss. With longer intervals the first log after a resume
 # averages fewer steps than the uninterrupted run's (the Trainer does not checkpoint its running loss sum).
@@ -30,7 +30,7 @@ ARGS = ["tiny-cpu-lora", "--max_steps", "60", "--save_strategy", "steps", "--sav
 
 def signal_launch(args, cache_dir, ready, sig, settle=0.0, **env):
     """Start the launcher, wait until `ready()` holds, send `sig` to it, and wait for it to end."""
-    cmd = [sys.executable, "-m", "fsdp_recipes.launch", *args]
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", *args]
     proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir, **env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
@@ -151,7 +151,7 @@ def test_latest_complete_skips_unmarked(tmp_path):
 
 
 def test_cpu_fsdp_adapter_is_inactive_outside_an_fsdp_launch(monkeypatch):
-    from fsdp_recipes import cpu_fsdp
+    from fsdp_recipes.patches import cpu_fsdp
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     assert cpu_fsdp.needed() is False and cpu_fsdp.enable() is False

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fsdp_recipes import prometheus, report
+from fsdp_recipes.metrics import prometheus, report
 
 REPO = Path(__file__).resolve().parent.parent
 GIB, MIB = 1024**3, 1024**2
@@ -193,7 +193,7 @@ def cli(module: str, *args) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-@pytest.mark.parametrize("module", ["fsdp_recipes.report", "fsdp_recipes.prometheus"])
+@pytest.mark.parametrize("module", ["fsdp_recipes.metrics.report", "fsdp_recipes.metrics.prometheus"])
 def test_a_directory_without_metrics_is_one_error_line(runs, tmp_path, module):
     not_a_run = tmp_path / "runs" / "half-written"
     not_a_run.mkdir()
@@ -207,7 +207,7 @@ def test_a_directory_without_metrics_is_one_error_line(runs, tmp_path, module):
 
 def test_corrupt_metrics_is_one_error_line(runs):
     (runs[1] / "metrics.json").write_text('{"status": "comp')
-    out = cli("fsdp_recipes.report", *runs)
+    out = cli("fsdp_recipes.metrics.report", *runs)
     assert out.returncode == 2 and out.stderr.startswith(f"error: {runs[1] / 'metrics.json'} is not valid JSON")
     assert "Traceback" not in out.stderr
 
@@ -254,7 +254,7 @@ def test_cpu_run_omits_mfu_and_device_memory_with_a_comment(runs):
 
 
 def test_cli_collects_several_runs_into_one_file(runs, tmp_path):
-    out = cli("fsdp_recipes.prometheus", *runs, "--out", tmp_path / "textfile" / "fsdp.prom")
+    out = cli("fsdp_recipes.metrics.prometheus", *runs, "--out", tmp_path / "textfile" / "fsdp.prom")
     assert out.returncode == 0, out.stderr
     families = parse_textfile(tmp_path / "textfile" / "fsdp.prom")
     assert {run: v for run, (_, v) in families["training_tokens_per_second"].items()} == {
@@ -267,13 +267,13 @@ def test_cli_collects_several_runs_into_one_file(runs, tmp_path):
     # Two users' runs of one recipe share the directory name (the default output_dir is runs/<recipe>): the
     # output_dir label keeps their series apart, where the same labels twice would break node_exporter's gather.
     twin = make_run(tmp_path / "other" / "gpu-full", GPU_METRICS, None)
-    out = cli("fsdp_recipes.prometheus", runs[0], twin, "--out", tmp_path / "twins.prom")
+    out = cli("fsdp_recipes.metrics.prometheus", runs[0], twin, "--out", tmp_path / "twins.prom")
     assert out.returncode == 0, out.stderr
     parser = need("prometheus_client.parser")
     samples = [s for f in parser.text_string_to_metric_families((tmp_path / "twins.prom").read_text())
                for s in f.samples if s.name == "training_mfu"]
     assert sorted(s.labels["output_dir"] for s in samples) == sorted([str(runs[0].resolve()), str(twin.resolve())])
-    out = cli("fsdp_recipes.prometheus", runs[0], runs[0], "--out", tmp_path / "same.prom")
+    out = cli("fsdp_recipes.metrics.prometheus", runs[0], runs[0], "--out", tmp_path / "same.prom")
     assert out.returncode == 2 and out.stderr.startswith(f"error: {runs[0]} is given twice"), out.stderr
 
 

@@ -2,7 +2,7 @@
 
 import time
 
-from fsdp_recipes.rss_watch import RssRise, anon_rss_bytes
+from fsdp_recipes.metrics.rss_watch import RssRise, anon_rss_bytes
 
 MIB = 2**20
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
-from fsdp_recipes import run_report
-from fsdp_recipes.run_report import RunReportCallback, TokenCounter, write_json_atomic
+from fsdp_recipes.metrics import environment, run_report, tokens
+from fsdp_recipes.metrics.run_report import RunReportCallback
+from fsdp_recipes.metrics.tokens import TokenCounter
+from fsdp_recipes.records import write_json_atomic
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -37,8 +39,8 @@ def test_mfu_attention_length_is_token_weighted(tmp_path):
     cb.on_train_begin(None, SimpleNamespace(global_step=0, log_history=[]), None, model=tiny_model())
     cb.tokens.add({"input_ids": torch.zeros(1, 8, dtype=torch.long),
                    "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1]])})
-    tokens = {k: getattr(cb.tokens, k) for k in run_report.COUNTS}
-    fig = cb.mfu_figures(tokens, 8.0, 1, {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"})
+    counts = {k: getattr(cb.tokens, k) for k in tokens.COUNTS}
+    fig = cb.mfu_figures(counts, 8.0, 1, {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"})
     assert fig["flops_seq_len"] == pytest.approx(5.0)
     layers, heads, head_dim = 2, 4, 8  # tiny_model(): hidden 32 over 4 heads
     assert fig["flops_per_token"] == pytest.approx(6 * cb.params["trainable_non_embedding"]
@@ -174,7 +176,7 @@ def test_gauges_are_rewritten_at_every_training_log_with_that_interval(tmp_path,
         assert live["training_tokens_per_second"] == pytest.approx(6.0)
         assert live["training_step"] == 5 and live["training_running"] == 1
         assert live["training_last_update_timestamp_seconds"] == 130
-        fpt = cb.mfu_figures({"padded": 120, "sequences": 12}, 6.0, 1, run_report.device_info())["flops_per_token"]
+        fpt = cb.mfu_figures({"padded": 120, "sequences": 12}, 6.0, 1, environment.device_info())["flops_per_token"]
         assert live["training_mfu"] == pytest.approx(fpt * 6.0 / 989e12)
     before = (collector / "a.prom").read_text()
     clock[0] += 5.0

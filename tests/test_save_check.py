@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from fsdp_recipes.save_check import IncompleteSave, compare, open_saved, read_saved
+from fsdp_recipes.checkpoint.save_check import IncompleteSave, compare, open_saved, read_saved
 
 A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
@@ -92,7 +92,7 @@ def test_sharded_model_directory_is_read_whole(tmp_path):
 def test_load_check_catches_weights_that_differ_from_the_file(tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 
-    from fsdp_recipes.load_check import file_key, verify_loaded_weights
+    from fsdp_recipes.checkpoint.load_check import file_key, verify_loaded_weights
 
     model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
@@ -111,7 +111,7 @@ def test_load_check_catches_weights_that_differ_from_the_file(tmp_path):
 def test_shard_check_catches_a_wrong_region(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from fsdp_recipes.sharded_save import shard_mismatches
+    from fsdp_recipes.checkpoint.sharded_save import shard_mismatches
 
     state = {"a.weight": torch.randn(4, 3), "b.weight": torch.randn(2)}
     save_file(state, tmp_path / "model-00001-of-00001.safetensors")

@@ -15,7 +15,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import REPO, launch, pack_env
-from fsdp_recipes import checkpoints
+from fsdp_recipes.checkpoint import markers as checkpoints
 
 COMMON = ["--max_steps", "20", "--save_strategy", "steps", "--save_steps", "10", "--logging_steps", "1",
           "--eval_strategy", "no", "--save_merged_model", "false"]
@@ -38,7 +38,7 @@ def losses(run):
 
 
 def export(args, cache_dir):
-    return subprocess.run([sys.executable, "-m", "fsdp_recipes.export", *map(str, args)], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "fsdp_recipes.checkpoint.export", *map(str, args)], cwd=REPO,
                           env=pack_env(cache_dir), capture_output=True, text=True, timeout=300)
 
 

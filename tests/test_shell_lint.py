@@ -70,7 +70,7 @@ def test_every_shell_script_passes_shellcheck():
 
 
 def test_generated_runai_scripts_pass_shellcheck(tmp_path):
-    from fsdp_recipes import k8s
+    from fsdp_recipes.cluster import k8s
 
     for recipe, nodes in (("tiny-cpu-lora", "1"), ("mistral-small-lora", "2")):
         k8s.main([recipe, "--nodes", nodes, "--gpus", "8", "--out", str(tmp_path / recipe)])

@@ -16,12 +16,11 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 
 import pytest
 
 from conftest import REPO, pack_env
-from fsdp_recipes import checkpoints
+from fsdp_recipes.checkpoint import markers as checkpoints
 from slurm_cluster import Cluster, missing_tools, wait_for
 
 ONE_NODE, MULTI_NODE = REPO / "slurm" / "fsdp_1node.sbatch", REPO / "slurm" / "fsdp_multinode.sbatch"

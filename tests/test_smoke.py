@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO, pack_env
-from fsdp_recipes import recipes
+from fsdp_recipes.config import recipes
 
 RECIPES = recipes.available(REPO / "recipes")
 

@@ -13,20 +13,16 @@ import psutil
 import pytest
 
 from conftest import REPO, pack_env
-from fsdp_recipes import launch, start_gate
-from fsdp_recipes.preemption import EXIT_PREEMPTED
+from fsdp_recipes.errors import EXIT_PREEMPTED
+from fsdp_recipes.train import start_gate
 
 PROBES = REPO / "tests" / "probes"
-WAITER = "from fsdp_recipes import start_gate; start_gate.wait(poll_s=0.01); print('passed', flush=True)"
+WAITER = "from fsdp_recipes.train import start_gate; start_gate.wait(poll_s=0.01); print('passed', flush=True)"
 
 
 def waiter(gate_env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", WAITER], env={**os.environ, **gate_env}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-
-
-def test_the_launcher_exit_code_for_preemption_is_the_ranks():
-    assert launch.EXIT_PREEMPTED == EXIT_PREEMPTED  # launch.py keeps its own copy to stay free of heavy imports
 
 
 def test_no_gate_without_the_launcher(monkeypatch):
@@ -77,7 +73,7 @@ class SlowCheckLaunch:
 
     def __init__(self, args, cache_dir, slow_s=20):
         env = pack_env(cache_dir, PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", SLOW_CHECK_S=str(slow_s))
-        self.proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch", *args], cwd=REPO, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out, self.err, self.started = [], [], set()
         self.readers = [threading.Thread(target=lambda s=s, d=d: d.extend(s), daemon=True)
@@ -93,7 +89,7 @@ class SlowCheckLaunch:
                 cmd = child.cmdline()
             except psutil.Error:
                 continue
-            if "fsdp_recipes.train_sft" in cmd and "launch" not in cmd:
+            if "fsdp_recipes.train.train_sft" in cmd and "launch" not in cmd:
                 found.append(child)
         return found
 
@@ -179,7 +175,7 @@ def test_a_rank_crashing_after_a_completed_run_is_reported_as_such(tmp_path, cac
     from conftest import run
 
     out = tmp_path / "run"
-    res = run([sys.executable, "-m", "fsdp_recipes.launch", "tiny-cpu-lora", "--max_steps", "1", "--eval_strategy",
+    res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--max_steps", "1", "--eval_strategy",
                "no", "--save_merged_model", "false", "--output_dir", str(out)], cache_dir,
               PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", ABORT_AT_EXIT_RANK="1")
     assert res.returncode != 0, res.stdout[-2000:]
@@ -192,7 +188,7 @@ def test_a_rank_exits_after_its_atexit_handlers_without_interpreter_teardown():
     """train_sft's exit: what atexit holds still runs (logging, trackers, the probes above); the finalization that
     frees the leftovers, where the teardown crash happens, does not."""
     code = ("import atexit, sys\n"
-            "from fsdp_recipes.train_sft import exit_without_teardown\n"
+            "from fsdp_recipes.train.train_sft import exit_without_teardown\n"
             "class Leftover:\n"
             "    def __del__(self):\n"
             "        print('finalized', flush=True)\n"

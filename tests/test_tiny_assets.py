@@ -4,7 +4,7 @@ import hashlib
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_recipes import tiny_assets
+from fsdp_recipes.assets import tiny_assets
 
 
 def digest(path):

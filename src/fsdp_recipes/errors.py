@@ -1,11 +1,12 @@
-"""User mistakes become one clear line and a non-zero exit, never a traceback."""
+"""User mistakes become one clear line and a non-zero exit, never a traceback; and the pack's exit codes."""
 
 from __future__ import annotations
 
 import functools
 import sys
 
-EXIT_USER_ERROR = 2
+EXIT_USER_ERROR = 2  # a mistake the user can fix, found before training
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was saved on a signal; the same command resumes from it
 
 
 class UserError(Exception):

@@ -51,7 +51,7 @@ if os.environ.get("SLOW_CHECK_S") and "LOCAL_RANK" not in os.environ:
     # test can look at the ranks while they wait at the start gate. Only in the launcher, not in the ranks.
     import time
 
-    from fsdp_recipes import train_sft
+    from fsdp_recipes.train import train_sft
 
     _parse_and_check = train_sft.parse_and_check
 

@@ -1,0 +1,71 @@
+"""Check that every rank trains on the weights in the checkpoint file, after loading and sharding.
+
+With `fsdp_cpu_ram_efficient_loading` only rank 0 reads the file; the other ranks start from empty (meta)
+tensors and receive rank 0's weights by broadcast while accelerate shards the model. If that step is
+skipped or broken the other ranks train on garbage without an error. This check gathers each parameter
+at the start of training (a collective) and compares it on rank 0 with the file, by name.
+
+It costs one all-gather of the model, so it is opt-in (`verify_loaded_weights: true`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+from fsdp_recipes.checkpoint.save_check import safetensors_index
+from fsdp_recipes.dist import gathered_parameters
+from fsdp_recipes.patches.peft_fsdp import without_wrapper_names
+
+
+def file_key(param_name: str) -> str | None:
+    """The checkpoint-file name of a (possibly PEFT-wrapped) parameter; None for adapter weights."""
+    if "lora_" in param_name:
+        return None
+    name = without_wrapper_names(param_name).removeprefix("base_model.model.")
+    for wrapper in (".base_layer", ".original_module", ".modules_to_save.default"):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def verify_loaded_weights(model, model_dir: str | Path, is_main: bool) -> dict | None:
+    """Every rank must call this (it gathers). Raises on rank 0 when a weight differs."""
+    where = safetensors_index(model_dir) if is_main else {}
+    checked, problems = 0, []
+    with gathered_parameters(model) as params:
+        for name, full in params:
+            key = file_key(name)
+            if not is_main or key is None or key not in where:
+                continue
+            expected = where[key].get_tensor(key)
+            checked += 1
+            full = full.detach().cpu()
+            if tuple(full.shape) != tuple(expected.shape) or not torch.equal(full, expected.to(full.dtype)):
+                problems.append(name)
+    if is_main and checked == 0:
+        raise RuntimeError(f"no parameter of the model matched a tensor in {model_dir}: cannot verify the load")
+    if is_main and problems:
+        raise RuntimeError(
+            f"{len(problems)} parameters differ from {model_dir} after loading and sharding (e.g. {problems[0]}): "
+            "the ranks did not all receive the checkpoint's weights"
+        )
+    return {"parameters_checked": checked} if is_main else None
+
+
+class LoadCheckCallback(TrainerCallback):
+    """Run the check once, when training begins (weights loaded and sharded, no step taken)."""
+
+    def __init__(self, model_dir: str, report=None):
+        self.model_dir, self.report = model_dir, report
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        import os
+
+        result = verify_loaded_weights(model, self.model_dir, int(os.environ.get("RANK", 0)) == 0)
+        if result is not None:
+            print(f"[train_sft] loaded weights verified: {result['parameters_checked']} parameters equal "
+                  f"{self.model_dir} on every rank", flush=True)
+            if self.report is not None:
+                self.report.load_check = result

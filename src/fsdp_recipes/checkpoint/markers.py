@@ -1,0 +1,101 @@
+"""Which checkpoints are complete, and which one a relaunched run resumes from.
+
+Gap this fills: transformers' `get_last_checkpoint` returns the newest `checkpoint-N` folder even when a kill
+during saving left it half written, and resuming from it fails or silently loads partial state. Here a
+checkpoint counts only once every rank has finished writing it: `CompletionMarkerCallback` waits for all
+ranks in `on_save` and then rank 0 writes a marker file into the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from fsdp_recipes.dist import barrier
+from fsdp_recipes.errors import UserError
+
+MARKER = "checkpoint_complete"
+IDENTITY = "checkpoint_identity.json"  # what was trained: checked before a resume loads any weight
+ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "vocab_size")
+PEFT_KEYS = ("r", "target_modules", "modules_to_save")
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
+    """checkpoint-N folders, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def is_complete(ckpt: Path) -> bool:
+    return (ckpt / MARKER).is_file()
+
+
+def latest_complete(output_dir: str | Path) -> Path | None:
+    complete = [p for p in checkpoint_dirs(output_dir) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def incomplete(output_dir: str | Path) -> list[Path]:
+    return [p for p in checkpoint_dirs(output_dir) if not is_complete(p)]
+
+
+def identity(model_name_or_path: str, peft_config) -> dict:
+    """The model architecture (from a local config.json) and the adapter shape a checkpoint belongs to."""
+    config_file = Path(model_name_or_path) / "config.json"
+    arch = None
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        arch = {k: config.get(k) for k in ARCH_KEYS}
+    peft = peft_full = None
+    if peft_config is not None:
+        d = peft_config.to_dict()
+        peft = {k: sorted(d[k]) if isinstance(d.get(k), (list, set)) else d.get(k) for k in PEFT_KEYS}
+        # the whole config, so `make export` can write adapter_config.json for a sharded checkpoint
+        peft_full = json.loads(json.dumps(d, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+    return {"model": model_name_or_path, "architecture": arch, "peft": peft, "peft_config": peft_full}
+
+
+def check_compatible(ckpt: Path, current: dict) -> None:
+    """Refuse, before any weight is loaded, to resume a run of another model or another LoRA shape."""
+    saved_file = Path(ckpt) / IDENTITY
+    if not saved_file.is_file():
+        return  # a checkpoint written by something else: the Trainer's own checks apply
+    saved = json.loads(saved_file.read_text())
+    fix = "Fix: use a new output_dir, --auto_resume false, or the checkpoint's settings."
+    if (saved["peft"] is None) != (current["peft"] is None):
+        kinds = ["full fine-tuning", "LoRA"]
+        raise UserError(f"cannot resume from {ckpt}: it is a {kinds[saved['peft'] is not None]} checkpoint and "
+                        f"this run is {kinds[current['peft'] is not None]}. {fix}")
+    for key in PEFT_KEYS if saved["peft"] else ():
+        if saved["peft"][key] != current["peft"][key]:
+            raise UserError(f"cannot resume from {ckpt}: its LoRA {key} is {saved['peft'][key]} and this run's is "
+                            f"{current['peft'][key]}. {fix}")
+    if saved["architecture"] and current["architecture"] and saved["architecture"] != current["architecture"]:
+        diff = [k for k in ARCH_KEYS if saved["architecture"].get(k) != current["architecture"].get(k)]
+        raise UserError(f"cannot resume from {ckpt}: it was trained on another model ({diff[0]} "
+                        f"{saved['architecture'][diff[0]]} vs {current['architecture'][diff[0]]}). {fix}")
+
+
+class CompletionMarkerCallback(TrainerCallback):
+    """Record what each checkpoint belongs to, and mark it complete once all ranks have returned from saving."""
+
+    def __init__(self, run_identity: dict | None = None):
+        self.run_identity = run_identity
+
+    def on_save(self, args, state, control, **kwargs):
+        barrier()  # every rank has finished its part of the checkpoint
+        if int(os.environ.get("RANK", 0)) == 0:
+            ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if ckpt.is_dir():
+                if self.run_identity is not None:
+                    (ckpt / IDENTITY).write_text(json.dumps(self.run_identity, indent=2) + "\n")
+                (ckpt / MARKER).write_text(f"{state.global_step}\n")

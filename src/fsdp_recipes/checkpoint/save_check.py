@@ -1,0 +1,157 @@
+"""Check the final save against the weights in memory: complete, unsharded, equal, and actually trained.
+
+Gap this fills: a save under FSDP can be silently incomplete -- a LoRA adapter holding only rank 0's slice
+(accelerate PR 4206, axolotl issue 3772), or B matrices still at their zero init. Nothing in the ecosystem
+checks the written files, so after every final save the pack gathers the full state dict (the same call
+the Trainer used to save) and compares every tensor in the files with it. A mismatch fails the run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+
+class IncompleteSave(RuntimeError):
+    pass
+
+
+def safetensors_index(directory: str | Path, pattern: str = "*.safetensors") -> dict:
+    """Tensor name -> open safetensors handle, over the files in `directory`; tensors are read on demand."""
+    from safetensors import safe_open
+
+    handles = [safe_open(str(f), framework="pt") for f in sorted(Path(directory).glob(pattern))]
+    return {key: h for h in handles for key in h.keys()}
+
+
+class LazyTensors(dict):
+    """name -> tensor, read from the safetensors files only when asked for, one at a time.
+
+    Why: the check runs right after the save, on the rank that holds the gathered model; reading the files
+    whole would hold the model a second time there."""
+
+    def __getitem__(self, key):
+        return super().__getitem__(key).get_tensor(key)
+
+    def items(self):
+        return ((k, self[k]) for k in self.keys())
+
+
+def saved_files(directory: Path) -> list[Path]:
+    """The safetensors files of a saved PEFT adapter or (possibly sharded) model directory."""
+    directory = Path(directory)
+    if (directory / "adapter_model.safetensors").is_file():
+        return [directory / "adapter_model.safetensors"]
+    index = directory / "model.safetensors.index.json"
+    names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        ["model.safetensors"]
+    for name in names:
+        if not (directory / name).is_file():
+            raise IncompleteSave(f"{directory / name} is missing")
+    return [directory / name for name in names]
+
+
+def open_saved(directory: Path) -> LazyTensors:
+    from safetensors import safe_open
+
+    handles = [safe_open(str(f), framework="pt") for f in saved_files(directory)]
+    return LazyTensors({key: h for h in handles for key in h.keys()})
+
+
+def read_saved(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a saved PEFT adapter or (possibly sharded) safetensors model directory, in memory."""
+    out = {}
+    for f in saved_files(directory):
+        out.update(load_file(f))
+    return out
+
+
+def compare(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], check_lora_b: bool,
+            model_shapes: dict[str, tuple] | None = None) -> dict:
+    """Raise IncompleteSave on any missing/extra key, shape or value difference, or an untrained LoRA B.
+    `model_shapes`: the model's own (global) shape of each key, where known. The files are compared with what the
+    save gathered; this checks the gather too, so a gather that kept only a shard (accelerate PR 4206) fails."""
+    problems = []
+    shaped = [key for key in (model_shapes or {}) if key in expected]
+    for key in shaped:
+        if tuple(expected[key].shape) != tuple(model_shapes[key]):
+            problems.append(f"{key}: gathered shape {tuple(expected[key].shape)}, the model's {tuple(model_shapes[key])}")
+    missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
+    if missing:
+        problems.append(f"{len(missing)} tensors missing from the files (e.g. {missing[0]})")
+    if extra:
+        problems.append(f"{len(extra)} unexpected tensors in the files (e.g. {extra[0]})")
+    for key in sorted(set(expected) & set(saved)):
+        want, got = expected[key], saved[key]
+        if tuple(want.shape) != tuple(got.shape):
+            problems.append(f"{key}: saved shape {tuple(got.shape)}, full shape {tuple(want.shape)}")
+        elif not torch.equal(want.to(got.dtype).cpu(), got):
+            diff = (want.float().cpu() - got.float()).abs().max().item()
+            problems.append(f"{key}: saved values differ from the weights in memory (max abs diff {diff:.3g})")
+    lora_b = [k for k in saved if "lora_B" in k]
+    if check_lora_b:
+        zero = [k for k in lora_b if not saved[k].any()]
+        if zero:
+            problems.append(f"{len(zero)} of {len(lora_b)} LoRA B matrices are still all zeros (e.g. {zero[0]})")
+    if problems:
+        raise IncompleteSave("final save failed its completeness check: " + "; ".join(problems[:5]))
+    return {"tensors": len(saved), "lora_b_checked": len(lora_b) if check_lora_b else 0,
+            "model_shapes_checked": len(shaped)}
+
+
+def expected_state_dict(trainer, full: dict | None = None, gathered: bool = False) -> dict[str, torch.Tensor] | None:
+    """The full (unsharded) state dict, as the files should hold it. A collective unless `gathered` (then `full`
+    holds what rank 0 gathered already): call on every rank. Returns None on ranks other than the main one."""
+    if not gathered:
+        full = trainer.accelerator.get_state_dict(trainer.model)
+    if not trainer.accelerator.is_main_process:
+        return None
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if hasattr(model, "peft_config"):
+        from peft import get_peft_model_state_dict
+
+        adapter = get_peft_model_state_dict(model, state_dict=full)
+        # PEFT selects the adapter's tensors by name; when that selection goes wrong it is empty or short, in
+        # the files and here alike, so also count against what the model actually trains.
+        trainable = sum(1 for p in model.parameters() if p.requires_grad)
+        if len(adapter) != trainable:
+            raise IncompleteSave(
+                f"final save failed its completeness check: the adapter has {len(adapter)} tensors but the model "
+                f"trains {trainable} parameters"
+            )
+        return adapter
+    if getattr(model.config, "tie_word_embeddings", False):
+        full.pop("lm_head.weight", None)  # save_pretrained stores tied weights once
+    return full
+
+
+def model_shapes(model) -> dict[str, tuple]:
+    """Saved key -> global shape, from the model's DTensor parameters (FSDP2; a DTensor's shape is the global one)
+    and from plain parameters when nothing is sharded. FSDP1's flat shards carry no such shape and are left out."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_recipes.checkpoint.resume_check import adapter_key
+
+    peft = hasattr(model, "peft_config")
+    flat = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+    shapes = {}
+    for name, param in model.named_parameters():
+        if (peft and not param.requires_grad) or (flat and not isinstance(param, DTensor)):
+            continue
+        shapes[adapter_key(name) if peft else name] = tuple(param.shape)
+    return shapes
+
+
+def verify_final_save(trainer, output_dir: str, full: dict | None = None, gathered: bool = False) -> dict | None:
+    expected = expected_state_dict(trainer, full, gathered)
+    if expected is None:
+        return None
+    # Warmup schedules start at learning rate 0: the first step leaves LoRA B at zero by design.
+    steps, args = trainer.state.global_step, trainer.args
+    trained = args.learning_rate > 0 and (steps >= 2 or (steps == 1 and not args.warmup_steps))
+    shapes = model_shapes(trainer.accelerator.unwrap_model(trainer.model))
+    return compare(expected, open_saved(Path(output_dir)), check_lora_b=trained, model_shapes=shapes)

@@ -1,0 +1,97 @@
+"""Final saves that never hold the whole model on one rank (SHARDED_STATE_DICT runs).
+
+Gap this fills: the Trainer's final save under FSDP gathers the full state dict on rank 0 (FULL_STATE_DICT), and
+under SHARDED_STATE_DICT it writes no final model at all. For a large model the gather can exhaust rank 0's host
+memory. Here:
+
+- full fine-tuning: every rank writes its own shards through torch.distributed.checkpoint's
+  `HuggingFaceStorageWriter`, which then consolidates them into ordinary Hugging Face safetensors files by
+  memory-mapping, tensor by tensor; rank 0 adds config and tokenizer. Each rank then checks its own shard of every
+  parameter against the matching slice of the written files, so the check gathers nothing either.
+- LoRA: only the trainable tensors are gathered (the adapter, megabytes), one parameter at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def _local_slice(param):
+    """(local tensor, slices into the full tensor) for a DTensor sharded on dim 0, else the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return param.data, None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return param.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def shard_mismatches(state: dict, directory: Path) -> list[str]:
+    """This rank's part of every tensor against the same region of the safetensors files in `directory`."""
+    from fsdp_recipes.checkpoint.save_check import safetensors_index
+
+    where = safetensors_index(directory, "model*.safetensors")
+    problems = []
+    for name, tensor in state.items():
+        local, region = _local_slice(tensor)
+        if name not in where:
+            problems.append(f"{name} missing")
+            continue
+        written = where[name].get_slice(name)
+        if tuple(written.get_shape()) != tuple(tensor.shape):  # a DTensor's shape is the model's global one
+            problems.append(f"{name} saved with shape {tuple(written.get_shape())}, the model's is {tuple(tensor.shape)}")
+            continue
+        expected = written[region] if region is not None else written[:]
+        if tuple(expected.shape) != tuple(local.shape) or not torch.equal(local.detach().cpu(), expected.to(local.dtype)):
+            problems.append(f"{name} differs")
+    return problems
+
+
+def save_full_model_distributed(trainer, output_dir: str) -> dict:
+    """Full fine-tuning: distributed write + per-rank verification. A collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_recipes.dist import all_reduce
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    state = {k: v for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    out = Path(output_dir)
+    dcp.save(state, storage_writer=dcp.HuggingFaceStorageWriter(
+        path=str(out), save_distributed=True, enable_consolidation=True))
+    if trainer.accelerator.is_main_process:
+        model.config.save_pretrained(out)
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(out)
+    trainer.accelerator.wait_for_everyone()
+    problems = shard_mismatches(state, out)
+    bad = int(all_reduce([len(problems)], "sum")[0])
+    if bad:
+        from fsdp_recipes.checkpoint.save_check import IncompleteSave
+
+        raise IncompleteSave(f"distributed final save failed its check on {bad} tensor(s)"
+                             + (f", e.g. rank {os.environ.get('RANK', 0)}: {problems[0]}" if problems else ""))
+    if trainer.accelerator.is_main_process:  # the per-rank shards are now in the consolidated files
+        shutil.rmtree(out / "sharded", ignore_errors=True)
+        return {"tensors": len(state), "lora_b_checked": 0, "model_shapes_checked": len(state)}
+    return None
+
+
+def trainable_state_dict(trainer) -> dict | None:
+    """LoRA: gather only the trainable parameters, one at a time (a collective). Full tensors on rank 0."""
+    from fsdp_recipes.dist import gathered_parameters
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    out = {}
+    with gathered_parameters(model, trainable_only=True) as params:
+        for name, full in params:
+            if trainer.accelerator.is_main_process:  # a copy: on CPU `.cpu()` is the same storage, maybe a view
+                out[name] = full.detach().to("cpu", copy=True).contiguous()
+    return out if trainer.accelerator.is_main_process else None

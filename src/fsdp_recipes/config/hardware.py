@@ -1,0 +1,76 @@
+"""What the machine has: GPU counts (torch-free where the launcher needs speed), the job's node count from
+torchrun's environment, the recipe's min_gpus check, and the one-line GPU inventory for the run's log.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from fsdp_recipes.errors import UserError
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+
+def gpu_count_hint() -> int | None:
+    """The GPUs this process may see, without importing torch (2-3 s): the ids in CUDA_VISIBLE_DEVICES when it is
+    set, else the `GPU n:` lines of `nvidia-smi -L`, else 0; None when nvidia-smi fails. An upper bound (CUDA stops
+    at the first invalid id): the launcher starts the ranks on it and counts with torch while they import."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(line.startswith("GPU ") for line in out.splitlines())
+
+
+
+def gpus_per_node(min_gpus: int, nodes: int) -> int:
+    """min_gpus counts the whole job; each of its `nodes` needs its share (rounded up)."""
+    return -(-min_gpus // max(nodes, 1))
+
+
+
+def check_gpus(min_gpus: int, recipe: str, nodes: int = 1) -> None:
+    per_node = gpus_per_node(min_gpus, nodes)
+    if per_node <= 0:  # a CPU recipe: no need to import torch to count
+        return
+    found = gpu_count()
+    if per_node > found:
+        need = f"{per_node} GPU(s)" + (f" per node (min_gpus {min_gpus} over {nodes} nodes)" if nodes > 1 else "")
+        raise UserError(
+            f"recipe {recipe} needs {need} and this machine has {found}. Fix: run it on a GPU node, or "
+            f"test it on CPU with `make smoke RECIPE={recipe}` (a tiny model of the same architecture, 2 processes)."
+        )
+
+
+
+def job_nodes() -> int:
+    """Nodes of the job this rank belongs to (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE); 1 outside a launch."""
+    return max(1, int(os.environ.get("WORLD_SIZE", 1)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
+
+def gpu_inventory() -> str:
+    """What the seeds' wrappers print: the GPUs and how they are linked, where nvidia-smi exists."""
+    if not shutil.which("nvidia-smi"):
+        return "GPUs: none (no nvidia-smi on PATH); running on CPU"
+    out = []
+    for cmd in (["nvidia-smi", "-L"], ["nvidia-smi", "topo", "-m"], ["nvidia-smi", "nvlink", "--status"]):
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+            out.append(f"$ {' '.join(cmd)}\n{res.stdout.strip() or res.stderr.strip()}")
+        except (OSError, subprocess.SubprocessError) as err:
+            out.append(f"$ {' '.join(cmd)}: {err}")
+    return "\n".join(out)

@@ -1,0 +1,117 @@
+"""Does the recipe fit the model's architecture? Checked on a meta-device copy, before anything is launched.
+
+Gap it fills: the mistakes below surface on the cluster only after every rank has loaded the weights --
+accelerate raises for an FSDP wrap class the model does not have, and PEFT silently skips a LoRA target
+module that matches nothing as long as another target matches. Building the model from its config on
+the meta device (no memory, a second or two even for 123B) lets us name the problem up front.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from fsdp_recipes.errors import UserError
+
+
+def model_config_source(model_name_or_path: str, recipe: Path | None) -> Path | None:
+    """Where the model's config.json is known without the hub: a local model directory, else the recipe's
+    shipped copy of the hub config (`model_config.json`) when it is for the same model."""
+    local = Path(model_name_or_path) / "config.json"
+    if local.is_file():
+        return local
+    shipped = recipe / "model_config.json" if recipe else None
+    if shipped and shipped.is_file() and json.loads(shipped.read_text()).get("_name_or_path") == model_name_or_path:
+        return shipped
+    return None
+
+
+def load_config(config_json: Path):
+    """The real loading code (AutoConfig.from_pretrained) on a directory holding just this config.json."""
+    import tempfile
+
+    from transformers import AutoConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(config_json.read_text())
+        return AutoConfig.from_pretrained(tmp)
+
+
+def meta_model(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def wrap_classes(acc: dict) -> list[str]:
+    fsdp = acc.get("fsdp_config") or {}
+    if acc.get("distributed_type") != "FSDP" or fsdp.get("fsdp_auto_wrap_policy") != "TRANSFORMER_BASED_WRAP":
+        return []
+    return [c.strip() for c in str(fsdp.get("fsdp_transformer_layer_cls_to_wrap") or "").split(",") if c.strip()]
+
+
+def check_recipe_fits_model(model, acc: dict, acc_path, model_args) -> None:
+    """The FSDP wrap class and the LoRA target modules / modules_to_save exist in `model`."""
+    import torch
+
+    arch = type(model).__name__
+    classes = {type(m).__name__ for m in model.modules()}
+    layer = ", ".join(sorted(getattr(model, "_no_split_modules", None) or ["?"]))
+    for cls in wrap_classes(acc):
+        if cls not in classes:
+            raise UserError(
+                f"{acc_path}: fsdp_transformer_layer_cls_to_wrap is {cls}, which {arch} does not have, so FSDP "
+                f"could not wrap its layers. Fix: set fsdp_transformer_layer_cls_to_wrap: {layer}."
+            )
+    if not model_args.use_peft:
+        return
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    targets = model_args.lora_target_modules
+    if isinstance(targets, list):
+        missing = [t for t in targets if t not in names]
+        if missing:
+            raise UserError(
+                f"lora_target_modules {missing} match no module of {arch} (its linear layers: {', '.join(linear)}). "
+                "Fix: use names from that list."
+            )
+    missing = [m for m in (model_args.lora_modules_to_save or []) if m not in names]
+    if missing:
+        raise UserError(f"lora_modules_to_save {missing} match no module of {arch}. Fix: remove them or correct the names.")
+
+
+def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, model_args) -> bool:
+    """Run the checks when the model's config is available offline; returns whether they ran."""
+    source = model_config_source(model_name_or_path, recipe)
+    if source is None:
+        return False
+    check_recipe_fits_model(meta_model(load_config(source)), acc, acc_path, model_args)
+    return True
+
+
+def check_attn_implementation(attn: str | None) -> None:
+    if attn and attn.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+        raise UserError(
+            f"attn_implementation: {attn} needs the flash-attn package, which is not installed. "
+            "Fix: `pip install -e .[gpu]` on a CUDA machine, or use attn_implementation: sdpa."
+        )
+
+
+def looks_local(path: str) -> bool:
+    """A hub id is `org/name`; anything absolute, relative-explicit, home- or file-like is a local path."""
+    return path.startswith(("/", "./", "../", "~", "$")) or path.endswith(
+        (".json", ".jsonl", ".parquet", ".csv")
+    ) or os.path.exists(path)
+
+
+def check_local_model(path: str) -> None:
+    if looks_local(path) and not (Path(path) / "config.json").is_file():
+        raise UserError(
+            f"model not found: {path} has no config.json. "
+            "Fix: point model_name_or_path at a model directory or a hub id "
+            "(the tiny default is built by `python -m fsdp_recipes.assets.tiny_assets`)."
+        )

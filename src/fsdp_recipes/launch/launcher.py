@@ -1,0 +1,367 @@
+"""The launcher behind every recipe's launch.sh: check, prepare, `accelerate launch`, summarise.
+
+    python -m fsdp_recipes.launch.launcher <recipe name or folder> [--sft_field value ...]
+
+1. Sets what the seeds' wrappers set (TOKENIZERS_PARALLELISM, PYTORCH_CUDA_ALLOC_CONF) and prints the
+   GPU inventory and NVLink status where nvidia-smi exists.
+2. Checks what needs no heavy import (accelerate YAML, GPU requirement, topology), then starts the real
+   `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train.train_sft`, in a session of its own.
+3. While the ranks import torch and the rest, checks the recipe in this one process -- recipe YAML, model,
+   dataset, resume -- and builds the tiny local assets when the recipe uses them. The ranks wait at a gate
+   (start_gate.py) and their output is held back until the checks pass; a mistake kills them and is one line
+   here instead of a traceback from every rank.
+4. Passes on what a scheduler sends (SIGTERM, SIGUSR1, SIGINT) and relays the ranks' output.
+5. Prints the summary (fsdp_recipes.launch.summary) of the finished run.
+
+Environment for cluster wrappers (slurm/, k8s/):
+    FSDP_RECIPES_LAUNCH_ARGS   extra `accelerate launch` options, shell-quoted, appended after the config file:
+                               "--num_machines 2 --machine_rank 1 --main_process_ip node1 --main_process_port
+                               29500 --num_processes 16 --rdzv_backend c10d". With --num_machines the launcher
+                               leaves the rendezvous port alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# import the same in parallel.
+from fsdp_recipes.config import accelerate_yaml, hardware, model_check, recipes, yaml_keys
+from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
+from fsdp_recipes.launch import smoke, summary
+from fsdp_recipes.train import float8, start_gate, train_sft
+
+
+def say(msg: str) -> None:
+    print(f"[launch] {msg}", flush=True)
+
+
+def override(argv: list[str], key: str, default):
+    """The value of `--key v` / `--key=v` among the command-line overrides, else `default`."""
+    for i, arg in enumerate(argv):
+        if arg == f"--{key}" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(f"--{key}="):
+            return arg.split("=", 1)[1]
+    return default
+
+
+def launch_args() -> list[str]:
+    return shlex.split(os.environ.get("FSDP_RECIPES_LAUNCH_ARGS", ""))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "accelerate"
+    found = str(exe) if exe.exists() else shutil.which("accelerate")
+    if not found:
+        raise UserError("the `accelerate` command is not installed. Fix: pip install -e . (or make venv).")
+    return [found, "launch"]
+
+
+class HeldOutput:
+    """Relays the child's stdout and stderr, holding both back until release(); drop() discards what is held.
+    (Output printed before the checks fail -- torchrun's warnings -- would break the one-line error.)"""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lock = threading.Lock()
+        self.held: list[tuple] = []
+        self.passing = self.dropped = False
+        self.threads = [threading.Thread(target=self._pump, args=(pipe, dst), daemon=True)
+                        for pipe, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+        for t in self.threads:
+            t.start()
+
+    @staticmethod
+    def _write(dst, chunk: bytes) -> None:
+        try:
+            if hasattr(dst, "buffer"):
+                dst.buffer.write(chunk)
+                dst.buffer.flush()
+            else:  # a text-only stream (a test's capture)
+                dst.write(chunk.decode(errors="replace"))
+                dst.flush()
+        except (OSError, ValueError):  # our own stdout is gone: the ranks go on regardless
+            pass
+
+    def _pump(self, pipe, dst) -> None:
+        fd = pipe.fileno()
+        while chunk := os.read(fd, 65536):
+            with self.lock:
+                if self.passing:
+                    self._write(dst, chunk)
+                elif not self.dropped:
+                    self.held.append((dst, chunk))
+
+    def release(self) -> None:
+        with self.lock:
+            sys.stdout.flush()
+            for dst, chunk in self.held:
+                self._write(dst, chunk)
+            self.held.clear()
+            self.passing = True
+
+    def drop(self) -> None:
+        with self.lock:
+            self.held.clear()
+            self.dropped = True
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        """Until the pipes close; bounded, because a process the ranks left behind (a compile worker) may hold
+        them open after torchrun has exited."""
+        for t in self.threads:
+            t.join(timeout_s)
+
+
+class Preempted(BaseException):  # like KeyboardInterrupt: no check's `except Exception` may swallow it
+    """SIGTERM/SIGUSR1 arrived before the checks passed: the ranks had not started work, nothing to save."""
+
+
+class Ranks:
+    """`accelerate launch` in a session of its own, gated (start_gate.py) until release(). Passes on what a
+    scheduler sends (SIGTERM, SIGUSR1, SIGINT) instead of dying, and remembers the first preemption signal."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+    def __init__(self, cmd: list[str], gated: bool = True) -> None:
+        self.gate = start_gate.Gate()
+        env = dict(os.environ, **self.gate.env())
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks write to a pipe now: keep their lines live
+        self.released = not gated
+        if not gated:
+            self.gate.open()
+        self.preempted_by: int | None = None
+        self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
+        # Its own session, as torchrun gives each rank: Ctrl-C in a terminal reaches the ranks through _on_signal
+        # and torchrun (PET_SIGNALS_TO_HANDLE), and a Ctrl-C during the checks stops the launcher alone.
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                         start_new_session=True)
+        except BaseException:
+            self._done()
+            raise
+        self.output = HeldOutput(self.proc)
+
+    def _on_signal(self, signum, frame):
+        if not self.released:  # the ranks are importing or at the gate: stop everything here
+            raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signal.Signals(signum).name)
+        if signum != signal.SIGINT and self.preempted_by is None:
+            self.preempted_by = signum
+        self.proc.send_signal(signum)
+
+    def release(self) -> None:
+        self.released = True  # first: from here on a signal is passed on, never raised in the launcher
+        self.gate.open()
+        self.output.release()
+
+    def abort(self) -> None:
+        """The checks failed or were interrupted: kill accelerate, torchrun and the ranks, drop their output.
+        (torchrun starts each rank in a session of its own, so killing the launcher child's session is not
+        enough; a rank that escapes the list below sees the gate's ABORT and exits by itself.)"""
+        import psutil
+
+        self.output.drop()
+        self.gate.abort()
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            procs = []
+        for p in [psutil.Process(self.proc.pid), *procs] if self.proc.poll() is None else procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        self.proc.wait()
+        psutil.wait_procs(procs, timeout=10)
+        self._done()
+
+    def wait(self) -> tuple[int, int | None]:
+        """The exit code, and the first preemption signal (SIGTERM/SIGUSR1) passed on, if any."""
+        try:
+            rc = self.proc.wait()
+            self.output.join()
+        finally:
+            self._done()
+        return rc, self.preempted_by
+
+    def _done(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.gate.remove()
+
+
+def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
+    """The ranks were stopped before the preemption checkpoint was complete: say so, in the report too."""
+    from fsdp_recipes.checkpoint import markers as checkpoints
+    from fsdp_recipes.records import write_json_atomic
+
+    latest = checkpoints.latest_complete(output_dir)
+    note = (f"preempted, but the ranks did not finish within the grace period ({grace_s} s) and were stopped; "
+            f"an incomplete checkpoint is skipped on resume, so the same command resumes from "
+            f"{latest or 'the beginning (no complete checkpoint)'}. Fix: raise preemption_grace_s (and the "
+            f"scheduler's grace) above the checkpoint save time")
+    if fresh:
+        metrics = json.loads(report.read_text())
+        metrics.update(status="preempted", error=f"{metrics.get('error') or ''} -- {note}".lstrip(" -"),
+                       provisional=False)
+        write_json_atomic(report, metrics)
+    return note
+
+
+def job_machines(acc: dict) -> int:
+    return int(override(launch_args(), "num_machines", acc.get("num_machines", 1)))
+
+
+def job_processes(acc: dict) -> int:
+    return int(override(launch_args(), "num_processes", acc.get("num_processes", 1)))
+
+
+def check_launch(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple[dict, dict]:
+    """What can be checked without importing torch: the YAMLs parse, the pack's FSDP rules, the GPU count (torch
+    counts them here only when nvidia-smi / CUDA_VISIBLE_DEVICES show too few; else check_recipe does), the
+    topology."""
+    raw = yaml_keys.load_yaml(recipe / "sft.yaml", "recipe config")
+    acc = accelerate_yaml.read_accelerate_config(acc_yaml)
+    machines = job_machines(acc)
+    # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
+    # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
+    min_gpus = int(override(overrides, "min_gpus", raw.get("min_gpus", 0)))
+    per_node = hardware.gpus_per_node(min_gpus, machines)
+    if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
+        hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
+    accelerate_yaml.check_topology(acc, acc_yaml, machines, job_processes(acc))
+    return raw, acc
+
+
+def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> tuple:
+    """accelerate's reading of its config; the recipe as the ranks will parse it, the model, the dataset and the
+    checkpoint to resume."""
+    named = recipe / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
+    accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
+    with warnings.catch_warnings():  # the training processes parse again and show these warnings there
+        warnings.simplefilter("ignore")
+        args = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
+    script, training, model, mixture, pack = args
+    accelerate_yaml.check_fsdp_with_peft(acc, model.use_peft, named, job_processes(acc))
+    if pack.float8:
+        float8.check_gpus()
+    model_check.check(model.model_name_or_path, recipe, acc, named, model)
+    train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
+    if script.dataset_name and model_check.looks_local(script.dataset_name):
+        import datasets
+
+        from fsdp_recipes.train.loading import load_sft_datasets
+
+        datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
+        load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
+    return args
+
+
+def grace_seconds(raw: dict, overrides: list[str]) -> str:
+    """preemption_grace_s before the recipe is parsed (torchrun reads it at start); the parse checks it later."""
+    value = override(overrides, "preemption_grace_s", raw.get("preemption_grace_s"))
+    try:
+        return str(int(value))
+    except (TypeError, ValueError):
+        return str(train_sft.PackArguments.preemption_grace_s)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-"):
+        raise UserError("usage: python -m fsdp_recipes.launch.launcher <recipe name or folder> [--field value ...]")
+    recipe, overrides = recipes.resolve(argv[0]), argv[1:]
+    acc_yaml = recipe / "accelerate.yaml"
+    t0 = time.time()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    say(f"recipe {recipe.name} ({recipe})")
+    print(hardware.gpu_inventory(), flush=True)
+    if smoke.active():
+        acc_yaml, overrides = smoke.prepare(recipe, overrides)
+
+    raw, acc = check_launch(recipe, acc_yaml, overrides)
+
+    extra = launch_args()
+    cmd = accelerate_cmd() + ["--config_file", str(acc_yaml), *extra]
+    multi_node = int(acc.get("num_machines", 1)) > 1 or "--num_machines" in extra
+    if not multi_node and "MASTER_PORT" not in os.environ:
+        cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide
+    cmd += ["-m", "fsdp_recipes.train.train_sft", "--config", str(recipe / "sft.yaml"), *overrides]
+    # torchrun forwards these signals to every rank and then allows the grace period before killing them.
+    os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", grace_seconds(raw, overrides))
+    # FSDP_RECIPES_OVERLAP_CHECKS=0: check first, then start the ranks (the order before start_gate.py), for a
+    # node whose host memory cannot take the ranks' imports and the launcher's dataset check at once.
+    overlap = os.environ.get("FSDP_RECIPES_OVERLAP_CHECKS", "1") != "0"
+    started = time.time()
+
+    def start(said: str, gated: bool) -> Ranks:
+        wait = "; they wait at a gate until the checks pass" if gated else ""
+        say(f"{said}starting {acc.get('num_processes', 1)} process(es){wait}:")
+        say(" ".join(cmd))
+        return Ranks(cmd, gated)
+
+    ranks = start("", gated=True) if overlap else None
+    try:
+        script, training, model, mixture, pack = check_recipe(recipe, acc, overrides)
+    except BaseException as err:
+        if ranks is not None:
+            ranks.abort()
+        if isinstance(err, Preempted):
+            say(f"{err} before the checks finished: nothing had started, nothing to save; run the same command "
+                "again")
+            return EXIT_PREEMPTED
+        if isinstance(err, KeyboardInterrupt):
+            say("interrupted before the checks finished: nothing had started")
+            return 130
+        raise
+    passed = f"checks passed in {time.time() - t0:.1f}s; "
+    if ranks is None:
+        ranks = start(passed, gated=False)
+    else:
+        say(passed + "the ranks go on")
+    ranks.release()
+    rc, preempted_by = ranks.wait()
+    report = Path(training.output_dir) / "metrics.json"
+    fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
+    metrics = json.loads(report.read_text()) if fresh else {}
+    if metrics.get("status") == "preempted" and not metrics.get("provisional"):
+        say(f"preempted: a checkpoint was saved in {training.output_dir}; run the same command again to resume")
+        return EXIT_PREEMPTED
+    if preempted_by is not None and (metrics.get("provisional") or rc != 0):
+        say(grace_ran_out(training.output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh))
+        return EXIT_PREEMPTED
+    if rc != 0 and metrics.get("status") == "completed":
+        # Seen twice in CI before ranks skipped interpreter teardown (train_sft.exit_without_teardown): a rank aborted
+        # there ("terminate called without an active exception") after the run had finished. Should a rank still
+        # die after its report is final, the exit code stays non-zero and the user learns that nothing is missing.
+        say(f"training completed and its run report {report} says so (final save written and checked), but a rank "
+            f"exited with code {rc} afterwards, while shutting down; the outputs in {training.output_dir} are complete")
+        return rc
+    if rc != 0:
+        where = f"its run report is {report}" if report.exists() else "it failed before writing a run report"
+        say(f"training exited with code {rc} (see the log above); {where}")
+        return rc
+    return summary.main([training.output_dir])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

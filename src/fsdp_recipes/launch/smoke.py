@@ -1,0 +1,138 @@
+"""`make smoke RECIPE=<any>`: a recipe's own launch path on CPU, with a tiny model of its architecture.
+
+`FSDP_RECIPES_SMOKE=1 recipes/<name>/launch.sh` (what `make smoke` runs) goes through the same launcher,
+checks, `accelerate launch`, SFTTrainer and saving as the real job, with these substitutions, each printed:
+
+- the model: the recipe's hub config (its shipped `model_config.json`) loaded with AutoConfig, kept as it
+  is -- architecture class, decoder layer class, GQA, rope scaling, biases, tied embeddings -- except for
+  fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
+  save_pretrained and loaded back through from_pretrained;
+- the data: the local synthetic chat dataset (tiny_assets);
+- attention: flash-attn (CUDA only) becomes sdpa; `float8: true` is kept where torchao is installed (its float8
+  matmuls run on CPU, slowly) and turned off where it is not;
+- the accelerate YAML: the recipe's own, with the processes scaled to 2 on one machine (an HSDP recipe
+  keeps 2 replicas of 2 shards, 4 processes, so that both dimensions exist);
+- the length of the run: a few optimizer steps and one checkpoint, in runs/smoke/<name>.
+
+What would fail on the cluster fails here: a wrap class or LoRA target the architecture lacks (model_check),
+a bad FSDP key (accelerate's own loader and the pack's checks), the FSDP1 or FSDP2 path itself, checkpoint
+and final saving with the recipe's state-dict type. What it cannot show: memory (see `make plan`) and speed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.paths import cache_dir
+
+ENV = "FSDP_RECIPES_SMOKE"
+STEPS = 3
+
+# Narrow and shallow enough for a few CPU steps in seconds; wide enough for 4 heads of 16 and 2 KV heads.
+SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, head_dim=16)
+
+
+def active() -> bool:
+    return os.environ.get(ENV, "") not in ("", "0", "false")
+
+
+def say(msg: str) -> None:
+    print(f"[smoke] {msg}", flush=True)
+
+
+def shrink(config, tokenizer):
+    """The real config with fewer, narrower layers; everything that selects code paths is left alone."""
+    gqa = config.num_key_value_heads < config.num_attention_heads
+    for key, value in SHAPE.items():
+        setattr(config, key, value)
+    config.num_key_value_heads = 2 if gqa else SHAPE["num_attention_heads"]
+    if getattr(config, "layer_types", None):  # per-layer attention types must match the layer count
+        config.layer_types = config.layer_types[: SHAPE["num_hidden_layers"]]
+    if getattr(config, "max_window_layers", None):
+        config.max_window_layers = min(config.max_window_layers, SHAPE["num_hidden_layers"])
+    config.vocab_size = len(tokenizer)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    return config
+
+
+def build_model(recipe: Path, assets: dict) -> Path:
+    """recipes/<name>/model_config.json -> a tiny model of that architecture in the cache."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_recipes.config.model_check import load_config
+
+    source = recipe / "model_config.json"
+    out = cache_dir() / "smoke" / recipe.name
+    stamp = out / "smoke_source.json"
+    if stamp.is_file() and stamp.read_text() == source.read_text():
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
+    config = shrink(load_config(source), tokenizer)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    transformers.utils.logging.disable_progress_bar()  # a few KB: keep the output to the [smoke] lines
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    stamp.write_text(source.read_text())  # last: a half-built folder is rebuilt
+    return out
+
+
+def scale_accelerate(acc: dict) -> dict:
+    acc = dict(acc, num_machines=1, machine_rank=0, rdzv_backend="static", same_network=True)
+    parallel = dict(acc.get("parallelism_config") or {})
+    if int(parallel.get("parallelism_config_dp_replicate_size", 1)) > 1:
+        parallel.update(parallelism_config_dp_replicate_size=2, parallelism_config_dp_shard_size=2)
+        acc.update(parallelism_config=parallel, num_processes=4)
+    elif acc.get("distributed_type") != "NO":
+        acc["num_processes"] = 2
+    return acc
+
+
+def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str]]:
+    """(the smoke run's accelerate YAML, the overrides to pass) for `recipe`; prints each substitution."""
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.config.accelerate_yaml import read_accelerate_config
+    from fsdp_recipes.config.yaml_keys import load_yaml
+
+    acc = read_accelerate_config(recipe / "accelerate.yaml")  # the launcher checks its keys with accelerate later
+    sft = load_yaml(recipe / "sft.yaml", "recipe config")
+    assets = ensure_assets(quiet=True)
+    smoke_args = ["--dataset_name", str(assets["data"]), "--dataset_train_split", "train",
+                  "--dataset_test_split", "test", "--min_gpus", "0", "--tiny_assets", "true", "--use_cpu", "true",
+                  "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+                  "--output_dir", f"runs/smoke/{recipe.name}"]
+    if (recipe / "model_config.json").is_file():
+        model_dir = build_model(recipe, assets)
+        hub = json.loads((recipe / "model_config.json").read_text()).get("_name_or_path", "?")
+        say(f"model: {hub} -> a tiny {SHAPE['num_hidden_layers']}-layer model of the same architecture "
+            f"from recipes/{recipe.name}/model_config.json, in {model_dir}")
+        smoke_args = ["--model_name_or_path", str(model_dir), *smoke_args]
+    elif not sft.get("tiny_assets"):
+        raise UserError(f"recipe {recipe.name} has no model_config.json to build a tiny model from. "
+                        "Fix: save the model's config.json there as model_config.json.")
+    say(f"data: {sft.get('dataset_name')} -> {assets['data']} (local synthetic chat data)")
+    if str(sft.get("attn_implementation", "")).startswith("flash_attention"):
+        smoke_args += ["--attn_implementation", "sdpa"]
+        say("attention: flash-attn needs CUDA -> sdpa")
+    if sft.get("float8") and importlib.util.find_spec("torchao") is None:
+        # float8 itself runs on CPU (torch's reference float8 matmul) when torchao is there: then it is kept
+        smoke_args += ["--float8", "false"]
+        say("float8: torchao is not installed here -> off (pip install torchao to smoke-test that path too)")
+    scaled = scale_accelerate(acc)
+    path = cache_dir() / "smoke" / f"{recipe.name}.accelerate.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# recipes/{recipe.name}/accelerate.yaml scaled for a CPU smoke test (fsdp_recipes.launch.smoke)\n"
+                    + yaml.safe_dump(scaled, sort_keys=True))
+    say(f"accelerate: recipes/{recipe.name}/accelerate.yaml with {acc.get('num_processes', 1)} process(es) on "
+        f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one ({path})")
+    say(f"run: {STEPS} steps with a checkpoint at step 2, in runs/smoke/{recipe.name}")
+    return path, [*smoke_args, *overrides]  # the user's overrides last: they win

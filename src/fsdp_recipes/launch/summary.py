@@ -1,0 +1,149 @@
+"""The end-of-run summary: what the run did, from its run report, and what the model learned.
+
+    python -m fsdp_recipes.launch.summary runs/tiny-cpu-lora
+
+Loads the base model and the trained model with plain transformers (no FSDP, no accelerate) and generates
+answers to the eval split's prompts, so the summary doubles as a check that the saved model reloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fsdp_recipes.errors import UserError, cli
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def load_prompts(run_args: dict, limit: int) -> list[tuple[list[dict], str]]:
+    """(chat prompt, expected answer) pairs from the run's eval split (prompt-completion format)."""
+    from trl import DatasetMixtureConfig, ScriptArguments
+
+    from fsdp_recipes.train.loading import load_raw
+
+    script = ScriptArguments(**run_args["script_args"])
+    ds = load_raw(script, DatasetMixtureConfig(**run_args["dataset_mixture"]))
+    split = script.dataset_test_split if script.dataset_test_split in ds else script.dataset_train_split
+    rows = ds[split]
+    if not {"prompt", "completion"} <= set(rows.column_names):
+        return []
+    rows = rows.select(range(min(limit, len(rows))))
+    return [(r["prompt"], r["completion"][-1]["content"]) for r in rows]
+
+
+def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | None = None) -> list[str]:
+    """Greedy answers, batched with left padding; plain transformers, CPU or GPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    return [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]
+
+
+def learning_check(run_dir: Path, run_args: dict, n: int = 64) -> dict | None:
+    """Exact-match accuracy of the base and the trained (merged) model on the eval prompts."""
+    merged = run_dir / "merged"
+    trained = merged if (merged / "config.json").exists() else run_dir
+    if not (trained / "config.json").exists():
+        return None  # a LoRA run without a merged model: nothing loadable without peft here
+    pairs = load_prompts(run_args, n)
+    if not pairs:
+        return None
+    prompts = [p for p, _ in pairs]
+    expected = [a for _, a in pairs]
+    base = generate(run_args["model_args"]["model_name_or_path"], prompts)
+    after = generate(str(trained), prompts)
+    score = lambda outs: sum(o == e for o, e in zip(outs, expected))  # noqa: E731
+    return {
+        "n": len(pairs),
+        "base_correct": score(base),
+        "trained_correct": score(after),
+        "examples": [
+            {"prompt": p[-1]["content"], "expected": e, "base": b, "trained": t}
+            for p, e, b, t in zip(prompts, expected, base, after)
+        ],
+    }
+
+
+def render(run_dir: Path, metrics: dict, check: dict | None) -> str:
+    m = metrics
+    lines = [f"== {m.get('recipe') or run_dir.name}: {m['status']} in {m['wall_clock_s']:.0f}s =="]
+    if m.get("first_train_loss") is not None:
+        ev = f", eval {m['final_eval_loss']:.3f}" if m.get("final_eval_loss") is not None else ""
+        lines.append(f"loss        {m['first_train_loss']:.3f} -> {m['final_train_loss']:.3f} (train){ev}")
+    tps = m.get("tokens_per_second")
+    lines.append(
+        f"throughput  {tps:,.0f} tokens/s ({m['tokens_per_second_per_device']:,.0f} per device), "
+        f"{m['steps']} steps, {m['tokens']['non_padding']:,} tokens" if tps else "throughput  n/a"
+    )
+    mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else f"n/a ({m.get('mfu_note')})"
+    lines.append(f"MFU         {mfu}")
+    pm = m["peak_memory"]
+    dev = (
+        f"device {human_bytes(pm['device_allocated_bytes'])} allocated / {human_bytes(pm['device_reserved_bytes'])} reserved, "
+        if pm.get("device_allocated_bytes") is not None else ""
+    )
+    lines.append(f"peak memory {dev}host RSS {human_bytes(pm['host_rss_bytes'])} (max over ranks)")
+    lines.append(
+        f"sharding    {m['sharding_strategy']} (FSDP{m['fsdp_version'] or '-'}), world size {m['world_size']}, "
+        f"{m['num_nodes']} node(s), {m['device']['type']}: {m['device']['name']}"
+    )
+    shards = m.get("param_shards") or {}
+    if shards.get("dtensor_params"):
+        shares = ", ".join(f"{100 * n / shards['global_numel']:.1f}%" for n in shards["local_numel_per_rank"])
+        lines.append(
+            f"shards      {shards['dtensor_params']} parameters are DTensors; the ranks hold {shares} "
+            f"of {shards['global_numel'] / 1e6:.2f}M"
+        )
+    files = [p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir()) if not p.name.startswith(".")]
+    lines.append(f"files       {run_dir}/: {', '.join(files)}")
+    if check:
+        lines.append(
+            f"exact match on {check['n']} eval prompts: base model {check['base_correct']}/{check['n']} -> "
+            f"trained {check['trained_correct']}/{check['n']}"
+        )
+        for ex in check["examples"][:3]:
+            lines.append(
+                f"  {ex['prompt']!r}: expected {ex['expected']!r} | base {ex['base']!r} | trained {ex['trained']!r}"
+            )
+    return "\n".join(lines)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--no-generate", action="store_true", help="skip the before/after generation")
+    args = ap.parse_args(argv)
+    metrics_path = args.run_dir / "metrics.json"
+    if not metrics_path.is_file():
+        raise UserError(f"no run report at {metrics_path}. Fix: pass the output_dir of a finished run.")
+    metrics = json.loads(metrics_path.read_text())
+    run_args = json.loads((args.run_dir / "run_args.json").read_text())
+    check = None if args.no_generate else learning_check(args.run_dir, run_args)
+    if check:
+        (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
+    print(render(args.run_dir, metrics, check))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Where and with what a run ran: library versions, git commit, launcher (Slurm/Kubernetes) environment,
+accelerate's settings, the device and the sharding. Recorded in run_args.json and metrics.json.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
+
+
+
+def versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in PACKAGES + ("fsdp-recipes",):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+
+def git_commit(cwd: Path | None = None) -> str | None:
+    for where in (cwd, Path(__file__).resolve().parent):
+        try:
+            out = subprocess.run(
+                ["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return None
+
+
+
+def launcher_env() -> dict:
+    """What torchrun / accelerate launch told this process about the job."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return {
+        "world_size": world,
+        "num_nodes": max(1, world // max(1, local_world)),
+        "local_world_size": local_world,
+        "rank": int(os.environ.get("RANK", 0)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+        "master_addr": os.environ.get("MASTER_ADDR"),
+        "master_port": os.environ.get("MASTER_PORT"),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+    }
+
+
+
+def accelerate_env() -> dict[str, str]:
+    """The accelerate/FSDP settings as `accelerate launch` exported them from the config file."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("ACCELERATE_", "FSDP_"))}
+
+
+
+def device_info() -> dict:
+    import torch
+
+    if torch.cuda.is_available():
+        return {"type": "cuda", "name": torch.cuda.get_device_name(0), "count_per_node": torch.cuda.device_count()}
+    name = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"type": "cpu", "name": name, "count_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", 1))}
+
+
+
+def sharding_info() -> dict:
+    """Sharding strategy and FSDP version as accelerate resolved them (not as the YAML spelled them)."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if not AcceleratorState._shared_state:  # no Accelerator yet (the run failed before the Trainer existed)
+        return {"sharding_strategy": None, "fsdp_version": None, "mixed_precision": None}
+    state = AcceleratorState()
+    if state.distributed_type != DistributedType.FSDP:
+        kind = "DDP" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else "NONE"
+        return {"sharding_strategy": kind, "fsdp_version": None, "mixed_precision": str(state.mixed_precision)}
+    plugin = state.fsdp_plugin
+    if plugin.fsdp_version == 2:
+        reshard = plugin.reshard_after_forward
+        strategy = "FULL_SHARD" if reshard is True else "SHARD_GRAD_OP" if reshard is False else str(reshard)
+        pc = getattr(state, "parallelism_config", None)
+        if pc is not None and getattr(pc, "dp_replicate_size", 1) > 1:
+            strategy = f"HYBRID_SHARD (replicate {pc.dp_replicate_size} x shard {pc.dp_shard_size})"
+    else:
+        strategy = getattr(plugin.sharding_strategy, "name", str(plugin.sharding_strategy))
+    return {
+        "sharding_strategy": strategy,
+        "fsdp_version": plugin.fsdp_version,
+        "mixed_precision": str(state.mixed_precision),
+    }

@@ -1,0 +1,250 @@
+"""make report: compare runs from their run reports (metrics.json, run_args.json, log_history.json).
+
+    python -m fsdp_recipes.metrics.report runs/a runs/b [--out DIR]
+
+Writes report.md (one table row per run, then the settings that differ between the runs), loss.png (train and
+eval loss against step, all runs on one axes), throughput.png and memory.png (bar charts). By default they go into
+the runs' common parent directory. A run that failed or was preempted is reported with its status. A directory
+without metrics.json is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.launch.summary import human_bytes
+
+GIB = 1024**3
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path} is not valid JSON ({err}). Fix: rerun, or remove that run from the list.") from None
+
+
+def load_metrics(run_dir: Path) -> dict:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} does not exist. Fix: pass runs' output_dir paths.")
+    path = run_dir / "metrics.json"
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no metrics.json: not a run's output_dir, or its run was killed before "
+                        f"writing its report. Fix: pass runs' output_dir paths, or leave this one out.")
+    return _read_json(path)
+
+
+def load_run(run_dir: Path, parent: Path) -> dict:
+    """Everything the report shows about one run. run_args.json and log_history.json are optional."""
+    run_dir = Path(run_dir)
+    metrics = load_metrics(run_dir)
+    args_path, history_path = run_dir / "run_args.json", run_dir / "log_history.json"
+    history = _read_json(history_path) if history_path.is_file() else []
+    if isinstance(history, dict):  # the run report wraps the list: {"log_history": [...]}
+        history = history.get("log_history", [])
+    return {
+        "name": os.path.relpath(run_dir.resolve(), parent),  # unique among the runs, unlike the last path part
+        "metrics": metrics,
+        "run_args": _read_json(args_path) if args_path.is_file() else {},
+        "history": history,
+    }
+
+
+def common_parent(run_dirs: list[Path]) -> Path:
+    """The deepest directory holding all runs (the parent of a single run, not the run itself)."""
+    return Path(os.path.commonpath([Path(d).resolve().parent for d in run_dirs]))
+
+
+def _num(value, fmt: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{fmt}}{suffix}"
+
+
+def row(run: dict) -> list[str]:
+    m = run["metrics"]
+    peak, device = m.get("peak_memory") or {}, m.get("device") or {}
+    status = m.get("status", "?")
+    if (m.get("tokens") or {}).get("scope") == "rank0_only":
+        status += " (rank-0 figures)"  # stopped before the ranks combined their counts
+    return [
+        run["name"], m.get("recipe") or "?", status, _num(m.get("steps"), ","),
+        _num(m.get("world_size"), "d"), _num(m.get("num_nodes"), "d"), m.get("sharding_strategy") or "n/a",
+        _num(m.get("fsdp_version"), "d"), m.get("mixed_precision") or "n/a",
+        f"{device.get('type', '?')}: {device.get('name', '?')}",
+        _num(m.get("tokens_per_second"), ",.0f"), _num(m.get("tokens_per_second_per_device"), ",.0f"),
+        _num(None if m.get("mfu") is None else 100 * m["mfu"], ".1f", "%"),
+        human_bytes(peak.get("device_allocated_bytes")), human_bytes(peak.get("host_rss_bytes")),
+        _num(m.get("time_to_first_step_s"), ".1f", " s"),
+        _num(m.get("final_train_loss"), ".4f"), _num(m.get("final_eval_loss"), ".4f"),
+        (run["run_args"].get("git_commit") or "n/a")[:8],
+    ]
+
+
+HEADER = ["run", "recipe", "status", "steps", "world size", "nodes", "sharding", "FSDP", "mixed precision",
+          "device", "tokens/s", "tokens/s per device", "MFU", "peak device memory (allocated)", "peak host RSS",
+          "time to first step", "final train loss", "final eval loss", "commit"]
+TEXT_COLUMNS = {"run", "recipe", "status", "sharding", "mixed precision", "device", "commit"}  # the rest right-aligned
+
+
+def table_row(cells: list[str]) -> str:
+    """One markdown table row. A `|` inside a cell (a device name, a setting's value) would split it: markdown's
+    escape is a backslash before it."""
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
+# run_args.json sections whose fields are settings (or the software) a comparison should name when they differ
+SETTING_SECTIONS = ("pack_args", "script_args", "model_args", "dataset_mixture", "sft_config", "lora_config",
+                    "accelerate_env", "versions")
+# fields that differ between any two runs by construction: where the run writes, the launcher's rendezvous gate
+PER_RUN = {"sft_config.output_dir", "sft_config.logging_dir", "sft_config.run_name",
+           "accelerate_env.FSDP_RECIPES_START_GATE", "accelerate_env.FSDP_RECIPES_START_GATE_PID"}
+MAX_SETTING_ROWS = 40
+_ABSENT = object()
+
+
+def _setting_value(value) -> str:
+    if value is _ABSENT:
+        return "(not recorded)"
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
+    """(section.field, one value per run) for every setting in run_args.json that is not the same in all runs: what
+    was changed between them (`float8`, `learning_rate`, a library version, an accelerate setting, ...).
+    Gap it fills: the metrics say how runs differ in speed and loss; this says what differed in how they ran."""
+    flat = []
+    for r in runs:
+        args = r["run_args"]
+        flat.append({f"{sec}.{k}": v for sec in SETTING_SECTIONS for k, v in (args.get(sec) or {}).items()})
+    keys = sorted(set().union(*flat) - PER_RUN)
+    rows = []
+    for key in keys:
+        values = [_setting_value(f.get(key, _ABSENT)) for f in flat]
+        if len(set(values)) > 1:
+            rows.append((key, values))
+    return rows
+
+
+def settings_markdown(runs: list[dict]) -> list[str]:
+    if len(runs) < 2 or not any(r["run_args"].get(sec) for r in runs for sec in SETTING_SECTIONS):
+        return []  # one run, or runs without recorded settings: nothing to compare
+    rows = differing_settings(runs)
+    if not rows:
+        return ["", "Settings: the runs' recorded settings (run_args.json) are the same, output paths aside."]
+    lines = ["", "## Settings that differ", "", table_row(["setting", *(r["name"] for r in runs)]),
+             "|---|" + "---|" * len(runs)]
+    lines += [table_row([key, *values]) for key, values in rows[:MAX_SETTING_ROWS]]
+    if len(rows) > MAX_SETTING_ROWS:
+        lines.append(f"\n... and {len(rows) - MAX_SETTING_ROWS} more (compare the runs' run_args.json).")
+    return lines
+
+
+def markdown(runs: list[dict]) -> str:
+    lines = ["# Run comparison", "", table_row(HEADER),
+             "|" + "|".join("---" if h in TEXT_COLUMNS else "---:" for h in HEADER) + "|"]
+    lines += [table_row(row(r)) for r in runs]
+    mfu_notes: dict[str, list[str]] = {}  # one line per distinct reason, in run order
+    for r in runs:
+        if r["metrics"].get("mfu") is None and r["metrics"].get("mfu_note"):
+            mfu_notes.setdefault(r["metrics"]["mfu_note"], []).append(r["name"])
+    lines += ["", "Peak memory is the max over ranks. Plots: loss.png, throughput.png, memory.png.",
+              *(f"- MFU n/a for {', '.join(names)}: {note}" for note, names in mfu_notes.items())]
+    lines += settings_markdown(runs)
+    return "\n".join(lines) + "\n"
+
+
+def plot_loss(runs: list[dict], path: Path, plt) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    positive = True
+    for i, run in enumerate(runs):
+        color = f"C{i % 10}"
+        for key, style, label in (("loss", "-", "train"), ("eval_loss", "--o", "eval")):
+            points = [(h["step"], h[key]) for h in run["history"] if key in h and "step" in h]
+            if points:
+                status = run["metrics"].get("status")
+                tag = "" if status == "completed" else f" [{status}]"  # a failed run's curve stops early
+                ax.plot(*zip(*points), style, color=color, markersize=3, label=f"{run['name']}{tag} ({label})")
+                positive &= all(y > 0 for _, y in points)
+    if positive and ax.lines:
+        ax.set_yscale("log")  # fine-tuning losses span orders of magnitude; log keeps the tail readable
+    ax.set(xlabel="optimizer step", ylabel="loss", title="Loss against step")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no logged losses", ha="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _short(value) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def plot_bars(runs: list[dict], path: Path, plt, title: str, ylabel: str, series: dict) -> None:
+    """Grouped bars, one group per run; `series` maps a legend label to a figure-of-a-run function."""
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(runs) * len(series)), 5))
+    width = 0.8 / len(series)
+    for j, (label, value_of) in enumerate(series.items()):
+        for i, run in enumerate(runs):
+            value = value_of(run["metrics"])
+            x = i + (j - (len(series) - 1) / 2) * width
+            bars = ax.bar(x, value or 0, width, color=f"C{j}", label=label if i == 0 else None)
+            ax.bar_label(bars, labels=[_short(value)], fontsize=8)
+    ax.set_xticks(range(len(runs)), [r["name"] for r in runs], rotation=15 if len(runs) > 3 else 0)
+    ax.set(ylabel=ylabel, title=title)
+    if len(series) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _gib(key: str):
+    return lambda m: None if (m.get("peak_memory") or {}).get(key) is None else m["peak_memory"][key] / GIB
+
+
+def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
+    if not run_dirs:
+        raise UserError("no runs given. Fix: make report RUNS=\"runs/a runs/b\".")
+    parent = common_parent(run_dirs)
+    runs = [load_run(d, parent) for d in run_dirs]
+    out = Path(out_dir) if out_dir else parent
+    out.mkdir(parents=True, exist_ok=True)
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a login node or in CI
+    import matplotlib.pyplot as plt
+
+    (out / "report.md").write_text(markdown(runs))
+    plot_loss(runs, out / "loss.png", plt)
+    plot_bars(runs, out / "throughput.png", plt, "Throughput (non-padding tokens/s)", "tokens/s",
+              {"all devices": lambda m: m.get("tokens_per_second"),
+               "per device": lambda m: m.get("tokens_per_second_per_device")})
+    plot_bars(runs, out / "memory.png", plt, "Peak memory (max over ranks)", "GiB",
+              {"device allocated": _gib("device_allocated_bytes"), "host RSS": _gib("host_rss_bytes")})
+    return [out / name for name in ("report.md", "loss.png", "throughput.png", "memory.png")]
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_recipes.metrics.report", description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="*", type=Path, help="run output directories (each with metrics.json)")
+    parser.add_argument("--out", type=Path, help="where to write (default: the runs' common parent directory)")
+    args = parser.parse_args(argv)
+    paths = write_report(args.runs, args.out)
+    print(f"[report] {len(args.runs)} run(s) -> " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

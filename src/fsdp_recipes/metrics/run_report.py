@@ -1,0 +1,331 @@
+"""The run report: `run_args.json` and `metrics.json` in every run's output_dir.
+
+A `transformers.TrainerCallback` (the hook transformers gives for exactly this) fed by the token counter
+(metrics/tokens.py). Files are written by rank 0 only, atomically (records.write_json_atomic), and also when the
+run fails or is interrupted, with a `status` field. The schema is documented in docs/run-report.md.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import resource
+import socket
+import sys
+import time
+from pathlib import Path
+
+import psutil
+from transformers import TrainerCallback
+
+from fsdp_recipes.dist import all_reduce, gather_objects
+from fsdp_recipes.metrics import flops
+from fsdp_recipes.metrics.environment import (
+    accelerate_env,
+    device_info,
+    git_commit,
+    launcher_env,
+    sharding_info,
+    versions,
+)
+from fsdp_recipes.metrics.prometheus import write_textfile
+from fsdp_recipes.metrics.tokens import COUNTS, TokenCounter
+from fsdp_recipes.records import now_iso, write_json_atomic
+
+SCHEMA_VERSION = 1
+
+
+
+COUNTERS_FILE = "run_report_counters.json"  # inside each checkpoint: what a resumed run continues from
+
+
+
+def param_shards(model) -> dict:
+    """How the parameters are laid out on this rank: evidence that sharding really happened."""
+    from torch.distributed.tensor import DTensor
+
+    dtensors = global_numel = local_numel = 0
+    for p in model.parameters():
+        global_numel += p.numel()
+        if isinstance(p, DTensor):
+            dtensors += 1
+            local_numel += p.to_local().numel()
+        else:
+            local_numel += p.numel()
+    return {"dtensor_params": dtensors, "global_numel": global_numel, "local_numel": local_numel}
+
+
+
+def _peak_memory() -> dict:
+    import torch
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    if torch.cuda.is_available():
+        return {
+            "allocated": torch.cuda.max_memory_allocated(),
+            "reserved": torch.cuda.max_memory_reserved(),
+            "host_rss": rss,
+        }
+    return {"allocated": -1, "reserved": -1, "host_rss": rss}
+
+
+
+class RunReportCallback(TrainerCallback):
+    """Writes run_args.json at the start and metrics.json at the end (or on failure) of every run."""
+
+    def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None,
+                 resume_from: str | Path | None = None, prometheus_textfile: str | None = None):
+        self.output_dir = Path(output_dir)
+        # metrics.prom in output_dir, and the collector's file when the recipe names one: rewritten at every
+        # training log while the run trains (write_live), and with the whole run's figures at the end.
+        self.prom_paths = [self.output_dir / "metrics.prom"]
+        if prometheus_textfile:
+            self.prom_paths.append(Path(prometheus_textfile))
+        self.live_mark = None  # (time, counters_so_far) at the last training log
+        self.resumed_from = str(resume_from) if resume_from else None
+        # Counters of the run so far, as saved with the checkpoint this run resumes from.
+        self.prior = {"non_padding": 0, "padded": 0, "sequences": 0, "squared_lengths": 0, "train_time_s": 0.0}
+        if resume_from and (Path(resume_from) / COUNTERS_FILE).is_file():
+            saved = json.loads((Path(resume_from) / COUNTERS_FILE).read_text())
+            # a checkpoint from before squared_lengths was counted: MFU then falls back to the mean length
+            self.prior.update({"squared_lengths": None, **saved})
+        self.resolved_args = resolved_args
+        self.recipe = recipe
+        self.tokens = TokenCounter()
+        self.process_start = psutil.Process().create_time()
+        self.started_at = now_iso()
+        self.is_main = int(os.environ.get("RANK", 0)) == 0
+        self.train_start = self.train_end = self.first_step_end = None
+        self.log_history: list[dict] = []
+        self.params: dict[str, int] = {}
+        self.model_config = None
+        self.shards = None
+        self.final_save_check = None  # set by the entry point after verifying the final save
+        self.load_check = None  # set by LoadCheckCallback when verify_loaded_weights is on
+        self.resume_check = None  # set by ResumeCheckCallback after a resume
+        self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by train_sft.save_final
+        self.rss_at_train_start = None
+        self.finalized = False
+
+    # -- trainer hooks ------------------------------------------------------------------------------
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.train_start = time.time()
+        if model is not None:
+            self.params = flops.count_params(model)
+            self.model_config = getattr(model, "config", None)
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            shards = gather_objects({**param_shards(model), "rss": rss})  # a collective: every rank runs on_train_begin
+            self.rss_at_train_start = [s["rss"] for s in shards]
+            self.shards = {
+                "dtensor_params": shards[0]["dtensor_params"],
+                "global_numel": shards[0]["global_numel"],
+                "local_numel_per_rank": [s["local_numel"] for s in shards],
+            }
+        if self.is_main:
+            write_json_atomic(self.output_dir / "run_args.json", self.run_args())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.first_step_end is None:
+            self.first_step_end = time.time()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.log_history = list(state.log_history)
+        # A training log (it has the loss) comes at the same step on every rank: the collectives inside are safe.
+        # The Trainer's evaluation and end-of-training logs carry no "loss" and are left to finalize.
+        if logs and "loss" in logs and self.train_start is not None:
+            self.write_live(state.global_step)
+
+    def write_live(self, step: int) -> None:
+        """The Prometheus gauges over the interval since the last training log (tokens/s and MFU of that interval,
+        peaks so far), so that an alert sees a run slow down while it trains.
+
+        Gap it fills: the Trainer logs its own throughput only as an average since train start
+        (`include_num_input_tokens_seen`), which hides a slowdown behind the hours before it, and gives no MFU."""
+        now = time.time()
+        totals, peaks = self.counters_so_far(now), self.peaks_so_far()  # collectives: every rank runs them
+        since, before = self.live_mark or (self.train_start, self.prior)
+        self.live_mark = (now, totals)
+        if not self.is_main or now <= since:
+            return
+        window = {k: None if totals[k] is None or before[k] is None else totals[k] - before[k] for k in COUNTS}
+        alloc = peaks["allocated"]
+        tps = window["non_padding"] / (now - since)
+        world = launcher_env()["world_size"]
+        device = device_info()
+        live = {
+            "recipe": self.recipe,
+            "status": "running",
+            "steps": step,
+            "updated_at": dt.datetime.fromtimestamp(now, dt.timezone.utc).isoformat(timespec="seconds"),
+            "world_size": world,
+            "device": {"name": device["name"]},
+            "tokens_per_second": tps,
+            "peak_memory": {"device_allocated_bytes": None if alloc < 0 else int(alloc),
+                            "device_note": "CPU run: no device memory" if alloc < 0 else None,
+                            "host_rss_bytes": int(peaks["host_rss"])},
+            **self.mfu_figures(window, tps, world, device),
+        }
+        self.write_prom(live)
+
+    def write_prom(self, metrics: dict) -> None:
+        for path in self.prom_paths:
+            try:
+                write_textfile(metrics, path, run_dir=self.output_dir)
+            except OSError as err:  # monitoring must never stop training; the launcher checked the path
+                print(f"[run_report] could not write {path}: {err}", file=sys.stderr, flush=True)
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        self.log_history = list(state.log_history)
+
+    def train_time_until(self, t: float) -> float:
+        """Training time of the whole run up to `t`, continued from the checkpoint it resumed from."""
+        return self.prior["train_time_s"] + (t - self.train_start)
+
+    def counters_so_far(self, now: float) -> dict:
+        """Run totals (all ranks) up to now: a collective, so every rank must call it."""
+        summed = all_reduce([getattr(self.tokens, k) for k in COUNTS], "sum")
+        return {**{k: None if self.prior[k] is None else int(v) + self.prior[k] for k, v in zip(COUNTS, summed)},
+                "train_time_s": self.train_time_until(now)}
+
+    def on_save(self, args, state, control, **kwargs):
+        counters = self.counters_so_far(time.time())
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if self.is_main and ckpt.is_dir():
+            write_json_atomic(ckpt / COUNTERS_FILE, counters)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.train_end = time.time()
+        self.log_history = list(state.log_history)
+        self.global_step = state.global_step
+        # Collectives: every rank is here, so counts and peaks can be combined over ranks.
+        self.totals = self.counters_so_far(self.train_end)
+        self.peaks = self.peaks_so_far()
+
+    def peaks_so_far(self) -> dict:
+        """Peak device memory and host RSS so far, max over ranks: a collective, so every rank must call it."""
+        mem = _peak_memory()
+        alloc, reserved, rss = all_reduce([mem["allocated"], mem["reserved"], mem["host_rss"]], "max")
+        return {"allocated": alloc, "reserved": reserved, "host_rss": rss}
+
+    def mfu_figures(self, tokens: dict, tps: float | None, world: int, device: dict) -> dict:
+        """FLOPs per token with attention at the token-weighted mean length sum(n^2) / sum(n) of the sequences in
+        `tokens` (useful work: padding and attention across packed sequences count for nothing), and MFU. Counts
+        without squared_lengths (a resume from an older checkpoint) fall back to the mean padded length."""
+        fpt, seq_len, mfu, mfu_note = None, None, None, None
+        if self.model_config is not None and self.params and tokens["sequences"]:
+            if tokens.get("squared_lengths") and tokens["non_padding"]:
+                seq_len = tokens["squared_lengths"] / tokens["non_padding"]
+            else:
+                seq_len = tokens["padded"] / tokens["sequences"]
+            layers, heads, head_dim = flops.attention_shape(self.model_config)
+            fpt = flops.flops_per_token(
+                self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
+                layers, heads, head_dim, seq_len,
+            )
+        peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
+        if device["type"] != "cuda":
+            why = f"device is a CPU ({device['name']}): no dense bf16 peak to compare against"
+        if fpt is not None and tps and peak:
+            mfu = flops.mfu(fpt, tps, peak, world)
+        else:
+            mfu_note = why if not peak else "no tokens or no model config recorded"
+        return {"flops_per_token": fpt, "flops_seq_len": seq_len, "peak_flops_per_device": peak, "mfu": mfu,
+                "mfu_note": mfu_note}
+
+    # -- files --------------------------------------------------------------------------------------
+    def run_args(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "recipe": self.recipe,
+            "started_at": self.started_at,
+            "hostname": socket.gethostname(),
+            "command": sys.argv,
+            "git_commit": git_commit(Path.cwd()),
+            "versions": versions(),
+            "launcher": launcher_env(),
+            "accelerate_env": accelerate_env(),
+            **self.resolved_args,
+        }
+
+    def finalize(self, status: str, error: str | None = None) -> dict | None:
+        """Write metrics.json once, from rank 0. On a failure path no collectives are attempted."""
+        if self.finalized or not self.is_main:
+            return None
+        self.finalized = True
+        end = time.time()
+        if not (self.output_dir / "run_args.json").exists():
+            write_json_atomic(self.output_dir / "run_args.json", self.run_args())
+        metrics = self.metrics(status, error, end)
+        write_json_atomic(self.output_dir / "log_history.json", {"log_history": self.log_history})
+        write_json_atomic(self.output_dir / "metrics.json", metrics)
+        self.write_prom(metrics)  # for node_exporter's textfile collector
+        return metrics
+
+    def write_provisional(self, status: str, error: str) -> None:
+        """Write metrics.json now, from rank 0's own figures, without closing the report: what stays on disk
+        when the process is killed before `finalize` (a preemption save that outlives the grace period)."""
+        if self.is_main and not self.finalized:
+            metrics = self.metrics(status, error, time.time(), True)
+            write_json_atomic(self.output_dir / "metrics.json", metrics)
+            self.write_prom(metrics)  # training_running 0: the run is no longer training
+
+    def metrics(self, status: str, error: str | None, end: float, provisional: bool = False) -> dict:
+        env = launcher_env()
+        world, nodes = env["world_size"], env["num_nodes"]
+        device = device_info()
+        completed_collectives = hasattr(self, "totals")
+        if completed_collectives:
+            tokens, peaks, scope = self.totals, self.peaks, "all_ranks"
+        else:  # failed before on_train_end: this rank's own figures, labelled as such
+            tokens = {k: None if self.prior[k] is None else getattr(self.tokens, k) + self.prior[k] for k in COUNTS}
+            peaks, scope = _peak_memory(), "rank0_only"
+        train_time = self.train_time_until(self.train_end or end) if self.train_start else None
+        tps = tokens["non_padding"] / train_time if train_time else None
+
+        losses = [h["loss"] for h in self.log_history if "loss" in h]
+        eval_losses = [h["eval_loss"] for h in self.log_history if "eval_loss" in h]
+
+        figures = self.mfu_figures(tokens, tps, world, device)
+        no_device_mem = peaks["allocated"] < 0
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "status": status,
+            "provisional": provisional,
+            "error": error,
+            "recipe": self.recipe,
+            "resumed_from": self.resumed_from,
+            "started_at": self.started_at,
+            "finished_at": now_iso(),
+            "wall_clock_s": end - self.process_start,
+            "train_time_s": train_time,
+            "time_to_first_step_s": (self.first_step_end - self.process_start) if self.first_step_end else None,
+            "steps": getattr(self, "global_step", None) or (self.log_history[-1].get("step") if self.log_history else 0),
+            "samples": tokens["sequences"],
+            "tokens": {"non_padding": tokens["non_padding"], "padded": tokens["padded"], "scope": scope},
+            "tokens_per_second": tps,
+            "tokens_per_second_per_device": tps / world if tps else None,
+            "world_size": world,
+            "num_nodes": nodes,
+            **sharding_info(),
+            "device": {"type": device["type"], "name": device["name"], "count": world},
+            "peak_memory": {
+                "device_allocated_bytes": None if no_device_mem else int(peaks["allocated"]),
+                "device_reserved_bytes": None if no_device_mem else int(peaks["reserved"]),
+                "device_note": "CPU run: no device memory; see host_rss_bytes" if no_device_mem else None,
+                "host_rss_bytes": int(peaks["host_rss"]),
+                "host_rss_at_train_start_bytes_per_rank": self.rss_at_train_start,
+                "host_rss_rise_final_save_bytes_per_rank": [r["save"] for r in self.final_save_rss or []] or None,
+                "host_rss_rise_final_check_bytes_per_rank": [r["check"] for r in self.final_save_rss or []] or None,
+                "scope": "max_over_ranks" if scope == "all_ranks" else scope,
+            },
+            "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
+            "param_shards": self.shards,
+            "load_check": self.load_check,
+            "resume_check": self.resume_check,
+            "final_save_check": self.final_save_check,
+            **figures,
+            "first_train_loss": losses[0] if losses else None,
+            "final_train_loss": losses[-1] if losses else None,
+            "final_eval_loss": eval_losses[-1] if eval_losses else None,
+        }

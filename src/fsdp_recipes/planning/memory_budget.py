@@ -1,0 +1,155 @@
+"""Per-GPU memory budget of a recipe on a given topology: weights, gradients, optimizer states, activations,
+communication buffers. Plain arithmetic on the model's shapes; `make plan` prints it, tests compare it with
+what the tiny CPU runs really hold (fsdp_recipes.metrics.memory_probe).
+
+Bytes per parameter (ZeRO paper, Rajbhandari et al. 2020, section 3, adapted to what accelerate 1.15 does):
+with mixed precision, accelerate upcasts *trainable* parameters to fp32 under FSDP1 and FSDP2 (the
+"FSDP upcast of low precision parameters" warning); frozen ones stay in the load dtype. Gradients have the
+parameter's dtype; AdamW keeps two fp32 moments. Sharding divides all three by the shard-group size
+(FULL_SHARD: the world; HSDP: the GPUs of one shard group; DDP: 1).
+
+Activations, bytes per token per decoder layer, counted from what autograd saves in transformers' Llama /
+Mistral / Qwen3 layers with SDPA (no materialised attention matrix; Korthikanti et al. 2022 do the same
+count for GPT) and checked tensor by tensor with saved_tensors_hooks on the tiny model: each RMSNorm keeps
+an fp32 copy of its input and its output (h * (4 + c)); SDPA keeps q, k, v (GQA's k and v unrepeated: torch's
+enable_gqa) and its output, which o_proj reuses (c * (2q + 2kv)); the MLP keeps gate, up, SiLU(gate) and their
+product (4cI); each LoRA-targeted linear keeps its r-wide A output, and with dropout its dropped-out input
+and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
+
+    per_layer = 2h(4 + c) + c(2q + 2kv + 4I + r * targets) [+ (c + 1) * in_features per target, with dropout]
+
+With activation checkpointing only each layer's input (c*h) stays, plus one layer's full set during its
+recompute. TRL 1.16's SFTTrainer computes the loss through a fused, chunked LM head, so full logits are never
+materialised; one tile of at most 4096 tokens x 32768 vocabulary entries is (trl/kernels/chunked_logprob.py), and
+is counted, as is what its backward accumulates in fp32: the hidden states' gradient, and in full fine-tuning the
+head weight's gradient (vocab x hidden x 4 bytes: 2 GiB for a 131k vocabulary at hidden 4096). Worst case: every
+sequence max_length long.
+
+Communication buffers (also at world size 1, where FSDP2 still casts each layer to a compute-width copy): FSDP
+all-gathers one decoder layer's parameters at the compute width while
+prefetching the next (2 layers), plus that layer's gradients for the reduce-scatter; the root unit
+(embeddings, final norm, LM head) stays gathered for the whole step. DDP keeps a gradient bucket copy of
+every trainable parameter (gradient_as_bucket_view is off by default).
+
+Runtime: CUDA context, NCCL and allocator slack, 2 GiB per GPU (a typical figure for H100 nodes, not
+measured by this pack); 0 on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+GIB = 1024**3
+OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adafactor": 4}  # per trainable parameter, fp32 states
+LM_HEAD_TILE = 32768  # TRL's chunked log-prob tile: TOKEN_CHUNK_SIZE (4096) tokens x _CHUNKED_LOGPROB_CHUNK_SIZE
+
+
+@dataclasses.dataclass
+class ModelShape:
+    params: int  # all parameters, LoRA adapters and modules_to_save copies included
+    trainable: int
+    layers: int
+    hidden: int
+    q_dim: int  # num_attention_heads * head_dim
+    kv_dim: int  # num_key_value_heads * head_dim
+    intermediate: int
+    vocab: int
+    layer_params: int  # one decoder layer, adapters included
+    layer_trainable: int
+    root_params: int  # outside the decoder layers: embeddings, final norm, LM head
+    lora_dropout_width: int  # sum of in_features over LoRA-targeted linears of one layer, when dropout > 0
+    lora_rank_width: int  # LoRA r x the number of targeted linears in one layer (the A outputs B keeps)
+
+
+@dataclasses.dataclass
+class Setup:
+    shard: int  # size of the group parameters are sharded over (1: DDP or a single GPU)
+    world: int
+    strategy: str  # "FSDP" | "HSDP" | "DDP" | "single"
+    load_bytes: int  # bytes per parameter as loaded (dtype)
+    compute_bytes: int  # bytes per activation element (2 with bf16 mixed precision)
+    mixed_precision: bool
+    tokens: int  # tokens per micro-batch per GPU (worst case)
+    activation_checkpointing: bool
+    optimizer_bytes: int
+    runtime_bytes: int
+
+
+def shape_of(model, model_args) -> ModelShape:
+    """Parameter counts and widths of `model` (a meta-device copy), with the recipe's LoRA applied on paper."""
+    import torch
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers = model.model.layers
+    layer0 = layers[0]
+    base_layer = sum(p.numel() for p in layer0.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    lora_layer, dropout_width, rank_width, lora_other, saved = 0, 0, 0, 0, 0
+    if model_args.use_peft:
+        targets = model_args.lora_target_modules
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            hit = isinstance(module, torch.nn.Linear) and (
+                targets == "all-linear" and leaf != "lm_head" or isinstance(targets, list) and leaf in targets)
+            if hit:
+                adapter = model_args.lora_r * (module.in_features + module.out_features)
+                if name.startswith("model.layers.0."):
+                    lora_layer += adapter
+                    dropout_width += module.in_features if model_args.lora_dropout else 0
+                    rank_width += model_args.lora_r
+                elif not name.startswith("model.layers."):
+                    lora_other += adapter
+            if leaf in (model_args.lora_modules_to_save or []):
+                saved += sum(p.numel() for p in module.parameters())
+        trainable = lora_layer * len(layers) + lora_other + saved
+    else:
+        trainable = total
+    params = total + (trainable if model_args.use_peft else 0)
+    layer_params = base_layer + lora_layer
+    return ModelShape(
+        params=params, trainable=trainable, layers=len(layers), hidden=cfg.hidden_size,
+        q_dim=cfg.num_attention_heads * head_dim, kv_dim=cfg.num_key_value_heads * head_dim,
+        intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, layer_params=layer_params,
+        layer_trainable=lora_layer if model_args.use_peft else base_layer,
+        root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
+    )
+
+
+def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
+    c = s.compute_bytes
+    norms = 2 * m.hidden * (4 + c)
+    saved = c * (2 * m.q_dim + 2 * m.kv_dim + 4 * m.intermediate + m.lora_rank_width)
+    return norms + saved + (c + 1) * m.lora_dropout_width
+
+
+def budget(m: ModelShape, s: Setup) -> dict[str, int]:
+    """Bytes per GPU, by component."""
+    master = 4 if s.mixed_precision else s.load_bytes  # trainable parameters' storage dtype
+    frozen = m.params - m.trainable
+    weights = (frozen * s.load_bytes + m.trainable * master) / s.shard
+    gradients = m.trainable * master / s.shard
+    optimizer = m.trainable * s.optimizer_bytes / s.shard
+    per_layer = activations_per_token_per_layer(m, s)
+    if s.activation_checkpointing:
+        activations = s.tokens * (m.layers * m.hidden * s.compute_bytes + per_layer)
+    else:
+        activations = s.tokens * m.layers * per_layer
+    tile = min(s.tokens, 4096) * min(m.vocab, LM_HEAD_TILE) * 4
+    # the fused head's backward accumulates in fp32: the hidden states' gradient, and the head's when it trains
+    head_grads = s.tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 if m.trainable == m.params else 0)
+    activations += s.tokens * m.hidden * 4 * 2 + tile + head_grads  # + final norm (fp32)
+    if s.strategy in ("FSDP", "HSDP"):
+        comm = (2 * m.layer_params + m.root_params) * s.compute_bytes + m.layer_trainable * master
+    elif s.strategy == "DDP":
+        comm = m.trainable * master
+    else:
+        comm = 0
+    parts = {
+        "weights": weights, "gradients": gradients, "optimizer_states": optimizer,
+        "activations": activations, "communication_buffers": comm, "runtime": s.runtime_bytes,
+    }
+    parts = {k: int(math.ceil(v)) for k, v in parts.items()}
+    parts["total"] = sum(parts.values())
+    return parts

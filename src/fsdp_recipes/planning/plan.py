@@ -1,0 +1,197 @@
+"""`make plan RECIPE=<name> GPUS=8 NODES=1 GPU=H100`: will the recipe fit? A preflight that launches nothing.
+
+    python -m fsdp_recipes.planning.plan <recipe> --gpus 8 --nodes 1 --gpu H100
+
+1. Validates the recipe as the launcher does (accelerate YAML, recipe YAML, wrap class and LoRA targets on a
+   meta-device model) plus the topology: the world size covers the HSDP groups, a shard group stays inside
+   one node, the GPU supports the recipe's dtype.
+2. Prints the global batch (per-device batch x accumulation x data-parallel size) and the per-GPU memory
+   budget (fsdp_recipes.planning.memory_budget) under the recipe's own strategy and under DDP.
+3. States the decision rule: fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP.
+4. Exits 1 with one line when the recipe does not fit (estimate above 90% of the GPU's memory; the rest is
+   left for fragmentation), 2 for a configuration mistake, 0 when it fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+from fsdp_recipes.config import accelerate_yaml, model_check, recipes, yaml_keys
+from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.planning import memory_budget
+from fsdp_recipes.planning.memory_budget import GIB
+
+# name -> (memory in GiB as the driver reports it, bf16 support); matched like flops.PEAK_BF16_DENSE_FLOPS.
+GPUS = {
+    "H100": (79.6, True), "H100-PCIE": (79.6, True), "H100-NVL": (93.1, True), "H200": (139.8, True),
+    "GH200": (94.5, True), "B200": (178.4, True), "A100": (79.2, True), "A100-40GB": (39.4, True),
+    "L40S": (44.4, True), "A10G": (22.1, True), "L4": (22.1, True), "V100": (31.7, False), "T4": (14.6, False),
+}
+HEADROOM = 0.9
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "auto": 2}
+
+
+def gpu_spec(name: str) -> tuple[str, float, bool]:
+    key = name.upper().replace(" ", "-")
+    if key not in GPUS:
+        raise UserError(f"unknown GPU '{name}'. Fix: GPU=<one of {', '.join(GPUS)}>.")
+    return (key, *GPUS[key])
+
+
+def load_recipe(name: str, recipes_root: Path | None = None):
+    """(recipe dir, accelerate dict, parsed recipe args, model) with the launcher's checks applied."""
+    recipe = recipes.resolve(str(recipes_root / name) if recipes_root else name)
+    acc = accelerate_yaml.check_accelerate_config(recipe / "accelerate.yaml")
+    from fsdp_recipes.train import train_sft
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # use_cpu: the bf16 setting is validated against the named GPU below, not this machine
+        args = train_sft.parse_args(["--config", str(recipe / "sft.yaml"), "--use_cpu", "true"])
+    model_args = args[2]
+    source = model_check.model_config_source(model_args.model_name_or_path, recipe)
+    if source is None:
+        raise UserError(f"recipe {recipe.name}: the config of {model_args.model_name_or_path} is not available offline. "
+                        "Fix: save the model's config.json as model_config.json in the recipe folder.")
+    model = model_check.meta_model(model_check.load_config(source))
+    model_check.check_recipe_fits_model(model, acc, recipe / "accelerate.yaml", model_args)
+    return recipe, acc, args, model
+
+
+def strategy_of(acc: dict, gpus: int, nodes: int) -> tuple[str, int]:
+    """(strategy, shard-group size) the recipe's accelerate YAML gives on this topology."""
+    world = gpus * nodes
+    kind = acc.get("distributed_type")
+    fsdp = acc.get("fsdp_config") or {}
+    if kind == "NO":
+        if world != 1:
+            raise UserError(f"this recipe runs a single process (distributed_type: NO) but {world} GPUs were asked for. "
+                            "Fix: GPUS=1 NODES=1.")
+        return "single", 1
+    if kind == "MULTI_GPU":
+        return "DDP", 1
+    sizes = accelerate_yaml.hsdp_sizes(acc)
+    if sizes or str(fsdp.get("fsdp_sharding_strategy", "")).upper() == "HYBRID_SHARD":
+        if nodes < 2:
+            raise UserError("this recipe is HSDP (shard within a node, replicate across nodes) but NODES=1. "
+                            "Fix: NODES=2 or more, or use a single-node FSDP recipe.")
+        shard = sizes[1] if sizes else gpus
+        if shard > gpus or gpus % shard:
+            raise UserError(f"the HSDP shard group of {shard} GPUs does not fit inside a node of {gpus}. "
+                            f"Fix: GPUS={shard} or set parallelism_config_dp_shard_size to a divisor of {gpus}.")
+        return "HSDP", shard
+    return "FSDP", world
+
+
+def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False) -> dict[str, memory_budget.Setup]:
+    strategy, shard = strategy_of(acc, gpus, nodes)
+    mixed = acc.get("mixed_precision", "no") in ("bf16", "fp16") or training.bf16 or training.fp16
+    load = DTYPE_BYTES.get(str(model_args.dtype or "float32").replace("torch.", ""), 4)
+    optim = next((v for k, v in memory_budget.OPTIMIZER_BYTES.items() if str(training.optim).startswith(k)), 8)
+    common = dict(
+        world=gpus * nodes, load_bytes=load, compute_bytes=2 if mixed else load, mixed_precision=mixed,
+        tokens=training.per_device_train_batch_size * (training.max_length or 1024),
+        activation_checkpointing=bool(training.activation_checkpointing), optimizer_bytes=optim,
+        runtime_bytes=0 if on_cpu else 2 * GIB,
+    )
+    out = {strategy: memory_budget.Setup(shard=shard, strategy=strategy, **common)}
+    if strategy != "DDP":
+        out["DDP"] = memory_budget.Setup(shard=1, strategy="DDP", **common)
+    return out
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:,.1f}"
+
+
+def table(budgets: dict[str, dict[str, int]], capacity: float) -> str:
+    names = list(budgets)
+    rows = [f"| component | {' | '.join(f'{n} (GiB/GPU)' for n in names)} |", "|---|" + "---:|" * len(names)]
+    for part in next(iter(budgets.values())):
+        cells = [gib(budgets[n][part]) for n in names]
+        label = part.replace("_", " ")
+        rows.append(f"| {'**total**' if part == 'total' else label} | " + " | ".join(
+            f"**{c}**" if part == "total" else c for c in cells) + " |")
+    rows.append(f"| usable ({HEADROOM:.0%} of {capacity:.1f} GiB) | " + " | ".join(
+        f"{capacity * HEADROOM:.1f}" for _ in names) + " |")
+    return "\n".join(rows)
+
+
+def decide(budgets: dict, nodes: int, usable: float) -> str:
+    if budgets["DDP"]["total"] <= usable:
+        return "DDP (the whole model, gradients and optimizer states fit one GPU: no sharding needed)"
+    return "FSDP, sharded over the node" if nodes == 1 else "HSDP: shard within each node, replicate across nodes"
+
+
+def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None) -> tuple[str, bool]:
+    """(the report, whether it fits, (strategy, total bytes per GPU, GPU memory in GiB))."""
+    if gpus < 1 or nodes < 1:
+        raise UserError(f"GPUS={gpus} NODES={nodes}: both must be at least 1.")
+    gpu_key, capacity, bf16_ok = gpu_spec(gpu)
+    recipe, acc, (script, training, model_args, mixture, pack), model = load_recipe(name, recipes_root)
+    if (training.bf16 or acc.get("mixed_precision") == "bf16" or model_args.dtype == "bfloat16") and not bf16_ok:
+        raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "
+                        "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")
+    m = memory_budget.shape_of(model, model_args)
+    runs = setups(acc, training, model_args, gpus, nodes)
+    budgets = {k: memory_budget.budget(m, s) for k, s in runs.items()}
+    own = next(iter(runs))
+    usable = capacity * HEADROOM * GIB
+    fits = budgets[own]["total"] <= usable
+    global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * gpus * nodes
+    lines = [
+        f"recipe {recipe.name}: {type(model).__name__}, {m.params / 1e9:.2f}B parameters, "
+        f"{m.trainable / 1e9:.3f}B trainable ({'LoRA' if model_args.use_peft else 'full fine-tuning'})",
+        f"topology {nodes} node(s) x {gpus} {gpu_key} ({capacity:.1f} GiB each); recipe strategy {own}, "
+        f"parameters sharded over {runs[own].shard} GPU(s)",
+        f"global batch {training.per_device_train_batch_size} per GPU x {training.gradient_accumulation_steps} "
+        f"accumulation x {gpus * nodes} data-parallel = {global_batch} sequences of up to {training.max_length} tokens",
+        "",
+        table(budgets, capacity),
+        "",
+        f"decision rule (fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP): {decide(budgets, nodes, usable)}",
+    ]
+    if gpus * nodes < pack.min_gpus:  # the launcher's guard; the memory figures above are the real answer
+        lines.append(f"note: the recipe declares min_gpus {pack.min_gpus}; its launcher refuses fewer "
+                     f"(--min_gpus {gpus * nodes} overrides that)")
+    if fits:
+        lines.append(f"fits: {gib(budgets[own]['total'])} GiB of {capacity * HEADROOM:.1f} GiB usable per GPU")
+    return "\n".join(lines), fits, (own, budgets[own]["total"], capacity)
+
+
+def budget_markdown(name: str, recipes_root: Path, gpu: str = "H100") -> str:
+    """The README table for a recipe's own hardware: its accelerate.yaml's GPUs and nodes, on `gpu` (its `gpu:` in
+    accelerate_configs/recipes.yaml). scripts/sync_recipes.py puts it between markers."""
+    recipe = recipes_root / name
+    acc = yaml_keys.load_yaml(recipe / "accelerate.yaml")
+    nodes = int(acc.get("num_machines", 1))
+    gpus = max(int(acc.get("num_processes", 1)) // nodes, 1)
+    report, fits, _ = plan(name, gpus, nodes, gpu, recipes_root)
+    cmd = f"make plan RECIPE={name} GPUS={gpus} NODES={nodes} GPU={gpu}"
+    return f"```\n$ {cmd}\n{report}\n```\n"
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("recipe")
+    ap.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)}")
+    args = ap.parse_args(argv)
+    report, fits, (strategy, total, capacity) = plan(args.recipe, args.gpus, args.nodes, args.gpu)
+    print(report)
+    if not fits:
+        print(f"error: recipe {args.recipe} does not fit: {gib(total)} GiB per GPU under {strategy}, "
+              f"{capacity * HEADROOM:.1f} GiB usable on a {args.gpu}. Fix: more GPUs or nodes, activation_checkpointing, "
+              "a smaller per_device_train_batch_size or max_length, or LoRA.", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""Files a run writes for people and tools to read: JSON written atomically (temp file + rename, so a reader
+never sees half a file), and the timestamps used in records and file names.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def write_json_atomic(path: Path, obj: dict) -> None:
+    """Write to a temp file in the same directory, then rename: readers never see half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=str)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+
+def file_stamp(iso: str) -> str:
+    """now_iso() for a file name, to the minute in UTC: 2026-11-22T10:15:00+00:00 -> 2026-11-22T1015Z. Several
+    benchmark runs on one day each keep their file."""
+    return dt.datetime.fromisoformat(iso).astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H%MZ")

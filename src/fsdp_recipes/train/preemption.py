@@ -1,0 +1,50 @@
+"""Stop at the next step boundary on SIGTERM or SIGUSR1, save a checkpoint, and exit with EXIT_PREEMPTED.
+
+Kubernetes and Run:ai send SIGTERM before killing a pod; Slurm sends what `--signal` names (USR1 here)
+before the time limit or on preemption. torchrun forwards the signal it receives to every rank and then
+waits `PET_SHUTDOWN_TIMEOUT` seconds (the grace period; the launcher sets it) before killing them.
+
+If the save outlives the grace period, torchrun kills the ranks: checkpoint-N then has no completion marker
+(checkpoints.py) and is skipped on resume, and metrics.json is the provisional `status: preempted` report
+written before the save began; the launcher adds what happened and still exits with EXIT_PREEMPTED.
+
+A handler only sets a flag. At every step end the ranks combine their flags (one all-reduce of a single
+number), so all of them stop after the same step, save the same checkpoint, and exit together.
+Gap this fills: the Trainer has no preemption handling; a signal kills it wherever it is.
+"""
+
+from __future__ import annotations
+
+import signal
+
+from transformers import TrainerCallback
+
+from fsdp_recipes.dist import all_reduce
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def any_rank(flag: bool) -> bool:
+    return all_reduce([1.0 if flag else 0.0], "max")[0] > 0
+
+
+class PreemptionCallback(TrainerCallback):
+    def __init__(self, report=None):
+        self.signal_received: int | None = None
+        self.preempted = False
+        self.report = report  # RunReportCallback: told before the save, in case the grace period ends it
+        for sig in SIGNALS:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, frame):
+        self.signal_received = signum
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if any_rank(self.signal_received is not None):
+            self.preempted = True
+            control.should_save = True
+            control.should_training_stop = True
+            if self.report is not None:  # replaced by the final report once checkpoint-N is complete
+                self.report.write_provisional("preempted", f"stopped by a signal at step {state.global_step}; "
+                                              f"checkpoint-{state.global_step} was being saved")
+        return control
