@@ -3,7 +3,7 @@
     accelerate launch --config_file <rung>.yaml -m bench.gpu_worker \
         --warmup 4 -- <the entry point's flags>
 
-The entry point's trainer (train_sft.parse_args + build_trainer, as bench_overhead.py drives it), with the warm-up
+The entry point's trainer (run_config.parse_args + train_sft.build_trainer, as bench_overhead.py drives it), with the warm-up
 steps excluded from the run report's clock and token counters. Every rung's change is a recipe setting: float8 is
 the entry point's `--float8` (float8.py), regional compilation the rung's accelerate YAML (`dynamo_config`). Its
 figures are the run's own metrics.json, which bench_gpu.py reads.
@@ -27,6 +27,7 @@ def worker(argv: list[str]) -> int:
     split = argv.index("--")
     wargs = ap.parse_args(argv[:split])
 
+    from fsdp_recipes.config.run_config import parse_args
     from fsdp_recipes.patches import cpu_fsdp
 
     cpu_fsdp.enable()  # a no-op with a GPU
@@ -40,16 +41,16 @@ def worker(argv: list[str]) -> int:
     from fsdp_recipes.train import train_sft
     from fsdp_recipes.train.preemption import PreemptionCallback
 
-    script, training, model_args, mixture, pack = train_sft.parse_args(argv[split + 1:])
+    cfg = parse_args(argv[split + 1:])
+    training = cfg.training
     compiled = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() != "NO"  # set by the YAML's dynamo_config
     if compiled and training.use_liger_kernel:
         # Liger's RoPE runs behind @torch.compiler.disable (liger_kernel/backends/dispatch.py, 0.8.5): a graph break
         # inside every compiled layer, within the activation-checkpoint region dynamo must trace whole. Inductor
         # fuses RoPE itself, so the compiled rungs keep Liger's RMSNorm and SwiGLU and leave RoPE to the compiler.
         training.liger_kernel_config = {**(training.liger_kernel_config or {}), "rope": False}
-    peft_config = get_peft_config(model_args)
-    report = RunReportCallback(training.output_dir, train_sft.resolved_args(script, training, model_args, mixture,
-                                                                            pack, peft_config), "bench-gpu")
+    peft_config = get_peft_config(cfg.model)
+    report = RunReportCallback(training.output_dir, cfg.resolved(peft_config), "bench-gpu")
     report.resolved_args["bench_worker"] = {**vars(wargs), "accelerate_dynamo": {
         k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_DYNAMO_")}}
 
@@ -85,8 +86,7 @@ def worker(argv: list[str]) -> int:
             sync()
 
     try:
-        trainer = train_sft.build_trainer(script, training, model_args, mixture, pack, peft_config, report,
-                                          PreemptionCallback())
+        trainer = train_sft.build_trainer(cfg, peft_config, report, PreemptionCallback())
         trainer.callback_handler.callbacks.insert(0, ExcludeWarmup())
         trainer.train()
     except BaseException as err:

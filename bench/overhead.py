@@ -25,7 +25,7 @@ step follows a bare step and every bare step a pack step, so cache and allocator
   CPU FSDP adapter and accelerate's `fsdp2_prepare_model`; the bare side calls torch's `fully_shard` on every
   decoder layer and then the root, with reshard_after_forward (what that YAML asks for).
 
-Pack side: `train_sft.parse_args` on the default recipe's sft.yaml plus overrides (this model, this data,
+Pack side: `run_config.parse_args` on the default recipe's sft.yaml plus overrides (this model, this data,
 `use_peft false`, batch, length, steps), then `train_sft.build_trainer` exactly as the entry point calls it:
 TRL SFTTrainer (its loss through TRL's fused LM head, its entropy and token-accuracy metrics), the pack's
 RunReportCallback with its token counter, CompletionMarkerCallback and PreemptionCallback (one all-reduce per step
@@ -59,6 +59,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from fsdp_recipes.config.run_config import parse_args
 
 REPO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu-lora"
 
@@ -128,10 +130,9 @@ class BareLoop:
         import torch.distributed as dist
         from transformers import AutoModelForCausalLM
 
-        from fsdp_recipes.train import train_sft
 
         # The recipe's optimizer settings, resolved by the same parser (no hand-copied numbers).
-        training = train_sft.parse_args(pack_args(model_dir, data_dir, tempfile.gettempdir(), batch, seq, steps))[1]
+        training = parse_args(pack_args(model_dir, data_dir, tempfile.gettempdir(), batch, seq, steps)).training
         if training.optim != "adamw_torch_fused":  # the only optimizer written out below
             raise ValueError(f"bench_overhead mirrors adamw_torch_fused, the recipe resolves {training.optim}")
         self.world = dist.get_world_size() if dist.is_initialized() else 1
@@ -187,12 +188,11 @@ def run_paired(argv: list[str], bare: BareLoop) -> dict[str, list[tuple[tuple, t
     from fsdp_recipes.train import train_sft
     from fsdp_recipes.train.preemption import PreemptionCallback
 
-    script, training, model_args, mixture, pack = train_sft.parse_args(argv)
-    peft_config = get_peft_config(model_args)
-    report = RunReportCallback(training.output_dir, train_sft.resolved_args(script, training, model_args, mixture,
-                                                                            pack, peft_config), pack.recipe_name)
-    trainer = train_sft.build_trainer(script, training, model_args, mixture, pack, peft_config, report,
-                                      PreemptionCallback())
+    cfg = parse_args(argv)
+    training = cfg.training
+    peft_config = get_peft_config(cfg.model)
+    report = RunReportCallback(training.output_dir, cfg.resolved(peft_config), cfg.pack.recipe_name)
+    trainer = train_sft.build_trainer(cfg, peft_config, report, PreemptionCallback())
     spans = {"pack": [], "bare": []}
     last = []
 
@@ -235,10 +235,9 @@ def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmu
     import torch
     import torch.distributed as dist
 
-    from fsdp_recipes.train import train_sft
 
     with tempfile.TemporaryDirectory() as tmp:  # TrainingArguments.device creates the process group (gloo on CPU)
-        _ = train_sft.parse_args(pack_args(model_dir, data_dir, tmp, batch, seq, warmup + steps))[1].device
+        _ = parse_args(pack_args(model_dir, data_dir, tmp, batch, seq, warmup + steps)).training.device
     rank = dist.get_rank() if dist.is_initialized() else 0
     if not dist.is_initialized():
         # One thread, as each of the 2 ranks has (torchrun sets OMP_NUM_THREADS=1): on a 2-core machine shared with

@@ -10,7 +10,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from conftest import REPO
 from fsdp_recipes.config import recipes
 from fsdp_recipes.config.accelerate_yaml import check_accelerate_config
-from fsdp_recipes.train import train_sft
+from fsdp_recipes.config.run_config import parse_args
 
 ACCELERATE_YAMLS = sorted(
     p for p in [*REPO.glob("accelerate_configs/*.yaml"), *REPO.glob("recipes/*/accelerate.yaml")]
@@ -33,12 +33,10 @@ def test_accelerate_yaml_loads_with_accelerate(path):
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_yaml_parses_with_trl(name, cache_dir):
     # use_cpu lets bf16 recipes validate on this CPU-only machine; nothing else is overridden.
-    script, training, model, mixture, pack = train_sft.parse_args(
-        ["--config", str(REPO / "recipes" / name / "sft.yaml"), "--use_cpu", "true"]
-    )
-    assert pack.recipe_name == name
-    assert training.output_dir == f"runs/{name}"
-    assert model.model_name_or_path and (script.dataset_name or mixture.datasets)
+    cfg = parse_args(["--config", str(REPO / "recipes" / name / "sft.yaml"), "--use_cpu", "true"])
+    assert cfg.pack.recipe_name == name
+    assert cfg.training.output_dir == f"runs/{name}"
+    assert cfg.model.model_name_or_path and (cfg.script.dataset_name or cfg.mixture.datasets)
     for required in ("launch.sh", "README.md"):
         assert (REPO / "recipes" / name / required).is_file()
 

@@ -9,8 +9,8 @@ import yaml
 
 from conftest import REPO, launch
 from fsdp_recipes.config import model_check, recipes
+from fsdp_recipes.config.run_config import parse_args
 from fsdp_recipes.planning import memory_budget, plan
-from fsdp_recipes.train import train_sft
 
 RECIPES = recipes.available(REPO / "recipes")
 
@@ -28,8 +28,8 @@ def test_estimate_matches_what_a_tiny_fsdp_run_holds(tmp_path, cache_dir):
     assert res.returncode == 0, res.stderr[-3000:]
     measured = [json.loads((out / f"memory_probe.rank{r}.json").read_text()) for r in (0, 1)]
 
-    args = train_sft.parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml")])
-    training, model_args = args[1], args[2]
+    cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml")])
+    training, model_args = cfg.training, cfg.model
     config = model_check.load_config(cache_dir / "tiny-mistral" / "config.json")
     shape = memory_budget.shape_of(model_check.meta_model(config), model_args)
     acc = {"distributed_type": "FSDP", "mixed_precision": "no"}

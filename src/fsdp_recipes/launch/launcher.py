@@ -38,6 +38,7 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, recipes, yaml_keys
+from fsdp_recipes.config.run_config import PackArguments, RunConfig
 from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import smoke, summary
 from fsdp_recipes.train import float8, start_gate, train_sft
@@ -249,28 +250,27 @@ def check_launch(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple[di
     return raw, acc
 
 
-def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> tuple:
+def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> RunConfig:
     """accelerate's reading of its config; the recipe as the ranks will parse it, the model, the dataset and the
     checkpoint to resume."""
     named = recipe / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
     accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
-        args = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
-    script, training, model, mixture, pack = args
-    accelerate_yaml.check_fsdp_with_peft(acc, model.use_peft, named, job_processes(acc))
-    if pack.float8:
+        cfg = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
+    accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
+    if cfg.pack.float8:
         float8.check_gpus()
-    model_check.check(model.model_name_or_path, recipe, acc, named, model)
-    train_sft.checkpoint_to_resume(training, model, pack, verbose=False)  # refuses an incompatible checkpoint
-    if script.dataset_name and model_check.looks_local(script.dataset_name):
+    model_check.check(cfg.model.model_name_or_path, recipe, acc, named, cfg.model)
+    train_sft.checkpoint_to_resume(cfg, verbose=False)  # refuses an incompatible checkpoint
+    if cfg.script.dataset_name and model_check.looks_local(cfg.script.dataset_name):
         import datasets
 
         from fsdp_recipes.train.loading import load_sft_datasets
 
         datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
-        load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
-    return args
+        load_sft_datasets(cfg.script, cfg.mixture, cfg.training.eval_strategy != "no", cfg.training.dataset_text_field)
+    return cfg
 
 
 def grace_seconds(raw: dict, overrides: list[str]) -> str:
@@ -279,7 +279,7 @@ def grace_seconds(raw: dict, overrides: list[str]) -> str:
     try:
         return str(int(value))
     except (TypeError, ValueError):
-        return str(train_sft.PackArguments.preemption_grace_s)
+        return str(PackArguments.preemption_grace_s)
 
 
 @cli
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ranks = start("", gated=True) if overlap else None
     try:
-        script, training, model, mixture, pack = check_recipe(recipe, acc, overrides)
+        cfg = check_recipe(recipe, acc, overrides)
     except BaseException as err:
         if ranks is not None:
             ranks.abort()
@@ -340,27 +340,28 @@ def main(argv: list[str] | None = None) -> int:
         say(passed + "the ranks go on")
     ranks.release()
     rc, preempted_by = ranks.wait()
-    report = Path(training.output_dir) / "metrics.json"
+    output_dir = cfg.training.output_dir
+    report = Path(output_dir) / "metrics.json"
     fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
     metrics = json.loads(report.read_text()) if fresh else {}
     if metrics.get("status") == "preempted" and not metrics.get("provisional"):
-        say(f"preempted: a checkpoint was saved in {training.output_dir}; run the same command again to resume")
+        say(f"preempted: a checkpoint was saved in {output_dir}; run the same command again to resume")
         return EXIT_PREEMPTED
     if preempted_by is not None and (metrics.get("provisional") or rc != 0):
-        say(grace_ran_out(training.output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh))
+        say(grace_ran_out(output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh))
         return EXIT_PREEMPTED
     if rc != 0 and metrics.get("status") == "completed":
         # Seen twice in CI before ranks skipped interpreter teardown (train_sft.exit_without_teardown): a rank aborted
         # there ("terminate called without an active exception") after the run had finished. Should a rank still
         # die after its report is final, the exit code stays non-zero and the user learns that nothing is missing.
         say(f"training completed and its run report {report} says so (final save written and checked), but a rank "
-            f"exited with code {rc} afterwards, while shutting down; the outputs in {training.output_dir} are complete")
+            f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
         return rc
     if rc != 0:
         where = f"its run report is {report}" if report.exists() else "it failed before writing a run report"
         say(f"training exited with code {rc} (see the log above); {where}")
         return rc
-    return summary.main([training.output_dir])
+    return summary.main([output_dir])
 
 
 if __name__ == "__main__":

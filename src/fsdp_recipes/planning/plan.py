@@ -19,7 +19,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from fsdp_recipes.config import accelerate_yaml, model_check, recipes, yaml_keys
+from fsdp_recipes.config import accelerate_yaml, model_check, recipes, run_config, yaml_keys
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.planning import memory_budget
 from fsdp_recipes.planning.memory_budget import GIB
@@ -45,20 +45,18 @@ def load_recipe(name: str, recipes_root: Path | None = None):
     """(recipe dir, accelerate dict, parsed recipe args, model) with the launcher's checks applied."""
     recipe = recipes.resolve(str(recipes_root / name) if recipes_root else name)
     acc = accelerate_yaml.check_accelerate_config(recipe / "accelerate.yaml")
-    from fsdp_recipes.train import train_sft
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # use_cpu: the bf16 setting is validated against the named GPU below, not this machine
-        args = train_sft.parse_args(["--config", str(recipe / "sft.yaml"), "--use_cpu", "true"])
-    model_args = args[2]
+        cfg = run_config.parse_args(["--config", str(recipe / "sft.yaml"), "--use_cpu", "true"])
+    model_args = cfg.model
     source = model_check.model_config_source(model_args.model_name_or_path, recipe)
     if source is None:
         raise UserError(f"recipe {recipe.name}: the config of {model_args.model_name_or_path} is not available offline. "
                         "Fix: save the model's config.json as model_config.json in the recipe folder.")
     model = model_check.meta_model(model_check.load_config(source))
     model_check.check_recipe_fits_model(model, acc, recipe / "accelerate.yaml", model_args)
-    return recipe, acc, args, model
+    return recipe, acc, cfg, model
 
 
 def strategy_of(acc: dict, gpus: int, nodes: int) -> tuple[str, int]:
@@ -131,7 +129,8 @@ def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None =
     if gpus < 1 or nodes < 1:
         raise UserError(f"GPUS={gpus} NODES={nodes}: both must be at least 1.")
     gpu_key, capacity, bf16_ok = gpu_spec(gpu)
-    recipe, acc, (script, training, model_args, mixture, pack), model = load_recipe(name, recipes_root)
+    recipe, acc, cfg, model = load_recipe(name, recipes_root)
+    training, model_args, pack = cfg.training, cfg.model, cfg.pack
     if (training.bf16 or acc.get("mixed_precision") == "bf16" or model_args.dtype == "bfloat16") and not bf16_ok:
         raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "
                         "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")

@@ -1,134 +1,43 @@
-"""Supervised fine-tuning entry point: TRL's SFTTrainer driven by a recipe YAML.
+"""Supervised fine-tuning entry point: TRL's SFTTrainer driven by a recipe YAML (config/run_config.py).
 
     accelerate launch --config_file recipes/<name>/accelerate.yaml \\
         -m fsdp_recipes.train.train_sft --config recipes/<name>/sft.yaml [--any_field value ...]
-
-The YAML holds the fields of TRL's ScriptArguments (dataset), SFTConfig (every training setting),
-ModelConfig (model, dtype, attention, LoRA) and DatasetMixtureConfig, plus the pack's own PackArguments;
-command-line flags override it (TrlParser's convention, as in alignment-handbook and `trl sft`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdp_recipes.config import hardware, model_check, yaml_keys
+from fsdp_recipes.config import hardware, model_check
+from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.patches import cpu_fsdp
-from fsdp_recipes.paths import expand
 from fsdp_recipes.train import float8, start_gate
 
 
-@dataclass
-class PackArguments:
-    """Fields the pack adds to TRL's; they live in the same recipe YAML."""
-
-    recipe_name: str | None = field(default=None, metadata={"help": "Recorded in the run report."})
-    min_gpus: int = field(default=0, metadata={"help": "GPUs the recipe needs; 0 means it runs on CPU."})
-    tiny_assets: bool = field(
-        default=False, metadata={"help": "Build the tiny local model and dataset before training."}
-    )
-    save_merged_model: bool = field(
-        default=False, metadata={"help": "LoRA runs: also save base+adapter merged to <output_dir>/merged."}
-    )
-    auto_resume: bool = field(
-        default=True,
-        metadata={"help": "Resume from the newest complete checkpoint in output_dir when there is one."},
-    )
-    verify_loaded_weights: bool = field(
-        default=False,
-        metadata={"help": "At train start, check every rank's (gathered) weights against the model files."},
-    )
-    measure_memory: bool = field(
-        default=False,
-        metadata={"help": "Write memory_probe.rank<N>.json: bytes of weights, gradients, optimizer states and "
-                          "saved activations each rank held in the first step (checks `make plan`'s estimate)."},
-    )
-    prometheus_textfile: str | None = field(
-        default=None,
-        metadata={"help": "Also write the run's gauges to this .prom file (in node_exporter's textfile-collector "
-                          "directory) at every training log, as <output_dir>/metrics.prom is written."},
-    )
-    float8: bool = field(
-        default=False,
-        metadata={"help": "torchao float8 training of the decoder's linear layers: full fine-tuning on a GPU of "
-                          "compute capability 8.9+ (H100, H200); on CPU it runs, no faster. See float8.py."},
-    )
-    preemption_grace_s: int = field(
-        default=120,
-        metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
-    )
-
-
-def dataclass_types():
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
-
-    return (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, PackArguments)
-
-
-def parse_args(argv: list[str]):
-    """(script, training, model, mixture, pack) arguments, with one-line errors for config mistakes."""
-    from trl import TrlParser
-
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            raise UserError("--config needs a path. Fix: --config recipes/<name>/sft.yaml")
-        path = argv[i + 1]
-        yaml_keys.check_known_keys(yaml_keys.load_yaml(path, "recipe config"), dataclass_types(), path)
-    yaml_keys.check_known_flags(argv, dataclass_types())
-    parser = TrlParser(dataclass_types())
-    try:
-        script, training, model, mixture, pack = parser.parse_args_and_config(argv)
-    except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
-        raise UserError(
-            f"invalid configuration: {str(err).splitlines()[0]} Fix: correct that setting in the recipe YAML or ARGS."
-        ) from None
-    model.model_name_or_path = expand(model.model_name_or_path, "model_name_or_path")
-    script.dataset_name = expand(script.dataset_name, "dataset_name")
-    training.output_dir = expand(training.output_dir, "output_dir")
-    pack.prometheus_textfile = expand(pack.prometheus_textfile, "prometheus_textfile")
-    if not model.model_name_or_path:
-        raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
-    return script, training, model, mixture, pack
-
-
-def check_before_launch(script, training, model, mixture, pack, nodes: int = 1) -> None:
+def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     """Everything that can be checked without starting processes or loading weights."""
-    hardware.check_gpus(pack.min_gpus, pack.recipe_name or "(unnamed)", nodes)
-    model_check.check_attn_implementation(model.attn_implementation)
-    model_check.check_local_model(model.model_name_or_path)
-    prometheus.check_prometheus_textfile(pack.prometheus_textfile)
-    float8.check_config(pack.float8, model.use_peft)
+    hardware.check_gpus(cfg.pack.min_gpus, cfg.pack.recipe_name or "(unnamed)", nodes)
+    model_check.check_attn_implementation(cfg.model.attn_implementation)
+    model_check.check_local_model(cfg.model.model_name_or_path)
+    prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
+    float8.check_config(cfg.pack.float8, cfg.model.use_peft)
 
 
-def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None) -> tuple:
+def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None) -> RunConfig:
     """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
     of them, so before the model check), and run the checks that need no process group. `nodes`: of the job
     (min_gpus is shared among them); by default read from torchrun's environment."""
-    args = parse_args(argv)
-    if args[-1].tiny_assets:
+    cfg = parse_args(argv)
+    if cfg.pack.tiny_assets:
         from fsdp_recipes.assets.tiny_assets import ensure_assets
 
         ensure_assets(quiet=quiet)
-    check_before_launch(*args, nodes=hardware.job_nodes() if nodes is None else nodes)
-    return args
-
-
-def resolved_args(script, training, model, mixture, pack, peft_config) -> dict:
-    return {
-        "pack_args": dataclasses.asdict(pack),
-        "script_args": dataclasses.asdict(script),
-        "model_args": dataclasses.asdict(model),
-        "dataset_mixture": dataclasses.asdict(mixture),
-        "sft_config": training.to_dict(),
-        "lora_config": peft_config.to_dict() if peft_config is not None else None,
-    }
+    check_before_launch(cfg, nodes=hardware.job_nodes() if nodes is None else nodes)
+    return cfg
 
 
 def make_trainer_class():
@@ -162,15 +71,16 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
 
 
-def checkpoint_to_resume(training, model_args, pack, verbose: bool = True) -> str | None:
+def checkpoint_to_resume(cfg: RunConfig, verbose: bool = True) -> str | None:
     """An explicit resume_from_checkpoint wins; else, with auto_resume, the newest complete checkpoint.
     Either way it must belong to this model and LoRA shape (checked before any weight is loaded)."""
     from trl import get_peft_config
 
     from fsdp_recipes.checkpoint import markers as checkpoints
 
+    training, model_args = cfg.training, cfg.model
     resume = training.resume_from_checkpoint
-    if not resume and pack.auto_resume:
+    if not resume and cfg.pack.auto_resume:
         for skipped in checkpoints.incomplete(training.output_dir):
             if verbose:
                 print(f"[train_sft] skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)", flush=True)
@@ -184,8 +94,9 @@ def checkpoint_to_resume(training, model_args, pack, verbose: bool = True) -> st
     return resume
 
 
-def build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption, resume=None):
+def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
     """SFTTrainer with the pack's callbacks; the model is loaded by TRL with from_pretrained."""
+    training, model_args, pack = cfg.training, cfg.model, cfg.pack
     from fsdp_recipes.checkpoint.load_check import LoadCheckCallback
     from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
     from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_load
@@ -204,7 +115,7 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     keep_fsdp1_output_layer_in_root()  # see peft_fsdp.py: TRL's fused LM head needs the head unsharded
     init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
 
-    train_ds, eval_ds = load_sft_datasets(script, mixture, training.eval_strategy != "no", training.dataset_text_field)
+    train_ds, eval_ds = load_sft_datasets(cfg.script, cfg.mixture, training.eval_strategy != "no", training.dataset_text_field)
     training.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training.trust_remote_code,
@@ -245,13 +156,14 @@ def build_trainer(script, training, model_args, mixture, pack, peft_config, repo
     return trainer
 
 
-def save_final(trainer, training, model_args, pack, peft_config, report) -> None:
+def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
     """The final model or adapter, checked against the weights in memory, and optionally merged."""
     from fsdp_recipes.checkpoint.save_check import verify_final_save
     from fsdp_recipes.checkpoint.sharded_save import save_full_model_distributed, trainable_state_dict
     from fsdp_recipes.dist import gather_objects
     from fsdp_recipes.metrics.rss_watch import RssRise
 
+    training, model_args, pack = cfg.training, cfg.model, cfg.pack
     out = training.output_dir
     sharded = trainer.is_fsdp_enabled and "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
     check_kwargs, checked_in_save = {}, False
@@ -309,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     import_training_stack()
     start_gate.wait()  # the launcher's checks passed (a no-op without the launcher)
     # idempotent: the launcher normally built the assets and ran these checks already
-    script, training, model_args, mixture, pack = parse_and_check(argv, quiet=True)
+    cfg = parse_and_check(argv, quiet=True)
 
     from trl import get_peft_config
 
@@ -317,18 +229,18 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_recipes.train.preemption import PreemptionCallback
 
     is_main = int(os.environ.get("RANK", 0)) == 0
-    peft_config = get_peft_config(model_args)
-    resume = checkpoint_to_resume(training, model_args, pack, verbose=is_main)
+    peft_config = get_peft_config(cfg.model)
+    resume = checkpoint_to_resume(cfg, verbose=is_main)
     if resume and is_main:
         print(f"[train_sft] resuming from {resume}", flush=True)
     report = RunReportCallback(
-        training.output_dir, resolved_args(script, training, model_args, mixture, pack, peft_config),
-        pack.recipe_name, resume_from=resume, prometheus_textfile=pack.prometheus_textfile,
+        cfg.training.output_dir, cfg.resolved(peft_config),
+        cfg.pack.recipe_name, resume_from=resume, prometheus_textfile=cfg.pack.prometheus_textfile,
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     preemption = PreemptionCallback(report)
     try:
-        trainer = build_trainer(script, training, model_args, mixture, pack, peft_config, report, preemption, resume)
+        trainer = build_trainer(cfg, peft_config, report, preemption, resume)
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted:
             report.finalize("preempted", error=f"stopped by a signal (rank 0 saw: {preemption.signal_received})")
@@ -337,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"relaunch the same command to resume (exit code {EXIT_PREEMPTED})"
             )
             return EXIT_PREEMPTED
-        save_final(trainer, training, model_args, pack, peft_config, report)
+        save_final(trainer, cfg, peft_config, report)
     except KeyboardInterrupt as err:
         report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")
         return 130
@@ -345,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         report.finalize("failed", error=f"{type(err).__name__}: {err}")
         raise
     if report.finalize("completed") is not None:
-        trainer.accelerator.print(f"[train_sft] run report written to {training.output_dir}/metrics.json")
+        trainer.accelerator.print(f"[train_sft] run report written to {cfg.training.output_dir}/metrics.json")
     if hasattr(trainer, "end"):  # transformers >= 5.18: ends trackers and the process group
         trainer.end()
     return 0

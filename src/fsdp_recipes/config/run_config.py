@@ -1,0 +1,117 @@
+"""One run's configuration: TRL's argument classes plus the pack's own, parsed together from a recipe YAML.
+
+The YAML holds the fields of TRL's ScriptArguments (dataset), SFTConfig (every training setting), ModelConfig
+(model, dtype, attention, LoRA) and DatasetMixtureConfig, plus the pack's PackArguments; command-line flags
+override it (TrlParser's convention, as in alignment-handbook and `trl sft`). The launcher, the ranks, the
+planner and the benchmarks all parse a recipe here, so they agree on what it says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fsdp_recipes.config import yaml_keys
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.paths import expand
+
+if TYPE_CHECKING:  # TRL is imported lazily: the launcher's light path must not pay for it
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
+
+
+@dataclass
+class PackArguments:
+    """Fields the pack adds to TRL's; they live in the same recipe YAML."""
+
+    recipe_name: str | None = field(default=None, metadata={"help": "Recorded in the run report."})
+    min_gpus: int = field(default=0, metadata={"help": "GPUs the recipe needs; 0 means it runs on CPU."})
+    tiny_assets: bool = field(
+        default=False, metadata={"help": "Build the tiny local model and dataset before training."}
+    )
+    save_merged_model: bool = field(
+        default=False, metadata={"help": "LoRA runs: also save base+adapter merged to <output_dir>/merged."}
+    )
+    auto_resume: bool = field(
+        default=True,
+        metadata={"help": "Resume from the newest complete checkpoint in output_dir when there is one."},
+    )
+    verify_loaded_weights: bool = field(
+        default=False,
+        metadata={"help": "At train start, check every rank's (gathered) weights against the model files."},
+    )
+    measure_memory: bool = field(
+        default=False,
+        metadata={"help": "Write memory_probe.rank<N>.json: bytes of weights, gradients, optimizer states and "
+                          "saved activations each rank held in the first step (checks `make plan`'s estimate)."},
+    )
+    prometheus_textfile: str | None = field(
+        default=None,
+        metadata={"help": "Also write the run's gauges to this .prom file (in node_exporter's textfile-collector "
+                          "directory) at every training log, as <output_dir>/metrics.prom is written."},
+    )
+    float8: bool = field(
+        default=False,
+        metadata={"help": "torchao float8 training of the decoder's linear layers: full fine-tuning on a GPU of "
+                          "compute capability 8.9+ (H100, H200); on CPU it runs, no faster. See float8.py."},
+    )
+    preemption_grace_s: int = field(
+        default=120,
+        metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
+    )
+
+
+@dataclass
+class RunConfig:
+    """Everything a run is configured with, as parsed: one object instead of five."""
+
+    script: ScriptArguments  # dataset name, splits
+    training: SFTConfig  # TRL's SFTConfig (transformers' TrainingArguments and TRL's SFT fields)
+    model: ModelConfig  # model path, dtype, attention, LoRA
+    mixture: DatasetMixtureConfig
+    pack: PackArguments
+
+    def resolved(self, peft_config: Any = None) -> dict:
+        """Every field as the run will use it, for run_args.json."""
+        return {
+            "pack_args": dataclasses.asdict(self.pack),
+            "script_args": dataclasses.asdict(self.script),
+            "model_args": dataclasses.asdict(self.model),
+            "dataset_mixture": dataclasses.asdict(self.mixture),
+            "sft_config": self.training.to_dict(),
+            "lora_config": peft_config.to_dict() if peft_config is not None else None,
+        }
+
+
+def dataclass_types():
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
+
+    return (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, PackArguments)
+
+
+def parse_args(argv: list[str]) -> RunConfig:
+    """The recipe YAML (`--config`) and command-line overrides, parsed by TRL's parser, with one-line errors for
+    config mistakes. Paths get `~` and `$VARS` expanded."""
+    from trl import TrlParser
+
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise UserError("--config needs a path. Fix: --config recipes/<name>/sft.yaml")
+        path = argv[i + 1]
+        yaml_keys.check_known_keys(yaml_keys.load_yaml(path, "recipe config"), dataclass_types(), path)
+    yaml_keys.check_known_flags(argv, dataclass_types())
+    parser = TrlParser(dataclass_types())
+    try:
+        script, training, model, mixture, pack = parser.parse_args_and_config(argv)
+    except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
+        raise UserError(
+            f"invalid configuration: {str(err).splitlines()[0]} Fix: correct that setting in the recipe YAML or ARGS."
+        ) from None
+    model.model_name_or_path = expand(model.model_name_or_path, "model_name_or_path")
+    script.dataset_name = expand(script.dataset_name, "dataset_name")
+    training.output_dir = expand(training.output_dir, "output_dir")
+    pack.prometheus_textfile = expand(pack.prometheus_textfile, "prometheus_textfile")
+    if not model.model_name_or_path:
+        raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
+    return RunConfig(script, training, model, mixture, pack)
