@@ -39,7 +39,11 @@ def test_training_was_sharded_over_two_ranks(run_dir):
     assert len(shards["local_numel_per_rank"]) == 2
     for local in shards["local_numel_per_rank"]:
         assert abs(local / shards["global_numel"] - 0.5) < 0.02, shards
-    assert load(run_dir, "run_args.json")["cpu_fsdp_adapter"] is True
+    run_args = load(run_dir, "run_args.json")
+    assert run_args["cpu_fsdp_adapter"] is True
+    # the CPU adapter's patches, recorded as they applied (FSDP1-only ones apply too: the adapter installs all five)
+    applied = [p["patch"] for p in run_args["patches_applied"]]
+    assert applied[:2] == ["cpu_fsdp.fsdp_state_on_cpu", "cpu_fsdp.fsdp1_param_init_on_cpu"], applied
 
 
 def test_loss_falls(run_dir):

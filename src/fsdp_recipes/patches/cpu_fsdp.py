@@ -32,6 +32,8 @@ from __future__ import annotations
 import functools
 import os
 
+from fsdp_recipes.patches.guard import record, target
+
 _PATCHED = False
 
 
@@ -50,6 +52,10 @@ def fsdp_version_from_env() -> int:
     return int(os.environ.get("FSDP_VERSION", "1"))
 
 
+# torch and accelerate versions these patches were checked on (pyproject.toml pins the same)
+CHECKED_ON = "torch 2.13, accelerate 1.15"
+
+
 def enable() -> bool:
     """Install the adapter when FSDP is requested on a CPU-only machine. Returns whether it is active."""
     global _PATCHED
@@ -58,12 +64,25 @@ def enable() -> bool:
     os.environ["ACCELERATE_USE_CPU"] = "true"
     if _PATCHED:
         return True
+    fsdp_state_on_cpu()
+    fsdp1_param_init_on_cpu()
+    fsdp1_sync_module_states_over_gloo()
+    fsdp1_full_state_dict_without_offload()
+    fsdp1_optimizer_states_without_offload()
+    _PATCHED = True
+    return True
 
+
+def fsdp_state_on_cpu() -> None:
+    """Point 2 above: a MULTI_CPU state given an FSDP plugin becomes FSDP, as accelerate does for MULTI_GPU."""
     import torch
     from accelerate.state import AcceleratorState, PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from accelerate.utils import DistributedType
 
-    original_init = AcceleratorState.__init__
+    original_init = target(AcceleratorState, "__init__", (
+        "self", "mixed_precision", "cpu", "dynamo_plugin", "deepspeed_plugin", "fsdp_plugin", "torch_tp_plugin",
+        "megatron_lm_plugin", "parallelism_config", "_from_accelerator", "kwargs"),
+        patch="cpu_fsdp.fsdp_state_on_cpu", checked_on=CHECKED_ON)
 
     @functools.wraps(original_init)
     def init_with_cpu_fsdp(self, *args, fsdp_plugin=None, **kwargs):
@@ -80,8 +99,17 @@ def enable() -> bool:
                 self.device = PartialState._shared_state["device"] = torch.device("cpu")
 
     AcceleratorState.__init__ = init_with_cpu_fsdp
+    record("cpu_fsdp.fsdp_state_on_cpu", "accelerate.state.AcceleratorState.__init__",
+           "accelerate enables FSDP for accelerator devices only")
 
-    original_post_init = FullyShardedDataParallelPlugin.__post_init__
+
+def fsdp1_param_init_on_cpu() -> None:
+    """Point 3: the sync_module_states device lookup raises without an accelerator; finish it for CPU."""
+    import torch
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    original_post_init = target(FullyShardedDataParallelPlugin, "__post_init__", ("self",),
+                                patch="cpu_fsdp.fsdp1_param_init_on_cpu", checked_on=CHECKED_ON)
 
     @functools.wraps(original_post_init)
     def post_init_on_cpu(self):
@@ -95,27 +123,51 @@ def enable() -> bool:
             self.param_init_fn = lambda module: module.to_empty(device=torch.device("cpu"), recurse=False)
 
     FullyShardedDataParallelPlugin.__post_init__ = post_init_on_cpu
+    record("cpu_fsdp.fsdp1_param_init_on_cpu", "accelerate.utils.FullyShardedDataParallelPlugin.__post_init__",
+           "sync_module_states looks up an accelerator device for param_init_fn")
 
+
+def fsdp1_sync_module_states_over_gloo() -> None:
+    """Point 3: FSDP1 refuses to broadcast CPU tensors (a guard against NCCL, which cannot; gloo can)."""
     from torch.distributed.fsdp import _init_utils
 
+    target(_init_utils, "_check_module_states_for_sync_module_states", ("module_states",),
+           patch="cpu_fsdp.fsdp1_sync_module_states_over_gloo", checked_on=CHECKED_ON)
     _init_utils._check_module_states_for_sync_module_states = lambda module_states: None
+    record("cpu_fsdp.fsdp1_sync_module_states_over_gloo",
+           "torch.distributed.fsdp._init_utils._check_module_states_for_sync_module_states",
+           "FSDP1 refuses CPU tensors for sync_module_states")
 
+
+def fsdp1_full_state_dict_without_offload() -> None:
+    """Point 3: on CPU the offloaded copy of a gathered full state dict is the storage FSDP1 then frees."""
     from torch.distributed.fsdp import _state_dict_utils
 
-    unshard = _state_dict_utils._unshard_fsdp_state_params
+    unshard = target(_state_dict_utils, "_unshard_fsdp_state_params",
+                     ("module", "state", "writeback", "rank0_only", "offload_to_cpu", "with_grads"),
+                     patch="cpu_fsdp.fsdp1_full_state_dict_without_offload", checked_on=CHECKED_ON)
 
     def unshard_in_place(module, state, writeback, rank0_only, offload_to_cpu, with_grads):
         return unshard(module, state, writeback, rank0_only, False, with_grads)
 
     _state_dict_utils._unshard_fsdp_state_params = unshard_in_place
+    record("cpu_fsdp.fsdp1_full_state_dict_without_offload",
+           "torch.distributed.fsdp._state_dict_utils._unshard_fsdp_state_params",
+           "offload_to_cpu on CPU aliases the freed buffer (segfault)")
 
+
+def fsdp1_optimizer_states_without_offload() -> None:
+    """Point 3: on CPU every gathered optimizer state aliased one reused buffer (exp_avg == exp_avg_sq)."""
     from torch.distributed.fsdp import _optim_utils
 
-    unflatten = _optim_utils._unflatten_orig_param_states
+    unflatten = target(_optim_utils, "_unflatten_orig_param_states",
+                       ("fsdp_param_info", "output_states", "state_name", "shard_state", "to_save", "cpu_offload"),
+                       patch="cpu_fsdp.fsdp1_optimizer_states_without_offload", checked_on=CHECKED_ON)
 
     def unflatten_with_copies(fsdp_param_info, output_states, state_name, shard_state, to_save, cpu_offload):
         return unflatten(fsdp_param_info, output_states, state_name, shard_state, to_save, False)  # clones
 
     _optim_utils._unflatten_orig_param_states = unflatten_with_copies
-    _PATCHED = True
-    return True
+    record("cpu_fsdp.fsdp1_optimizer_states_without_offload",
+           "torch.distributed.fsdp._optim_utils._unflatten_orig_param_states",
+           "offloaded optimizer states alias one reused buffer on CPU")

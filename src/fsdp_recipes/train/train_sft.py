@@ -14,7 +14,7 @@ from fsdp_recipes.config import hardware, model_check
 from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.metrics import prometheus
-from fsdp_recipes.patches import cpu_fsdp
+from fsdp_recipes.patches import cpu_fsdp, guard
 from fsdp_recipes.train import float8, start_gate
 
 
@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.pack.recipe_name, resume_from=resume, prometheus_textfile=cfg.pack.prometheus_textfile,
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
+    report.resolved_args["patches_applied"] = guard.APPLIED  # the list object: later patches show too
     preemption = PreemptionCallback(report)
     try:
         trainer = build_trainer(cfg, peft_config, report, preemption, resume)

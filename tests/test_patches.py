@@ -1,0 +1,55 @@
+"""Patches of private library functions refuse to apply when their target changed, and say which ran."""
+
+import pytest
+
+from fsdp_recipes.patches import guard
+
+
+class Library:
+    @staticmethod
+    def private(module, state, offload_to_cpu):
+        return offload_to_cpu
+
+
+def test_a_patch_applies_to_the_signature_it_was_written_for():
+    fn = guard.target(Library, "private", ("module", "state", "offload_to_cpu"), patch="demo", checked_on="lib 1.0")
+    assert fn(1, 2, 3) == 3
+
+
+def test_a_changed_signature_refuses_with_one_line_naming_the_patch():
+    with pytest.raises(guard.PatchTargetChanged) as err:
+        guard.target(Library, "private", ("module", "state", "offload_to_cpu", "with_grads"),
+                     patch="demo", checked_on="lib 1.0")
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("patch demo: ") and "('module', 'state', 'offload_to_cpu')" in message
+    assert "Fix: install the versions it was checked on (lib 1.0)" in message
+
+
+def test_a_missing_target_refuses():
+    with pytest.raises(guard.PatchTargetChanged, match=r"patch demo: .*\.gone no longer exists"):
+        guard.target(Library, "gone", ("x",), patch="demo", checked_on="lib 1.0")
+
+
+def test_the_cpu_adapters_targets_match_the_installed_libraries(monkeypatch):
+    """Every patch of the CPU FSDP adapter finds its target with the signature it was written for (the versions
+    pinned for CI), and records itself once."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import _init_utils, _optim_utils, _state_dict_utils
+
+    from fsdp_recipes.patches import cpu_fsdp
+
+    saved = [(AcceleratorState, "__init__"), (FullyShardedDataParallelPlugin, "__post_init__"),
+             (_init_utils, "_check_module_states_for_sync_module_states"),
+             (_state_dict_utils, "_unshard_fsdp_state_params"), (_optim_utils, "_unflatten_orig_param_states")]
+    for owner, name in saved:  # monkeypatch restores the originals after the test
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.setattr(guard, "APPLIED", [])
+    for patch in (cpu_fsdp.fsdp_state_on_cpu, cpu_fsdp.fsdp1_param_init_on_cpu,
+                  cpu_fsdp.fsdp1_sync_module_states_over_gloo, cpu_fsdp.fsdp1_full_state_dict_without_offload,
+                  cpu_fsdp.fsdp1_optimizer_states_without_offload):
+        patch()
+    assert [p["patch"] for p in guard.APPLIED] == [
+        "cpu_fsdp.fsdp_state_on_cpu", "cpu_fsdp.fsdp1_param_init_on_cpu", "cpu_fsdp.fsdp1_sync_module_states_over_gloo",
+        "cpu_fsdp.fsdp1_full_state_dict_without_offload", "cpu_fsdp.fsdp1_optimizer_states_without_offload"]
