@@ -71,12 +71,25 @@ def render_sft(name: str, spec: dict) -> str:
             lines[i] = f"{key}: {flow(todo.pop(key))}"
     if todo:
         lines += ["", "# Set by this recipe"] + [f"{k}: {flow(v)}" for k, v in todo.items()]
+    check_inherited_comments(name, source, lines, " ".join(spec["title"]))
     title = [f"# {name}: {line}" if i == 0 else f"# {line}" for i, line in enumerate(spec["title"])]
     header = title + [
         f"# Generated from recipes/{source}/sft.yaml by scripts/sync_recipes.py, with the fields of",
         f"# accelerate_configs/recipes.yaml `{name}.sft_set`: edit those, not this copy.",
     ]
     return "\n".join(header + lines) + "\n"
+
+
+def check_inherited_comments(name: str, source: str, lines: list[str], title: str) -> None:
+    """A comment copied from another recipe must not name a model size this recipe's model does not have: the
+    123B recipe once said "merging a 24B model" that way. Such a comment belongs in sft_set, or must not name one."""
+    for line in lines:
+        comment = line.split("#", 1)[1] if "#" in line and not line.startswith("#") else ""
+        for size in re.findall(r"\b\d+(?:\.\d+)?B\b", comment):
+            if size not in title:
+                raise SystemExit(f"recipes/{name}/sft.yaml: a comment inherited from recipes/{source}/sft.yaml names "
+                                 f"{size}, which this recipe's title does not: {line.strip()!r}. Fix: set that field in "
+                                 f"its sft_set, or word the comment in {source} without the model's size.")
 
 
 def plan_section(name: str, gpu: str) -> str:

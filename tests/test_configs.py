@@ -52,3 +52,17 @@ def test_make_help_lists_targets_and_recipes():
     assert res.returncode == 0
     for word in ("make finetune", "make test", *RECIPES):
         assert word in res.stdout
+
+
+def test_generated_sft_yaml_refuses_a_comment_naming_another_models_size():
+    """The 123B recipe inherited "merging a 24B model" from the 24B one; the generator now refuses that."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sync_recipes", REPO / "scripts" / "sync_recipes.py")
+    sync = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sync)
+    line = "save_merged_model: false   # merging a 24B model needs ~48 GB"
+    with pytest.raises(SystemExit, match=r"recipes/big/sft\.yaml: a comment inherited from recipes/small/sft\.yaml "
+                                         r"names 24B"):
+        sync.check_inherited_comments("big", "small", [line], "LoRA on Mistral Large 2 (123B)")
+    sync.check_inherited_comments("small-2x", "small", [line], "the same 24B model on 2 GPUs")  # its own size: fine
