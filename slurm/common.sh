@@ -52,7 +52,7 @@ recipe_info() {
 import sys
 import yaml
 from fsdp_recipes.config import recipes
-from fsdp_recipes.launch.launcher import override
+from fsdp_recipes.config.run_config import override
 recipe = recipes.resolve(sys.argv[1])
 acc = yaml.safe_load((recipe / "accelerate.yaml").read_text()) or {}
 sft = yaml.safe_load((recipe / "sft.yaml").read_text()) or {}

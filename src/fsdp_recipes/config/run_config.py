@@ -8,6 +8,7 @@ planner and the benchmarks all parse a recipe here, so they agree on what it say
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -83,6 +84,18 @@ class RunConfig:
         }
 
 
+def override(argv: list[str], key: str, default):
+    """The value of `--key v` / `--key=v` among command-line overrides, else `default`: for the few settings the
+    launcher needs before the recipe is parsed (torchrun's grace period, the node count)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument(f"--{key}", default=default)
+    try:
+        known, _ = parser.parse_known_args(argv)
+    except argparse.ArgumentError:  # `--key` with no value: the full parse names the mistake
+        return default
+    return getattr(known, key)
+
+
 def dataclass_types():
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
 
@@ -95,10 +108,9 @@ def parse_args(argv: list[str]) -> RunConfig:
     from trl import TrlParser
 
     if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
+        path = override(argv, "config", None)
+        if not path:
             raise UserError("--config needs a path. Fix: --config recipes/<name>/sft.yaml")
-        path = argv[i + 1]
         yaml_keys.check_known_keys(yaml_keys.load_yaml(path, "recipe config"), dataclass_types(), path)
     yaml_keys.check_known_flags(argv, dataclass_types())
     parser = TrlParser(dataclass_types())

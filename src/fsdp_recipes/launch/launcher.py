@@ -38,7 +38,7 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, recipes, yaml_keys
-from fsdp_recipes.config.run_config import PackArguments, RunConfig
+from fsdp_recipes.config.run_config import PackArguments, RunConfig, override
 from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import smoke, summary
 from fsdp_recipes.train import float8, start_gate, train_sft
@@ -46,16 +46,6 @@ from fsdp_recipes.train import float8, start_gate, train_sft
 
 def say(msg: str) -> None:
     print(f"[launch] {msg}", flush=True)
-
-
-def override(argv: list[str], key: str, default):
-    """The value of `--key v` / `--key=v` among the command-line overrides, else `default`."""
-    for i, arg in enumerate(argv):
-        if arg == f"--{key}" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(f"--{key}="):
-            return arg.split("=", 1)[1]
-    return default
 
 
 def launch_args() -> list[str]:
