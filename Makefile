@@ -78,7 +78,7 @@ test-fast: $(STAMP) ## the suite without the multi-process training tests
 bench: $(STAMP) ## speed, measured: pack overhead vs a bare loop, time to first step, data prep; JSON in bench/results/
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.suite
 
-bench-gpu: $(STAMP) ## GPU ladder (issue 6), tokens/s, MFU, peak memory per rung; ARGS="--dry-run" tests it on CPU
+bench-gpu: $(STAMP) ## on GPUs: the speed ladder (tokens/s, MFU, peak memory per rung); ARGS="--dry-run" runs it on CPU
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.gpu $(ARGS)
 
 bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with and without cpu_ram_efficient_loading

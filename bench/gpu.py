@@ -1,4 +1,4 @@
-"""GPU benchmark ladder (issue 6): tokens/s per GPU, MFU and peak memory of fine-tuning, rung by rung.
+"""GPU benchmark ladder: tokens/s per GPU, MFU and peak memory of fine-tuning, rung by rung.
 
     python -m bench.gpu [--sizes 1b,8b] [--gpus 1,all] [--methods full,lora] [--results bench/results]
     python -m bench.gpu --dry-run      # the same ladder on CPU, tiny model: plumbing only

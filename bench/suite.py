@@ -1,4 +1,4 @@
-"""`make bench`: the pack's speed, measured (issue 6). CPU part everywhere; the GPU part only where CUDA exists.
+"""`make bench`: the pack's speed, measured. CPU part everywhere; the GPU part only where CUDA exists.
 
     python -m bench.suite [--results bench/results] [--quick]
 

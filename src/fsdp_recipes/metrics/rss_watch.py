@@ -2,7 +2,7 @@
 
 Why: `ru_maxrss` is the peak of the whole process, so after loading it no longer moves for a later, smaller
 peak such as the final save. The final save is where a FULL_STATE_DICT gather can exhaust rank 0's host memory
-(issue 3), so the pack records each rank's rise during the save and during its completeness check. A thread
+(make bench-loading measures it), so the pack records each rank's rise during the save and during its completeness check. A thread
 samples every `interval_s`; a peak shorter than that can be missed, so the figure is a lower bound.
 
 Anonymous memory, not all of RSS: reading safetensors files maps them, and the mapped file pages count in RSS
