@@ -15,11 +15,31 @@ BIN = Path(sys.executable).parent  # the venv's bin: python, accelerate
 FLOAT8_SITE = BIN.parent / "float8-site"
 
 
+def in_ci() -> bool:
+    """The one place that decides "are we in CI": .ci/run exports CI=true (CI services set it too)."""
+    return os.environ.get("CI", "").lower() in ("1", "true")
+
+
+def skip_or_fail(reason: str) -> None:
+    """A test whose tool or file is missing: skipped on a developer's machine, failed in CI, where nothing may
+    skip silently."""
+    (pytest.fail if in_ci() else pytest.skip)(reason)
+
+
+def need_module(name: str):
+    """Import a test-extra module, or skip_or_fail."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        skip_or_fail(f"{name} is in the test extra: pip install -e .[test]")
+
+
 def torchao_site() -> str:
-    """FLOAT8_SITE, for a test that needs torchao: skip without it locally, fail without it in CI."""
+    """FLOAT8_SITE, for a test that needs torchao (skip_or_fail without it)."""
     if not (FLOAT8_SITE / "torchao").is_dir():
-        stop = pytest.fail if os.environ.get("CI") else pytest.skip
-        stop(f"no torchao in {FLOAT8_SITE}: `make venv` installs it there")
+        skip_or_fail(f"no torchao in {FLOAT8_SITE}: `make venv` installs it there")
     return str(FLOAT8_SITE)
 
 

@@ -9,9 +9,7 @@ locally and fail in CI (CI=true).
 from __future__ import annotations
 
 import copy
-import importlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,17 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import need_module
 from fsdp_recipes.metrics import prometheus, report
 
 REPO = Path(__file__).resolve().parent.parent
 GIB, MIB = 1024**3, 1024**2
-
-
-def need(module: str):
-    """Import a test-extra module: skip without it locally, fail without it in CI."""
-    if os.environ.get("CI", "").lower() in ("1", "true"):
-        return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"{module} is in the test extra: pip install -e .[test]")
 
 
 # An 8 x H100 full fine-tune: every figure present.
@@ -166,7 +158,7 @@ def test_report_names_the_settings_that_differ(tmp_path):
 
 
 def test_report_plots_are_real_pngs(runs, tmp_path):
-    image = need("PIL.Image")  # Pillow comes with matplotlib
+    image = need_module("PIL.Image")  # Pillow comes with matplotlib
     out = tmp_path / "elsewhere"
     report.main([*map(str, runs), "--out", str(out)])
     for name in ("loss.png", "throughput.png", "memory.png"):
@@ -214,7 +206,7 @@ def test_corrupt_metrics_is_one_error_line(runs):
 
 def parse_textfile(path: Path) -> dict[str, dict[str, tuple[dict, float]]]:
     """{family: {run: (labels, value)}} through prometheus_client's own parser, which raises on bad syntax."""
-    parser = need("prometheus_client.parser")
+    parser = need_module("prometheus_client.parser")
     families = {}
     for family in parser.text_string_to_metric_families(path.read_text()):
         assert family.name not in families, f"{family.name} appears twice"  # the Go parser refuses that
@@ -269,7 +261,7 @@ def test_cli_collects_several_runs_into_one_file(runs, tmp_path):
     twin = make_run(tmp_path / "other" / "gpu-full", GPU_METRICS, None)
     out = cli("fsdp_recipes.metrics.prometheus", runs[0], twin, "--out", tmp_path / "twins.prom")
     assert out.returncode == 0, out.stderr
-    parser = need("prometheus_client.parser")
+    parser = need_module("prometheus_client.parser")
     samples = [s for f in parser.text_string_to_metric_families((tmp_path / "twins.prom").read_text())
                for s in f.samples if s.name == "training_mfu"]
     assert sorted(s.labels["output_dir"] for s in samples) == sorted([str(runs[0].resolve()), str(twin.resolve())])
@@ -291,7 +283,7 @@ def test_alert_rules_structure_and_promql():
     # promtool is not on PyPI, so `promtool check rules` cannot run here. What is checked: the YAML style, the
     # rule-group structure Prometheus expects, every `for` as a Prometheus duration, and every expression through
     # promql-parser (a Rust port of Prometheus's parser that also checks function argument types).
-    promql = need("promql_parser")
+    promql = need_module("promql_parser")
     path = REPO / "monitoring" / "alerts.yaml"
     lint = subprocess.run([str(Path(sys.executable).parent / "yamllint"), "-c", str(REPO / ".yamllint"), "--strict",
                            str(path)], capture_output=True, text=True)

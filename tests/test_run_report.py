@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
+from conftest import need_module
 from fsdp_recipes.metrics import environment, run_report, tokens
 from fsdp_recipes.metrics.run_report import RunReportCallback
 from fsdp_recipes.metrics.tokens import TokenCounter
@@ -144,7 +145,7 @@ def test_mfu_on_a_known_gpu(tmp_path, monkeypatch):
 
 def prom_samples(path: Path) -> dict:
     """{metric: value} of a one-run textfile, through prometheus_client's parser (it raises on bad syntax)."""
-    parser = pytest.importorskip("prometheus_client.parser")
+    parser = need_module("prometheus_client.parser")
     return {s.name: s.value for f in parser.text_string_to_metric_families(path.read_text()) for s in f.samples}
 
 

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, pack_env
+from conftest import REPO, pack_env, skip_or_fail
 from fsdp_recipes.checkpoint import markers as checkpoints
 from slurm_cluster import Cluster, missing_tools, wait_for
 
@@ -35,9 +35,7 @@ def cluster(tmp_path_factory):
               "needs root: starts munged and slurmd, makes fake GPU device files, edits /etc/hosts"
               if os.geteuid() != 0 else None)
     if reason:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI must run the Slurm tests: {reason}")
-        pytest.skip(reason)
+        skip_or_fail(reason)
     c = Cluster(tmp_path_factory.mktemp("slurm"), nodes=3).start()
     yield c
     c.stop()
