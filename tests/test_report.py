@@ -1,6 +1,6 @@
 """make report, the Prometheus textfile and the example alert rules, on fake run directories (no training).
 
-The fake runs copy the structure the run report writes (README "The run report"; runs/tiny-cpu-lora from
+The fake runs copy the structure the run report writes (docs/run-report.md; runs/tiny-cpu-lora from
 `make finetune` was the model): metrics.json, run_args.json and log_history.json ({"log_history": [...]}).
 prometheus_client's parser and promql-parser come with `pip install -e .[test]`; without them those tests skip
 locally and fail in CI (CI=true).
