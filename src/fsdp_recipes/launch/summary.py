@@ -83,6 +83,14 @@ def learning_check(run_dir: Path, run_args: dict, n: int = 64) -> dict | None:
     }
 
 
+def shown(text: str) -> str:
+    """A generation as a quoted literal a terminal prints cleanly: a random or untrained model emits token pieces
+    that decode to U+FFFD or control characters, which become escapes (`\\ufffd`) instead of mojibake."""
+    if text.isprintable() and "\ufffd" not in text:
+        return repr(text)
+    return ascii(text)
+
+
 def render(run_dir: Path, metrics: dict, check: dict | None) -> str:
     m = metrics
     lines = [f"== {m.get('recipe') or run_dir.name}: {m['status']} in {m['wall_clock_s']:.0f}s =="]
@@ -122,7 +130,8 @@ def render(run_dir: Path, metrics: dict, check: dict | None) -> str:
         )
         for ex in check["examples"][:3]:
             lines.append(
-                f"  {ex['prompt']!r}: expected {ex['expected']!r} | base {ex['base']!r} | trained {ex['trained']!r}"
+                f"  {shown(ex['prompt'])}: expected {shown(ex['expected'])} | base {shown(ex['base'])} | "
+                f"trained {shown(ex['trained'])}"
             )
     return "\n".join(lines)
 
