@@ -62,15 +62,43 @@ def job_nodes() -> int:
 
 
 
-def gpu_inventory() -> str:
-    """What the seeds' wrappers print: the GPUs and how they are linked, where nvidia-smi exists."""
+def nvidia_smi(*args: str) -> str | None:
+    """nvidia-smi's output, or None when it is missing or fails."""
     if not shutil.which("nvidia-smi"):
-        return "GPUs: none (no nvidia-smi on PATH); running on CPU"
-    out = []
-    for cmd in (["nvidia-smi", "-L"], ["nvidia-smi", "topo", "-m"], ["nvidia-smi", "nvlink", "--status"]):
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-            out.append(f"$ {' '.join(cmd)}\n{res.stdout.strip() or res.stderr.strip()}")
-        except (OSError, subprocess.SubprocessError) as err:
-            out.append(f"$ {' '.join(cmd)}: {err}")
-    return "\n".join(out)
+        return None
+    try:
+        res = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def nvlink_summary(status: str | None) -> str:
+    """One line from `nvidia-smi nvlink --status` (per GPU, a "GPU i: ..." line and one "Link j: <speed>" line
+    per link, "<inactive>" when down): how many links each GPU has up, at what speed."""
+    if not status:
+        return "NVLink: not reported (nvidia-smi nvlink --status gave nothing)"
+    up, speeds = [], set()
+    for line in status.splitlines():
+        line = line.strip()
+        if line.startswith("GPU "):
+            up.append(0)
+        elif line.startswith("Link ") and up:
+            value = line.split(":", 1)[1].strip()
+            if value and "inactive" not in value.lower():
+                up[-1] += 1
+                speeds.add(value)
+    if not up or not any(up):
+        return f"NVLink: none active on {len(up)} GPU(s) (PCIe only)"
+    counts = sorted(set(up))
+    per_gpu = f"{counts[0]} links up on each" if len(counts) == 1 else f"{min(up)}-{max(up)} links up per GPU"
+    return f"NVLink: {len(up)} GPUs, {per_gpu} ({', '.join(sorted(speeds))} per link)"
+
+
+def gpu_inventory() -> str:
+    """The GPUs, one line each, and one NVLink line; where nvidia-smi exists."""
+    listing = nvidia_smi("--query-gpu=index,name,memory.total,driver_version", "--format=csv,noheader")
+    if listing is None:
+        return "GPUs: none (no nvidia-smi on PATH, or it failed); running on CPU"
+    lines = [f"GPU {row.strip()}" for row in listing.strip().splitlines() if row.strip()]
+    return "\n".join(lines + [nvlink_summary(nvidia_smi("nvlink", "--status"))])

@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     say(f"recipe {recipe.name} ({recipe})")
-    print(hardware.gpu_inventory(), flush=True)
+    if override(launch_args(), "machine_rank", "0") == "0":  # one inventory per job, not one per node
+        print(hardware.gpu_inventory(), flush=True)
     if smoke.active():
         acc_yaml, overrides = smoke.prepare(recipe, overrides)
 
