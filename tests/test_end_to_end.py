@@ -21,7 +21,7 @@ def run_dir(tmp_path_factory, cache_dir):
     res = launch(["tiny-cpu-lora", "--max_steps", str(STEPS), "--eval_steps", "100", "--verify_loaded_weights",
                   "true", "--output_dir", str(out)], cache_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    out.joinpath("launch.log").write_text(res.stdout)
+    out.joinpath("launch.log").write_text(res.stdout + res.stderr)
     return out
 
 
@@ -139,3 +139,12 @@ def test_run_writes_a_prometheus_textfile(run_dir):
     # rewritten at every training log while the run trained; the last write is the final report's
     assert families["training_running"].samples[0].value == 0
     assert families["training_step"].samples[0].value == m["steps"]
+
+
+def test_console_shows_rank_0_only(run_dir):
+    """Progress bars and library warnings come from rank 0 only: the training loop's bar once, the DataLoader's
+    pin_memory warning (torch warns on a CPU-only machine, in every rank that builds a loader) once."""
+    log = (run_dir / "launch.log").read_text()
+    assert log.count("'pin_memory' argument is set as true but no accelerator is found") == 1, log[-3000:]
+    # transformers' model-loading bar: once at the start (rank 0), once in the merged save, never once per rank
+    assert log.count("Loading weights: 100%") <= 2, log[-3000:]

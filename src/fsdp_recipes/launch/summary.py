@@ -45,8 +45,10 @@ def load_prompts(run_args: dict, limit: int) -> list[tuple[list[dict], str]]:
 def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | None = None) -> list[str]:
     """Greedy answers, batched with left padding; plain transformers, CPU or GPU."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.utils.logging.disable_progress_bar()  # loading bars would split the summary from the run's log
     tok = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir)

@@ -214,6 +214,23 @@ def import_training_stack() -> None:
     from fsdp_recipes.train import loading, preemption  # noqa: F401
 
 
+def quiet_replica(cfg: RunConfig) -> None:
+    """On every rank but 0: no progress bars, no library warnings, transformers' log at errors only. The ranks run
+    the same code, so rank 0 already shows each of these once; N copies of a warning tell the user nothing more.
+    Errors still show on every rank. `log_level_replica` is moved from transformers' default (warning) to error
+    unless the recipe set it to something else."""
+    import warnings
+
+    import datasets
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    if cfg.training.log_level_replica == "warning":  # SFTConfig's default: the Trainer applies it at init
+        cfg.training.log_level_replica = "error"
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -229,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     from fsdp_recipes.train.preemption import PreemptionCallback
 
     is_main = int(os.environ.get("RANK", 0)) == 0
+    if not is_main:
+        quiet_replica(cfg)
     peft_config = get_peft_config(cfg.model)
     resume = checkpoint_to_resume(cfg, verbose=is_main)
     if resume and is_main:
