@@ -3,16 +3,61 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's bin: python, accelerate
 # torchao, for the float8 tests only: `make venv` installs it here, outside site-packages (the Makefile says why)
 FLOAT8_SITE = BIN.parent / "float8-site"
+
+
+# Every process a test starts inherits this variable (pack_env copies os.environ, and so does a bare Popen). The
+# launcher starts `accelerate launch` in a session of its own, so a process group or a parent's children list misses
+# ranks whose launcher is gone; the tag finds them all. A daemon meant to outlive one test (the Slurm cluster's)
+# starts without it.
+TEST_TAG = "FSDP_RECIPES_TEST_PROCESS"
+os.environ[TEST_TAG] = uuid.uuid4().hex
+
+
+def tagged_processes() -> list[psutil.Process]:
+    """This session's test processes still alive (not pytest itself)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid != os.getpid() and proc.environ().get(TEST_TAG) == os.environ[TEST_TAG]:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def kill_test_processes() -> list[str]:
+    """SIGKILL every process a test started that is still running; their command lines, for the report."""
+    procs = tagged_processes()
+    names = []
+    for proc in procs:
+        try:
+            names.append(" ".join(proc.cmdline())[:200])
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    return names
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    yield
+    left = kill_test_processes()
+    if left:  # a test that leaves processes behind slows every later one: say so, after cleaning up
+        pytest.fail(f"{len(left)} process(es) outlived the test and were killed: {left}")
 
 
 def in_ci() -> bool:
@@ -63,7 +108,17 @@ def pack_env(cache: Path, **extra) -> dict:
 
 
 def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=pack_env(cache, **env), capture_output=True, text=True, timeout=timeout)
+    """Run a pack command as a user would; on timeout, kill everything it started and say what was running."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=pack_env(cache, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_test_processes()
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s: {shlex.join(map(str, cmd))}\n--- its last output ---\n"
+                    f"{out[-2000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -57,7 +57,9 @@ class Cluster:
         self.procs: dict[str, subprocess.Popen] = {}
         self.hosts_before: bytes | None = None
         self.conf = root / "slurm.conf"
-        self.env = dict(os.environ, SLURM_CONF=str(self.conf))
+        # without the test-process tag (conftest.py): the daemons outlive each test, the jobs they run do not
+        self.env = {k: v for k, v in os.environ.items() if k != "FSDP_RECIPES_TEST_PROCESS"}
+        self.env["SLURM_CONF"] = str(self.conf)
 
     # -- start -------------------------------------------------------------------------------------------
     def start(self) -> "Cluster":

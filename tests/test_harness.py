@@ -1,0 +1,20 @@
+"""The test harness itself: no process a test starts outlives it, even one that left its parent's session."""
+
+import subprocess
+import time
+
+import psutil
+
+from conftest import kill_test_processes, tagged_processes
+
+
+def test_a_detached_grandchild_is_found_and_killed():
+    # bash starts `sleep` in a session of its own and exits at once, as the launcher does with accelerate: the
+    # sleep is then nobody's child and in no process group of ours
+    subprocess.run(["bash", "-c", "setsid sleep 300 >/dev/null 2>&1 < /dev/null &"], check=True)
+    deadline = time.time() + 10
+    while not (found := [p for p in tagged_processes() if p.name() == "sleep"]) and time.time() < deadline:
+        time.sleep(0.05)
+    assert found, "the detached sleep should carry the test tag"
+    assert any("sleep 300" in cmd for cmd in kill_test_processes())
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in found)
