@@ -14,16 +14,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
-
-
-def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "n/a"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from fsdp_recipes.metrics.report import human_bytes
 
 
 def load_prompts(run_args: dict, limit: int) -> list[tuple[list[dict], str]]:

@@ -17,9 +17,18 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.launch.summary import human_bytes
 
 GIB = 1024**3
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _read_json(path: Path):
