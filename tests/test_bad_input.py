@@ -24,6 +24,13 @@ def assert_one_line_error(res, fragment):
     assert "Fix:" in errors[0] or "Available:" in errors[0], errors[0]
 
 
+@pytest.fixture(autouse=True)
+def checks_before_ranks(monkeypatch):
+    """The launcher checks first and starts no rank for a mistake: these tests are about the one line, and the
+    overlapped start (ranks importing while the launcher checks, then aborted) is tests/test_start_gate.py's."""
+    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
+
+
 @pytest.fixture
 def recipe(tmp_path, cache_dir):
     """A private copy of the default recipe to break."""

@@ -41,7 +41,7 @@ def imports(path: Path):
 def test_every_module_has_a_layer():
     tops = {p.stem if p.is_file() else p.name for p in PKG.iterdir()
             if (p.suffix == ".py" and p.stem != "__init__") or (p.is_dir() and (p / "__init__.py").exists())}
-    assert tops == set(LAYER), f"new top-level module or folder: give it a layer here and in docs/architecture.md"
+    assert tops == set(LAYER), "new top-level module or folder: give it a layer here and in docs/architecture.md"
 
 
 def test_imports_only_point_down():

@@ -53,3 +53,21 @@ def test_the_cpu_adapters_targets_match_the_installed_libraries(monkeypatch):
     assert [p["patch"] for p in guard.APPLIED] == [
         "cpu_fsdp.fsdp_state_on_cpu", "cpu_fsdp.fsdp1_param_init_on_cpu", "cpu_fsdp.fsdp1_sync_module_states_over_gloo",
         "cpu_fsdp.fsdp1_full_state_dict_without_offload", "cpu_fsdp.fsdp1_optimizer_states_without_offload"]
+
+
+def test_the_cpu_adapter_is_for_machines_without_any_accelerator(monkeypatch):
+    """Inside an FSDP launch it switches on without an accelerator, and stays off with one, whichever kind (an XPU
+    machine has no CUDA, and must not be forced onto the CPU)."""
+    import torch
+
+    from fsdp_recipes.patches import cpu_fsdp
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # what an XPU/NPU/MPS machine says
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    assert cpu_fsdp.needed() is False
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    assert cpu_fsdp.needed() is True
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    assert cpu_fsdp.needed() is False  # not an FSDP launch

@@ -150,13 +150,6 @@ def test_latest_complete_skips_unmarked(tmp_path):
     assert checkpoints.latest_complete(tmp_path / "missing") is None
 
 
-def test_cpu_fsdp_adapter_is_inactive_outside_an_fsdp_launch(monkeypatch):
-    from fsdp_recipes.patches import cpu_fsdp
-
-    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    assert cpu_fsdp.needed() is False and cpu_fsdp.enable() is False
-
-
 @pytest.mark.slow
 def test_ctrl_c_writes_status_interrupted(tmp_path, cache_dir):
     out = tmp_path / "run"

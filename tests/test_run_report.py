@@ -221,3 +221,16 @@ def flatten(d: dict, prefix: str = "") -> set[str]:
 def test_metrics_schema_matches_the_docs(tmp_path, monkeypatch):
     m, _ = simulated_run(tmp_path, monkeypatch)
     assert flatten(m) == documented_fields()
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_report_files_respect_the_umask(tmp_path, umask, mode):
+    """Teammates read each other's run reports: the atomic write keeps the mode a plain open() would give."""
+    import os
+
+    old = os.umask(umask)
+    try:
+        write_json_atomic(tmp_path / "metrics.json", {"status": "completed"})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "metrics.json").stat().st_mode & 0o777 == mode

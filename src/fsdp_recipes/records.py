@@ -11,12 +11,21 @@ import tempfile
 from pathlib import Path
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """`mode` as open() would create it under this process's umask (0644 under the usual 022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mode & ~mask
+
+
 def write_json_atomic(path: Path, obj: dict) -> None:
-    """Write to a temp file in the same directory, then rename: readers never see half a file."""
+    """Write to a temp file in the same directory, then rename: readers never see half a file. The file gets the
+    mode a plain open() would give it (mkstemp's is 0600, which locks teammates out of a shared run directory)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(fd, umask_mode())
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2, sort_keys=False, default=str)
             f.write("\n")
@@ -26,10 +35,8 @@ def write_json_atomic(path: Path, obj: dict) -> None:
         raise
 
 
-
 def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-
 
 
 def file_stamp(iso: str) -> str:

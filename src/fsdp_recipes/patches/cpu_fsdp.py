@@ -24,7 +24,7 @@ works on CPU tensors over gloo, so the only missing piece is accelerate's own de
 
 From there on everything is accelerate's and transformers' unmodified FSDP code: `fsdp2_prepare_model` and
 `fully_shard` per decoder layer (FSDP2), `FullyShardedDataParallel` with `device_id=cpu` (FSDP1), FSDP-aware
-saving. Nothing here runs when a GPU is present.
+saving. Nothing here runs when any accelerator (CUDA, XPU, NPU, MPS) is present.
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ def fsdp_requested() -> bool:
 
 
 def needed() -> bool:
+    """FSDP asked for on a machine with no accelerator at all. Not `not torch.cuda.is_available()`: on an XPU, NPU
+    or MPS machine that would force CPU training instead of using the device accelerate supports there."""
     import torch
 
-    return fsdp_requested() and not torch.cuda.is_available()
+    return fsdp_requested() and not torch.accelerator.is_available()
 
 
 def fsdp_version_from_env() -> int:
