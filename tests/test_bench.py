@@ -148,6 +148,9 @@ def test_default_overhead_model_is_tens_of_millions_of_parameters(tmp_path, cach
     cfg = AutoConfig.for_model("mistral", vocab_size=268, **bench_overhead.SHAPE)
     with torch.device("meta"):
         n = sum(p.numel() for p in AutoModelForCausalLM.from_config(cfg).parameters())
+    # by hand: hidden 512, 8 heads (and 8 kv heads) x 64 = 512, intermediate 1536, 6 layers, vocabulary 268, untied:
+    # per layer 4 x 512 x 512 (q, k, v, o) + 3 x 512 x 1536 (gate, up, down) + 2 x 512 (norms) = 3,408,896
+    assert n == 6 * (4 * 512 * 512 + 3 * 512 * 1536 + 2 * 512) + 512 + 2 * 268 * 512 == 20_728_320
     assert 20e6 <= n <= 40e6
 
 
@@ -172,6 +175,12 @@ def test_first_step_phases_add_up_to_the_first_step():
     for order, phases in rec["phases_s"].items():
         assert sum(phases.values()) == pytest.approx(rec["first_step_end_s"][order])
         assert all(v >= 0 for v in phases.values())
+    # by hand from first_step_record's clocks (mark i at start + 1 + i s; the ranks start at 4 s serial, 1 s overlap):
+    # the launcher's share is the start; each phase spans one mark, but the gate (gate_start and gate_end), the LoRA
+    # wrap (model_load_end to peft_wrap_end) and dataset preparation (peft_wrap_end to dataset_prep_end) span two
+    rest = [1, 1, 1, 2, 1, 1, 1, 1, 2, 2, 1, 1, 1]
+    assert list(rec["phases_s"]["serial"].values()) == [4.0, *rest]
+    assert list(rec["phases_s"]["overlap"].values()) == [1.0, *rest]
     assert list(rec["phases_s"]["serial"]) == list(rec["phases_s"]["overlap"])  # one table row per phase
 
 

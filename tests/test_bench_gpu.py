@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import statistics
+from statistics import NormalDist
 
 import pytest
 
@@ -112,26 +114,77 @@ def test_a_failed_rung_is_recorded_and_the_ladder_goes_on(dry):
     assert "| 5b | selective activation checkpointing | - |" in text and "failed: " in text
 
 
+# Parameter counts of the benchmark's untied Mistrals, by hand from their shapes (no biases; not from the module's
+# docstring or flops.count_params). Per decoder layer: q_proj and o_proj hidden x (heads x head_dim), k_proj and v_proj
+# hidden x (kv_heads x head_dim), gate/up/down hidden x intermediate, two RMSNorm weights of hidden. Then the final
+# norm (hidden) and the LM head (vocab x hidden): the "non-embedding" count the FLOPs use. The input embedding
+# (vocab x hidden) makes the total.
+#
+# 1b: hidden 2048, intermediate 8192, 16 layers, 32 heads x 64 = 2048, 8 kv heads x 64 = 512, vocab 32768
+#   per layer 2 x 2048 x 2048 + 2 x 2048 x 512 + 3 x 2048 x 8192 + 2 x 2048
+#           = 8,388,608 + 2,097,152 + 50,331,648 + 4,096 = 60,821,504; x 16 = 973,144,064
+ONE_B_NON_EMBEDDING = 16 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048) + 2048 + 32768 * 2048
+ONE_B_TOTAL = ONE_B_NON_EMBEDDING + 32768 * 2048  # + 67,108,864
+# 8b: hidden 4096, intermediate 12288, 36 layers, 32 heads x 128 = 4096, 8 kv heads x 128 = 1024, vocab 131072
+#   per layer 2 x 4096 x 4096 + 2 x 4096 x 1024 + 3 x 4096 x 12288 + 2 x 4096
+#           = 33,554,432 + 8,388,608 + 150,994,944 + 8,192 = 192,946,176; x 36 = 6,946,062,336
+EIGHT_B_NON_EMBEDDING = 36 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096) + 4096 + 131072 * 4096
+EIGHT_B_TOTAL = EIGHT_B_NON_EMBEDDING + 131072 * 4096  # + 536,870,912
+# tiny (--dry-run): hidden 64, intermediate 128, 2 layers, 2 heads x 32 = 64, 2 kv heads x 32 = 64, vocab 268
+#   per layer 4 x 64 x 64 + 3 x 64 x 128 + 2 x 64 = 16,384 + 24,576 + 128 = 41,088
+TINY_NON_EMBEDDING = 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64 + 268 * 64
+TINY_TOTAL = TINY_NON_EMBEDDING + 268 * 64  # + 17,152
+# LoRA r 16 on all seven projections (recipes/llama-3.1-8b-lora): r x (in + out) per linear, 2 layers:
+#   q, k, v, o 16 x (64 + 64) = 2,048 each; gate, up, down 16 x (64 + 128) = 3,072 each -> 17,408 per layer
+TINY_LORA = 2 * 16 * (4 * (64 + 64) + 3 * (64 + 128))
+
+
+def test_hand_counts_add_up():
+    assert (ONE_B_NON_EMBEDDING, ONE_B_TOTAL) == (1_040_254_976, 1_107_363_840)
+    assert (EIGHT_B_NON_EMBEDDING, EIGHT_B_TOTAL) == (7_482_937_344, 8_019_808_256)
+    assert (TINY_NON_EMBEDDING, TINY_TOTAL, TINY_LORA) == (99_392, 116_544, 34_816)
+
+
 def test_model_sizes_on_the_meta_device():
     one, eight = bench_gpu.param_counts("1b"), bench_gpu.param_counts("8b")
-    assert one["total"] == 1_107_363_840 and one["trainable_non_embedding"] == 1_040_254_976  # the docstring's
-    assert eight["total"] == 8_019_808_256 and eight["trainable_non_embedding"] == 7_482_937_344
-    assert 0.9e9 < one["total"] < 1.3e9 and 7.5e9 < eight["total"] < 8.5e9
+    assert one == {"total": ONE_B_TOTAL, "trainable": ONE_B_TOTAL, "trainable_non_embedding": ONE_B_NON_EMBEDDING,
+                   "frozen_non_embedding": 0}
+    assert eight == {"total": EIGHT_B_TOTAL, "trainable": EIGHT_B_TOTAL,
+                     "trainable_non_embedding": EIGHT_B_NON_EMBEDDING, "frozen_non_embedding": 0}
     assert bench_gpu.mistral_config("8b").model_type == "mistral"
+
+
+def clipped_lognormal(median: float, sigma: float, lo: float, hi: float) -> dict:
+    """Figures of min(max(X, lo), hi) for X lognormal (ln X ~ N(ln median, sigma^2)), from the distribution's formulas
+    rather than from samples: quantiles exp(mu + sigma z_p); P(X > hi) = 1 - Phi((ln hi - mu) / sigma); and the mean
+    lo P(X < lo) + E[X; lo < X < hi] + hi P(X > hi), where E[X; lo < X < hi] = exp(mu + sigma^2 / 2)
+    (Phi((ln hi - mu) / sigma - sigma) - Phi((ln lo - mu) / sigma - sigma)) (the lognormal's partial expectation)."""
+    z, mu = NormalDist(), math.log(median)
+    a, b = (math.log(lo) - mu) / sigma, (math.log(hi) - mu) / sigma
+    partial = math.exp(mu + sigma**2 / 2) * (z.cdf(b - sigma) - z.cdf(a - sigma))
+    return {"median": median, "p10": math.exp(mu + sigma * z.inv_cdf(0.1)),
+            "p90": math.exp(mu + sigma * z.inv_cdf(0.9)), "fraction_at_max": 1 - z.cdf(b),
+            "mean": lo * z.cdf(a) + partial + hi * (1 - z.cdf(b))}
 
 
 def test_synthetic_lengths_have_the_claimed_spread():
     lengths = bench_gpu.synthetic_lengths(20_000)
     assert lengths == bench_gpu.synthetic_lengths(20_000)  # seeded
     s = bench_gpu.length_stats(lengths)
+    # median 800 and sigma 0.9, clipped to [16, 4096]. By hand: b = (ln 4096 - ln 800) / 0.9 = 1.8146, so 3.48% are
+    # cut at 4096; the unclipped mean 800 e^0.405 = 1,199.4, of which Phi(b - 0.9) = 0.8198 lies below 4096:
+    # 983.3 + 4096 x 0.0348 = 1,125.8; p10 and p90 800 e^(-+1.2816 x 0.9) = 252.5 and 2,535.2
+    want = clipped_lognormal(800, 0.9, 16, 4096)
+    assert want["mean"] == pytest.approx(1125.8, abs=0.1) and want["fraction_at_max"] == pytest.approx(0.0348, abs=1e-4)
+    assert (want["p10"], want["p90"]) == (pytest.approx(252.5, abs=0.1), pytest.approx(2535.2, abs=0.1))
+    # the 20,000 samples against them, within about 4 standard errors of each figure (rounding to whole tokens aside)
     assert s["min"] >= 16 and s["max"] == 4096
-    assert statistics.median(lengths) == pytest.approx(800, rel=0.05)
-    assert s["mean"] == pytest.approx(1126, rel=0.05)  # the clipped lognormal's mean, as the docstring says
-    assert s["p10"] == pytest.approx(252, rel=0.1) and s["p90"] == pytest.approx(2535, rel=0.08)
-    assert s["fraction_at_max"] == pytest.approx(0.035, abs=0.008)
-    assert s["p90"] / s["p10"] > 8  # a real spread, not near-constant lengths
-    small = bench_gpu.synthetic_lengths(2000, max_length=128)
-    assert max(small) == 128 and statistics.median(small) == pytest.approx(25, rel=0.1)
+    assert statistics.median(lengths) == pytest.approx(want["median"], rel=0.03)
+    assert s["mean"] == pytest.approx(want["mean"], rel=0.02)
+    assert s["p10"] == pytest.approx(want["p10"], rel=0.05) and s["p90"] == pytest.approx(want["p90"], rel=0.05)
+    assert s["fraction_at_max"] == pytest.approx(want["fraction_at_max"], abs=0.005)
+    small = bench_gpu.synthetic_lengths(2000, max_length=128)  # the same shape scaled by 128 / 4096: median 25
+    assert max(small) == 128 and statistics.median(small) == pytest.approx(800 * 128 / 4096, rel=0.1)
 
 
 def _measured(rid, tps, mfu=None):
@@ -203,8 +256,8 @@ def test_lora_ladder_uses_the_8b_lora_recipes_adapters():
     # r x (in + out) per targeted linear: q, o 4096->4096; k, v 4096->1024; gate, up 4096->12288; down back; 36 layers
     per_layer = 16 * (2 * 8192 + 2 * 5120 + 3 * 16384)
     assert eight["trainable"] == eight["trainable_non_embedding"] == 36 * per_layer == 43_646_976
-    assert eight["total"] == 8_019_808_256 + eight["trainable"]
-    assert eight["frozen_non_embedding"] == 7_482_937_344  # every base weight but the input embedding: 4N in MFU
+    assert eight["total"] == EIGHT_B_TOTAL + 43_646_976
+    assert eight["frozen_non_embedding"] == EIGHT_B_NON_EMBEDDING  # every base weight but the input embedding: 4N
     s = bench_gpu.resolve({**bench_gpu.BASELINE, "method": "lora"}, bench_gpu.GPU_RUN, {"type": "cuda"})
     args = bench_gpu.sft_args(s, "m", "d", "o", bench_gpu.GPU_RUN, bf16=True)
     assert args[args.index("--use_peft") + 1] == "true"
@@ -295,16 +348,18 @@ def test_dry_run_lora_ladder(tmp_path, cache_dir):
                                         str(tmp_path)])
     assert path.name.endswith("-lora.json") and result["lora"]["recipe"] == "llama-3.1-8b-lora"
     (lad,) = result["ladders"]
-    assert lad["method"] == "lora" and lad["parameters"] == bench_gpu.param_counts("tiny", "lora")
+    assert lad["method"] == "lora" and lad["parameters"] == {  # counted by hand above
+        "total": TINY_TOTAL + TINY_LORA, "trainable": TINY_LORA, "trainable_non_embedding": TINY_LORA,
+        "frozen_non_embedding": TINY_NON_EMBEDDING}
     compiled, f8 = lad["rungs"]
     assert compiled["status"] == "measured" and compiled["config"]["method"] == "lora", compiled.get("error")
     assert compiled["figures"]["compiled_graphs"] > 0  # the LoRA layers went through dynamo
-    m, n = compiled["metrics_json"], lad["parameters"]
-    assert m["params"] == {"total": n["total"], "trainable": n["trainable"]} and n["trainable"] < n["total"] / 3
-    layers, heads, head_dim = 2, 2, 32
-    attention = 12 * layers * heads * head_dim * m["flops_seq_len"]
-    assert m["flops_per_token"] == pytest.approx(6 * n["trainable_non_embedding"] + 4 * n["frozen_non_embedding"]
-                                                 + attention)
+    m = compiled["metrics_json"]
+    assert m["params"] == {"total": 151_360, "trainable": 34_816}  # 116,544 + 34,816 adapters
+    # 6N for the trained adapters, 4N for the frozen weights (flops.py's LoRA convention), plus 12 L H d_head T
+    # (PaLM appendix B), with the tiny model's 2 layers of 2 heads of 32
+    attention = 12 * 2 * 2 * 32 * m["flops_seq_len"]
+    assert m["flops_per_token"] == pytest.approx(6 * 34_816 + 4 * 99_392 + attention)
     assert f8["status"] == "skipped" and "refuses it under LoRA" in f8["reason"]
     assert "tiny LoRA (151,360 parameters, 34,816 trained), 1 process(s)" in text
     assert "MFU goal is for 1B full fine-tuning" in bench_gpu.goals({**lad, "size": "1b"}, dry_run=False)["mfu"]

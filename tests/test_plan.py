@@ -1,4 +1,5 @@
-"""`make plan`: the memory estimate against what a real 2-process run holds, the topology rules, bad input."""
+"""`make plan`: the memory estimate against what a real 2-process run holds and against hand arithmetic for two recipes,
+the topology rules, bad input."""
 
 import json
 import subprocess
@@ -64,9 +65,63 @@ def test_plan_refuses_what_does_not_fit():
     assert "| optimizer states |" in res.stdout  # the budget that explains why
 
 
-def test_sharding_divides_the_states():
-    one, eight = (plan.plan("mistral-7b-full", g, 1, "H200")[2][1] for g in (1, 8))
-    assert eight < one / 3
+# Parameters of the two 7-8B recipes' models, counted by hand from their model_config.json (not by the planner).
+# Both: hidden 4096, intermediate 14336, 32 layers, 32 heads of 4096 / 32 = 128, 8 key/value heads (kv width
+# 8 x 128 = 1024), untied embeddings, no biases. Per decoder layer:
+#   q_proj, o_proj  4096 x 4096  = 16,777,216 each  -> 33,554,432
+#   k_proj, v_proj  4096 x 1024  =  4,194,304 each  ->  8,388,608
+#   gate, up, down  4096 x 14336 = 58,720,256 each  -> 176,160,768
+#   two RMSNorm weights          =      4,096 each  ->      8,192
+#                                                     218,112,000 per layer; x 32 = 6,979,584,000
+DECODER_LAYERS_7B = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096)
+# + final norm (4096) + input embedding and LM head (vocab x 4096 each)
+MISTRAL_7B_PARAMS = DECODER_LAYERS_7B + 4096 + 2 * 32768 * 4096  # recipes/mistral-7b-full: vocab 32768
+LLAMA_8B_PARAMS = DECODER_LAYERS_7B + 4096 + 2 * 128256 * 4096  # recipes/llama-3.1-8b-lora: vocab 128256
+# LoRA of recipes/llama-3.1-8b-lora/sft.yaml: r 16 on all seven projections, r x (in + out) weights per linear:
+#   q, o 16 x (4096 + 4096) = 131,072 each; k, v 16 x (4096 + 1024) = 81,920 each; gate, up, down 16 x (4096 + 14336)
+#   = 294,912 each -> 1,310,720 per layer; x 32 layers
+LLAMA_8B_LORA = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+
+
+def test_hand_counts_add_up():
+    assert DECODER_LAYERS_7B == 6_979_584_000
+    assert MISTRAL_7B_PARAMS == 7_248_023_552  # Mistral-7B-v0.3's published 7.25B
+    assert LLAMA_8B_PARAMS == 8_030_261_248  # Llama-3.1-8B's published 8.03B
+    assert LLAMA_8B_LORA == 41_943_040
+
+
+def recipe_budget(name: str, gpus: int):
+    """The planner's shape and per-GPU budget of a recipe on one node of `gpus`, as `make plan` computes them."""
+    _, acc, cfg, model = plan.load_recipe(name, REPO / "recipes")
+    setup = plan.setups(acc, cfg.training, cfg.model, gpus=gpus, nodes=1)["FSDP"]
+    assert (setup.strategy, setup.shard) == ("FSDP", gpus)  # FULL_SHARD over the node
+    shape = memory_budget.shape_of(model, cfg.model)
+    return shape, memory_budget.budget(shape, setup)
+
+
+@pytest.mark.parametrize("gpus", [1, 8])
+def test_full_finetuning_states_per_gpu_by_hand(gpus):
+    """recipes/mistral-7b-full: every parameter trains. With bf16 mixed precision accelerate keeps the trainable
+    weights in fp32 (4 bytes), gradients have the weights' dtype (4 bytes), AdamW keeps two fp32 moments (8 bytes):
+    16 bytes per parameter, divided by the GPUs FSDP shards over (ZeRO-3)."""
+    shape, b = recipe_budget("mistral-7b-full", gpus)
+    assert (shape.params, shape.trainable) == (7_248_023_552, 7_248_023_552)
+    assert b["weights"] == 7_248_023_552 * 4 // gpus  # 1 GPU: 28,992,094,208 B (27.0 GiB); 8 GPUs: 3,624,011,776
+    assert b["gradients"] == 7_248_023_552 * 4 // gpus
+    assert b["optimizer_states"] == 7_248_023_552 * 8 // gpus  # 1 GPU: 57,984,188,416 B (54.0 GiB); 8: 7,248,023,552
+    if gpus == 8:
+        assert b["weights"] + b["gradients"] + b["optimizer_states"] == 14_496_047_104  # 13.5 GiB per GPU
+
+
+def test_lora_states_per_gpu_by_hand():
+    """recipes/llama-3.1-8b-lora on 8 GPUs: the 8.03B base weights stay frozen in bf16 (2 bytes), the 41.9M LoRA
+    weights train in fp32 (4 bytes) with fp32 gradients and AdamW's two fp32 moments; FSDP shards all of it by 8."""
+    shape, b = recipe_budget("llama-3.1-8b-lora", 8)
+    assert (shape.params, shape.trainable) == (8_030_261_248 + 41_943_040, 41_943_040)
+    # (8,030,261,248 x 2 + 41,943,040 x 4) / 8 = (16,060,522,496 + 167,772,160) / 8
+    assert b["weights"] == 2_028_536_832
+    assert b["gradients"] == 41_943_040 * 4 // 8 == 20_971_520
+    assert b["optimizer_states"] == 41_943_040 * 8 // 8 == 41_943_040
 
 
 @pytest.mark.parametrize("args, message", [

@@ -10,7 +10,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from conftest import need_module
-from fsdp_recipes.metrics import environment, run_report, tokens
+from fsdp_recipes.metrics import run_report, tokens
 from fsdp_recipes.metrics.run_report import RunReportCallback
 from fsdp_recipes.metrics.tokens import TokenCounter
 from fsdp_recipes.records import write_json_atomic
@@ -44,9 +44,9 @@ def test_mfu_attention_length_is_token_weighted(tmp_path):
     counts = {k: getattr(cb.tokens, k) for k in tokens.COUNTS}
     fig = cb.mfu_figures(counts, 8.0, 1, {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"})
     assert fig["flops_seq_len"] == pytest.approx(5.0)
-    layers, heads, head_dim = 2, 4, 8  # tiny_model(): hidden 32 over 4 heads
-    assert fig["flops_per_token"] == pytest.approx(6 * cb.params["trainable_non_embedding"]
-                                                   + 12 * layers * heads * head_dim * 5.0)
+    # 6 x 20,640 + 12 x 2 layers x 4 heads x 8 x 5 tokens = 123,840 + 3,840
+    assert hand_flops_per_token(5.0) == 127_680
+    assert fig["flops_per_token"] == pytest.approx(127_680)
 
 
 def test_resume_from_counters_without_squared_lengths_falls_back_to_the_mean_length(tmp_path):
@@ -101,6 +101,31 @@ def tiny_model():
                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
 
 
+# tiny_model()'s parameters counted by hand from its config (not by the code under test): hidden 32, 4 heads of
+# head_dim 32 / 4 = 8, 2 key/value heads (kv width 2 x 8 = 16), intermediate 64, 2 layers, vocabulary 64, untied
+# LM head (Mistral's default), no biases.
+TINY_LAYERS, TINY_HEADS, TINY_HEAD_DIM = 2, 4, 8
+TINY_PER_LAYER = (
+    32 * 32 + 32 * 32    # q_proj and o_proj: 1,024 each
+    + 32 * 16 + 32 * 16  # k_proj and v_proj: 512 each
+    + 3 * 32 * 64        # gate, up and down projections: 6,144
+    + 2 * 32             # input and post-attention RMSNorm weights: 64
+)                        # = 9,280
+TINY_NON_EMBEDDING = 2 * TINY_PER_LAYER + 32 + 64 * 32  # 2 layers + final norm + LM head = 18,560 + 32 + 2,048 = 20,640
+TINY_TOTAL = TINY_NON_EMBEDDING + 64 * 32  # + the input embedding (a lookup, no FLOPs) = 22,688
+assert (TINY_PER_LAYER, TINY_NON_EMBEDDING, TINY_TOTAL) == (9_280, 20_640, 22_688)  # the arithmetic above, summed
+
+
+def hand_flops_per_token(seq_len: float) -> float:
+    """Full fine-tuning FLOPs per token of tiny_model(), written out: 6N + 12 * L * H * d_head * T (PaLM paper,
+    Chowdhery et al. 2022, appendix B; the same estimate as nanoGPT's estimate_mfu): 2N forward + 4N backward for
+    the N non-embedding weights, plus the attention score and value matmuls over T positions."""
+    return 6 * TINY_NON_EMBEDDING + 12 * TINY_LAYERS * TINY_HEADS * TINY_HEAD_DIM * seq_len
+
+
+H100_SXM_PEAK = 989e12  # dense BF16 tensor-core FLOP/s of the H100 SXM5, NVIDIA's H100 datasheet (1,979 with sparsity)
+
+
 def simulated_run(tmp_path, monkeypatch, device=None):
     """Drive the callback through the hooks the Trainer calls, with a real (tiny) model."""
     if device:
@@ -122,25 +147,28 @@ def simulated_run(tmp_path, monkeypatch, device=None):
 
 
 def test_completed_run_metrics_are_consistent(tmp_path, monkeypatch):
-    m, model = simulated_run(tmp_path, monkeypatch)
+    m, _ = simulated_run(tmp_path, monkeypatch)
     assert m["steps"] == 3 and m["samples"] == 12
     assert m["tokens"] == {"non_padding": 120, "padded": 120, "scope": "all_ranks"}
     assert m["tokens_per_second"] == pytest.approx(120 / m["train_time_s"])
     assert m["first_train_loss"] == 3.0 and m["final_train_loss"] == 1.0 and m["final_eval_loss"] == 0.9
-    assert m["params"]["total"] == sum(p.numel() for p in model.parameters())
+    assert m["params"] == {"total": TINY_TOTAL, "trainable": TINY_TOTAL}  # counted by hand above; all trainable
     # CPU: no MFU, and the reason is given
     assert m["mfu"] is None and "CPU" in m["mfu_note"]
     assert m["peak_memory"]["device_allocated_bytes"] is None and m["peak_memory"]["host_rss_bytes"] > 0
-    non_embed = m["params"]["total"] - 64 * 32
-    assert m["flops_per_token"] == 6 * non_embed + 12 * 2 * 4 * 8 * 10
+    # every sequence is 10 tokens (4 x 10, no padding): 6 x 20,640 + 12 x 2 x 4 x 8 x 10 = 123,840 + 7,680
+    assert hand_flops_per_token(10) == 131_520
+    assert m["flops_seq_len"] == 10 and m["flops_per_token"] == 131_520
     assert m["param_shards"]["dtensor_params"] == 0  # not sharded: single process
 
 
 def test_mfu_on_a_known_gpu(tmp_path, monkeypatch):
     m, _ = simulated_run(tmp_path, monkeypatch, device={"type": "cuda", "name": "NVIDIA H100 80GB HBM3",
                                                          "count_per_node": 1})
-    assert m["peak_flops_per_device"] == 989e12
-    assert m["mfu"] == pytest.approx(m["flops_per_token"] * m["tokens_per_second"] / 989e12)
+    assert m["peak_flops_per_device"] == H100_SXM_PEAK
+    # 120 tokens in the measured train time: tokens/s is a measurement, the FLOPs per token and the peak are not
+    assert m["tokens_per_second"] == pytest.approx(120 / m["train_time_s"])
+    assert m["mfu"] == pytest.approx(131_520 * m["tokens_per_second"] / H100_SXM_PEAK)  # 1 GPU
     assert m["mfu_note"] is None
 
 
@@ -178,8 +206,8 @@ def test_gauges_are_rewritten_at_every_training_log_with_that_interval(tmp_path,
         assert live["training_tokens_per_second"] == pytest.approx(6.0)
         assert live["training_step"] == 5 and live["training_running"] == 1
         assert live["training_last_update_timestamp_seconds"] == 130
-        fpt = cb.mfu_figures({"padded": 120, "sequences": 12}, 6.0, 1, environment.device_info())["flops_per_token"]
-        assert live["training_mfu"] == pytest.approx(fpt * 6.0 / 989e12)
+        # 10-token sequences: hand_flops_per_token(10) = 131,520 FLOPs per token, at 6 tokens/s on one H100 SXM
+        assert live["training_mfu"] == pytest.approx(131_520 * 6.0 / H100_SXM_PEAK)
     before = (collector / "a.prom").read_text()
     clock[0] += 5.0
     cb.on_log(None, state, None, logs={"eval_loss": 0.5})  # not a training log: nothing rewritten
