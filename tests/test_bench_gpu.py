@@ -365,6 +365,7 @@ def test_dry_run_lora_ladder(tmp_path, cache_dir):
     assert "MFU goal is for 1B full fine-tuning" in bench_gpu.goals({**lad, "size": "1b"}, dry_run=False)["mfu"]
 
 
+@pytest.mark.slow
 def test_resume_refuses_figures_measured_differently(dry, tmp_path):
     _, _, first = dry
     with pytest.raises(SystemExit, match="measured differently.*steps"):
