@@ -142,9 +142,7 @@ def test_run_writes_a_prometheus_textfile(run_dir):
 
 
 def test_console_shows_rank_0_only(run_dir):
-    """Progress bars and library warnings come from rank 0 only: the training loop's bar once, the DataLoader's
-    pin_memory warning (torch warns on a CPU-only machine, in every rank that builds a loader) once."""
+    """Progress bars come from rank 0 only: transformers' model-loading bar shows for rank 0's load and for the
+    merged save, not once per rank, and not for the summary's two reloads (5 before)."""
     log = (run_dir / "launch.log").read_text()
-    assert log.count("'pin_memory' argument is set as true but no accelerator is found") == 1, log[-3000:]
-    # transformers' model-loading bar: once at the start (rank 0), once in the merged save, never once per rank
-    assert log.count("Loading weights: 100%") <= 2, log[-3000:]
+    assert log.count("Loading weights: 100%") == 2, log[-3000:]
