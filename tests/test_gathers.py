@@ -10,35 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import tiny_lora_model as lora_model
 from fsdp_recipes.dist import gathered_parameters
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")  # FSDP1 at world size 1, mixed units
-LORA = dict(r=1, target_modules=["q_proj", "v_proj"])
-
-
-@pytest.fixture
-def world_of_one(tmp_path):
-    import torch.distributed as dist
-
-    assert not dist.is_initialized()
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-def lora_model(intermediate_size: int):
-    from peft import LoraConfig, get_peft_model
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    base = MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=intermediate_size,
-                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
-    model = get_peft_model(base, LoraConfig(**LORA))
-    with torch.no_grad():  # B starts at zero: make every trainable tensor distinct from the others
-        for p in model.parameters():
-            if p.requires_grad:
-                p.normal_()
-    return model
 
 
 def fsdp1(model, policy: str, use_orig_params: bool):
