@@ -245,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     start_gate.wait()  # the launcher's checks passed (a no-op without the launcher)
     # idempotent: the launcher normally built the assets and ran these checks already
     cfg = parse_and_check(argv, quiet=True)
+    # Parsing built TrainingArguments, which started the process group (accelerate's PartialState). Before anything
+    # reads output_dir: on a node that does not share it, auto_resume would pick another checkpoint.
+    from fsdp_recipes.checkpoint.shared_dir import check_output_dir_shared
+
+    check_output_dir_shared(cfg.training.output_dir)
 
     from trl import get_peft_config
 
