@@ -145,3 +145,32 @@ def fsdp1_recipe(parent: Path, train_lm_head: bool = False, **fsdp_config) -> Pa
             sft = (dst / "sft.yaml").read_text().replace("lora_modules_to_save: [lm_head]", "")
             (dst / "sft.yaml").write_text(sft)
     return dst
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one in this process: enough for FSDP1 (which then runs NO_SHARD) and FSDP2 (one
+    shard per tensor) on CPU, with no ranks to start."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def tiny_lora_model(intermediate_size: int = 128, vocab_size: int = 512):
+    """A random Mistral with LoRA (r=1) on q_proj and v_proj; every trainable tensor random (B too), same seed."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    base = MistralForCausalLM(MistralConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=intermediate_size,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    model = get_peft_model(base, LoraConfig(r=1, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():  # B starts at zero: make every trainable tensor distinct from the others
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_()
+    return model

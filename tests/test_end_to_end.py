@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import launch
+from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
 
 pytestmark = pytest.mark.slow
 STEPS = 200
@@ -79,8 +80,10 @@ def test_every_rank_loaded_the_files_weights(run_dir):
 def test_final_save_was_verified(run_dir):
     # 7 projections x 4 layers x (A, B) + the fully trained LM head (modules_to_save)
     assert load(run_dir, "metrics.json")["final_save_check"] == {"tensors": 57, "lora_b_checked": 28,
-                                                                 "model_shapes_checked": 57}
-    assert "final save verified: 57 tensors" in (run_dir / "launch.log").read_text()
+                                                                 "model_shapes_checked": 57,
+                                                                 "compared_with": LIVE_SHARDS}
+    assert f"final save verified: 57 tensors complete and unsharded; the files equal {LIVE_SHARDS}" in \
+        (run_dir / "launch.log").read_text()
 
 
 def test_adapter_and_merged_model_reload_without_fsdp(run_dir):
@@ -118,7 +121,8 @@ def test_full_finetune_saves_a_plain_model_directory(tmp_path, cache_dir):
                   "--eval_strategy", "no", "--output_dir", str(out)], cache_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = load(out, "metrics.json")
-    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0, "model_shapes_checked": 39}  # every weight of the 3M model
+    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0, "model_shapes_checked": 39,  # every weight
+                                  "compared_with": LIVE_SHARDS}  # of the 3M model
     assert m["params"]["trainable"] == m["params"]["total"] and m["param_shards"]["dtensor_params"] == 39
     assert not (out / "adapter_config.json").exists()
     model = AutoModelForCausalLM.from_pretrained(out)  # no FSDP, no peft

@@ -11,6 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import fsdp1_recipe, launch
+from fsdp_recipes.checkpoint.save_check import SAVED_COPY
 
 COMMON = ["--max_steps", "20", "--save_strategy", "steps", "--save_steps", "10", "--logging_steps", "1",
           "--eval_strategy", "no", "--save_merged_model", "false"]
@@ -33,7 +34,8 @@ def test_fsdp1_full_finetune_loads_checks_and_saves_a_plain_model(tmp_path, cach
     assert m["fsdp_version"] == 1 and m["sharding_strategy"] == "FULL_SHARD" and m["world_size"] == 2
     # rank 1 received its weights by broadcast (sync_module_states) and they equal the file's
     assert m["load_check"] == {"parameters_checked": 39}
-    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0, "model_shapes_checked": 0}
+    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0, "model_shapes_checked": 0,
+                                  "compared_with": SAVED_COPY}  # FSDP1 full fine-tuning: a round trip only
     model = AutoModelForCausalLM.from_pretrained(out)  # a plain model directory: no FSDP, no flat parameters
     base = AutoModelForCausalLM.from_pretrained(json.loads((out / "run_args.json").read_text())
                                                 ["model_args"]["model_name_or_path"])

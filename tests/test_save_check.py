@@ -121,3 +121,126 @@ def test_shard_check_catches_a_wrong_region(tmp_path):
     save_file(broken, tmp_path / "model-00001-of-00001.safetensors")
     assert shard_mismatches(state, tmp_path) == ["a.weight differs"]
     assert shard_mismatches({**state, "c.weight": torch.zeros(1)}, tmp_path)[-1] == "c.weight missing"
+
+
+def test_the_dict_a_save_was_given_is_still_whole_for_the_check(tmp_path):
+    """transformers' save_pretrained pops every tensor out of the state dict it writes; the check after the save
+    reuses that dict (save_check.save_state_dict passes a copy)."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from fsdp_recipes.checkpoint.save_check import save_state_dict
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    trainer = SimpleNamespace(_save=lambda out, state_dict: model.save_pretrained(out, state_dict=state_dict))
+    full = dict(model.state_dict())
+    save_state_dict(trainer, str(tmp_path), full)
+    assert len(full) == 12
+    assert compare(full, open_saved(tmp_path), check_lora_b=False)["tensors"] == 12
+
+
+def save_adapter(model, tensors: dict, directory):
+    """Write `tensors` (the PeftModel's trainable parameter names) as the adapter files, as the final save does."""
+    model.save_pretrained(str(directory), state_dict=dict(tensors))
+
+
+def a_bad_gather(model) -> dict:
+    """The trainable tensors as a broken gather could return them: right names and shapes, one tensor's values off."""
+    bad = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    bad[sorted(bad)[-1]] += 1.0
+    return bad
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_fsdp2_files_are_compared_with_each_ranks_live_shards(world_of_one, tmp_path):
+    """The round trip (files == the dict that was written) passes a bad gather; the live shards do not."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from conftest import tiny_lora_model
+    from fsdp_recipes.checkpoint.resume_check import adapter_key
+    from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS, verified_line, verify_against_memory
+
+    model = tiny_lora_model()
+    good = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    bad = a_bad_gather(model)
+    save_adapter(model, good, tmp_path / "good")
+    save_adapter(model, bad, tmp_path / "bad")
+    mesh = init_device_mesh("cpu", (1,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert compare({adapter_key(n): t for n, t in bad.items()}, open_saved(tmp_path / "bad"),
+                   check_lora_b=True)["tensors"] == 8  # the round trip alone sees nothing wrong
+    with pytest.raises(IncompleteSave, match=r"against the weights in memory on 1 tensor shard\(s\).*lora_B.weight differs"):
+        verify_against_memory(model, tmp_path / "bad", is_main=True)
+    assert verify_against_memory(model, tmp_path / "good", is_main=True) == LIVE_SHARDS
+    assert verified_line({"tensors": 8, "compared_with": LIVE_SHARDS}) == (
+        "final save verified: 8 tensors complete and unsharded; the files equal each rank's shards of the weights "
+        "in memory")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_fsdp1_adapter_files_are_compared_with_a_fresh_gather(world_of_one, tmp_path):
+    from peft.utils.other import fsdp_auto_wrap_policy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from conftest import tiny_lora_model
+    from fsdp_recipes.checkpoint.save_check import REGATHERED, verify_against_memory
+
+    model = tiny_lora_model()
+    save_adapter(model, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
+                 tmp_path / "good")
+    save_adapter(model, a_bad_gather(model), tmp_path / "bad")
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=fsdp_auto_wrap_policy(model),
+                                       device_id=torch.device("cpu"), use_orig_params=True)
+    with pytest.raises(IncompleteSave, match="lora_B.weight: saved values differ from the weights in memory"):
+        verify_against_memory(wrapped, tmp_path / "bad", is_main=True)
+    assert verify_against_memory(wrapped, tmp_path / "good", is_main=True) == REGATHERED
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_what_the_files_are_compared_with_is_named(world_of_one, tmp_path):
+    """Without FSDP the check's state dict is the live one; FSDP1 full fine-tuning compares nothing independent,
+    and the log line says so."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from fsdp_recipes.checkpoint.save_check import LIVE, SAVED_COPY, verified_line, verify_against_memory
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    assert verify_against_memory(model, tmp_path, is_main=True) == LIVE
+    wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    assert verify_against_memory(wrapped, tmp_path, is_main=True) == SAVED_COPY
+    assert verified_line({"tensors": 12, "compared_with": SAVED_COPY}) == (
+        "final save verified: 12 tensors complete and unsharded; the files equal the state dict gathered for the "
+        "save (FSDP1 full fine-tuning: the live shards were not compared)")
+
+
+def test_the_final_save_reports_what_its_files_were_compared_with(tmp_path, capsys):
+    """train_sft.save_final without FSDP (no process group): the report and the log line name the comparison."""
+    from types import SimpleNamespace
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from fsdp_recipes.checkpoint.save_check import LIVE
+    from fsdp_recipes.train.train_sft import save_final
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    accelerator = SimpleNamespace(get_state_dict=lambda m: dict(m.state_dict()), is_main_process=True,
+                                  unwrap_model=lambda m: m, wait_for_everyone=lambda: None)
+    trainer = SimpleNamespace(is_fsdp_enabled=False, model=model, accelerator=accelerator,
+                              save_model=lambda out: model.save_pretrained(out), state=SimpleNamespace(global_step=0),
+                              args=SimpleNamespace(learning_rate=0.0, warmup_steps=0))
+    cfg = SimpleNamespace(training=SimpleNamespace(output_dir=str(tmp_path)), model=None,
+                          pack=SimpleNamespace(save_merged_model=False))
+    report = SimpleNamespace(final_save_check=None, final_save_rss=None)
+    save_final(trainer, cfg, None, report)
+    assert report.final_save_check == {"tensors": 12, "lora_b_checked": 0, "model_shapes_checked": 12,
+                                       "compared_with": LIVE}
+    assert ("[train_sft] final save verified: 12 tensors complete and unsharded; the files equal the weights in "
+            "memory") in capsys.readouterr().out

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from conftest import REPO, launch, pack_env
 from fsdp_recipes.checkpoint import markers as checkpoints
+from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
 
 COMMON = ["--max_steps", "20", "--save_strategy", "steps", "--save_steps", "10", "--logging_steps", "1",
           "--eval_strategy", "no", "--save_merged_model", "false"]
@@ -119,7 +120,8 @@ def test_full_finetune_sharded_checkpoint_exports_to_a_plain_model(tmp_path, cac
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     # the final save was written by both ranks and consolidated, never gathered on one rank
     assert json.loads((out / "metrics.json").read_text())["final_save_check"] == {"tensors": 39, "lora_b_checked": 0,
-                                                                                       "model_shapes_checked": 39}
+                                                                                       "model_shapes_checked": 39,
+                                                                                       "compared_with": LIVE_SHARDS}
     assert (out / "model.safetensors.index.json").is_file() and not (out / "sharded").exists()
     res = export([out / "checkpoint-10", tmp_path / "exported"], cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]

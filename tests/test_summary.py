@@ -1,5 +1,10 @@
-"""The end-of-run summary prints what a terminal shows cleanly."""
+"""The end-of-run summary prints what a terminal shows cleanly, and generates samples only where that is cheap."""
 
+import json
+
+import pytest
+
+from fsdp_recipes.launch import summary
 from fsdp_recipes.launch.summary import shown
 
 
@@ -37,3 +42,87 @@ def test_a_replica_rank_shows_no_warnings_or_progress_bars(monkeypatch):
     finally:
         transformers.utils.logging.enable_progress_bar()
         datasets.enable_progress_bars()
+
+
+BIG = (23_572_403_200, 47_144_806_400)  # a 24B model in bf16: what model_size reads from its safetensors headers
+
+
+def never(*_):
+    raise AssertionError("the model's size was read, or a model loaded, where the decision needs neither")
+
+
+def test_only_the_first_node_generates():
+    note = summary.skip_generations("runs/x", "runs/x/merged", machine_rank="1", force=True, size=never)
+    assert note == "skipped on this node (machine rank 1): the first node generates them"
+
+
+def test_a_big_model_is_skipped_with_the_way_to_get_its_generations():
+    note = summary.skip_generations("runs/x", "runs/x/merged", machine_rank="0", force=False, size=lambda _: BIG)
+    assert note == ("skipped: the model has 23.6B parameters (the limit is 1B), and loading it and the base model on "
+                    "CPU would take about 87.8 GiB of host memory; run `python -m fsdp_recipes.launch.summary runs/x "
+                    "--generate` where the memory is, or set FSDP_RECIPES_SUMMARY_GENERATIONS=1 for the launcher")
+    assert summary.skip_generations("runs/x", "m", "0", force=True, size=never) is None  # forced: no size read
+    assert summary.skip_generations("runs/x", "m", "0", force=False, size=lambda _: (999_999_999, 4 * 10**9)) is None
+    assert summary.skip_generations("runs/x", "m", "0", False, size=lambda _: (10**9, 4 * 10**9)).startswith("skipped")
+    assert summary.skip_generations("runs/x", "m", "0", False, size=lambda _: None).startswith("skipped: no safetensors")
+
+
+def test_the_size_comes_from_the_safetensors_headers(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+    model.save_pretrained(tmp_path)
+    params, nbytes = summary.model_size(tmp_path)
+    assert params == model.num_parameters()
+    assert nbytes == (tmp_path / "model.safetensors").stat().st_size > 4 * params
+    assert summary.model_size(tmp_path / "nothing") is None
+
+
+def fake_run(tmp_path):
+    """A finished LoRA run with a merged model, as far as the summary reads it (no weights)."""
+    run = tmp_path / "run"
+    (run / "merged").mkdir(parents=True)
+    (run / "merged" / "config.json").write_text("{}")
+    (run / "run_args.json").write_text("{}")
+    (run / "metrics.json").write_text(json.dumps({
+        "recipe": "big-lora", "status": "completed", "wall_clock_s": 10.0, "tokens_per_second": None, "mfu": None,
+        "mfu_note": "cpu", "peak_memory": {"host_rss_bytes": 2**30}, "sharding_strategy": "FULL_SHARD",
+        "fsdp_version": 2, "world_size": 16, "num_nodes": 2, "device": {"type": "cuda", "name": "H100"}}))
+    return run
+
+
+def test_the_summary_skips_big_models_without_loading_them(tmp_path, monkeypatch, capsys):
+    run = fake_run(tmp_path)
+    monkeypatch.delenv(summary.FORCE_ENV, raising=False)
+    monkeypatch.setattr(summary, "model_size", lambda _: BIG)
+    monkeypatch.setattr(summary, "learning_check", never)
+    assert summary.main([str(run)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("generations skipped: the model has 23.6B parameters")
+    assert summary.main([str(run), "--machine-rank", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "generations skipped on this node (machine rank 1): the first node generates them")
+    assert not (run / "sample_generations.json").exists()
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_generations_can_be_forced(tmp_path, monkeypatch, capsys, how):
+    run = fake_run(tmp_path)
+    ran = []
+    monkeypatch.setattr(summary, "model_size", lambda _: BIG)
+    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args: ran.append(run_dir))
+    if how == "env":
+        monkeypatch.setenv(summary.FORCE_ENV, "1")
+    else:
+        monkeypatch.delenv(summary.FORCE_ENV, raising=False)
+    summary.main([str(run), *(["--generate"] if how == "flag" else [])])
+    assert ran == [run] and "skipped" not in capsys.readouterr().out
+
+
+def test_the_launcher_tells_the_summary_its_node(monkeypatch):
+    from fsdp_recipes.launch import launcher
+
+    monkeypatch.setenv("FSDP_RECIPES_LAUNCH_ARGS", "--num_machines 2 --machine_rank 1 --main_process_ip n0")
+    assert launcher.summary_args("runs/x") == ["runs/x", "--machine-rank", "1"]
+    monkeypatch.delenv("FSDP_RECIPES_LAUNCH_ARGS")
+    assert launcher.summary_args("runs/x") == ["runs/x", "--machine-rank", "0"]

@@ -52,11 +52,67 @@ def barrier() -> None:
         dist.barrier()
 
 
+FSDP1_PREFIX = "_fsdp_wrapped_module."  # what FSDP1 inserts into parameter names (torch's FSDP_PREFIX)
+
+
+def fsdp1_units(model) -> list:
+    """The FSDP1 units in `model` (the root included), in the order every rank sees them; [] without FSDP1.
+
+    `fsdp_modules(root_only=True)` is called first for its side effect: it lazily initialises each root, which
+    must happen before a nested unit is summoned on its own (else that unit would initialise itself as a root;
+    torch 2.13, _runtime_utils._lazy_init). Summoning the root, as a whole-model gather does, did the same."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    FullyShardedDataParallel.fsdp_modules(model, root_only=True)
+    return FullyShardedDataParallel.fsdp_modules(model)
+
+
+def own_parameters(unit, prefix: str = ""):
+    """(name, parameter) of what one FSDP1 unit manages itself: the parameters of its subtree minus those of the
+    units nested in it. Outside a summon that is the unit's FlatParameter (use_orig_params=False) or its original
+    parameters as sharded views (use_orig_params=True); inside, the unsharded original parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for name, param in unit.named_parameters(recurse=False, prefix=prefix.rstrip(".")):
+        yield name, param
+    for name, child in unit.named_children():
+        if not isinstance(child, FullyShardedDataParallel):
+            yield from own_parameters(child, f"{prefix}{name}.")
+
+
+def _fsdp1_trainable_tensors(model):
+    """FSDP1, trainable parameters only: summon one unit at a time, and only a unit that manages a trainable
+    parameter.
+
+    Why not `summon_full_params(root)`: that unshards every unit, frozen base included: for a 24B LoRA recipe the
+    bf16 model (~47 GB) once more on every GPU, after every resume (estimated, not measured). Under PEFT the Trainer wraps each LoRA leaf as a
+    unit of its own (transformers' update_fsdp_plugin_peft installs peft's fsdp_auto_wrap_policy), so this gathers
+    the adapter and nothing else. A unit that mixes frozen and trainable weights (a custom wrap policy; the root
+    when it keeps a modules_to_save output layer, peft_fsdp.py workaround 3) is still gathered whole, one unit at a
+    time. Every rank walks the same units in the same order and decides from requires_grad, which the ranks share,
+    so the collectives match. Checked on torch 2.13 (summon_full_params(recurse=False) on a nested unit)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    names = {id(module): name for name, module in model.named_modules()}
+    for unit in fsdp1_units(model):
+        if not any(p.requires_grad for _, p in own_parameters(unit)):
+            continue
+        prefix = f"{names[id(unit)]}." if names[id(unit)] else ""
+        with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+            for name, param in own_parameters(unit, prefix):
+                if param.requires_grad:  # the names summon_full_params(root) gave: without FSDP1's wrapper names
+                    yield name.replace(FSDP1_PREFIX, ""), param.data
+
+
 @contextlib.contextmanager
 def gathered_parameters(model, trainable_only: bool = False):
-    """(name, full unsharded tensor) of every parameter, as an iterator that every rank must run to the end:
-    FSDP2 gathers each DTensor as it comes (`full_tensor()`), FSDP1 gathers its flat shards once for the block
-    (`summon_full_params`); without FSDP the tensors are the parameters themselves."""
+    """(name, full unsharded tensor) of every parameter, or of the trainable ones, as an iterator that every rank
+    must run to the end: FSDP2 gathers each DTensor as it comes (`full_tensor()`); FSDP1 gathers its flat shards
+    once for the block (`summon_full_params`), or with `trainable_only` only the units that hold a trainable
+    parameter, one unit at a time (_fsdp1_trainable_tensors); without FSDP the tensors are the parameters
+    themselves. A tensor yielded under FSDP1 is valid until the iterator moves on: copy what you keep. Under FSDP1
+    pass the wrapped model (the Trainer's `model`), not accelerate's `unwrap_model` of it, which hides the root
+    unit."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
@@ -65,7 +121,9 @@ def gathered_parameters(model, trainable_only: bool = False):
             if not trainable_only or param.requires_grad:
                 yield name, (param.full_tensor() if isinstance(param, DTensor) else param.data)
 
-    if isinstance(model, FullyShardedDataParallel):
+    if trainable_only and fsdp1_units(model):
+        yield _fsdp1_trainable_tensors(model)
+    elif isinstance(model, FullyShardedDataParallel):
         with FullyShardedDataParallel.summon_full_params(model, writeback=False):
             yield tensors()
     else:

@@ -8,7 +8,8 @@ accelerate 1.15: step-11 loss 5.69 instead of 2.33; see peft_fsdp.py, workaround
 failure loud, whatever its cause.
 
 How: when training begins (the checkpoint is loaded, no step taken), every rank gathers the trainable
-parameters (FSDP1: `summon_full_params`; FSDP2: `DTensor.full_tensor()`, both collectives), and rank 0
+parameters (FSDP1: `summon_full_params` of only the units that hold them; FSDP2: `DTensor.full_tensor()`, both
+collectives; dist.gathered_parameters), and rank 0
 compares each with `<checkpoint>/adapter_model.safetensors` (SHARDED_STATE_DICT checkpoints: the
 sharded model folder, read whole on rank 0), by name and exactly. Every trainable parameter
 must have its tensor in the file and every tensor in the file must have its parameter. Costs one gather of

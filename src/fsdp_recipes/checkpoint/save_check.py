@@ -1,9 +1,19 @@
-"""Check the final save against the weights in memory: complete, unsharded, equal, and actually trained.
+"""Check the final save: complete, unsharded, equal to the weights in memory, and actually trained.
 
 Gap this fills: a save under FSDP can be silently incomplete -- a LoRA adapter holding only rank 0's slice
 (accelerate PR 4206, axolotl issue 3772), or B matrices still at their zero init. Nothing in the ecosystem
-checks the written files, so after every final save the pack gathers the full state dict (the same call
-the Trainer used to save) and compares every tensor in the files with it. A mismatch fails the run.
+checks the written files. After every final save the pack checks them twice:
+
+1. on rank 0 (`verify_final_save`), against the state dict the save wrote: every tensor present, unsharded (the
+   model's global shapes, under FSDP2), equal (this part is a round trip: it proves the write, not the gather),
+   as many adapter tensors as the model trains, LoRA B no longer zero;
+2. against the weights in memory, independently of that dict (`verify_against_memory`): under FSDP2 each rank
+   compares its own shard of every live parameter with the same region of the files; under FSDP1 a LoRA adapter
+   is gathered again, unit by unit, from the live parameters; without FSDP the state dict of step 1 is the live
+   one already. Under FSDP1 full fine-tuning nothing independent is compared (a second gather would hold the
+   model twice); the log line and `compared_with` in the run report say so.
+
+A mismatch fails the run.
 """
 
 from __future__ import annotations
@@ -17,6 +27,29 @@ from safetensors.torch import load_file
 
 class IncompleteSave(RuntimeError):
     pass
+
+
+# What the files were compared with, besides the state dict that was written (`compared_with` in the run report).
+LIVE = "the weights in memory"
+LIVE_SHARDS = "each rank's shards of the weights in memory"
+REGATHERED = "the trainable weights in memory, gathered again"
+SAVED_COPY = "the state dict gathered for the save (FSDP1 full fine-tuning: the live shards were not compared)"
+
+
+def verified_line(check: dict) -> str:
+    """The log line of a passed check, saying what was compared."""
+    return (f"final save verified: {check['tensors']} tensors complete and unsharded; the files equal "
+            f"{check['compared_with']}")
+
+
+def save_state_dict(trainer, output_dir: str, state_dict: dict | None) -> None:
+    """`trainer._save` (what save_model does with a gathered state dict) with a shallow copy of `state_dict`.
+
+    Why a copy: transformers 5.23's `save_pretrained` empties the dict it is given (it pops each tensor as it writes
+    the shard, and deletes tied and ignored keys), at least where the model has no weight conversions to revert;
+    the check after the save reuses the dict. The tensors are shared, not copied: save_pretrained replaces entries
+    (clones for shared storage), it does not write into tensors."""
+    trainer._save(output_dir, state_dict=None if state_dict is None else dict(state_dict))
 
 
 def safetensors_index(directory: str | Path, pattern: str = "*.safetensors") -> dict:
@@ -155,3 +188,31 @@ def verify_final_save(trainer, output_dir: str, full: dict | None = None, gather
     trained = args.learning_rate > 0 and (steps >= 2 or (steps == 1 and not args.warmup_steps))
     shapes = model_shapes(trainer.accelerator.unwrap_model(trainer.model))
     return compare(expected, open_saved(Path(output_dir)), check_lora_b=trained, model_shapes=shapes)
+
+
+def verify_against_memory(model, output_dir: str | Path, is_main: bool) -> str:
+    """Step 2 of the module docstring; returns what the files were compared with. A collective under FSDP: every
+    rank calls it, after the save. `model`: the Trainer's model (under FSDP1 the wrapped root, which the gather
+    needs; accelerate's `unwrap_model` would hide the root unit)."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdp_recipes.dist import barrier, fsdp1_units
+
+    fsdp2 = any(isinstance(p, DTensor) for p in model.parameters())
+    fsdp1 = not fsdp2 and bool(fsdp1_units(model))
+    if not (fsdp1 or fsdp2):
+        return LIVE  # verify_final_save(gathered=False) took the state dict from the live model
+    barrier()  # rank 0 has written every file before any rank reads them
+    if fsdp2:
+        from fsdp_recipes.checkpoint.sharded_save import verify_live_shards
+
+        verify_live_shards(model, output_dir)
+        return LIVE_SHARDS
+    if not any(hasattr(m, "peft_config") for m in model.modules()):
+        return SAVED_COPY
+    from fsdp_recipes.checkpoint.resume_check import trainable_tensors
+
+    memory = trainable_tensors(model)  # the adapter, gathered one unit at a time (dist.gathered_parameters)
+    if is_main:
+        compare(memory, open_saved(Path(output_dir)), check_lora_b=False)
+    return REGATHERED

@@ -352,7 +352,13 @@ def main(argv: list[str] | None = None) -> int:
         where = f"its run report is {report}" if report.exists() else "it failed before writing a run report"
         say(f"training exited with code {rc} (see the log above); {where}")
         return rc
-    return summary.main([output_dir])
+    return summary.main(summary_args(output_dir))
+
+
+def summary_args(output_dir: str) -> list[str]:
+    """The summary runs on every node's launcher; its generations load two whole models, so only the first node
+    (machine rank 0) may run them (summary.py decides, by size too)."""
+    return [output_dir, "--machine-rank", str(override(launch_args(), "machine_rank", "0"))]
 
 
 if __name__ == "__main__":

@@ -1,15 +1,22 @@
 """The end-of-run summary: what the run did, from its run report, and what the model learned.
 
-    python -m fsdp_recipes.launch.summary runs/tiny-cpu-lora
+    python -m fsdp_recipes.launch.summary runs/tiny-cpu-lora [--generate | --no-generate]
 
 Loads the base model and the trained model with plain transformers (no FSDP, no accelerate) and generates
 answers to the eval split's prompts, so the summary doubles as a check that the saved model reloads.
+
+That holds two whole models in host memory, so the generations run only where that is cheap: on the first node of
+a job (the launcher runs this on every node), and for a model under 1B parameters (counted from the safetensors
+headers, nothing loaded). Elsewhere the summary says in one line that they were skipped and how to get them:
+`--generate` here, or FSDP_RECIPES_SUMMARY_GENERATIONS=1 for the launcher (size limit lifted; still the first node
+only).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,12 +58,62 @@ def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | Non
     return [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]
 
 
-def learning_check(run_dir: Path, run_args: dict, n: int = 64) -> dict | None:
-    """Exact-match accuracy of the base and the trained (merged) model on the eval prompts."""
+GENERATION_LIMIT = 1_000_000_000  # parameters: two such models in fp32 are ~8 GB of host memory
+FORCE_ENV = "FSDP_RECIPES_SUMMARY_GENERATIONS"  # "1": generate whatever the size (the launcher has no flag for it)
+
+
+def trained_model_dir(run_dir: Path) -> Path | None:
+    """The model directory the generations load: `merged/` of a LoRA run, else the run's own full model; None for a
+    LoRA run without a merged model (nothing loadable without peft here)."""
     merged = run_dir / "merged"
     trained = merged if (merged / "config.json").exists() else run_dir
-    if not (trained / "config.json").exists():
-        return None  # a LoRA run without a merged model: nothing loadable without peft here
+    return trained if (trained / "config.json").exists() else None
+
+
+def model_size(model_dir: Path) -> tuple[int, int] | None:
+    """(parameters, bytes) of the safetensors files in `model_dir`, from their headers and file sizes: no tensor
+    is read. None without safetensors files."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        return None
+    params = 0
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                n = 1
+                for dim in h.get_slice(key).get_shape():
+                    n *= dim
+                params += n
+    return params, sum(f.stat().st_size for f in files)
+
+
+def skip_generations(run_dir: Path, trained: Path, machine_rank: str, force: bool, size=None) -> str | None:
+    """None: generate; else the one line saying why the generations were skipped and how to get them. `size`
+    replaces model_size (tests)."""
+    how = (f"run `python -m fsdp_recipes.launch.summary {run_dir} --generate` where the memory is, or set "
+           f"{FORCE_ENV}=1 for the launcher")
+    if str(machine_rank) != "0":
+        return f"skipped on this node (machine rank {machine_rank}): the first node generates them"
+    if force:
+        return None
+    found = (size or model_size)(trained)
+    if found is None:
+        return f"skipped: no safetensors files in {trained} to tell the model's size; {how}"
+    params, nbytes = found
+    if params >= GENERATION_LIMIT:
+        return (f"skipped: the model has {params / 1e9:.1f}B parameters (the limit is {GENERATION_LIMIT / 1e9:g}B), "
+                f"and loading it and the base model on CPU would take about {human_bytes(2 * nbytes)} of host "
+                f"memory; {how}")
+    return None
+
+
+def learning_check(run_dir: Path, run_args: dict, n: int = 64) -> dict | None:
+    """Exact-match accuracy of the base and the trained (merged) model on the eval prompts."""
+    trained = trained_model_dir(run_dir)
+    if trained is None:
+        return None
     pairs = load_prompts(run_args, n)
     if not pairs:
         return None
@@ -84,7 +141,7 @@ def shown(text: str) -> str:
     return ascii(text)
 
 
-def render(run_dir: Path, metrics: dict, check: dict | None) -> str:
+def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None = None) -> str:
     m = metrics
     lines = [f"== {m.get('recipe') or run_dir.name}: {m['status']} in {m['wall_clock_s']:.0f}s =="]
     if m.get("first_train_loss") is not None:
@@ -126,6 +183,8 @@ def render(run_dir: Path, metrics: dict, check: dict | None) -> str:
                 f"  {shown(ex['prompt'])}: expected {shown(ex['expected'])} | base {shown(ex['base'])} | "
                 f"trained {shown(ex['trained'])}"
             )
+    if skipped:
+        lines.append(f"generations {skipped}")
     return "\n".join(lines)
 
 
@@ -133,17 +192,28 @@ def render(run_dir: Path, metrics: dict, check: dict | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--no-generate", action="store_true", help="skip the before/after generation")
+    gen = ap.add_mutually_exclusive_group()
+    gen.add_argument("--no-generate", action="store_true", help="skip the before/after generation")
+    gen.add_argument("--generate", action="store_true",
+                     help=f"generate whatever the model's size (default: under {GENERATION_LIMIT / 1e9:g}B parameters; "
+                          f"also {FORCE_ENV}=1)")
+    ap.add_argument("--machine-rank", default="0", help="this node's rank in the job: only node 0 generates")
     args = ap.parse_args(argv)
     metrics_path = args.run_dir / "metrics.json"
     if not metrics_path.is_file():
         raise UserError(f"no run report at {metrics_path}. Fix: pass the output_dir of a finished run.")
     metrics = json.loads(metrics_path.read_text())
     run_args = json.loads((args.run_dir / "run_args.json").read_text())
-    check = None if args.no_generate else learning_check(args.run_dir, run_args)
+    check = skipped = None
+    trained = None if args.no_generate else trained_model_dir(args.run_dir)
+    if trained is not None:
+        force = args.generate or os.environ.get(FORCE_ENV, "0") == "1"
+        skipped = skip_generations(args.run_dir, trained, args.machine_rank, force)
+        if skipped is None:
+            check = learning_check(args.run_dir, run_args)
     if check:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
-    print(render(args.run_dir, metrics, check))
+    print(render(args.run_dir, metrics, check, skipped))
     return 0
 
 

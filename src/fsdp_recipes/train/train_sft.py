@@ -157,8 +157,13 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
 
 
 def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
-    """The final model or adapter, checked against the weights in memory, and optionally merged."""
-    from fsdp_recipes.checkpoint.save_check import verify_final_save
+    """The final model or adapter, checked against the weights in memory (save_check.py), and optionally merged."""
+    from fsdp_recipes.checkpoint.save_check import (
+        save_state_dict,
+        verified_line,
+        verify_against_memory,
+        verify_final_save,
+    )
     from fsdp_recipes.checkpoint.sharded_save import save_full_model_distributed, trainable_state_dict
     from fsdp_recipes.dist import gather_objects
     from fsdp_recipes.metrics.rss_watch import RssRise
@@ -175,25 +180,26 @@ def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
             # FULL_STATE_DICT save gathers the whole model, frozen base included, on rank 0 to keep the adapter
             # (make bench-loading, 394 MiB model: rank 0 rose 183 MiB that way, 6 MiB this way).
             adapter = trainable_state_dict(trainer)
-            trainer._save(out, state_dict=adapter)  # what save_model does with a gathered state dict
+            save_state_dict(trainer, out, adapter)  # a copy: the check below reuses `adapter`
             check_kwargs = dict(full=adapter, gathered=True)
         elif not sharded or not trainer.accelerator.is_fsdp2:
             # FULL_STATE_DICT, and FSDP1 (flat parameters, no DTensors) in any case: gather on rank 0 as
             # Trainer.save_model does, save, and check against that same gathered copy. Gathering again for the
             # check held the model twice on rank 0 (make bench-loading, 394 MiB model: total RSS rose 561 MiB in it).
             full = trainer.accelerator.get_state_dict(trainer.model)
-            trainer._save(out, state_dict=full)
+            save_state_dict(trainer, out, full)  # a copy: save_pretrained empties the dict it is given
             check_kwargs = dict(full=full, gathered=True)
         else:  # full fine-tuning, FSDP2, SHARDED_STATE_DICT: never gather the model
             report.final_save_check = save_full_model_distributed(trainer, out)  # checks each rank's shards
             checked_in_save = True  # on every rank (the result may be rank 0's only)
     with RssRise() as checking:
         if not checked_in_save:
-            report.final_save_check = verify_final_save(trainer, out, **check_kwargs)  # raises when incomplete
+            check = verify_final_save(trainer, out, **check_kwargs)  # rank 0; raises when incomplete
+            compared_with = verify_against_memory(trainer.model, out, trainer.accelerator.is_main_process)
+            report.final_save_check = check and {**check, "compared_with": compared_with}
     report.final_save_rss = gather_objects({"save": saving.rise_bytes, "check": checking.rise_bytes})
     if report.final_save_check:
-        print(f"[train_sft] final save verified: {report.final_save_check['tensors']} tensors complete, "
-              f"unsharded and equal to the weights in memory", flush=True)
+        print(f"[train_sft] {verified_line(report.final_save_check)}", flush=True)
     if peft_config is not None and pack.save_merged_model:
         trainer.accelerator.wait_for_everyone()
         if trainer.accelerator.is_main_process:
@@ -239,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     start_gate.wait()  # the launcher's checks passed (a no-op without the launcher)
     # idempotent: the launcher normally built the assets and ran these checks already
     cfg = parse_and_check(argv, quiet=True)
+    # Parsing built TrainingArguments, which started the process group (accelerate's PartialState). Before anything
+    # reads output_dir: on a node that does not share it, auto_resume would pick another checkpoint.
+    from fsdp_recipes.checkpoint.shared_dir import check_output_dir_shared
+
+    check_output_dir_shared(cfg.training.output_dir)
 
     from trl import get_peft_config
 
