@@ -68,11 +68,11 @@ tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the ca
 sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.yaml, launch.sh, variants, README budgets)
 	@$(PY) scripts/sync_recipes.py
 
-test: $(STAMP) ## the whole test suite (CPU, no network; several minutes on 2 cores)
+test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 cores)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v --durations=10 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-test-fast: $(STAMP) ## the suite without the multi-process training tests
+test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about a minute
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP) ## speed, measured: pack overhead vs a bare loop, time to first step, data prep; JSON in bench/results/

@@ -45,6 +45,7 @@ def edit_yaml(path, **changes):
     path.write_text(yaml.safe_dump(data))
 
 
+@pytest.mark.slow
 def test_unknown_recipe_through_make(cache_dir):
     res = subprocess.run(["make", "--no-print-directory", "finetune", "RECIPE=no-such-recipe"], cwd=REPO,
                          env=pack_env(cache_dir), capture_output=True, text=True, timeout=300)
@@ -54,26 +55,31 @@ def test_unknown_recipe_through_make(cache_dir):
     assert "tiny-cpu-lora" in res.stderr
 
 
+@pytest.mark.slow
 def test_unknown_recipe(cache_dir):
     assert_one_line_error(launch(["no-such-recipe"], cache_dir), "unknown recipe 'no-such-recipe'")
 
 
+@pytest.mark.slow
 def test_missing_dataset_file(recipe, cache_dir):
     res = launch([str(recipe), "--dataset_name", "/nonexistent/train.jsonl"], cache_dir)
     assert_one_line_error(res, "dataset not found: /nonexistent/train.jsonl")
 
 
+@pytest.mark.slow
 def test_malformed_yaml(recipe, cache_dir):
     sft = recipe / "sft.yaml"
     sft.write_text(sft.read_text() + "\nlearning_rate: [1e-3\n")
     assert_one_line_error(launch([str(recipe)], cache_dir), "malformed YAML in")
 
 
+@pytest.mark.slow
 def test_malformed_accelerate_yaml(recipe, cache_dir):
     (recipe / "accelerate.yaml").write_text("distributed_type: FSDP\nfsdp_config: {fsdp_version: 2\n")
     assert_one_line_error(launch([str(recipe)], cache_dir), "malformed YAML in")
 
 
+@pytest.mark.slow
 def test_unknown_config_key_suggests_the_right_one(recipe, cache_dir):
     edit_yaml(recipe / "sft.yaml", lerning_rate=1e-3)
     res = launch([str(recipe)], cache_dir)
@@ -81,10 +87,12 @@ def test_unknown_config_key_suggests_the_right_one(recipe, cache_dir):
     assert "did you mean `learning_rate`?" in res.stderr
 
 
+@pytest.mark.slow
 def test_unknown_command_line_flag(recipe, cache_dir):
     assert_one_line_error(launch([str(recipe), "--max_stepz", "3"], cache_dir), "--max_stepz")
 
 
+@pytest.mark.slow
 def test_dataset_without_expected_columns(recipe, cache_dir, tmp_path):
     bad = tmp_path / "qa.jsonl"
     bad.write_text("".join(json.dumps({"question": f"q{i}", "answer": "a"}) + "\n" for i in range(4)))
@@ -92,18 +100,21 @@ def test_dataset_without_expected_columns(recipe, cache_dir, tmp_path):
     assert_one_line_error(res, "has columns ['answer', 'question']")
 
 
+@pytest.mark.slow
 def test_missing_eval_split(recipe, cache_dir, tmp_path):
     only_train = tmp_path / "train.jsonl"
     shutil.copy(cache_dir / "tiny-arith" / "train.jsonl", only_train)
     assert_one_line_error(launch([str(recipe), "--dataset_name", str(only_train)], cache_dir), "no `test` split")
 
 
+@pytest.mark.slow
 def test_gpu_recipe_on_cpu_names_the_cpu_alternative(cache_dir):
     res = launch(["mistral-small-lora"], cache_dir)
     assert_one_line_error(res, "needs 8 GPU(s) and this machine has 0")
     assert "make smoke RECIPE=mistral-small-lora" in res.stderr
 
 
+@pytest.mark.slow
 def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir):
     acc = recipe / "accelerate.yaml"
     data = yaml.safe_load(acc.read_text())
@@ -112,11 +123,13 @@ def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir):
     assert_one_line_error(launch([str(recipe)], cache_dir), "fsdp_use_orig_params only apply to FSDP1")
 
 
+@pytest.mark.slow
 def test_missing_model_directory(recipe, cache_dir, tmp_path):
     res = launch([str(recipe), "--model_name_or_path", str(tmp_path / "no-model")], cache_dir)
     assert_one_line_error(res, "model not found")
 
 
+@pytest.mark.slow
 def test_flash_attention_requested_but_not_installed(recipe, cache_dir):
     res = launch([str(recipe), "--attn_implementation", "flash_attention_2"], cache_dir)
     assert_one_line_error(res, "needs the flash-attn package")
@@ -149,6 +162,7 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
     ({"peft__": None}, "it is a full fine-tuning checkpoint and this run is LoRA"),
     ({"architecture__hidden_size": 512}, "it was trained on another model (hidden_size 512 vs 256)"),
 ])
+@pytest.mark.slow
 def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, changes, fragment):
     out = tmp_path / "run"
     fake_checkpoint(out, cache_dir, **changes)
@@ -167,6 +181,7 @@ def test_lora_under_fsdp1_needs_use_orig_params(tmp_path):
     check_fsdp_with_peft(acc, False, "fsdp1.yaml")  # full fine-tuning does not need it
 
 
+@pytest.mark.slow
 def test_fsdp1_lora_sharded_checkpoints_on_one_process_stop_before_launch(tmp_path, cache_dir):
     """One FSDP1 process is NO_SHARD, whose sharded LoRA state dict crashes the first checkpoint save (seen:
     AssertionError in torch's state-dict post-hook after step 1). The launcher refuses it up front."""
@@ -216,11 +231,13 @@ def test_gpu_count_hint_reads_cuda_visible_devices(monkeypatch):
 
 @pytest.mark.parametrize("name, fragment", [("fsdp.txt", "does not end in .prom"),
                                             ("missing/fsdp.prom", "does not exist or is not writable")])
+@pytest.mark.slow
 def test_prometheus_textfile_that_node_exporter_would_never_read(recipe, cache_dir, tmp_path, name, fragment):
     res = launch([str(recipe), "--prometheus_textfile", str(tmp_path / name)], cache_dir)
     assert_one_line_error(res, fragment)
 
 
+@pytest.mark.slow
 def test_unset_variable_in_a_path_is_refused_not_written_literally(recipe, cache_dir, tmp_path):
     # os.path.expandvars would leave "$NO_SUCH_VAR_FOR_TEST" in the name and the run would write a file called that
     res = launch([str(recipe), "--output_dir", str(tmp_path / "$NO_SUCH_VAR_FOR_TEST" / "run")], cache_dir)

@@ -48,6 +48,7 @@ def first_step_record() -> dict:
             "unprobed_total_s": {"serial": 24.0, "overlap": 21.0}}
 
 
+@pytest.mark.slow
 def test_overhead_is_the_median_of_the_measured_pair_ratios(overhead):
     layout = overhead["layouts"]["1proc"]
     runs = layout["runs"]
@@ -154,6 +155,7 @@ def test_default_overhead_model_is_tens_of_millions_of_parameters(tmp_path, cach
     assert 20e6 <= n <= 40e6
 
 
+@pytest.mark.slow
 def test_data_bench_records_every_run_and_its_medians(data):
     assert len(data["runs"]) == 6  # 3 paths x packing off/on x 1 repetition
     for key, path, packing in (("pack", "pack", False), ("trl_default_packing", "trl_default", True)):

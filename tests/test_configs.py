@@ -41,6 +41,7 @@ def test_recipe_yaml_parses_with_trl(name, cache_dir):
         assert (REPO / "recipes" / name / required).is_file()
 
 
+@pytest.mark.slow
 def test_recipe_accelerate_copies_are_in_sync():
     res = subprocess.run([sys.executable, "scripts/sync_recipes.py", "--check"], cwd=REPO,
                          capture_output=True, text=True)

@@ -71,6 +71,7 @@ def test_layers_whose_dimensions_scaled_mm_refuses_are_left_alone(torchao_site, 
     assert type(net[1]) is torch.nn.Linear
 
 
+@pytest.mark.slow
 def test_float8_with_lora_is_refused_before_launch(cache_dir):
     res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--float8", "true"], cache_dir)
     assert_one_line_error(res, "float8: true is for full fine-tuning")
@@ -169,6 +170,7 @@ def fake_nvidia_smi(tmp_path, monkeypatch, output: str, rc: int = 0):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
+@pytest.mark.slow
 def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir, tmp_path, monkeypatch):
     from fsdp_recipes.errors import UserError
     from fsdp_recipes.train import float8

@@ -57,6 +57,7 @@ def test_every_recipe_fits_its_own_hardware(name):
     assert "fits:" in report and "| **total** |" in report and "global batch" in report
 
 
+@pytest.mark.slow
 def test_plan_refuses_what_does_not_fit():
     res = run_plan("mistral-7b-full", "--gpus", "1", "--gpu", "H100")
     assert res.returncode == 1
@@ -132,6 +133,7 @@ def test_lora_states_per_gpu_by_hand():
     (["mistral-large-hsdp", "--gpus", "4", "--nodes", "4"], "does not fit inside a node of 4"),
     (["ddp-baseline", "--gpus", "0"], "must be at least 1"),
 ])
+@pytest.mark.slow
 def test_bad_input_is_one_line(args, message):
     res = run_plan(*args)
     assert res.returncode == 2, res.stdout + res.stderr
@@ -140,6 +142,7 @@ def test_bad_input_is_one_line(args, message):
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], res.stderr
 
 
+@pytest.mark.slow
 def test_make_plan_runs_the_planner():
     res = subprocess.run(["make", "--no-print-directory", "plan", "RECIPE=ddp-baseline", "GPUS=8", "GPU=H200"],
                          cwd=REPO, capture_output=True, text=True)

@@ -24,7 +24,7 @@ from fsdp_recipes.errors import EXIT_PREEMPTED
 # logging_steps 1: each logged loss is one step's loss. With longer intervals the first log after a resume
 # averages fewer steps than the uninterrupted run's (the Trainer does not checkpoint its running loss sum).
 PROBES = REPO / "tests" / "probes"
-ARGS = ["tiny-cpu-lora", "--max_steps", "60", "--save_strategy", "steps", "--save_steps", "20",
+ARGS = ["tiny-cpu-lora", "--max_steps", "30", "--save_strategy", "steps", "--save_steps", "10",
         "--logging_steps", "1", "--eval_strategy", "no", "--save_merged_model", "false"]
 
 
@@ -62,15 +62,15 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
     assert res.returncode == 0, res.stderr[-3000:]
 
     rc, out = signal_launch([*args, "--output_dir", str(preempted)], cache_dir,
-                            lambda: checkpoints.is_complete(preempted / "checkpoint-20"), signal.SIGTERM)
+                            lambda: checkpoints.is_complete(preempted / "checkpoint-10"), signal.SIGTERM)
     assert rc == EXIT_PREEMPTED, out[-3000:]
     first = json.loads((preempted / "metrics.json").read_text())
-    assert first["status"] == "preempted" and 20 <= first["steps"] < 60, first
+    assert first["status"] == "preempted" and 10 <= first["steps"] < 30, first
     stop = checkpoints.latest_complete(preempted)
     assert stop.name == f"checkpoint-{first['steps']}"  # saved at the step where the ranks stopped
 
     # a save killed half-way leaves a newer, incomplete checkpoint: it must be skipped
-    partial = preempted / "checkpoint-59"
+    partial = preempted / "checkpoint-29"
     partial.mkdir()
     (partial / "optimizer.bin").write_bytes(b"truncated")
 
@@ -81,7 +81,7 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
     assert done["status"] == "completed" and done["resumed_from"] == str(stop)
 
     a, b = losses(straight), losses(preempted)
-    assert sorted(a) == sorted(b) == list(range(1, 61))
+    assert sorted(a) == sorted(b) == list(range(1, 31))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a[step], b[step])
     wa, wb = read_saved(straight), read_saved(preempted)  # the adapter, or the whole model
@@ -90,7 +90,7 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
         assert torch.allclose(wa[key], wb[key], atol=1e-5), key
 
     straight_m = json.loads((straight / "metrics.json").read_text())
-    assert done["steps"] == straight_m["steps"] == 60
+    assert done["steps"] == straight_m["steps"] == 30
     assert done["tokens"]["non_padding"] == straight_m["tokens"]["non_padding"]
     assert done["samples"] == straight_m["samples"]
     assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint

@@ -73,6 +73,7 @@ def smoke_folder(folder, cache, *args):
                           env=pack_env(cache, FSDP_RECIPES_SMOKE="1"), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_smoke_catches_a_wrong_wrap_class(cache_dir, tmp_path):
     folder = copy_recipe("qwen3-8b-full", tmp_path)
     acc = yaml.safe_load((folder / "accelerate.yaml").read_text())
@@ -82,6 +83,7 @@ def test_smoke_catches_a_wrong_wrap_class(cache_dir, tmp_path):
     assert "MistralDecoderLayer" in line and "Qwen3DecoderLayer" in line
 
 
+@pytest.mark.slow
 def test_smoke_catches_a_lora_target_the_model_lacks(cache_dir, tmp_path):
     res = smoke_folder(REPO / "recipes" / "llama-3.1-8b-lora", cache_dir,
                        "--lora_target_modules", "q_proj", "qkv_proj", "--output_dir", str(tmp_path / "run"))
@@ -93,6 +95,7 @@ def test_smoke_catches_a_lora_target_the_model_lacks(cache_dir, tmp_path):
     ("fsdp_config.fsdp_sharding_stategy", "FULL_SHARD", "did you mean `fsdp_sharding_strategy`"),
     ("fsdp_config.fsdp_reshard_after_forward", True, "only apply to"),  # an FSDP2 key is fine; see below
 ])
+@pytest.mark.slow
 def test_smoke_catches_a_bad_fsdp_key(cache_dir, tmp_path, key, value, message):
     folder = copy_recipe("mistral-small-lora", tmp_path)
     acc = yaml.safe_load((folder / "accelerate.yaml").read_text())
@@ -104,6 +107,7 @@ def test_smoke_catches_a_bad_fsdp_key(cache_dir, tmp_path, key, value, message):
     assert message in one_error_line(smoke_folder(folder, cache_dir))
 
 
+@pytest.mark.slow
 def test_smoke_of_an_unknown_recipe(cache_dir):
     res = smoke("nope", cache_dir, "/tmp/unused")
     assert res.returncode != 0 and "unknown recipe 'nope'" in res.stderr and "Traceback" not in res.stderr
