@@ -36,23 +36,49 @@ def test_the_cpu_adapters_targets_match_the_installed_libraries(monkeypatch):
     pinned for CI), and records itself once."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import FullyShardedDataParallelPlugin
-    from torch.distributed.fsdp import _init_utils, _optim_utils, _state_dict_utils
+    from torch.distributed.fsdp import _init_utils, _optim_utils
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
 
     from fsdp_recipes.patches import cpu_fsdp
 
     saved = [(AcceleratorState, "__init__"), (FullyShardedDataParallelPlugin, "__post_init__"),
              (_init_utils, "_check_module_states_for_sync_module_states"),
-             (_state_dict_utils, "_unshard_fsdp_state_params"), (_optim_utils, "_unflatten_orig_param_states")]
+             (FlatParamHandle, "flat_param_to"), (_optim_utils, "_unflatten_orig_param_states")]
     for owner, name in saved:  # monkeypatch restores the originals after the test
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(guard, "APPLIED", [])
     for patch in (cpu_fsdp.fsdp_state_on_cpu, cpu_fsdp.fsdp1_param_init_on_cpu,
-                  cpu_fsdp.fsdp1_sync_module_states_over_gloo, cpu_fsdp.fsdp1_full_state_dict_without_offload,
+                  cpu_fsdp.fsdp1_sync_module_states_over_gloo, cpu_fsdp.fsdp1_offload_moves_copy_on_cpu,
                   cpu_fsdp.fsdp1_optimizer_states_without_offload):
         patch()
     assert [p["patch"] for p in guard.APPLIED] == [
         "cpu_fsdp.fsdp_state_on_cpu", "cpu_fsdp.fsdp1_param_init_on_cpu", "cpu_fsdp.fsdp1_sync_module_states_over_gloo",
-        "cpu_fsdp.fsdp1_full_state_dict_without_offload", "cpu_fsdp.fsdp1_optimizer_states_without_offload"]
+        "cpu_fsdp.fsdp1_offload_moves_copy_on_cpu", "cpu_fsdp.fsdp1_optimizer_states_without_offload"]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP1 at world size 1 runs NO_SHARD, and says so
+def test_fsdp1s_move_to_the_cpu_is_a_copy_as_from_a_gpu(world_of_one, monkeypatch):
+    """torch's offload branch frees the unsharded storage right after moving the flat parameter to the CPU
+    (FlatParamHandle.to_cpu). From a GPU the move is new memory; on CPU, without the patch, it is the same storage."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    from conftest import tiny_lora_model
+    from fsdp_recipes.patches import cpu_fsdp
+
+    handle = FullyShardedDataParallel(tiny_lora_model(), device_id=torch.device("cpu"), use_orig_params=True)._handle
+    before = handle.flat_param.data_ptr()
+    handle.flat_param_to(torch.device("cpu"))
+    assert handle.flat_param.data_ptr() == before  # torch alone: no copy, the bug's cause
+
+    monkeypatch.setattr(FlatParamHandle, "flat_param_to", FlatParamHandle.flat_param_to)
+    monkeypatch.setattr(guard, "APPLIED", [])
+    cpu_fsdp.fsdp1_offload_moves_copy_on_cpu()
+    values = handle.flat_param.detach().clone()
+    handle.flat_param_to(torch.device("cpu"))
+    assert handle.flat_param.data_ptr() != before
+    assert torch.equal(handle.flat_param.detach(), values)
 
 
 def test_the_cpu_adapter_is_for_machines_without_any_accelerator(monkeypatch):

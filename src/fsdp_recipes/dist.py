@@ -12,26 +12,70 @@ def initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def collective_device():
-    """Where a tensor for a collective must live: gloo takes CPU tensors, NCCL needs the rank's GPU."""
-    import torch
+_HOST_GROUP = None  # the group for host numbers: see host_group()
+
+
+def host_group():
+    """The process group for the pack's own collectives, which all carry a few host numbers (token counts, peaks,
+    flags), never device tensors: a gloo one, so they move CPU tensors over TCP and never wait for the GPU's queue.
+
+    A collective on a device tensor would cost a host-to-device copy and a `.tolist()` that blocks the host until
+    every kernel queued before it has run. accelerate's default group already has gloo beside NCCL for FSDP with
+    FULL_STATE_DICT or parameter offload (`cuda:nccl,cpu:gloo`) and on CPU; only for a pure NCCL default group is
+    a gloo group created, once. Creating it is itself a collective: the first call must come at the same point on
+    every rank, which the pack's collectives do (each runs on every rank, in the same order)."""
+    global _HOST_GROUP
     import torch.distributed as dist
 
     if "gloo" in str(dist.get_backend()):
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
+        return None  # the default group takes CPU tensors
+    if _HOST_GROUP is None:
+        _HOST_GROUP = dist.new_group(backend="gloo")
+    return _HOST_GROUP
+
+
+def _reduce_op(op: str):
+    import torch.distributed as dist
+
+    return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
 
 
 def all_reduce(values: list[float], op: str = "sum") -> list[float]:
-    """Sum or max a few numbers over ranks; unchanged without a process group."""
+    """Sum or max a few numbers over ranks; unchanged without a process group. Blocks this host until every rank
+    has sent its numbers, but never synchronises with a GPU (host_group)."""
     import torch
     import torch.distributed as dist
 
     if not initialized():
         return values
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=_reduce_op(op), group=host_group())
     return t.tolist()
+
+
+class PendingReduce:
+    """An all-reduce of host numbers started now and read later (all_reduce_async): the ranks exchange them in the
+    background while the next step runs, so reading the result a step later costs no wait."""
+
+    def __init__(self, values: list[float], op: str):
+        import torch
+        import torch.distributed as dist
+
+        self.tensor = torch.tensor(values, dtype=torch.float64)
+        self.work = dist.all_reduce(self.tensor, op=_reduce_op(op), group=host_group(), async_op=True) \
+            if initialized() else None
+
+    def result(self) -> list[float]:
+        if self.work is not None:
+            self.work.wait()  # gloo: the host waits for the exchange (done by now), not for the GPU
+            self.work = None
+        return self.tensor.tolist()  # a CPU tensor: no device synchronisation
+
+
+def all_reduce_async(values: list[float], op: str = "sum") -> PendingReduce:
+    """Start an all-reduce of a few host numbers; `.result()` waits for it. Every rank must start the same ones in
+    the same order, and read each before starting the next on the same values' behalf."""
+    return PendingReduce(values, op)
 
 
 def gather_objects(value) -> list:
@@ -41,7 +85,7 @@ def gather_objects(value) -> list:
     if not initialized():
         return [value]
     out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=host_group())  # pickles through CPU tensors: no GPU round trip
     return out
 
 

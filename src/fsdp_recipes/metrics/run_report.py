@@ -184,7 +184,8 @@ class RunReportCallback(TrainerCallback):
 
     def counters_so_far(self, now: float) -> dict:
         """Run totals (all ranks) up to now: a collective, so every rank must call it."""
-        summed = all_reduce([getattr(self.tokens, k) for k in COUNTS], "sum")
+        counts = self.tokens.counts()
+        summed = all_reduce([counts[k] for k in COUNTS], "sum")
         return {**{k: None if self.prior[k] is None else int(v) + self.prior[k] for k, v in zip(COUNTS, summed)},
                 "train_time_s": self.train_time_until(now)}
 
@@ -278,7 +279,11 @@ class RunReportCallback(TrainerCallback):
         if completed_collectives:
             tokens, peaks, scope = self.totals, self.peaks, "all_ranks"
         else:  # failed before on_train_end: this rank's own figures, labelled as such
-            tokens = {k: None if self.prior[k] is None else getattr(self.tokens, k) + self.prior[k] for k in COUNTS}
+            try:
+                counts = self.tokens.counts()
+            except RuntimeError:  # e.g. a CUDA error that ended the run: what the host counted still goes out
+                counts = self.tokens.counts(host_only=True)
+            tokens = {k: None if self.prior[k] is None else counts[k] + self.prior[k] for k in COUNTS}
             peaks, scope = _peak_memory(), "rank0_only"
         train_time = self.train_time_until(self.train_end or end) if self.train_start else None
         tps = tokens["non_padding"] / train_time if train_time else None

@@ -4,41 +4,75 @@ the entry point's trainer feeds it every micro-batch and the run report reads it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 COUNTS = ("non_padding", "padded", "sequences", "squared_lengths")
 
 
-
-@dataclass
 class TokenCounter:
     """Per-rank counts of what the model was fed; summed over ranks when the run ends.
 
     `squared_lengths` is the sum of n^2 over the sequences' real lengths n: attention's work per token grows with
     the length of the sequence the token is in, so its per-token average is sum(n^2) / sum(n), the token-weighted
-    mean length, not the mean length (on the GPU ladder's data: 1,971 against 1,126 tokens)."""
+    mean length, not the mean length (on the GPU ladder's data: 1,971 against 1,126 tokens).
 
-    non_padding: int = 0
-    padded: int = 0
-    sequences: int = 0
-    squared_lengths: int = 0
+    What needs the batch's values (mask sums, sequence starts) is added up where the batch lives, on the GPU in a
+    GPU run, and read back only when a count is read (at a training log, a save, the end): reading it at every
+    micro-batch would block the host until the GPU had drained its queue, one synchronisation per micro-batch.
+    What the shapes tell is counted on the host at once."""
+
+    def __init__(self):
+        self._host = dict.fromkeys(COUNTS, 0)
+        self._on_device = None  # int64 [non_padding, sequences, squared_lengths] not yet read back
 
     def add(self, inputs: dict) -> None:
         import torch
 
         ids = inputs["input_ids"]
-        self.padded += ids.numel()
+        self._host["padded"] += ids.numel()
         mask, pos = inputs.get("attention_mask"), inputs.get("position_ids")
         if mask is not None:  # padded rows: one sequence each, of its mask's length
-            lengths = mask.reshape(ids.shape[0], -1).sum(dim=-1)
-            nonpad, squared = torch.stack([lengths.sum(), (lengths * lengths).sum()]).tolist()  # one device sync
-            seqs = ids.shape[0]
+            lengths = mask.reshape(ids.shape[0], -1).sum(dim=-1, dtype=torch.int64)
+            self._host["sequences"] += ids.shape[0]
+            self._add_on_device(lengths.sum(), None, (lengths * lengths).sum())
         elif pos is not None:  # padding-free: one row holds several sequences, each restarting at position 0;
             # over a sequence of length n, sum(2p + 1) for p = 0..n-1 is n^2, so no boundaries need finding
-            nonpad = ids.numel()
-            seqs, squared = torch.stack([(pos == 0).sum(), (2 * pos + 1).sum()]).tolist()
+            self._host["non_padding"] += ids.numel()
+            self._add_on_device(None, (pos == 0).sum(), (2 * pos.to(torch.int64) + 1).sum())
         else:
-            nonpad, seqs, squared = ids.numel(), ids.shape[0], ids.shape[0] * ids.shape[-1] ** 2
-        self.non_padding += int(nonpad)
-        self.sequences += int(seqs)
-        self.squared_lengths += int(squared)
+            self._host["non_padding"] += ids.numel()
+            self._host["sequences"] += ids.shape[0]
+            self._host["squared_lengths"] += ids.shape[0] * ids.shape[-1] ** 2
+
+    def _add_on_device(self, non_padding, sequences, squared) -> None:
+        import torch
+
+        given = next(v for v in (non_padding, sequences, squared) if v is not None)
+        zero = torch.zeros((), dtype=torch.int64, device=given.device)
+        step = torch.stack([zero if v is None else v.to(torch.int64) for v in (non_padding, sequences, squared)])
+        self._on_device = step if self._on_device is None else self._on_device + step  # queued, not waited for
+
+    def counts(self, host_only: bool = False) -> dict[str, int]:
+        """All four counts; reads the device's share back (one synchronisation) if there is any. `host_only`: leave
+        it out (after a failure, when the device may no longer answer)."""
+        if self._on_device is not None and not host_only:
+            non_padding, sequences, squared = self._on_device.tolist()
+            self._on_device = None
+            self._host["non_padding"] += non_padding
+            self._host["sequences"] += sequences
+            self._host["squared_lengths"] += squared
+        return dict(self._host)
+
+    @property
+    def non_padding(self) -> int:
+        return self.counts()["non_padding"]
+
+    @property
+    def padded(self) -> int:
+        return self._host["padded"]
+
+    @property
+    def sequences(self) -> int:
+        return self.counts()["sequences"]
+
+    @property
+    def squared_lengths(self) -> int:
+        return self.counts()["squared_lengths"]

@@ -15,12 +15,13 @@ works on CPU tensors over gloo, so the only missing piece is accelerate's own de
    `param_init_fn` that materialises the meta-device weights of ranks > 0, and raises when there is none.
    On CPU that function is `to_empty(device="cpu")`, which torch's FSDP1 accepts with `device_id=cpu`;
    and lifts FSDP1's refusal to broadcast CPU tensors for sync_module_states (a guard against NCCL, which
-   cannot; gloo, the CPU backend, can); and turns FSDP1's `offload_to_cpu` off when gathering a full state
-   dict (accelerate always asks for it): on CPU the "offloaded" copy is the very storage FSDP then frees,
-   and the process segfaults; and likewise for FSDP1's gathered optimizer states: torch 2.13 gathers every
+   cannot; gloo, the CPU backend, can); and makes FSDP1's move of a gathered full parameter to the CPU a
+   copy, as it is from a GPU: on CPU `.to("cpu")` returned the very storage FSDP then frees, and the
+   process segfaulted; and likewise for FSDP1's gathered optimizer states: torch 2.13 gathers every
    state of a flat parameter into one reused buffer and keeps a copy through `.cpu()` when offloading, which
    on CPU is that buffer, so every checkpoint held exp_avg == exp_avg_sq (found by dumping AdamW's state
-   before the first resumed step: step 12 of a resumed tiny run gave 3.045 instead of 3.016).
+   before the first resumed step: step 12 of a resumed tiny run gave 3.045 instead of 3.016). There the
+   patch passes `cpu_offload=False`, so torch clones instead: the same values a GPU's `.cpu()` copy gives.
 
 From there on everything is accelerate's and transformers' unmodified FSDP code: `fsdp2_prepare_model` and
 `fully_shard` per decoder layer (FSDP2), `FullyShardedDataParallel` with `device_id=cpu` (FSDP1), FSDP-aware
@@ -69,7 +70,7 @@ def enable() -> bool:
     fsdp_state_on_cpu()
     fsdp1_param_init_on_cpu()
     fsdp1_sync_module_states_over_gloo()
-    fsdp1_full_state_dict_without_offload()
+    fsdp1_offload_moves_copy_on_cpu()
     fsdp1_optimizer_states_without_offload()
     _PATCHED = True
     return True
@@ -141,21 +142,27 @@ def fsdp1_sync_module_states_over_gloo() -> None:
            "FSDP1 refuses CPU tensors for sync_module_states")
 
 
-def fsdp1_full_state_dict_without_offload() -> None:
-    """Point 3: on CPU the offloaded copy of a gathered full state dict is the storage FSDP1 then frees."""
-    from torch.distributed.fsdp import _state_dict_utils
+def fsdp1_offload_moves_copy_on_cpu() -> None:
+    """Point 3: FSDP1 gathers a full state dict with `offload_to_cpu` (accelerate always asks for it) by moving the
+    unsharded flat parameter to the CPU and then freeing the unsharded storage (`FlatParamHandle.to_cpu`). On a GPU
+    the move makes new host memory; on CPU `.to("cpu")` returns the very storage FSDP then frees, and the process
+    segfaults. Making the move a copy, as it is on a GPU, lets torch's own offload branch run unchanged on CPU.
 
-    unshard = target(_state_dict_utils, "_unshard_fsdp_state_params",
-                     ("module", "state", "writeback", "rank0_only", "offload_to_cpu", "with_grads"),
-                     patch="cpu_fsdp.fsdp1_full_state_dict_without_offload", checked_on=CHECKED_ON)
+    Every other caller of `flat_param_to` moves between different devices (parameter CPU offload), where `.to()`
+    copies anyway; so `copy=True` changes nothing else. (Before, this patch turned `offload_to_cpu` off, and CPU
+    runs took a branch of torch that no GPU run takes.)"""
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
 
-    def unshard_in_place(module, state, writeback, rank0_only, offload_to_cpu, with_grads):
-        return unshard(module, state, writeback, rank0_only, False, with_grads)
+    move = target(FlatParamHandle, "flat_param_to", ("self", "args", "kwargs"),
+                  patch="cpu_fsdp.fsdp1_offload_moves_copy_on_cpu", checked_on=CHECKED_ON)
 
-    _state_dict_utils._unshard_fsdp_state_params = unshard_in_place
-    record("cpu_fsdp.fsdp1_full_state_dict_without_offload",
-           "torch.distributed.fsdp._state_dict_utils._unshard_fsdp_state_params",
-           "offload_to_cpu on CPU aliases the freed buffer (segfault)")
+    @functools.wraps(move)
+    def move_as_a_copy(self, *args, **kwargs):
+        return move(self, *args, **{**kwargs, "copy": True})
+
+    FlatParamHandle.flat_param_to = move_as_a_copy
+    record("cpu_fsdp.fsdp1_offload_moves_copy_on_cpu", "torch.distributed.fsdp._flat_param.FlatParamHandle.flat_param_to",
+           "FSDP1's offload to CPU frees the storage it moved; on CPU the move is no copy (segfault)")
 
 
 def fsdp1_optimizer_states_without_offload() -> None:
