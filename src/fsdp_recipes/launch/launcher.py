@@ -219,8 +219,36 @@ def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> RunConfig:
         from fsdp_recipes.train.loading import load_sft_datasets
 
         datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
-        load_sft_datasets(cfg.script, cfg.mixture, cfg.training.eval_strategy != "no", cfg.training.dataset_text_field)
+        # datasets logs a bad JSON file at error level with its traceback; loading.py names the line instead
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+        splits = load_sft_datasets(cfg.script, cfg.mixture, cfg.training.eval_strategy != "no",
+                                   cfg.training.dataset_text_field)
+        check_data(cfg, splits)
     return cfg
+
+
+def check_data(cfg: RunConfig, splits) -> None:
+    """The rows (train/data_checks.py): errors with the file and line; rows that will be skipped or truncated are
+    one counted warning each."""
+    from fsdp_recipes.train import data_checks
+
+    where, warned = cfg.script.dataset_name, []
+    names = (cfg.script.dataset_train_split, cfg.script.dataset_test_split)
+    tokenizer = None
+    for split, ds in zip(names, splits):
+        if ds is None:
+            continue
+        warned += data_checks.check_rows(ds, where, split)
+        if model_check.looks_local(cfg.model.model_name_or_path):
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
+            if data_checks.conversational(ds):
+                data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
+            warned += data_checks.check_lengths(ds, tokenizer, cfg.training.max_length, split, where)
+    for line in warned:
+        say(f"warning: {line}")
 
 
 def grace_seconds(raw: dict, overrides: list[str]) -> str:

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from fsdp_recipes.config import hardware, model_check
+from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.metrics import prometheus
@@ -25,6 +25,7 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     model_check.check_local_model(cfg.model.model_name_or_path)
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
     float8.check_config(cfg.pack.float8, cfg.model.use_peft)
+    value_checks.check_values(cfg)
 
 
 def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None) -> RunConfig:
