@@ -134,17 +134,14 @@ CASES = {
     "yaml-zero-max-length": (yaml_case(max_length=0), "max_length is 0"),
     "yaml-zero-steps": (yaml_case(max_steps=0), "max_steps is 0: nothing would be trained"),
     "yaml-zero-epochs": (yaml_case(max_steps=-1, num_train_epochs=0), "num_train_epochs is 0"),
-    "yaml-save-never-fires": (yaml_case(save_strategy="steps", save_steps=1000),
-                              "save_steps is 1000 but the run has only max_steps 300"),
-    "yaml-warmup-beyond-run": (yaml_case(warmup_steps=400), "warmup_steps is 400 and the run has 300 steps"),
     "yaml-lora-rank-zero": (yaml_case(lora_r=0), "lora_r is 0"),
     "yaml-lora-alpha-negative": (yaml_case(lora_alpha=-8), "lora_alpha is -8"),
     "yaml-unknown-key": (yaml_case(lerning_rate=1e-3), "did you mean `learning_rate`?"),
     "yaml-malformed": (malformed_yaml, "malformed YAML in"),
     "yaml-bad-scheduler": (yaml_case(lr_scheduler_type="cosine_with_typo"), "invalid configuration"),
     # command-line overrides: checked exactly as YAML values
+    "cli-zero-eval-batch": (cli_case("--per_device_eval_batch_size", "0"), "per_device_eval_batch_size is 0"),
     "cli-negative-lr": (cli_case("--learning_rate", "-1"), "learning_rate is -1.0; it must be positive"),
-    "cli-eval-never-fires": (cli_case("--eval_steps", "5000"), "eval_steps is 5000 but the run has only max_steps"),
     "cli-lora-dropout": (cli_case("--lora_dropout", "1.5"), "lora_dropout is 1.5"),
     "cli-lora-target-list": (cli_case("--lora_target_modules", "q_proj", "nope"), "['nope'] match no module"),
     "cli-lora-target-yaml-string": (cli_case("--lora_target_modules", "[q_proj, v_proj]"),
@@ -216,6 +213,23 @@ def test_mistake_is_one_line_before_any_rank(name, recipe, earlier_run, tmp_path
     assert_unchanged(before, earlier_run)
 
 
+def test_settings_that_never_fire_are_warnings(cache_dir):
+    """A short trial run of a recipe (--max_steps 4) is valid: its never-firing save/eval/logging steps and its too
+    long warmup are warned about, not refused."""
+    from fsdp_recipes.config.run_config import parse_args
+    from fsdp_recipes.config.value_checks import schedule_warnings
+
+    cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), "--max_steps", "4", "--save_strategy",
+                      "steps", "--save_steps", "1000"])
+    assert schedule_warnings(cfg.training) == [
+        "save_steps is 1000 but the run has only max_steps 4, so it never fires: no checkpoint will be written",
+        "eval_steps is 100 but the run has only max_steps 4, so it never fires",
+        "logging_steps is 10 but the run has only max_steps 4, so it never fires",
+        "warmup_steps is 10 and the run has 4 steps: the learning rate never leaves warmup"]
+    cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml")])
+    assert schedule_warnings(cfg.training) == []
+
+
 def test_the_battery_covers_every_class_of_mistake():
     classes = {name.split("-")[0] for name in CASES}
     assert classes == {"yaml", "cli", "data", "model", "accelerate", "env"}
@@ -261,7 +275,8 @@ def test_rank_failures_are_one_line_and_lose_nothing(tmp_path, cache_dir):
     from conftest import run
 
     res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher",
-               *launch_args(out, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2")], cache_dir,
+               *launch_args(out, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2",
+                           "--warmup_steps", "0")], cache_dir,
               **probe)
     line = one_error_line(res)
     assert res.returncode == 1, line

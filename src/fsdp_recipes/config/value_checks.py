@@ -68,20 +68,27 @@ def check_training_values(t, eval_on: bool) -> None:
     if t.max_steps == -1 and t.num_train_epochs <= 0:
         _fail(f"num_train_epochs is {t.num_train_epochs} and max_steps is not set: nothing would be trained",
               "set num_train_epochs above 0, or max_steps")
+
+
+def schedule_warnings(t) -> list[str]:
+    """Settings that cannot take effect in a run of max_steps: warnings, not errors, because a short run of a
+    recipe (`--max_steps 4` to try it) is their usual cause and is still a valid run."""
     steps = t.max_steps if t.max_steps > 0 else None
-    if steps:
-        # save/eval/logging `steps` under 1 are a fraction of the run (transformers' convention): they always fire.
-        for strategy, field in (("save_strategy", "save_steps"), ("eval_strategy", "eval_steps"),
-                                ("logging_strategy", "logging_steps")):
-            value = getattr(t, field)
-            if str(getattr(getattr(t, strategy), "value", getattr(t, strategy))) == "steps" and value \
-                    and value >= 1 and value > steps:
-                _fail(f"{field} is {value:g} but the run has only max_steps {steps}, so it never fires"
-                      + (": no checkpoint would be written" if field == "save_steps" else ""),
-                      f"set {field} to at most {steps}, or change {strategy}")
-        if t.warmup_steps and t.warmup_steps >= 1 and t.warmup_steps >= steps:
-            _fail(f"warmup_steps is {t.warmup_steps:g} and the run has {steps} steps: the learning rate would never "
-                  "leave warmup", f"set warmup_steps well below {steps} (e.g. {max(1, steps // 10)})")
+    if not steps:
+        return []
+    found = []
+    # save/eval/logging `steps` under 1 are a fraction of the run (transformers' convention): they always fire.
+    for strategy, field in (("save_strategy", "save_steps"), ("eval_strategy", "eval_steps"),
+                            ("logging_strategy", "logging_steps")):
+        value = getattr(t, field)
+        if str(getattr(getattr(t, strategy), "value", getattr(t, strategy))) == "steps" and value \
+                and value >= 1 and value > steps:
+            found.append(f"{field} is {value:g} but the run has only max_steps {steps}, so it never fires"
+                         + (": no checkpoint will be written" if field == "save_steps" else ""))
+    if t.warmup_steps and t.warmup_steps >= 1 and t.warmup_steps >= steps:
+        found.append(f"warmup_steps is {t.warmup_steps:g} and the run has {steps} steps: the learning rate never "
+                     "leaves warmup")
+    return found
 
 
 def check_lora_values(model_args) -> None:

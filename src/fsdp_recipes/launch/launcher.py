@@ -208,6 +208,10 @@ def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> RunConfig:
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
         cfg = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
+    from fsdp_recipes.config.value_checks import schedule_warnings
+
+    for line in schedule_warnings(cfg.training):
+        say(f"warning: {line}")
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
     if cfg.pack.float8:
         float8.check_gpus()
