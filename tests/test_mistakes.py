@@ -259,10 +259,12 @@ def launch_args(out, *extra):
 
 
 def one_error_line(res):
+    """The ranks' own stderr (progress bars, warnings) is relayed; of it all, one line is an error, the last."""
     lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr[-3000:]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], res.stderr[-3000:]
     assert "Traceback" not in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]
-    return lines[0]
+    return errors[0]
 
 
 @pytest.mark.slow
