@@ -10,11 +10,16 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was saved on a signal; the same
 
 
 class UserError(Exception):
-    """A problem the user can fix: the message names the problem and the fix."""
+    """A problem the user can fix: the message names the problem and the fix. `exit_code`: 2 for a mistake found
+    before training; the launcher uses 1 for a run that failed during training."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_USER_ERROR) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def cli(main):
-    """Decorate a CLI `main`: a UserError prints `error: <message>` on stderr and exits 2."""
+    """Decorate a CLI `main`: a UserError prints `error: <message>` on stderr and exits with its code (2)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -22,6 +27,6 @@ def cli(main):
             return main(*args, **kwargs)
         except UserError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
+            sys.exit(err.exit_code)
 
     return wrapper

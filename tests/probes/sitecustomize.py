@@ -65,3 +65,20 @@ if os.environ.get("ABORT_AT_EXIT_RANK") and os.environ.get("RANK") == os.environ
     # ABORT_AT_EXIT_RANK (tests/test_start_gate.py): that rank dies of SIGABRT when its interpreter exits, after
     # the run has finished, as a teardown crash in a C++ destructor would.
     atexit.register(os.abort)
+
+if os.environ.get("NAN_LOSS_AT_STEP") and "LOCAL_RANK" in os.environ:
+    # NAN_LOSS_AT_STEP (tests/test_mistakes.py): the loss of that optimizer step is NaN on every rank, as a
+    # diverging run's would be.
+    from trl import SFTTrainer
+
+    _compute_loss = SFTTrainer.compute_loss
+
+    def _nan_loss(self, *args, **kwargs):
+        result = _compute_loss(self, *args, **kwargs)
+        if self.state.global_step + 1 == int(os.environ["NAN_LOSS_AT_STEP"]):
+            if isinstance(result, tuple):
+                return (result[0] * float("nan"), *result[1:])
+            return result * float("nan")
+        return result
+
+    SFTTrainer.compute_loss = _nan_loss

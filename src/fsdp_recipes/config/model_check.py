@@ -72,6 +72,23 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args) -> None:
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     targets = model_args.lora_target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        # One string is a regular expression PEFT matches against full module names (`--lora_target_modules
+        # '[q_proj, v_proj]'` on the command line arrives as such a string, not a list).
+        import re
+
+        full = [name for name, _ in model.named_modules() if name]
+        try:
+            matched = any(re.fullmatch(targets, name) for name in full)
+        except re.error:
+            matched = False
+        if not matched:
+            raise UserError(
+                f"lora_target_modules {targets!r} is one string, which PEFT reads as a regular expression over full "
+                f"module names, and it matches no module of {arch}. Fix: give names separated by spaces on the "
+                f"command line (--lora_target_modules q_proj v_proj) or a YAML list; {arch}'s linear layers: "
+                f"{', '.join(linear)}."
+            )
     if isinstance(targets, list):
         missing = [t for t in targets if t not in names]
         if missing:

@@ -30,7 +30,7 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -40,8 +40,9 @@ from pathlib import Path
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, recipes, yaml_keys
 from fsdp_recipes.config.run_config import PackArguments, RunConfig, override
 from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
-from fsdp_recipes.launch import smoke, summary
-from fsdp_recipes.train import float8, start_gate, train_sft
+from fsdp_recipes.launch import failures, smoke, summary
+from fsdp_recipes.launch.rank_output import RankOutput
+from fsdp_recipes.train import failure, float8, start_gate, train_sft
 
 
 def say(msg: str) -> None:
@@ -66,60 +67,6 @@ def accelerate_cmd() -> list[str]:
     return [found, "launch"]
 
 
-class HeldOutput:
-    """Relays the child's stdout and stderr, holding both back until release(); drop() discards what is held.
-    (Output printed before the checks fail -- torchrun's warnings -- would break the one-line error.)"""
-
-    def __init__(self, proc: subprocess.Popen) -> None:
-        self.lock = threading.Lock()
-        self.held: list[tuple] = []
-        self.passing = self.dropped = False
-        self.threads = [threading.Thread(target=self._pump, args=(pipe, dst), daemon=True)
-                        for pipe, dst in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
-        for t in self.threads:
-            t.start()
-
-    @staticmethod
-    def _write(dst, chunk: bytes) -> None:
-        try:
-            if hasattr(dst, "buffer"):
-                dst.buffer.write(chunk)
-                dst.buffer.flush()
-            else:  # a text-only stream (a test's capture)
-                dst.write(chunk.decode(errors="replace"))
-                dst.flush()
-        except (OSError, ValueError):  # our own stdout is gone: the ranks go on regardless
-            pass
-
-    def _pump(self, pipe, dst) -> None:
-        fd = pipe.fileno()
-        while chunk := os.read(fd, 65536):
-            with self.lock:
-                if self.passing:
-                    self._write(dst, chunk)
-                elif not self.dropped:
-                    self.held.append((dst, chunk))
-
-    def release(self) -> None:
-        with self.lock:
-            sys.stdout.flush()
-            for dst, chunk in self.held:
-                self._write(dst, chunk)
-            self.held.clear()
-            self.passing = True
-
-    def drop(self) -> None:
-        with self.lock:
-            self.held.clear()
-            self.dropped = True
-
-    def join(self, timeout_s: float = 10.0) -> None:
-        """Until the pipes close; bounded, because a process the ranks left behind (a compile worker) may hold
-        them open after torchrun has exited."""
-        for t in self.threads:
-            t.join(timeout_s)
-
-
 class Preempted(BaseException):  # like KeyboardInterrupt: no check's `except Exception` may swallow it
     """SIGTERM/SIGUSR1 arrived before the checks passed: the ranks had not started work, nothing to save."""
 
@@ -130,10 +77,14 @@ class Ranks:
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
-    def __init__(self, cmd: list[str], gated: bool = True) -> None:
+    def __init__(self, cmd: list[str], torchrun_logs: Path, gated: bool = True) -> None:
         self.gate = start_gate.Gate()
+        self.torchrun_logs = torchrun_logs  # torchrun's --log_dir: each rank's output and error record
+        self.records: list[dict] = []
         env = dict(os.environ, **self.gate.env())
-        env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks write to a pipe now: keep their lines live
+        env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks write to files now: keep their lines live
+        # torchrun's --redirects, which `accelerate launch` does not offer (torchrun reads PET_<option> as its default)
+        env["PET_REDIRECTS"] = "3"
         self.released = not gated
         if not gated:
             self.gate.open()
@@ -142,12 +93,14 @@ class Ranks:
         # Its own session, as torchrun gives each rank: Ctrl-C in a terminal reaches the ranks through _on_signal
         # and torchrun (PET_SIGNALS_TO_HANDLE), and a Ctrl-C during the checks stops the launcher alone.
         try:
+            # die_with_parent: `accelerate launch` (and with it torchrun, whose ranks die with it in turn) is
+            # killed when this launcher dies, even by SIGKILL.
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=failure.die_with_parent)
         except BaseException:
             self._done()
             raise
-        self.output = HeldOutput(self.proc)
+        self.output = RankOutput(self.proc, torchrun_logs)
 
     def _on_signal(self, signum, frame):
         if not self.released:  # the ranks are importing or at the gate: stop everything here
@@ -156,10 +109,10 @@ class Ranks:
             self.preempted_by = signum
         self.proc.send_signal(signum)
 
-    def release(self) -> None:
+    def release(self, log_dir: Path | None) -> None:
         self.released = True  # first: from here on a signal is passed on, never raised in the launcher
         self.gate.open()
-        self.output.release()
+        self.output.release(log_dir)
 
     def abort(self) -> None:
         """The checks failed or were interrupted: kill accelerate, torchrun and the ranks, drop their output.
@@ -168,6 +121,7 @@ class Ranks:
         import psutil
 
         self.output.drop()
+        self.output.close()
         self.gate.abort()
         try:
             procs = psutil.Process(self.proc.pid).children(recursive=True)
@@ -187,7 +141,12 @@ class Ranks:
         try:
             rc = self.proc.wait()
             self.output.join()
+            self.records = failures.read_records(self.torchrun_logs)
+            for rec in self.records:  # the traceback the rank did not print, in its own log
+                self.output.append(rec["rank"], f"---- rank {rec['rank']} failed ({rec['phase']}) ----\n"
+                                                f"{rec.get('py_callstack') or rec['message']}\n")
         finally:
+            self.output.close()
             self._done()
         return rc, self.preempted_by
 
@@ -195,6 +154,7 @@ class Ranks:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.gate.remove()
+        shutil.rmtree(self.torchrun_logs, ignore_errors=True)
 
 
 def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
@@ -248,6 +208,10 @@ def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> RunConfig:
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
         cfg = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
+    from fsdp_recipes.config.value_checks import schedule_warnings
+
+    for line in schedule_warnings(cfg.training):
+        say(f"warning: {line}")
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
     if cfg.pack.float8:
         float8.check_gpus()
@@ -259,8 +223,36 @@ def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> RunConfig:
         from fsdp_recipes.train.loading import load_sft_datasets
 
         datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
-        load_sft_datasets(cfg.script, cfg.mixture, cfg.training.eval_strategy != "no", cfg.training.dataset_text_field)
+        # datasets logs a bad JSON file at error level with its traceback; loading.py names the line instead
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+        splits = load_sft_datasets(cfg.script, cfg.mixture, cfg.training.eval_strategy != "no",
+                                   cfg.training.dataset_text_field)
+        check_data(cfg, splits)
     return cfg
+
+
+def check_data(cfg: RunConfig, splits) -> None:
+    """The rows (train/data_checks.py): errors with the file and line; rows that will be skipped or truncated are
+    one counted warning each."""
+    from fsdp_recipes.train import data_checks
+
+    where, warned = cfg.script.dataset_name, []
+    names = (cfg.script.dataset_train_split, cfg.script.dataset_test_split)
+    tokenizer = None
+    for split, ds in zip(names, splits):
+        if ds is None:
+            continue
+        warned += data_checks.check_rows(ds, where, split)
+        if model_check.looks_local(cfg.model.model_name_or_path):
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
+            if data_checks.conversational(ds):
+                data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
+            warned += data_checks.check_lengths(ds, tokenizer, cfg.training.max_length, split, where)
+    for line in warned:
+        say(f"warning: {line}")
 
 
 def grace_seconds(raw: dict, overrides: list[str]) -> str:
@@ -288,10 +280,19 @@ def main(argv: list[str] | None = None) -> int:
     if smoke.active():
         acc_yaml, overrides = smoke.prepare(recipe, overrides)
 
-    raw, acc = check_launch(recipe, acc_yaml, overrides)
+    try:
+        raw, acc = check_launch(recipe, acc_yaml, overrides)
+    except UserError:
+        raise
+    except Exception as err:
+        raise unexpected(err, "reading the recipe") from None
 
     extra = launch_args()
-    cmd = accelerate_cmd() + ["--config_file", str(acc_yaml), *extra]
+    # torchrun writes each rank's output and error record under --log_dir (PET_REDIRECTS=3, in Ranks: to files
+    # only); the launcher relays the output, keeps it in output_dir/logs/rank<N>.log and reads the records
+    # (rank_output.py, failures.py).
+    torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))
+    cmd = accelerate_cmd() + ["--config_file", str(acc_yaml), "--log_dir", str(torchrun_logs), *extra]
     multi_node = int(acc.get("num_machines", 1)) > 1 or "--num_machines" in extra
     if not multi_node and "MASTER_PORT" not in os.environ:
         cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         wait = "; they wait at a gate until the checks pass" if gated else ""
         say(f"{said}starting {acc.get('num_processes', 1)} process(es){wait}:")
         say(" ".join(cmd))
-        return Ranks(cmd, gated)
+        return Ranks(cmd, torchrun_logs, gated)
 
     ranks = start("", gated=True) if overlap else None
     try:
@@ -316,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as err:
         if ranks is not None:
             ranks.abort()
+        else:
+            shutil.rmtree(torchrun_logs, ignore_errors=True)
         if isinstance(err, Preempted):
             say(f"{err} before the checks finished: nothing had started, nothing to save; run the same command "
                 "again")
@@ -323,15 +326,18 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, KeyboardInterrupt):
             say("interrupted before the checks finished: nothing had started")
             return 130
+        if isinstance(err, Exception) and not isinstance(err, UserError):
+            raise unexpected(err, "checking the recipe") from None
         raise
     passed = f"checks passed in {time.time() - t0:.1f}s; "
     if ranks is None:
         ranks = start(passed, gated=False)
     else:
         say(passed + "the ranks go on")
-    ranks.release()
-    rc, preempted_by = ranks.wait()
     output_dir = cfg.training.output_dir
+    log_dir = Path(output_dir) / "logs"
+    ranks.release(log_dir)
+    rc, preempted_by = ranks.wait()
     report = Path(output_dir) / "metrics.json"
     fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
     metrics = json.loads(report.read_text()) if fresh else {}
@@ -349,10 +355,27 @@ def main(argv: list[str] | None = None) -> int:
             f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
         return rc
     if rc != 0:
-        where = f"its run report is {report}" if report.exists() else "it failed before writing a run report"
-        say(f"training exited with code {rc} (see the log above); {where}")
-        return rc
+        from fsdp_recipes.checkpoint import markers as checkpoints
+
+        last_good = checkpoints.latest_complete(output_dir)
+        line, code = failures.describe(ranks.records, rc, log_dir, recipe.name, last_good and str(last_good))
+        if fresh:
+            failures.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
+        raise UserError(line, exit_code=code)
     return summary.main(summary_args(output_dir))
+
+
+def unexpected(err: Exception, doing: str) -> UserError:
+    """An exception no check turned into a UserError (a library's own validation, or a bug): one line, and the
+    traceback in a file, since output_dir may be what is wrong."""
+    import traceback
+
+    fd, path = tempfile.mkstemp(prefix="fsdp-recipes-launch-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write("".join(traceback.format_exception(err)))
+    first = next((x.strip() for x in str(err).splitlines() if x.strip()), "")
+    return UserError(f"{type(err).__name__} while {doing}: {first}. Fix: correct the setting or file it names; "
+                     f"full traceback: {path}")
 
 
 def summary_args(output_dir: str) -> list[str]:

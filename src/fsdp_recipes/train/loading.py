@@ -35,12 +35,16 @@ def load_raw(script_args, dataset_args):
                 f"dataset not found: {path}. Fix: check dataset_name, or build the tiny default's data with "
                 "`python -m fsdp_recipes.assets.tiny_assets`."
             )
-        if path.is_file():
-            builder = FILE_BUILDERS.get(path.suffix)
-            if builder is None:
-                raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file.")
-            return datasets.load_dataset(builder, data_files=str(path))
-        return datasets.load_dataset(str(path), name=script_args.dataset_config)
+        if path.is_file() and FILE_BUILDERS.get(path.suffix) is None:
+            raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file.")
+        try:
+            if path.is_file():
+                return datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
+            return datasets.load_dataset(str(path), name=script_args.dataset_config)
+        except Exception as err:  # datasets names neither the file nor the line of a bad JSON line
+            from fsdp_recipes.train.data_checks import explain_load_failure
+
+            raise explain_load_failure(path, err) from None
     return datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
 
 

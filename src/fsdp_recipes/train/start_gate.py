@@ -58,6 +58,11 @@ def state(path: str) -> str | None:
         return None
 
 
+def under_launcher() -> bool:
+    """Whether this rank was started by the pack's launcher (which prints its failures, launch/failures.py)."""
+    return bool(os.environ.get(FILE_ENV))
+
+
 def wait(poll_s: float = 0.02) -> float:
     """Block until the launcher's checks passed; seconds waited. A no-op without the launcher (a direct
     `accelerate launch`, the benchmarks). Exits quietly when the checks failed or the launcher is gone: the

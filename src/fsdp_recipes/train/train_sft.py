@@ -10,12 +10,12 @@ import os
 import sys
 from pathlib import Path
 
-from fsdp_recipes.config import hardware, model_check
+from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.patches import cpu_fsdp, guard
-from fsdp_recipes.train import float8, start_gate
+from fsdp_recipes.train import failure, float8, start_gate
 
 
 def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
@@ -25,6 +25,7 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     model_check.check_local_model(cfg.model.model_name_or_path)
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
     float8.check_config(cfg.pack.float8, cfg.model.use_peft)
+    value_checks.check_values(cfg)
 
 
 def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None) -> RunConfig:
@@ -55,7 +56,13 @@ def make_trainer_class():
         def training_step(self, model, inputs, *args, **kwargs):
             if self.token_counter is not None:
                 self.token_counter.add(inputs)
-            return super().training_step(model, inputs, *args, **kwargs)
+            loss = super().training_step(model, inputs, *args, **kwargs)
+            # Stop before the optimizer applies a NaN/inf gradient. The Trainer's default logging_nan_inf_filter
+            # already reads this loss on every step (a device sync), and hides a NaN from the logged average.
+            if not bool(loss.isfinite().all()):
+                raise failure.NonFiniteLoss(f"the training loss was {float(loss.float().mean())} at step "
+                                            f"{self.state.global_step + 1}")
+            return loss
 
     return ReportingSFTTrainer
 
@@ -124,7 +131,8 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
         **(training.model_init_kwargs or {}),
     }
     # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
-    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption]
+    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption,
+                 failure.make_phase_callback()]
     if pack.verify_loaded_weights:
         callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
     if resume:  # resume_check.py: the optimizer state (and a PEFT adapter) in memory must be the checkpoint's
@@ -239,6 +247,24 @@ def quiet_replica(cfg: RunConfig) -> None:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
+    """Every exception is written to torchrun's error file for this rank (failure.py). Under the launcher, which
+    prints one line for the first failing rank and appends the traceback to this rank's log, the rank then exits
+    without printing it; run directly, it raises as usual (a UserError is one `error:` line)."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        failure.mark_rank()  # first: the launcher holds this rank's output until it knows which rank it is
+        failure.die_with_parent()  # torchrun is the parent: a rank must not outlive it (nor the launcher)
+    try:
+        return run(argv)
+    except (SystemExit, KeyboardInterrupt):  # the start gate's exits; Ctrl-C is the run report's "interrupted"
+        raise
+    except BaseException as err:
+        failure.record(err)
+        if not start_gate.under_launcher():
+            raise
+        return 2 if failure.STATE["phase"] == "setup" else 1
+
+
+def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
     import_training_stack()
@@ -285,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")
         return 130
     except BaseException as err:  # UserError included: the report records why the run stopped
-        report.finalize("failed", error=f"{type(err).__name__}: {err}")
+        # Only once this run has trained: a failure before its first optimizer step (a mistake in the command
+        # that resumes an output_dir) leaves the previous run's report as it was.
+        if failure.STATE["phase"] == "training":
+            report.finalize("failed", error=f"{type(err).__name__}: {err}")
         raise
     if report.finalize("completed") is not None:
         trainer.accelerator.print(f"[train_sft] run report written to {cfg.training.output_dir}/metrics.json")

@@ -1,0 +1,112 @@
+"""Values the libraries accept silently, or refuse only inside every rank: checked once, in the launcher (and again
+in each rank, where it costs nothing), before any process starts.
+
+transformers' TrainingArguments and TRL's SFTConfig validate much themselves when the parser builds them
+(run_config.parse_args turns that into one line); PEFT's LoraConfig validates when it is built, which only the ranks
+did, so `lora_config` builds it here. What remains are ranges nothing checks: a negative learning rate reaches
+torch's optimizer only after the model is loaded, a non-positive batch size or max_length fails deep in a data
+loader, and a save_steps larger than max_steps means no checkpoint is ever written, with no error at all.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fsdp_recipes.errors import UserError
+
+if TYPE_CHECKING:
+    from fsdp_recipes.config.run_config import RunConfig
+
+
+def _fail(what: str, fix: str) -> None:
+    raise UserError(f"{what}. Fix: {fix}.")
+
+
+def lora_config(cfg: RunConfig):
+    """PEFT's LoraConfig as the ranks build it (TRL's get_peft_config), so its own validation raises here."""
+    from trl import get_peft_config
+
+    try:
+        return get_peft_config(cfg.model)
+    except (ValueError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        _fail(f"invalid LoRA settings: {first}", "correct the lora_* settings in the recipe YAML or ARGS")
+
+
+def check_output_dir(path: str) -> None:
+    """output_dir must be a directory this user can create and write."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        _fail(f"output_dir {p} is a file, not a directory", "point output_dir at a directory (new or existing)")
+    existing = p
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        _fail(f"output_dir {p} cannot be created: {existing} is a file", "choose another output_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        _fail(f"output_dir {p} is not writable ({existing} does not let this user write)",
+              "choose an output_dir you can write, or fix its permissions")
+
+
+def check_training_values(t, eval_on: bool) -> None:
+    """Ranges of SFTConfig fields that nothing checks before training starts."""
+    if t.learning_rate <= 0:
+        _fail(f"learning_rate is {t.learning_rate}; it must be positive", "set learning_rate to e.g. 2.0e-5 (full) "
+              "or 2.0e-4 (LoRA)")
+    for name in ("per_device_train_batch_size", "gradient_accumulation_steps") + (
+            ("per_device_eval_batch_size",) if eval_on else ()):
+        if getattr(t, name) < 1:
+            _fail(f"{name} is {getattr(t, name)}; it must be at least 1", f"set {name} to 1 or more")
+    if t.max_length is not None and t.max_length < 1:
+        _fail(f"max_length is {t.max_length}; it must be at least 1", "set max_length to the longest sample in tokens "
+              "(or null for no truncation)")
+    if t.max_steps == 0 or t.max_steps < -1:
+        _fail(f"max_steps is {t.max_steps}: nothing would be trained", "set max_steps to a positive number, or -1 to "
+              "train for num_train_epochs")
+    if t.max_steps == -1 and t.num_train_epochs <= 0:
+        _fail(f"num_train_epochs is {t.num_train_epochs} and max_steps is not set: nothing would be trained",
+              "set num_train_epochs above 0, or max_steps")
+
+
+def schedule_warnings(t) -> list[str]:
+    """Settings that cannot take effect in a run of max_steps: warnings, not errors, because a short run of a
+    recipe (`--max_steps 4` to try it) is their usual cause and is still a valid run."""
+    steps = t.max_steps if t.max_steps > 0 else None
+    if not steps:
+        return []
+    found = []
+    # save/eval/logging `steps` under 1 are a fraction of the run (transformers' convention): they always fire.
+    for strategy, field in (("save_strategy", "save_steps"), ("eval_strategy", "eval_steps"),
+                            ("logging_strategy", "logging_steps")):
+        value = getattr(t, field)
+        if str(getattr(getattr(t, strategy), "value", getattr(t, strategy))) == "steps" and value \
+                and value >= 1 and value > steps:
+            found.append(f"{field} is {value:g} but the run has only max_steps {steps}, so it never fires"
+                         + (": no checkpoint will be written" if field == "save_steps" else ""))
+    if t.warmup_steps and t.warmup_steps >= 1 and t.warmup_steps >= steps:
+        found.append(f"warmup_steps is {t.warmup_steps:g} and the run has {steps} steps: the learning rate never "
+                     "leaves warmup")
+    return found
+
+
+def check_lora_values(model_args) -> None:
+    if not model_args.use_peft:
+        return
+    if model_args.lora_r < 1:
+        _fail(f"lora_r is {model_args.lora_r}; the LoRA rank must be at least 1", "set lora_r to e.g. 16")
+    if model_args.lora_alpha <= 0:
+        _fail(f"lora_alpha is {model_args.lora_alpha}; it must be positive (it scales the update by alpha / r)",
+              "set lora_alpha to e.g. lora_r or 2 x lora_r")
+    if not 0 <= model_args.lora_dropout < 1:
+        _fail(f"lora_dropout is {model_args.lora_dropout}; it must be in [0, 1)", "set lora_dropout to e.g. 0.05")
+
+
+def check_values(cfg: RunConfig) -> None:
+    check_training_values(cfg.training, cfg.training.eval_strategy != "no")
+    check_lora_values(cfg.model)
+    if cfg.pack.preemption_grace_s < 0:
+        _fail(f"preemption_grace_s is {cfg.pack.preemption_grace_s}", "set it to the seconds a checkpoint save needs")
+    check_output_dir(cfg.training.output_dir)
+    lora_config(cfg)

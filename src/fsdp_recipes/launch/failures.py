@@ -1,0 +1,98 @@
+"""A failed run, as one line: the first failing rank's error record (train/failure.py), what to do about it, where
+the full traceback is, and the exit code (2: before the first optimizer step, 1: during training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fsdp_recipes.errors import EXIT_USER_ERROR
+
+EXIT_TRAINING_FAILED = 1
+
+
+def read_records(torchrun_log_dir: Path) -> list[dict]:
+    """Every rank's record under torchrun's log dir (<dir>/<run id>/attempt_<n>/<local rank>/error.json), oldest
+    first. A file that is not the pack's record (written by torch's own `record` decorator) still counts."""
+    found = []
+    for path in sorted(Path(torchrun_log_dir).glob("*/attempt_*/*/error.json")):
+        try:
+            message = json.loads(path.read_text())["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(message, str):  # torch's format for a record without extraInfo
+            message = {"message": message, "extraInfo": {}}
+        info = dict(message.get("extraInfo") or {})
+        info.setdefault("error", message.get("message", ""))
+        info.setdefault("type", "")
+        info.setdefault("time", float(info.get("timestamp") or 0))
+        info.setdefault("rank", int(path.parent.name))
+        info.setdefault("phase", "training")
+        info["message"] = message.get("message", "")
+        found.append(info)
+    return sorted(found, key=lambda r: r["time"])
+
+
+def _first_line(text: str, limit: int = 400) -> str:
+    line = next((x.strip() for x in str(text).splitlines() if x.strip()), "")
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _where(rec: dict) -> str:
+    if rec.get("phase") == "setup":
+        return "before the first optimizer step"
+    return f"at step {rec['step']}" if rec.get("step") else "during training"
+
+
+def fix_for(rec: dict, recipe: str, last_good: str | None) -> tuple[str, str]:
+    """(problem, fix) for a record: the pack's own errors carry their fix; known library errors get one here;
+    anything else names the log."""
+    kind = rec["type"].rsplit(".", 1)[-1]
+    error = _first_line(rec["error"])
+    if kind == "UserError":  # the message is already "<problem>. Fix: <what to do>"
+        problem, _, fix = error.partition(" Fix: ")
+        return problem.rstrip("."), fix.rstrip(".")
+    if kind == "NonFiniteLoss":
+        resume = f"the last good checkpoint is {last_good}" if last_good else "there is no complete checkpoint"
+        return (f"{error}; training stopped there, before the optimizer applied it ({resume})",
+                "usually a learning rate too high (lower learning_rate, add warmup_steps, set max_grad_norm), fp16 "
+                "overflow (use bf16), or rows whose labels are all masked; fix the cause before resuming")
+    if kind == "OutOfMemoryError" or "out of memory" in error.lower():
+        phase = ("while loading the model and setting up" if rec.get("phase") == "setup"
+                 else f"during training ({_where(rec)})")
+        return (f"rank {rec['rank']} ran out of device memory {phase}: {error}",
+                f"check the budget with `make plan RECIPE={recipe}`, then lower per_device_train_batch_size or "
+                "max_length (raise gradient_accumulation_steps to keep the batch), turn on activation_checkpointing, "
+                "use LoRA or more GPUs")
+    return f"rank {rec['rank']} failed {_where(rec)}: {kind}: {error}", ""
+
+
+def describe(records: list[dict], rc: int, log_dir: Path | None, recipe: str,
+             last_good: str | None) -> tuple[str, int]:
+    """The one line (without `error: `) and the exit code for a run whose ranks exited with `rc` != 0."""
+    logs = f"{log_dir}/" if log_dir else "the terminal above"
+    if not records:
+        return (f"training stopped with exit code {rc} and no rank recorded an error (a rank was killed: out of "
+                f"host memory, a signal, or torchrun could not start them). Fix: read {log_dir / 'launch.log' if log_dir else logs} "
+                f"and the rank logs in {logs}", EXIT_TRAINING_FAILED)
+    rec = records[0]
+    problem, fix = fix_for(rec, recipe, last_good)
+    log = f"{log_dir}/rank{rec['rank']}.log" if log_dir else logs
+    code = EXIT_USER_ERROR if rec.get("phase") == "setup" else EXIT_TRAINING_FAILED
+    if not fix:  # an error the pack does not know: the traceback is what there is to read
+        return f"{problem}. Fix: read the full traceback in {log}", code
+    return f"{problem}. Fix: {fix}. Full traceback: {log}", code
+
+
+def mark_report_failed(report: Path, line: str, rec: dict | None) -> None:
+    """A run report this run wrote says `failed`, with the first failing rank's reason (rank 0 may have written
+    another: the collective that broke when that rank died)."""
+    from fsdp_recipes.records import write_json_atomic
+
+    metrics = json.loads(report.read_text())
+    if metrics.get("status") == "completed":
+        return
+    metrics.update(status="failed", error=line, provisional=False)
+    if rec is not None:
+        metrics.update(failed_rank=rec.get("rank"), failed_phase=rec.get("phase"), failed_step=rec.get("step"))
+    write_json_atomic(report, metrics)

@@ -1,0 +1,143 @@
+"""The dataset's rows, checked in the launcher before any rank loads them: one line with the file and the line.
+
+Gap it fills: `datasets` reports a malformed JSON line as a DatasetGenerationError without the line, and TRL
+takes an empty split, a role it does not know, a non-string content or rows that truncation empties, and fails (or
+trains on nothing) inside every rank. Run by the launcher only (launcher.check_recipe); the ranks load the same
+files after it passed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fsdp_recipes.errors import UserError
+
+ROLES = {"system", "user", "assistant", "tool"}
+CONVERSATION_COLUMNS = ("messages", "prompt", "completion")
+LENGTH_SAMPLE = 200  # rows tokenized to count truncation: enough to see a systematic problem, well under a second
+
+
+def find_bad_json_line(path: Path) -> str | None:
+    """`file:line: problem` for the first line of a JSON Lines file that does not parse, else None."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"{path}:{number}: {err.msg} (column {err.colno})"
+    return None
+
+
+def explain_load_failure(path: Path, err: Exception) -> UserError:
+    """A load_dataset failure on local files, as one line: the bad JSON line when there is one."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl"))
+    for f in files:
+        if f.suffix == ".jsonl" and (bad := find_bad_json_line(f)):
+            return UserError(f"malformed JSON line in the dataset: {bad}. Fix: correct or remove that line "
+                             "(one JSON object per line).")
+    cause = err.__cause__ or err
+    first = next((x.strip() for x in str(cause).splitlines() if x.strip()), type(cause).__name__)
+    return UserError(f"cannot read the dataset {path}: {type(cause).__name__}: {first}. Fix: check that the "
+                     "file is valid JSON Lines / JSON / Parquet / CSV.")
+
+
+def _where(where: str, split: str, index: int) -> str:
+    """A row, and its line when the split is one JSON Lines file (row i is line i + 1 there)."""
+    path = Path(where)
+    file = path / f"{split}.jsonl" if path.is_dir() else path
+    if file.suffix == ".jsonl" and file.is_file():
+        return f"{file}:{index + 1}"
+    return f"{where} ({split} split), row {index}"
+
+
+def conversational(ds) -> bool:
+    cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
+    return bool(cols) and len(ds) > 0 and isinstance(ds[0][cols[0]], list)
+
+
+def check_rows(ds, where: str, split: str) -> list[str]:
+    """Errors for an empty split and malformed conversations; warnings (returned) for rows that are skipped."""
+    if len(ds) == 0:
+        raise UserError(f"the `{split}` split of the dataset {where} is empty. Fix: point dataset_name at data with "
+                        "rows (or the split at another file).")
+    if not conversational(ds):
+        return []
+    cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
+    without_assistant = 0
+    for i, row in enumerate(ds.select_columns(cols)):
+        turns = [t for c in cols for t in (row[c] or [])]
+        for turn in turns:
+            role = turn.get("role") if isinstance(turn, dict) else None
+            if role not in ROLES:
+                raise UserError(f"{_where(where, split, i)}: role {role!r} is not one of {sorted(ROLES)}. Fix: "
+                                "rename the role (chat templates know only these).")
+            content = turn.get("content")
+            if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
+                raise UserError(f"{_where(where, split, i)}: a {role} turn's content is {type(content).__name__}, not "
+                                "text. Fix: make every content a string.")
+        if not any(t.get("role") == "assistant" for t in turns):
+            without_assistant += 1
+    if without_assistant == len(ds):
+        raise UserError(f"no row of the `{split}` split of {where} has an assistant turn, so there is nothing to "
+                        "learn. Fix: add the assistant's answers (role: assistant).")
+    if without_assistant:
+        return [f"{without_assistant} of {len(ds)} rows of the `{split}` split have no assistant turn; they teach "
+                "nothing"]
+    return []
+
+
+def _ids(encoded) -> list:
+    """Token ids from what apply_chat_template / a tokenizer returns (transformers 5: a BatchEncoding)."""
+    return encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+
+
+def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str) -> list[str]:
+    """Tokenize up to LENGTH_SAMPLE rows as TRL will: rows whose prompt fills max_length lose their whole
+    completion (TRL drops them as fully masked), longer rows are truncated. Raises when every sampled row is
+    dropped; returns the warnings."""
+    if max_length is None or len(ds) == 0:
+        return []
+    sample = ds.select(range(min(len(ds), LENGTH_SAMPLE)))
+    dropped = truncated = 0
+    for row in sample:
+        if "prompt" in row and "completion" in row:
+            if isinstance(row["prompt"], list):
+                prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
+                full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True)
+            else:
+                prompt = tokenizer(row["prompt"])["input_ids"]
+                full = tokenizer(row["prompt"] + row["completion"])["input_ids"]
+            prompt, full = _ids(prompt), _ids(full)
+            if len(prompt) >= max_length:
+                dropped += 1
+                continue
+        elif "messages" in row:
+            full = tokenizer.apply_chat_template(row["messages"], tokenize=True)
+            full = _ids(full)
+        else:
+            continue
+        truncated += len(full) > max_length
+    n = len(sample)
+    of = f"of {n} rows" + (f" (the first {n} of {len(ds)})" if n < len(ds) else "")
+    if dropped == n:
+        raise UserError(f"every row {of} of the `{split}` split of {where} has a prompt of max_length {max_length} "
+                        "tokens or more, so truncation leaves no completion to learn. Fix: raise max_length, or "
+                        "shorten the prompts.")
+    warnings = []
+    if dropped:
+        warnings.append(f"{dropped} {of} of the `{split}` split have a prompt of max_length ({max_length}) tokens or "
+                        "more: TRL drops them")
+    if truncated:
+        warnings.append(f"{truncated} {of} of the `{split}` split are longer than max_length ({max_length}) "
+                        "tokens: truncated")
+    return warnings
+
+
+def check_chat_template(tokenizer, model: str, where: str) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(f"the dataset {where} is conversational but the tokenizer of {model} has no chat template. "
+                        "Fix: set chat_template_path, use a model whose tokenizer has one, or convert the data to a "
+                        "text field.")

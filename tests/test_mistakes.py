@@ -1,0 +1,330 @@
+"""A battery of user mistakes: each is one `error:` line with the fix, no traceback, the right exit code, and an
+earlier run's files in the same output_dir unchanged.
+
+Most mistakes must be caught before any process starts, so they run through the launcher's own `main` in this
+process (with `Ranks` replaced by a failure: starting a rank is a bug here). A few real launches cover what only the
+ranks can find, through the rank error channel (train/failure.py, launch/failures.py), a NaN loss mid-run, and a
+launcher killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import REPO, launch, pack_env, tagged_processes
+from test_bad_input import fake_checkpoint
+
+PROBES = REPO / "tests" / "probes"
+
+
+@pytest.fixture
+def recipe(tmp_path, cache_dir):
+    dst = tmp_path / "my-recipe"
+    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", dst)
+    return dst
+
+
+@pytest.fixture
+def earlier_run(tmp_path, cache_dir):
+    """An output_dir as a finished run leaves it: a complete checkpoint of this recipe, reports, a rank log."""
+    out = tmp_path / "earlier"
+    fake_checkpoint(out, cache_dir)
+    (out / "metrics.json").write_text(json.dumps({"status": "completed", "steps": 10}))
+    (out / "run_args.json").write_text(json.dumps({"recipe": "tiny-cpu-lora"}))
+    (out / "logs").mkdir()
+    (out / "logs" / "rank0.log").write_text("the earlier run's output\n")
+    return out
+
+
+def snapshot(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def assert_unchanged(before: dict, folder):
+    """Every earlier file is still there with the same bytes; a log may only have grown (each launch appends)."""
+    after = snapshot(folder)
+    for name, data in before.items():
+        assert name in after, f"{name} was removed"
+        if name.startswith("logs/"):
+            assert after[name].startswith(data), f"{name} was rewritten"
+        else:
+            assert after[name] == data, f"{name} changed"
+
+
+def edit(path, **changes):
+    data = yaml.safe_load(path.read_text())
+    data.update(changes)
+    path.write_text(yaml.safe_dump(data))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def qa(q="What is 1 + 1?", a="2", role="assistant"):
+    return {"prompt": [{"role": "user", "content": q}], "completion": [{"role": role, "content": a}]}
+
+
+# Each case: how to make the mistake (a function of the recipe folder and tmp_path returning extra launcher
+# arguments), and a fragment of the expected error line. The output_dir is the earlier run's unless the case sets it.
+def yaml_case(**changes):
+    def make(recipe, tmp):
+        edit(recipe / "sft.yaml", **changes)
+        return []
+    return make
+
+
+def cli_case(*args):
+    return lambda recipe, tmp: list(args)
+
+
+def data_case(rows, name="train.jsonl"):
+    def make(recipe, tmp):
+        return ["--dataset_name", str(write_jsonl(tmp / name, rows)), "--eval_strategy", "no"]
+    return make
+
+
+def acc_case(**fsdp):
+    def make(recipe, tmp):
+        acc = yaml.safe_load((recipe / "accelerate.yaml").read_text())
+        acc["fsdp_config"].update(fsdp)
+        (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+        return []
+    return make
+
+
+def output_dir_is_a_file(recipe, tmp):
+    (tmp / "out.txt").write_text("not a folder")
+    return ["--output_dir", str(tmp / "out.txt")]
+
+
+def malformed_yaml(recipe, tmp):
+    sft = recipe / "sft.yaml"
+    sft.write_text(sft.read_text() + "\nlearning_rate: [1e-3\n")
+    return []
+
+
+def empty_file(recipe, tmp):
+    (tmp / "empty.jsonl").write_text("")
+    return ["--dataset_name", str(tmp / "empty.jsonl"), "--eval_strategy", "no"]
+
+
+def no_chat_template(recipe, tmp, cache=None):
+    model = tmp / "model-without-template"
+    shutil.copytree(os.environ["FSDP_RECIPES_CACHE"] + "/tiny-mistral", model)
+    (model / "chat_template.jinja").unlink()
+    return ["--model_name_or_path", str(model), "--lora_modules_to_save", "lm_head"]
+
+
+CASES = {
+    # recipe YAML: ranges the libraries accept silently or only check inside the ranks
+    "yaml-negative-lr": (yaml_case(learning_rate=-1e-3), "learning_rate is -0.001; it must be positive"),
+    "yaml-zero-batch": (yaml_case(per_device_train_batch_size=0), "per_device_train_batch_size is 0"),
+    "yaml-zero-accumulation": (yaml_case(gradient_accumulation_steps=0), "gradient_accumulation_steps is 0"),
+    "yaml-zero-max-length": (yaml_case(max_length=0), "max_length is 0"),
+    "yaml-zero-steps": (yaml_case(max_steps=0), "max_steps is 0: nothing would be trained"),
+    "yaml-zero-epochs": (yaml_case(max_steps=-1, num_train_epochs=0), "num_train_epochs is 0"),
+    "yaml-lora-rank-zero": (yaml_case(lora_r=0), "lora_r is 0"),
+    "yaml-lora-alpha-negative": (yaml_case(lora_alpha=-8), "lora_alpha is -8"),
+    "yaml-unknown-key": (yaml_case(lerning_rate=1e-3), "did you mean `learning_rate`?"),
+    "yaml-malformed": (malformed_yaml, "malformed YAML in"),
+    "yaml-bad-scheduler": (yaml_case(lr_scheduler_type="cosine_with_typo"), "invalid configuration"),
+    # command-line overrides: checked exactly as YAML values
+    "cli-zero-eval-batch": (cli_case("--per_device_eval_batch_size", "0"), "per_device_eval_batch_size is 0"),
+    "cli-negative-lr": (cli_case("--learning_rate", "-1"), "learning_rate is -1.0; it must be positive"),
+    "cli-lora-dropout": (cli_case("--lora_dropout", "1.5"), "lora_dropout is 1.5"),
+    "cli-lora-target-list": (cli_case("--lora_target_modules", "q_proj", "nope"), "['nope'] match no module"),
+    "cli-lora-target-yaml-string": (cli_case("--lora_target_modules", "[q_proj, v_proj]"),
+                                    "is one string, which PEFT reads as a regular expression"),
+    "cli-unknown-flag": (cli_case("--max_stepz", "3"), "unknown command-line flag `--max_stepz`"),
+    "cli-output-dir-is-a-file": (output_dir_is_a_file, "is a file, not a directory"),
+    # data
+    "data-malformed-json-line": (data_case([qa(), qa(), '{"prompt": [{"role": "user", "content": "3 + 3?"}'],
+                                           name="bad.jsonl"), "bad.jsonl:3: "),
+    "data-empty-file": (empty_file, "empty"),
+    "data-unknown-role": (data_case([qa(), qa(role="bot")]), "train.jsonl:2: role 'bot' is not one of"),
+    "data-non-string-content": (data_case([qa(a=42), qa(a=7)]), "train.jsonl:1: a assistant turn's content is int"),
+    "data-no-assistant-turn": (data_case([{"messages": [{"role": "user", "content": "hi"}]}] * 3),
+                               "has an assistant turn"),
+    "data-all-truncated": (lambda r, t: [*data_case([qa(q="long " * 100)] * 4)(r, t), "--max_length", "16"],
+                           "truncation leaves no completion"),
+    "data-wrong-columns": (data_case([{"question": "q", "answer": "a"}] * 2), "has columns ['answer', 'question']"),
+    # model
+    "model-missing": (cli_case("--model_name_or_path", "/nonexistent/model"), "model not found"),
+    "model-no-chat-template": (no_chat_template, "has no chat template"),
+    "model-flash-attn-missing": (cli_case("--attn_implementation", "flash_attention_2"), "needs the flash-attn"),
+    # accelerate YAML
+    "accelerate-wrong-wrap-class": (acc_case(fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer"),
+                                    "MistralForCausalLM does not have"),
+    "accelerate-fsdp1-key-under-fsdp2": (acc_case(fsdp_sharding_strategy="FULL_SHARD"), "only apply to FSDP1"),
+    "accelerate-unknown-key": (acc_case(fsdp_offload_parms=True), "unknown fsdp_config key `fsdp_offload_parms`"),
+    # environment
+    "env-unset-variable-in-path": (cli_case("--dataset_name", "$NO_SUCH_VAR_FOR_TEST/data"),
+                                   "$NO_SUCH_VAR_FOR_TEST, which is not set here"),
+}
+
+
+def run_launcher_checks(args, monkeypatch, capsys) -> tuple[int, str, str]:
+    """The launcher's main in this process; starting the ranks fails the test (the mistake must be found first)."""
+    from fsdp_recipes.launch import launcher
+
+    def no_ranks(*a, **k):
+        raise AssertionError("the launcher started the ranks for a mistake it should have caught")
+
+    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
+    monkeypatch.setattr(launcher, "Ranks", no_ranks)
+    saved = dict(os.environ)  # main sets PET_* and others with setdefault: they must not reach later tests
+    try:
+        launcher.main(args)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mistake_is_one_line_before_any_rank(name, recipe, earlier_run, tmp_path, monkeypatch, capsys):
+    make, fragment = CASES[name]
+    before = snapshot(earlier_run)
+    args = make(recipe, tmp_path)
+    if "--output_dir" not in args:
+        args += ["--output_dir", str(earlier_run)]
+    code, out, err = run_launcher_checks([str(recipe), *args], monkeypatch, capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, out + err
+    assert "Traceback" not in out + err, out + err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0], lines[0]
+    assert "Fix:" in lines[0], lines[0]
+    assert_unchanged(before, earlier_run)
+
+
+def test_settings_that_never_fire_are_warnings(cache_dir):
+    """A short trial run of a recipe (--max_steps 4) is valid: its never-firing save/eval/logging steps and its too
+    long warmup are warned about, not refused."""
+    from fsdp_recipes.config.run_config import parse_args
+    from fsdp_recipes.config.value_checks import schedule_warnings
+
+    cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), "--max_steps", "4", "--save_strategy",
+                      "steps", "--save_steps", "1000"])
+    assert schedule_warnings(cfg.training) == [
+        "save_steps is 1000 but the run has only max_steps 4, so it never fires: no checkpoint will be written",
+        "eval_steps is 100 but the run has only max_steps 4, so it never fires",
+        "logging_steps is 10 but the run has only max_steps 4, so it never fires",
+        "warmup_steps is 10 and the run has 4 steps: the learning rate never leaves warmup"]
+    cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml")])
+    assert schedule_warnings(cfg.training) == []
+
+
+def test_the_battery_covers_every_class_of_mistake():
+    classes = {name.split("-")[0] for name in CASES}
+    assert classes == {"yaml", "cli", "data", "model", "accelerate", "env"}
+    assert len(CASES) >= 25
+
+
+def test_truncation_is_one_counted_warning(recipe, tmp_path, cache_dir):
+    from transformers import AutoTokenizer
+
+    from fsdp_recipes.train.data_checks import check_lengths
+    import datasets
+
+    # the tiny tokenizer is character-level: a 40-word prompt is ~200 tokens, a 100-digit answer ~100
+    ds = datasets.Dataset.from_list([qa(q="long " * 40), qa(), qa(), qa(a="9" * 100)])
+    tok = AutoTokenizer.from_pretrained(cache_dir / "tiny-mistral")
+    warnings = check_lengths(ds, tok, 64, "train", "data.jsonl")
+    assert warnings == ["1 of 4 rows of the `train` split have a prompt of max_length (64) tokens or more: TRL drops "
+                        "them", "1 of 4 rows of the `train` split are longer than max_length (64) tokens: truncated"]
+    assert check_lengths(ds.select([1, 2]), tok, 64, "train", "data.jsonl") == []
+
+
+# ------------------------------------------------------------------ real launches: what only the ranks find
+
+def launch_args(out, *extra):
+    return ["tiny-cpu-lora", "--eval_strategy", "no", "--save_merged_model", "false", "--logging_steps", "1",
+            "--output_dir", str(out), *extra]
+
+
+def one_error_line(res):
+    """The ranks' own stderr (progress bars, warnings) is relayed; of it all, one line is an error, the last."""
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], res.stderr[-3000:]
+    assert "Traceback" not in res.stdout + res.stderr, (res.stdout + res.stderr)[-3000:]
+    return errors[0]
+
+
+@pytest.mark.slow
+def test_rank_failures_are_one_line_and_lose_nothing(tmp_path, cache_dir):
+    """One output_dir, two launches. 1: the loss turns NaN at step 3 (tests/probes): training stops there with exit
+    1, the report says failed, checkpoint-2 stays the one to resume from. 2: the command that resumes it carries a
+    mistake only a rank finds (a hub dataset, offline): exit 2, one line, and the first run's files unchanged."""
+    out = tmp_path / "run"
+    probe = dict(PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", NAN_LOSS_AT_STEP="3")
+    from conftest import run
+
+    res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher",
+               *launch_args(out, "--max_steps", "6", "--save_strategy", "steps", "--save_steps", "2",
+                           "--warmup_steps", "0")], cache_dir,
+              **probe)
+    line = one_error_line(res)
+    assert res.returncode == 1, line
+    assert "the training loss was nan at step 3" in line and f"the last good checkpoint is {out / 'checkpoint-2'}" \
+        in line, line
+    assert "learning rate" in line and f"Full traceback: {out / 'logs'}/rank" in line, line
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "failed" and metrics["error"] == line[len("error: "):], metrics
+    assert metrics["failed_phase"] == "training" and metrics["failed_step"] == 3
+    from fsdp_recipes.checkpoint import markers as checkpoints
+
+    assert checkpoints.latest_complete(out) == out / "checkpoint-2"
+    for rank in (0, 1):  # every rank's full output is kept
+        log = (out / "logs" / f"rank{rank}.log").read_text()
+        assert "==== launch at" in log
+    failed_rank = int(line.split("Full traceback: ")[1].rsplit("rank", 1)[1].split(".")[0])
+    assert "NonFiniteLoss" in (out / "logs" / f"rank{failed_rank}.log").read_text()
+    assert "ChildFailedError" in (out / "logs" / "launch.log").read_text()  # torchrun's page: in the log only
+
+    before = snapshot(out)
+    res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher",
+               *launch_args(out, "--max_steps", "6", "--dataset_name", "no-such-org/no-such-dataset")], cache_dir,
+              HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    line = one_error_line(res)
+    assert res.returncode == 2, line
+    assert "before the first optimizer step" in line and "no-such-dataset" in line, line
+    assert "Traceback (most recent call last)" in (out / "logs" / line.rsplit("/", 1)[1]).read_text()
+    assert_unchanged(before, out)
+
+
+@pytest.mark.slow
+def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch.launcher",
+                             *launch_args(out, "--max_steps", "100000")], cwd=REPO, env=pack_env(cache_dir),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (out / "run_args.json").exists():  # training has started
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    ours = [p for p in tagged_processes() if p.pid != proc.pid]
+    assert len(ours) >= 3, ours  # accelerate launch (torchrun) and 2 ranks
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    t = time.time()
+    while (left := [p for p in ours if p.is_running() and p.status() != "zombie"]) and time.time() - t < 20:
+        time.sleep(0.2)
+    assert not left, [" ".join(p.cmdline())[:120] for p in left]
+    print(f"all processes gone {time.time() - t:.1f} s after the launcher's SIGKILL")
