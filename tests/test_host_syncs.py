@@ -8,6 +8,10 @@ pack's own code, in a one-process gloo group: reads of any tensor computed from 
 the GPU; marked here by a tensor subclass that every result of an operation on it inherits), and collectives that
 block. Before this was fixed: 2 per micro-batch-pair step (the counter's
 `.tolist()` per micro-batch, the preemption flag's all-reduce and its `.tolist()`), and one blocking collective.
+
+Not counted here: the non-finite-loss check in ReportingSFTTrainer.training_step reads each micro-batch's loss. The
+Trainer reads that same loss just before it (`logging_nan_inf_filter`, on by default), so the GPU has already
+drained its queue and the pack's read waits for nothing more.
 """
 
 import signal
