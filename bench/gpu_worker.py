@@ -36,7 +36,6 @@ def worker(argv: list[str]) -> int:
     from trl import get_peft_config
 
     from fsdp_recipes.metrics.run_report import RunReportCallback
-    from fsdp_recipes.metrics.tokens import COUNTS
     from fsdp_recipes.records import write_json_atomic
     from fsdp_recipes.train import train_sft
     from fsdp_recipes.train.preemption import PreemptionCallback
@@ -79,8 +78,7 @@ def worker(argv: list[str]) -> int:
                 if torch.cuda.is_available():
                     torch.cuda.reset_peak_memory_stats()
                 report.train_start = time.time()
-                for k in COUNTS:  # in place: the trainer holds this counter too
-                    setattr(report.tokens, k, 0)
+                report.tokens.reset()  # in place: the trainer holds this counter too
 
         def on_train_end(self, args, state, control, **kwargs):
             sync()

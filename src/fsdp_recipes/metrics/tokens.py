@@ -20,6 +20,10 @@ class TokenCounter:
     What the shapes tell is counted on the host at once."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting from zero (the GPU ladder leaves its warm-up steps out this way)."""
         self._host = dict.fromkeys(COUNTS, 0)
         self._on_device = None  # int64 [non_padding, sequences, squared_lengths] not yet read back
 
