@@ -91,9 +91,12 @@ def test_multinode_two_nodes(cluster, submit, tmp_path):
     assert re.search(r'^training_running\{.*world_size="2"\} 0$', prom.read_text(), flags=re.M), prom.read_text()
     m = json.loads((out / "metrics.json").read_text())
     assert m["status"] == "completed" and m["steps"] == 20
-    assert len(re.findall(rf"run_id +: {job}\n", text)) == 2, text[-4000:]  # --rdzv_id=$SLURM_JOB_ID, both nodes
-    assert len(re.findall(r"rdzv_endpoint +: fsdpn1:\d+\n", text)) == 2
-    assert text.count("'join_timeout': '300'") == 2
+    # torchrun's own output goes to output_dir/logs/launch.log, not the terminal: both nodes' launchers append to it
+    launch_log = (out / "logs" / "launch.log").read_text()
+    assert len(re.findall(rf"run_id +: {job}\n", launch_log)) == 2, launch_log[-4000:]  # --rdzv_id=$SLURM_JOB_ID
+    assert len(re.findall(r"rdzv_endpoint +: fsdpn1:\d+\n", launch_log)) == 2
+    assert launch_log.count("'join_timeout': '300'") == 2
+    assert "run_id" not in text  # the terminal (the Slurm log) shows the pack's lines and the ranks' output only
     assert (m["world_size"], m["num_nodes"]) == (2, 2)  # num_nodes = WORLD_SIZE / LOCAL_WORLD_SIZE
     assert m["sharding_strategy"] == "FULL_SHARD"  # world 2 = the recipe's shard group: one replica
     assert info["NumNodes"] == "2" and info["NodeList"] == "fsdpn[1-2]"

@@ -6,6 +6,7 @@ import functools
 import sys
 
 EXIT_USER_ERROR = 2  # a mistake the user can fix, found before training
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was saved on a signal; the same command resumes from it
 
 

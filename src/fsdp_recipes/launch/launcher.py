@@ -39,7 +39,7 @@ from pathlib import Path
 # import the same in parallel.
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, recipes, yaml_keys
 from fsdp_recipes.config.run_config import PackArguments, RunConfig, override
-from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
+from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import failures, smoke, summary
 from fsdp_recipes.launch.rank_output import RankOutput
 from fsdp_recipes.train import failure, float8, start_gate, train_sft
@@ -89,6 +89,7 @@ class Ranks:
         if not gated:
             self.gate.open()
         self.preempted_by: int | None = None
+        self.interrupted = False  # Ctrl-C after release: the ranks report "interrupted", which is no failure
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
         # Its own session, as torchrun gives each rank: Ctrl-C in a terminal reaches the ranks through _on_signal
         # and torchrun (PET_SIGNALS_TO_HANDLE), and a Ctrl-C during the checks stops the launcher alone.
@@ -105,7 +106,9 @@ class Ranks:
     def _on_signal(self, signum, frame):
         if not self.released:  # the ranks are importing or at the gate: stop everything here
             raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signal.Signals(signum).name)
-        if signum != signal.SIGINT and self.preempted_by is None:
+        if signum == signal.SIGINT:
+            self.interrupted = True
+        elif self.preempted_by is None:
             self.preempted_by = signum
         self.proc.send_signal(signum)
 
@@ -325,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_PREEMPTED
         if isinstance(err, KeyboardInterrupt):
             say("interrupted before the checks finished: nothing had started")
-            return 130
+            return EXIT_INTERRUPTED
         if isinstance(err, Exception) and not isinstance(err, UserError):
             raise unexpected(err, "checking the recipe") from None
         raise
@@ -354,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         say(f"training completed and its run report {report} says so (final save written and checked), but a rank "
             f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
         return rc
+    if rc != 0 and (ranks.interrupted or metrics.get("status") == "interrupted"):
+        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; run the same command again to resume "
+            f"from the newest complete checkpoint in {output_dir}, if there is one")
+        return EXIT_INTERRUPTED
     if rc != 0:
         from fsdp_recipes.checkpoint import markers as checkpoints
 

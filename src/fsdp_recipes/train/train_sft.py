@@ -12,7 +12,7 @@ from pathlib import Path
 
 from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
-from fsdp_recipes.errors import EXIT_PREEMPTED, UserError, cli
+from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.patches import cpu_fsdp, guard
 from fsdp_recipes.train import failure, float8, start_gate
@@ -309,7 +309,7 @@ def run(argv: list[str] | None = None) -> int:
         save_final(trainer, cfg, peft_config, report)
     except KeyboardInterrupt as err:
         report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")
-        return 130
+        return EXIT_INTERRUPTED
     except BaseException as err:  # UserError included: the report records why the run stopped
         # Only once this run has trained: a failure before its first optimizer step (a mistake in the command
         # that resumes an output_dir) leaves the previous run's report as it was.
