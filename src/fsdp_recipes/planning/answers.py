@@ -10,6 +10,8 @@ from fsdp_recipes.planning import comms, duration, fit
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB
 
+NODE_GPUS = 8  # GPUs of an HGX/DGX board: the node size a topology answer uses when GPUS names fewer
+
 
 def gib(n: float) -> str:
     return f"{n / GIB:,.2f}"
@@ -53,16 +55,18 @@ def topology_answer(p) -> list[str]:
         world = fit.smallest_fsdp_world(m, s, usable, p.gpus * 1024)
         alt = f"; FSDP over {world} GPUs would" if world else ""
         return [f"smallest topology: none under {p.own}: every GPU holds the whole model, whatever the count{alt}"]
-    world = fit.smallest_fsdp_world(m, s, usable, p.gpus * 1024)
+    node = max(p.gpus, NODE_GPUS)  # GPUS names this node; a bigger answer is stated in nodes of the usual board
+    world = fit.smallest_fsdp_world(m, s, usable, node * 1024)
     if world is None:
-        return [f"smallest topology: none up to {p.gpus * 1024} GPUs"]
-    if world <= p.gpus:
-        return [f"smallest topology: GPUS={world} NODES=1 (FSDP over {world}; {world - 1} would need "
-                f"{gib(fit.total(m, dataclasses.replace(s, shard=world - 1, world=world - 1)))} GiB)"
-                if world > 1 else "smallest topology: GPUS=1 NODES=1"]
-    nodes = -(-world // p.gpus)
-    return [f"smallest topology: {world} GPUs: NODES={nodes} GPUS={p.gpus} (one-dimensional FSDP across nodes: "
-            "see --comms for what that costs)"]
+        return [f"smallest topology: none up to {node * 1024} GPUs"]
+    if world == 1:
+        return ["smallest topology: GPUS=1 NODES=1"]
+    if world <= node:
+        less = fit.total(m, dataclasses.replace(s, shard=world - 1, world=world - 1))
+        return [f"smallest topology: GPUS={world} NODES=1 (FSDP over {world}; {world - 1} would need {gib(less)} GiB)"]
+    nodes = -(-world // node)
+    return [f"smallest topology: {world} GPUs: NODES={nodes} GPUS={node} (one-dimensional FSDP across nodes: "
+            "see --comms for what that costs, and HSDP's memory for the alternative)"]
 
 
 def topology(p, nodes: int | None = None, strategy: str | None = None) -> comms.Topology:
