@@ -111,12 +111,18 @@ def compute_lines(e: comms.Estimate, w: comms.Work, f: Fabric, mfu: float) -> li
         return [f"compute: no dense bf16 peak for the {f.gpu}, so no time and no verdict"]
     return [
         f"compute: {w.tokens:,} tokens x {e.flops_per_token / 1e9:,.2f} GFLOP/token = "
-        f"{w.tokens * e.flops_per_token / 1e15:,.1f} PFLOP at {mfu:.0%} MFU (assumed) of {f.peak_flops / 1e12:g} "
+        f"{w.tokens * e.flops_per_token / 1e15:,.4g} PFLOP at {mfu:.0%} MFU (assumed) of {f.peak_flops / 1e12:g} "
         f"TFLOP/s = {e.compute_s:,.2f} s",
         f"communication: {e.comm_s:,.2f} s at nominal link rates (a lower bound: no latency, no contention)",
         f"verdict: {e.verdict} (communication {e.comm_s:,.2f} s vs compute {e.compute_s:,.2f} s per step; FSDP "
         "overlaps the two, so the step takes about the longer)",
     ]
+
+
+def span(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:,.1f} s"
+    return f"{seconds / 60:,.1f} min" if seconds < 3600 else f"{seconds / 3600:,.2f} h"
 
 
 def short(c: comms.Collective | None) -> str:
@@ -190,7 +196,7 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
     if d.seconds is None:
         lines.append(f"  time: unknown (no dense bf16 peak or interconnect figures for the {f.gpu})")
     else:
-        lines.append(f"  time: {d.seconds / 3600:,.2f} h = {steps:,} steps x {d.step_seconds:,.2f} s (per step the "
+        lines.append(f"  time: {span(d.seconds)} = {steps:,} steps x {d.step_seconds:,.3g} s (per step the "
                      f"longer of compute at {mfu:.0%} MFU, an assumption until a GPU run measures it, and "
                      f"communication {e.comm_s:,.2f} s)")
     return "\n".join(lines)

@@ -23,6 +23,9 @@ import statistics
 from fsdp_recipes.errors import UserError
 
 
+SAMPLE = 1000  # rows tokenized for the mean length
+
+
 @dataclasses.dataclass(frozen=True)
 class Data:
     rows: int
@@ -81,10 +84,14 @@ def local_stats(cfg, max_length: int) -> Data | None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
-    lengths = [min(row_tokens(row, tok, cfg.training.dataset_text_field), max_length) for row in train]
-    return Data(len(train), statistics.fmean(lengths) if lengths else 0.0,
-                f"{len(train):,} rows from {cfg.script.dataset_name}, {statistics.fmean(lengths):,.1f} tokens per "
-                f"row on average (max {max(lengths):,}, cut at max_length {max_length:,})")
+    # a spread sample, not the first rows (a file sorted by length would mislead); seconds for the chat template
+    step = max(1, len(train) // SAMPLE)
+    sample = train.select(range(0, len(train), step)) if len(train) else train
+    lengths = [min(row_tokens(row, tok, cfg.training.dataset_text_field), max_length) for row in sample]
+    mean = statistics.fmean(lengths) if lengths else 0.0
+    of = "every row" if step == 1 else f"every {step}th row"
+    return Data(len(train), mean, f"{len(train):,} rows from {cfg.script.dataset_name}, {mean:,.1f} tokens per row on "
+                                  f"average over {of} (max {max(lengths, default=0):,}, cut at max_length {max_length:,})")
 
 
 def row_tokens(row: dict, tok, text_field: str) -> int:

@@ -58,6 +58,10 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
         if cfg.model.use_peft:  # float8's torchao check is about the training machine, not this one
             float8.check_config(cfg.pack.float8, cfg.model.use_peft)
         value_checks.check_values(cfg)
+    if cfg.pack.tiny_assets:  # as train_sft.parse_and_check does: the tiny model is built locally, offline
+        from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+        ensure_assets(quiet=True)
     model_args = cfg.model
     source = model_check.model_config_source(model_args.model_name_or_path, recipe)
     if source is None:
