@@ -208,14 +208,16 @@ def test_scale_table_shows_why_hsdp(capsys):
 
 def test_time_by_hand(capsys):
     """200,000 rows of 1,400 tokens, 1 epoch, global batch 4 x 4 x 8 = 128: ceil(200,000 / 32) = 6,250 micro-batches
-    per rank, ceil(6,250 / 4) = 1,563 steps; 280,000,000 tokens at 49,125,285,888 FLOP/token (max_length attention,
-    the worst case), at 40% of 989 TFLOP/s on 8 GPUs."""
-    seconds = 280_000_000 * (6 * 7_113_805_824 + 12 * 32 * 4096 * 4096) / (8 * 989e12 * 0.4)
+    per rank, ceil(6,250 / 4) = 1,563 steps; 280,000,000 tokens at 6 x 7,113,805,824 + 12 x 32 x 4096 x 1400
+    = 42,682,834,944 + 2,202,009,600 = 44,884,844,544 FLOP/token (attention at the mean row length), at 40% of 989 TFLOP/s on 8 GPUs."""
+    per_token = 6 * 7_113_805_824 + 12 * 32 * 4096 * 1400
+    assert per_token == 44_884_844_544
+    seconds = 280_000_000 * per_token / (8 * 989e12 * 0.4)
     code, out, _ = run(capsys, "mistral-7b-full", "--gpus", "8", "--time", "--rows", "200000", "--tokens-per-row",
                        "1400")
     assert code == 0
     assert "steps: 1,563 (1 epoch(s), global batch 128 = 4 x 4 x 8)" in out
-    assert "tokens: 280,000,000 (200,000 rows read x 1,400.0)" in out
+    assert "tokens: 280,000,000 (200,000 rows read x 1,400.0), 44.88 GFLOP/token" in out
     assert f"time: {seconds / 3600:,.2f} h = 1,563 steps x {seconds / 1563:,.3g} s" in out
 
 

@@ -186,13 +186,15 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
                            t.num_train_epochs, t.max_steps)
     read = duration.rows_seen(rows, t.num_train_epochs, t.max_steps, global_batch)
     e = comms.estimate(p.shape, topology(p), work(p, mfu), f) if f.node is not None else None
-    d = duration.estimate(data, steps, read, e.flops_per_token if e else 0.0, world, f.peak_flops, mfu,
-                          e.comm_s if e else 0.0)
+    # attention at the rows' mean length, not max_length: rows are padded only to the longest in their batch
+    fpt = comms.flops_per_token(p.shape, data.tokens_per_row)
+    d = duration.estimate(data, steps, read, fpt, world, f.peak_flops if e else None, mfu, e.comm_s if e else 0.0)
     run = f"max_steps {t.max_steps}" if t.max_steps > 0 else f"{t.num_train_epochs:g} epoch(s)"
     lines = [f"how long: {data.source}",
              f"  steps: {steps:,} ({run}, global batch {global_batch} = {t.per_device_train_batch_size} x "
              f"{t.gradient_accumulation_steps} x {world})",
-             f"  tokens: {d.tokens:,} ({read:,} rows read x {data.tokens_per_row:,.1f})"]
+             f"  tokens: {d.tokens:,} ({read:,} rows read x {data.tokens_per_row:,.1f}), "
+             f"{fpt / 1e9:,.2f} GFLOP/token (attention at {data.tokens_per_row:,.0f} tokens)"]
     if d.seconds is None:
         lines.append(f"  time: unknown (no dense bf16 peak or interconnect figures for the {f.gpu})")
     else:

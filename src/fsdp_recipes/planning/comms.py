@@ -129,6 +129,12 @@ def matmul_params(m: ModelShape) -> tuple[int, int]:
     return trainable, n - trainable
 
 
+def flops_per_token(m: ModelShape, length: float) -> float:
+    trainable, frozen = matmul_params(m)
+    # flops_per_token's attention term is 12 x layers x heads x head_dim x length; heads x head_dim is q_dim
+    return flops.flops_per_token(trainable, frozen, m.layers, 1, m.q_dim, length)
+
+
 def reduced_params(m: ModelShape, t: Topology) -> int:
     """Gradient elements the step reduces (see the module docstring for FSDP1's whole flat units)."""
     if t.strategy in ("FSDP", "HSDP") and t.fsdp_version == 1 and m.trainable != m.params:
@@ -168,9 +174,7 @@ def estimate(m: ModelShape, t: Topology, w: Work, f: Fabric) -> Estimate:
     if t.strategy == "DDP" and t.world > 1:
         name, gbps = link(f, t.world, spans_nodes=t.nodes > 1)
         out.append(Collective("all-reduce", t.world, grads, ring_bytes("all-reduce", t.world, grads), name, gbps))
-    trainable, frozen = matmul_params(m)
-    # flops_per_token's attention term is 12 x layers x heads x head_dim x length; heads x head_dim is q_dim
-    fpt = flops.flops_per_token(trainable, frozen, m.layers, 1, m.q_dim, w.max_length)
+    fpt = flops_per_token(m, w.max_length)
     compute = w.tokens * fpt / (f.peak_flops * w.mfu) if f.peak_flops else None
     return Estimate(out, compute, fpt, warnings)
 
