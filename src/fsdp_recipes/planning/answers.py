@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_recipes.config import accelerate_yaml
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.planning import comms, duration, fit
 from fsdp_recipes.planning.fabric import Fabric
@@ -20,9 +21,9 @@ def gib(n: float) -> str:
 def boundary(a: fit.Answer, usable: float) -> str:
     if not a.value:
         return f"{a.what}: none fits ({a.note}: 1 needs {gib(a.next_bytes or 0)} GiB)"
-    past = (f"{a.value + 1:,} does not ({a.next_bytes:,} B = {gib(a.next_bytes)} GiB > {usable:,.0f} B)"
-            if a.next_bytes is not None else "the search's limit")
-    return f"{a.what}: {a.value:,} fits ({a.fits_bytes:,} B = {gib(a.fits_bytes)} GiB); {past}; {a.note}"
+    past = (f"; {a.value + 1:,} does not ({a.next_bytes:,} B = {gib(a.next_bytes)} GiB > {usable:,.0f} B)"
+            if a.next_bytes is not None else "")  # None: the search stopped at its limit, which the note names
+    return f"{a.what}: {a.value:,} fits ({a.fits_bytes:,} B = {gib(a.fits_bytes)} GiB){past}; {a.note}"
 
 
 def fit_section(p) -> str:
@@ -60,6 +61,11 @@ def topology_answer(p) -> list[str]:
     if world is None:
         return [f"smallest topology: none up to {node * 1024} GPUs"]
     if world == 1:
+        try:  # FSDP1 + LoRA on one process cannot save sharded checkpoints: the launcher refuses it
+            accelerate_yaml.check_fsdp_with_peft(p.acc, p.cfg.model.use_peft, p.recipe / "accelerate.yaml", 1)
+        except UserError:
+            return ["smallest topology: GPUS=2 NODES=1 (1 GPU holds it, but the launcher refuses FSDP1 "
+                    "LoRA on one process: see docs/training.md)"]
         return ["smallest topology: GPUS=1 NODES=1"]
     if world <= node:
         less = fit.total(m, dataclasses.replace(s, shard=world - 1, world=world - 1))
@@ -95,9 +101,11 @@ def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:
                         f"Fix: plan with a GPU of fsdp_recipes/planning/fabric.py's table, or add the {f.gpu} there.")
     t, w = topology(p), work(p, mfu)
     e = comms.estimate(p.shape, t, w, f)
-    lines = [f"communication per optimizer step, per GPU: {p.own}, shard group {t.shard}, {t.nodes} node(s) x "
-             f"{t.gpus}; {w.accumulation} micro-batch(es) of {w.micro_batch} x {w.max_length:,} tokens; all-gather "
-             f"at {w.gather_bytes} B/parameter, gradients reduced at {w.reduce_bytes} B",
+    gather = f"all-gather at {w.gather_bytes} B/parameter, " if p.own in ("FSDP", "HSDP") else ""
+    group = f"shard group {t.shard}" if p.own in ("FSDP", "HSDP") else "no sharding"
+    lines = [f"communication per optimizer step, per GPU: {p.own}, {group}, {t.nodes} node(s) x {t.gpus}; "
+             f"{w.accumulation} micro-batch(es) of {w.micro_batch} x {w.max_length:,} tokens; {gather}gradients "
+             f"reduced at {w.reduce_bytes} B",
              "", comms.table(e), "",
              f"network between nodes: {f.network} = {f.network_gbps:g} GB/s per GPU per direction"
              + ("" if t.nodes > 1 else " (unused on one node)")]
@@ -114,8 +122,8 @@ def compute_lines(e: comms.Estimate, w: comms.Work, f: Fabric, mfu: float) -> li
         f"{w.tokens * e.flops_per_token / 1e15:,.4g} PFLOP at {mfu:.0%} MFU (assumed) of {f.peak_flops / 1e12:g} "
         f"TFLOP/s = {e.compute_s:,.2f} s",
         f"communication: {e.comm_s:,.2f} s at nominal link rates (a lower bound: no latency, no contention)",
-        f"verdict: {e.verdict} (communication {e.comm_s:,.2f} s vs compute {e.compute_s:,.2f} s per step; FSDP "
-        "overlaps the two, so the step takes about the longer)",
+        f"verdict: {e.verdict} (communication {e.comm_s:,.2f} s vs compute {e.compute_s:,.2f} s per step; the "
+        "collectives overlap compute, so the step takes about the longer)",
     ]
 
 
