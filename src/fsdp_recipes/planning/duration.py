@@ -90,8 +90,9 @@ def local_stats(cfg, max_length: int) -> Data | None:
     lengths = [min(row_tokens(row, tok, cfg.training.dataset_text_field), max_length) for row in sample]
     mean = statistics.fmean(lengths) if lengths else 0.0
     of = "every row" if step == 1 else f"every {step}th row"
+    longest = max(lengths, default=0)
     return Data(len(train), mean, f"{len(train):,} rows from {cfg.script.dataset_name}, {mean:,.1f} tokens per row on "
-                                  f"average over {of} (max {max(lengths, default=0):,}, cut at max_length {max_length:,})")
+                                  f"average over {of} (max {longest:,}, cut at max_length {max_length:,})")
 
 
 def row_tokens(row: dict, tok, text_field: str) -> int:

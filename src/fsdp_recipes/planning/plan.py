@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     # run_config.parse_args as the run parses it, so a mistake there is the run's own one line.
     ap = argparse.ArgumentParser(prog="make plan", description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="Any other --field value is an override of the recipe, as in make finetune ARGS=.")
+                                 epilog="Any other --field value overrides the recipe, as in make finetune ARGS=.")
     ap.add_argument("recipe", help="a recipe name under recipes/ or a recipe folder")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     ap.add_argument("--nodes", type=int, default=1)
@@ -278,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     if not p.fits:
         total = p.budgets[p.own]["total"]
         print(f"error: recipe {p.recipe.name} does not fit: {gib(total)} GiB per GPU under {p.own}, "
-              f"{p.capacity * HEADROOM:.1f} GiB usable on a {p.gpu}. Fix: more GPUs or nodes, activation_checkpointing, "
-              "a smaller per_device_train_batch_size or max_length, or LoRA.", file=sys.stderr)
+              f"{p.capacity * HEADROOM:.1f} GiB usable on a {p.gpu}. Fix: more GPUs or nodes, "
+              "activation_checkpointing, a smaller per_device_train_batch_size or max_length, or LoRA.", file=sys.stderr)
         return 1
     return 0
 
