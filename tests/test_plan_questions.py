@@ -313,7 +313,7 @@ def test_bf16_and_checkpointed_activations_against_the_probes_count(cache_dir, t
     # 2026-11-24: 1,330,048 B measured, 1,351,680 estimated (1.6% over; 2.1% at 4 x 64 tokens); test_plan.py's fp32
     # check of the whole step allows 10%
     assert abs(full / (batch * length * p.shape.layers * per_layer) - 1) < 0.05, (full, per_layer)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.base_model.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     kept = measure()
     assert kept == batch * length * p.shape.layers * p.shape.hidden * 2  # each layer's bf16 input, nothing else
