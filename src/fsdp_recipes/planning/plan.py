@@ -1,14 +1,20 @@
-"""`make plan RECIPE=<name> GPUS=8 NODES=1 GPU=H100`: will the recipe fit? A preflight that launches nothing.
+"""`make plan RECIPE=<name or folder> GPUS=8 NODES=1 GPU=H100 ARGS="..."`: will the recipe fit, and the questions
+that follow. A preflight that launches nothing.
 
-    python -m fsdp_recipes.planning.plan <recipe> --gpus 8 --nodes 1 --gpu H100
+    python -m fsdp_recipes.planning.plan <recipe> --gpus 8 --nodes 1 --gpu H100 [--fit] [--comms] [--scale 1,4,64]
+        [--time [--rows N] [--tokens-per-row T]] [--network ndr | --network-gbps G] [--mfu 0.4] [--<field> value ...]
 
-1. Validates the recipe as the launcher does (accelerate YAML, recipe YAML, wrap class and LoRA targets on a
+1. Reads the recipe as the run does: the launcher's recipe lookup (a name or a folder), and every argument the
+   planner does not know is an override of the recipe, parsed and range-checked by the run's own code
+   (run_config.parse_args, value_checks), so an override the run would reject is the same one line here.
+2. Validates the recipe as the launcher does (accelerate YAML, recipe YAML, wrap class and LoRA targets on a
    meta-device model) plus the topology: the world size covers the HSDP groups, a shard group stays inside
    one node, the GPU supports the recipe's dtype.
-2. Prints the global batch (per-device batch x accumulation x data-parallel size) and the per-GPU memory
+3. Prints the global batch (per-device batch x accumulation x data-parallel size) and the per-GPU memory
    budget (fsdp_recipes.planning.memory_budget) under the recipe's own strategy and under DDP.
-3. States the decision rule: fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP.
-4. Exits 1 with one line when the recipe does not fit (estimate above 90% of the GPU's memory; the rest is
+4. States the decision rule: fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP.
+5. On request (answers.py): what fits (fit.py), communication per step (comms.py, fabric.py), how long (duration.py).
+6. Exits 1 with one line when the recipe does not fit (estimate above 90% of the GPU's memory; the rest is
    left for fragmentation), 2 for a configuration mistake, 0 when it fits.
 """
 
