@@ -52,8 +52,8 @@ smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tin
 	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
-plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100: will it fit? per-GPU memory budget, launches nothing
-	@$(PY) -m fsdp_recipes.planning.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU)
+plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100 [ARGS="--fit --comms --time --max_length 8192 ..."]: will it fit? launches nothing
+	@$(PY) -m fsdp_recipes.planning.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU) $(ARGS)
 
 k8s: $(STAMP) ## RECIPE NODES GPUS [K8S_ARGS]: Kubeflow PyTorchJob, TrainJob and Run:ai manifests in k8s/generated/
 	@$(PY) -m fsdp_recipes.cluster.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)

@@ -44,6 +44,11 @@ RUN_HERE = {
     "make plan RECIPE=mistral-7b-full GPUS=1 GPU=H100": 1,  # docs/planner.md shows it refusing
     "python -m fsdp_recipes.planning.plan mistral-7b-full --gpus 8 --nodes 1 --gpu H100": 0,
     "python -m fsdp_recipes.planning.plan mistral-large-hsdp --gpus 8 --nodes 2 --gpu H100": 0,
+    # the planner's questions (docs/planner.md, README): in this process, a second or so each
+    'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--max_length 8192 --fit --comms"': 0,
+    'make plan RECIPE=mistral-large-hsdp GPUS=8 NODES=2 GPU=H100 ARGS="--scale 1,4,64"': 0,
+    'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--time --rows 200000 --tokens-per-row 1400"': 0,
+    'make plan RECIPE=recipes/llama-3.1-8b-lora GPUS=8 GPU=H100 ARGS="--per_device_train_batch_size 8 --fit"': 0,
     "python -m fsdp_recipes.cluster.k8s --help": 0,
     "mkdir -p slurm-logs": 0,  # the folder ships with a .gitignore, so this changes nothing in the checkout
 }

@@ -60,6 +60,8 @@ class ModelShape:
     root_params: int  # outside the decoder layers: embeddings, final norm, LM head
     lora_dropout_width: int  # sum of in_features over LoRA-targeted linears of one layer, when dropout > 0
     lora_rank_width: int  # LoRA r x the number of targeted linears in one layer (the A outputs B keeps)
+    embedding: int = 0  # the input embedding (a lookup, no matmul FLOPs)
+    tied: bool = False  # the LM head shares the embedding's weight (still a matmul)
 
 
 @dataclasses.dataclass
@@ -114,6 +116,7 @@ def shape_of(model, model_args) -> ModelShape:
         intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, layer_params=layer_params,
         layer_trainable=lora_layer if model_args.use_peft else base_layer,
         root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
+        embedding=model.get_input_embeddings().weight.numel(), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
     )
 
 

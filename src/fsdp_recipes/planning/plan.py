@@ -1,27 +1,35 @@
-"""`make plan RECIPE=<name> GPUS=8 NODES=1 GPU=H100`: will the recipe fit? A preflight that launches nothing.
+"""`make plan RECIPE=<name or folder> GPUS=8 NODES=1 GPU=H100 ARGS="..."`: will the recipe fit, and the questions
+that follow. A preflight that launches nothing.
 
-    python -m fsdp_recipes.planning.plan <recipe> --gpus 8 --nodes 1 --gpu H100
+    python -m fsdp_recipes.planning.plan <recipe> --gpus 8 --nodes 1 --gpu H100 [--fit] [--comms] [--scale 1,4,64]
+        [--time [--rows N] [--tokens-per-row T]] [--network ndr | --network-gbps G] [--mfu 0.4] [--<field> value ...]
 
-1. Validates the recipe as the launcher does (accelerate YAML, recipe YAML, wrap class and LoRA targets on a
+1. Reads the recipe as the run does: the launcher's recipe lookup (a name or a folder), and every argument the
+   planner does not know is an override of the recipe, parsed and range-checked by the run's own code
+   (run_config.parse_args, value_checks), so an override the run would reject is the same one line here.
+2. Validates the recipe as the launcher does (accelerate YAML, recipe YAML, wrap class and LoRA targets on a
    meta-device model) plus the topology: the world size covers the HSDP groups, a shard group stays inside
    one node, the GPU supports the recipe's dtype.
-2. Prints the global batch (per-device batch x accumulation x data-parallel size) and the per-GPU memory
+3. Prints the global batch (per-device batch x accumulation x data-parallel size) and the per-GPU memory
    budget (fsdp_recipes.planning.memory_budget) under the recipe's own strategy and under DDP.
-3. States the decision rule: fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP.
-4. Exits 1 with one line when the recipe does not fit (estimate above 90% of the GPU's memory; the rest is
+4. States the decision rule: fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP.
+5. On request (answers.py): what fits (fit.py), communication per step (comms.py, fabric.py), how long (duration.py).
+6. Exits 1 with one line when the recipe does not fit (estimate above 90% of the GPU's memory; the rest is
    left for fragmentation), 2 for a configuration mistake, 0 when it fits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import warnings
 from pathlib import Path
 
-from fsdp_recipes.config import accelerate_yaml, model_check, recipes, run_config, yaml_keys
+from fsdp_recipes.config import accelerate_yaml, model_check, recipes, run_config, value_checks, yaml_keys
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.planning import memory_budget
+from fsdp_recipes.train import float8
+from fsdp_recipes.planning import answers, comms, fabric, memory_budget
 from fsdp_recipes.planning.memory_budget import GIB
 
 # name -> (memory in GiB as the driver reports it, bf16 support); matched like flops.PEAK_BF16_DENSE_FLOPS.
@@ -41,14 +49,25 @@ def gpu_spec(name: str) -> tuple[str, float, bool]:
     return (key, *GPUS[key])
 
 
-def load_recipe(name: str, recipes_root: Path | None = None):
-    """(recipe dir, accelerate dict, parsed recipe args, model) with the launcher's checks applied."""
+def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str] | tuple = ()):
+    """(recipe dir, accelerate dict, parsed recipe args, model) with the launcher's checks applied. `overrides`: the
+    run's command-line overrides (`make finetune ARGS=...`), parsed and checked by the run's own code
+    (run_config.parse_args, value_checks), so one the run would reject is the same one line here."""
     recipe = recipes.resolve(str(recipes_root / name) if recipes_root else name)
     acc = accelerate_yaml.check_accelerate_config(recipe / "accelerate.yaml")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # use_cpu: the bf16 setting is validated against the named GPU below, not this machine
-        cfg = run_config.parse_args(["--config", str(recipe / "sft.yaml"), "--use_cpu", "true"])
+        cfg = run_config.parse_args(["--config", str(recipe / "sft.yaml"), *overrides, "--use_cpu", "true"])
+        # what train_sft.check_before_launch checks without this machine's GPUs or the model's files
+        model_check.check_attn_implementation(cfg.model.attn_implementation)
+        if cfg.model.use_peft:  # float8's torchao check is about the training machine, not this one
+            float8.check_config(cfg.pack.float8, cfg.model.use_peft)
+        value_checks.check_values(cfg)
+    if cfg.pack.tiny_assets:  # as train_sft.parse_and_check does: the tiny model is built locally, offline
+        from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+        ensure_assets(quiet=True)
     model_args = cfg.model
     source = model_check.model_config_source(model_args.model_name_or_path, recipe)
     if source is None:
@@ -124,41 +143,82 @@ def decide(budgets: dict, nodes: int, usable: float) -> str:
     return "FSDP, sharded over the node" if nodes == 1 else "HSDP: shard within each node, replicate across nodes"
 
 
-def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None) -> tuple[str, bool]:
-    """(the report, whether it fits, (strategy, total bytes per GPU, GPU memory in GiB))."""
+@dataclasses.dataclass
+class Planned:
+    """Everything one plan computes, for the report and the --fit/--comms/--time sections."""
+
+    recipe: Path
+    acc: dict
+    cfg: run_config.RunConfig
+    model: object
+    shape: memory_budget.ModelShape
+    runs: dict[str, memory_budget.Setup]
+    budgets: dict[str, dict[str, int]]
+    own: str
+    gpu: str
+    capacity: float  # GiB
+    gpus: int
+    nodes: int
+
+    @property
+    def usable(self) -> float:
+        return self.capacity * HEADROOM * GIB
+
+    @property
+    def fits(self) -> bool:
+        return self.budgets[self.own]["total"] <= self.usable
+
+    @property
+    def setup(self) -> memory_budget.Setup:
+        return self.runs[self.own]
+
+
+def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None,
+            overrides: list[str] | tuple = ()) -> Planned:
     if gpus < 1 or nodes < 1:
         raise UserError(f"GPUS={gpus} NODES={nodes}: both must be at least 1.")
     gpu_key, capacity, bf16_ok = gpu_spec(gpu)
-    recipe, acc, cfg, model = load_recipe(name, recipes_root)
-    training, model_args, pack = cfg.training, cfg.model, cfg.pack
+    recipe, acc, cfg, model = load_recipe(name, recipes_root, overrides)
+    training, model_args = cfg.training, cfg.model
     if (training.bf16 or acc.get("mixed_precision") == "bf16" or model_args.dtype == "bfloat16") and not bf16_ok:
         raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "
                         "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")
     m = memory_budget.shape_of(model, model_args)
     runs = setups(acc, training, model_args, gpus, nodes)
     budgets = {k: memory_budget.budget(m, s) for k, s in runs.items()}
-    own = next(iter(runs))
-    usable = capacity * HEADROOM * GIB
-    fits = budgets[own]["total"] <= usable
+    return Planned(recipe, acc, cfg, model, m, runs, budgets, next(iter(runs)), gpu_key, capacity, gpus, nodes)
+
+
+def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None,
+         overrides: list[str] | tuple = ()) -> tuple[str, bool, tuple]:
+    """(the report, whether it fits, (strategy, total bytes per GPU, GPU memory in GiB))."""
+    p = prepare(name, gpus, nodes, gpu, recipes_root, overrides)
+    return report(p), p.fits, (p.own, p.budgets[p.own]["total"], p.capacity)
+
+
+def report(p: Planned) -> str:
+    training, model_args, pack, m = p.cfg.training, p.cfg.model, p.cfg.pack, p.shape
+    gpus, nodes, own = p.gpus, p.nodes, p.own
     global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * gpus * nodes
     lines = [
-        f"recipe {recipe.name}: {type(model).__name__}, {m.params / 1e9:.2f}B parameters, "
+        f"recipe {p.recipe.name}: {type(p.model).__name__}, {m.params / 1e9:.2f}B parameters, "
         f"{m.trainable / 1e9:.3f}B trainable ({'LoRA' if model_args.use_peft else 'full fine-tuning'})",
-        f"topology {nodes} node(s) x {gpus} {gpu_key} ({capacity:.1f} GiB each); recipe strategy {own}, "
-        f"parameters sharded over {runs[own].shard} GPU(s)",
+        f"topology {nodes} node(s) x {gpus} {p.gpu} ({p.capacity:.1f} GiB each); recipe strategy {own}, "
+        f"parameters sharded over {p.runs[own].shard} GPU(s)",
         f"global batch {training.per_device_train_batch_size} per GPU x {training.gradient_accumulation_steps} "
         f"accumulation x {gpus * nodes} data-parallel = {global_batch} sequences of up to {training.max_length} tokens",
         "",
-        table(budgets, capacity),
+        table(p.budgets, p.capacity),
         "",
-        f"decision rule (fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP): {decide(budgets, nodes, usable)}",
+        f"decision rule (fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP): "
+        f"{decide(p.budgets, nodes, p.usable)}",
     ]
     if gpus * nodes < pack.min_gpus:  # the launcher's guard; the memory figures above are the real answer
         lines.append(f"note: the recipe declares min_gpus {pack.min_gpus}; its launcher refuses fewer "
                      f"(--min_gpus {gpus * nodes} overrides that)")
-    if fits:
-        lines.append(f"fits: {gib(budgets[own]['total'])} GiB of {capacity * HEADROOM:.1f} GiB usable per GPU")
-    return "\n".join(lines), fits, (own, budgets[own]["total"], capacity)
+    if p.fits:
+        lines.append(f"fits: {gib(p.budgets[own]['total'])} GiB of {p.capacity * HEADROOM:.1f} GiB usable per GPU")
+    return "\n".join(lines)
 
 
 def budget_markdown(name: str, recipes_root: Path, gpu: str = "H100") -> str:
@@ -173,21 +233,59 @@ def budget_markdown(name: str, recipes_root: Path, gpu: str = "H100") -> str:
     return f"```\n$ {cmd}\n{report}\n```\n"
 
 
+def node_list(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        raise UserError(f"--scale {text}: expected node counts such as 1,4,64. Fix: --scale 1,4,64")
+    return counts
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="make plan", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("recipe")
+    # allow_abbrev off: every word the planner does not know is the run's (`make finetune ARGS=...`), parsed by
+    # run_config.parse_args as the run parses it, so a mistake there is the run's own one line.
+    ap = argparse.ArgumentParser(prog="make plan", description=__doc__, allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Any other --field value overrides the recipe, as in make finetune ARGS=.")
+    ap.add_argument("recipe", help="a recipe name under recipes/ or a recipe folder")
     ap.add_argument("--gpus", type=int, default=8, help="GPUs per node")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPUS)}")
-    args = ap.parse_args(argv)
-    report, fits, (strategy, total, capacity) = plan(args.recipe, args.gpus, args.nodes, args.gpu)
-    print(report)
-    if not fits:
-        print(f"error: recipe {args.recipe} does not fit: {gib(total)} GiB per GPU under {strategy}, "
-              f"{capacity * HEADROOM:.1f} GiB usable on a {args.gpu}. Fix: more GPUs or nodes, activation_checkpointing, "
-              "a smaller per_device_train_batch_size or max_length, or LoRA.", file=sys.stderr)
+    ap.add_argument("--fit", action="store_true", help="largest batch, longest max_length, checkpointing, topology")
+    ap.add_argument("--comms", action="store_true", help="bytes per collective per step, link, time, verdict")
+    ap.add_argument("--scale", metavar="N,N,..", help="communication at these node counts (e.g. 1,4,64)")
+    ap.add_argument("--time", action="store_true", help="steps, tokens and wall-clock time of the run")
+    ap.add_argument("--rows", type=int, help="--time: dataset rows (default: counted when the dataset is local)")
+    ap.add_argument("--tokens-per-row", type=float, help="--time: mean tokens per row")
+    ap.add_argument("--network", help=f"between nodes: one of {', '.join(fabric.NETWORKS)} "
+                                      f"(default {fabric.DEFAULT_NETWORK})")
+    ap.add_argument("--network-gbps", type=float, help="between nodes: Gb/s per GPU, instead of --network")
+    ap.add_argument("--mfu", type=float, default=comms.DEFAULT_MFU, help="assumed model FLOPs utilisation")
+    args, overrides = ap.parse_known_args(argv)
+    if not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu {args.mfu}: it must be in (0, 1]. Fix: e.g. --mfu 0.4")
+    if args.rows is not None and args.rows < 1 or args.tokens_per_row is not None and args.tokens_per_row <= 0:
+        raise UserError("--rows and --tokens-per-row must be positive. Fix: e.g. --rows 200000 --tokens-per-row 1200")
+    scale = node_list(args.scale) if args.scale else None
+    net = fabric.fabric(gpu_spec(args.gpu)[0], args.network, args.network_gbps)  # bad names before the slow part
+    p = prepare(args.recipe, args.gpus, args.nodes, args.gpu, overrides=overrides)
+    print(report(p))
+    if args.fit:
+        print("\n" + answers.fit_section(p))
+    if args.comms:
+        print("\n" + answers.comms_section(p, net, args.mfu)[0])
+    if scale:
+        print("\n" + answers.scale_section(p, net, args.mfu, scale))
+    if args.time:
+        print("\n" + answers.time_section(p, net, args.mfu, args.rows, args.tokens_per_row))
+    if not p.fits:
+        total = p.budgets[p.own]["total"]
+        print(f"error: recipe {p.recipe.name} does not fit: {gib(total)} GiB per GPU under {p.own}, "
+              f"{p.capacity * HEADROOM:.1f} GiB usable on a {p.gpu}. Fix: more GPUs or nodes, "
+              "activation_checkpointing, a smaller per_device_train_batch_size or max_length, or LoRA.", file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,194 @@
+"""Per optimizer step, per GPU: the bytes each collective moves, the link it runs on, the time that takes, and the
+compute time at an assumed MFU; whether the step is compute- or communication-bound. `make plan ARGS=--comms`.
+
+What runs, per optimizer step of k = gradient_accumulation_steps micro-batches (accelerate 1.15, transformers 5.23):
+- FSDP / HSDP (FSDP2's fully_shard, FSDP1's FULL_SHARD): every micro-batch all-gathers each decoder layer in its
+  forward and, with reshard_after_forward (the recipes' setting), again in its backward; the root unit
+  (embeddings, final norm, LM head) is gathered once per micro-batch, since FSDP2 never reshards the root after
+  forward (torch's FSDPState._lazy_init). Gradients are reduce-scattered only on the last micro-batch: the Trainer
+  runs the others under accelerate's no_sync (FSDP2: set_requires_gradient_sync(False)). So: all-gather x2 (layers)
+  per micro-batch + reduce-scatter x1 per step, the count in the FSDP paper (Zhao et al. 2023, section 3.2).
+  accelerate's bf16 policy sets param_dtype = reduce_dtype = bf16: both move 2 bytes per parameter.
+  FSDP2 reduce-scatters only parameters that have gradients (LoRA: the adapters). FSDP1 with use_orig_params
+  reduce-scatters the whole flat gradient of a unit that holds any trainable parameter (frozen parts as zeros).
+- HSDP: the reduce-scatter runs in the shard group (inside a node), then each GPU all-reduces its gradient shard
+  (1/shard of the gradients) with its replicas across nodes.
+- DDP: one all-reduce of every trainable gradient per step (no_sync on the others), in the gradients' dtype.
+
+Bytes each GPU sends (and receives) for a collective over n GPUs of a payload of S bytes, by NCCL's ring algorithm:
+all-gather and reduce-scatter (n-1)/n x S, all-reduce 2(n-1)/n x S (NCCL's "bus bandwidth" factors, nccl-tests
+doc/PERFORMANCE.md). Time = those bytes / the slowest link the ring crosses, per GPU per direction
+(fsdp_recipes.planning.fabric); latency (a few microseconds per ring step) is left out, which flatters very large
+groups. Tree and NVLS algorithms can do better; a lower bound at nominal rates is what this is.
+
+Compute per step: model FLOPs per token (fsdp_recipes.metrics.flops: 6N trainable + 4N frozen + attention at the
+worst-case length max_length) x tokens, at an assumed MFU of the dense bf16 peak. MFU counts model FLOPs, so an
+activation-checkpointing recompute is inside the assumed figure, not added. FSDP overlaps its collectives with
+compute (prefetching the next layer), so a step takes about the longer of the two: communication-bound when the
+collectives' time exceeds the compute time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsdp_recipes.metrics import flops
+from fsdp_recipes.planning.fabric import Fabric
+from fsdp_recipes.planning.memory_budget import ModelShape
+
+DEFAULT_MFU = 0.40  # an assumption, not a measurement: no run of this pack has reached a GPU yet
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    strategy: str  # "FSDP" | "HSDP" | "DDP" | "single"
+    gpus: int  # per node
+    nodes: int
+    shard: int  # FSDP/HSDP shard-group size
+    fsdp_version: int = 2
+    reshard_after_forward: bool = True
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """Per-GPU work of one optimizer step."""
+
+    accumulation: int
+    micro_batch: int  # sequences per GPU per micro-batch
+    max_length: int
+    gather_bytes: int  # bytes per parameter all-gathered (the compute width under mixed precision)
+    reduce_bytes: int  # bytes per gradient element reduced
+    mfu: float = DEFAULT_MFU
+
+    @property
+    def tokens(self) -> int:
+        return self.accumulation * self.micro_batch * self.max_length
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str  # all-gather | reduce-scatter | all-reduce
+    group: int  # GPUs in the collective
+    payload: int  # bytes of the full tensors, summed over the step's calls
+    sent: int  # bytes each GPU sends per step: the ring factor x payload
+    link: str
+    gbps: float  # GB/s per GPU per direction
+
+    @property
+    def seconds(self) -> float:
+        return self.sent / (self.gbps * 1e9)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    collectives: list[Collective]
+    compute_s: float | None  # None: no bf16 peak for the GPU
+    flops_per_token: float
+    warnings: list[str]
+
+    @property
+    def comm_s(self) -> float:
+        return sum(c.seconds for c in self.collectives)
+
+    @property
+    def verdict(self) -> str:
+        if self.compute_s is None:
+            return "unknown (no dense bf16 peak for this GPU)"
+        return "communication-bound" if self.comm_s > self.compute_s else "compute-bound"
+
+
+def ring_bytes(op: str, n: int, payload: int) -> int:
+    """What one GPU sends in a ring collective over n GPUs (NCCL's bus-bandwidth factors)."""
+    if n <= 1:
+        return 0
+    factor = 2 * (n - 1) / n if op == "all-reduce" else (n - 1) / n
+    return int(round(factor * payload))
+
+
+def link(f: Fabric, group: int, spans_nodes: bool) -> tuple[str, float]:
+    """The slowest link a ring over `group` GPUs crosses."""
+    if spans_nodes:
+        return f"network ({f.network})", f.network_gbps
+    node = f.node
+    if node is None:
+        raise ValueError(f"no intra-node figures for {f.gpu}")
+    if group <= node.domain:
+        return node.link, node.gbps
+    return f"PCIe (beyond the {node.domain}-GPU {node.link} domain)", node.pcie
+
+
+def matmul_params(m: ModelShape) -> tuple[int, int]:
+    """(trainable, frozen) parameters that take part in matmuls: all but the input embedding (a lookup); a tied LM
+    head still multiplies, so it counts once."""
+    n = m.params - m.embedding + (m.embedding if m.tied else 0)
+    trainable = n if m.trainable == m.params else m.trainable
+    return trainable, n - trainable
+
+
+def flops_per_token(m: ModelShape, length: float) -> float:
+    trainable, frozen = matmul_params(m)
+    # flops_per_token's attention term is 12 x layers x heads x head_dim x length; heads x head_dim is q_dim
+    return flops.flops_per_token(trainable, frozen, m.layers, 1, m.q_dim, length)
+
+
+def reduced_params(m: ModelShape, t: Topology) -> int:
+    """Gradient elements the step reduces (see the module docstring for FSDP1's whole flat units)."""
+    if t.strategy in ("FSDP", "HSDP") and t.fsdp_version == 1 and m.trainable != m.params:
+        outside = m.trainable - m.layer_trainable * m.layers  # trainable parameters in the root unit
+        return (m.layer_params * m.layers if m.layer_trainable else 0) + (m.root_params if outside > 0 else 0)
+    return m.trainable
+
+
+def estimate(m: ModelShape, t: Topology, w: Work, f: Fabric) -> Estimate:
+    out: list[Collective] = []
+    warnings: list[str] = []
+    grads = reduced_params(m, t) * w.reduce_bytes
+    if t.strategy in ("FSDP", "HSDP") and t.shard > 1:
+        spans = t.strategy == "FSDP" and t.nodes > 1  # 1-D FSDP over several nodes
+        name, gbps = link(f, t.shard, spans)
+        per_layer = 2 if t.reshard_after_forward else 1
+        gathered = w.accumulation * (per_layer * m.layers * m.layer_params + m.root_params) * w.gather_bytes
+        out.append(Collective("all-gather", t.shard, gathered, ring_bytes("all-gather", t.shard, gathered), name, gbps))
+        out.append(Collective("reduce-scatter", t.shard, grads, ring_bytes("reduce-scatter", t.shard, grads), name,
+                              gbps))
+        if spans:
+            warnings.append(
+                f"one-dimensional FSDP across {t.nodes} nodes: every layer's all-gathers and the reduce-scatter cross "
+                f"the network ({f.network_gbps:g} GB/s per GPU) instead of {f.node.link if f.node else 'the node'}. "
+                "Fix: HSDP (shard within a node, replicate across nodes: accelerate_configs/hsdp_multinode.yaml)")
+        elif f.node is not None and t.shard > f.node.domain:
+            warnings.append(
+                f"the shard group of {t.shard} GPUs is larger than the {f.node.domain}-GPU {f.node.link} domain of a "
+                f"{f.gpu}: its collectives run over PCIe ({f.node.pcie:g} GB/s per GPU). Fix: a shard group of "
+                f"{f.node.domain} (HSDP inside the node), or GPUs with a larger NVLink domain")
+    if t.strategy == "HSDP":
+        replicas = t.world // t.shard
+        shard_grads = grads // t.shard
+        name, gbps = link(f, replicas, spans_nodes=True)
+        out.append(Collective("all-reduce", replicas, shard_grads, ring_bytes("all-reduce", replicas, shard_grads),
+                              name, gbps))
+    if t.strategy == "DDP" and t.world > 1:
+        name, gbps = link(f, t.world, spans_nodes=t.nodes > 1)
+        out.append(Collective("all-reduce", t.world, grads, ring_bytes("all-reduce", t.world, grads), name, gbps))
+    fpt = flops_per_token(m, w.max_length)
+    compute = w.tokens * fpt / (f.peak_flops * w.mfu) if f.peak_flops else None
+    return Estimate(out, compute, fpt, warnings)
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:,.2f}"
+
+
+def table(e: Estimate) -> str:
+    rows = ["| collective | GPUs | payload per step (GB) | sent per GPU (GB) | link | GB/s per GPU | seconds |",
+            "|---|---:|---:|---:|---|---:|---:|"]
+    for c in e.collectives:
+        rows.append(f"| {c.op} | {c.group} | {gb(c.payload)} | {gb(c.sent)} | {c.link} | {c.gbps:g} | "
+                    f"{c.seconds:.3f} |")
+    if not e.collectives:
+        rows.append("| none (one GPU, or nothing sharded) | | | | | | 0.000 |")
+    return "\n".join(rows)
