@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-COMPAT_DIR=${COMPAT_DIR:-.compat}
+COMPAT_DIR=$(realpath -m "${COMPAT_DIR:-.compat}")  # absolute: the checks below run from elsewhere
 SETS=${COMPAT_SETS:-newest oldest}
 PACKAGES=(torch transformers trl peft accelerate datasets tensorboard)
 SLOW=(tests/test_end_to_end.py tests/test_fsdp1.py tests/test_preemption.py tests/test_smoke.py
@@ -24,7 +24,7 @@ mkdir -p "$COMPAT_DIR"
 rm -rf "$COMPAT_DIR/dist"
 "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps --wheel-dir "$COMPAT_DIR/dist" .
 wheels=("$COMPAT_DIR"/dist/fsdp_recipes-*.whl)
-wheel=$(realpath "${wheels[0]}")
+wheel=${wheels[0]}
 echo "[compat] built $wheel"
 
 versions() {  # "torch 2.15.0, transformers 5.24.0, ..." as installed in env $1
@@ -52,7 +52,7 @@ for set in $SETS; do
   # the pack must come from the wheel in site-packages, not from the checkout
   where=$(cd / && "$env/bin/python" -c 'import fsdp_recipes; print(fsdp_recipes.__file__)')
   case "$where" in
-    "$(realpath "$env")"/*) ;;
+    "$env"/*) ;;
     *) echo "error: $set: fsdp_recipes imports from $where, not from the wheel in $env" >&2; exit 1 ;;
   esac
   installed=$(versions "$env")
@@ -65,9 +65,9 @@ for set in $SETS; do
   set +e
   {
     echo "== $set: $installed"
-    PATH="$(realpath "$env")/bin:$PATH" VENV="$env" "$env/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
+    PATH="$env/bin:$PATH" VENV="$env" "$env/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
     fast=$?
-    PATH="$(realpath "$env")/bin:$PATH" VENV="$env" "$env/bin/python" -m pytest -q -p no:cacheprovider --durations=10 "${SLOW[@]}"
+    PATH="$env/bin:$PATH" VENV="$env" "$env/bin/python" -m pytest -q -p no:cacheprovider --durations=10 "${SLOW[@]}"
     slow=$?
     echo "[compat] exit codes: fast $fast, slow $slow"
     [ $fast -eq 0 ] && [ $slow -eq 0 ]

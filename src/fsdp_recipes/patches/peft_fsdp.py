@@ -1,4 +1,5 @@
-"""Workarounds for PEFT under FSDP, each a gap in the pinned versions (peft 0.21, accelerate 1.15).
+"""Workarounds for PEFT under FSDP, each a gap found on peft 0.21 and accelerate 1.15 (checked on the ranges in
+versions.py; each patch refuses, with one line, to apply outside them).
 
 1. An empty adapter under FSDP1 (`strip_fsdp1_wrapper_names`). PEFT picks the adapter's tensors out of the
    full state dict by module name, and removes FSDP's `_fsdp_wrapped_module.` only where it leads the name.
