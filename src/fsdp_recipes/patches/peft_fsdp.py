@@ -72,6 +72,7 @@ def strip_fsdp1_wrapper_names() -> None:
         return {without_wrapper_names(prefix) for prefix in original(model, adapter_name=adapter_name)}
 
     prefixes_without_wrappers._strips_wrappers = True
+    prefixes_without_wrappers.__wrapped__ = original  # inspect.unwrap finds the library's function (tests restore it)
     tuners_utils._get_tuner_state_dict_key_prefixes = prefixes_without_wrappers
     record("peft_fsdp.strip_fsdp1_wrapper_names", "peft.tuners.tuners_utils._get_tuner_state_dict_key_prefixes",
            "FSDP1's wrapper names in the middle of module names: PEFT saves an empty adapter")
@@ -130,6 +131,7 @@ def load_adapter_through_fsdp1_root() -> None:
         return result
 
     set_peft_model_state_dict._fsdp1_view = True
+    set_peft_model_state_dict.__wrapped__ = original  # inspect.unwrap finds the library's function (tests restore it)
     peft.set_peft_model_state_dict = set_peft_model_state_dict
     record("peft_fsdp.load_adapter_through_fsdp1_root", "peft.set_peft_model_state_dict",
            "an FSDP1 resume loads none of the adapter's tensors")
@@ -191,6 +193,7 @@ def keep_fsdp1_output_layer_in_root() -> None:
         plugin.auto_wrap_policy = policy_without_output_layer
 
     update_fsdp_plugin_peft._keeps_output_layer = True
+    update_fsdp_plugin_peft.__wrapped__ = original  # inspect.unwrap finds the library's function (tests restore it)
     transformers.trainer.update_fsdp_plugin_peft = update_fsdp_plugin_peft
 
     def adapter_state_dict_of_any_rank(self, adapter_name, state_dict):
@@ -198,6 +201,7 @@ def keep_fsdp1_output_layer_in_root() -> None:
             return {}
         return adapter_state_dict(self, adapter_name, state_dict)
 
+    adapter_state_dict_of_any_rank.__wrapped__ = adapter_state_dict
     ModulesToSaveWrapper.adapter_state_dict = adapter_state_dict_of_any_rank
     record("peft_fsdp.keep_fsdp1_output_layer_in_root",
            "transformers.trainer.update_fsdp_plugin_peft, peft.utils.other.ModulesToSaveWrapper.adapter_state_dict",
