@@ -160,7 +160,7 @@ def test_tensorboard_has_the_curves_and_the_packs_gauges(run_dir):
         assert [e.step for e in events.Scalars(tag)] == logged, tag
     assert [e.step for e in events.Scalars("eval/loss")] == [100, 200]
     assert "train/mfu" not in tags and "train/peak_device_memory_gib" not in tags, tags
-    history = [h["loss"] for h in load(run_dir, "log_history.json") if "loss" in h]
+    history = [h["loss"] for h in load(run_dir, "log_history.json")["log_history"] if "loss" in h]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(history, rel=1e-6)
     assert all(e.value > 0 for e in events.Scalars("train/tokens_per_second"))
     m = load(run_dir, "metrics.json")
