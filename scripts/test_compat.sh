@@ -7,9 +7,9 @@
 #   newest  the newest release of every dependency that pyproject.toml allows (pip --upgrade-strategy eager);
 #   oldest  constraints/oldest.txt: the lower bound of every range.
 # Then it runs the fast suite, and the end-to-end, FSDP1, resume (preemption), smoke and copied-recipe tests
-# (COMPAT_SLOW), with that environment's python (make's VENV points there too, for the tests that call make). Output goes to
-# $COMPAT_DIR/<set>.log; one result line per set at the end. Needs PyPI: torch from PyPI brings CUDA libraries, a
-# few GB per set. A pip configuration that caps a version (a constraint file in pip.conf) caps "newest" too: the
+# (COMPAT_SLOW), with that environment's python (make's VENV points there too, for the tests that call make).
+# Output goes to $COMPAT_DIR/<set>.log; one result line per set at the end. Needs PyPI: torch from PyPI brings CUDA
+# libraries, a few GB per set. A pip configuration that caps a version (a constraint file in pip.conf) caps "newest" too: the
 # versions line says what was installed, and releases newer than those are listed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,8 @@ COMPAT_DIR=$(realpath -m "${COMPAT_DIR:-.compat}")  # absolute: the checks below
 SETS=${COMPAT_SETS:-newest oldest}
 PACKAGES=(torch transformers trl peft accelerate datasets tensorboard)
 # the launches after the fast suite; COMPAT_SLOW="" runs the fast suite only (quick re-checks of a fix)
-read -r -a SLOW <<< "${COMPAT_SLOW-tests/test_end_to_end.py tests/test_fsdp1.py tests/test_preemption.py tests/test_smoke.py tests/test_copy_recipe.py}"
+LAUNCH_TESTS="tests/test_end_to_end.py tests/test_fsdp1.py tests/test_preemption.py tests/test_smoke.py"
+read -r -a SLOW <<< "${COMPAT_SLOW-$LAUNCH_TESTS tests/test_copy_recipe.py}"
 
 mkdir -p "$COMPAT_DIR"
 rm -rf "$COMPAT_DIR/dist"
@@ -58,8 +59,10 @@ for set in $SETS; do
   installed=$(versions "$env")
   echo "[compat] $set: $installed"
   if [ "$set" = newest ]; then
-    newer=$("${pip[@]}" list --outdated --format=freeze 2>/dev/null | grep -iE "^($(IFS='|'; echo "${PACKAGES[*]}"))==" || true)
-    [ -z "$newer" ] || echo "[compat] newest: PyPI has newer releases than installed (outside pyproject's ranges, or capped by your pip config): $(echo "$newer" | tr '\n' ' ')"
+    names=$(IFS='|'; echo "${PACKAGES[*]}")
+    newer=$("${pip[@]}" list --outdated --format=freeze 2>/dev/null | grep -iE "^($names)==" || true)
+    [ -z "$newer" ] || echo "[compat] newest: PyPI has newer releases than installed (outside pyproject's ranges," \
+      "or capped by your pip config): $(echo "$newer" | tr '\n' ' ')"
   fi
   start=$SECONDS
   set +e
