@@ -9,8 +9,8 @@
 # Then it runs the fast suite, and the end-to-end, FSDP1, resume (preemption), smoke and copied-recipe tests
 # (COMPAT_SLOW), with that environment's python (make's VENV points there too, for the tests that call make).
 # Output goes to $COMPAT_DIR/<set>.log; one result line per set at the end. Needs PyPI: torch from PyPI brings CUDA
-# libraries, a few GB per set. A pip configuration that caps a version (a constraint file in pip.conf) caps "newest" too: the
-# versions line says what was installed, and releases newer than those are listed.
+# libraries, a few GB per set. A pip configuration that caps a version (a constraint file in pip.conf) caps "newest"
+# too: the versions line says what was installed, and releases newer than those are listed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -59,10 +59,14 @@ for set in $SETS; do
   installed=$(versions "$env")
   echo "[compat] $set: $installed"
   if [ "$set" = newest ]; then
-    names=$(IFS='|'; echo "${PACKAGES[*]}")
-    newer=$("${pip[@]}" list --outdated --format=freeze 2>/dev/null | grep -iE "^($names)==" || true)
+    # pip list --outdated asks the index for every installed package: seconds; json, since it refuses "freeze"
+    newer=$("${pip[@]}" list --outdated --format=json | "$env/bin/python" -c '
+import json, sys
+wanted = set(sys.argv[1:])
+print(" ".join(p["name"] + " " + p["latest_version"] for p in json.load(sys.stdin) if p["name"].lower() in wanted))
+' "${PACKAGES[@]}")
     [ -z "$newer" ] || echo "[compat] newest: PyPI has newer releases than installed (outside pyproject's ranges," \
-      "or capped by your pip config): $(echo "$newer" | tr '\n' ' ')"
+      "or capped by your pip config): $newer"
   fi
   start=$SECONDS
   set +e
