@@ -165,3 +165,28 @@ def test_the_cpu_adapter_is_for_machines_without_any_accelerator(monkeypatch):
     assert cpu_fsdp.needed() is True
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert cpu_fsdp.needed() is False  # not an FSDP launch
+
+
+def test_the_recipes_checkpointing_names_reach_a_release_that_has_only_the_old_ones():
+    """transformers 5.17 knows only gradient_checkpointing(_kwargs); the recipes say activation_checkpointing(_kwargs),
+    the newest releases' names. versions.py parses the new names beside such an SFTConfig and copies them over."""
+    from dataclasses import dataclass
+
+    from fsdp_recipes.patches import versions
+
+    @dataclass
+    class OldSFTConfig:
+        gradient_checkpointing: bool = False
+        gradient_checkpointing_kwargs: dict | None = None
+
+    assert versions.new_training_field_names(OldSFTConfig) is versions.NewTrainingFieldNames
+    training = OldSFTConfig()
+    given = versions.NewTrainingFieldNames(activation_checkpointing=True,
+                                           activation_checkpointing_kwargs='{"use_reentrant": false}')  # CLI: JSON
+    versions.apply_new_training_field_names(given, training, {"activation_checkpointing",
+                                                              "activation_checkpointing_kwargs"})
+    assert training.gradient_checkpointing is True and training.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert training.activation_checkpointing is True  # what the planner and the launcher read
+    untouched = OldSFTConfig(gradient_checkpointing=True)  # a recipe that still uses the old name keeps it
+    versions.apply_new_training_field_names(versions.NewTrainingFieldNames(), untouched, set())
+    assert untouched.gradient_checkpointing is True and untouched.activation_checkpointing is True
