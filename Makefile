@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 # The CPU wheel on machines without a GPU; GPU users install their CUDA build of torch 2.13 first
 # (make venv then leaves it alone) or set TORCH_SPEC.
 TORCH_SPEC ?= torch==2.13.0
+# The set of versions CI tests, inside pyproject.toml's ranges, so that `make venv` (and .ci/run) installs the same
+# every time. CONSTRAINTS= (empty) installs into an environment as it is, e.g. one with another torch in the ranges.
+CONSTRAINTS ?= constraints/ci.txt
+PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
 RECIPE ?= tiny-cpu-lora
 ARGS ?=
 GPUS ?= 8
@@ -22,7 +26,7 @@ FLOAT8_SITE := $(VENV)/float8-site
 TORCHAO_SPEC ?= torchao==0.18.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune smoke plan k8s report bench test test-fast tiny-assets sync-configs bench-loading bench-gpu export clean
+.PHONY: help venv finetune smoke plan k8s report bench test test-fast test-compat tiny-assets sync-configs bench-loading bench-gpu export clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -32,13 +36,13 @@ help: ## list targets and recipes
 
 venv: $(STAMP) ## create .venv and install the pack (idempotent; seconds when present)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "[venv] creating $(VENV) with $$($(PYTHON) --version)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "[venv] installing $(TORCH_SPEC)"
-	@$(PY) -m pip install --disable-pip-version-check "$(TORCH_SPEC)"
-	@echo "[venv] installing the pack and its pinned dependencies"
-	@$(PY) -m pip install --disable-pip-version-check -e ".[test]"
+	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) "$(TORCH_SPEC)"
+	@echo "[venv] installing the pack and its dependencies$(if $(CONSTRAINTS), at the versions in $(CONSTRAINTS))"
+	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) -e ".[test]"
 	@echo "[venv] installing $(TORCHAO_SPEC) into $(FLOAT8_SITE), for the float8 tests"
 	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(FLOAT8_SITE) "$(TORCHAO_SPEC)"
 	@touch $@
@@ -74,6 +78,9 @@ test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 
 
 test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about a minute
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+test-compat: ## fast suite + end-to-end, FSDP1, resume, smoke tests on the newest and the oldest versions allowed (GBs)
+	@PYTHON=$(PYTHON) bash scripts/test_compat.sh
 
 bench: $(STAMP) ## speed, measured: pack overhead vs a bare loop, time to first step, data prep; JSON in bench/results/
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.suite

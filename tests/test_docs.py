@@ -9,7 +9,8 @@ A command shown in a ```bash, ```sh or ```console block (in console blocks, the 
   named file holds the lines that run it, and, for a `make` target, that `make -n` expands to what that file runs.
   The test may pass its own output directory or fewer steps; the target, module and recipe are the shown ones.
 - marked in the doc with a trailing comment that ends `needs a GPU`, `needs <N> GPUs`, `needs the hub`,
-  `needs a Slurm cluster` or `needs Kubernetes`.
+  `needs a Slurm cluster`, `needs Kubernetes` or `needs the network` (the suite runs offline; `make test-compat`
+  downloads every library from PyPI).
 No multi-process training here, and nothing that installs: `make -n` with the stamp marked old (`-o`) never builds
 the venv.
 """
@@ -34,7 +35,7 @@ REPO = Path(__file__).resolve().parent.parent
 README = REPO / "README.md"
 DOCS = [README, *sorted((REPO / "docs").glob("*.md"))]
 SHELL_BLOCKS = {"bash", "sh", "console"}
-NOT_RUNNABLE = re.compile(r"#[^\n]*\bneeds (a GPU|\d+ GPUs|the hub|a Slurm cluster|Kubernetes)\s*$")
+NOT_RUNNABLE = re.compile(r"#[^\n]*\bneeds (a GPU|\d+ GPUs|the hub|a Slurm cluster|Kubernetes|the network)\s*$")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")  # indented fences too (list items)
 
 # Commands this file runs. Value: the exit code the command must return.

@@ -145,6 +145,29 @@ def test_run_writes_a_prometheus_textfile(run_dir):
     assert families["training_step"].samples[0].value == m["steps"]
 
 
+def test_tensorboard_has_the_curves_and_the_packs_gauges(run_dir):
+    """The recipe's report_to: tensorboard. Beside the Trainer's loss and learning rate, every training log carries
+    the run report's live gauges (tokens/s of the interval, peak host RSS), put into the logs before the Trainer
+    hands them to its integrations; MFU and device memory, which a CPU run has not, are left out, not NaN."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (logdir,) = {p.parent for p in run_dir.glob("runs/*/events.out.tfevents.*")}  # transformers' default, inside
+    events = EventAccumulator(str(logdir))  # output_dir
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    logged = list(range(10, STEPS + 1, 10))  # logging_steps: 10
+    for tag in ("train/loss", "train/learning_rate", "train/tokens_per_second", "train/peak_host_rss_gib"):
+        assert [e.step for e in events.Scalars(tag)] == logged, tag
+    assert [e.step for e in events.Scalars("eval/loss")] == [100, 200]
+    assert "train/mfu" not in tags and "train/peak_device_memory_gib" not in tags, tags
+    history = [h["loss"] for h in load(run_dir, "log_history.json")["log_history"] if "loss" in h]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(history, rel=1e-6)
+    assert all(e.value > 0 for e in events.Scalars("train/tokens_per_second"))
+    m = load(run_dir, "metrics.json")
+    rss = [e.value * 1024 ** 3 for e in events.Scalars("train/peak_host_rss_gib")]
+    assert rss == sorted(rss) and 0 < rss[-1] <= m["peak_memory"]["host_rss_bytes"]  # a peak so far
+
+
 def test_console_shows_rank_0_only(run_dir):
     """Progress bars come from rank 0 only: transformers' model-loading bar shows for rank 0's load and for the
     merged save, not once per rank, and not for the summary's two reloads (5 before)."""

@@ -1,6 +1,7 @@
 """Patches of private library functions refuse to apply when their target changed, and say which ran."""
 
 import pytest
+from packaging.specifiers import SpecifierSet
 
 from fsdp_recipes.patches import guard
 
@@ -12,23 +13,58 @@ class Library:
 
 
 def test_a_patch_applies_to_the_signature_it_was_written_for():
-    fn = guard.target(Library, "private", ("module", "state", "offload_to_cpu"), patch="demo", checked_on="lib 1.0")
+    fn = guard.target(Library, "private", ("module", "state", "offload_to_cpu"), patch="demo", checked_on={})
     assert fn(1, 2, 3) == 3
 
 
 def test_a_changed_signature_refuses_with_one_line_naming_the_patch():
     with pytest.raises(guard.PatchTargetChanged) as err:
         guard.target(Library, "private", ("module", "state", "offload_to_cpu", "with_grads"),
-                     patch="demo", checked_on="lib 1.0")
+                     patch="demo", checked_on={})
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith("patch demo: ") and "('module', 'state', 'offload_to_cpu')" in message
-    assert "Fix: install the versions it was checked on (lib 1.0)" in message
+    assert "Fix: install the versions it was checked on ()" in message
+
+
+def test_a_library_outside_the_checked_range_refuses_with_one_line(monkeypatch):
+    """Same signature, another release: the code behind it may differ, so the patch refuses before applying."""
+    from fsdp_recipes.patches import versions
+
+    monkeypatch.setattr(versions, "version", lambda lib: {"torch": "2.16.0+cu130", "accelerate": "1.15.0"}[lib])
+    ranges = {"torch": ">=2.11,<2.16", "accelerate": ">=1.15,<1.16"}
+    with pytest.raises(guard.PatchTargetChanged) as err:
+        guard.target(Library, "private", ("module", "state", "offload_to_cpu"), patch="demo", checked_on=ranges)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("patch demo: torch 2.16.0+cu130 is outside the versions it was checked on "
+                              "(torch>=2.11,<2.16, accelerate>=1.15,<1.16)"), message
+    # a local build and a release candidate of a release inside the range are inside it
+    monkeypatch.setattr(versions, "version", lambda lib: {"torch": "2.15.0rc1", "accelerate": "1.15.0"}[lib])
+    assert versions.outside(ranges) == []
+    monkeypatch.setattr(versions, "version", lambda lib: {"torch": "2.11.0+cu128", "accelerate": "1.14.2"}[lib])
+    assert versions.outside(ranges) == ["accelerate 1.14.2"]
+
+
+def test_pyproject_allows_exactly_the_ranges_the_patches_were_checked_on():
+    """Widening a dependency in pyproject.toml without checking the patches (make test-compat, then versions.py)
+    would let users install releases no patch was checked on; narrowing one would leave a checked range unused."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    from conftest import REPO
+    from fsdp_recipes.patches.versions import CHECKED
+
+    deps = {r.name: r.specifier for r in map(Requirement,
+                                             tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"])}
+    for lib, spec in CHECKED.items():
+        assert deps[lib] == SpecifierSet(spec), f"pyproject.toml has {lib}{deps[lib]}, versions.py {lib}{spec}"
 
 
 def test_a_missing_target_refuses():
     with pytest.raises(guard.PatchTargetChanged, match=r"patch demo: .*\.gone no longer exists"):
-        guard.target(Library, "gone", ("x",), patch="demo", checked_on="lib 1.0")
+        guard.target(Library, "gone", ("x",), patch="demo", checked_on={})
 
 
 def test_the_cpu_adapters_targets_match_the_installed_libraries(monkeypatch):
@@ -54,6 +90,38 @@ def test_the_cpu_adapters_targets_match_the_installed_libraries(monkeypatch):
     assert [p["patch"] for p in guard.APPLIED] == [
         "cpu_fsdp.fsdp_state_on_cpu", "cpu_fsdp.fsdp1_param_init_on_cpu", "cpu_fsdp.fsdp1_sync_module_states_over_gloo",
         "cpu_fsdp.fsdp1_offload_moves_copy_on_cpu", "cpu_fsdp.fsdp1_optimizer_states_without_offload"]
+
+
+def test_the_peft_and_resume_patches_targets_match_the_installed_libraries(monkeypatch):
+    """The patches every run applies (peft_fsdp.py, optim_resume.py) find their targets with the signatures they
+    were written for, and record themselves."""
+    import inspect
+
+    import accelerate.accelerator
+    import accelerate.utils
+    import accelerate.utils.fsdp_utils
+    import peft
+    import transformers.trainer
+    from peft.tuners import tuners_utils
+    from peft.utils.other import ModulesToSaveWrapper
+
+    from fsdp_recipes.patches import optim_resume, peft_fsdp
+
+    for owner, name in [(tuners_utils, "_get_tuner_state_dict_key_prefixes"), (peft, "set_peft_model_state_dict"),
+                        (transformers.trainer, "update_fsdp_plugin_peft"), (ModulesToSaveWrapper, "adapter_state_dict"),
+                        (accelerate.utils.fsdp_utils, "load_fsdp_optimizer"), (accelerate.utils, "load_fsdp_optimizer"),
+                        (accelerate.accelerator, "load_fsdp_optimizer"), (transformers.trainer, "load_fsdp_optimizer")]:
+        if hasattr(owner, name):  # the library's own function, also when an earlier test in this process patched it
+            monkeypatch.setattr(owner, name, inspect.unwrap(getattr(owner, name)))
+    monkeypatch.setattr(guard, "APPLIED", [])
+    monkeypatch.setattr(optim_resume, "_PATCHED", False)
+    peft_fsdp.strip_fsdp1_wrapper_names()
+    peft_fsdp.load_adapter_through_fsdp1_root()
+    peft_fsdp.keep_fsdp1_output_layer_in_root()
+    optim_resume.init_state_before_fsdp1_sharded_load()
+    assert [p["patch"] for p in guard.APPLIED] == [
+        "peft_fsdp.strip_fsdp1_wrapper_names", "peft_fsdp.load_adapter_through_fsdp1_root",
+        "peft_fsdp.keep_fsdp1_output_layer_in_root", "optim_resume.init_state_before_fsdp1_sharded_load"]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # FSDP1 at world size 1 runs NO_SHARD, and says so
@@ -97,3 +165,28 @@ def test_the_cpu_adapter_is_for_machines_without_any_accelerator(monkeypatch):
     assert cpu_fsdp.needed() is True
     monkeypatch.delenv("ACCELERATE_USE_FSDP")
     assert cpu_fsdp.needed() is False  # not an FSDP launch
+
+
+def test_the_recipes_checkpointing_names_reach_a_release_that_has_only_the_old_ones():
+    """transformers 5.17 knows only gradient_checkpointing(_kwargs); the recipes say activation_checkpointing(_kwargs),
+    the newest releases' names. versions.py parses the new names beside such an SFTConfig and copies them over."""
+    from dataclasses import dataclass
+
+    from fsdp_recipes.patches import versions
+
+    @dataclass
+    class OldSFTConfig:
+        gradient_checkpointing: bool = False
+        gradient_checkpointing_kwargs: dict | None = None
+
+    assert versions.new_training_field_names(OldSFTConfig) is versions.NewTrainingFieldNames
+    training = OldSFTConfig()
+    given = versions.NewTrainingFieldNames(activation_checkpointing=True,
+                                           activation_checkpointing_kwargs='{"use_reentrant": false}')  # CLI: JSON
+    versions.apply_new_training_field_names(given, training, {"activation_checkpointing",
+                                                              "activation_checkpointing_kwargs"})
+    assert training.gradient_checkpointing is True and training.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert training.activation_checkpointing is True  # what the planner and the launcher read
+    untouched = OldSFTConfig(gradient_checkpointing=True)  # a recipe that still uses the old name keeps it
+    versions.apply_new_training_field_names(versions.NewTrainingFieldNames(), untouched, set())
+    assert untouched.gradient_checkpointing is True and untouched.activation_checkpointing is True

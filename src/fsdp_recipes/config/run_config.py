@@ -99,7 +99,12 @@ def override(argv: list[str], key: str, default):
 def dataclass_types():
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
 
-    return (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, PackArguments)
+    from fsdp_recipes.patches.versions import new_training_field_names
+
+    # an older transformers release spells some SFTConfig fields the old way: the new names are parsed beside them
+    renamed = new_training_field_names(SFTConfig)
+    types = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, PackArguments)
+    return types + ((renamed,) if renamed else ())
 
 
 def parse_args(argv: list[str]) -> RunConfig:
@@ -115,11 +120,19 @@ def parse_args(argv: list[str]) -> RunConfig:
     yaml_keys.check_known_flags(argv, dataclass_types())
     parser = TrlParser(dataclass_types())
     try:
-        script, training, model, mixture, pack = parser.parse_args_and_config(argv)
+        script, training, model, mixture, pack, *renamed = parser.parse_args_and_config(argv)
     except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
         raise UserError(
             f"invalid configuration: {str(err).splitlines()[0]} Fix: correct that setting in the recipe YAML or ARGS."
         ) from None
+    if renamed:  # see patches/versions.py: the recipe's field names on an older transformers
+        from fsdp_recipes.patches.versions import RENAMED_TRAINING_FIELDS, apply_new_training_field_names
+
+        given = {k for k in RENAMED_TRAINING_FIELDS if f"--{k}" in argv or any(a.startswith(f"--{k}=") for a in argv)}
+        if "--config" in argv:
+            recipe = yaml_keys.load_yaml(override(argv, "config", None), "recipe config")
+            given |= set(recipe) & set(RENAMED_TRAINING_FIELDS)
+        apply_new_training_field_names(renamed[0], training, given)
     model.model_name_or_path = expand(model.model_name_or_path, "model_name_or_path")
     script.dataset_name = expand(script.dataset_name, "dataset_name")
     training.output_dir = expand(training.output_dir, "output_dir")

@@ -22,6 +22,11 @@ def versions() -> dict[str, str | None]:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = None
+    if out.get("torch"):
+        import torch
+
+        # PyPI's CUDA wheels carry no build tag in their metadata (2.15.0); torch's own version names it (+cu132)
+        out["torch"] = torch.__version__
     return out
 
 

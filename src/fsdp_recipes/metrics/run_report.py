@@ -83,6 +83,7 @@ class RunReportCallback(TrainerCallback):
         if prometheus_textfile:
             self.prom_paths.append(Path(prometheus_textfile))
         self.live_mark = None  # (time, counters_so_far) at the last training log
+        self.live_step = None  # the step write_live last ran for: the trainer's log() or on_log, whichever first
         self.resumed_from = str(resume_from) if resume_from else None
         # Counters of the run so far, as saved with the checkpoint this run resumes from.
         self.prior = {"non_padding": 0, "padded": 0, "sequences": 0, "squared_lengths": 0, "train_time_s": 0.0}
@@ -133,21 +134,42 @@ class RunReportCallback(TrainerCallback):
         self.log_history = list(state.log_history)
         # A training log (it has the loss) comes at the same step on every rank: the collectives inside are safe.
         # The Trainer's evaluation and end-of-training logs carry no "loss" and are left to finalize.
-        if logs and "loss" in logs and self.train_start is not None:
+        # ReportingSFTTrainer.log has already done it for this log (tracker_scalars); a plain Trainer has not.
+        if logs and "loss" in logs and self.train_start is not None and self.live_step != state.global_step:
             self.write_live(state.global_step)
 
-    def write_live(self, step: int) -> None:
+    def tracker_scalars(self, step: int) -> dict:
+        """The live gauges as scalars for the Trainer's own logs, so TensorBoard, W&B and MLflow (`report_to`) plot
+        them beside the loss. Called by ReportingSFTTrainer.log at a training log before the integrations see the
+        logs: they run before any callback the pack adds, so on_log would be too late. A collective (write_live):
+        every rank calls it; rank 0 gets the figures, the others an empty dict (their logs go to no tracker).
+        A figure the run does not have (MFU or device memory on CPU) is left out, not logged as NaN."""
+        if self.train_start is None:
+            return {}
+        live = self.write_live(step)
+        if live is None:
+            return {}
+        gib = 1024 ** 3
+        mem = live["peak_memory"]
+        scalars = {"tokens_per_second": live["tokens_per_second"], "mfu": live["mfu"],
+                   "peak_host_rss_gib": mem["host_rss_bytes"] / gib,
+                   "peak_device_memory_gib": None if mem["device_allocated_bytes"] is None
+                   else mem["device_allocated_bytes"] / gib}
+        return {k: v for k, v in scalars.items() if v is not None}
+
+    def write_live(self, step: int) -> dict | None:
         """The Prometheus gauges over the interval since the last training log (tokens/s and MFU of that interval,
         peaks so far), so that an alert sees a run slow down while it trains.
 
         Gap it fills: the Trainer logs its own throughput only as an average since train start
-        (`include_num_input_tokens_seen`), which hides a slowdown behind the hours before it, and gives no MFU."""
+        (`include_num_input_tokens_seen`), which hides a slowdown behind the hours before it, and gives no MFU.
+        Returns the figures on rank 0 (None on the other ranks, and when no time has passed since the last log)."""
         now = time.time()
         totals, peaks = self.counters_so_far(now), self.peaks_so_far()  # collectives: every rank runs them
         since, before = self.live_mark or (self.train_start, self.prior)
-        self.live_mark = (now, totals)
+        self.live_mark, self.live_step = (now, totals), step
         if not self.is_main or now <= since:
-            return
+            return None
         window = {k: None if totals[k] is None or before[k] is None else totals[k] - before[k] for k in COUNTS}
         alloc = peaks["allocated"]
         tps = window["non_padding"] / (now - since)
@@ -167,6 +189,7 @@ class RunReportCallback(TrainerCallback):
             **self.mfu_figures(window, tps, world, device),
         }
         self.write_prom(live)
+        return live
 
     def write_prom(self, metrics: dict) -> None:
         for path in self.prom_paths:

@@ -34,6 +34,7 @@ import functools
 import os
 
 from fsdp_recipes.patches.guard import record, target
+from fsdp_recipes.patches.versions import checked_on
 
 _PATCHED = False
 
@@ -55,8 +56,8 @@ def fsdp_version_from_env() -> int:
     return int(os.environ.get("FSDP_VERSION", "1"))
 
 
-# torch and accelerate versions these patches were checked on (pyproject.toml pins the same)
-CHECKED_ON = "torch 2.13, accelerate 1.15"
+# the torch and accelerate releases these patches were checked on (versions.py, one table for every patch)
+CHECKED_ON = checked_on("torch", "accelerate")
 
 
 def enable() -> bool:

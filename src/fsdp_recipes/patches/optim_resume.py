@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import functools
 
+from fsdp_recipes.patches.guard import record, target
+from fsdp_recipes.patches.versions import checked_on
+
 _PATCHED = False
 
 
@@ -35,9 +38,15 @@ def init_state_before_fsdp1_sharded_load() -> None:
     import accelerate.utils
     import accelerate.utils.fsdp_utils
     import transformers.trainer
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    import torch.distributed.checkpoint.state_dict as dcp_state_dict
 
-    original = accelerate.utils.fsdp_utils.load_fsdp_optimizer
+    versions = checked_on("torch", "accelerate")
+    original = target(accelerate.utils.fsdp_utils, "load_fsdp_optimizer",
+                      ("fsdp_plugin", "accelerator", "optimizer", "model", "input_dir", "optimizer_index",
+                       "adapter_only", "use_dcp"), patch="optim_resume.init_state_before_fsdp1_sharded_load",
+                      checked_on=versions)
+    _init_optim_state = target(dcp_state_dict, "_init_optim_state", ("optim",),
+                               patch="optim_resume.init_state_before_fsdp1_sharded_load", checked_on=versions)
 
     @functools.wraps(original)
     def load_fsdp_optimizer(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index=0,
@@ -50,4 +59,6 @@ def init_state_before_fsdp1_sharded_load() -> None:
     for module in (accelerate.utils.fsdp_utils, accelerate.utils, accelerate.accelerator, transformers.trainer):
         if getattr(module, "load_fsdp_optimizer", None) is original:
             module.load_fsdp_optimizer = load_fsdp_optimizer
+    record("optim_resume.init_state_before_fsdp1_sharded_load", "accelerate.utils.fsdp_utils.load_fsdp_optimizer",
+           "an FSDP1 sharded resume loads no optimizer state")
     _PATCHED = True

@@ -1,4 +1,5 @@
-"""Workarounds for PEFT under FSDP, each a gap in the pinned versions (peft 0.21, accelerate 1.15).
+"""Workarounds for PEFT under FSDP, each a gap found on peft 0.21 and accelerate 1.15 (checked on the ranges in
+versions.py; each patch refuses, with one line, to apply outside them).
 
 1. An empty adapter under FSDP1 (`strip_fsdp1_wrapper_names`). PEFT picks the adapter's tensors out of the
    full state dict by module name, and removes FSDP's `_fsdp_wrapped_module.` only where it leads the name.
@@ -52,6 +53,8 @@ from __future__ import annotations
 from transformers import TrainerCallback
 
 from fsdp_recipes.patches import cpu_fsdp
+from fsdp_recipes.patches.guard import record, target
+from fsdp_recipes.patches.versions import checked_on
 
 WRAPPER_NAMES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
@@ -60,15 +63,19 @@ def strip_fsdp1_wrapper_names() -> None:
     """Patch PEFT's adapter-key prefixes to ignore FSDP1 / checkpoint wrapper names (workaround 1 above)."""
     from peft.tuners import tuners_utils
 
-    original = tuners_utils._get_tuner_state_dict_key_prefixes
-    if getattr(original, "_strips_wrappers", False):
+    if getattr(tuners_utils._get_tuner_state_dict_key_prefixes, "_strips_wrappers", False):
         return
+    original = target(tuners_utils, "_get_tuner_state_dict_key_prefixes", ("model", "adapter_name"),
+                      patch="peft_fsdp.strip_fsdp1_wrapper_names", checked_on=checked_on("peft", "accelerate"))
 
     def prefixes_without_wrappers(model, adapter_name=None):
         return {without_wrapper_names(prefix) for prefix in original(model, adapter_name=adapter_name)}
 
     prefixes_without_wrappers._strips_wrappers = True
+    prefixes_without_wrappers.__wrapped__ = original  # inspect.unwrap finds the library's function (tests restore it)
     tuners_utils._get_tuner_state_dict_key_prefixes = prefixes_without_wrappers
+    record("peft_fsdp.strip_fsdp1_wrapper_names", "peft.tuners.tuners_utils._get_tuner_state_dict_key_prefixes",
+           "FSDP1's wrapper names in the middle of module names: PEFT saves an empty adapter")
 
 
 def without_wrapper_names(name: str) -> str:
@@ -106,9 +113,11 @@ def load_adapter_through_fsdp1_root() -> None:
     import peft
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    original = peft.set_peft_model_state_dict
-    if getattr(original, "_fsdp1_view", False):
+    if getattr(peft.set_peft_model_state_dict, "_fsdp1_view", False):
         return
+    original = target(peft, "set_peft_model_state_dict",
+                      ("model", "peft_model_state_dict", "adapter_name", "ignore_mismatched_sizes", "low_cpu_mem_usage"),
+                      patch="peft_fsdp.load_adapter_through_fsdp1_root", checked_on=checked_on("peft", "accelerate"))
 
     def set_peft_model_state_dict(model, peft_model_state_dict, adapter_name="default", **kwargs):
         if not isinstance(model, FullyShardedDataParallel):  # FSDP2, or no FSDP: PEFT as it is
@@ -122,7 +131,10 @@ def load_adapter_through_fsdp1_root() -> None:
         return result
 
     set_peft_model_state_dict._fsdp1_view = True
+    set_peft_model_state_dict.__wrapped__ = original  # inspect.unwrap finds the library's function (tests restore it)
     peft.set_peft_model_state_dict = set_peft_model_state_dict
+    record("peft_fsdp.load_adapter_through_fsdp1_root", "peft.set_peft_model_state_dict",
+           "an FSDP1 resume loads none of the adapter's tensors")
 
 
 def fsdp2_requested() -> bool:
@@ -156,9 +168,13 @@ def keep_fsdp1_output_layer_in_root() -> None:
     import transformers.trainer
     from peft.utils.other import ModulesToSaveWrapper
 
-    original = transformers.trainer.update_fsdp_plugin_peft
-    if getattr(original, "_keeps_output_layer", False):
+    if getattr(transformers.trainer.update_fsdp_plugin_peft, "_keeps_output_layer", False):
         return
+    versions = checked_on("transformers", "trl", "peft", "accelerate")
+    original = target(transformers.trainer, "update_fsdp_plugin_peft", ("model", "accelerator"),
+                      patch="peft_fsdp.keep_fsdp1_output_layer_in_root", checked_on=versions)
+    adapter_state_dict = target(ModulesToSaveWrapper, "adapter_state_dict", ("self", "adapter_name", "state_dict"),
+                                patch="peft_fsdp.keep_fsdp1_output_layer_in_root", checked_on=versions)
 
     def update_fsdp_plugin_peft(model, accelerator):
         original(model, accelerator)
@@ -177,13 +193,16 @@ def keep_fsdp1_output_layer_in_root() -> None:
         plugin.auto_wrap_policy = policy_without_output_layer
 
     update_fsdp_plugin_peft._keeps_output_layer = True
+    update_fsdp_plugin_peft.__wrapped__ = original  # inspect.unwrap finds the library's function (tests restore it)
     transformers.trainer.update_fsdp_plugin_peft = update_fsdp_plugin_peft
-
-    adapter_state_dict = ModulesToSaveWrapper.adapter_state_dict
 
     def adapter_state_dict_of_any_rank(self, adapter_name, state_dict):
         if not state_dict:  # a rank > 0 under a rank0_only full state dict holds nothing to select from
             return {}
         return adapter_state_dict(self, adapter_name, state_dict)
 
+    adapter_state_dict_of_any_rank.__wrapped__ = adapter_state_dict
     ModulesToSaveWrapper.adapter_state_dict = adapter_state_dict_of_any_rank
+    record("peft_fsdp.keep_fsdp1_output_layer_in_root",
+           "transformers.trainer.update_fsdp_plugin_peft, peft.utils.other.ModulesToSaveWrapper.adapter_state_dict",
+           "FSDP1 shards a trained LM head that TRL's fused loss reads unsharded")

@@ -45,13 +45,21 @@ def make_trainer_class():
     from trl import SFTTrainer
 
     class ReportingSFTTrainer(SFTTrainer):
-        """SFTTrainer that feeds the run report's token counter.
+        """SFTTrainer that feeds the run report's token counter, and puts the report's live gauges into its logs.
 
         Gap it fills: Trainer's `include_num_input_tokens_seen` counts either padded or non-padding tokens,
         not both; the run report needs both (and the sequence count for the FLOPs formula).
         """
 
         token_counter = None
+        run_report = None  # RunReportCallback: its tokens/s, MFU and peak memory go into every training log
+
+        def log(self, logs, *args, **kwargs):
+            # Here, not in the report's on_log: Trainer.log hands the logs to the `report_to` integrations
+            # (TensorBoard, W&B, MLflow), which come before every callback the pack adds. A training log has the loss.
+            if self.run_report is not None and "loss" in logs:
+                logs.update(self.run_report.tracker_scalars(self.state.global_step))
+            super().log(logs, *args, **kwargs)
 
         def training_step(self, model, inputs, *args, **kwargs):
             if self.token_counter is not None:
@@ -147,7 +155,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
         peft_config=peft_config,
         callbacks=callbacks,
     )
-    trainer.token_counter = report.tokens
+    trainer.token_counter, trainer.run_report = report.tokens, report
     if pack.float8:  # before train() hands the model to accelerate, which wraps it with FSDP
         float8.check_device()
         converted, linears = float8.convert(trainer.model)
