@@ -1,0 +1,103 @@
+"""Tied input and output embeddings (SmolLM2, Llama 3.2 1B/3B, Qwen3 0.6B-4B, Gemma) through the pack's FSDP2 path,
+in one process on a tiny tied Llama: accelerate's own preparation with the pack's LM-head workaround
+(patches/peft_fsdp.py, workaround 2), and the final-save check against the live shards (checkpoint/sharded_save.py).
+
+Issue 18 item 6. The 2-process run of a tied model (training, a checkpoint, the verified final save, the merge) is
+`make smoke RECIPE=smollm2-135m-lora` in tests/test_smoke.py: that recipe's tiny model keeps SmolLM2's tied
+embeddings; the real 135M model runs in tests/test_default_recipe.py.
+"""
+
+import types
+
+import pytest
+import torch
+
+from fsdp_recipes.patches.peft_fsdp import RestoreOutputEmbeddings, hide_wrapped_output_layer
+
+SHARED_TWICE = "shared with a parameter already managed by another FSDP group"
+
+
+def tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+def with_lora(model, train_head: bool):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                            modules_to_save=["lm_head"] if train_head else None))
+
+
+def prepare(model):
+    """accelerate 1.15's own FSDP2 preparation (what the Trainer calls), with the recipe's settings."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            cpu_ram_efficient_loading=False)
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                        parallelism_config=None, is_main_process=True, mixed_precision="no",
+                                        device=torch.device("cpu"))
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def step(model):
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss
+
+
+def test_lora_on_a_tied_model_keeps_one_shared_parameter(world_of_one):
+    model = with_lora(tied_llama(), train_head=False)
+    assert not hide_wrapped_output_layer(model)  # nothing to hide: accelerate groups embedding and head itself
+    prepared = prepare(model)
+    inner = prepared.base_model.model
+    assert inner.lm_head.weight is inner.model.embed_tokens.weight  # still tied, one (sharded) Parameter
+    assert torch.isfinite(step(prepared))
+
+
+def test_a_trained_tied_head_needs_the_input_embedding_hidden_too(world_of_one):
+    """With `lora_modules_to_save: [lm_head]` on a tied model, hiding only the output layer (the workaround before
+    this fix) makes torch 2.13 refuse the model; the fix hides the tied input embedding as well."""
+    model = with_lora(tied_llama(), train_head=True)
+    model.get_output_embeddings = lambda: None  # the old workaround
+    with pytest.raises(ValueError, match=SHARED_TWICE):  # at the first forward, where FSDP2 initialises
+        step(prepare(model))
+
+    model = with_lora(tied_llama(), train_head=True)
+    assert hide_wrapped_output_layer(model)
+    prepared = prepare(model)
+    RestoreOutputEmbeddings(model).on_train_begin(None, None, None)
+    inner = prepared.base_model.model
+    head = inner.lm_head
+    assert head.original_module.weight is inner.model.embed_tokens.weight  # the frozen head stays tied
+    assert prepared.get_output_embeddings() is head and prepared.get_input_embeddings() is inner.model.embed_tokens
+    assert torch.isfinite(step(prepared))
+    trained = head.modules_to_save["default"].weight
+    assert trained.grad is not None and inner.model.embed_tokens.weight.grad is None  # only the copy trains
+
+
+def test_final_save_check_of_a_tied_model_compares_every_shard(world_of_one, tmp_path):
+    """save_pretrained stores a tied head once; the live-shard check must expect exactly that, and still catch a
+    wrong value in the shared tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from fsdp_recipes.checkpoint.save_check import IncompleteSave
+    from fsdp_recipes.checkpoint.sharded_save import verify_live_shards
+
+    model = tied_llama()
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+    prepared = prepare(model)
+    assert verify_live_shards(prepared, tmp_path) == len(saved)  # every saved tensor, the shared one once
+    saved["model.embed_tokens.weight"][0, 0] += 1.0
+    save_file(saved, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(IncompleteSave, match="embed_tokens"):
+        verify_live_shards(prepared, tmp_path)
