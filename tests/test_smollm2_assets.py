@@ -125,7 +125,9 @@ def test_half_written_folder_is_refused_and_never_used(tmp_path, capsys):
 
 
 def test_interrupted_preparations_leftovers_are_removed(tmp_path, monkeypatch, capsys):
-    leftover = tmp_path / f".{smollm2.MODEL_DIRNAME}.tmp-abc"
+    leftover = tmp_path / f".{smollm2.MODEL_DIRNAME}.tmp-{2**22 + 1}-abc"  # above Linux's pid_max: no such process
+    running = tmp_path / f".{smollm2.MODEL_DIRNAME}.tmp-1-def"  # pid 1 runs: a preparation in progress
+    running.mkdir()
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"half")
     installed_at(monkeypatch, tmp_path / "site")  # no GGUF there: the preparation stops after the cleanup
@@ -136,3 +138,4 @@ def test_interrupted_preparations_leftovers_are_removed(tmp_path, monkeypatch, c
     gguf.write_bytes(b"GGUF" + bytes(64))
     one_error_line(capsys, ["--out", str(tmp_path)])  # corrupt: but the leftover went first
     assert not leftover.exists() and not (tmp_path / smollm2.MODEL_DIRNAME).exists()
+    assert running.exists()  # another process's folder is left alone

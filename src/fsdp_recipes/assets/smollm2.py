@@ -85,6 +85,22 @@ def is_complete(folder: Path) -> bool:
         return False
 
 
+def preparing_now(tmp: Path) -> bool:
+    """Whether the process named in a temporary folder's name (`.<name>.tmp-<pid>-<random>`) still runs: its
+    folder is in use, not left over."""
+    try:
+        pid = int(tmp.name.split(".tmp-", 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return pid != os.getpid()
+
+
 def check_not_half_written(folder: Path) -> None:
     """A folder at the target without the marker was not written by a finished preparation (an interrupted one of
     an older pack, or a hand copy): never train on it."""
@@ -194,15 +210,20 @@ def ensure_model(root: Path | None = None, force: bool = False, quiet: bool = Fa
     check_gguf_package()
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f".{MODEL_DIRNAME}.tmp-*"):  # an interrupted preparation's leftovers: never used
-        shutil.rmtree(stale, ignore_errors=True)
+        if not preparing_now(stale):
+            shutil.rmtree(stale, ignore_errors=True)
     t0 = time.time()
     say(f"preparing SmolLM2-135M-Instruct into {out} (once): {NOTE}")
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}.tmp-{os.getpid()}-", dir=root))
     try:
         info = write_folder(gguf, tmp, say)
         (tmp / MARKER).write_text(json.dumps(info, indent=2) + "\n")  # last: the folder is complete
         shared(tmp, 0o777)  # mkdtemp makes it 0700
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process (ranks started without the launcher) finished first: use its folder
+            if not is_complete(out):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"ready: {info['parameters'] / 1e6:.1f}M parameters, tied embeddings, float32 -> {out} "
