@@ -60,8 +60,8 @@ def test_training_was_sharded_and_the_tied_model_saved_completely(run_dir):
     assert m["world_size"] == 2 and m["fsdp_version"] == 2 and m["sharding_strategy"] == "SHARD_GRAD_OP"
     # 135M frozen parameters (tied: the head counted once) + the adapter, split between the 2 ranks
     assert 130e6 < m["param_shards"]["global_numel"] < 145e6
-    lora = LAYERS * LORA_TARGETS * 2  # A and B per target per layer
-    assert m["final_save_check"] == {"tensors": lora, "lora_b_checked": lora, "model_shapes_checked": lora,
+    lora = LAYERS * LORA_TARGETS  # one A and one B per target per layer
+    assert m["final_save_check"] == {"tensors": 2 * lora, "lora_b_checked": lora, "model_shapes_checked": 2 * lora,
                                      "compared_with": LIVE_SHARDS}
 
 
@@ -84,16 +84,19 @@ def test_eval_covers_the_held_out_questions(run_dir, cache_dir):
     assert f"exact match on {TEST_QUESTIONS} eval prompts: base model {ev['base_correct']}/{TEST_QUESTIONS}" in log
 
 
-def test_merged_model_loads_tied_and_equals_base_plus_adapter(run_dir):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def test_merged_model_loads_tied_with_the_adapter_merged(run_dir):
+    """The merge itself is compared with base + adapter logits in tests/test_end_to_end.py (tiny model); here: the
+    real merged model loads with plain transformers, keeps its embeddings tied, and differs from the base exactly
+    where LoRA trained (read from the files, without loading the base model a second time)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
 
     base_path = load(run_dir, "run_args.json")["model_args"]["model_name_or_path"]
-    merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged").eval()
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged")
     assert merged.config.tie_word_embeddings and merged.lm_head.weight is merged.model.embed_tokens.weight
-    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path), run_dir).eval()
-    tok = AutoTokenizer.from_pretrained(run_dir / "merged")
-    ids = tok(tok.apply_chat_template([{"role": "user", "content": "What is 31 + 45?"}], tokenize=False,
-                                      add_generation_prompt=True), return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        assert torch.allclose(with_adapter(**ids).logits, merged(**ids).logits, atol=1e-4)
+    with safe_open(f"{base_path}/model.safetensors", framework="pt") as base:
+        embed = base.get_tensor("model.embed_tokens.weight")
+        q_proj = base.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        assert "lm_head.weight" not in base.keys()  # the prepared model stores the tied head once
+    assert torch.equal(merged.model.embed_tokens.weight, embed)  # not a LoRA target: untouched
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, q_proj)  # LoRA merged in
