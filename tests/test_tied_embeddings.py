@@ -1,6 +1,7 @@
 """Tied input and output embeddings (SmolLM2, Llama 3.2 1B/3B, Qwen3 0.6B-4B, Gemma) through the pack's FSDP2 path,
 in one process on a tiny tied Llama: accelerate's own preparation with the pack's LM-head workaround
-(patches/peft_fsdp.py, workaround 2), and the final-save check against the live shards (checkpoint/sharded_save.py).
+(patches/peft_fsdp.py, workaround 2), the final-save check against the live shards (checkpoint/sharded_save.py), and
+the checkpoint save and load a resume makes (accelerate's FSDP2 adapter-only path).
 
 Issue 18 item 6. The 2-process run of a tied model (training, a checkpoint, the verified final save, the merge) is
 `make smoke RECIPE=smollm2-135m-lora` in tests/test_smoke.py: that recipe's tiny model keeps SmolLM2's tied
@@ -101,3 +102,49 @@ def test_final_save_check_of_a_tied_model_compares_every_shard(world_of_one, tmp
     save_file(saved, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(IncompleteSave, match="embed_tokens"):
         verify_live_shards(prepared, tmp_path)
+
+
+def test_a_tied_models_adapter_and_head_resume_through_accelerates_loader(world_of_one, tmp_path, monkeypatch):
+    """The checkpoint round trip a resume makes (FULL_STATE_DICT, adapter only, what the recipes use): accelerate's
+    own FSDP2 save and load of a tied model whose LM head is trained in full. Every trainable tensor comes back, and
+    the frozen head is still the input embedding's Parameter."""
+    import logging
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils import fsdp_utils
+
+    # accelerate's logger insists on an initialised accelerate state; the Trainer has one, this test does not
+    monkeypatch.setattr(fsdp_utils, "logger", logging.getLogger("accelerate.utils.fsdp_utils"))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            cpu_ram_efficient_loading=False, state_dict_type="FULL_STATE_DICT")
+    accelerator = types.SimpleNamespace(num_processes=1, process_index=0, is_main_process=True, is_fsdp2=True,
+                                        wait_for_everyone=lambda: None)
+
+    def prepared_with_head():
+        model = with_lora(tied_llama(), train_head=True)
+        hide_wrapped_output_layer(model)
+        prepared = prepare(model)
+        RestoreOutputEmbeddings(model).on_train_begin(None, None, None)
+        return prepared
+
+    def trainable(model):
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters() if p.requires_grad}
+
+    saved = prepared_with_head()
+    step(saved)
+    with torch.no_grad():  # LoRA B starts at zero: make every trainable tensor differ from a fresh model's
+        for p in saved.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    fsdp_utils.save_fsdp_model(plugin, accelerator, saved, str(tmp_path), adapter_only=True)
+    resumed = prepared_with_head()
+    before = trainable(resumed)
+    fsdp_utils.load_fsdp_model(plugin, accelerator, resumed, str(tmp_path), adapter_only=True)
+    want, got = trainable(saved), trainable(resumed)
+    assert len(want) == 2 * 2 * 2 + 1  # LoRA A and B on q and v in 2 layers, and the head's trained copy
+    assert all(not torch.equal(before[n], want[n]) for n in want)  # the load had something to restore
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    inner = resumed.base_model.model
+    assert inner.lm_head.original_module.weight is inner.model.embed_tokens.weight
