@@ -1,7 +1,7 @@
 """Tied input and output embeddings (SmolLM2, Llama 3.2 1B/3B, Qwen3 0.6B-4B, Gemma) through the pack's FSDP2 path,
 in one process on a tiny tied Llama: accelerate's own preparation with the pack's LM-head workaround
 (patches/peft_fsdp.py, workaround 2), the final-save check against the live shards (checkpoint/sharded_save.py), and
-the checkpoint save and load a resume makes (accelerate's FSDP2 adapter-only path).
+the checkpoint save and load a resume makes (accelerate's FSDP2 adapter-only path), and the merge.
 
 Issue 18 item 6. The 2-process run of a tied model (training, a checkpoint, the verified final save, the merge) is
 `make smoke RECIPE=smollm2-135m-lora` in tests/test_smoke.py: that recipe's tiny model keeps SmolLM2's tied
@@ -148,3 +148,30 @@ def test_a_tied_models_adapter_and_head_resume_through_accelerates_loader(world_
     assert all(torch.equal(got[n], want[n]) for n in want)
     inner = resumed.base_model.model
     assert inner.lm_head.original_module.weight is inner.model.embed_tokens.weight
+
+
+def test_merging_a_tied_model_keeps_a_trained_head(tmp_path):
+    """save_merged (the pack's `merged/`, plain transformers and PEFT): with the LM head trained in full on a tied
+    model, the merged model must hold the trained head and the base's input embedding, untied; re-tying on save or
+    load would silently drop the trained head."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from fsdp_recipes.train.train_sft import save_merged
+
+    base = tied_llama()
+    base.save_pretrained(tmp_path / "base")
+    adapted = with_lora(tied_llama(), train_head=True)
+    with torch.no_grad():
+        for p in adapted.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    head = adapted.base_model.model.lm_head.modules_to_save["default"].weight.detach().clone()
+    adapted.save_pretrained(tmp_path / "adapter")
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+                            ).save_pretrained(tmp_path / "adapter")
+    save_merged(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.equal(merged.lm_head.weight, head)
+    assert torch.equal(merged.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert merged.lm_head.weight is not merged.model.embed_tokens.weight
