@@ -1,6 +1,6 @@
 """Tied input and output embeddings (SmolLM2, Llama 3.2 1B/3B, Qwen3 0.6B-4B, Gemma) through the pack's FSDP2 path,
 in one process on a tiny tied Llama: accelerate's own preparation with the pack's LM-head workaround
-(patches/peft_fsdp.py, workaround 2), the final-save check against the live shards (checkpoint/sharded_save.py), and
+(patches/peft_fsdp.py, workaround 2), the final-save check against the live shards (checkpoint/sharded_save.py),
 the checkpoint save and load a resume makes (accelerate's FSDP2 adapter-only path), and the merge.
 
 Issue 18 item 6. The 2-process run of a tied model (training, a checkpoint, the verified final save, the merge) is
