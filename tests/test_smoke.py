@@ -27,6 +27,8 @@ def expected_layout(acc: dict) -> tuple[int, str]:
     replicate = (acc.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1)
     if replicate > 1:
         return 4, "HYBRID_SHARD (replicate 2 x shard 2)"
+    if acc["fsdp_config"].get("fsdp_reshard_after_forward") is False:  # FSDP2 keeping layers gathered until backward
+        return 2, "SHARD_GRAD_OP"
     return 2, "FULL_SHARD"
 
 

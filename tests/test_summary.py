@@ -126,3 +126,24 @@ def test_the_launcher_tells_the_summary_its_node(monkeypatch):
     assert launcher.summary_args("runs/x") == ["runs/x", "--machine-rank", "1"]
     monkeypatch.delenv("FSDP_RECIPES_LAUNCH_ARGS")
     assert launcher.summary_args("runs/x") == ["runs/x", "--machine-rank", "0"]
+
+
+def test_the_exact_match_goes_into_metrics_json_and_the_console(tmp_path, monkeypatch, capsys):
+    """The counts the summary prints are the ones metrics.json's `eval` section keeps, next to the report's own
+    fields; every answer goes to sample_generations.json."""
+    run = fake_run(tmp_path)
+    examples = [{"prompt": f"What is {i} + 1?", "expected": str(i + 1), "base": "no", "trained": str(i + 1)}
+                for i in range(100)]
+    check = {"n": 100, "base_correct": 0, "trained_correct": 100, "base_model": "base", "trained_model": "merged",
+             "examples": examples}
+    monkeypatch.setattr(summary, "model_size", lambda _: (1000, 4000))  # small: generate
+    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args: check)
+    assert summary.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "exact match on 100 eval prompts: base model 0/100 -> trained 100/100" in out
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["status"] == "completed" and metrics["world_size"] == 16  # the report's fields are kept
+    ev = metrics["eval"]
+    assert (ev["prompts"], ev["base_correct"], ev["trained_correct"]) == (100, 0, 100)
+    assert ev["samples"] == examples[:summary.SHOWN_SAMPLES]
+    assert json.loads((run / "sample_generations.json").read_text())["examples"] == examples

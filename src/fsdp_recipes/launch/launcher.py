@@ -7,7 +7,8 @@
 2. Checks what needs no heavy import (accelerate YAML, GPU requirement, topology), then starts the real
    `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train.train_sft`, in a session of its own.
 3. While the ranks import torch and the rest, checks the recipe in this one process -- recipe YAML, model,
-   dataset, resume -- and builds the tiny local assets when the recipe uses them. The ranks wait at a gate
+   dataset, resume -- and builds the tiny local assets or prepares the
+   default's SmolLM2 (assets/) when the recipe uses them. The ranks wait at a gate
    (start_gate.py) and their output is held back until the checks pass; a mistake kills them and is one line
    here instead of a traceback from every rank.
 4. Passes on what a scheduler sends (SIGTERM, SIGUSR1, SIGINT) and relays the ranks' output.

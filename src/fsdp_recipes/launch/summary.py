@@ -22,6 +22,7 @@ from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.metrics.report import human_bytes
+from fsdp_recipes.records import write_json_atomic
 
 
 def load_prompts(run_args: dict, limit: int) -> list[tuple[list[dict], str]]:
@@ -109,8 +110,12 @@ def skip_generations(run_dir: Path, trained: Path, machine_rank: str, force: boo
     return None
 
 
-def learning_check(run_dir: Path, run_args: dict, n: int = 64) -> dict | None:
-    """Exact-match accuracy of the base and the trained (merged) model on the eval prompts."""
+EVAL_PROMPTS = 128  # at most this many eval prompts are generated for, twice (base and trained model)
+SHOWN_SAMPLES = 3
+
+
+def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS) -> dict | None:
+    """Exact-match accuracy of the base and the trained (merged) model on the eval split's first `n` prompts."""
     trained = trained_model_dir(run_dir)
     if trained is None:
         return None
@@ -126,10 +131,29 @@ def learning_check(run_dir: Path, run_args: dict, n: int = 64) -> dict | None:
         "n": len(pairs),
         "base_correct": score(base),
         "trained_correct": score(after),
+        "base_model": run_args["model_args"]["model_name_or_path"],
+        "trained_model": str(trained),
         "examples": [
             {"prompt": p[-1]["content"], "expected": e, "base": b, "trained": t}
             for p, e, b, t in zip(prompts, expected, base, after)
         ],
+    }
+
+
+def eval_section(check: dict) -> dict:
+    """metrics.json's `eval`: the exact-match counts and where they came from; every answer is in
+    sample_generations.json."""
+    return {
+        "metric": "exact match of the greedy answer (stripped) with the expected completion",
+        "prompts": check["n"],
+        "split": "the eval split's first prompts",
+        "base_correct": check["base_correct"],
+        "trained_correct": check["trained_correct"],
+        "base_model": check["base_model"],
+        "trained_model": check["trained_model"],
+        "loaded_with": "transformers AutoModelForCausalLM.from_pretrained, no FSDP",
+        "samples": check["examples"][:SHOWN_SAMPLES],
+        "all_answers": "sample_generations.json",
     }
 
 
@@ -178,7 +202,7 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
             f"exact match on {check['n']} eval prompts: base model {check['base_correct']}/{check['n']} -> "
             f"trained {check['trained_correct']}/{check['n']}"
         )
-        for ex in check["examples"][:3]:
+        for ex in check["examples"][:SHOWN_SAMPLES]:
             lines.append(
                 f"  {shown(ex['prompt'])}: expected {shown(ex['expected'])} | base {shown(ex['base'])} | "
                 f"trained {shown(ex['trained'])}"
@@ -213,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             check = learning_check(args.run_dir, run_args)
     if check:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
+        metrics["eval"] = eval_section(check)
+        write_json_atomic(metrics_path, metrics)
     print(render(args.run_dir, metrics, check, skipped))
     return 0
 

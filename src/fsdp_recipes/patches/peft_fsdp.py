@@ -34,6 +34,13 @@ the 1-process run exactly (difference 0.0). tests/test_grad_accumulation.py keep
 The workaround hides the wrapper from the carve-out only while accelerate prepares the model: an instance
 attribute shadows `get_output_embeddings` and is removed when training begins.
 
+With tied embeddings (SmolLM2, Llama 3.2 1B/3B, Qwen3 0.6B-4B, Gemma) the wrapper's frozen original head holds the
+input embedding's very Parameter. Hiding only the output layer made accelerate see no tie and carve the input
+embedding into a unit of its own, while the same Parameter stayed in the root unit through the wrapper, and
+torch 2.13's `fully_shard` refuses that ("Parameter ... embed_tokens.weight is shared with a parameter already
+managed by another FSDP group"). So for a tied head the input embedding is hidden too: embedding, frozen head
+and trained copy all stay in the root unit, the Parameter in one group (tests/test_tied_embeddings.py).
+
 3. PEFT `modules_to_save` on the output layer cannot train under FSDP1 with TRL 1.16 (`keep_fsdp1_output_layer_in_root`).
    transformers 5.23 gives FSDP1 PEFT's auto-wrap policy, which makes every leaf module with a trainable weight
    an FSDP unit of its own, the LM head's trainable copy included. FSDP1 unshards a unit's parameters only
@@ -142,13 +149,19 @@ def fsdp2_requested() -> bool:
 
 
 def hide_wrapped_output_layer(model) -> bool:
-    """Shadow get_output_embeddings on `model` when its output layer is a ModulesToSaveWrapper."""
+    """Shadow get_output_embeddings on `model` when its output layer is a ModulesToSaveWrapper, and
+    get_input_embeddings too when that layer's frozen original is tied to the input embedding (workaround 2)."""
     from peft.utils.other import ModulesToSaveWrapper
 
     get = getattr(model, "get_output_embeddings", None)
-    if get is None or not isinstance(get(), ModulesToSaveWrapper):
+    head = get() if get is not None else None
+    if not isinstance(head, ModulesToSaveWrapper):
         return False
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    tied = embed is not None and getattr(head.original_module, "weight", None) is getattr(embed, "weight", None)
     model.get_output_embeddings = lambda: None
+    if tied:
+        model.get_input_embeddings = lambda: None
     return True
 
 
@@ -160,6 +173,7 @@ class RestoreOutputEmbeddings(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.model.__dict__.pop("get_output_embeddings", None)
+        self.model.__dict__.pop("get_input_embeddings", None)
 
 
 def keep_fsdp1_output_layer_in_root() -> None:

