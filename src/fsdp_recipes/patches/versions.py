@@ -3,7 +3,7 @@
 Each patch replaces a private function written for particular releases. `guard.target` refuses to apply a patch,
 with one line, when an installed library is outside its range here (a signature can stay the same while the code
 behind it changes), and when the function's signature changed. `make test-compat` runs the suite at both ends of
-these ranges (README, "Tested versions"); pyproject.toml allows exactly these ranges for the patched libraries
+these ranges (docs/development.md, "Tested versions"); pyproject.toml allows exactly these ranges for the patched libraries
 (tests/test_patches.py keeps the two equal), so a widened range must first pass `make test-compat`.
 
 A version that needs a code path of its own gets it here, not spread over the pack: the renamed checkpointing
