@@ -126,6 +126,31 @@ def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600) -
     return run([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cache, cwd=cwd, timeout=timeout)
 
 
+def launcher_checks(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """The launcher's `main` in this process, for a mistake it must catch before any rank starts: starting the
+    ranks fails the test. A second or less per case, where a launcher process spends ~5 s importing the libraries
+    (tests that need the real process, its exit code and its streams, use `launch`)."""
+    from fsdp_recipes.launch import launcher
+
+    def no_ranks(*a, **k):
+        raise AssertionError("the launcher started the ranks for a mistake it should have caught")
+
+    monkeypatch.chdir(REPO)  # where launch() runs it
+    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
+    monkeypatch.setattr(launcher, "Ranks", no_ranks)
+    saved = dict(os.environ)  # main sets PET_* and others with setdefault: they must not reach later tests
+    try:
+        launcher.main(args)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["launcher.main", *args], code, out, err)
+
+
 def fsdp1_recipe(parent: Path, train_lm_head: bool = False, **fsdp_config) -> Path:
     """The tiny recipe with the FSDP1 settings the seeds use (accelerate_configs/fsdp1_1node.yaml: use_orig_params,
     sync_module_states + cpu_ram_efficient_loading, backward prefetch), on 2 CPU processes. Without

@@ -1,7 +1,9 @@
 """User mistakes end in one line naming the problem and the fix, exit code 2, and no traceback.
 
-Each case runs the launcher the way a recipe's launch.sh does, on a copy of the default recipe with one
-thing broken, and stops before any process is spawned or any weight is loaded.
+Each case runs the launcher's `main` on a copy of the tiny recipe with one thing broken, and must stop before any
+rank is started or any weight is loaded: in this process (`launcher_checks`), where a launcher process would
+spend ~5 s importing the libraries. Two cases run the real thing, through make and as launch.sh runs the
+launcher, for the process's own exit code and streams.
 """
 
 import json
@@ -11,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO, launch, pack_env
+from conftest import REPO, launch, launcher_checks, pack_env
 
 
 def assert_one_line_error(res, fragment):
@@ -29,6 +31,12 @@ def checks_before_ranks(monkeypatch):
     """The launcher checks first and starts no rank for a mistake: these tests are about the one line, and the
     overlapped start (ranks importing while the launcher checks, then aborted) is tests/test_start_gate.py's."""
     monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
+
+
+@pytest.fixture
+def checks(monkeypatch, capsys, cache_dir):
+    """launcher_checks bound to this test: `checks([recipe, "--field", "value"])`."""
+    return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
 
 
 @pytest.fixture
@@ -60,78 +68,67 @@ def test_unknown_recipe(cache_dir):
     assert_one_line_error(launch(["no-such-recipe"], cache_dir), "unknown recipe 'no-such-recipe'")
 
 
-@pytest.mark.slow
-def test_missing_dataset_file(recipe, cache_dir):
-    res = launch([str(recipe), "--dataset_name", "/nonexistent/train.jsonl"], cache_dir)
+def test_missing_dataset_file(recipe, cache_dir, checks):
+    res = checks([str(recipe), "--dataset_name", "/nonexistent/train.jsonl"])
     assert_one_line_error(res, "dataset not found: /nonexistent/train.jsonl")
 
 
-@pytest.mark.slow
-def test_malformed_yaml(recipe, cache_dir):
+def test_malformed_yaml(recipe, cache_dir, checks):
     sft = recipe / "sft.yaml"
     sft.write_text(sft.read_text() + "\nlearning_rate: [1e-3\n")
-    assert_one_line_error(launch([str(recipe)], cache_dir), "malformed YAML in")
+    assert_one_line_error(checks([str(recipe)]), "malformed YAML in")
 
 
-@pytest.mark.slow
-def test_malformed_accelerate_yaml(recipe, cache_dir):
+def test_malformed_accelerate_yaml(recipe, cache_dir, checks):
     (recipe / "accelerate.yaml").write_text("distributed_type: FSDP\nfsdp_config: {fsdp_version: 2\n")
-    assert_one_line_error(launch([str(recipe)], cache_dir), "malformed YAML in")
+    assert_one_line_error(checks([str(recipe)]), "malformed YAML in")
 
 
-@pytest.mark.slow
-def test_unknown_config_key_suggests_the_right_one(recipe, cache_dir):
+def test_unknown_config_key_suggests_the_right_one(recipe, cache_dir, checks):
     edit_yaml(recipe / "sft.yaml", lerning_rate=1e-3)
-    res = launch([str(recipe)], cache_dir)
+    res = checks([str(recipe)])
     assert_one_line_error(res, "unknown config key `lerning_rate`")
     assert "did you mean `learning_rate`?" in res.stderr
 
 
-@pytest.mark.slow
-def test_unknown_command_line_flag(recipe, cache_dir):
-    assert_one_line_error(launch([str(recipe), "--max_stepz", "3"], cache_dir), "--max_stepz")
+def test_unknown_command_line_flag(recipe, cache_dir, checks):
+    assert_one_line_error(checks([str(recipe), "--max_stepz", "3"]), "--max_stepz")
 
 
-@pytest.mark.slow
-def test_dataset_without_expected_columns(recipe, cache_dir, tmp_path):
+def test_dataset_without_expected_columns(recipe, cache_dir, tmp_path, checks):
     bad = tmp_path / "qa.jsonl"
     bad.write_text("".join(json.dumps({"question": f"q{i}", "answer": "a"}) + "\n" for i in range(4)))
-    res = launch([str(recipe), "--dataset_name", str(bad), "--eval_strategy", "no"], cache_dir)
+    res = checks([str(recipe), "--dataset_name", str(bad), "--eval_strategy", "no"])
     assert_one_line_error(res, "has columns ['answer', 'question']")
 
 
-@pytest.mark.slow
-def test_missing_eval_split(recipe, cache_dir, tmp_path):
+def test_missing_eval_split(recipe, cache_dir, tmp_path, checks):
     only_train = tmp_path / "train.jsonl"
     shutil.copy(cache_dir / "tiny-arith" / "train.jsonl", only_train)
-    assert_one_line_error(launch([str(recipe), "--dataset_name", str(only_train)], cache_dir), "no `test` split")
+    assert_one_line_error(checks([str(recipe), "--dataset_name", str(only_train)]), "no `test` split")
 
 
-@pytest.mark.slow
-def test_gpu_recipe_on_cpu_names_the_cpu_alternative(cache_dir):
-    res = launch(["mistral-small-lora"], cache_dir)
+def test_gpu_recipe_on_cpu_names_the_cpu_alternative(cache_dir, checks):
+    res = checks(["mistral-small-lora"])
     assert_one_line_error(res, "needs 8 GPU(s) and this machine has 0")
     assert "make smoke RECIPE=mistral-small-lora" in res.stderr
 
 
-@pytest.mark.slow
-def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir):
+def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir, checks):
     acc = recipe / "accelerate.yaml"
     data = yaml.safe_load(acc.read_text())
     data["fsdp_config"]["fsdp_use_orig_params"] = True
     acc.write_text(yaml.safe_dump(data))
-    assert_one_line_error(launch([str(recipe)], cache_dir), "fsdp_use_orig_params only apply to FSDP1")
+    assert_one_line_error(checks([str(recipe)]), "fsdp_use_orig_params only apply to FSDP1")
 
 
-@pytest.mark.slow
-def test_missing_model_directory(recipe, cache_dir, tmp_path):
-    res = launch([str(recipe), "--model_name_or_path", str(tmp_path / "no-model")], cache_dir)
+def test_missing_model_directory(recipe, cache_dir, tmp_path, checks):
+    res = checks([str(recipe), "--model_name_or_path", str(tmp_path / "no-model")])
     assert_one_line_error(res, "model not found")
 
 
-@pytest.mark.slow
-def test_flash_attention_requested_but_not_installed(recipe, cache_dir):
-    res = launch([str(recipe), "--attn_implementation", "flash_attention_2"], cache_dir)
+def test_flash_attention_requested_but_not_installed(recipe, cache_dir, checks):
+    res = checks([str(recipe), "--attn_implementation", "flash_attention_2"])
     assert_one_line_error(res, "needs the flash-attn package")
 
 
@@ -162,11 +159,10 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
     ({"peft__": None}, "it is a full fine-tuning checkpoint and this run is LoRA"),
     ({"architecture__hidden_size": 512}, "it was trained on another model (hidden_size 512 vs 256)"),
 ])
-@pytest.mark.slow
-def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, changes, fragment):
+def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, changes, fragment, checks):
     out = tmp_path / "run"
     fake_checkpoint(out, cache_dir, **changes)
-    assert_one_line_error(launch([str(recipe), "--output_dir", str(out)], cache_dir), fragment)
+    assert_one_line_error(checks([str(recipe), "--output_dir", str(out)]), fragment)
 
 
 def test_lora_under_fsdp1_needs_use_orig_params(tmp_path):
@@ -181,8 +177,7 @@ def test_lora_under_fsdp1_needs_use_orig_params(tmp_path):
     check_fsdp_with_peft(acc, False, "fsdp1.yaml")  # full fine-tuning does not need it
 
 
-@pytest.mark.slow
-def test_fsdp1_lora_sharded_checkpoints_on_one_process_stop_before_launch(tmp_path, cache_dir):
+def test_fsdp1_lora_sharded_checkpoints_on_one_process_stop_before_launch(tmp_path, cache_dir, checks):
     """One FSDP1 process is NO_SHARD, whose sharded LoRA state dict crashes the first checkpoint save (seen:
     AssertionError in torch's state-dict post-hook after step 1). The launcher refuses it up front."""
     from conftest import fsdp1_recipe
@@ -191,7 +186,7 @@ def test_fsdp1_lora_sharded_checkpoints_on_one_process_stop_before_launch(tmp_pa
     acc = yaml.safe_load((recipe / "accelerate.yaml").read_text())
     acc["num_processes"] = 1
     (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
-    assert_one_line_error(launch([str(recipe)], cache_dir), "LoRA under FSDP1 with one process cannot save "
+    assert_one_line_error(checks([str(recipe)]), "LoRA under FSDP1 with one process cannot save "
                           "SHARDED_STATE_DICT checkpoints")
 
 
@@ -231,16 +226,14 @@ def test_gpu_count_hint_reads_cuda_visible_devices(monkeypatch):
 
 @pytest.mark.parametrize("name, fragment", [("fsdp.txt", "does not end in .prom"),
                                             ("missing/fsdp.prom", "does not exist or is not writable")])
-@pytest.mark.slow
-def test_prometheus_textfile_that_node_exporter_would_never_read(recipe, cache_dir, tmp_path, name, fragment):
-    res = launch([str(recipe), "--prometheus_textfile", str(tmp_path / name)], cache_dir)
+def test_prometheus_textfile_that_node_exporter_would_never_read(recipe, cache_dir, tmp_path, name, fragment, checks):
+    res = checks([str(recipe), "--prometheus_textfile", str(tmp_path / name)])
     assert_one_line_error(res, fragment)
 
 
-@pytest.mark.slow
-def test_unset_variable_in_a_path_is_refused_not_written_literally(recipe, cache_dir, tmp_path):
+def test_unset_variable_in_a_path_is_refused_not_written_literally(recipe, cache_dir, tmp_path, checks):
     # os.path.expandvars would leave "$NO_SUCH_VAR_FOR_TEST" in the name and the run would write a file called that
-    res = launch([str(recipe), "--output_dir", str(tmp_path / "$NO_SUCH_VAR_FOR_TEST" / "run")], cache_dir)
+    res = checks([str(recipe), "--output_dir", str(tmp_path / "$NO_SUCH_VAR_FOR_TEST" / "run")])
     assert_one_line_error(res, "output_dir")
     assert "$NO_SUCH_VAR_FOR_TEST, which is not set here" in res.stderr
     assert not (tmp_path / "$NO_SUCH_VAR_FOR_TEST").exists()

@@ -17,7 +17,7 @@ import pytest
 from test_bad_input import assert_one_line_error
 
 import conftest
-from conftest import REPO, run
+from conftest import REPO, launcher_checks, run
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +71,8 @@ def test_layers_whose_dimensions_scaled_mm_refuses_are_left_alone(torchao_site, 
     assert type(net[1]) is torch.nn.Linear
 
 
-@pytest.mark.slow
-def test_float8_with_lora_is_refused_before_launch(cache_dir):
-    res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--float8", "true"], cache_dir)
+def test_float8_with_lora_is_refused_before_launch(cache_dir, monkeypatch, capsys):
+    res = launcher_checks(["tiny-cpu-lora", "--float8", "true"], monkeypatch, capsys)
     assert_one_line_error(res, "float8: true is for full fine-tuning")
 
 
@@ -153,7 +152,7 @@ def test_smoke_keeps_float8_only_where_torchao_is_installed(installed, cache_dir
     found = object()  # smoke only asks whether torchao is found
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: (found if installed else None) if name == "torchao" else real(name, *a))
-    _, overrides = smoke.prepare(recipe, [])
+    _, overrides, _ = smoke.prepare(recipe, [])
     turned_off = "[smoke] float8: torchao is not installed here -> off" in capsys.readouterr().out
     assert turned_off is not installed
     assert (overrides[overrides.index("--float8") + 1] == "false") if not installed else "--float8" not in overrides

@@ -20,7 +20,7 @@ import time
 import pytest
 import yaml
 
-from conftest import REPO, launch, pack_env, tagged_processes
+from conftest import REPO, launch, launcher_checks, pack_env, tagged_processes
 from test_bad_input import fake_checkpoint
 
 PROBES = REPO / "tests" / "probes"
@@ -174,28 +174,6 @@ CASES = {
 }
 
 
-def run_launcher_checks(args, monkeypatch, capsys) -> tuple[int, str, str]:
-    """The launcher's main in this process; starting the ranks fails the test (the mistake must be found first)."""
-    from fsdp_recipes.launch import launcher
-
-    def no_ranks(*a, **k):
-        raise AssertionError("the launcher started the ranks for a mistake it should have caught")
-
-    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
-    monkeypatch.setattr(launcher, "Ranks", no_ranks)
-    saved = dict(os.environ)  # main sets PET_* and others with setdefault: they must not reach later tests
-    try:
-        launcher.main(args)
-        code = 0
-    except SystemExit as stop:
-        code = stop.code
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_mistake_is_one_line_before_any_rank(name, recipe, earlier_run, tmp_path, monkeypatch, capsys):
     make, fragment = CASES[name]
@@ -203,7 +181,8 @@ def test_mistake_is_one_line_before_any_rank(name, recipe, earlier_run, tmp_path
     args = make(recipe, tmp_path)
     if "--output_dir" not in args:
         args += ["--output_dir", str(earlier_run)]
-    code, out, err = run_launcher_checks([str(recipe), *args], monkeypatch, capsys)
+    res = launcher_checks([str(recipe), *args], monkeypatch, capsys)
+    code, out, err = res.returncode, res.stdout, res.stderr
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2, out + err
     assert "Traceback" not in out + err, out + err

@@ -24,7 +24,7 @@ from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 # logging_steps 1: each logged loss is one step's loss. With longer intervals the first log after a resume
 # averages fewer steps than the uninterrupted run's (the Trainer does not checkpoint its running loss sum).
 PROBES = REPO / "tests" / "probes"
-ARGS = ["tiny-cpu-lora", "--max_steps", "30", "--save_strategy", "steps", "--save_steps", "10",
+ARGS = ["tiny-cpu-lora", "--max_steps", "16", "--save_strategy", "steps", "--save_steps", "5",
         "--logging_steps", "1", "--eval_strategy", "no", "--save_merged_model", "false"]
 
 
@@ -62,15 +62,15 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
     assert res.returncode == 0, res.stderr[-3000:]
 
     rc, out = signal_launch([*args, "--output_dir", str(preempted)], cache_dir,
-                            lambda: checkpoints.is_complete(preempted / "checkpoint-10"), signal.SIGTERM)
+                            lambda: checkpoints.is_complete(preempted / "checkpoint-5"), signal.SIGTERM)
     assert rc == EXIT_PREEMPTED, out[-3000:]
     first = json.loads((preempted / "metrics.json").read_text())
-    assert first["status"] == "preempted" and 10 <= first["steps"] < 30, first
+    assert first["status"] == "preempted" and 5 <= first["steps"] < 16, first
     stop = checkpoints.latest_complete(preempted)
     assert stop.name == f"checkpoint-{first['steps']}"  # saved at the step where the ranks stopped
 
     # a save killed half-way leaves a newer, incomplete checkpoint: it must be skipped
-    partial = preempted / "checkpoint-29"
+    partial = preempted / "checkpoint-15"
     partial.mkdir()
     (partial / "optimizer.bin").write_bytes(b"truncated")
 
@@ -81,7 +81,7 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
     assert done["status"] == "completed" and done["resumed_from"] == str(stop)
 
     a, b = losses(straight), losses(preempted)
-    assert sorted(a) == sorted(b) == list(range(1, 31))
+    assert sorted(a) == sorted(b) == list(range(1, 17))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a[step], b[step])
     wa, wb = read_saved(straight), read_saved(preempted)  # the adapter, or the whole model
@@ -90,7 +90,7 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
         assert torch.allclose(wa[key], wb[key], atol=1e-5), key
 
     straight_m = json.loads((straight / "metrics.json").read_text())
-    assert done["steps"] == straight_m["steps"] == 30
+    assert done["steps"] == straight_m["steps"] == 16
     assert done["tokens"]["non_padding"] == straight_m["tokens"]["non_padding"]
     assert done["samples"] == straight_m["samples"]
     assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint
@@ -114,11 +114,11 @@ def test_grace_period_bounds_a_slow_save_and_the_relaunch_skips_it(tmp_path, cac
     half-written checkpoint has no completion marker, the launcher still exits 75 with a report that says so,
     and the same command resumes from the previous complete checkpoint."""
     out = tmp_path / "run"
-    args = [*ARGS, "--max_steps", "30", "--save_steps", "10", "--preemption_grace_s", "3",
+    args = [*ARGS, "--preemption_grace_s", "3",
             "--output_dir", str(out)]
     probe = dict(PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", SLOW_SAVE_S="120",
-                 SLOW_SAVE_AFTER_STEP="10")  # every save after checkpoint-10 sleeps 120 s (tests/probes)
-    rc, text = signal_launch(args, cache_dir, lambda: checkpoints.is_complete(out / "checkpoint-10"),
+                 SLOW_SAVE_AFTER_STEP="5")  # every save after checkpoint-5 sleeps 120 s (tests/probes)
+    rc, text = signal_launch(args, cache_dir, lambda: checkpoints.is_complete(out / "checkpoint-5"),
                              signal.SIGTERM, **probe)
     assert rc == EXIT_PREEMPTED, text[-3000:]
     assert signal_launch.seconds_after_signal < 60, text[-3000:]  # the grace period ended the 120 s save
@@ -126,16 +126,16 @@ def test_grace_period_bounds_a_slow_save_and_the_relaunch_skips_it(tmp_path, cac
     assert "did not finish within the grace period (3 s)" in text
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "preempted" and metrics["provisional"] is False, metrics
-    assert f"resumes from {out / 'checkpoint-10'}" in metrics["error"]
+    assert f"resumes from {out / 'checkpoint-5'}" in metrics["error"]
     half = checkpoints.incomplete(out)
-    assert len(half) == 1 and int(half[0].name.split("-")[1]) > 10, half  # written in part, never marked
+    assert len(half) == 1 and int(half[0].name.split("-")[1]) > 5, half  # written in part, never marked
 
     res = launch(args, cache_dir)  # the same command, without the slow save
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"skipping {half[0]}: incomplete" in res.stdout
     done = json.loads((out / "metrics.json").read_text())
-    assert done["status"] == "completed" and done["steps"] == 30
-    assert done["resumed_from"] == str(out / "checkpoint-10")
+    assert done["status"] == "completed" and done["steps"] == 16
+    assert done["resumed_from"] == str(out / "checkpoint-5")
 
 
 def test_latest_complete_skips_unmarked(tmp_path):

@@ -18,7 +18,7 @@ from conftest import REPO, launch, pack_env
 from fsdp_recipes.checkpoint import markers as checkpoints
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
 
-COMMON = ["--max_steps", "20", "--save_strategy", "steps", "--save_steps", "10", "--logging_steps", "1",
+COMMON = ["--max_steps", "8", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "1",
           "--eval_strategy", "no", "--save_merged_model", "false"]
 
 
@@ -55,7 +55,7 @@ def saved(tmp_path_factory, cache_dir):
 @pytest.mark.slow
 def test_sharded_checkpoint_has_one_file_per_rank_and_a_verified_final_save(saved):
     _, out = saved
-    ckpt = out / "checkpoint-10"
+    ckpt = out / "checkpoint-4"
     assert checkpoints.is_complete(ckpt)
     assert sorted(p.name for p in (ckpt / "pytorch_model_fsdp_0").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     m = json.loads((out / "metrics.json").read_text())
@@ -68,12 +68,12 @@ def test_resume_with_another_world_size(saved, cache_dir, processes):
     tmp, out = saved
     resumed = tmp / f"resumed-{processes}"
     res = launch([str(sharded_recipe(tmp, processes)), *COMMON, "--per_device_train_batch_size", str(32 // processes),
-                  "--resume_from_checkpoint", str(out / "checkpoint-10"), "--output_dir", str(resumed)], cache_dir)
+                  "--resume_from_checkpoint", str(out / "checkpoint-4"), "--output_dir", str(resumed)], cache_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = json.loads((resumed / "metrics.json").read_text())
-    assert m["world_size"] == processes and m["steps"] == 20
+    assert m["world_size"] == processes and m["steps"] == 8
     a, b = losses(out), losses(resumed)
-    for step in range(11, 21):
+    for step in range(5, 9):
         assert b[step] == pytest.approx(a[step], rel=1e-3), (step, a[step], b[step])
     wa, wb = load_file(out / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
     for key in wa:
@@ -83,7 +83,7 @@ def test_resume_with_another_world_size(saved, cache_dir, processes):
 @pytest.mark.slow
 def test_export_gives_the_final_adapter(saved, cache_dir):
     tmp, out = saved
-    res = export([out / "checkpoint-20", tmp / "exported"], cache_dir)
+    res = export([out / "checkpoint-8", tmp / "exported"], cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "57 tensors written and verified" in res.stdout
     final, exported = load_file(out / "adapter_model.safetensors"), load_file(tmp / "exported" / "adapter_model.safetensors")
@@ -102,7 +102,7 @@ def test_export_bad_input(saved, cache_dir):
     res = export([out, tmp / "x"], cache_dir)  # the run folder itself, not a sharded checkpoint
     assert res.returncode == 2 and "Traceback" not in res.stderr and "is not a sharded checkpoint" in res.stderr
     anonymous = tmp / "anonymous"
-    shutil.copytree(out / "checkpoint-20", anonymous)
+    shutil.copytree(out / "checkpoint-8", anonymous)
     (anonymous / checkpoints.IDENTITY).unlink()
     res = export([anonymous, tmp / "y"], cache_dir)
     assert res.returncode == 2 and "Traceback" not in res.stderr

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO, pack_env
+from conftest import REPO, launcher_checks, pack_env
 from fsdp_recipes.config import recipes
 
 RECIPES = recipes.available(REPO / "recipes")
@@ -85,10 +85,16 @@ def test_smoke_catches_a_wrong_wrap_class(cache_dir, tmp_path):
     assert "MistralDecoderLayer" in line and "Qwen3DecoderLayer" in line
 
 
-@pytest.mark.slow
-def test_smoke_catches_a_lora_target_the_model_lacks(cache_dir, tmp_path):
-    res = smoke_folder(REPO / "recipes" / "llama-3.1-8b-lora", cache_dir,
-                       "--lora_target_modules", "q_proj", "qkv_proj", "--output_dir", str(tmp_path / "run"))
+def smoke_checks(folder, monkeypatch, capsys, *args):
+    """The launcher's checks of a smoke run in this process (launcher_checks): no rank may start. The wrong wrap
+    class above goes through launch.sh as a process; these cases differ only in what the checks read."""
+    monkeypatch.setenv("FSDP_RECIPES_SMOKE", "1")
+    return launcher_checks([str(folder), *map(str, args)], monkeypatch, capsys)
+
+
+def test_smoke_catches_a_lora_target_the_model_lacks(cache_dir, tmp_path, monkeypatch, capsys):
+    res = smoke_checks(REPO / "recipes" / "llama-3.1-8b-lora", monkeypatch, capsys,
+                       "--lora_target_modules", "q_proj", "qkv_proj", "--output_dir", tmp_path / "run")
     line = one_error_line(res)
     assert "qkv_proj" in line and "q_proj" in line
 
@@ -97,8 +103,7 @@ def test_smoke_catches_a_lora_target_the_model_lacks(cache_dir, tmp_path):
     ("fsdp_config.fsdp_sharding_stategy", "FULL_SHARD", "did you mean `fsdp_sharding_strategy`"),
     ("fsdp_config.fsdp_reshard_after_forward", True, "only apply to"),  # an FSDP2 key is fine; see below
 ])
-@pytest.mark.slow
-def test_smoke_catches_a_bad_fsdp_key(cache_dir, tmp_path, key, value, message):
+def test_smoke_catches_a_bad_fsdp_key(cache_dir, tmp_path, monkeypatch, capsys, key, value, message):
     folder = copy_recipe("mistral-small-lora", tmp_path)
     acc = yaml.safe_load((folder / "accelerate.yaml").read_text())
     section, name = key.split(".")
@@ -106,7 +111,7 @@ def test_smoke_catches_a_bad_fsdp_key(cache_dir, tmp_path, key, value, message):
     if name == "fsdp_reshard_after_forward":  # FSDP1 keys in an FSDP2 config
         acc[section]["fsdp_version"] = 2
     (folder / "accelerate.yaml").write_text(yaml.safe_dump(acc))
-    assert message in one_error_line(smoke_folder(folder, cache_dir))
+    assert message in one_error_line(smoke_checks(folder, monkeypatch, capsys))
 
 
 @pytest.mark.slow

@@ -281,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"recipe {recipe.name} ({recipe})")
     if override(launch_args(), "machine_rank", "0") == "0":  # one inventory per job, not one per node
         print(hardware.gpu_inventory(), flush=True)
+    build_smoke_model = None
     if smoke.active():
-        acc_yaml, overrides = smoke.prepare(recipe, overrides)
+        acc_yaml, overrides, build_smoke_model = smoke.prepare(recipe, overrides)
 
     try:
         raw, acc = check_launch(recipe, acc_yaml, overrides)
@@ -317,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ranks = start("", gated=True) if overlap else None
     try:
+        if build_smoke_model is not None:
+            build_smoke_model()
         cfg = check_recipe(recipe, acc, overrides)
     except BaseException as err:
         if ranks is not None:

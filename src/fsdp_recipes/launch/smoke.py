@@ -21,9 +21,11 @@ and final saving with the recipe's state-dict type. What it cannot show: memory 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -71,7 +73,7 @@ def build_model(recipe: Path, assets: dict) -> Path:
     from fsdp_recipes.config.model_check import load_config
 
     source = recipe / "model_config.json"
-    out = cache_dir() / "smoke" / recipe.name
+    out = cache_dir() / "smoke" / recipe.name  # prepare() passes this path to the ranks before it exists
     stamp = out / "smoke_source.json"
     if stamp.is_file() and stamp.read_text() == source.read_text():
         return out
@@ -97,8 +99,10 @@ def scale_accelerate(acc: dict) -> dict:
     return acc
 
 
-def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str]]:
-    """(the smoke run's accelerate YAML, the overrides to pass) for `recipe`; prints each substitution."""
+def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str], Callable[[], Path] | None]:
+    """(the smoke run's accelerate YAML, the overrides to pass, what builds the tiny model) for `recipe`; prints each
+    substitution. The launcher calls the builder after it has started the ranks, so that building (transformers'
+    import, a few seconds) overlaps their imports: they wait at the start gate until the checks pass anyway."""
     from fsdp_recipes.assets.tiny_assets import ensure_assets
     from fsdp_recipes.config.accelerate_yaml import read_accelerate_config
     from fsdp_recipes.config.yaml_keys import load_yaml
@@ -110,8 +114,10 @@ def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str]]:
                   "--dataset_test_split", "test", "--min_gpus", "0", "--tiny_assets", "true", "--use_cpu", "true",
                   "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
                   "--output_dir", f"runs/smoke/{recipe.name}"]
+    build = None
     if (recipe / "model_config.json").is_file():
-        model_dir = build_model(recipe, assets)
+        model_dir = cache_dir() / "smoke" / recipe.name  # build_model writes it once the ranks are importing
+        build = functools.partial(build_model, recipe, assets)
         hub = json.loads((recipe / "model_config.json").read_text()).get("_name_or_path", "?")
         say(f"model: {hub} -> a tiny {SHAPE['num_hidden_layers']}-layer model of the same architecture "
             f"from recipes/{recipe.name}/model_config.json, in {model_dir}")
@@ -135,4 +141,4 @@ def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str]]:
     say(f"accelerate: recipes/{recipe.name}/accelerate.yaml with {acc.get('num_processes', 1)} process(es) on "
         f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one ({path})")
     say(f"run: {STEPS} steps with a checkpoint at step 2, in runs/smoke/{recipe.name}")
-    return path, [*smoke_args, *overrides]  # the user's overrides last: they win
+    return path, [*smoke_args, *overrides], build  # the user's overrides last: they win
