@@ -3,7 +3,6 @@ the topology rules, bad input."""
 
 import json
 import subprocess
-import sys
 
 import pytest
 import yaml
@@ -15,10 +14,6 @@ from fsdp_recipes.planning import memory_budget, plan
 
 RECIPES = recipes.available(REPO / "recipes")
 CPU_RECIPES = ("tiny-cpu-lora", "smollm2-135m-lora")  # min_gpus 0: nothing for the GPU planner to budget
-
-
-def run_plan(*args):
-    return subprocess.run([sys.executable, "-m", "fsdp_recipes.planning.plan", *args], cwd=REPO, capture_output=True, text=True)
 
 
 @pytest.mark.slow
@@ -58,9 +53,18 @@ def test_every_recipe_fits_its_own_hardware(name):
     assert "fits:" in report and "| **total** |" in report and "global batch" in report
 
 
-@pytest.mark.slow
-def test_plan_refuses_what_does_not_fit():
-    res = run_plan("mistral-7b-full", "--gpus", "1", "--gpu", "H100")
+def plan_here(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
+    """plan.main in this process (a planner process spends seconds importing); test_make_plan_runs_the_planner
+    below runs the real command."""
+    from test_plan_questions import run
+
+    monkeypatch.chdir(REPO)
+    code, out, err = run(capsys, *args)
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_plan_refuses_what_does_not_fit(monkeypatch, capsys):
+    res = plan_here(monkeypatch, capsys, "mistral-7b-full", "--gpus", "1", "--gpu", "H100")
     assert res.returncode == 1
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: recipe mistral-7b-full does not fit"), res.stderr
@@ -134,9 +138,8 @@ def test_lora_states_per_gpu_by_hand():
     (["mistral-large-hsdp", "--gpus", "4", "--nodes", "4"], "does not fit inside a node of 4"),
     (["ddp-baseline", "--gpus", "0"], "must be at least 1"),
 ])
-@pytest.mark.slow
-def test_bad_input_is_one_line(args, message):
-    res = run_plan(*args)
+def test_bad_input_is_one_line(args, message, monkeypatch, capsys):
+    res = plan_here(monkeypatch, capsys, *args)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]

@@ -67,10 +67,10 @@ def finished(cluster, job, log, timeout, state="COMPLETED", code="0:0"):
 @pytest.mark.slow
 def test_one_node(cluster, submit, tmp_path):
     out = tmp_path / "run"
-    job, log = submit(ONE_NODE, ["--max_steps", "20", *QUICK, "--output_dir", str(out)])
+    job, log = submit(ONE_NODE, ["--max_steps", "10", *QUICK, "--output_dir", str(out)])
     info, text = finished(cluster, job, log, 180)
     m = json.loads((out / "metrics.json").read_text())
-    assert m["status"] == "completed" and m["steps"] == 20
+    assert m["status"] == "completed" and m["steps"] == 10
     assert (m["world_size"], m["num_nodes"]) == (2, 1)
     assert info["NumNodes"] == "1" and f"[slurm] job {job} on" in text
     assert "== tiny-cpu-lora: completed in" in text  # the pack's summary, in slurm-logs/
@@ -83,14 +83,14 @@ def test_multinode_two_nodes(cluster, submit, tmp_path):
     textfile = tmp_path / "textfile"  # a node_exporter collector directory; the job id is expanded in the job
     textfile.mkdir()
     # LOGLEVEL=INFO: torchrun prints the launch config it really used (run id, rendezvous endpoint, timeouts)
-    job, log = submit(MULTI_NODE, ["--max_steps", "20", *QUICK, "--output_dir", str(out),
+    job, log = submit(MULTI_NODE, ["--max_steps", "10", *QUICK, "--output_dir", str(out),
                                    "--prometheus_textfile", f"{textfile}/fsdp-$SLURM_JOB_ID.prom"], LOGLEVEL="INFO")
     info, text = finished(cluster, job, log, 180)
     (prom,) = textfile.iterdir()  # rank 0 alone writes it, named after the job
     assert prom.name == f"fsdp-{job}.prom"
     assert re.search(r'^training_running\{.*world_size="2"\} 0$', prom.read_text(), flags=re.M), prom.read_text()
     m = json.loads((out / "metrics.json").read_text())
-    assert m["status"] == "completed" and m["steps"] == 20
+    assert m["status"] == "completed" and m["steps"] == 10
     # torchrun's own output goes to output_dir/logs/launch.log, not the terminal: both nodes' launchers append to it
     launch_log = (out / "logs" / "launch.log").read_text()
     assert len(re.findall(rf"run_id +: {job}\n", launch_log)) == 2, launch_log[-4000:]  # --rdzv_id=$SLURM_JOB_ID
@@ -120,18 +120,18 @@ def test_multinode_hsdp(cluster, submit, tmp_path):
 def test_preempted_job_requeues_and_resumes(cluster, submit, tmp_path):
     """USR1 to the job's step (what `--signal=USR1@300` sends before the time limit): save, exit 75, requeue, resume."""
     out = tmp_path / "run"
-    job, log = submit(MULTI_NODE, ["--max_steps", "60", *QUICK, "--save_strategy", "steps", "--save_steps", "10",
+    job, log = submit(MULTI_NODE, ["--max_steps", "30", *QUICK, "--save_strategy", "steps", "--save_steps", "5",
                                    "--output_dir", str(out)])
-    wait_for("the first checkpoint", lambda: checkpoints.is_complete(out / "checkpoint-10"), 150, log=log)
+    wait_for("the first checkpoint", lambda: checkpoints.is_complete(out / "checkpoint-5"), 150, log=log)
     res = subprocess.run(["scancel", "--signal=USR1", str(job)], env=cluster.env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     info, text = finished(cluster, job, log, 240)
     assert info["Restarts"] == "1", info
     assert "preempted: checkpoint saved; requeueing" in text
     m = json.loads((out / "metrics.json").read_text())
-    assert m["status"] == "completed" and m["steps"] == 60
+    assert m["status"] == "completed" and m["steps"] == 30
     assert m["resumed_from"] and m["resumed_from"].startswith(str(out / "checkpoint-")), m
-    assert m["resumed_from"] != str(out / "checkpoint-60")  # it resumed mid-run, not after the end
+    assert m["resumed_from"] != str(out / "checkpoint-30")  # it resumed mid-run, not after the end
 
 
 def one_error_line(text: str) -> str:

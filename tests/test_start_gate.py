@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import psutil
 import pytest
@@ -72,7 +74,9 @@ class SlowCheckLaunch:
     and every process it started remembered."""
 
     def __init__(self, args, cache_dir, slow_s=20):
-        env = pack_env(cache_dir, PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", SLOW_CHECK_S=str(slow_s))
+        self.release_file = Path(cache_dir).parent / f"release-{uuid.uuid4().hex}"  # release(): the checks go on
+        env = pack_env(cache_dir, PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", SLOW_CHECK_S=str(slow_s),
+                       SLOW_CHECK_RELEASE=str(self.release_file))
         self.proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out, self.err, self.started = [], [], set()
@@ -109,6 +113,10 @@ class SlowCheckLaunch:
             before = now
             assert time.time() < deadline, "the ranks never settled at the gate"
 
+    def release(self) -> None:
+        """End the slowed check now rather than after slow_s: the test has seen the ranks wait."""
+        self.release_file.touch()
+
     def finish(self, timeout=300) -> int:
         rc = self.proc.wait(timeout=timeout)
         for t in self.readers:
@@ -134,6 +142,7 @@ def test_ranks_wait_at_the_gate_and_run_once_the_checks_pass(tmp_path, cache_dir
     run.wait_for_ranks_at_the_gate()
     assert run.proc.poll() is None and not out.exists(), "a rank wrote before the checks passed"
     assert not any("[train_sft]" in line for line in run.out), run.out  # their output is held back
+    run.release()
     assert run.finish() == 0, "".join(run.out[-40:] + run.err[-40:])
     text = "".join(run.out)
     assert text.index("they wait at a gate") < text.index("checks passed in") < text.index("run report written")
@@ -146,6 +155,7 @@ def test_a_failed_check_kills_the_waiting_ranks_and_is_one_line(tmp_path, cache_
     run = SlowCheckLaunch(["tiny-cpu-lora", "--dataset_name", str(tmp_path / "missing.jsonl"), "--output_dir",
                            str(out)], cache_dir, slow_s=15)
     run.wait_for_ranks_at_the_gate()
+    run.release()
     assert run.finish(timeout=120) == 2
     errors = [line for line in run.err if line.strip()]
     assert len(errors) == 1 and errors[0].startswith("error: dataset not found"), run.err

@@ -56,7 +56,10 @@ if os.environ.get("SLOW_CHECK_S") and "LOCAL_RANK" not in os.environ:
     _parse_and_check = train_sft.parse_and_check
 
     def _slow_parse_and_check(*args, **kwargs):
-        time.sleep(float(os.environ["SLOW_CHECK_S"]))
+        # ... or until the test creates $SLOW_CHECK_RELEASE, once it has seen what it looks for
+        release, end = os.environ.get("SLOW_CHECK_RELEASE"), time.time() + float(os.environ["SLOW_CHECK_S"])
+        while time.time() < end and not (release and os.path.exists(release)):
+            time.sleep(0.05)
         return _parse_and_check(*args, **kwargs)
 
     train_sft.parse_and_check = _slow_parse_and_check
