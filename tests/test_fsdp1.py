@@ -1,7 +1,8 @@
 """The FSDP1 settings the seeds use (use_orig_params, sync_module_states with cpu_ram_efficient_loading, backward
-prefetch), through the real launcher on 2 CPU processes: loading checked against the file, a plain final model,
-and sharded checkpoints that resume on another world size. (Preemption and exact resume under FSDP1 are
-parametrized in test_preemption.py; LoRA final saves under FSDP1 in test_smoke.py's mistral-small-lora runs.)"""
+prefetch), through the real launcher on 2 CPU processes: sharded checkpoints that resume on another world size, and
+a trained LM head. (Preemption and exact resume under FSDP1 are parametrized in test_preemption.py, whose full
+fine-tuning run also checks the loaded weights and the plain final model; LoRA final saves under FSDP1 in
+test_smoke.py's mistral-small-lora runs.)"""
 
 import json
 
@@ -11,7 +12,6 @@ import yaml
 from safetensors.torch import load_file
 
 from conftest import fsdp1_recipe, launch
-from fsdp_recipes.checkpoint.save_check import SAVED_COPY
 
 COMMON = ["--max_steps", "8", "--save_strategy", "steps", "--save_steps", "4", "--logging_steps", "1",
           "--eval_strategy", "no", "--save_merged_model", "false"]
@@ -20,27 +20,6 @@ COMMON = ["--max_steps", "8", "--save_strategy", "steps", "--save_steps", "4", "
 def losses(run):
     history = json.loads((run / "log_history.json").read_text())["log_history"]
     return {h["step"]: h["loss"] for h in history if "loss" in h}
-
-
-@pytest.mark.slow
-def test_fsdp1_full_finetune_loads_checks_and_saves_a_plain_model(tmp_path, cache_dir):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "full"
-    res = launch([str(fsdp1_recipe(tmp_path)), *COMMON, "--use_peft", "false", "--learning_rate", "1e-3",
-                  "--verify_loaded_weights", "true", "--output_dir", str(out)], cache_dir)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    m = json.loads((out / "metrics.json").read_text())
-    assert m["fsdp_version"] == 1 and m["sharding_strategy"] == "FULL_SHARD" and m["world_size"] == 2
-    # rank 1 received its weights by broadcast (sync_module_states) and they equal the file's
-    assert m["load_check"] == {"parameters_checked": 39}
-    assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0, "model_shapes_checked": 0,
-                                  "compared_with": SAVED_COPY}  # FSDP1 full fine-tuning: a round trip only
-    model = AutoModelForCausalLM.from_pretrained(out)  # a plain model directory: no FSDP, no flat parameters
-    base = AutoModelForCausalLM.from_pretrained(json.loads((out / "run_args.json").read_text())
-                                                ["model_args"]["model_name_or_path"])
-    changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
-    assert len(changed) == 39
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 
 from conftest import REPO, fsdp1_recipe, launch, pack_env
 from fsdp_recipes.checkpoint import markers as checkpoints
-from fsdp_recipes.checkpoint.save_check import read_saved
+from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS, SAVED_COPY, read_saved
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
 
 # logging_steps 1: each logged loss is one step's loss. With longer intervals the first log after a resume
@@ -50,16 +50,44 @@ def losses(run):
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
+def assert_a_plain_full_model(out, fsdp):
+    """The uninterrupted full fine-tune's final save: every weight trained, saved as a plain model directory (no
+    FSDP, no flat parameters, no adapter) and checked; with FSDP2 against the live shards, with FSDP1 as a round
+    trip of the gathered state dict (all it can do), after checking the weights rank 1 received by broadcast."""
+    from transformers import AutoModelForCausalLM
+
+    m = json.loads((out / "metrics.json").read_text())
+    if fsdp == "fsdp2":
+        assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0, "model_shapes_checked": 39,
+                                      "compared_with": LIVE_SHARDS}  # every weight of the 3M model
+        assert m["params"]["trainable"] == m["params"]["total"] and m["param_shards"]["dtensor_params"] == 39
+    else:
+        assert m["fsdp_version"] == 1 and m["sharding_strategy"] == "FULL_SHARD" and m["world_size"] == 2
+        assert m["load_check"] == {"parameters_checked": 39}  # sync_module_states' broadcast equals the file
+        assert m["final_save_check"] == {"tensors": 39, "lora_b_checked": 0, "model_shapes_checked": 0,
+                                      "compared_with": SAVED_COPY}
+    assert not (out / "adapter_config.json").exists()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    base = AutoModelForCausalLM.from_pretrained(json.loads((out / "run_args.json").read_text())
+                                                ["model_args"]["model_name_or_path"])
+    changed = [n for (n, p), (_, q) in zip(model.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    assert len(changed) == 39  # every tensor was trained and saved unsharded
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
 @pytest.mark.parametrize("method", [[], ["--use_peft", "false", "--learning_rate", "1e-3"]], ids=["lora", "full"])
 def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     recipe = ARGS[0] if fsdp == "fsdp2" else str(fsdp1_recipe(tmp_path))  # FSDP1: the seeds' settings
-    args = [recipe, *ARGS[1:], *method]
+    # FSDP1 full fine-tuning also checks what rank 1 received by broadcast (a check only: the numbers are the same)
+    verify = ["--verify_loaded_weights", "true"] if method and fsdp == "fsdp1" else []
+    args = [recipe, *ARGS[1:], *method, *verify]
 
     res = launch([*args, "--output_dir", str(straight)], cache_dir)
     assert res.returncode == 0, res.stderr[-3000:]
+    if method:
+        assert_a_plain_full_model(straight, fsdp)
 
     rc, out = signal_launch([*args, "--output_dir", str(preempted)], cache_dir,
                             lambda: checkpoints.is_complete(preempted / "checkpoint-5"), signal.SIGTERM)
@@ -77,6 +105,8 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
     res = launch([*args, "--output_dir", str(preempted)], cache_dir)  # the same command again
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"skipping {partial}: incomplete" in res.stdout
+    if verify:  # the check compares with model_name_or_path's file, which a resumed full fine-tune no longer holds
+        assert "verify_loaded_weights: skipped, this run resumes full fine-tuning" in res.stdout, res.stdout[-3000:]
     done = json.loads((preempted / "metrics.json").read_text())
     assert done["status"] == "completed" and done["resumed_from"] == str(stop)
 

@@ -147,7 +147,13 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
     # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
     callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption,
                  failure.make_phase_callback()]
-    if pack.verify_loaded_weights:
+    if pack.verify_loaded_weights and resume and peft_config is None:
+        # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
+        # model_name_or_path's file, every trained weight would differ. (A LoRA resume keeps the base weights.)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[train_sft] verify_loaded_weights: skipped, this run resumes full fine-tuning from {resume}: its "
+                  f"weights are the checkpoint's, not those of {model_args.model_name_or_path}", flush=True)
+    elif pack.verify_loaded_weights:
         callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
     if resume:  # resume_check.py: the optimizer state (and a PEFT adapter) in memory must be the checkpoint's
         from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
