@@ -78,7 +78,7 @@ RUN_BY = {
     # Every recipe, mistral-small-lora among them, through `make smoke` itself.
     "make smoke RECIPE=mistral-small-lora": RunBy(
         ("tests/test_smoke.py",),
-        ('["make", "--no-print-directory", "smoke", f"RECIPE={recipe}"', '@pytest.mark.parametrize("name", RECIPES)',
+        ('["make", "--no-print-directory", "smoke", f"RECIPE={recipe}"', '@pytest.mark.parametrize("name", SMOKED)',
          "res = smoke(name, cache_dir, out)")),
     # The export module on a real 2-rank sharded checkpoint.
     "make export CKPT=runs/x/checkpoint-200 OUT=exported/": RunBy(
