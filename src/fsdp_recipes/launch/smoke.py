@@ -64,6 +64,11 @@ def shrink(config, tokenizer):
     return config
 
 
+def model_dir(recipe: Path) -> Path:
+    """Where the tiny model of `recipe` lives; prepare() names it to the ranks before build_model writes it."""
+    return cache_dir() / "smoke" / recipe.name
+
+
 def build_model(recipe: Path, assets: dict) -> Path:
     """recipes/<name>/model_config.json -> a tiny model of that architecture in the cache."""
     import torch
@@ -73,7 +78,7 @@ def build_model(recipe: Path, assets: dict) -> Path:
     from fsdp_recipes.config.model_check import load_config
 
     source = recipe / "model_config.json"
-    out = cache_dir() / "smoke" / recipe.name  # prepare() passes this path to the ranks before it exists
+    out = model_dir(recipe)
     stamp = out / "smoke_source.json"
     if stamp.is_file() and stamp.read_text() == source.read_text():
         return out
@@ -116,12 +121,11 @@ def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str], Callab
                   "--output_dir", f"runs/smoke/{recipe.name}"]
     build = None
     if (recipe / "model_config.json").is_file():
-        model_dir = cache_dir() / "smoke" / recipe.name  # build_model writes it once the ranks are importing
-        build = functools.partial(build_model, recipe, assets)
+        build = functools.partial(build_model, recipe, assets)  # called once the ranks are importing
         hub = json.loads((recipe / "model_config.json").read_text()).get("_name_or_path", "?")
         say(f"model: {hub} -> a tiny {SHAPE['num_hidden_layers']}-layer model of the same architecture "
-            f"from recipes/{recipe.name}/model_config.json, in {model_dir}")
-        smoke_args = ["--model_name_or_path", str(model_dir), *smoke_args]
+            f"from recipes/{recipe.name}/model_config.json, in {model_dir(recipe)}")
+        smoke_args = ["--model_name_or_path", str(model_dir(recipe)), *smoke_args]
     elif not sft.get("tiny_assets"):
         raise UserError(f"recipe {recipe.name} has no model_config.json to build a tiny model from. "
                         "Fix: save the model's config.json there as model_config.json.")
