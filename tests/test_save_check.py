@@ -134,11 +134,27 @@ def test_the_dict_a_save_was_given_is_still_whole_for_the_check(tmp_path):
 
     model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
-    trainer = SimpleNamespace(_save=lambda out, state_dict: model.save_pretrained(out, state_dict=state_dict))
+    trainer = SimpleNamespace(_save=lambda out, state_dict: model.save_pretrained(out, state_dict=state_dict),
+                              args=SimpleNamespace(should_save=True))
     full = dict(model.state_dict())
     save_state_dict(trainer, str(tmp_path), full)
     assert len(full) == 12
     assert compare(full, open_saved(tmp_path), check_lora_b=False)["tensors"] == 12
+
+
+def test_only_the_writing_process_calls_the_trainers_save(tmp_path):
+    """Trainer._save is written for the writing process; transformers 5.17 does not return early on the others and
+    saved rank 1's live, sharded model (the final LoRA save failed there: "invalid python storage")."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.checkpoint.save_check import save_state_dict
+
+    calls = []
+    for should_save in (False, True):
+        trainer = SimpleNamespace(_save=lambda out, state_dict: calls.append((out, state_dict)),
+                                  args=SimpleNamespace(should_save=should_save))
+        save_state_dict(trainer, str(tmp_path), None)
+    assert calls == [(str(tmp_path), None)]
 
 
 def save_adapter(model, tensors: dict, directory):

@@ -65,11 +65,16 @@ def test_lora_on_a_tied_model_keeps_one_shared_parameter(world_of_one):
 
 def test_a_trained_tied_head_needs_the_input_embedding_hidden_too(world_of_one):
     """With `lora_modules_to_save: [lm_head]` on a tied model, hiding only the output layer (the workaround before
-    this fix) makes torch 2.13 refuse the model; the fix hides the tied input embedding as well."""
-    model = with_lora(tied_llama(), train_head=True)
-    model.get_output_embeddings = lambda: None  # the old workaround
-    with pytest.raises(ValueError, match=SHARED_TWICE):  # at the first forward, where FSDP2 initialises
-        step(prepare(model))
+    this fix) makes torch 2.13 refuse the model; the fix hides the tied input embedding as well. torch 2.11's FSDP2
+    does not check (no `_validate_no_duplicate_params`): there the old workaround put the tied weight into two FSDP
+    groups without a word, so only the fix is tested."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    if hasattr(FSDPState, "_validate_no_duplicate_params"):
+        model = with_lora(tied_llama(), train_head=True)
+        model.get_output_embeddings = lambda: None  # the old workaround
+        with pytest.raises(ValueError, match=SHARED_TWICE):  # at the first forward, where FSDP2 initialises
+            step(prepare(model))
 
     model = with_lora(tied_llama(), train_head=True)
     assert hide_wrapped_output_layer(model)

@@ -43,13 +43,21 @@ def verified_line(check: dict) -> str:
 
 
 def save_state_dict(trainer, output_dir: str, state_dict: dict | None) -> None:
-    """`trainer._save` (what save_model does with a gathered state dict) with a shallow copy of `state_dict`.
+    """`trainer._save` (what save_model does with a gathered state dict) with a shallow copy of `state_dict`, on
+    the writing process only, as save_model calls it (`if self.args.should_save: self._save(...)`).
+
+    Why only there: `_save` is written for the writing process. transformers 5.23 returns at once on the others
+    (unless transformers itself sharded the model at load time, which the pack never asks for); 5.17 does not
+    ("If we are executing this function, we are the process zero"): given no state dict on rank 1, it saved the
+    live model there, and PEFT's save_pretrained failed on the FSDP2-sharded DTensor parameters ("Attempted to
+    access the data pointer on an invalid python storage"), or would have written into rank 0's files.
 
     Why a copy: transformers 5.23's `save_pretrained` empties the dict it is given (it pops each tensor as it writes
     the shard, and deletes tied and ignored keys), at least where the model has no weight conversions to revert;
     the check after the save reuses the dict. The tensors are shared, not copied: save_pretrained replaces entries
     (clones for shared storage), it does not write into tensors."""
-    trainer._save(output_dir, state_dict=None if state_dict is None else dict(state_dict))
+    if trainer.args.should_save:
+        trainer._save(output_dir, state_dict=None if state_dict is None else dict(state_dict))
 
 
 def safetensors_index(directory: str | Path, pattern: str = "*.safetensors") -> dict:

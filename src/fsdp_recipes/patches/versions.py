@@ -19,11 +19,12 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-# torch 2.11 + transformers 5.17 was tried (make test-compat, 2026-11-24): the fast suite passed, the default recipe's
-# final LoRA save failed on rank 1 (peft's save_pretrained: "invalid python storage"), so they are not in the ranges.
+# The lower ends, torch 2.11 + transformers 5.17 (current CUDA images), passed the fast suite and the launch tests on
+# 2026-11-24 (docs/development.md, "Tested versions"), once the final save called Trainer._save on the writing process
+# only (checkpoint/save_check.py: 5.17's _save does not return early on the other ranks).
 CHECKED = {
-    "torch": ">=2.13,<2.16",
-    "transformers": ">=5.23,<5.25",
+    "torch": ">=2.11,<2.16",
+    "transformers": ">=5.17,<5.25",
     "trl": ">=1.16,<1.17",
     "peft": ">=0.21,<0.22",
     "accelerate": ">=1.15,<1.16",
@@ -54,8 +55,8 @@ def outside(ranges: dict[str, str]) -> list[str]:
 
 
 # transformers renamed gradient checkpointing: the recipes say `activation_checkpointing` (and `_kwargs`), the name of
-# the newest releases, where the old name is deprecated; transformers 5.17 knows only `gradient_checkpointing`. Not
-# reached inside today's ranges (5.23+ has both names); kept for the next attempt at older releases (see CHECKED).
+# the newest releases, where the old name is deprecated; transformers 5.17 knows only `gradient_checkpointing` (5.23+
+# has both names).
 RENAMED_TRAINING_FIELDS = {"activation_checkpointing": "gradient_checkpointing",
                            "activation_checkpointing_kwargs": "gradient_checkpointing_kwargs"}
 
