@@ -150,7 +150,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
     if pack.verify_loaded_weights and resume and peft_config is None:
         # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
         # model_name_or_path's file, every trained weight would differ. (A LoRA resume keeps the base weights.)
-        if os.environ.get("RANK", "0") == "0":
+        if report.is_main:
             print(f"[train_sft] verify_loaded_weights: skipped, this run resumes full fine-tuning from {resume}: its "
                   f"weights are the checkpoint's, not those of {model_args.model_name_or_path}", flush=True)
     elif pack.verify_loaded_weights:
