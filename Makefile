@@ -18,6 +18,12 @@ GPU ?= H100
 K8S_ARGS ?=
 RUNS ?=
 PYTEST_ARGS ?=
+# make test: two pytest-xdist workers, a whole file each at a time (its launches share module fixtures; the Slurm
+# cluster lives in one file), longest files first (tests/conftest.py LONGEST_FILES). One worker leaves a core idle
+# while a launch waits on a signal, a scheduler or a one-process phase (imports, the summary, the GPU ladder's
+# one-process rungs). TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 STAMP := $(VENV)/.installed
 # torchao for the float8 tests only, in its own directory that tests/test_float8.py puts on PYTHONPATH. Under torch
 # 2.13 its C++ extensions (built for torch 2.11) fail to load with four warnings in every process that imports
@@ -85,7 +91,7 @@ sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.ya
 	@$(PY) scripts/sync_recipes.py
 
 test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 cores)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v --durations=10 $(PYTEST_ARGS); rc=$$?; \
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v $(XDIST) --durations=10 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about a minute

@@ -60,6 +60,21 @@ def no_process_outlives_its_test():
         pytest.fail(f"{len(left)} process(es) outlived the test and were killed: {left}")
 
 
+# `make test` runs the suite on two pytest-xdist workers, a file at a time each (--dist loadfile: a file's launches
+# share module fixtures, and the Slurm cluster lives in one file). The workers take the files in collection order, so
+# the longest go first and the two end together (longest processing time first). Seconds of a serial run on the 2-core
+# machine, 2026-11-24; a file not listed runs after these, a stale list costs minutes, not correctness.
+LONGEST_FILES = {
+    "test_preemption.py": 238, "test_bench_gpu.py": 152, "test_smoke.py": 128, "test_slurm.py": 109,
+    "test_float8.py": 85, "test_sharded_checkpoints.py": 74, "test_fsdp1.py": 67, "test_default_recipe.py": 54,
+    "test_start_gate.py": 51, "test_end_to_end.py": 47, "test_grad_accumulation.py": 35, "test_mistakes.py": 33,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: -LONGEST_FILES.get(item.path.name, 0))  # stable: each file keeps its own order
+
+
 def in_ci() -> bool:
     """The one place that decides "are we in CI": .ci/run exports CI=true (CI services set it too)."""
     return os.environ.get("CI", "").lower() in ("1", "true")
@@ -99,8 +114,15 @@ def cache_dir(tmp_path_factory) -> Path:
     return root
 
 
+# The summary's before/after generations load the base and the trained model and generate for every eval prompt
+# (2-4 s of one process per launch). Only the tests that read them (test_end_to_end.py, test_default_recipe.py) turn
+# them back on, with GENERATIONS.
+NO_GENERATIONS = {"FSDP_RECIPES_SUMMARY_GENERATIONS": "0"}
+GENERATIONS = {"FSDP_RECIPES_SUMMARY_GENERATIONS": "auto"}
+
+
 def pack_env(cache: Path, **extra) -> dict:
-    env = dict(os.environ)
+    env = dict(os.environ, **NO_GENERATIONS)
     env.update(FSDP_RECIPES_CACHE=str(cache), PATH=f"{BIN}:{env.get('PATH', '')}", PYTHONUNBUFFERED="1")
     env.pop("MASTER_PORT", None)
     env.update(extra)
@@ -121,9 +143,9 @@ def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600) -> subprocess.CompletedProcess:
+def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
     """`python -m fsdp_recipes.launch.launcher ...`, what every recipe's launch.sh runs."""
-    return run([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cache, cwd=cwd, timeout=timeout)
+    return run([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cache, cwd=cwd, timeout=timeout, **env)
 
 
 def launcher_checks(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:

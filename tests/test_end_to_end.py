@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import launch
+from conftest import GENERATIONS, launch
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ STEPS = 200
 def run_dir(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("e2e") / "run"
     res = launch(["tiny-cpu-lora", "--max_steps", str(STEPS), "--eval_steps", "100", "--verify_loaded_weights",
-                  "true", "--output_dir", str(out)], cache_dir)
+                  "true", "--output_dir", str(out)], cache_dir, **GENERATIONS)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out.joinpath("launch.log").write_text(res.stdout + res.stderr)
     return out

@@ -94,6 +94,14 @@ def data_case(rows, name="train.jsonl"):
     return make
 
 
+def env_case(**variables):
+    """Environment variables for the launcher (the test sets them with its monkeypatch, which undoes them)."""
+    def make(recipe, tmp):
+        return []
+    make.env = variables
+    return make
+
+
 def acc_case(**fsdp):
     def make(recipe, tmp):
         acc = yaml.safe_load((recipe / "accelerate.yaml").read_text())
@@ -171,6 +179,8 @@ CASES = {
     # environment
     "env-unset-variable-in-path": (cli_case("--dataset_name", "$NO_SUCH_VAR_FOR_TEST/data"),
                                    "$NO_SUCH_VAR_FOR_TEST, which is not set here"),
+    "env-summary-prompts-not-a-number": (env_case(FSDP_RECIPES_SUMMARY_PROMPTS="all"),
+                                         "FSDP_RECIPES_SUMMARY_PROMPTS='all' is not a positive whole number"),
 }
 
 
@@ -179,6 +189,8 @@ def test_mistake_is_one_line_before_any_rank(name, recipe, earlier_run, tmp_path
     make, fragment = CASES[name]
     before = snapshot(earlier_run)
     args = make(recipe, tmp_path)
+    for key, value in getattr(make, "env", {}).items():
+        monkeypatch.setenv(key, value)
     if "--output_dir" not in args:
         args += ["--output_dir", str(earlier_run)]
     res = launcher_checks([str(recipe), *args], monkeypatch, capsys)

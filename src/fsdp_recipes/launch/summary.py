@@ -9,7 +9,8 @@ That holds two whole models in host memory, so the generations run only where th
 a job (the launcher runs this on every node), and for a model under 1B parameters (counted from the safetensors
 headers, nothing loaded). Elsewhere the summary says in one line that they were skipped and how to get them:
 `--generate` here, or FSDP_RECIPES_SUMMARY_GENERATIONS=1 for the launcher (size limit lifted; still the first node
-only).
+only). FSDP_RECIPES_SUMMARY_GENERATIONS=0 skips them whatever the size (a pipeline with its own evaluation; the test
+suite, outside the tests that check them).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | Non
 
 
 GENERATION_LIMIT = 1_000_000_000  # parameters: two such models in fp32 are ~8 GB of host memory
-FORCE_ENV = "FSDP_RECIPES_SUMMARY_GENERATIONS"  # "1": generate whatever the size (the launcher has no flag for it)
+# The launcher has no flag for it: "1" generates whatever the size, "0" never; unset (or "auto"): by size.
+FORCE_ENV = "FSDP_RECIPES_SUMMARY_GENERATIONS"
 
 
 def trained_model_dir(run_dir: Path) -> Path | None:
@@ -111,6 +113,17 @@ def skip_generations(run_dir: Path, trained: Path, machine_rank: str, force: boo
 
 
 EVAL_PROMPTS = 128  # at most this many eval prompts are generated for, twice (base and trained model)
+PROMPTS_ENV = "FSDP_RECIPES_SUMMARY_PROMPTS"  # fewer (or more) eval prompts than EVAL_PROMPTS
+
+
+def eval_prompts() -> int:
+    """How many eval prompts the generations answer: FSDP_RECIPES_SUMMARY_PROMPTS, else EVAL_PROMPTS. On CPU the
+    prompts' prefill is most of the time (the default's 100 questions: about half a minute per model)."""
+    value = os.environ.get(PROMPTS_ENV, str(EVAL_PROMPTS))
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{PROMPTS_ENV}={value!r} is not a positive whole number. Fix: set it to how many eval "
+                        f"prompts the summary should generate for (default {EVAL_PROMPTS}), or unset it.")
+    return int(value)
 SHOWN_SAMPLES = 3
 
 
@@ -223,18 +236,22 @@ def main(argv: list[str] | None = None) -> int:
                           f"also {FORCE_ENV}=1)")
     ap.add_argument("--machine-rank", default="0", help="this node's rank in the job: only node 0 generates")
     args = ap.parse_args(argv)
+    prompts = eval_prompts()
     metrics_path = args.run_dir / "metrics.json"
     if not metrics_path.is_file():
         raise UserError(f"no run report at {metrics_path}. Fix: pass the output_dir of a finished run.")
     metrics = json.loads(metrics_path.read_text())
     run_args = json.loads((args.run_dir / "run_args.json").read_text())
     check = skipped = None
+    setting = os.environ.get(FORCE_ENV, "auto")
     trained = None if args.no_generate else trained_model_dir(args.run_dir)
-    if trained is not None:
-        force = args.generate or os.environ.get(FORCE_ENV, "0") == "1"
+    if trained is not None and setting == "0" and not args.generate:
+        skipped = f"skipped: {FORCE_ENV}=0"
+    elif trained is not None:
+        force = args.generate or setting == "1"
         skipped = skip_generations(args.run_dir, trained, args.machine_rank, force)
         if skipped is None:
-            check = learning_check(args.run_dir, run_args)
+            check = learning_check(args.run_dir, run_args, prompts)
     if check:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
         metrics["eval"] = eval_section(check)
