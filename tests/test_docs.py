@@ -72,7 +72,7 @@ RUN_BY = {
                            ('launch(["smollm2-135m-lora"', LAUNCHER),
                            expands="bash recipes/smollm2-135m-lora/launch.sh"),
     # The suite itself, and CI's steps: .ci/run runs these on a clean checkout.
-    "make test": RunBy((".ci/run",), ("make test",), expands="-m pytest -v --durations=10"),
+    "make test": RunBy((".ci/run",), ("make test",), expands="-m pytest -v -n 2 --dist loadfile"),
     "make test-fast": RunBy((".ci/run",), ("make test",), expands='-m pytest -q -m "not slow"'),
     "make venv": RunBy((".ci/run",), ("make venv",)),
     # Every recipe, mistral-small-lora among them, through `make smoke` itself.
