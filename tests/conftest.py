@@ -148,18 +148,38 @@ def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, *
     return run([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cache, cwd=cwd, timeout=timeout, **env)
 
 
+class RanksWouldStart(BaseException):  # not an Exception: no handler in the launcher may take it for a failure
+    """Raised where the launcher starts `accelerate launch`, with the command it would run."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        super().__init__(" ".join(cmd))
+        self.cmd = cmd
+
+
 def launcher_checks(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
     """The launcher's `main` in this process, for a mistake it must catch before any rank starts: starting the
     ranks fails the test. A second or less per case, where a launcher process spends ~5 s importing the libraries
     (tests that need the real process, its exit code and its streams, use `launch`)."""
+    try:
+        return launcher_until_ranks(args, monkeypatch, capsys)
+    except RanksWouldStart:
+        raise AssertionError("the launcher started the ranks for a mistake it should have caught") from None
+
+
+def launcher_until_ranks(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
+    """launcher_checks, for a command whose checks pass: raises RanksWouldStart (its .cmd the `accelerate launch`
+    command) where the launcher would start the ranks, once every check has passed."""
     from fsdp_recipes.launch import launcher
 
-    def no_ranks(*a, **k):
-        raise AssertionError("the launcher started the ranks for a mistake it should have caught")
+    def ranks_would_start(cmd, torchrun_logs, *a, **k):
+        import shutil
+
+        shutil.rmtree(torchrun_logs, ignore_errors=True)  # made for the ranks, which Ranks would remove at the end
+        raise RanksWouldStart(cmd)
 
     monkeypatch.chdir(REPO)  # where launch() runs it
-    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
-    monkeypatch.setattr(launcher, "Ranks", no_ranks)
+    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")  # check first, then start the ranks
+    monkeypatch.setattr(launcher, "Ranks", ranks_would_start)
     saved = dict(os.environ)  # main sets PET_* and others with setdefault: they must not reach later tests
     try:
         launcher.main(args)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import GENERATIONS, launch
+from conftest import GENERATIONS, REPO, launch
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
 
 pytestmark = pytest.mark.slow
@@ -19,8 +19,9 @@ STEPS = 200
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("e2e") / "run"
+    # measure_memory: the first step's memory probe, for the planner's test below
     res = launch(["tiny-cpu-lora", "--max_steps", str(STEPS), "--eval_steps", "100", "--verify_loaded_weights",
-                  "true", "--output_dir", str(out)], cache_dir, **GENERATIONS)
+                  "true", "--measure_memory", "true", "--output_dir", str(out)], cache_dir, **GENERATIONS)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out.joinpath("launch.log").write_text(res.stdout + res.stderr)
     return out
@@ -155,3 +156,30 @@ def test_console_shows_rank_0_only(run_dir):
     merged save, not once per rank, and not for the summary's two reloads (5 before)."""
     log = (run_dir / "launch.log").read_text()
     assert log.count("Loading weights: 100%") == 2, log[-3000:]
+
+
+def test_plan_estimate_matches_what_the_run_held(run_dir, cache_dir):
+    """`make plan`'s budget components against memory_probe's measurement of the first step on each of the 2 FSDP2
+    ranks (the run sets measure_memory)."""
+    from fsdp_recipes.config import model_check
+    from fsdp_recipes.config.run_config import parse_args
+    from fsdp_recipes.planning import memory_budget, plan
+
+    measured = [load(run_dir, f"memory_probe.rank{r}.json") for r in (0, 1)]
+    cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml")])
+    training, model_args = cfg.training, cfg.model
+    config = model_check.load_config(cache_dir / "tiny-mistral" / "config.json")
+    shape = memory_budget.shape_of(model_check.meta_model(config), model_args)
+    acc = {"distributed_type": "FSDP", "mixed_precision": "no"}
+    errors = {}
+    for rank, probe in enumerate(measured):
+        setup = plan.setups(acc, training, model_args, gpus=2, nodes=1, on_cpu=True)["FSDP"]
+        setup.tokens = probe["tokens_per_micro_batch"]  # the estimate's worst case is max_length; use the real batch
+        estimate = memory_budget.budget(shape, setup)
+        for part in ("weights", "gradients", "optimizer_states", "activations"):
+            errors[(rank, part)] = estimate[part] / probe[part] - 1
+    print({k: f"{v:+.1%}" for k, v in errors.items()})
+    for (rank, part), err in errors.items():
+        # Sharded states: exact up to FSDP's padding of uneven shards. Activations: the counted model.
+        limit = 0.02 if part != "activations" else 0.10
+        assert abs(err) <= limit, f"rank {rank} {part}: estimate off by {err:+.1%}"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 
 import pytest
@@ -169,8 +168,7 @@ def fake_nvidia_smi(tmp_path, monkeypatch, output: str, rc: int = 0):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-@pytest.mark.slow
-def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir, tmp_path, monkeypatch):
+def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir, tmp_path, monkeypatch, capsys):
     from fsdp_recipes.errors import UserError
     from fsdp_recipes.train import float8
 
@@ -178,15 +176,9 @@ def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir
     assert float8.gpu_capabilities() == [(9, 0), (8, 0)]
     with pytest.raises(UserError, match=r"nvidia-smi reports 8\.0 here\. Fix: set float8: false"):
         float8.check_gpus()
-    res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--use_peft", "false", "--float8",
-               "true"], cache_dir, PATH=os.environ["PATH"], PYTHONPATH=torchao_site)  # the launcher's own check
-    assert res.returncode == 2 and "Traceback" not in res.stdout + res.stderr, res.stderr
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    # The ranks, started while the launcher checks, import peft and so torchao, whose import under torch 2.13
-    # prints its own warnings (the Makefile's FLOAT8_SITE note); every other line must be the one error.
-    torchao_noise = re.compile(r"Failed to load .*torchao/_C|_pytree\.py:\d+\] <enum '\w+'> is an Enum subclass")
-    (error,) = [line for line in lines if not torchao_noise.search(line)]
-    assert error.startswith("error: ") and "nvidia-smi reports 8.0 here. Fix: set float8: false" in error, error
+    monkeypatch.syspath_prepend(torchao_site)
+    res = launcher_checks(["tiny-cpu-lora", "--use_peft", "false", "--float8", "true"], monkeypatch, capsys)
+    assert_one_line_error(res, "nvidia-smi reports 8.0 here. Fix: set float8: false")  # the launcher's own check
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # only the GPUs the job may use are asked about
     float8.gpu_capabilities()
     assert (tmp_path / "smi-args").read_text().splitlines()[-1].endswith("-i 0")

@@ -74,12 +74,36 @@ def assert_a_plain_full_model(out, fsdp):
     assert len(changed) == 39  # every tensor was trained and saved unsharded
 
 
+def assert_resumed_exactly(straight, resumed, first):
+    """The resumed run ends where the uninterrupted one does: the same 16 per-step losses, the same final weights, the
+    same token and sample counts; its training time goes on from the checkpoint's (`first`: the preempted report)."""
+    a, b = losses(straight), losses(resumed)
+    assert sorted(a) == sorted(b) == list(range(1, 17))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a[step], b[step])
+    wa, wb = read_saved(straight), read_saved(resumed)  # the adapter, or the whole model
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        assert torch.allclose(wa[key], wb[key], atol=1e-5), key
+
+    done, straight_m = (json.loads((run / "metrics.json").read_text()) for run in (resumed, straight))
+    assert done["steps"] == straight_m["steps"] == 16
+    assert done["tokens"]["non_padding"] == straight_m["tokens"]["non_padding"]
+    assert done["samples"] == straight_m["samples"]
+    assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint
+
+
+FULL = ["--use_peft", "false", "--learning_rate", "1e-3"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fsdp", ["fsdp2", "fsdp1"])
-@pytest.mark.parametrize("method", [[], ["--use_peft", "false", "--learning_rate", "1e-3"]], ids=["lora", "full"])
+@pytest.mark.parametrize("method, fsdp", [([], "fsdp1"), (FULL, "fsdp2"), (FULL, "fsdp1")],
+                         ids=["lora-fsdp1", "full-fsdp2", "full-fsdp1"])
 def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
-    """Under FSDP2 the scheduler sends SIGTERM; under FSDP1 SIGUSR1, Slurm's `--signal=USR1@<grace>`, which the
-    launcher and torchrun pass on to the ranks in the same way."""
+    """Resumed from the preemption's own checkpoint. Under FSDP2 the scheduler sends SIGTERM; under FSDP1 SIGUSR1,
+    Slurm's `--signal=USR1@<grace>`, which the launcher and torchrun pass on to the ranks in the same way. (LoRA under
+    FSDP2, the default's setting: the grace-period test below resumes it exactly from an earlier checkpoint, and
+    tests/test_slurm.py preempts, requeues and resumes it.)"""
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     sig = signal.SIGTERM if fsdp == "fsdp2" else signal.SIGUSR1
     recipe = ARGS[0] if fsdp == "fsdp2" else str(fsdp1_recipe(tmp_path))  # FSDP1: the seeds' settings
@@ -113,51 +137,40 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
         assert "verify_loaded_weights: skipped, this run resumes full fine-tuning" in res.stdout, res.stdout[-3000:]
     done = json.loads((preempted / "metrics.json").read_text())
     assert done["status"] == "completed" and done["resumed_from"] == str(stop)
-
-    a, b = losses(straight), losses(preempted)
-    assert sorted(a) == sorted(b) == list(range(1, 17))
-    for step in a:
-        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a[step], b[step])
-    wa, wb = read_saved(straight), read_saved(preempted)  # the adapter, or the whole model
-    assert wa.keys() == wb.keys()
-    for key in wa:
-        assert torch.allclose(wa[key], wb[key], atol=1e-5), key
-
-    straight_m = json.loads((straight / "metrics.json").read_text())
-    assert done["steps"] == straight_m["steps"] == 16
-    assert done["tokens"]["non_padding"] == straight_m["tokens"]["non_padding"]
-    assert done["samples"] == straight_m["samples"]
-    assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint
+    assert_resumed_exactly(straight, preempted, first)
 
 
 @pytest.mark.slow
-def test_grace_period_bounds_a_slow_save_and_the_relaunch_skips_it(tmp_path, cache_dir):
-    """A preemption save slower than preemption_grace_s: torchrun kills the ranks when the grace ends, the
-    half-written checkpoint has no completion marker, the launcher still exits 75 with a report that says so,
-    and the same command resumes from the previous complete checkpoint."""
-    out = tmp_path / "run"
-    args = [*ARGS, "--preemption_grace_s", "3",
-            "--output_dir", str(out)]
+def test_grace_period_bounds_a_slow_save_and_the_relaunch_resumes_exactly(tmp_path, cache_dir):
+    """LoRA under FSDP2 (the default's setting), with a preemption save slower than preemption_grace_s: torchrun kills
+    the ranks when the grace ends, the half-written checkpoint has no completion marker, the launcher still exits 75
+    with a report that says so, and the same command resumes from the previous complete checkpoint to the
+    uninterrupted run's losses and weights."""
+    straight, out = tmp_path / "straight", tmp_path / "run"
+    args = [*ARGS, "--preemption_grace_s", "3"]
+    res = launch([*args, "--output_dir", str(straight)], cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+
     probe = dict(PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", SLOW_SAVE_S="120",
                  SLOW_SAVE_AFTER_STEP="5")  # every save after checkpoint-5 sleeps 120 s (tests/probes)
-    rc, text = signal_launch(args, cache_dir, lambda: checkpoints.is_complete(out / "checkpoint-5"),
-                             signal.SIGTERM, **probe)
+    rc, text = signal_launch([*args, "--output_dir", str(out)], cache_dir,
+                             lambda: checkpoints.is_complete(out / "checkpoint-5"), signal.SIGTERM, **probe)
     assert rc == EXIT_PREEMPTED, text[-3000:]
     assert signal_launch.seconds_after_signal < 60, text[-3000:]  # the grace period ended the 120 s save
     print(f"launcher returned {signal_launch.seconds_after_signal:.1f} s after SIGTERM (grace 3 s, save 120 s)")
     assert "did not finish within the grace period (3 s)" in text
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["status"] == "preempted" and metrics["provisional"] is False, metrics
-    assert f"resumes from {out / 'checkpoint-5'}" in metrics["error"]
+    first = json.loads((out / "metrics.json").read_text())
+    assert first["status"] == "preempted" and first["provisional"] is False, first
+    assert f"resumes from {out / 'checkpoint-5'}" in first["error"]
     half = checkpoints.incomplete(out)
     assert len(half) == 1 and int(half[0].name.split("-")[1]) > 5, half  # written in part, never marked
 
-    res = launch(args, cache_dir)  # the same command, without the slow save
+    res = launch([*args, "--output_dir", str(out)], cache_dir)  # the same command, without the slow save
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"skipping {half[0]}: incomplete" in res.stdout
     done = json.loads((out / "metrics.json").read_text())
-    assert done["status"] == "completed" and done["steps"] == 16
-    assert done["resumed_from"] == str(out / "checkpoint-5")
+    assert done["status"] == "completed" and done["resumed_from"] == str(out / "checkpoint-5")
+    assert_resumed_exactly(straight, out, first)
 
 
 def test_latest_complete_skips_unmarked(tmp_path):

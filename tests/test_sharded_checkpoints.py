@@ -97,16 +97,27 @@ def test_export_gives_the_final_adapter(saved, cache_dir):
 
 
 @pytest.mark.slow
-def test_export_bad_input(saved, cache_dir):
+def export_here(args, capsys) -> tuple[int, str]:
+    """`make export`'s module in this process, for input it must refuse (the real process: export() above)."""
+    from fsdp_recipes.checkpoint import export as export_module
+
+    try:
+        code = export_module.main([str(a) for a in args])
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().err
+
+
+def test_export_bad_input(saved, capsys):
     tmp, out = saved
-    res = export([out, tmp / "x"], cache_dir)  # the run folder itself, not a sharded checkpoint
-    assert res.returncode == 2 and "Traceback" not in res.stderr and "is not a sharded checkpoint" in res.stderr
+    code, err = export_here([out, tmp / "x"], capsys)  # the run folder itself, not a sharded checkpoint
+    assert code == 2 and "Traceback" not in err and "is not a sharded checkpoint" in err
     anonymous = tmp / "anonymous"
     shutil.copytree(out / "checkpoint-8", anonymous)
     (anonymous / checkpoints.IDENTITY).unlink()
-    res = export([anonymous, tmp / "y"], cache_dir)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines()[-1].startswith("error: exporting") and "needs the model config" in res.stderr
+    code, err = export_here([anonymous, tmp / "y"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: exporting") and "needs the model config" in err
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO, launcher_checks, pack_env
+from conftest import REPO, RanksWouldStart, launcher_checks, launcher_until_ranks, pack_env
 from fsdp_recipes.config import recipes
 
 RECIPES = recipes.available(REPO / "recipes")
@@ -34,8 +34,13 @@ def expected_layout(acc: dict) -> tuple[int, str]:
 
 # tiny-cpu-lora's smoke run would be its own run, 3 steps long: it has no model_config.json (its model already is
 # the tiny one) and already runs on 2 CPU processes, which the next test checks; tests/test_end_to_end.py launches it
-# in full. Every other recipe's smoke run is its only launch in CI.
-SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora"]
+# in full. Two more are not launched here because another launch takes the same path, which
+# test_smoke_checks_of_the_recipes_another_launch_covers checks: smollm2-135m-lora (tests/test_default_recipe.py
+# runs it for real, with its own model, on the same 2 CPU processes) and mistral-small-lora-2xh200 (generated from
+# mistral-small-lora: its smoke run differs from that one's only in batch size and accumulation). Every other
+# recipe's smoke run is its only launch in CI.
+COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lora-2xh200": "mistral-small-lora"}
+SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora" and name not in COVERED_ELSEWHERE]
 
 
 def test_the_tiny_recipes_smoke_run_would_be_its_own_run():
@@ -72,6 +77,38 @@ def test_smoke_every_recipe(name, cache_dir, tmp_path):
         real = json.loads(shipped.read_text())
         assert tiny["architectures"] == real["architectures"] and tiny["model_type"] == real["model_type"]
         assert tiny["num_hidden_layers"] == 2 < real["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("name", sorted(COVERED_ELSEWHERE))
+def test_smoke_checks_of_the_recipes_another_launch_covers(name, cache_dir, tmp_path, monkeypatch, capsys):
+    """Their smoke runs in this process up to the start of the ranks: the tiny model of their architecture is built
+    and every launcher check passes; the accelerate YAML the ranks would get is the one the covering launch runs,
+    and the recipes differ in nothing else but the fields named (batch size and accumulation, for the variant)."""
+    from fsdp_recipes.launch import smoke as smoke_module
+
+    monkeypatch.setenv("FSDP_RECIPES_SMOKE", "1")
+    with pytest.raises(RanksWouldStart) as started:
+        launcher_until_ranks([name, "--output_dir", str(tmp_path / "run")], monkeypatch, capsys)
+    cmd = started.value.cmd
+    scaled = yaml.safe_load(open(cmd[cmd.index("--config_file") + 1]))
+    assert "--config" in cmd and cmd[cmd.index("--config") + 1] == f"recipes/{name}/sft.yaml"
+    tiny = json.loads((cache_dir / "smoke" / name / "config.json").read_text())
+    assert tiny["num_hidden_layers"] == 2 and tiny["architectures"] == json.loads(
+        (REPO / "recipes" / name / "model_config.json").read_text())["architectures"]
+
+    other = COVERED_ELSEWHERE[name]
+    other_acc = yaml.safe_load((REPO / "recipes" / other / "accelerate.yaml").read_text())
+    if other == name:  # run for real elsewhere: its own YAML already is what a smoke run gets
+        assert scaled == smoke_module.scale_accelerate(other_acc) and other_acc["num_processes"] == 2
+        assert {k: scaled[k] for k in other_acc} == other_acc
+        return
+    assert scaled == smoke_module.scale_accelerate(other_acc)  # the same processes, FSDP settings and all
+    mine, theirs = (yaml.safe_load((REPO / "recipes" / n / "sft.yaml").read_text()) for n in (name, other))
+    assert mine.keys() == theirs.keys()
+    # min_gpus and output_dir: the smoke run sets its own
+    differ = {k for k in mine if mine[k] != theirs[k]}
+    assert differ == {"recipe_name", "min_gpus", "output_dir", "per_device_train_batch_size",
+                      "per_device_eval_batch_size", "gradient_accumulation_steps"}, differ
 
 
 def copy_recipe(name: str, tmp_path):
