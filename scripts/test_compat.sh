@@ -18,7 +18,7 @@ COMPAT_DIR=$(realpath -m "${COMPAT_DIR:-.compat}")  # absolute: the checks below
 SETS=${COMPAT_SETS:-newest oldest}
 PACKAGES=(torch transformers trl peft accelerate datasets tensorboard)
 # the launches after the fast suite; COMPAT_SLOW="" runs the fast suite only (quick re-checks of a fix)
-LAUNCH_TESTS="tests/test_end_to_end.py tests/test_fsdp1.py tests/test_preemption.py tests/test_smoke.py"
+LAUNCH_TESTS="tests/test_end_to_end.py tests/test_fsdp1.py tests/test_grad_accumulation.py tests/test_preemption.py tests/test_smoke.py"
 read -r -a SLOW <<< "${COMPAT_SLOW-$LAUNCH_TESTS tests/test_copy_recipe.py}"
 
 mkdir -p "$COMPAT_DIR"

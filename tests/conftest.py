@@ -63,7 +63,8 @@ def no_process_outlives_its_test():
 # `make test` runs the suite on two pytest-xdist workers, a file at a time each (--dist loadfile: a file's launches
 # share module fixtures, and the Slurm cluster lives in one file). The workers take the files in collection order, so
 # the longest go first and the two end together (longest processing time first). Seconds of a serial run on the 2-core
-# machine, 2026-11-24; a file not listed runs after these, a stale list costs minutes, not correctness.
+# machine, 2026-11-24, before launches were shared between files; a file not listed runs after these. A stale list
+# costs minutes, not correctness.
 LONGEST_FILES = {
     "test_preemption.py": 238, "test_bench_gpu.py": 152, "test_smoke.py": 128, "test_slurm.py": 109,
     "test_float8.py": 85, "test_sharded_checkpoints.py": 74, "test_fsdp1.py": 67, "test_default_recipe.py": 54,

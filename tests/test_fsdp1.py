@@ -1,8 +1,8 @@
 """The FSDP1 settings the seeds use (use_orig_params, sync_module_states with cpu_ram_efficient_loading, backward
-prefetch), through the real launcher on 2 CPU processes: sharded checkpoints that resume on another world size, and
-a trained LM head. (Preemption and exact resume under FSDP1 are parametrized in test_preemption.py, whose full
-fine-tuning run also checks the loaded weights and the plain final model; LoRA final saves under FSDP1 in
-test_smoke.py's mistral-small-lora runs.)"""
+prefetch), through the real launcher on 2 CPU processes: sharded checkpoints that resume on another world size.
+(Elsewhere: a trained LM head under FSDP1 against one process in test_grad_accumulation.py; preemption and exact
+resume under FSDP1 in test_preemption.py, whose full fine-tuning run also checks the loaded weights and the plain
+final model; LoRA final saves under FSDP1 in test_smoke.py's mistral-small-lora runs.)"""
 
 import json
 
@@ -52,37 +52,6 @@ def test_fsdp1_sharded_checkpoint_resumes_on_four_processes(tmp_path, cache_dir)
     assert len(wa) == 56
     for key in wa:
         assert torch.allclose(wa[key], wb[key], rtol=1e-3, atol=1e-5), key
-
-
-@pytest.mark.slow
-def test_fsdp1_trains_a_modules_to_save_lm_head_like_one_process(tmp_path, cache_dir):
-    """PEFT modules_to_save [lm_head] under FSDP1 with TRL's fused LM head (peft_fsdp.py, workaround 3; without it
-    the first step fails with "mat2 must be a matrix"): 2 ranks x 8 samples give the adapter and the LM head that
-    1 process x 16 gives, and checkpoints save (they raised KeyError on rank 1). Plain SGD at a constant rate, so
-    equal gradients mean equal weights. Exact resume with the LM head was checked by hand (steps 11-12 equal)."""
-    import shutil
-
-    from conftest import REPO
-
-    sgd = ["--max_steps", "4", "--optim", "sgd", "--learning_rate", "0.05", "--warmup_steps", "0",
-           "--lr_scheduler_type", "constant", "--eval_strategy", "no", "--save_strategy", "steps",
-           "--save_steps", "2", "--save_merged_model", "false"]  # a checkpoint too: it failed on rank 1 once
-    fsdp1 = fsdp1_recipe(tmp_path / "fsdp1", train_lm_head=True)
-    res = launch([str(fsdp1), *sgd, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "a")],
-                 cache_dir)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    one = tmp_path / "one-process"
-    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", one)
-    acc = yaml.safe_load((one / "accelerate.yaml").read_text())
-    acc["num_processes"] = 1
-    (one / "accelerate.yaml").write_text(yaml.safe_dump(acc))
-    res = launch([str(one), *sgd, "--per_device_train_batch_size", "16", "--output_dir", str(tmp_path / "b")],
-                 cache_dir)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    a, b = load_file(tmp_path / "a" / "adapter_model.safetensors"), load_file(tmp_path / "b" / "adapter_model.safetensors")
-    assert a.keys() == b.keys() and "base_model.model.lm_head.weight" in a
-    for key in a:
-        assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), (key, (a[key] - b[key]).abs().max().item())
 
 
 def test_resume_check_refuses_an_optimizer_that_was_not_restored(tmp_path):
