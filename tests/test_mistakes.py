@@ -181,6 +181,8 @@ CASES = {
                                    "$NO_SUCH_VAR_FOR_TEST, which is not set here"),
     "env-summary-prompts-not-a-number": (env_case(FSDP_RECIPES_SUMMARY_PROMPTS="all"),
                                          "FSDP_RECIPES_SUMMARY_PROMPTS='all' is not a positive whole number"),
+    "env-summary-generations-unknown": (env_case(FSDP_RECIPES_SUMMARY_GENERATIONS="true"),
+                                        "FSDP_RECIPES_SUMMARY_GENERATIONS='true' is not one of 0 (never), 1"),
 }
 
 

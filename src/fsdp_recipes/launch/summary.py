@@ -63,6 +63,16 @@ def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | Non
 GENERATION_LIMIT = 1_000_000_000  # parameters: two such models in fp32 are ~8 GB of host memory
 # The launcher has no flag for it: "1" generates whatever the size, "0" never; unset (or "auto"): by size.
 FORCE_ENV = "FSDP_RECIPES_SUMMARY_GENERATIONS"
+FORCE_VALUES = ("0", "1", "auto")
+
+
+def generation_setting() -> str:
+    """FSDP_RECIPES_SUMMARY_GENERATIONS, checked: one of FORCE_VALUES."""
+    value = os.environ.get(FORCE_ENV, "auto")
+    if value not in FORCE_VALUES:
+        raise UserError(f"{FORCE_ENV}={value!r} is not one of 0 (never), 1 (whatever the size), auto (by size). "
+                        f"Fix: set one of those, or unset it.")
+    return value
 
 
 def trained_model_dir(run_dir: Path) -> Path | None:
@@ -114,17 +124,18 @@ def skip_generations(run_dir: Path, trained: Path, machine_rank: str, force: boo
 
 EVAL_PROMPTS = 128  # at most this many eval prompts are generated for, twice (base and trained model)
 PROMPTS_ENV = "FSDP_RECIPES_SUMMARY_PROMPTS"  # fewer (or more) eval prompts than EVAL_PROMPTS
+SHOWN_SAMPLES = 3
 
 
 def eval_prompts() -> int:
     """How many eval prompts the generations answer: FSDP_RECIPES_SUMMARY_PROMPTS, else EVAL_PROMPTS. On CPU the
-    prompts' prefill is most of the time (the default's 100 questions: about half a minute per model)."""
+    prompts' prefill is most of the time (the default's 100 questions, base and trained model: 61 s on 2 cores
+    while another test ran)."""
     value = os.environ.get(PROMPTS_ENV, str(EVAL_PROMPTS))
     if not value.isdigit() or int(value) < 1:
         raise UserError(f"{PROMPTS_ENV}={value!r} is not a positive whole number. Fix: set it to how many eval "
                         f"prompts the summary should generate for (default {EVAL_PROMPTS}), or unset it.")
     return int(value)
-SHOWN_SAMPLES = 3
 
 
 def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS) -> dict | None:
@@ -236,14 +247,13 @@ def main(argv: list[str] | None = None) -> int:
                           f"also {FORCE_ENV}=1)")
     ap.add_argument("--machine-rank", default="0", help="this node's rank in the job: only node 0 generates")
     args = ap.parse_args(argv)
-    prompts = eval_prompts()
+    prompts, setting = eval_prompts(), generation_setting()
     metrics_path = args.run_dir / "metrics.json"
     if not metrics_path.is_file():
         raise UserError(f"no run report at {metrics_path}. Fix: pass the output_dir of a finished run.")
     metrics = json.loads(metrics_path.read_text())
     run_args = json.loads((args.run_dir / "run_args.json").read_text())
     check = skipped = None
-    setting = os.environ.get(FORCE_ENV, "auto")
     trained = None if args.no_generate else trained_model_dir(args.run_dir)
     if trained is not None and setting == "0" and not args.generate:
         skipped = f"skipped: {FORCE_ENV}=0"
