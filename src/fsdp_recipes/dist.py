@@ -4,6 +4,13 @@ the load and resume checks)."""
 from __future__ import annotations
 
 import contextlib
+import os
+
+
+def rank() -> int:
+    """This process's global rank as torchrun set it (RANK); 0 outside a launch. Read from the environment, so it is
+    right before the process group exists and costs no import of torch."""
+    return int(os.environ.get("RANK", 0))
 
 
 def initialized() -> bool:

@@ -16,7 +16,7 @@ import torch
 from transformers import TrainerCallback
 
 from fsdp_recipes.checkpoint.save_check import safetensors_index
-from fsdp_recipes.dist import gathered_parameters
+from fsdp_recipes.dist import gathered_parameters, rank
 from fsdp_recipes.patches.peft_fsdp import without_wrapper_names
 
 
@@ -63,7 +63,7 @@ class LoadCheckCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         import os
 
-        result = verify_loaded_weights(model, self.model_dir, int(os.environ.get("RANK", 0)) == 0)
+        result = verify_loaded_weights(model, self.model_dir, rank() == 0)
         if result is not None:
             print(f"[train_sft] loaded weights verified: {result['parameters_checked']} parameters equal "
                   f"{self.model_dir} on every rank", flush=True)

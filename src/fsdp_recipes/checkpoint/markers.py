@@ -9,13 +9,12 @@ ranks in `on_save` and then rank 0 writes a marker file into the folder.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from fsdp_recipes.dist import barrier
+from fsdp_recipes.dist import barrier, rank
 from fsdp_recipes.errors import UserError
 
 MARKER = "checkpoint_complete"
@@ -93,7 +92,7 @@ class CompletionMarkerCallback(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         barrier()  # every rank has finished its part of the checkpoint
-        if int(os.environ.get("RANK", 0)) == 0:
+        if rank() == 0:
             ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if ckpt.is_dir():
                 if self.run_identity is not None:

@@ -24,13 +24,12 @@ for fp16, where the gradient scaler may skip optimizer steps, and for optimizers
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
 
-from fsdp_recipes.dist import gathered_parameters
+from fsdp_recipes.dist import gathered_parameters, rank
 from fsdp_recipes.patches.peft_fsdp import without_wrapper_names
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -147,7 +146,7 @@ class ResumeCheckCallback(TrainerCallback):
                 self.report.resume_check = {**(self.report.resume_check or {}), **optim}
         if not self.peft:
             return
-        result = verify_resumed_adapter(model, self.checkpoint, int(os.environ.get("RANK", 0)) == 0)
+        result = verify_resumed_adapter(model, self.checkpoint, rank() == 0)
         if result is not None:
             print(f"[train_sft] resumed adapter verified: {result['tensors_checked']} trainable tensors equal "
                   f"{self.checkpoint}/{result['source']}", flush=True)

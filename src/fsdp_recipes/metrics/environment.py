@@ -9,6 +9,8 @@ import platform
 import subprocess
 from pathlib import Path
 
+from fsdp_recipes import dist
+
 PACKAGES = ("torch", "transformers", "trl", "peft", "accelerate", "datasets")
 
 
@@ -53,7 +55,7 @@ def launcher_env() -> dict:
         "world_size": world,
         "num_nodes": max(1, world // max(1, local_world)),
         "local_world_size": local_world,
-        "rank": int(os.environ.get("RANK", 0)),
+        "rank": dist.rank(),
         "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
         "master_addr": os.environ.get("MASTER_ADDR"),
         "master_port": os.environ.get("MASTER_PORT"),

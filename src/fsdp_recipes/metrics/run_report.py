@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import resource
 import socket
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import psutil
 from transformers import TrainerCallback
 
+from fsdp_recipes import dist
 from fsdp_recipes.dist import all_reduce, gather_objects
 from fsdp_recipes.metrics import flops
 from fsdp_recipes.metrics.environment import (
@@ -96,7 +96,7 @@ class RunReportCallback(TrainerCallback):
         self.tokens = TokenCounter()
         self.process_start = psutil.Process().create_time()
         self.started_at = now_iso()
-        self.is_main = int(os.environ.get("RANK", 0)) == 0
+        self.is_main = dist.rank() == 0
         self.train_start = self.train_end = self.first_step_end = None
         self.log_history: list[dict] = []
         self.params: dict[str, int] = {}

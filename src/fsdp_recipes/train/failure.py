@@ -17,6 +17,8 @@ import os
 import time
 import traceback
 
+from fsdp_recipes import dist
+
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
 
 # Where this rank is: the launcher's exit code is 2 for a failure before the first optimizer step, 1 after it.
@@ -55,7 +57,7 @@ def record(err: BaseException) -> dict:
                 "time": now,
                 "type": f"{type(err).__module__}.{type(err).__qualname__}",
                 "error": str(err),
-                "rank": int(os.environ.get("RANK", "0")),
+                "rank": dist.rank(),
                 "phase": STATE["phase"],
                 "step": STATE["step"],
             },

@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from fsdp_recipes import dist
 from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
@@ -302,7 +303,7 @@ def run(argv: list[str] | None = None) -> int:
     from fsdp_recipes.metrics.run_report import RunReportCallback
     from fsdp_recipes.train.preemption import PreemptionCallback
 
-    is_main = int(os.environ.get("RANK", 0)) == 0
+    is_main = dist.rank() == 0
     if not is_main:
         quiet_replica(cfg)
     peft_config = get_peft_config(cfg.model)
