@@ -61,8 +61,6 @@ class LoadCheckCallback(TrainerCallback):
         self.model_dir, self.report = model_dir, report
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        import os
-
         result = verify_loaded_weights(model, self.model_dir, rank() == 0)
         if result is not None:
             print(f"[train_sft] loaded weights verified: {result['parameters_checked']} parameters equal "

@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     say(f"recipe {recipe.name} ({recipe})")
-    summary.eval_prompts(), summary.generation_setting()  # the summary's settings, checked before the training
+    summary.settings()  # checked now: a bad value is one line before the ranks start, not after the training
     if override(launch_args(), "machine_rank", "0") == "0":  # one inventory per job, not one per node
         print(hardware.gpu_inventory(), flush=True)
     build_smoke_model = None

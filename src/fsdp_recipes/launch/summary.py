@@ -138,6 +138,12 @@ def eval_prompts() -> int:
     return int(value)
 
 
+def settings() -> tuple[int, str]:
+    """(eval_prompts(), generation_setting()): the launcher reads them before the training, so that a bad value is
+    one line before any rank starts rather than after the run."""
+    return eval_prompts(), generation_setting()
+
+
 def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS) -> dict | None:
     """Exact-match accuracy of the base and the trained (merged) model on the eval split's first `n` prompts."""
     trained = trained_model_dir(run_dir)
@@ -247,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"also {FORCE_ENV}=1)")
     ap.add_argument("--machine-rank", default="0", help="this node's rank in the job: only node 0 generates")
     args = ap.parse_args(argv)
-    prompts, setting = eval_prompts(), generation_setting()
+    prompts, setting = settings()
     metrics_path = args.run_dir / "metrics.json"
     if not metrics_path.is_file():
         raise UserError(f"no run report at {metrics_path}. Fix: pass the output_dir of a finished run.")
@@ -255,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     run_args = json.loads((args.run_dir / "run_args.json").read_text())
     check = skipped = None
     trained = None if args.no_generate else trained_model_dir(args.run_dir)
-    if trained is not None and setting == "0" and not args.generate:
-        skipped = f"skipped: {FORCE_ENV}=0"
-    elif trained is not None:
-        force = args.generate or setting == "1"
-        skipped = skip_generations(args.run_dir, trained, args.machine_rank, force)
+    if trained is not None:
+        if setting == "0" and not args.generate:
+            skipped = f"skipped: {FORCE_ENV}=0"
+        else:
+            skipped = skip_generations(args.run_dir, trained, args.machine_rank, args.generate or setting == "1")
         if skipped is None:
             check = learning_check(args.run_dir, run_args, prompts)
     if check:
