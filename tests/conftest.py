@@ -167,9 +167,11 @@ def launcher_checks(args: list[str], monkeypatch, capsys) -> subprocess.Complete
         raise AssertionError("the launcher started the ranks for a mistake it should have caught") from None
 
 
-def launcher_until_ranks(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
+def launcher_until_ranks(args: list[str], monkeypatch, capsys,
+                         checks_first: bool = True) -> subprocess.CompletedProcess:
     """launcher_checks, for a command whose checks pass: raises RanksWouldStart (its .cmd the `accelerate launch`
-    command) where the launcher would start the ranks, once every check has passed."""
+    command) where the launcher would start the ranks, once every check has passed (checks_first=False: before the
+    recipe checks, which run where the ranks import; for a command checked on hardware faked in the launcher)."""
     from fsdp_recipes.launch import launcher
 
     def ranks_would_start(cmd, torchrun_logs, *a, **k):
@@ -179,7 +181,7 @@ def launcher_until_ranks(args: list[str], monkeypatch, capsys) -> subprocess.Com
         raise RanksWouldStart(cmd)
 
     monkeypatch.chdir(REPO)  # where launch() runs it
-    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")  # check first, then start the ranks
+    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0" if checks_first else "1")  # check first, then start
     monkeypatch.setattr(launcher, "Ranks", ranks_would_start)
     saved = dict(os.environ)  # main sets PET_* and others with setdefault: they must not reach later tests
     try:

@@ -18,6 +18,13 @@ def gpu_count() -> int:
 
 
 
+def bf16_supported() -> bool:
+    """The visible GPUs compute in bf16 (compute capability 8.0+: A100, H100, ...; not V100 or T4)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def gpu_count_hint() -> int | None:
     """The GPUs this process may see, without importing torch (2-3 s): the ids in CUDA_VISIBLE_DEVICES when it is
     set, else the `GPU n:` lines of `nvidia-smi -L`, else 0; None when nvidia-smi fails. An upper bound (CUDA stops

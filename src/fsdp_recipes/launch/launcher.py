@@ -38,7 +38,7 @@ from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
-from fsdp_recipes.config import accelerate_yaml, hardware, model_check, recipes, yaml_keys
+from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, recipes, yaml_keys
 from fsdp_recipes.config.run_config import PackArguments, RunConfig, override
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import failures, smoke, summary
@@ -282,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     summary.settings()  # checked now: a bad value is one line before the ranks start, not after the training
     if override(launch_args(), "machine_rank", "0") == "0":  # one inventory per job, not one per node
         print(hardware.gpu_inventory(), flush=True)
+    gpus = placement.gpus_here()
     build_smoke_model = None
     if smoke.active():
-        acc_yaml, overrides, build_smoke_model = smoke.prepare(recipe, overrides)
+        acc_yaml, overrides, build_smoke_model = smoke.prepare(recipe, overrides, gpus)
 
     try:
         raw, acc = check_launch(recipe, acc_yaml, overrides)
@@ -292,8 +293,16 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except Exception as err:
         raise unexpected(err, "reading the recipe") from None
+    placed = placement.place(recipe.name, raw, acc, gpus, overrides, launch_args(),
+                             bf16_ok=gpus > 0 and hardware.bf16_supported())
+    for note in placed.notes:
+        say(note)
+    overrides = [*placed.overrides, *overrides]  # the user's last: they win
 
     extra = launch_args()
+    if placed.processes is not None:
+        acc = dict(acc, num_processes=placed.processes)
+        extra += ["--num_processes", str(placed.processes)]
     # torchrun writes each rank's output and error record under --log_dir (PET_REDIRECTS=3, in Ranks: to files
     # only); the launcher relays the output, keeps it in output_dir/logs/rank<N>.log and reads the records
     # (rank_output.py, failures.py).

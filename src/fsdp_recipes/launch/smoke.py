@@ -1,4 +1,5 @@
-"""`make smoke RECIPE=<any>`: a recipe's own launch path on CPU, with a tiny model of its architecture.
+"""`make smoke RECIPE=<any>`: a recipe's own launch path on CPU, or on the GPUs there are, with a tiny model of its
+architecture.
 
 `FSDP_RECIPES_SMOKE=1 recipes/<name>/launch.sh` (what `make smoke` runs) goes through the same launcher,
 checks, `accelerate launch`, SFTTrainer and saving as the real job, with these substitutions, each printed:
@@ -8,10 +9,12 @@ checks, `accelerate launch`, SFTTrainer and saving as the real job, with these s
   fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
   save_pretrained and loaded back through from_pretrained;
 - the data: the local synthetic chat dataset (tiny_assets);
-- attention: flash-attn (CUDA only) becomes sdpa; `float8: true` is kept where torchao is installed (its float8
-  matmuls run on CPU, slowly) and turned off where it is not;
+- attention: flash-attn becomes sdpa unless there are GPUs and the flash_attn package; `float8: true` is kept
+  where torchao is installed (on CPU its float8 matmuls run, slowly) and turned off where it is not;
 - the accelerate YAML: the recipe's own, with the processes scaled to 2 on one machine (an HSDP recipe
-  keeps 2 replicas of 2 shards, 4 processes, so that both dimensions exist);
+  keeps 2 replicas of 2 shards, 4 processes, so that both dimensions exist); where torch sees GPUs, one process per
+  GPU (at most the recipe's count; HSDP from 4 GPUs, plain FSDP below) and no --use_cpu: the CUDA/NCCL path.
+  FSDP_RECIPES_DEVICE=cpu keeps a GPU machine's smoke run on CPU;
 - the length of the run: a few optimizer steps and one checkpoint, in runs/smoke/<name>.
 
 What would fail on the cluster fails here: a wrap class or LoRA target the architecture lacks (model_check),
@@ -93,10 +96,22 @@ def build_model(recipe: Path, assets: dict) -> Path:
     return out
 
 
-def scale_accelerate(acc: dict) -> dict:
+def scale_accelerate(acc: dict, gpus: int = 0) -> dict:
+    """The recipe's accelerate YAML on this one machine: 2 CPU processes (an HSDP recipe 2 replicas of 2 shards, 4
+    processes, so that both dimensions exist); with GPUs, one process per GPU up to the recipe's count, HSDP kept
+    where there are 4 or more (2 replicas of half the GPUs each), else plain FSDP over the GPUs there are."""
     acc = dict(acc, num_machines=1, machine_rank=0, rdzv_backend="static", same_network=True)
     parallel = dict(acc.get("parallelism_config") or {})
-    if int(parallel.get("parallelism_config_dp_replicate_size", 1)) > 1:
+    hsdp = int(parallel.get("parallelism_config_dp_replicate_size", 1)) > 1
+    if gpus and acc.get("distributed_type") != "NO":
+        n = min(gpus, int(acc.get("num_processes", 1)))
+        if hsdp and n >= 4:
+            parallel.update(parallelism_config_dp_replicate_size=2, parallelism_config_dp_shard_size=n // 2)
+            acc.update(parallelism_config=parallel, num_processes=2 * (n // 2))
+        else:
+            acc.pop("parallelism_config", None)
+            acc["num_processes"] = n
+    elif hsdp:
         parallel.update(parallelism_config_dp_replicate_size=2, parallelism_config_dp_shard_size=2)
         acc.update(parallelism_config=parallel, num_processes=4)
     elif acc.get("distributed_type") != "NO":
@@ -104,10 +119,11 @@ def scale_accelerate(acc: dict) -> dict:
     return acc
 
 
-def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str], Callable[[], Path] | None]:
-    """(the smoke run's accelerate YAML, the overrides to pass, what builds the tiny model) for `recipe`; prints each
-    substitution. The launcher calls the builder after it has started the ranks, so that building (transformers'
-    import, a few seconds) overlaps their imports: they wait at the start gate until the checks pass anyway."""
+def prepare(recipe: Path, overrides: list[str], gpus: int = 0) -> tuple[Path, list[str], Callable[[], Path] | None]:
+    """(the smoke run's accelerate YAML, the overrides to pass, what builds the tiny model) for `recipe` on this
+    machine's `gpus` (0: on CPU); prints each substitution. The launcher calls the builder after it has started the
+    ranks, so that building (transformers' import, a few seconds) overlaps their imports: they wait at the start gate
+    until the checks pass anyway."""
     from fsdp_recipes.assets.tiny_assets import ensure_assets
     from fsdp_recipes.config.accelerate_yaml import read_accelerate_config
     from fsdp_recipes.config.yaml_keys import load_yaml
@@ -116,7 +132,8 @@ def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str], Callab
     sft = load_yaml(recipe / "sft.yaml", "recipe config")
     assets = ensure_assets(quiet=True)
     smoke_args = ["--dataset_name", str(assets["data"]), "--dataset_train_split", "train",
-                  "--dataset_test_split", "test", "--min_gpus", "0", "--tiny_assets", "true", "--use_cpu", "true",
+                  "--dataset_test_split", "test", "--min_gpus", "0", "--tiny_assets", "true",
+                  *([] if gpus else ["--use_cpu", "true"]),
                   "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
                   "--output_dir", f"runs/smoke/{recipe.name}"]
     build = None
@@ -130,19 +147,24 @@ def prepare(recipe: Path, overrides: list[str]) -> tuple[Path, list[str], Callab
         raise UserError(f"recipe {recipe.name} has no model_config.json to build a tiny model from. "
                         "Fix: save the model's config.json there as model_config.json.")
     say(f"data: {sft.get('dataset_name')} -> {assets['data']} (local synthetic chat data)")
-    if str(sft.get("attn_implementation", "")).startswith("flash_attention"):
+    flash = str(sft.get("attn_implementation", "")).startswith("flash_attention")
+    if flash and not (gpus and importlib.util.find_spec("flash_attn")):
         smoke_args += ["--attn_implementation", "sdpa"]
-        say("attention: flash-attn needs CUDA -> sdpa")
+        say("attention: flash-attn needs CUDA and the flash_attn package -> sdpa")
     if sft.get("float8") and importlib.util.find_spec("torchao") is None:
         # float8 itself runs on CPU (torch's reference float8 matmul) when torchao is there: then it is kept
         smoke_args += ["--float8", "false"]
         say("float8: torchao is not installed here -> off (pip install torchao to smoke-test that path too)")
-    scaled = scale_accelerate(acc)
+    scaled = scale_accelerate(acc, gpus)
+    where = f"{gpus} GPU(s)" if gpus else "CPU"
     path = cache_dir() / "smoke" / f"{recipe.name}.accelerate.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# recipes/{recipe.name}/accelerate.yaml scaled for a CPU smoke test (fsdp_recipes.launch.smoke)\n"
-                    + yaml.safe_dump(scaled, sort_keys=True))
+    path.write_text(f"# recipes/{recipe.name}/accelerate.yaml scaled for a smoke test on {where} "
+                    "(fsdp_recipes.launch.smoke)\n" + yaml.safe_dump(scaled, sort_keys=True))
+    dropped = " (HSDP needs 4 GPUs for both dimensions: plain FSDP here)" if (
+        acc.get("parallelism_config") and not scaled.get("parallelism_config")) else ""
     say(f"accelerate: recipes/{recipe.name}/accelerate.yaml with {acc.get('num_processes', 1)} process(es) on "
-        f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one ({path})")
+        f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one's {where} "
+        f"({path}){dropped}")
     say(f"run: {STEPS} steps with a checkpoint at step 2, in runs/smoke/{recipe.name}")
     return path, [*smoke_args, *overrides], build  # the user's overrides last: they win

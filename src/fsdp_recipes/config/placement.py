@@ -1,0 +1,106 @@
+"""Where a run's processes go on this machine, decided before any rank starts.
+
+- A recipe that runs anywhere (`min_gpus: 0`, the default) takes the GPUs there are: one process per visible GPU,
+  at most its accelerate YAML's count (which is for CPUs: 2 processes); the same global batch (the per-device batch
+  grows as the processes shrink, so the run learns from the same sequences per step); and bf16 mixed precision
+  (float32 master weights, bf16 compute) where the recipe trains in float32 because a CPU has no bf16 units. Each
+  change is printed, and the ranks receive it as an ordinary override, so run_args.json records it.
+- Every recipe is refused, with one line, when it would start more GPU processes on a node than the node has GPUs
+  (torch would stop each extra rank at `cuda:<local rank>`, "invalid device ordinal", a traceback per rank).
+- FSDP_RECIPES_DEVICE=cpu hides the GPUs from the ranks (CUDA_VISIBLE_DEVICES=""): the CPU run on a GPU machine.
+
+A cluster wrapper that passes --num_processes or --num_machines (slurm/, k8s/) has placed the job itself: then only
+the refusal applies.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from fsdp_recipes.config import hardware
+from fsdp_recipes.config.run_config import override
+from fsdp_recipes.errors import UserError
+
+ENV = "FSDP_RECIPES_DEVICE"
+
+
+def device_setting() -> str:
+    """FSDP_RECIPES_DEVICE: auto (unset; the GPUs there are) or cpu."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in ("auto", "cpu"):
+        raise UserError(f"{ENV}={os.environ[ENV]!r} is not a device setting. Fix: {ENV}=cpu (run on CPU even where "
+                        f"there are GPUs) or unset it (auto: the GPUs there are).")
+    return value
+
+
+def gpus_here() -> int:
+    """The GPUs the ranks will see. torch counts them (2-3 s) only where nvidia-smi or CUDA_VISIBLE_DEVICES shows
+    one: the hint is an upper bound, and a CPU build of torch on a GPU machine sees none."""
+    if device_setting() == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the ranks inherit it: torch sees no GPU, the CPU path runs
+        return 0
+    hint = hardware.gpu_count_hint()
+    return 0 if hint == 0 else hardware.gpu_count()
+
+
+@dataclass
+class Placement:
+    processes: int | None = None  # --num_processes for `accelerate launch`; None keeps the YAML's
+    overrides: list[str] = field(default_factory=list)  # recipe fields changed for the GPUs, before the user's
+    notes: list[str] = field(default_factory=list)
+
+
+def on_gpus(acc: dict) -> bool:
+    return acc.get("distributed_type", "NO") != "NO" and not acc.get("use_cpu")
+
+
+def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], launch_args: list[str],
+          bf16_ok: bool = True) -> Placement:
+    """`raw`: the recipe YAML as written; `overrides`: the user's; `gpus`: gpus_here(); `bf16_ok`: the GPUs compute
+    in bf16 (compute capability 8.0+)."""
+    if gpus == 0 or not on_gpus(acc):
+        return Placement()
+    machines = int(override(launch_args, "num_machines", acc.get("num_machines", 1)))
+    processes = int(override(launch_args, "num_processes", acc.get("num_processes", 1)))
+    per_node = -(-processes // max(machines, 1))
+    placed_by_wrapper = any(a.split("=")[0] in ("--num_processes", "--num_machines") for a in launch_args)
+    # As the recipe is written: a GPU recipe whose min_gpus a command line (or `make smoke`) lowers is still placed
+    # by its own YAML, and refused if that does not fit
+    portable = int(raw.get("min_gpus", 0) or 0) == 0
+    if not portable or placed_by_wrapper or machines > 1:
+        if per_node > gpus:
+            raise UserError(
+                f"recipe {recipe} starts {per_node} GPU process(es) on this node, which has {gpus} GPU(s). Fix: run "
+                f"it on a node with {per_node} GPUs, or set num_processes to {gpus} x nodes in its accelerate.yaml "
+                f"(or FSDP_RECIPES_LAUNCH_ARGS=\"--num_processes {gpus}\"), or test it with `make smoke "
+                f"RECIPE={recipe}`.")
+        return Placement()
+
+    placed = Placement(processes=min(processes, gpus))
+    changed = []
+    batch = int(override(overrides, "per_device_train_batch_size", raw.get("per_device_train_batch_size", 8)))
+    if placed.processes == processes and not changed_precision(raw, overrides, bf16_ok):
+        return Placement()
+    if placed.processes != processes and not given(overrides, "per_device_train_batch_size"):
+        if batch * processes % placed.processes == 0:
+            per_device = batch * processes // placed.processes
+            placed.overrides += ["--per_device_train_batch_size", str(per_device)]
+            changed.append(f"per_device_train_batch_size {batch} -> {per_device} (the same {batch * processes} "
+                           f"sequences per step)")
+    if changed_precision(raw, overrides, bf16_ok):
+        placed.overrides += ["--bf16", "true"]
+        changed.append("bf16 false -> true (mixed precision: float32 master weights, bf16 compute)")
+    placed.notes.append(
+        f"{gpus} GPU(s) here and recipe {recipe} runs anywhere (min_gpus 0): {placed.processes} process(es) on "
+        f"GPUs instead of accelerate.yaml's {processes}" + "".join(f"; {c}" for c in changed)
+        + f". {ENV}=cpu runs it on CPU as written")
+    return placed
+
+
+def changed_precision(raw: dict, overrides: list[str], bf16_ok: bool) -> bool:
+    return bf16_ok and not raw.get("bf16") and not raw.get("fp16") and not given(overrides, "bf16", "fp16")
+
+
+def given(overrides: list[str], *keys: str) -> bool:
+    return any(a == f"--{k}" or a.startswith(f"--{k}=") for a in overrides for k in keys)
