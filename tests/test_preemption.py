@@ -194,3 +194,44 @@ def test_ctrl_c_writes_status_interrupted(tmp_path, cache_dir):
     assert metrics["status"] == "interrupted", out_text[-3000:]
     assert metrics["tokens"]["scope"] == "rank0_only" and metrics["tokens"]["non_padding"] > 0
     assert rc == EXIT_INTERRUPTED and "error:" not in out_text, out_text[-3000:]  # Ctrl-C is no failure
+
+
+def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_path, cache_dir, monkeypatch, capsys):
+    """Found by bench/first_contact.py's CPU dry run: a 12-step run ended in 0.7 s, the SIGTERM reached torchrun after
+    the ranks' final report, torchrun exited non-zero for its own signal, and the launcher called the completed run
+    preempted with "no complete checkpoint": a requeued job would have started over on top of its finished outputs.
+    In process: the ranks' part replaced by a final `completed` report, then torchrun's exit after SIGTERM."""
+    from fsdp_recipes.launch import launcher
+
+    out = tmp_path / "run"
+    final = {"status": "completed", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 12}
+
+    class FinishedThenSignalled:
+        def __init__(self, cmd, torchrun_logs, gated=True):
+            self.torchrun_logs = torchrun_logs
+
+        def release(self, log_dir):
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "metrics.json").write_text(json.dumps(final))
+
+        def wait(self):
+            import shutil
+
+            shutil.rmtree(self.torchrun_logs, ignore_errors=True)
+            return 1, signal.SIGTERM  # torchrun's exit code after it handled SIGTERM, and the signal passed on
+
+    summaries = []
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(launcher, "Ranks", FinishedThenSignalled)
+    monkeypatch.setattr(launcher.summary, "main", lambda argv: summaries.append(argv) or 0)
+    saved = dict(os.environ)
+    try:
+        rc = launcher.main(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "12"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    text = capsys.readouterr().out
+    assert rc == 0, text[-2000:]
+    assert "SIGTERM arrived after training completed" in text and "nothing to resume" in text
+    assert json.loads((out / "metrics.json").read_text()) == final  # not rewritten as preempted
+    assert summaries == []  # the node is going away: no generations

@@ -358,13 +358,21 @@ def main(argv: list[str] | None = None) -> int:
     report = Path(output_dir) / "metrics.json"
     fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
     metrics = json.loads(report.read_text()) if fresh else {}
+    completed = metrics.get("status") == "completed" and not metrics.get("provisional")
+    if preempted_by is not None and completed:
+        # The signal came after the ranks' final report (on a fast GPU a short run ends within a second of it):
+        # torchrun then exits non-zero for its own signal, yet the run is complete. Calling it preempted would make
+        # a requeued job start over, without a checkpoint, on top of the finished outputs.
+        say(f"{signal.Signals(preempted_by).name} arrived after training completed: the final save was written and "
+            f"checked, and the run report {report} is final; nothing to resume (the summary is skipped)")
+        return 0
     if metrics.get("status") == "preempted" and not metrics.get("provisional"):
         say(f"preempted: a checkpoint was saved in {output_dir}; run the same command again to resume")
         return EXIT_PREEMPTED
     if preempted_by is not None and (metrics.get("provisional") or rc != 0):
         say(grace_ran_out(output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh))
         return EXIT_PREEMPTED
-    if rc != 0 and metrics.get("status") == "completed":
+    if rc != 0 and completed:
         # Seen twice in CI before ranks skipped interpreter teardown (train_sft.exit_without_teardown): a rank aborted
         # there ("terminate called without an active exception") after the run had finished. Should a rank still
         # die after its report is final, the exit code stays non-zero and the user learns that nothing is missing.
