@@ -320,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"]["default"] = facts
     if "smoke" in parts:
         names = args.recipes.split(",") if args.recipes else recipes.available(REPO / "recipes")
+        from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+        ensure_assets(quiet=True)  # once, before the parallel runs would each build the shared tiny assets
         print(f"[first-contact] smoke: {', '.join(names)} ({args.parallel} at a time) ...", flush=True)
         with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
             done = list(pool.map(lambda n: smoke(n, work, env, on_gpu, args.timeout_s), names))

