@@ -91,10 +91,10 @@ def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], la
     if changed_precision(raw, overrides, bf16_ok):
         placed.overrides += ["--bf16", "true"]
         changed.append("bf16 false -> true (mixed precision: float32 master weights, bf16 compute)")
+    instead = f" instead of accelerate.yaml's {processes}" if placed.processes != processes else ""
     placed.notes.append(
         f"{gpus} GPU(s) here and recipe {recipe} runs anywhere (min_gpus 0): {placed.processes} process(es) on "
-        f"GPUs instead of accelerate.yaml's {processes}" + "".join(f"; {c}" for c in changed)
-        + f". {ENV}=cpu runs it on CPU as written")
+        f"GPUs{instead}" + "".join(f"; {c}" for c in changed) + f". {ENV}=cpu runs it on CPU as written")
     return placed
 
 
