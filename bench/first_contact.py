@@ -85,7 +85,7 @@ def run_items(label: str, rc: int | None, metrics: dict | None, run_args: dict |
                         f"{gpu_figures}" + (f"; missing {missing}, mfu_note {metrics.get('mfu_note')!r}"
                                             if missing else "")))
     else:
-        out.append(item(f"{label}: device figures", None, f"CPU dry run: device {device.get('type')}"))
+        out.append(item(f"{label}: device figures", None, f"no GPU in this run: device {device.get('type')}"))
     patches = [p.get("patch") for p in (run_args or {}).get("patches_applied") or []]
     cpu_only = [p for p in patches if str(p).startswith("cpu_fsdp.")]
     out.append(item(f"{label}: no CPU-only patch applied", (not cpu_only) if on_gpu else None,
