@@ -211,8 +211,10 @@ def test_table_and_skip_reasons(monkeypatch):
         "size": "1b", "processes": 1, "parameters": {"total": 1_107_363_840},
         "rungs": [_measured("0", 1000.0, 0.2), _measured("5a", 1500.0, 0.3)],
         "goals": {"tuned_rung": "5a", "speedup": "met: 1.50x", "mfu": "not met: 30.0%"}}]}
+    result["ladders"][0]["rungs"][1]["memory_estimate_gib"] = 13.5  # 2 GiB of it the runtime allowance
     text = bench_gpu.table(result)
-    assert "| 5a | 5a (sdpa) | 1,500 | 30.0% | 10.0 / 12.0 | 1.50x | measured |" in text
+    assert "| 0 | 0 (sdpa) | 1,000 | 20.0% | 10.0 / 12.0 | - | 1.00x | measured |" in text
+    assert "| 5a | 5a (sdpa) | 1,500 | 30.0% | 10.0 / 12.0 | 11.5 (+15%) | 1.50x | measured |" in text
     assert "NOT benchmarks" not in text and "met: 1.50x" in text
     cpu = {"type": "cpu"}
     h100 = {"type": "cuda", "capability": [9, 0]}
