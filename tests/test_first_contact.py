@@ -2,7 +2,7 @@
 first step, and that a CPU run cannot pass it by accident. (Its launches are the launcher's own: the dry run,
 `python -m bench.first_contact --dry-run`, is in bench/README.md with its measured time, not in the suite.)"""
 
-from bench.first_contact import item, markdown, run_items
+from bench.first_contact import item, markdown, not_run, run_items
 
 GPU_METRICS = {
     "status": "completed",
@@ -67,3 +67,12 @@ def test_the_markdown_table_has_one_row_per_item():
     text = markdown(result)
     assert text.splitlines()[0] == "# First contact, NVIDIA H100: 1 passed, 1 failed, 1 n/a"
     assert "| a | pass | x \\| y |" in text and "| b | FAIL |  |" in text and "| c | n/a |  |" in text
+
+
+def test_a_run_left_out_for_time_is_said_in_the_title():
+    result = {"environment": {"device": {"name": "NVIDIA H100"}, "date": "d", "nvidia_smi": None, "versions": {}},
+              "passed": 0, "failed": 0, "not_applicable": 0, "not_run": 1, "command": "c", "duration_s": 1.0,
+              "dry_run": False, "items": [not_run("smoke x")]}
+    text = markdown(result)
+    assert text.splitlines()[0].endswith("0 passed, 0 failed, 0 n/a, 1 not run")
+    assert "| smoke x | not run | time budget (--deadline-s)" in text

@@ -42,10 +42,34 @@ def test_the_users_own_settings_win_and_a_cpu_machine_changes_nothing():
     assert placement.place("smollm2-135m-lora", raw, acc, gpus=0, overrides=[], launch_args=[]) == placement.Placement()
 
 
-def test_a_wrapper_that_placed_the_job_is_left_alone():
+@pytest.mark.parametrize("wrapper", [["--num_processes", "1"], ["--num-processes=1"],
+                                     ["--num-machines", "1", "--num-processes", "1"]])
+def test_a_wrapper_that_placed_the_job_is_left_alone(wrapper):
     raw, acc = recipe_yamls("smollm2-135m-lora")
-    placed = placement.place("smollm2-135m-lora", raw, acc, gpus=1, overrides=[], launch_args=["--num_processes", "1"])
-    assert placed == placement.Placement()
+    assert placement.place("smollm2-135m-lora", raw, acc, gpus=1, overrides=[], launch_args=wrapper) == \
+        placement.Placement()
+
+
+def test_use_cpu_keeps_the_run_on_cpu_and_an_uneven_batch_is_said():
+    raw, acc = recipe_yamls("smollm2-135m-lora")
+    assert placement.place("smollm2-135m-lora", raw, acc, gpus=1, overrides=["--use_cpu", "true"],
+                           launch_args=[]) == placement.Placement()
+    three = dict(acc, num_processes=3)  # 3 processes x 5 sequences = 15 per step: no even split over 2 GPUs
+    placed = placement.place("smollm2-135m-lora", dict(raw, per_device_train_batch_size=5), three, gpus=2,
+                             overrides=[], launch_args=[])
+    assert placed.processes == 2 and "--per_device_train_batch_size" not in placed.overrides  # 15 over 2: uneven
+    assert "per_device_train_batch_size stays 5: 10 sequences per step instead of 15" in placed.notes[0]
+
+
+def test_a_gpu_container_without_nvidia_smi_leaves_the_count_to_torch(monkeypatch):
+    from fsdp_recipes.config import hardware
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(hardware.shutil, "which", lambda name: None)
+    monkeypatch.setattr(hardware.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    assert hardware.gpu_count_hint() is None
+    monkeypatch.setattr(hardware.glob, "glob", lambda pattern: [])
+    assert hardware.gpu_count_hint() == 0
 
 
 def test_more_gpu_processes_than_gpus_is_one_line_before_any_rank():
@@ -79,8 +103,8 @@ def test_smoke_on_gpus_scales_the_hsdp_recipe(gpus, processes, hsdp):
     scaled = smoke.scale_accelerate(acc, gpus)
     assert scaled["num_processes"] == processes
     got = scaled.get("parallelism_config")
-    assert (got and (got["parallelism_config_dp_replicate_size"], got["parallelism_config_dp_shard_size"])) or None \
-        == hsdp
+    sizes = (got["parallelism_config_dp_replicate_size"], got["parallelism_config_dp_shard_size"]) if got else None
+    assert sizes == hsdp
     assert scaled["fsdp_config"] == acc["fsdp_config"] and scaled["mixed_precision"] == acc["mixed_precision"]
 
 

@@ -4,6 +4,7 @@ torchrun's environment, the recipe's min_gpus check, and the one-line GPU invent
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import subprocess
@@ -27,14 +28,17 @@ def bf16_supported() -> bool:
 
 def gpu_count_hint() -> int | None:
     """The GPUs this process may see, without importing torch (2-3 s): the ids in CUDA_VISIBLE_DEVICES when it is
-    set, else the `GPU n:` lines of `nvidia-smi -L`, else 0; None when nvidia-smi fails. An upper bound (CUDA stops
+    set, else the `GPU n:` lines of `nvidia-smi -L`, else 0; None when nvidia-smi fails, or is missing where the
+    driver's /dev/nvidia<N> files exist. An upper bound (CUDA stops
     at the first invalid id): the launcher starts the ranks on it and counts with torch while they import."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip()])
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return 0
+        # A container can have the driver's device files without nvidia-smi (NVIDIA_DRIVER_CAPABILITIES=compute):
+        # then only torch can tell
+        return None if glob.glob("/dev/nvidia[0-9]*") else 0
     try:
         out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):

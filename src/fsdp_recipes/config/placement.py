@@ -10,7 +10,7 @@
 - FSDP_RECIPES_DEVICE=cpu hides the GPUs from the ranks (CUDA_VISIBLE_DEVICES=""): the CPU run on a GPU machine.
 
 A cluster wrapper that passes --num_processes or --num_machines (slurm/, k8s/) has placed the job itself: then only
-the refusal applies.
+the refusal applies (no batch or bf16 change either). A recipe or command line with `use_cpu: true` is left on CPU.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def device_setting() -> str:
 
 
 def gpus_here() -> int:
-    """The GPUs the ranks will see. torch counts them (2-3 s) only where nvidia-smi or CUDA_VISIBLE_DEVICES shows
-    one: the hint is an upper bound, and a CPU build of torch on a GPU machine sees none."""
+    """The GPUs the ranks will see. torch counts them (2-3 s) unless nvidia-smi or CUDA_VISIBLE_DEVICES show none:
+    the hint is an upper bound, and a CPU build of torch on a GPU machine sees none."""
     if device_setting() == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the ranks inherit it: torch sees no GPU, the CPU path runs
         return 0
@@ -59,8 +59,9 @@ def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], la
           bf16_ok: bool = True) -> Placement:
     """`raw`: the recipe YAML as written; `overrides`: the user's; `gpus`: gpus_here(); `bf16_ok`: the GPUs compute
     in bf16 (compute capability 8.0+)."""
-    if gpus == 0 or not on_gpus(acc):
-        return Placement()
+    if gpus == 0 or not on_gpus(acc) or truthy(override(overrides, "use_cpu", raw.get("use_cpu"))):
+        return Placement()  # the user's `--use_cpu true` keeps the run on CPU, as written
+    launch_args = [underscored(a) for a in launch_args]  # accelerate takes --num-processes as --num_processes
     machines = int(override(launch_args, "num_machines", acc.get("num_machines", 1)))
     processes = int(override(launch_args, "num_processes", acc.get("num_processes", 1)))
     per_node = -(-processes // max(machines, 1))
@@ -88,6 +89,9 @@ def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], la
             placed.overrides += ["--per_device_train_batch_size", str(per_device)]
             changed.append(f"per_device_train_batch_size {batch} -> {per_device} (the same {batch * processes} "
                            f"sequences per step)")
+        else:
+            changed.append(f"per_device_train_batch_size stays {batch}: {batch * placed.processes} sequences per step "
+                           f"instead of {batch * processes} (set it to keep the recipe's)")
     if changed_precision(raw, overrides, bf16_ok):
         placed.overrides += ["--bf16", "true"]
         changed.append("bf16 false -> true (mixed precision: float32 master weights, bf16 compute)")
@@ -96,6 +100,18 @@ def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], la
         f"{gpus} GPU(s) here and recipe {recipe} runs anywhere (min_gpus 0): {placed.processes} process(es) on "
         f"GPUs{instead}" + "".join(f"; {c}" for c in changed) + f". {ENV}=cpu runs it on CPU as written")
     return placed
+
+
+def truthy(value) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes")
+
+
+def underscored(arg: str) -> str:
+    """`--num-processes=2` -> `--num_processes=2`: accelerate accepts both spellings of its options."""
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg.partition("=")
+    return "--" + name[2:].replace("-", "_") + sep + value
 
 
 def changed_precision(raw: dict, overrides: list[str], bf16_ok: bool) -> bool:
