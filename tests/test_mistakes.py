@@ -321,3 +321,36 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, cache_dir):
         time.sleep(0.2)
     assert not left, [" ".join(p.cmdline())[:120] for p in left]
     print(f"all processes gone {time.time() - t:.1f} s after the launcher's SIGKILL")
+
+
+@pytest.mark.parametrize("phase, step, code", [("setup", None, 2), ("training", 7, 1)])
+def test_cuda_out_of_memory_is_one_line_with_the_budget_and_the_knobs(tmp_path, monkeypatch, phase, step, code):
+    """The out-of-memory line, which no CPU run can trigger for real: torch's own OutOfMemoryError with a CUDA
+    allocator message, written to the error file where torchrun would put it (train/failure.py), read back and
+    described by the launcher's code (launch/failures.py)."""
+    import torch
+
+    from fsdp_recipes.launch import failures
+    from fsdp_recipes.train import failure
+
+    error_file = tmp_path / "torchrun" / "run_0" / "attempt_0" / "1" / "error.json"
+    error_file.parent.mkdir(parents=True)
+    monkeypatch.setenv(failure.ERROR_FILE_ENV, str(error_file))
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setitem(failure.STATE, "phase", phase)
+    monkeypatch.setitem(failure.STATE, "step", step)
+    cuda_says = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+                 "1.02 GiB is free.\nOf the allocated memory 75.10 GiB is allocated by PyTorch")
+    try:
+        raise torch.OutOfMemoryError(cuda_says)
+    except torch.OutOfMemoryError as err:
+        failure.record(err)
+    records = failures.read_records(tmp_path / "torchrun")
+    line, exit_code = failures.describe(records, 1, tmp_path / "logs", "mistral-7b-full", None)
+    where = "while loading the model and setting up" if phase == "setup" else "during training (at step 7)"
+    assert line == (f"rank 1 ran out of device memory {where}: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
+                    "has a total capacity of 79.19 GiB of which 1.02 GiB is free. Fix: check the budget with "
+                    "`make plan RECIPE=mistral-7b-full`, then lower per_device_train_batch_size or max_length (raise "
+                    "gradient_accumulation_steps to keep the batch), turn on activation_checkpointing, use LoRA or "
+                    f"more GPUs. Full traceback: {tmp_path / 'logs'}/rank1.log")
+    assert exit_code == code and "\n" not in line

@@ -77,6 +77,7 @@ def describe(records: list[dict], rc: int, log_dir: Path | None, recipe: str,
                 f"and the rank logs in {logs}", EXIT_TRAINING_FAILED)
     rec = records[0]
     problem, fix = fix_for(rec, recipe, last_good)
+    problem = problem.rstrip(".")  # a library message ending in "." must not end in ".." before ". Fix:"
     log = f"{log_dir}/rank{rec['rank']}.log" if log_dir else logs
     code = EXIT_USER_ERROR if rec.get("phase") == "setup" else EXIT_TRAINING_FAILED
     if not fix:  # an error the pack does not know: the traceback is what there is to read
