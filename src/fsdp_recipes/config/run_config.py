@@ -102,6 +102,11 @@ def override(argv: list[str], key: str, default):
     return getattr(known, key)
 
 
+def given(argv: list[str], *keys: str) -> bool:
+    """Whether any of `--key v` / `--key=v` is among command-line overrides (override() reads its value)."""
+    return any(a == f"--{k}" or a.startswith(f"--{k}=") for a in argv for k in keys)
+
+
 def dataclass_types():
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
 
@@ -134,11 +139,11 @@ def parse_args(argv: list[str]) -> RunConfig:
     if renamed:  # see patches/versions.py: the recipe's field names on an older transformers
         from fsdp_recipes.patches.versions import RENAMED_TRAINING_FIELDS, apply_new_training_field_names
 
-        given = {k for k in RENAMED_TRAINING_FIELDS if f"--{k}" in argv or any(a.startswith(f"--{k}=") for a in argv)}
+        named = {k for k in RENAMED_TRAINING_FIELDS if given(argv, k)}
         if "--config" in argv:
             recipe = yaml_keys.load_yaml(override(argv, "config", None), "recipe config")
-            given |= set(recipe) & set(RENAMED_TRAINING_FIELDS)
-        apply_new_training_field_names(renamed[0], training, given)
+            named |= set(recipe) & set(RENAMED_TRAINING_FIELDS)
+        apply_new_training_field_names(renamed[0], training, named)
     model.model_name_or_path = expand(model.model_name_or_path, "model_name_or_path")
     script.dataset_name = expand(script.dataset_name, "dataset_name")
     training.output_dir = expand(training.output_dir, "output_dir")

@@ -293,13 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except Exception as err:
         raise unexpected(err, "reading the recipe") from None
-    placed = placement.place(recipe.name, raw, acc, gpus, overrides, launch_args(),
+    extra = launch_args()
+    placed = placement.place(recipe.name, raw, acc, gpus, overrides, extra,
                              bf16_ok=gpus > 0 and hardware.bf16_supported())
     for note in placed.notes:
         say(note)
     overrides = [*placed.overrides, *overrides]  # the user's last: they win
-
-    extra = launch_args()
     if placed.processes is not None:
         acc = dict(acc, num_processes=placed.processes)
         extra += ["--num_processes", str(placed.processes)]

@@ -61,6 +61,11 @@ def shrink(config, tokenizer):
         config.layer_types = config.layer_types[: SHAPE["num_hidden_layers"]]
     if getattr(config, "max_window_layers", None):
         config.max_window_layers = min(config.max_window_layers, SHAPE["num_hidden_layers"])
+    return fit_tokenizer(config, tokenizer)
+
+
+def fit_tokenizer(config, tokenizer):
+    """The config's vocabulary and special tokens made the tokenizer's."""
     config.vocab_size = len(tokenizer)
     config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
     config.pad_token_id = tokenizer.pad_token_id
