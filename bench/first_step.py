@@ -72,7 +72,7 @@ def install_probe() -> None:
     import trl
     import trl.trainer.sft_trainer as sft_mod
 
-    import fsdp_recipes.train.train_sft  # noqa: F401
+    import fsdp_recipes.train.entry  # noqa: F401
     from fsdp_recipes.train import loading, start_gate
 
     marks["imports_done"] = time.time()
@@ -89,7 +89,7 @@ def install_probe() -> None:
 
         setattr(owner, name, wrapper)
 
-    # `python -m fsdp_recipes.train.train_sft` runs that file as __main__, a module that does not exist yet here, so the
+    # `python -m fsdp_recipes.train.entry` runs that file as __main__, a module that does not exist yet here, so the
     # probe wraps only what it calls from other modules.
     timed(start_gate, "wait", "gate")
     timed(loading, "load_sft_datasets", "load_datasets")
@@ -146,9 +146,9 @@ def run_default(work: Path, probe: bool, order: str = "overlap") -> dict:
             try:
                 for child in parent.children(recursive=True):
                     cmd = child.cmdline()
-                    # the ranks run `python -m fsdp_recipes.train.train_sft`; the accelerate CLI's own command names the
+                    # the ranks run `python -m fsdp_recipes.train.entry`; the accelerate CLI's own command names the
                     # module too, after `launch`
-                    if "fsdp_recipes.train.train_sft" in cmd and "launch" not in cmd:
+                    if "fsdp_recipes.train.entry" in cmd and "launch" not in cmd:
                         ranks.setdefault(child.pid, child.create_time())
             except psutil.Error:
                 pass
@@ -213,7 +213,7 @@ def phases(run: dict) -> dict[str, float]:
 
 
 IMPORT_ORDER = ("torch", "transformers", "datasets", "accelerate", "peft", "trl", "trl.trainer.sft_trainer",
-                "fsdp_recipes.train.train_sft", "fsdp_recipes.run_report")
+                "fsdp_recipes.train.entry", "fsdp_recipes.run_report")
 
 
 def slowest_imports() -> dict:

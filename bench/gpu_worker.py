@@ -3,7 +3,7 @@
     accelerate launch --config_file <rung>.yaml -m bench.gpu_worker \
         --warmup 4 -- <the entry point's flags>
 
-The entry point's trainer (run_config.parse_args + train_sft.build_trainer, as bench_overhead.py drives it), with the warm-up
+The entry point's trainer (run_config.parse_args + entry.build_trainer, as bench_overhead.py drives it), with the warm-up
 steps excluded from the run report's clock and token counters. Every rung's change is a recipe setting: float8 is
 the entry point's `--float8` (float8.py), regional compilation the rung's accelerate YAML (`dynamo_config`). Its
 figures are the run's own metrics.json, which bench_gpu.py reads.
@@ -37,7 +37,7 @@ def worker(argv: list[str]) -> int:
 
     from fsdp_recipes.metrics.run_report import RunReportCallback
     from fsdp_recipes.records import write_json_atomic
-    from fsdp_recipes.train import train_sft
+    from fsdp_recipes.train import entry
     from fsdp_recipes.train.preemption import PreemptionCallback
 
     cfg = parse_args(argv[split + 1:])
@@ -84,7 +84,7 @@ def worker(argv: list[str]) -> int:
             sync()
 
     try:
-        trainer = train_sft.build_trainer(cfg, peft_config, report, PreemptionCallback())
+        trainer = entry.build_trainer(cfg, peft_config, report, PreemptionCallback())
         trainer.callback_handler.callbacks.insert(0, ExcludeWarmup())
         trainer.train()
     except BaseException as err:

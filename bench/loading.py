@@ -57,7 +57,7 @@ def launch_variant(model_dir: Path, fsdp_config: dict, work: Path, name: str, ex
     acc_path.write_text(yaml.safe_dump(acc))
     out = work / f"run-{name}"
     cmd = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(acc_path),
-           "--main_process_port", "0", "-m", "fsdp_recipes.train.train_sft", "--config", str(RECIPE / "sft.yaml"),
+           "--main_process_port", "0", "-m", "fsdp_recipes.train.entry", "--config", str(RECIPE / "sft.yaml"),
            "--model_name_or_path", str(model_dir), "--eval_strategy", "no", "--save_strategy", "no",
            "--save_merged_model", "false", "--output_dir", str(out), *extra]
     print(f"[bench-loading] {name}: running 2 processes", flush=True)

@@ -26,7 +26,7 @@ step follows a bare step and every bare step a pack step, so cache and allocator
   decoder layer and then the root, with reshard_after_forward (what that YAML asks for).
 
 Pack side: `run_config.parse_args` on the default recipe's sft.yaml plus overrides (this model, this data,
-`use_peft false`, batch, length, steps), then `train_sft.build_trainer` exactly as the entry point calls it:
+`use_peft false`, batch, length, steps), then `entry.build_trainer` exactly as the entry point calls it:
 TRL SFTTrainer (its loss through TRL's fused LM head, its entropy and token-accuracy metrics), the pack's
 RunReportCallback with its token counter, CompletionMarkerCallback and PreemptionCallback (one all-reduce per step
 under 2 processes), the Trainer's logging every `logging_steps`. Bare side: forward with labels, backward, clip,
@@ -176,7 +176,7 @@ class BareLoop:
 
 
 def run_paired(argv: list[str], bare: BareLoop) -> dict[str, list[tuple[tuple, tuple]]]:
-    """The entry point's trainer (train_sft.build_trainer) for max_steps, with one bare step after each of its steps.
+    """The entry point's trainer (entry.build_trainer) for max_steps, with one bare step after each of its steps.
 
     Returns each side's step spans as (start, end) clock readings: the pack's from the end of the previous bare step
     (or the start of training) to its own step end, so that the Trainer's loop, batch fetch, forward, backward,
@@ -185,14 +185,14 @@ def run_paired(argv: list[str], bare: BareLoop) -> dict[str, list[tuple[tuple, t
     from trl import get_peft_config
 
     from fsdp_recipes.metrics.run_report import RunReportCallback
-    from fsdp_recipes.train import train_sft
+    from fsdp_recipes.train import entry
     from fsdp_recipes.train.preemption import PreemptionCallback
 
     cfg = parse_args(argv)
     training = cfg.training
     peft_config = get_peft_config(cfg.model)
     report = RunReportCallback(training.output_dir, cfg.resolved(peft_config), cfg.pack.recipe_name)
-    trainer = train_sft.build_trainer(cfg, peft_config, report, PreemptionCallback())
+    trainer = entry.build_trainer(cfg, peft_config, report, PreemptionCallback())
     spans = {"pack": [], "bare": []}
     last = []
 

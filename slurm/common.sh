@@ -3,7 +3,7 @@
 #
 # Inputs (environment, exported by sbatch from the submitting shell):
 #   RECIPE          recipe name under recipes/ or a recipe folder (default tiny-cpu-lora)
-#   ARGS            sft.yaml overrides, shell-quoted: ARGS="--max_steps 20 --output_dir runs/x"
+#   ARGS            recipe YAML (sft.yaml, dpo.yaml) overrides, shell-quoted: ARGS="--max_steps 20 --output_dir runs/x"
 #                   (arguments after the script name on the sbatch line are appended to these)
 #   PYTHON          interpreter with the pack installed (default: <repo>/.venv/bin/python, else python3)
 #   FSDP_RECIPES_HOME  the repository (default: $SLURM_SUBMIT_DIR, i.e. submit from the repository root)
@@ -50,16 +50,12 @@ recipe_info() {
   local info
   info="$("$PYTHON" - "$RECIPE" "${OVERRIDES[@]}" <<'PY'
 import sys
-import yaml
 from fsdp_recipes.config import recipes
-from fsdp_recipes.config.run_config import override
-recipe = recipes.resolve(sys.argv[1])
-acc = yaml.safe_load((recipe / "accelerate.yaml").read_text()) or {}
-sft = yaml.safe_load((recipe / "sft.yaml").read_text()) or {}
-fsdp = (acc.get("fsdp_config") or {}).get("fsdp_version", 1)
-print(acc.get("num_processes", 1), fsdp, override(sys.argv[2:], "min_gpus", sft.get("min_gpus", 0)))
+recipe = recipes.load(sys.argv[1], sys.argv[2:])
+fsdp = (recipe.accelerate.get("fsdp_config") or {}).get("fsdp_version", 1)
+print(recipe.accelerate.get("num_processes", 1), fsdp, recipe.field("min_gpus", 0))
 PY
-)" || die "cannot read recipes/$RECIPE/accelerate.yaml or sft.yaml (see above)."
+)" || die "cannot read recipes/$RECIPE/accelerate.yaml or its trainer YAML (see above)."
   # shellcheck disable=SC2034  # read by the sbatch scripts that source this file
   read -r RECIPE_PROCS RECIPE_FSDP RECIPE_GPUS <<<"$info"
 }

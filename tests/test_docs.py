@@ -89,11 +89,12 @@ RUN_BY = {
         ("tests/test_k8s.py",), ('generate("mistral-small-lora", root / "m", "--nodes", "2", "--gpus", "8")',),
         expands="-m fsdp_recipes.cluster.k8s mistral-small-lora --nodes 2 --gpus 8"),
     # What the launcher starts: launcher.py builds exactly this command, and test_end_to_end runs the launcher.
-    "accelerate launch --config_file recipes/tiny-cpu-lora/accelerate.yaml -m fsdp_recipes.train.train_sft "
+    "accelerate launch --config_file recipes/tiny-cpu-lora/accelerate.yaml -m fsdp_recipes.train.entry "
     "--config recipes/tiny-cpu-lora/sft.yaml": RunBy(
-        ("src/fsdp_recipes/launch/launcher.py", "tests/test_end_to_end.py"),
-        ('["--config_file", str(acc_yaml)',
-         '["-m", "fsdp_recipes.train.train_sft", "--config", str(recipe / "sft.yaml")',
+        ("src/fsdp_recipes/launch/launcher.py", "tests/test_end_to_end.py", "src/fsdp_recipes/config/recipes.py"),
+        ('["--config_file", str(recipe.accelerate_path)',
+         '["-m", "fsdp_recipes.train.entry", *recipe.argv()]',
+         'return ["--config", str(self.config_path), *self.overrides]',
          'launch(["tiny-cpu-lora"')),
 }
 

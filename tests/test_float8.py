@@ -115,7 +115,7 @@ def test_float8_full_finetune_trains_checkpoints_resumes_and_saves_a_plain_model
             "--logging_steps", "1", "--save_merged_model", "false", "--output_dir", str(out)]
     first = run([*args, "--max_steps", "4"], cache_dir, PYTHONPATH=torchao_site)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "[train_sft] float8: 28 of 29 linear layers converted" in first.stdout
+    assert "[train] float8: 28 of 29 linear layers converted" in first.stdout
     second = run([*args, "--max_steps", "6"], cache_dir, PYTHONPATH=torchao_site)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming from" in second.stdout and "checkpoint-4" in second.stdout
@@ -151,7 +151,11 @@ def test_smoke_keeps_float8_only_where_torchao_is_installed(installed, cache_dir
     found = object()  # smoke only asks whether torchao is found
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: (found if installed else None) if name == "torchao" else real(name, *a))
-    _, overrides, _ = smoke.prepare(recipe, [])
+    from fsdp_recipes.config import recipes
+
+    loaded = recipes.load(recipe)
+    smoke.prepare(loaded)
+    overrides = loaded.overrides
     turned_off = "[smoke] float8: torchao is not installed here -> off" in capsys.readouterr().out
     assert turned_off is not installed
     assert (overrides[overrides.index("--float8") + 1] == "false") if not installed else "--float8" not in overrides
@@ -212,7 +216,7 @@ def test_float8_under_accelerates_regional_compile(torchao_site, cache_dir, tmp_
                "--logging_steps", "1", "--save_merged_model", "false", "--output_dir", str(out)],
               cache_dir, PYTHONPATH=torchao_site)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "[train_sft] float8: 28 of 29 linear layers converted" in res.stdout
+    assert "[train] float8: 28 of 29 linear layers converted" in res.stdout
     run_args = json.loads((out / "run_args.json").read_text())
     assert run_args["accelerate_env"]["ACCELERATE_DYNAMO_BACKEND"] == "AOT_EAGER"
     assert run_args["accelerate_env"]["ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION"].lower() == "true"

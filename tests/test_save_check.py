@@ -237,13 +237,13 @@ def test_what_the_files_are_compared_with_is_named(world_of_one, tmp_path):
 
 
 def test_the_final_save_reports_what_its_files_were_compared_with(tmp_path, capsys):
-    """train_sft.save_final without FSDP (no process group): the report and the log line name the comparison."""
+    """entry.save_final without FSDP (no process group): the report and the log line name the comparison."""
     from types import SimpleNamespace
 
     from transformers import MistralConfig, MistralForCausalLM
 
     from fsdp_recipes.checkpoint.save_check import LIVE
-    from fsdp_recipes.train.train_sft import save_final
+    from fsdp_recipes.train.entry import save_final
 
     model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
@@ -258,5 +258,5 @@ def test_the_final_save_reports_what_its_files_were_compared_with(tmp_path, caps
     save_final(trainer, cfg, None, report)
     assert report.final_save_check == {"tensors": 12, "lora_b_checked": 0, "model_shapes_checked": 12,
                                        "compared_with": LIVE}
-    assert ("[train_sft] final save verified: 12 tensors complete and unsharded; the files equal the weights in "
+    assert ("[train] final save verified: 12 tensors complete and unsharded; the files equal the weights in "
             "memory") in capsys.readouterr().out

@@ -78,24 +78,24 @@ def test_who_prints_the_line():
 
 
 def test_training_stops_before_anything_reads_output_dir(monkeypatch, capsys):
-    """train_sft.main runs the check right after parsing, before the resume choice reads output_dir, and a node that
+    """entry.main runs the check right after parsing, before the resume choice reads output_dir, and a node that
     cannot see rank 0's file ends the rank with the one `error:` line."""
     from types import SimpleNamespace
 
-    from fsdp_recipes.train import train_sft
+    from fsdp_recipes.train import entry
 
     out = "/node-local/runs/x"
-    monkeypatch.delenv(train_sft.start_gate.FILE_ENV, raising=False)
-    monkeypatch.setattr(train_sft, "import_training_stack", lambda: None)
-    monkeypatch.setattr(train_sft, "parse_and_check",
+    monkeypatch.delenv(entry.start_gate.FILE_ENV, raising=False)
+    monkeypatch.setattr(entry, "import_training_stack", lambda: None)
+    monkeypatch.setattr(entry, "parse_and_check",
                         lambda argv, quiet: SimpleNamespace(training=SimpleNamespace(output_dir=out)))
-    monkeypatch.setattr(train_sft, "checkpoint_to_resume", lambda *a, **k: pytest.fail("output_dir read first"))
+    monkeypatch.setattr(entry, "checkpoint_to_resume", lambda *a, **k: pytest.fail("output_dir read first"))
 
     def blind(output_dir):
         raise UserError(shared_dir.message(output_dir, "gpu-b"))
 
     monkeypatch.setattr(shared_dir, "check_output_dir_shared", blind)
     with pytest.raises(SystemExit) as stopped:
-        train_sft.main([])
+        entry.main([])
     assert stopped.value.code == EXIT_USER_ERROR
     assert capsys.readouterr().err == f"error: {shared_dir.message(out, 'gpu-b')}\n"

@@ -93,7 +93,7 @@ class SlowCheckLaunch:
                 cmd = child.cmdline()
             except psutil.Error:
                 continue
-            if "fsdp_recipes.train.train_sft" in cmd and "launch" not in cmd:
+            if "fsdp_recipes.train.entry" in cmd and "launch" not in cmd:
                 found.append(child)
         return found
 
@@ -141,7 +141,7 @@ def test_ranks_wait_at_the_gate_and_run_once_the_checks_pass(tmp_path, cache_dir
                            "--save_merged_model", "false", "--output_dir", str(out)], cache_dir, slow_s=20)
     run.wait_for_ranks_at_the_gate()
     assert run.proc.poll() is None and not out.exists(), "a rank wrote before the checks passed"
-    assert not any("[train_sft]" in line for line in run.out), run.out  # their output is held back
+    assert not any("[train]" in line for line in run.out), run.out  # their output is held back
     run.release()
     assert run.finish() == 0, "".join(run.out[-40:] + run.err[-40:])
     text = "".join(run.out)
@@ -195,10 +195,10 @@ def test_a_rank_crashing_after_a_completed_run_is_reported_as_such(tmp_path, cac
 
 
 def test_a_rank_exits_after_its_atexit_handlers_without_interpreter_teardown():
-    """train_sft's exit: what atexit holds still runs (logging, trackers, the probes above); the finalization that
+    """entry's exit: what atexit holds still runs (logging, trackers, the probes above); the finalization that
     frees the leftovers, where the teardown crash happens, does not."""
     code = ("import atexit, sys\n"
-            "from fsdp_recipes.train.train_sft import exit_without_teardown\n"
+            "from fsdp_recipes.train.entry import exit_without_teardown\n"
             "class Leftover:\n"
             "    def __del__(self):\n"
             "        print('finalized', flush=True)\n"

@@ -24,7 +24,7 @@ def test_a_replica_rank_shows_no_warnings_or_progress_bars(monkeypatch):
     import datasets
     import transformers
 
-    from fsdp_recipes.train.train_sft import quiet_replica
+    from fsdp_recipes.train.entry import quiet_replica
 
     monkeypatch.setattr(warnings, "filters", list(warnings.filters))  # restored after the test
     cfg = SimpleNamespace(training=SimpleNamespace(log_level_replica="warning"))
@@ -110,7 +110,7 @@ def test_generations_can_be_forced(tmp_path, monkeypatch, capsys, how):
     run = fake_run(tmp_path)
     ran = []
     monkeypatch.setattr(summary, "model_size", lambda _: BIG)
-    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args, n: ran.append((run_dir, n)))
+    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args, n, cfg=None: ran.append((run_dir, n)))
     if how == "env":
         monkeypatch.setenv(summary.FORCE_ENV, "1")
     else:
@@ -124,7 +124,7 @@ def test_the_number_of_eval_prompts_can_be_set_and_a_bad_one_is_one_line(tmp_pat
     run = fake_run(tmp_path)
     ran = []
     monkeypatch.setattr(summary, "model_size", lambda _: (1000, 4000))
-    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args, n: ran.append(n))
+    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args, n, cfg=None: ran.append(n))
     monkeypatch.setenv(summary.PROMPTS_ENV, "7")
     summary.main([str(run)])
     assert ran == [7]
@@ -167,7 +167,7 @@ def test_the_exact_match_goes_into_metrics_json_and_the_console(tmp_path, monkey
     check = {"n": 100, "base_correct": 0, "trained_correct": 100, "base_model": "base", "trained_model": "merged",
              "examples": examples}
     monkeypatch.setattr(summary, "model_size", lambda _: (1000, 4000))  # small: generate
-    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args, n: check)
+    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args, n, cfg=None: check)
     assert summary.main([str(run)]) == 0
     out = capsys.readouterr().out
     assert "exact match on 100 eval prompts: base model 0/100 -> trained 100/100" in out

@@ -23,6 +23,7 @@ from fsdp_recipes.paths import cache_dir
 ASSETS_VERSION = "v1"
 MODEL_DIRNAME = "tiny-mistral"
 DATA_DIRNAME = "tiny-arith"
+PREFERENCES_DIRNAME = "tiny-arith-preferences"
 
 # Mistral-style chat template: [INST] user [/INST] answer</s>. A rendered prompt (with the generation
 # prompt) is a prefix of the rendered prompt + completion, which TRL's prompt-completion path relies on.
@@ -57,6 +58,27 @@ def write_dataset(out: Path, n_train: int = 4000, n_test: int = 64, seed: int = 
         with open(out / f"{split}.jsonl", "w") as f:
             for _ in range(n):
                 f.write(json.dumps(make_example(rng)) + "\n")
+
+
+def make_preference(rng: random.Random) -> dict:
+    """One conversational preference pair for DPO's smoke runs: the right sum chosen, a near miss rejected."""
+    example = make_example(rng)
+    right = int(example["completion"][0]["content"])
+    wrong = right + rng.choice([-2, -1, 1, 2])
+    return {"prompt": example["prompt"], "chosen": example["completion"],
+            "rejected": [{"role": "assistant", "content": str(wrong)}]}
+
+
+def write_preferences(out: Path, n_train: int = 512, n_test: int = 32, seed: int = 1) -> None:
+    """train.jsonl / test.jsonl of preference pairs (prompt / chosen / rejected, TRL's conversational layout)."""
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    for split, n in (("train", n_train), ("test", n_test)):
+        tmp = out / f".{split}.jsonl.tmp"
+        with open(tmp, "w") as f:
+            for _ in range(n):
+                f.write(json.dumps(make_preference(rng)) + "\n")
+        tmp.replace(out / f"{split}.jsonl")
 
 
 def train_tokenizer(data_dir: Path, out: Path):
@@ -127,7 +149,9 @@ def ensure_assets(root: Path | None = None, force: bool = False, quiet: bool = F
     root = Path(root) if root else cache_dir()
     model_dir, data_dir = root / MODEL_DIRNAME, root / DATA_DIRNAME
     marker = root / f".tiny-assets-{ASSETS_VERSION}.done"
-    paths = {"model": model_dir, "data": data_dir}
+    paths = {"model": model_dir, "data": data_dir, "preferences": root / PREFERENCES_DIRNAME}
+    if not (paths["preferences"] / "test.jsonl").is_file() or force:  # beside the marker: older caches gain it
+        write_preferences(paths["preferences"])
     if marker.exists() and not force:
         return paths
     say = (lambda *a: None) if quiet else (lambda *a: print("[tiny-assets]", *a, flush=True))

@@ -63,7 +63,7 @@ class LoadCheckCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         result = verify_loaded_weights(model, self.model_dir, rank() == 0)
         if result is not None:
-            print(f"[train_sft] loaded weights verified: {result['parameters_checked']} parameters equal "
+            print(f"[train] loaded weights verified: {result['parameters_checked']} parameters equal "
                   f"{self.model_dir} on every rank", flush=True)
             if self.report is not None:
                 self.report.load_check = result

@@ -148,7 +148,7 @@ class ResumeCheckCallback(TrainerCallback):
             return
         result = verify_resumed_adapter(model, self.checkpoint, rank() == 0)
         if result is not None:
-            print(f"[train_sft] resumed adapter verified: {result['tensors_checked']} trainable tensors equal "
+            print(f"[train] resumed adapter verified: {result['tensors_checked']} trainable tensors equal "
                   f"{self.checkpoint}/{result['source']}", flush=True)
             if self.report is not None:
                 self.report.resume_check = {**(self.report.resume_check or {}), **result}

@@ -44,21 +44,22 @@ NCCL_ENV = {
 # ---------------------------------------------------------------- recipe facts and the node-count rules
 
 
-def recipe_facts(recipe: Path) -> dict:
+def recipe_facts(folder: Path) -> dict:
     """What the generator needs from a recipe's two YAML files."""
-    sft = yaml_keys.load_yaml(recipe / "sft.yaml", "recipe config")
-    acc = yaml_keys.load_yaml(recipe / "accelerate.yaml", "accelerate config")
+    loaded = recipes.load(folder)
+    raw, acc = loaded.raw, loaded.accelerate
     fsdp = acc.get("fsdp_config") or {}
     par = acc.get("parallelism_config") or {}
     return {
-        "name": recipe.name,
+        "name": folder.name,
+        "trainer": loaded.trainer,
         "distributed_type": str(acc.get("distributed_type", "NO")),
         "fsdp_version": int(fsdp.get("fsdp_version", 1)),
         "sharding": str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")),
         "dp_replicate": int(par.get("parallelism_config_dp_replicate_size", 1)),
         "dp_shard": int(par.get("parallelism_config_dp_shard_size", 0)) or None,
-        "min_gpus": int(sft.get("min_gpus", 0)),
-        "grace_s": int(sft.get("preemption_grace_s", 120)),
+        "min_gpus": int(raw.get("min_gpus", 0)),
+        "grace_s": int(raw.get("preemption_grace_s", 120)),
     }
 
 

@@ -125,7 +125,14 @@ def looks_local(path: str) -> bool:
     ) or os.path.exists(path)
 
 
-def check_local_model(path: str) -> None:
+def check_local_model(path: str, continues_from: str | None = None) -> None:
+    """A local model folder must hold config.json. `continues_from`: the recipe whose output `path` is (a DPO run
+    on the SFT run's merged model): then the fix is to run that recipe first."""
+    if continues_from and not (Path(path) / "config.json").is_file():
+        raise UserError(
+            f"model not found: {path} is the output of recipe {continues_from}, which has not run here yet. "
+            f"Fix: run `make finetune RECIPE={continues_from}` first (or point model_name_or_path at another model)."
+        )
     if looks_local(path) and not (Path(path) / "config.json").is_file():
         raise UserError(
             f"model not found: {path} has no config.json. "

@@ -1,31 +1,58 @@
-"""Finding recipes: `recipes/<name>/` folders holding sft.yaml, accelerate.yaml, launch.sh and README.md.
+"""Recipes: `recipes/<name>/` folders holding a trainer YAML (`sft.yaml`, `dpo.yaml`: the trainer kind's name),
+accelerate.yaml, launch.sh and README.md; and `Recipe`, one recipe loaded once.
 
-    python -m fsdp_recipes.config.recipes list          # name and one-line description of each recipe
+    python -m fsdp_recipes.config.recipes list          # name, trainer and one-line description of each recipe
     python -m fsdp_recipes.config.recipes check NAME    # exit 2 with a clear line when NAME is not a recipe
+
+A recipe names its trainer with the `trainer` field (default `sft`) and keeps its settings in `<trainer>.yaml`.
+The launcher loads a recipe here once (`load`): the YAMLs as written, the command line's overrides, and later the
+parsed configuration and the warnings its checks found; placement, the grace period, the smoke run, the parse
+and the summary read that object instead of the files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.errors import UserError, cli
 
-RECIPE_FILES = ("sft.yaml", "accelerate.yaml")
+if TYPE_CHECKING:
+    from fsdp_recipes.config.run_config import RunConfig
+
+# Trainer kinds: each is TRL's config class for it, a module train/kinds/<kind>.py that builds its trainer, and
+# recipes whose settings live in <kind>.yaml. Adding a kind is one line here and that module
+# (docs/architecture.md, "Adding a trainer kind").
+TRAINERS = {"sft": "SFTConfig", "dpo": "DPOConfig"}
+DEFAULT_TRAINER = "sft"
+ACCELERATE_FILE = "accelerate.yaml"
 
 
 def recipes_root() -> Path:
     return Path(os.environ.get("FSDP_RECIPES_DIR", "recipes"))
 
 
+def trainer_files(path: Path) -> list[Path]:
+    return [path / f"{kind}.yaml" for kind in TRAINERS if (path / f"{kind}.yaml").is_file()]
+
+
 def is_recipe(path: Path) -> bool:
-    return all((path / f).is_file() for f in RECIPE_FILES)
+    return (path / ACCELERATE_FILE).is_file() and len(trainer_files(path)) == 1
 
 
 def available(root: Path | None = None) -> list[str]:
     root = root or recipes_root()
     return sorted(p.name for p in root.iterdir() if is_recipe(p)) if root.is_dir() else []
+
+
+def missing_files(path: Path) -> list[str]:
+    missing = [] if (path / ACCELERATE_FILE).is_file() else [ACCELERATE_FILE]
+    if not trainer_files(path):
+        missing.append(" or ".join(f"{kind}.yaml" for kind in TRAINERS))
+    return missing
 
 
 def resolve(name_or_path: str) -> Path:
@@ -37,10 +64,78 @@ def resolve(name_or_path: str) -> Path:
     if is_recipe(candidate):
         return candidate
     names = ", ".join(available()) or "none found under ./recipes"
+    for folder in (path, candidate):
+        if folder.is_dir() and len(trainer_files(folder)) > 1:
+            found = ", ".join(p.name for p in trainer_files(folder))
+            raise UserError(f"{folder} holds {found}: a recipe trains with one trainer. Fix: keep one of them, and "
+                            "make the other a recipe folder of its own.")
     if path.is_dir():
-        missing = [f for f in RECIPE_FILES if not (path / f).is_file()]
-        raise UserError(f"{path} is not a recipe folder: missing {', '.join(missing)}.")
+        raise UserError(f"{path} is not a recipe folder: missing {', '.join(missing_files(path))}.")
     raise UserError(f"unknown recipe '{name_or_path}'. Available: {names}. Fix: RECIPE=<one of those> (see `make help`).")
+
+
+def config_file(folder: Path) -> Path:
+    """The recipe's trainer YAML (`sft.yaml`, `dpo.yaml`, ...)."""
+    files = trainer_files(folder)
+    if len(files) != 1:
+        resolve(str(folder))  # says what is wrong
+    return files[0]
+
+
+def trainer_kind(raw: dict, path: Path | str, overrides: list[str] = ()) -> str:
+    """The `trainer` a recipe YAML names (default sft); it must be a known kind and match the file's name."""
+    from fsdp_recipes.config.run_config import override
+
+    kind = str(override(list(overrides), "trainer", raw.get("trainer", DEFAULT_TRAINER)))
+    if kind not in TRAINERS:
+        raise UserError(f"unknown trainer `{kind}` in {path}. Fix: one of {', '.join(TRAINERS)}.")
+    stem = Path(path).stem
+    if stem in TRAINERS and stem != kind:
+        raise UserError(f"{path} names trainer `{kind}`, but a recipe's {kind} settings live in {kind}.yaml. "
+                        f"Fix: rename the file to {kind}.yaml, or set `trainer: {stem}`.")
+    return kind
+
+
+@dataclasses.dataclass
+class Recipe:
+    """One recipe as loaded once by the launcher and shared by everything after it."""
+
+    folder: Path
+    trainer: str  # the trainer kind: a key of TRAINERS
+    config_path: Path  # recipes/<name>/<trainer>.yaml
+    raw: dict  # that YAML as written
+    accelerate_path: Path  # the accelerate YAML the ranks launch with (make smoke: a scaled copy)
+    accelerate: dict  # that YAML as written
+    overrides: list[str]  # command-line fields, the user's last (they win)
+    cfg: RunConfig | None = None  # the resolved configuration, once the launcher's checks parsed it
+    warnings: list[str] = dataclasses.field(default_factory=list)  # what the checks printed as warnings
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """A field as the run will see it before the full parse: the command line's value, else the YAML's."""
+        from fsdp_recipes.config.run_config import override
+
+        return override(self.overrides, key, self.raw.get(key, default))
+
+    def argv(self) -> list[str]:
+        """What the ranks parse: the trainer YAML and the overrides."""
+        return ["--config", str(self.config_path), *self.overrides]
+
+
+def load(name_or_path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Find the recipe, read its trainer YAML and accelerate YAML (each once), check the trainer kind."""
+    from fsdp_recipes.config.accelerate_yaml import read_accelerate_config
+    from fsdp_recipes.config.yaml_keys import load_yaml
+
+    folder = resolve(str(name_or_path))
+    path = config_file(folder)
+    raw = load_yaml(path, "recipe config")
+    kind = trainer_kind(raw, path, overrides)
+    acc_path = folder / ACCELERATE_FILE
+    return Recipe(folder, kind, path, raw, acc_path, read_accelerate_config(acc_path), list(overrides))
 
 
 def describe(recipe: Path) -> str:
@@ -58,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["list"]:
         for name in available():
-            print(f"  {name:<24} {describe(recipes_root() / name)}")
+            folder = recipes_root() / name
+            print(f"  {name:<26} {config_file(folder).stem:<4} {describe(folder)}")
         return 0
     if argv[:1] == ["check"] and len(argv) == 2:
         resolve(argv[1])

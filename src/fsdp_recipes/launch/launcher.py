@@ -5,7 +5,8 @@
 1. Sets what the seeds' wrappers set (TOKENIZERS_PARALLELISM, PYTORCH_CUDA_ALLOC_CONF) and prints the
    GPU inventory and NVLink status where nvidia-smi exists.
 2. Checks what needs no heavy import (accelerate YAML, GPU requirement, topology), then starts the real
-   `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train.train_sft`, in a session of its own.
+   `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train.entry`, in a session of its own.
+   The recipe is loaded once (config/recipes.py `Recipe`) and everything below reads that object.
 3. While the ranks import torch and the rest, checks the recipe in this one process -- recipe YAML, model,
    dataset, resume -- and builds the tiny local assets or prepares the
    default's SmolLM2 (assets/) when the recipe uses them. The ranks wait at a gate
@@ -39,11 +40,12 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, recipes, yaml_keys
+from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import PackArguments, RunConfig, override
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import failures, smoke, summary
 from fsdp_recipes.launch.rank_output import RankOutput
-from fsdp_recipes.train import failure, float8, start_gate, train_sft
+from fsdp_recipes.train import entry, failure, float8, start_gate
 
 
 def say(msg: str) -> None:
@@ -164,7 +166,7 @@ class Ranks:
 def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
     """The ranks were stopped before the preemption checkpoint was complete: say so, in the report too."""
     from fsdp_recipes.checkpoint import markers as checkpoints
-    from fsdp_recipes.records import write_json_atomic
+    from fsdp_recipes.metrics import metrics_file
 
     latest = checkpoints.latest_complete(output_dir)
     note = (f"preempted, but the ranks did not finish within the grace period ({grace_s} s) and were stopped; "
@@ -172,10 +174,8 @@ def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> s
             f"{latest or 'the beginning (no complete checkpoint)'}. Fix: raise preemption_grace_s (and the "
             f"scheduler's grace) above the checkpoint save time")
     if fresh:
-        metrics = json.loads(report.read_text())
-        metrics.update(status="preempted", error=f"{metrics.get('error') or ''} -- {note}".lstrip(" -"),
-                       provisional=False)
-        write_json_atomic(report, metrics)
+        metrics_file.amend(report.parent, lambda m: {
+            **m, "status": "preempted", "error": f"{m.get('error') or ''} -- {note}".lstrip(" -"), "provisional": False})
     return note
 
 
@@ -187,81 +187,68 @@ def job_processes(acc: dict) -> int:
     return int(override(launch_args(), "num_processes", acc.get("num_processes", 1)))
 
 
-def check_launch(recipe: Path, acc_yaml: Path, overrides: list[str]) -> tuple[dict, dict]:
-    """What can be checked without importing torch: the YAMLs parse, the pack's FSDP rules, the GPU count (torch
-    counts them here only when nvidia-smi / CUDA_VISIBLE_DEVICES show too few; else check_recipe does), the
-    topology."""
-    raw = yaml_keys.load_yaml(recipe / "sft.yaml", "recipe config")
-    acc = accelerate_yaml.read_accelerate_config(acc_yaml)
+def check_launch(recipe: Recipe) -> None:
+    """What can be checked without importing torch: the pack's FSDP rules (read with the YAML), the GPU count
+    (torch counts them here only when nvidia-smi / CUDA_VISIBLE_DEVICES show too few; else check_recipe does),
+    the topology."""
+    acc = recipe.accelerate
     machines = job_machines(acc)
     # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
     # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
-    min_gpus = int(override(overrides, "min_gpus", raw.get("min_gpus", 0)))
+    min_gpus = int(recipe.field("min_gpus", 0))
     per_node = hardware.gpus_per_node(min_gpus, machines)
     if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
         hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
-    accelerate_yaml.check_topology(acc, acc_yaml, machines, job_processes(acc))
-    return raw, acc
+    accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
 
 
-def check_recipe(recipe: Path, acc: dict, overrides: list[str]) -> RunConfig:
+def warn(recipe: Recipe, lines: list[str]) -> None:
+    for line in lines:
+        recipe.warnings.append(line)
+        say(f"warning: {line}")
+
+
+def check_recipe(recipe: Recipe) -> RunConfig:
     """accelerate's reading of its config; the recipe as the ranks will parse it, the model, the dataset and the
-    checkpoint to resume."""
-    named = recipe / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
+    checkpoint to resume. Sets recipe.cfg."""
+    from fsdp_recipes.train import kinds
+
+    acc = recipe.accelerate
+    named = recipe.folder / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
     accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
-        cfg = train_sft.parse_and_check(["--config", str(recipe / "sft.yaml"), *overrides], nodes=job_machines(acc))
+        cfg = entry.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw)
     from fsdp_recipes.config.value_checks import schedule_warnings
 
-    for line in schedule_warnings(cfg.training):
-        say(f"warning: {line}")
+    warn(recipe, schedule_warnings(cfg.training))
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
     if cfg.pack.float8:
         float8.check_gpus()
-    model_check.check(cfg.model.model_name_or_path, recipe, acc, named, cfg.model)
-    train_sft.checkpoint_to_resume(cfg, verbose=False)  # refuses an incompatible checkpoint
+    model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model)
+    entry.checkpoint_to_resume(cfg, verbose=False)  # refuses an incompatible checkpoint
     if cfg.script.dataset_name and model_check.looks_local(cfg.script.dataset_name):
         import datasets
 
-        from fsdp_recipes.train.loading import load_sft_datasets
-
+        kind = kinds.load(cfg.trainer)
         datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
         # datasets logs a bad JSON file at error level with its traceback; loading.py names the line instead
         datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
-        splits = load_sft_datasets(cfg.script, cfg.mixture, cfg.training.eval_strategy != "no",
-                                   cfg.training.dataset_text_field)
-        check_data(cfg, splits)
+        splits = kind.load_datasets(cfg)
+        tokenizer = None
+        if model_check.looks_local(cfg.model.model_name_or_path):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
+        # the rows: errors with the file and line; rows that will be skipped or truncated are one counted warning
+        warn(recipe, kind.check_data(cfg, splits, tokenizer))
+    recipe.cfg = cfg
     return cfg
 
 
-def check_data(cfg: RunConfig, splits) -> None:
-    """The rows (train/data_checks.py): errors with the file and line; rows that will be skipped or truncated are
-    one counted warning each."""
-    from fsdp_recipes.train import data_checks
-
-    where, warned = cfg.script.dataset_name, []
-    names = (cfg.script.dataset_train_split, cfg.script.dataset_test_split)
-    tokenizer = None
-    for split, ds in zip(names, splits):
-        if ds is None:
-            continue
-        warned += data_checks.check_rows(ds, where, split)
-        if model_check.looks_local(cfg.model.model_name_or_path):
-            if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
-            if data_checks.conversational(ds):
-                data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
-            warned += data_checks.check_lengths(ds, tokenizer, cfg.training.max_length, split, where)
-    for line in warned:
-        say(f"warning: {line}")
-
-
-def grace_seconds(raw: dict, overrides: list[str]) -> str:
+def grace_seconds(recipe: Recipe) -> str:
     """preemption_grace_s before the recipe is parsed (torchrun reads it at start); the parse checks it later."""
-    value = override(overrides, "preemption_grace_s", raw.get("preemption_grace_s"))
+    value = recipe.field("preemption_grace_s")
     try:
         return str(int(value))
     except (TypeError, ValueError):
@@ -273,47 +260,52 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
         raise UserError("usage: python -m fsdp_recipes.launch.launcher <recipe name or folder> [--field value ...]")
-    recipe, overrides = recipes.resolve(argv[0]), argv[1:]
-    acc_yaml = recipe / "accelerate.yaml"
     t0 = time.time()
+    try:
+        recipe = recipes.load(argv[0], argv[1:])
+    except UserError:
+        raise
+    except Exception as err:
+        raise unexpected(err, "reading the recipe") from None
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    say(f"recipe {recipe.name} ({recipe})")
+    say(f"recipe {recipe.name} ({recipe.folder}), trainer {recipe.trainer}")
     summary.settings()  # checked now: a bad value is one line before the ranks start, not after the training
     if override(launch_args(), "machine_rank", "0") == "0":  # one inventory per job, not one per node
         print(hardware.gpu_inventory(), flush=True)
     gpus = placement.gpus_here()
     build_smoke_model = None
     if smoke.active():
-        acc_yaml, overrides, build_smoke_model = smoke.prepare(recipe, overrides, gpus)
+        build_smoke_model = smoke.prepare(recipe, gpus)  # swaps in the scaled accelerate YAML and its overrides
 
     try:
-        raw, acc = check_launch(recipe, acc_yaml, overrides)
+        check_launch(recipe)
     except UserError:
         raise
     except Exception as err:
         raise unexpected(err, "reading the recipe") from None
     extra = launch_args()
-    placed = placement.place(recipe.name, raw, acc, gpus, overrides, extra,
+    placed = placement.place(recipe.name, recipe.raw, recipe.accelerate, gpus, recipe.overrides, extra,
                              bf16_ok=gpus > 0 and hardware.bf16_supported())
     for note in placed.notes:
         say(note)
-    overrides = [*placed.overrides, *overrides]  # the user's last: they win
+    recipe.overrides = [*placed.overrides, *recipe.overrides]  # the user's last: they win
+    acc = recipe.accelerate
     if placed.processes is not None:
-        acc = dict(acc, num_processes=placed.processes)
+        acc = recipe.accelerate = dict(acc, num_processes=placed.processes)
         extra += ["--num_processes", str(placed.processes)]
     # torchrun writes each rank's output and error record under --log_dir (PET_REDIRECTS=3, in Ranks: to files
     # only); the launcher relays the output, keeps it in output_dir/logs/rank<N>.log and reads the records
     # (rank_output.py, failures.py).
     torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))
-    cmd = accelerate_cmd() + ["--config_file", str(acc_yaml), "--log_dir", str(torchrun_logs), *extra]
+    cmd = accelerate_cmd() + ["--config_file", str(recipe.accelerate_path), "--log_dir", str(torchrun_logs), *extra]
     multi_node = int(acc.get("num_machines", 1)) > 1 or "--num_machines" in extra
     if not multi_node and "MASTER_PORT" not in os.environ:
         cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide
-    cmd += ["-m", "fsdp_recipes.train.train_sft", "--config", str(recipe / "sft.yaml"), *overrides]
+    cmd += ["-m", "fsdp_recipes.train.entry", *recipe.argv()]
     # torchrun forwards these signals to every rank and then allows the grace period before killing them.
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", grace_seconds(raw, overrides))
+    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", grace_seconds(recipe))
     # FSDP_RECIPES_OVERLAP_CHECKS=0: check first, then start the ranks (the order before start_gate.py), for a
     # node whose host memory cannot take the ranks' imports and the launcher's dataset check at once.
     overlap = os.environ.get("FSDP_RECIPES_OVERLAP_CHECKS", "1") != "0"
@@ -329,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if build_smoke_model is not None:
             build_smoke_model()
-        cfg = check_recipe(recipe, acc, overrides)
+        cfg = check_recipe(recipe)
     except BaseException as err:
         if ranks is not None:
             ranks.abort()
@@ -372,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         say(grace_ran_out(output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh))
         return EXIT_PREEMPTED
     if rc != 0 and completed:
-        # Seen twice in CI before ranks skipped interpreter teardown (train_sft.exit_without_teardown): a rank aborted
+        # Seen twice in CI before ranks skipped interpreter teardown (entry.exit_without_teardown): a rank aborted
         # there ("terminate called without an active exception") after the run had finished. Should a rank still
         # die after its report is final, the exit code stays non-zero and the user learns that nothing is missing.
         say(f"training completed and its run report {report} says so (final save written and checked), but a rank "
@@ -390,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         if fresh:
             failures.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
         raise UserError(line, exit_code=code)
-    return summary.main(summary_args(output_dir))
+    return summary.main(summary_args(output_dir), recipe=recipe)
 
 
 def unexpected(err: Exception, doing: str) -> UserError:

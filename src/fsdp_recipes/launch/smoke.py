@@ -8,7 +8,7 @@ checks, `accelerate launch`, SFTTrainer and saving as the real job, with these s
   is -- architecture class, decoder layer class, GQA, rope scaling, biases, tied embeddings -- except for
   fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
   save_pretrained and loaded back through from_pretrained;
-- the data: the local synthetic chat dataset (tiny_assets);
+- the data: the local synthetic chat dataset, or for a DPO recipe the synthetic preference pairs (tiny_assets);
 - attention: flash-attn becomes sdpa unless there are GPUs and the flash_attn package; `float8: true` is kept
   where torchao is installed (on CPU its float8 matmuls run, slowly) and turned off where it is not;
 - the accelerate YAML: the recipe's own, with the processes scaled to 2 on one machine (an HSDP recipe
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import yaml
 
+from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import cache_dir
 
@@ -124,39 +125,41 @@ def scale_accelerate(acc: dict, gpus: int = 0) -> dict:
     return acc
 
 
-def prepare(recipe: Path, overrides: list[str], gpus: int = 0) -> tuple[Path, list[str], Callable[[], Path] | None]:
-    """(the smoke run's accelerate YAML, the overrides to pass, what builds the tiny model) for `recipe` on this
-    machine's `gpus` (0: on CPU); prints each substitution. The launcher calls the builder after it has started the
-    ranks, so that building (transformers' import, a few seconds) overlaps their imports: they wait at the start gate
-    until the checks pass anyway."""
+def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
+    """Point `recipe` at the smoke run's accelerate YAML and put the smoke overrides before the user's, for this
+    machine's `gpus` (0: on CPU); prints each substitution; returns what builds the tiny model. The launcher calls
+    the builder after it has started the ranks, so that building (transformers' import, a few seconds) overlaps
+    their imports: they wait at the start gate until the checks pass anyway."""
     from fsdp_recipes.assets.tiny_assets import ensure_assets
-    from fsdp_recipes.config.accelerate_yaml import read_accelerate_config
-    from fsdp_recipes.config.yaml_keys import load_yaml
 
-    acc = read_accelerate_config(recipe / "accelerate.yaml")  # the launcher checks its keys with accelerate later
-    sft = load_yaml(recipe / "sft.yaml", "recipe config")
+    folder, raw, acc = recipe.folder, recipe.raw, recipe.accelerate  # the launcher checks acc's keys later
     assets = ensure_assets(quiet=True)
-    smoke_args = ["--dataset_name", str(assets["data"]), "--dataset_train_split", "train",
+    from fsdp_recipes.train import kinds
+
+    data = assets[kinds.load(recipe.trainer).SMOKE_DATA]
+    smoke_args = ["--dataset_name", str(data), "--dataset_train_split", "train",
                   "--dataset_test_split", "test", "--min_gpus", "0", "--tiny_assets", "true",
                   *([] if gpus else ["--use_cpu", "true"]),
                   "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
                   "--output_dir", f"runs/smoke/{recipe.name}"]
     build = None
-    if (recipe / "model_config.json").is_file():
-        build = functools.partial(build_model, recipe, assets)  # called once the ranks are importing
-        hub = json.loads((recipe / "model_config.json").read_text()).get("_name_or_path", "?")
+    if (folder / "model_config.json").is_file():
+        build = functools.partial(build_model, folder, assets)  # called once the ranks are importing
+        hub = json.loads((folder / "model_config.json").read_text()).get("_name_or_path", "?")
         say(f"model: {hub} -> a tiny {SHAPE['num_hidden_layers']}-layer model of the same architecture "
-            f"from recipes/{recipe.name}/model_config.json, in {model_dir(recipe)}")
-        smoke_args = ["--model_name_or_path", str(model_dir(recipe)), *smoke_args]
-    elif not sft.get("tiny_assets"):
+            f"from recipes/{recipe.name}/model_config.json, in {model_dir(folder)}")
+        smoke_args = ["--model_name_or_path", str(model_dir(folder)), *smoke_args]
+    elif not raw.get("tiny_assets"):
         raise UserError(f"recipe {recipe.name} has no model_config.json to build a tiny model from. "
                         "Fix: save the model's config.json there as model_config.json.")
-    say(f"data: {sft.get('dataset_name')} -> {assets['data']} (local synthetic chat data)")
-    flash = str(sft.get("attn_implementation", "")).startswith("flash_attention")
+    say(f"data: {raw.get('dataset_name')} -> {data} (local synthetic {recipe.trainer} data)")
+    if raw.get("smollm2_assets") or raw.get("addition_preferences"):  # the tiny model answers no additions
+        smoke_args += ["--smollm2_assets", "false", "--addition_preferences", "false"]
+    flash = str(raw.get("attn_implementation", "")).startswith("flash_attention")
     if flash and not (gpus and importlib.util.find_spec("flash_attn")):
         smoke_args += ["--attn_implementation", "sdpa"]
         say("attention: flash-attn needs CUDA and the flash_attn package -> sdpa")
-    if sft.get("float8") and importlib.util.find_spec("torchao") is None:
+    if raw.get("float8") and importlib.util.find_spec("torchao") is None:
         # float8 itself runs on CPU (torch's reference float8 matmul) when torchao is there: then it is kept
         smoke_args += ["--float8", "false"]
         say("float8: torchao is not installed here -> off (pip install torchao to smoke-test that path too)")
@@ -172,4 +175,6 @@ def prepare(recipe: Path, overrides: list[str], gpus: int = 0) -> tuple[Path, li
         f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one's {where} "
         f"({path}){dropped}")
     say(f"run: {STEPS} steps with a checkpoint at step 2, in runs/smoke/{recipe.name}")
-    return path, [*smoke_args, *overrides], build  # the user's overrides last: they win
+    recipe.accelerate_path, recipe.accelerate = path, scaled
+    recipe.overrides = [*smoke_args, *recipe.overrides]  # the user's overrides last: they win
+    return build

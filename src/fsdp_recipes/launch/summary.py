@@ -23,23 +23,65 @@ from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.metrics.report import human_bytes
-from fsdp_recipes.records import write_json_atomic
+from fsdp_recipes.metrics import metrics_file
 
 
-def load_prompts(run_args: dict, limit: int) -> list[tuple[list[dict], str]]:
-    """(chat prompt, expected answer) pairs from the run's eval split (prompt-completion format)."""
+def eval_rows(run_args: dict, limit: int, cfg=None):
+    """The first `limit` rows of the run's eval split (its train split when it has none). `cfg`: the launcher's
+    parsed recipe (config/recipes.py Recipe.cfg); without it, the run's settings from run_args.json."""
     from trl import DatasetMixtureConfig, ScriptArguments
 
     from fsdp_recipes.train.loading import load_raw
 
-    script = ScriptArguments(**run_args["script_args"])
-    ds = load_raw(script, DatasetMixtureConfig(**run_args["dataset_mixture"]))
+    if cfg is not None:
+        script, mixture = cfg.script, cfg.mixture
+    else:
+        script = ScriptArguments(**run_args["script_args"])
+        mixture = DatasetMixtureConfig(**run_args["dataset_mixture"])
+    ds = load_raw(script, mixture)
     split = script.dataset_test_split if script.dataset_test_split in ds else script.dataset_train_split
     rows = ds[split]
-    if not {"prompt", "completion"} <= set(rows.column_names):
+    return rows.select(range(min(limit, len(rows))))
+
+
+def answer(turns) -> str:
+    return turns[-1]["content"] if isinstance(turns, list) else str(turns)
+
+
+def load_prompts(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str]]:
+    """(chat prompt, expected answer) pairs from the run's eval split: prompt-completion rows, or preference pairs
+    (the chosen answer is the expected one)."""
+    rows = eval_rows(run_args, limit, cfg)
+    key = next((k for k in ("completion", "chosen") if k in rows.column_names), None)
+    if key is None or "prompt" not in rows.column_names or not isinstance(rows[0]["prompt"], list):
         return []
-    rows = rows.select(range(min(limit, len(rows))))
-    return [(r["prompt"], r["completion"][-1]["content"]) for r in rows]
+    return [(r["prompt"], answer(r[key])) for r in rows]
+
+
+def load_pairs(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str, str]]:
+    """(chat prompt, chosen, rejected) from the run's eval split when it holds preference pairs, else []."""
+    rows = eval_rows(run_args, limit, cfg)
+    if not {"prompt", "chosen", "rejected"} <= set(rows.column_names) or not isinstance(rows[0]["prompt"], list):
+        return []
+    return [(r["prompt"], answer(r["chosen"]), answer(r["rejected"])) for r in rows]
+
+
+def stages(run_dir: Path, run_args: dict, trained: Path) -> list[tuple[str, str]]:
+    """(name, model folder) from the first base model to this run's trained model. A model that is another run's
+    output (its folder or `merged/` beside that run's run_args.json: the SFT model a DPO run continues from) is
+    named by that run's trainer, and its own base comes before it."""
+    chain = [(run_args.get("pack_args", {}).get("trainer", "trained"), str(trained))]
+    model = run_args["model_args"]["model_name_or_path"]
+    for _ in range(8):  # a chain of runs, each continuing from the one before
+        folder = Path(model)
+        source = folder.parent if folder.name == "merged" else folder
+        if not (source / "run_args.json").is_file():
+            break
+        before = json.loads((source / "run_args.json").read_text())
+        chain.append((before.get("pack_args", {}).get("trainer", "trained"), model))
+        model = before["model_args"]["model_name_or_path"]
+    chain.append(("base", model))
+    return chain[::-1]
 
 
 def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | None = None) -> list[str]:
@@ -144,30 +186,74 @@ def settings() -> tuple[int, str]:
     return eval_prompts(), generation_setting()
 
 
-def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS) -> dict | None:
-    """Exact-match accuracy of the base and the trained (merged) model on the eval split's first `n` prompts."""
+def preference_margins(model_dir: str, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
+    """log p(chosen) - log p(rejected) of each pair's answer after its chat prompt, summed over the answer's tokens
+    (the quantity DPO's implicit reward is built from); plain transformers, one batched forward per answer side."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+
+    def logps(answers: list[str]) -> torch.Tensor:
+        prompts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p, _, _ in pairs]
+        fulls = [tok.apply_chat_template(p + [{"role": "assistant", "content": a}], tokenize=False)
+                 for (p, _, _), a in zip(pairs, answers)]
+        starts = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in prompts]
+        enc = tok(fulls, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            logits = model(**enc).logits[:, :-1].float()
+        targets = enc["input_ids"][:, 1:]
+        token_logps = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        positions = torch.arange(targets.shape[1]).unsqueeze(0)
+        # right padding: the answer's tokens are those from the prompt's end to the mask's end
+        mask = (positions >= torch.tensor(starts).unsqueeze(1) - 1) & enc["attention_mask"][:, 1:].bool()
+        return (token_logps * mask).sum(-1)
+
+    tok.padding_side = "right"
+    return (logps([c for _, c, _ in pairs]) - logps([r for _, _, r in pairs])).tolist()
+
+
+def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=None) -> dict | None:
+    """Exact-match accuracy of every stage's model (base, then each run it went through: SFT, DPO) on the eval
+    split's first `n` prompts; for preference data also each model's preference for the chosen answer."""
     trained = trained_model_dir(run_dir)
     if trained is None:
         return None
-    pairs = load_prompts(run_args, n)
+    pairs = load_prompts(run_args, n, cfg)
     if not pairs:
         return None
     prompts = [p for p, _ in pairs]
     expected = [a for _, a in pairs]
-    base = generate(run_args["model_args"]["model_name_or_path"], prompts)
-    after = generate(str(trained), prompts)
+    chain = stages(run_dir, run_args, trained)
+    answers = [generate(model, prompts) for _, model in chain]
     score = lambda outs: sum(o == e for o, e in zip(outs, expected))  # noqa: E731
-    return {
+    check = {
         "n": len(pairs),
-        "base_correct": score(base),
-        "trained_correct": score(after),
-        "base_model": run_args["model_args"]["model_name_or_path"],
+        "base_correct": score(answers[0]),
+        "trained_correct": score(answers[-1]),
+        "base_model": chain[0][1],
         "trained_model": str(trained),
+        "stages": [{"stage": name, "model": model, "correct": score(outs)} for (name, model), outs in
+                   zip(chain, answers)],
         "examples": [
-            {"prompt": p[-1]["content"], "expected": e, "base": b, "trained": t}
-            for p, e, b, t in zip(prompts, expected, base, after)
+            {"prompt": p[-1]["content"], "expected": e, "base": outs[0], "trained": outs[-1]}
+            for p, e, *outs in zip(prompts, expected, *answers)
         ],
     }
+    preference = load_pairs(run_args, n, cfg)
+    if preference:
+        margins = [preference_margins(model, preference) for _, model in chain]
+        for stage, m in zip(check["stages"], margins):
+            stage["preference_accuracy"] = sum(x > 0 for x in m) / len(m)
+            stage["mean_logp_margin"] = sum(m) / len(m)
+        # DPO's implicit reward r = beta * (log pi - log pi_ref), pi_ref the model the run started from: the chosen
+        # answer's reward above the rejected one's (beta > 0 leaves the sign alone)
+        reward = [t - r for t, r in zip(margins[-1], margins[-2])]
+        check["preference"] = {"pairs": len(preference), "reward_accuracy": sum(x > 0 for x in reward) / len(reward),
+                               "mean_reward_margin_over_beta": sum(reward) / len(reward)}
+    return check
 
 
 def eval_section(check: dict) -> dict:
@@ -181,6 +267,8 @@ def eval_section(check: dict) -> dict:
         "trained_correct": check["trained_correct"],
         "base_model": check["base_model"],
         "trained_model": check["trained_model"],
+        "stages": check.get("stages"),
+        "preference": check.get("preference"),
         "loaded_with": "transformers AutoModelForCausalLM.from_pretrained, no FSDP",
         "samples": check["examples"][:SHOWN_SAMPLES],
         "all_answers": "sample_generations.json",
@@ -227,11 +315,21 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
         )
     files = [p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir()) if not p.name.startswith(".")]
     lines.append(f"files       {run_dir}/: {', '.join(files)}")
-    if check:
+    if check and len(check.get("stages") or []) > 2:  # base -> SFT -> DPO
+        n = check["n"]
+        lines.append(f"exact match on {n} eval prompts: " + " -> ".join(
+            f"{s['stage']} {s['correct']}/{n}" for s in check["stages"]))
+    elif check:
         lines.append(
             f"exact match on {check['n']} eval prompts: base model {check['base_correct']}/{check['n']} -> "
             f"trained {check['trained_correct']}/{check['n']}"
         )
+    if check and check.get("preference"):
+        pref = check["preference"]
+        lines.append(f"preference on {pref['pairs']} eval pairs, log p(chosen) > log p(rejected): " + " -> ".join(
+            f"{s['stage']} {100 * s['preference_accuracy']:.0f}% (margin {s['mean_logp_margin']:+.2f})"
+            for s in check["stages"]) + f"; implicit-reward accuracy {100 * pref['reward_accuracy']:.0f}%")
+    if check:
         for ex in check["examples"][:SHOWN_SAMPLES]:
             lines.append(
                 f"  {shown(ex['prompt'])}: expected {shown(ex['expected'])} | base {shown(ex['base'])} | "
@@ -243,7 +341,9 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
 
 
 @cli
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, recipe=None) -> int:
+    """`recipe`: the launcher's loaded recipe (config/recipes.py), whose parsed settings the generations use;
+    run from the command line, the run's run_args.json says them."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
     gen = ap.add_mutually_exclusive_group()
@@ -267,11 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             skipped = skip_generations(args.run_dir, trained, args.machine_rank, args.generate or setting == "1")
         if skipped is None:
-            check = learning_check(args.run_dir, run_args, prompts)
+            check = learning_check(args.run_dir, run_args, prompts, recipe.cfg if recipe is not None else None)
     if check:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
-        metrics["eval"] = eval_section(check)
-        write_json_atomic(metrics_path, metrics)
+        metrics = metrics_file.amend(args.run_dir, lambda m: {**m, "eval": eval_section(check)})
     print(render(args.run_dir, metrics, check, skipped))
     return 0
 

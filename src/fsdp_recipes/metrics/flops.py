@@ -46,6 +46,13 @@ def flops_per_token(
     return 6 * trainable_params + 4 * frozen_params + 12 * n_layers * n_heads * head_dim * seq_len
 
 
+def reference_forward_flops(params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: float) -> float:
+    """DPO's reference model per token: a forward only, 2N plus attention's forward third (4 * L * H * d_head * T).
+    N is the reference's non-embedding weights: with LoRA the base with the adapter disabled (the frozen weights),
+    with full fine-tuning a copy of the policy (its trainable weights)."""
+    return 2 * params + 4 * n_layers * n_heads * head_dim * seq_len
+
+
 def count_params(model) -> dict[str, int]:
     """Total, trainable, and the non-embedding split that flops_per_token takes. DTensor numel is global.
 

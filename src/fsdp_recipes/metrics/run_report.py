@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 
 from fsdp_recipes import dist
 from fsdp_recipes.dist import all_reduce, gather_objects
-from fsdp_recipes.metrics import flops
+from fsdp_recipes.metrics import flops, metrics_file
 from fsdp_recipes.metrics.environment import (
     accelerate_env,
     device_info,
@@ -29,6 +29,7 @@ from fsdp_recipes.metrics.environment import (
     sharding_info,
     versions,
 )
+from fsdp_recipes.metrics.metrics_file import same_run
 from fsdp_recipes.metrics.prometheus import write_textfile
 from fsdp_recipes.metrics.tokens import COUNTS, TokenCounter
 from fsdp_recipes.records import now_iso, write_json_atomic
@@ -75,7 +76,8 @@ class RunReportCallback(TrainerCallback):
     """Writes run_args.json at the start and metrics.json at the end (or on failure) of every run."""
 
     def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None,
-                 resume_from: str | Path | None = None, prometheus_textfile: str | None = None):
+                 resume_from: str | Path | None = None, prometheus_textfile: str | None = None,
+                 trainer: str = "sft", reported_logs: tuple[str, ...] = (), reference_forward: bool = False):
         self.output_dir = Path(output_dir)
         # metrics.prom in output_dir, and the collector's file when the recipe names one: rewritten at every
         # training log while the run trains (write_live), and with the whole run's figures at the end.
@@ -93,6 +95,8 @@ class RunReportCallback(TrainerCallback):
             self.prior.update({"squared_lengths": None, **saved})
         self.resolved_args = resolved_args
         self.recipe = recipe
+        self.trainer, self.reported_logs = trainer, reported_logs  # the trainer kind and its own logs to keep
+        self.reference_forward = reference_forward  # DPO: a reference model's forward per token, in the FLOPs
         self.tokens = TokenCounter()
         self.process_start = psutil.Process().create_time()
         self.started_at = now_iso()
@@ -105,7 +109,7 @@ class RunReportCallback(TrainerCallback):
         self.final_save_check = None  # set by the entry point after verifying the final save
         self.load_check = None  # set by LoadCheckCallback when verify_loaded_weights is on
         self.resume_check = None  # set by ResumeCheckCallback after a resume
-        self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by train_sft.save_final
+        self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by entry.save_final
         self.rss_at_train_start = None
         self.finalized = False
 
@@ -247,6 +251,9 @@ class RunReportCallback(TrainerCallback):
                 self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
                 layers, heads, head_dim, seq_len,
             )
+            if self.reference_forward:  # DPO's reference model (docs/run-report.md)
+                ref = self.params["frozen_non_embedding"] or self.params["trainable_non_embedding"]
+                fpt += flops.reference_forward_flops(ref, layers, heads, head_dim, seq_len)
         peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
         if device["type"] != "cuda":
             why = f"device is a CPU ({device['name']}): no dense bf16 peak to compare against"
@@ -282,7 +289,7 @@ class RunReportCallback(TrainerCallback):
             write_json_atomic(self.output_dir / "run_args.json", self.run_args())
         metrics = self.metrics(status, error, end)
         write_json_atomic(self.output_dir / "log_history.json", {"log_history": self.log_history})
-        write_json_atomic(self.output_dir / "metrics.json", metrics)
+        metrics = metrics_file.amend(self.output_dir, lambda cur: {**same_run(cur, self.started_at), **metrics})
         self.write_prom(metrics)  # for node_exporter's textfile collector
         return metrics
 
@@ -291,7 +298,7 @@ class RunReportCallback(TrainerCallback):
         when the process is killed before `finalize` (a preemption save that outlives the grace period)."""
         if self.is_main and not self.finalized:
             metrics = self.metrics(status, error, time.time(), True)
-            write_json_atomic(self.output_dir / "metrics.json", metrics)
+            metrics = metrics_file.amend(self.output_dir, lambda cur: {**same_run(cur, self.started_at), **metrics})
             self.write_prom(metrics)  # training_running 0: the run is no longer training
 
     def metrics(self, status: str, error: str | None, end: float, provisional: bool = False) -> dict:
@@ -356,4 +363,17 @@ class RunReportCallback(TrainerCallback):
             "first_train_loss": losses[0] if losses else None,
             "final_train_loss": losses[-1] if losses else None,
             "final_eval_loss": eval_losses[-1] if eval_losses else None,
+            "trainer": self.trainer,
+            **({self.trainer: self.kind_logs()} if self.reported_logs else {}),
         }
+
+    def kind_logs(self) -> dict:
+        """The trainer kind's own logs (DPO: rewards, margins, accuracies): first and last training value of each,
+        and the last evaluation's (`eval_<key>`), from the Trainer's log history."""
+        out = {}
+        for key in self.reported_logs:
+            train = [h[key] for h in self.log_history if key in h]
+            evals = [h[f"eval_{key}"] for h in self.log_history if f"eval_{key}" in h]
+            out[key] = {"first": train[0] if train else None, "last": train[-1] if train else None,
+                        "eval_last": evals[-1] if evals else None}
+        return out

@@ -78,6 +78,6 @@ def wait(poll_s: float = 0.02) -> float:
         if s == ABORT:
             os._exit(1)  # the launcher kills this session anyway; no traceback, no atexit handlers
         if launcher and not psutil.pid_exists(launcher):
-            sys.exit("[train_sft] the launcher exited before its checks finished; nothing was run")
+            sys.exit("[train] the launcher exited before its checks finished; nothing was run")
         time.sleep(poll_s)
     return time.time() - t0

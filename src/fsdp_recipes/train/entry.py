@@ -1,7 +1,11 @@
-"""Supervised fine-tuning entry point: TRL's SFTTrainer driven by a recipe YAML (config/run_config.py).
+"""The rank entry point: one lifecycle for every trainer kind, driven by a recipe YAML (config/run_config.py).
 
     accelerate launch --config_file recipes/<name>/accelerate.yaml \\
-        -m fsdp_recipes.train.train_sft --config recipes/<name>/sft.yaml [--any_field value ...]
+        -m fsdp_recipes.train.entry --config recipes/<name>/sft.yaml [--any_field value ...]
+
+Parse, start gate, load, build, callbacks, preemption, final-save check, report: the same for SFT and DPO. What
+differs (TRL's trainer class, the data and its checks, the logs the report keeps) is the kind's module in
+train/kinds/, chosen by the recipe's `trainer` field.
 """
 
 from __future__ import annotations
@@ -16,24 +20,25 @@ from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.patches import cpu_fsdp, guard
-from fsdp_recipes.train import failure, float8, start_gate
+from fsdp_recipes.train import failure, float8, kinds, start_gate
 
 
 def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     """Everything that can be checked without starting processes or loading weights."""
     hardware.check_gpus(cfg.pack.min_gpus, cfg.pack.recipe_name or "(unnamed)", nodes)
     model_check.check_attn_implementation(cfg.model.attn_implementation)
-    model_check.check_local_model(cfg.model.model_name_or_path)
+    model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
     float8.check_config(cfg.pack.float8, cfg.model.use_peft)
     value_checks.check_values(cfg)
 
 
-def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None) -> RunConfig:
+def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None, raw: dict | None = None) -> RunConfig:
     """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
     of them, so before the model check), and run the checks that need no process group. `nodes`: of the job
-    (min_gpus is shared among them); by default read from torchrun's environment."""
-    cfg = parse_args(argv)
+    (min_gpus is shared among them); by default read from torchrun's environment. `raw`: the recipe YAML when the
+    caller has read it already (the launcher's Recipe)."""
+    cfg = parse_args(argv, raw)
     if cfg.pack.tiny_assets:
         from fsdp_recipes.assets.tiny_assets import ensure_assets
 
@@ -48,11 +53,12 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
     return cfg
 
 
-def make_trainer_class():
-    from trl import SFTTrainer
+def make_trainer_class(kind: str = "sft"):
+    base = kinds.load(kind).trainer_class()
 
-    class ReportingSFTTrainer(SFTTrainer):
-        """SFTTrainer that feeds the run report's token counter, and puts the report's live gauges into its logs.
+    class Reporting(base):
+        """The kind's TRL trainer, feeding the run report's token counter and putting the report's live gauges
+        into its logs.
 
         Gap it fills: Trainer's `include_num_input_tokens_seen` counts either padded or non-padding tokens,
         not both; the run report needs both (and the sequence count for the FLOPs formula).
@@ -79,7 +85,8 @@ def make_trainer_class():
                                             f"{self.state.global_step + 1}")
             return loss
 
-    return ReportingSFTTrainer
+    Reporting.__name__ = Reporting.__qualname__ = f"Reporting{base.__name__}"
+    return Reporting
 
 
 def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
@@ -105,7 +112,7 @@ def checkpoint_to_resume(cfg: RunConfig, verbose: bool = True) -> str | None:
     if not resume and cfg.pack.auto_resume:
         for skipped in checkpoints.incomplete(training.output_dir):
             if verbose:
-                print(f"[train_sft] skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)", flush=True)
+                print(f"[train] skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)", flush=True)
         latest = checkpoints.latest_complete(training.output_dir)
         resume = str(latest) if latest else None
     if resume:
@@ -117,7 +124,7 @@ def checkpoint_to_resume(cfg: RunConfig, verbose: bool = True) -> str | None:
 
 
 def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
-    """SFTTrainer with the pack's callbacks; the model is loaded by TRL with from_pretrained."""
+    """The kind's trainer with the pack's callbacks; the model is loaded by TRL with from_pretrained."""
     training, model_args, pack = cfg.training, cfg.model, cfg.pack
     from fsdp_recipes.checkpoint.load_check import LoadCheckCallback
     from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
@@ -130,14 +137,12 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
         load_adapter_through_fsdp1_root,
         strip_fsdp1_wrapper_names,
     )
-    from fsdp_recipes.train.loading import load_sft_datasets
-
     strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
     load_adapter_through_fsdp1_root()  # see peft_fsdp.py: without it an FSDP1 resume silently loads no adapter
     keep_fsdp1_output_layer_in_root()  # see peft_fsdp.py: TRL's fused LM head needs the head unsharded
     init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
 
-    train_ds, eval_ds = load_sft_datasets(cfg.script, cfg.mixture, training.eval_strategy != "no", training.dataset_text_field)
+    train_ds, eval_ds = kinds.load(cfg.trainer).load_datasets(cfg)
     training.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training.trust_remote_code,
@@ -152,7 +157,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
         # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
         # model_name_or_path's file, every trained weight would differ. (A LoRA resume keeps the base weights.)
         if report.is_main:
-            print(f"[train_sft] verify_loaded_weights: skipped, this run resumes full fine-tuning from {resume}: its "
+            print(f"[train] verify_loaded_weights: skipped, this run resumes full fine-tuning from {resume}: its "
                   f"weights are the checkpoint's, not those of {model_args.model_name_or_path}", flush=True)
     elif pack.verify_loaded_weights:
         callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
@@ -160,7 +165,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
         from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
 
         callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
-    trainer = make_trainer_class()(
+    trainer = make_trainer_class(cfg.trainer)(
         model=model_args.model_name_or_path,  # a directory or a hub id: the same from_pretrained path
         args=training,
         train_dataset=train_ds,
@@ -173,7 +178,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
         float8.check_device()
         converted, linears = float8.convert(trainer.model)
         report.resolved_args["float8_linear_layers"] = {"converted": converted, "linear": linears}
-        trainer.accelerator.print(f"[train_sft] float8: {converted} of {linears} linear layers converted "
+        trainer.accelerator.print(f"[train] float8: {converted} of {linears} linear layers converted "
                                   f"(the LM head and layers with a dimension not a multiple of 16 are not)")
     if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
@@ -228,7 +233,7 @@ def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
             report.final_save_check = check and {**check, "compared_with": compared_with}
     report.final_save_rss = gather_objects({"save": saving.rise_bytes, "check": checking.rise_bytes})
     if report.final_save_check:
-        print(f"[train_sft] {verified_line(report.final_save_check)}", flush=True)
+        print(f"[train] {verified_line(report.final_save_check)}", flush=True)
     if peft_config is not None and pack.save_merged_model:
         trainer.accelerator.wait_for_everyone()
         if trainer.accelerator.is_main_process:
@@ -242,7 +247,7 @@ def import_training_stack() -> None:
     launcher's checks. Importing has no side effects a failed check would have to undo."""
     import datasets  # noqa: F401
     import peft  # noqa: F401
-    from trl import SFTTrainer  # noqa: F401  (trl imports lazily: this pulls in transformers' Trainer too)
+    from trl import DPOTrainer, SFTTrainer  # noqa: F401  (trl imports lazily: this pulls in transformers' Trainer)
 
     from fsdp_recipes.checkpoint import markers  # noqa: F401
     from fsdp_recipes.metrics import run_report  # noqa: F401
@@ -304,15 +309,17 @@ def run(argv: list[str] | None = None) -> int:
     from fsdp_recipes.train.preemption import PreemptionCallback
 
     is_main = dist.rank() == 0
+    kind = kinds.load(cfg.trainer)
     if not is_main:
         quiet_replica(cfg)
     peft_config = get_peft_config(cfg.model)
     resume = checkpoint_to_resume(cfg, verbose=is_main)
     if resume and is_main:
-        print(f"[train_sft] resuming from {resume}", flush=True)
+        print(f"[train] resuming from {resume}", flush=True)
     report = RunReportCallback(
         cfg.training.output_dir, cfg.resolved(peft_config),
         cfg.pack.recipe_name, resume_from=resume, prometheus_textfile=cfg.pack.prometheus_textfile,
+        trainer=cfg.trainer, reported_logs=kind.REPORTED_LOGS, reference_forward=kind.REFERENCE_FORWARD,
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     report.resolved_args["patches_applied"] = guard.APPLIED  # the list object: later patches show too
@@ -323,7 +330,7 @@ def run(argv: list[str] | None = None) -> int:
         if preemption.preempted:
             report.finalize("preempted", error=f"stopped by a signal (rank 0 saw: {preemption.signal_received})")
             trainer.accelerator.print(
-                f"[train_sft] preempted: checkpoint saved at step {trainer.state.global_step}; "
+                f"[train] preempted: checkpoint saved at step {trainer.state.global_step}; "
                 f"relaunch the same command to resume (exit code {EXIT_PREEMPTED})"
             )
             return EXIT_PREEMPTED
@@ -338,7 +345,7 @@ def run(argv: list[str] | None = None) -> int:
             report.finalize("failed", error=f"{type(err).__name__}: {err}")
         raise
     if report.finalize("completed") is not None:
-        trainer.accelerator.print(f"[train_sft] run report written to {cfg.training.output_dir}/metrics.json")
+        trainer.accelerator.print(f"[train] run report written to {cfg.training.output_dir}/metrics.json")
     if hasattr(trainer, "end"):  # transformers >= 5.18: ends trackers and the process group
         trainer.end()
     return 0

@@ -1,0 +1,10 @@
+#!/usr/bin/env python
+"""The SFT entry point as a script, for `accelerate launch scripts/train.py --config ...`.
+
+The code lives in the package (fsdp_recipes.train.entry) so recipe folders copied elsewhere can use it too.
+"""
+
+from fsdp_recipes.train.entry import exit_without_teardown, main
+
+if __name__ == "__main__":
+    exit_without_teardown(main())

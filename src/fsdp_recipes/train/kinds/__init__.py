@@ -1,0 +1,24 @@
+"""Trainer kinds: one thin module each, on the rank lifecycle that train/entry.py runs for all of them.
+
+A kind module provides:
+    trainer_class()                   TRL's trainer class (SFTTrainer, DPOTrainer); entry.py adds the pack's hooks
+    load_datasets(cfg)                (train, eval or None), with one-line errors for splits and columns
+    check_data(cfg, splits, tokenizer)  the rows, in the launcher before any rank starts: errors with file and
+                                      line; returns the warnings (tokenizer: None when the model is not local)
+    REPORTED_LOGS                     the trainer's own log keys that the run report adds to metrics.json
+    REFERENCE_FORWARD                 whether each token also runs a reference model's forward (FLOPs, MFU)
+    SMOKE_DATA                        which of tiny_assets' datasets `make smoke` trains on
+    describe_tokens                   how tokens/s and MFU count this kind's work (docs/run-report.md)
+
+Adding a kind: that module, a line in config/recipes.py TRAINERS (the TRL config class), and recipes whose
+settings live in <kind>.yaml (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def load(kind: str) -> ModuleType:
+    return importlib.import_module(f"fsdp_recipes.train.kinds.{kind}")

@@ -1,0 +1,160 @@
+"""DPO: TRL's DPOTrainer on preference pairs, on the same FSDP lifecycle as SFT (train/entry.py).
+
+The reference model:
+- LoRA: the policy with its adapter disabled (TRL's default when no ref_model is given): no second copy in memory,
+  one extra forward without gradients per batch.
+- Full fine-tuning: a second copy of the model, loaded by TRL and sharded by FSDP like the policy
+  (`prepare_fsdp`): its share of memory is the weights divided by the shard group, no gradients, no optimizer
+  state, which `make plan` counts (planning/memory_budget.py). The other choice, `precompute_ref_log_probs`,
+  loads the reference *unsharded* on every rank before the policy is wrapped (TRL 1.16's DPOTrainer, and the
+  early-wrap bug of trl PR 6527 under FSDP2): on an 8B model that is 16 GB per GPU at once, the peak that sharding
+  avoids. So the pack refuses it under FSDP with full fine-tuning (check_reference).
+
+Data: TRL's preference layouts, `prompt` / `chosen` / `rejected` (conversational or plain) or implicit-prompt
+`chosen` / `rejected`. check_data stops bad pairs in the launcher with the file and the line.
+"""
+
+from __future__ import annotations
+
+from fsdp_recipes.errors import UserError
+
+# DPOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `dpo` section
+REPORTED_LOGS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+                 "logps/rejected")
+REFERENCE_FORWARD = True  # the run report's FLOPs count a reference forward per token (metrics/flops.py)
+SMOKE_DATA = "preferences"  # tiny_assets' synthetic preference pairs, for make smoke
+describe_tokens = ("non-padding tokens of the chosen and rejected sequences (prompt included), one policy "
+                   "forward and backward each, plus one reference forward (2N FLOPs per token, counted in MFU)")
+ROLES = {"system", "user", "assistant", "tool"}
+
+
+def trainer_class():
+    from trl import DPOTrainer
+
+    return DPOTrainer
+
+
+def load_datasets(cfg, want_eval: bool | None = None):
+    """(train, eval or None) preference splits, with one-line errors for missing splits and columns."""
+    from fsdp_recipes.train.loading import load_raw
+
+    ds = load_raw(cfg.script, cfg.mixture)
+    where = cfg.script.dataset_name or "mixture"
+    want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
+    train_split, test_split = cfg.script.dataset_train_split, cfg.script.dataset_test_split
+    if train_split not in ds:
+        raise UserError(f"dataset {where} has no `{train_split}` split (it has {list(ds)}). Fix: set "
+                        "dataset_train_split.")
+    check_columns(ds[train_split], where)
+    if not want_eval:
+        return ds[train_split], None
+    if test_split not in ds:
+        raise UserError(f"eval is on but dataset {where} has no `{test_split}` split (it has {list(ds)}). "
+                        "Fix: set dataset_test_split, or eval_strategy: \"no\".")
+    check_columns(ds[test_split], where)
+    return ds[train_split], ds[test_split]
+
+
+def check_columns(ds, where: str) -> None:
+    cols = set(ds.column_names or [])
+    if not {"chosen", "rejected"} <= cols:
+        raise UserError(f"dataset {where} has columns {sorted(cols)}, but DPO needs `prompt`, `chosen` and "
+                        "`rejected` (or `chosen` and `rejected` with the prompt inside them). Fix: rename the columns, "
+                        "or use an SFT recipe for this data.")
+
+
+def _where(where: str, split: str, index: int) -> str:
+    from fsdp_recipes.train.data_checks import _where as row_where
+
+    return row_where(where, split, index)
+
+
+def _text(value, what: str, at: str) -> str:
+    """The text of a completion or prompt, plain or conversational; one line when it is neither."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        for turn in value:
+            role = turn.get("role") if isinstance(turn, dict) else None
+            if role not in ROLES:
+                raise UserError(f"{at}: a `{what}` turn has role {role!r}, not one of {sorted(ROLES)}. Fix: rename "
+                                "the role (chat templates know only these).")
+            if not isinstance(turn.get("content"), str):
+                raise UserError(f"{at}: a {role} turn of `{what}` has content of type "
+                                f"{type(turn.get('content')).__name__}, not text. Fix: make every content a string.")
+        return "\x00".join(f"{t['role']}:{t['content']}" for t in value)
+    if value is None or value == []:
+        raise UserError(f"{at}: `{what}` is missing or empty. Fix: give every pair a {what} answer, or remove "
+                        "the row.")
+    raise UserError(f"{at}: `{what}` is {type(value).__name__}, not text or a list of chat turns. Fix: make it a "
+                    "string or [{\"role\": ..., \"content\": ...}].")
+
+
+def check_rows(ds, where: str, split: str) -> None:
+    """Every pair: a chosen and a rejected answer that differ, a non-empty prompt where there is a prompt column,
+    text contents and known roles."""
+    if len(ds) == 0:
+        raise UserError(f"the `{split}` split of the dataset {where} has no preference pairs. Fix: point "
+                        "dataset_name at data with rows (or the split at another file).")
+    has_prompt = "prompt" in ds.column_names
+    for i, row in enumerate(ds):
+        at = _where(where, split, i)
+        if has_prompt:
+            prompt = row["prompt"]
+            if prompt is None or (isinstance(prompt, (str, list)) and not (prompt.strip() if isinstance(prompt, str)
+                                                                           else prompt)):
+                raise UserError(f"{at}: the prompt is empty. Fix: give the pair its prompt, or remove the row.")
+            _text(prompt, "prompt", at)
+        chosen, rejected = _text(row["chosen"], "chosen", at), _text(row["rejected"], "rejected", at)
+        if chosen == rejected:
+            raise UserError(f"{at}: `chosen` and `rejected` are the same answer, so the pair prefers nothing. Fix: "
+                            "remove the row, or give it a different rejected answer.")
+
+
+def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str) -> list[str]:
+    """Pairs whose prompt fills max_length keep no completion tokens: none usable is an error, some a warning."""
+    from fsdp_recipes.train.data_checks import LENGTH_SAMPLE, _ids
+
+    if max_length is None or "prompt" not in ds.column_names:
+        return []
+    sample = ds.select(range(min(len(ds), LENGTH_SAMPLE)))
+    full_prompt = 0
+    for row in sample:
+        prompt = row["prompt"]
+        ids = (tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+               if isinstance(prompt, list) else tokenizer(prompt)["input_ids"])
+        full_prompt += len(_ids(ids)) >= max_length
+    of = f"of {len(sample)} pairs" + (f" (the first {len(sample)} of {len(ds)})" if len(sample) < len(ds) else "")
+    if full_prompt == len(sample):
+        raise UserError(f"no usable pair: every pair {of} of the `{split}` split of {where} has a prompt of "
+                        f"max_length {max_length} tokens or more, so truncation leaves no answer to compare. Fix: "
+                        "raise max_length, or shorten the prompts.")
+    return [f"{full_prompt} {of} of the `{split}` split have a prompt of max_length ({max_length}) tokens or more: "
+            "their answers are cut away"] if full_prompt else []
+
+
+def check_reference(cfg) -> None:
+    """precompute_ref_log_probs with full fine-tuning under FSDP loads an unsharded reference on every rank (see
+    the module's docstring): refused with the fix."""
+    if cfg.training.precompute_ref_log_probs and not cfg.model.use_peft and not cfg.training.use_cpu:
+        raise UserError("precompute_ref_log_probs with full fine-tuning loads the whole reference model unsharded on "
+                        "every GPU before FSDP wraps the policy (TRL 1.16; trl PR 6527). Fix: leave it false (the "
+                        "reference is then sharded like the policy; `make plan` counts it), or use LoRA.")
+
+
+def check_data(cfg, splits, tokenizer) -> list[str]:
+    check_reference(cfg)
+    where, warned = cfg.script.dataset_name, []
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
+        first = splits[0][0]
+        if isinstance(first.get("chosen"), list):
+            raise UserError(f"the dataset {where} is conversational but the tokenizer of "
+                            f"{cfg.model.model_name_or_path} has no chat template. Fix: set chat_template_path, or "
+                            "use a model whose tokenizer has one.")
+    for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
+        if ds is None:
+            continue
+        check_rows(ds, where, split)
+        if tokenizer is not None:
+            warned += check_lengths(ds, tokenizer, cfg.training.max_length, split, where)
+    return warned

@@ -1,0 +1,37 @@
+"""SFT: TRL's SFTTrainer on language-modeling or prompt-completion data, plain or chat."""
+
+from __future__ import annotations
+
+REPORTED_LOGS: tuple[str, ...] = ()  # the loss is in every run report already
+REFERENCE_FORWARD = False
+SMOKE_DATA = "data"  # tiny_assets' synthetic chat data, for make smoke
+describe_tokens = "non-padding tokens of the training sequences, one forward and one backward each"
+
+
+def trainer_class():
+    from trl import SFTTrainer
+
+    return SFTTrainer
+
+
+def load_datasets(cfg, want_eval: bool | None = None):
+    from fsdp_recipes.train.loading import load_sft_datasets
+
+    want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
+    return load_sft_datasets(cfg.script, cfg.mixture, want_eval, cfg.training.dataset_text_field)
+
+
+def check_data(cfg, splits, tokenizer) -> list[str]:
+    from fsdp_recipes.train import data_checks
+
+    where, warned = cfg.script.dataset_name, []
+    names = (cfg.script.dataset_train_split, cfg.script.dataset_test_split)
+    for split, ds in zip(names, splits):
+        if ds is None:
+            continue
+        warned += data_checks.check_rows(ds, where, split)
+        if tokenizer is not None:
+            if data_checks.conversational(ds):
+                data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
+            warned += data_checks.check_lengths(ds, tokenizer, cfg.training.max_length, split, where)
+    return warned
