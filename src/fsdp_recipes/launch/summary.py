@@ -23,6 +23,7 @@ from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.metrics.report import human_bytes
+from fsdp_recipes.assets.generation import generate
 from fsdp_recipes.metrics import metrics_file
 
 
@@ -82,24 +83,6 @@ def stages(run_dir: Path, run_args: dict, trained: Path) -> list[tuple[str, str]
         model = before["model_args"]["model_name_or_path"]
     chain.append(("base", model))
     return chain[::-1]
-
-
-def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | None = None) -> list[str]:
-    """Greedy answers, batched with left padding; plain transformers, CPU or GPU."""
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    transformers.utils.logging.disable_progress_bar()  # loading bars would split the summary from the run's log
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
-    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-    return [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]
 
 
 GENERATION_LIMIT = 1_000_000_000  # parameters: two such models in fp32 are ~8 GB of host memory

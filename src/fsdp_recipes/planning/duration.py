@@ -74,10 +74,10 @@ def local_stats(cfg, max_length: int) -> Data | None:
         return None
     import datasets
 
-    from fsdp_recipes.train.loading import load_sft_datasets
+    from fsdp_recipes.train import kinds
 
     datasets.disable_progress_bars()
-    train, _ = load_sft_datasets(cfg.script, cfg.mixture, False, cfg.training.dataset_text_field)
+    train, _ = kinds.load(cfg.trainer).load_datasets(cfg, want_eval=False)
     if not model_check.looks_local(cfg.model.model_name_or_path):
         return Data(len(train), float(max_length), f"{len(train):,} rows from {cfg.script.dataset_name}; tokens "
                                                    "per row unknown (hub model): max_length assumed")
@@ -87,7 +87,8 @@ def local_stats(cfg, max_length: int) -> Data | None:
     # a spread sample, not the first rows (a file sorted by length would mislead); seconds for the chat template
     step = max(1, len(train) // SAMPLE)
     sample = train.select(range(0, len(train), step)) if len(train) else train
-    lengths = [min(row_tokens(row, tok, cfg.training.dataset_text_field), max_length) for row in sample]
+    text_field = getattr(cfg.training, "dataset_text_field", "text")  # an SFT field
+    lengths = [min(row_tokens(row, tok, text_field), max_length) for row in sample]
     mean = statistics.fmean(lengths) if lengths else 0.0
     of = "every row" if step == 1 else f"every {step}th row"
     longest = max(lengths, default=0)
@@ -99,6 +100,9 @@ def row_tokens(row: dict, tok, text_field: str) -> int:
     def ids(x):
         return x["input_ids"] if hasattr(x, "keys") else x
 
+    if "chosen" in row and "rejected" in row:  # a preference pair: the policy runs over both answers
+        prompt = row.get("prompt") or ([] if isinstance(row["chosen"], list) else "")
+        return sum(row_tokens({"prompt": prompt, "completion": row[k]}, tok, text_field) for k in ("chosen", "rejected"))
     if "messages" in row:
         return len(ids(tok.apply_chat_template(row["messages"], tokenize=True)))
     if "prompt" in row and "completion" in row:

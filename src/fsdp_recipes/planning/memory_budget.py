@@ -31,6 +31,12 @@ prefetching the next (2 layers), plus that layer's gradients for the reduce-scat
 (embeddings, final norm, LM head) stays gathered for the whole step. DDP keeps a gradient bucket copy of
 every trainable parameter (gradient_as_bucket_view is off by default).
 
+DPO (train/kinds/dpo.py): a micro-batch of B pairs is 2B sequences (chosen and rejected), so the tokens double. The
+reference model is its own component: with LoRA none (the base with the adapter disabled, no copy), with full
+fine-tuning a second copy of the weights in the load dtype, sharded like the policy, with no gradients or optimizer
+state, plus its own all-gather of one layer and its prefetch at the compute width and its root unit; its forward
+runs under no_grad, so it keeps no activations.
+
 Runtime: CUDA context, NCCL and allocator slack, 2 GiB per GPU (a typical figure for H100 nodes, not
 measured by this pack); 0 on CPU.
 """
@@ -76,6 +82,7 @@ class Setup:
     activation_checkpointing: bool
     optimizer_bytes: int
     runtime_bytes: int
+    reference: str = "none"  # DPO's reference model: "none" (SFT), "adapter" (LoRA: no copy), "copy" (full FT)
 
 
 def shape_of(model, model_args) -> ModelShape:
@@ -153,6 +160,13 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
         "weights": weights, "gradients": gradients, "optimizer_states": optimizer,
         "activations": activations, "communication_buffers": comm, "runtime": s.runtime_bytes,
     }
+    if s.reference != "none":
+        reference = 0
+        if s.reference == "copy":
+            reference = m.params * s.load_bytes / s.shard
+            if s.strategy in ("FSDP", "HSDP"):
+                reference += (2 * m.layer_params + m.root_params) * s.compute_bytes
+        parts["reference_model"] = reference
     parts = {k: int(math.ceil(v)) for k, v in parts.items()}
     parts["total"] = sum(parts.values())
     return parts

@@ -53,12 +53,13 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
     """(recipe dir, accelerate dict, parsed recipe args, model) with the launcher's checks applied. `overrides`: the
     run's command-line overrides (`make finetune ARGS=...`), parsed and checked by the run's own code
     (run_config.parse_args, value_checks), so one the run would reject is the same one line here."""
-    recipe = recipes.resolve(str(recipes_root / name) if recipes_root else name)
-    acc = accelerate_yaml.check_accelerate_config(recipe / "accelerate.yaml")
+    loaded = recipes.load(str(recipes_root / name) if recipes_root else name, [*overrides, "--use_cpu", "true"])
+    recipe, acc = loaded.folder, loaded.accelerate
+    accelerate_yaml.check_accelerate_keys(loaded.accelerate_path, acc)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # use_cpu: the bf16 setting is validated against the named GPU below, not this machine
-        cfg = run_config.parse_args(["--config", str(recipe / "sft.yaml"), *overrides, "--use_cpu", "true"])
+        cfg = run_config.parse_args(loaded.argv(), loaded.raw)
         # what entry.check_before_launch checks without this machine's GPUs or the model's files
         model_check.check_attn_implementation(cfg.model.attn_implementation)
         if cfg.model.use_peft:  # float8's torchao check is about the training machine, not this one
@@ -103,14 +104,17 @@ def strategy_of(acc: dict, gpus: int, nodes: int) -> tuple[str, int]:
     return "FSDP", world
 
 
-def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False) -> dict[str, memory_budget.Setup]:
+def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
+           trainer: str = "sft") -> dict[str, memory_budget.Setup]:
     strategy, shard = strategy_of(acc, gpus, nodes)
     mixed = acc.get("mixed_precision", "no") in ("bf16", "fp16") or training.bf16 or training.fp16
     load = DTYPE_BYTES.get(str(model_args.dtype or "float32").replace("torch.", ""), 4)
     optim = next((v for k, v in memory_budget.OPTIMIZER_BYTES.items() if str(training.optim).startswith(k)), 8)
+    dpo = trainer == "dpo"  # each pair is two sequences, and there is a reference model (memory_budget.py)
     common = dict(
         world=gpus * nodes, load_bytes=load, compute_bytes=2 if mixed else load, mixed_precision=mixed,
-        tokens=training.per_device_train_batch_size * (training.max_length or 1024),
+        tokens=training.per_device_train_batch_size * (training.max_length or 1024) * (2 if dpo else 1),
+        reference=("adapter" if model_args.use_peft else "copy") if dpo else "none",
         activation_checkpointing=bool(training.activation_checkpointing), optimizer_bytes=optim,
         runtime_bytes=0 if on_cpu else 2 * GIB,
     )
@@ -184,7 +188,7 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
         raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "
                         "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")
     m = memory_budget.shape_of(model, model_args)
-    runs = setups(acc, training, model_args, gpus, nodes)
+    runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer)
     budgets = {k: memory_budget.budget(m, s) for k, s in runs.items()}
     return Planned(recipe, acc, cfg, model, m, runs, budgets, next(iter(runs)), gpu_key, capacity, gpus, nodes)
 
@@ -206,13 +210,21 @@ def report(p: Planned) -> str:
         f"topology {nodes} node(s) x {gpus} {p.gpu} ({p.capacity:.1f} GiB each); recipe strategy {own}, "
         f"parameters sharded over {p.runs[own].shard} GPU(s)",
         f"global batch {training.per_device_train_batch_size} per GPU x {training.gradient_accumulation_steps} "
-        f"accumulation x {gpus * nodes} data-parallel = {global_batch} sequences of up to {training.max_length} tokens",
+        f"accumulation x {gpus * nodes} data-parallel = {global_batch} "
+        f"{'preference pairs (2 sequences each)' if p.cfg.trainer == 'dpo' else 'sequences'} of up to "
+        f"{training.max_length} tokens",
         "",
         table(p.budgets, p.capacity),
         "",
         f"decision rule (fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP): "
         f"{decide(p.budgets, nodes, p.usable)}",
     ]
+    if p.cfg.trainer == "dpo":
+        ref = p.budgets[own].get("reference_model", 0)
+        lines.append("reference model (DPO): " + (
+            "the base with the LoRA adapter disabled, no copy: 0 GiB/GPU" if model_args.use_peft else
+            f"a second copy of the weights, sharded like the policy, no gradients or optimizer state: {gib(ref)} "
+            f"GiB/GPU ({100 * ref / p.budgets[own]['total']:.0f}% of the total)"))
     if gpus * nodes < pack.min_gpus:  # the launcher's guard; the memory figures above are the real answer
         lines.append(f"note: the recipe declares min_gpus {pack.min_gpus}; its launcher refuses fewer "
                      f"(--min_gpus {gpus * nodes} overrides that)")

@@ -49,6 +49,11 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
         # The model only when the recipe trains the prepared folder: with a hub id
         # (--model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct) from_pretrained fetches it as usual.
         smollm2.ensure_assets(model=smollm2.is_prepared_path(cfg.model.model_name_or_path), quiet=quiet)
+    if cfg.pack.addition_preferences:  # DPO on the default's task: pairs from the SFT model's own answers
+        from fsdp_recipes.assets import addition_preferences
+
+        model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
+        addition_preferences.ensure(cfg.model.model_name_or_path, cfg.script.dataset_name, quiet=quiet)
     check_before_launch(cfg, nodes=hardware.job_nodes() if nodes is None else nodes)
     return cfg
 

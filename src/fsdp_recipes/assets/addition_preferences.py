@@ -1,0 +1,120 @@
+"""Preference pairs for DPO on the default's task, built from the SFT model's own answers (on-policy).
+
+    python -m fsdp_recipes.assets.addition_preferences --model runs/smollm2-135m-lora/merged --out DIR
+
+What DPO can teach here is to stop making the mistakes the SFT model makes, so the pairs are its mistakes:
+- train.jsonl: the model answers the first TRAIN_QUESTIONS questions of the *training* split
+  (assets/addition_data.py) greedily; each wrong answer is a pair, the right sum chosen and the model's answer
+  rejected. Where it answers right there is nothing to prefer, and no pair.
+- test.jsonl: every one of the 100 *held-out* questions is a pair built the same way, so the summary can measure
+  preference on questions no stage trained on: the model's own answer rejected where it is wrong, and where it is
+  right a near miss the model might give, the sum off by ten (a carry dropped or added).
+
+The pairs depend on the model, so a stamp (`source.json`: the model folder and its weights' size and time) says
+which model they came from; a new SFT model makes new pairs. Generation is plain transformers on the CPU, batched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from fsdp_recipes.assets import addition_data
+from fsdp_recipes.errors import UserError
+
+TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained on the first 768 of a shuffle
+BATCH = 100
+STAMP = "source.json"
+
+
+def source_of(model: Path) -> dict:
+    """What identifies the model the pairs come from: its folder and its weight files' sizes and times."""
+    files = sorted(model.glob("*.safetensors"))
+    return {"model": str(model.resolve()), "train_questions": TRAIN_QUESTIONS,
+            "weights": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
+
+
+def is_current(out: Path, model: Path) -> bool:
+    stamp = out / STAMP
+    return stamp.is_file() and json.loads(stamp.read_text()) == source_of(model)
+
+
+def greedy_answers(model_dir: Path, prompts: list[list[dict]]) -> list[str]:
+    from fsdp_recipes.assets.generation import generate
+
+    return generate(str(model_dir), prompts, batch_size=BATCH)
+
+
+def questions(split: str, n: int | None = None) -> list[tuple[list[dict], int]]:
+    """(chat prompt, the sum) for the split's questions, in the order addition_data.write puts them."""
+    train, test = addition_data.split()
+    pairs = train if split == "train" else test
+    return [(addition_data.example(a, b)["prompt"], a + b) for a, b in pairs[:n]]
+
+
+def pair(prompt: list[dict], chosen: str, rejected: str) -> dict:
+    return {"prompt": prompt, "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}]}
+
+
+def near_miss(total: int) -> str:
+    return str(total + 10 if total < 100 else total - 10)
+
+
+def write(model: Path, out: Path, say=print) -> dict[str, int]:
+    """train.jsonl and test.jsonl from `model`'s answers; returns the counts. The stamp is written last."""
+    import torch
+
+    torch.manual_seed(0)
+    counts = {}
+    t0 = time.time()
+    for split, n in (("train", TRAIN_QUESTIONS), ("test", None)):
+        qs = questions(split, n)
+        answers = greedy_answers(model, [p for p, _ in qs])
+        rows, wrong = [], 0
+        for (prompt, total), got in zip(qs, answers):
+            if got != str(total):
+                wrong += 1
+                rows.append(pair(prompt, str(total), got))
+            elif split == "test":
+                rows.append(pair(prompt, str(total), near_miss(total)))
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{split}.jsonl.tmp"
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(out / f"{split}.jsonl")
+        counts[split], counts[f"{split}_wrong"], counts[f"{split}_questions"] = len(rows), wrong, len(qs)
+    (out / STAMP).write_text(json.dumps(source_of(model)))
+    say(f"{counts['train']} training pairs (the model's mistakes on {counts['train_questions']} training questions), "
+        f"{counts['test']} held-out pairs ({counts['test_wrong']} of its mistakes, the rest near misses) in "
+        f"{time.time() - t0:.0f}s -> {out}")
+    return counts
+
+
+def ensure(model: str, out: str, quiet: bool = False) -> Path:
+    """The pairs for `model` in `out`, made when missing or made from another model."""
+    model_dir, out_dir = Path(model), Path(out)
+    if not (model_dir / "config.json").is_file():
+        raise UserError(f"addition_preferences: {model_dir} is not a model folder (no config.json). Fix: run the SFT "
+                        "recipe first (make finetune RECIPE=smollm2-135m-lora), or point model_name_or_path at its "
+                        "merged/ folder.")
+    if not is_current(out_dir, model_dir):
+        say = (lambda *a: None) if quiet else (lambda *a: print("[addition-preferences]", *a, flush=True))
+        say(f"answering the addition questions with {model_dir} to build preference pairs (once per model)")
+        write(model_dir, out_dir, say)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True, help="the SFT model (a merged folder)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    write(args.model, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Greedy answers from a saved model with plain transformers (no FSDP, no accelerate): the end-of-run summary's
+exact match and the DPO demo's on-policy preference pairs (addition_preferences.py) both answer this way.
+"""
+
+from __future__ import annotations
+
+
+def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | None = None,
+             batch_size: int = 128) -> list[str]:
+    """Greedy answers, in batches of `batch_size` with left padding; plain transformers, CPU or GPU; the model is
+    loaded once."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()  # loading bars would split the summary from the run's log
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    answers = []
+    for i in range(0, len(prompts), batch_size):
+        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                 for p in prompts[i:i + batch_size]]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        answers += [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]
+    return answers
