@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Container command of every manifest under k8s/generated/ (PyTorchJob, TrainJob, Run:ai): one pod = one node.
-#   bash k8s/entrypoint.sh <recipe> [--sft_field value ...]
+#   bash k8s/entrypoint.sh <recipe> [--recipe_field value ...]
 # It turns the platform's rendezvous variables into FSDP_RECIPES_LAUNCH_ARGS and runs recipes/<recipe>/launch.sh,
 # the same launcher as on a workstation. The manifests set FSDP_NNODES and FSDP_GPUS_PER_NODE (known when they
 # are generated); the platform sets the node rank and the rendezvous address:

@@ -33,7 +33,7 @@ def test_accelerate_yaml_loads_with_accelerate(path):
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_yaml_parses_with_trl(name, cache_dir):
     # use_cpu lets bf16 recipes validate on this CPU-only machine; nothing else is overridden.
-    cfg = parse_args(["--config", str(REPO / "recipes" / name / "sft.yaml"), "--use_cpu", "true"])
+    cfg = parse_args(["--config", str(recipes.config_file(REPO / "recipes" / name)), "--use_cpu", "true"])
     assert cfg.pack.recipe_name == name
     assert cfg.training.output_dir == f"runs/{name}"
     assert cfg.model.model_name_or_path and (cfg.script.dataset_name or cfg.mixture.datasets)

@@ -112,3 +112,59 @@ def test_merged_model_loads_tied_with_the_adapter_merged(run_dir):
         assert "lm_head.weight" not in base.keys()  # the prepared model stores the tied head once
     assert torch.equal(merged.model.embed_tokens.weight, embed)  # not a LoRA target: untouched
     assert not torch.equal(merged.model.layers[0].self_attn.q_proj.weight, q_proj)  # LoRA merged in
+
+
+# ---- SFT -> DPO: smollm2-135m-dpo continues from the run above (its merged model), shortened the same way
+
+
+PAIR_QUESTIONS = 48  # training questions the SFT model answers to make pairs (the recipe: 1,600)
+
+
+@pytest.fixture(scope="module")
+def dpo_dir(run_dir, tmp_path_factory, cache_dir):
+    root = tmp_path_factory.mktemp("dpo")
+    out = root / "run"
+    res = launch(["smollm2-135m-dpo", "--model_name_or_path", str(run_dir / "merged"), "--dataset_name",
+                  str(root / "pairs"), "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
+                  "--output_dir", str(out)], cache_dir, timeout=900, **GENERATIONS,
+                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS), FSDP_RECIPES_PREFERENCE_QUESTIONS=str(PAIR_QUESTIONS))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out.joinpath("launch.log").write_text(res.stdout + res.stderr)
+    return out
+
+
+def test_dpo_pairs_come_from_the_sft_models_own_answers(dpo_dir, run_dir):
+    pairs = dpo_dir.parent / "pairs"
+    stamp = load(pairs, "source.json")
+    assert stamp["model"] == str((run_dir / "merged").resolve()) and stamp["train_questions"] == PAIR_QUESTIONS
+    train = [json.loads(line) for line in (pairs / "train.jsonl").read_text().splitlines()]
+    test = [json.loads(line) for line in (pairs / "test.jsonl").read_text().splitlines()]
+    assert 0 < len(train) <= PAIR_QUESTIONS and len(test) == TEST_QUESTIONS
+    for row in train + test:  # chosen is the sum, rejected another number
+        a, b = map(int, re.findall(r"\d+", row["prompt"][-1]["content"]))
+        assert row["chosen"][0]["content"] == str(a + b) != row["rejected"][0]["content"]
+    held_out = {r["prompt"][-1]["content"] for r in test}
+    assert not held_out & {r["prompt"][-1]["content"] for r in train}  # no held-out question is trained on
+
+
+def test_dpo_run_reports_its_rewards_and_every_stage(dpo_dir, run_dir):
+    m = load(dpo_dir, "metrics.json")
+    assert m["status"] == "completed" and m["trainer"] == "dpo" and m["steps"] == STEPS
+    assert m["sharding_strategy"] == "SHARD_GRAD_OP" and m["world_size"] == 2
+    for key in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+        assert m["dpo"][key]["last"] is not None, key
+    # 2 processes x 2 pairs x 2 sequences per step, each ~30-40 tokens with the prompt
+    assert m["samples"] == STEPS * 2 * 2 * 2 and 20 * m["samples"] < m["tokens"]["non_padding"] < 60 * m["samples"]
+    assert m["final_save_check"]["lora_b_checked"] > 0  # the DPO adapter was saved and checked
+    ev = m["eval"]
+    assert [s["stage"] for s in ev["stages"]] == ["base", "sft", "dpo"]
+    assert ev["stages"][1]["model"] == str(run_dir / "merged") and ev["stages"][2]["model"] == str(dpo_dir / "merged")
+    sft_eval = load(run_dir, "metrics.json")["eval"]  # the SFT run scored the same questions
+    assert ev["stages"][0]["correct"] == sft_eval["base_correct"] and ev["stages"][1]["correct"] == sft_eval[
+        "trained_correct"]
+    for stage in ev["stages"]:
+        assert 0 <= stage["preference_accuracy"] <= 1 and stage["mean_logp_margin"] == stage["mean_logp_margin"]
+    assert ev["preference"]["pairs"] == EVAL_PROMPTS
+    log = (dpo_dir / "launch.log").read_text()
+    assert "exact match on 10 eval prompts: base " in log and " -> sft " in log and " -> dpo " in log
+    assert "implicit-reward accuracy" in log

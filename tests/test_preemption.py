@@ -141,6 +141,37 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
 
 
 @pytest.mark.slow
+def test_dpo_full_fine_tuning_preempted_resumes_exactly(tmp_path, cache_dir):
+    """DPO on the same lifecycle: qwen3-8b-full-dpo's smoke run (a tiny Qwen3, full fine-tuning, the reference model
+    a second copy sharded like the policy, synthetic preference pairs) run straight, then SIGTERMed and resumed with
+    the same command. This is also that recipe's smoke test (tests/test_smoke.py leaves it to this one). bf16 off:
+    the comparison is exact in float32."""
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    args = ["qwen3-8b-full-dpo", *ARGS[1:], "--bf16", "false"]
+    res = launch([*args, "--output_dir", str(straight)], cache_dir, FSDP_RECIPES_SMOKE="1")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = json.loads((straight / "metrics.json").read_text())
+    assert m["trainer"] == "dpo" and m["params"]["trainable"] == m["params"]["total"]  # full fine-tuning
+    assert m["sharding_strategy"] == "FULL_SHARD" and m["param_shards"]["dtensor_params"] > 0
+    assert m["dpo"]["rewards/margins"]["last"] is not None
+
+    rc, out = signal_launch([*args, "--output_dir", str(preempted)], cache_dir,
+                            lambda: checkpoints.is_complete(preempted / "checkpoint-5"), signal.SIGTERM,
+                            FSDP_RECIPES_SMOKE="1")
+    assert rc == EXIT_PREEMPTED, out[-3000:]
+    first = json.loads((preempted / "metrics.json").read_text())
+    assert first["status"] == "preempted" and 5 <= first["steps"] < 16, first
+    res = launch([*args, "--output_dir", str(preempted)], cache_dir, FSDP_RECIPES_SMOKE="1")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    done = json.loads((preempted / "metrics.json").read_text())
+    assert done["status"] == "completed" and done["resumed_from"] == str(checkpoints.latest_complete(preempted)
+                                                                          .with_name(f"checkpoint-{first['steps']}"))
+    assert_resumed_exactly(straight, preempted, first)
+    a, b = (json.loads((r / "metrics.json").read_text())["dpo"] for r in (straight, preempted))
+    assert b["rewards/margins"]["last"] == pytest.approx(a["rewards/margins"]["last"], rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.slow
 def test_grace_period_bounds_a_slow_save_and_the_relaunch_resumes_exactly(tmp_path, cache_dir):
     """LoRA under FSDP2 (the default's setting), with a preemption save slower than preemption_grace_s: torchrun kills
     the ranks when the grace ends, the half-written checkpoint has no completion marker, the launcher still exits 75

@@ -66,14 +66,21 @@ def finished(cluster, job, log, timeout, state="COMPLETED", code="0:0"):
 
 @pytest.mark.slow
 def test_one_node(cluster, submit, tmp_path):
+    """`RECIPE=llama-3.1-8b-lora-dpo sbatch slurm/fsdp_1node.sbatch`, as its smoke run (FSDP_RECIPES_SMOKE=1: a tiny
+    Llama, synthetic preference pairs): a DPO recipe goes through the same sbatch script and launcher as an SFT one.
+    This is also that recipe's smoke test (tests/test_smoke.py leaves it to this one); the SFT recipe tiny-cpu-lora
+    runs through Slurm in the tests below."""
     out = tmp_path / "run"
-    job, log = submit(ONE_NODE, ["--max_steps", "10", *QUICK, "--output_dir", str(out)])
+    job, log = submit(ONE_NODE, ["--max_steps", "10", "--eval_strategy", "no", "--save_merged_model", "false",
+                                 "--logging_steps", "5", "--output_dir", str(out)],
+                      recipe="llama-3.1-8b-lora-dpo", FSDP_RECIPES_SMOKE="1")
     info, text = finished(cluster, job, log, 180)
     m = json.loads((out / "metrics.json").read_text())
-    assert m["status"] == "completed" and m["steps"] == 10
-    assert (m["world_size"], m["num_nodes"]) == (2, 1)
+    assert m["status"] == "completed" and m["steps"] == 10 and m["trainer"] == "dpo"
+    assert (m["world_size"], m["num_nodes"]) == (2, 1) and m["sharding_strategy"] == "FULL_SHARD"
+    assert m["final_save_check"]["lora_b_checked"] > 0 and m["dpo"]["rewards/accuracies"]["last"] is not None
     assert info["NumNodes"] == "1" and f"[slurm] job {job} on" in text
-    assert "== tiny-cpu-lora: completed in" in text  # the pack's summary, in slurm-logs/
+    assert "== llama-3.1-8b-lora-dpo: completed in" in text  # the pack's summary, in slurm-logs/
 
 
 @pytest.mark.slow

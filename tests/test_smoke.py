@@ -39,7 +39,12 @@ def expected_layout(acc: dict) -> tuple[int, str]:
 # runs it for real, with its own model, on the same 2 CPU processes) and mistral-small-lora-2xh200 (generated from
 # mistral-small-lora: its smoke run differs from that one's only in batch size and accumulation). Every other
 # recipe's smoke run is its only launch in CI.
-COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lora-2xh200": "mistral-small-lora"}
+# DPO: smollm2-135m-dpo runs for real in tests/test_default_recipe.py (after the default, with the real model);
+# qwen3-8b-full-dpo's smoke run is tests/test_preemption.py's DPO run (straight, preempted and resumed), and
+# llama-3.1-8b-lora-dpo's is tests/test_slurm.py's one-node sbatch job.
+COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lora-2xh200": "mistral-small-lora",
+                     "smollm2-135m-dpo": "smollm2-135m-dpo", "qwen3-8b-full-dpo": "qwen3-8b-full-dpo",
+                     "llama-3.1-8b-lora-dpo": "llama-3.1-8b-lora-dpo"}
 SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora" and name not in COVERED_ELSEWHERE]
 
 
@@ -91,19 +96,21 @@ def test_smoke_checks_of_the_recipes_another_launch_covers(name, cache_dir, tmp_
         launcher_until_ranks([name, "--output_dir", str(tmp_path / "run")], monkeypatch, capsys)
     cmd = started.value.cmd
     scaled = yaml.safe_load(open(cmd[cmd.index("--config_file") + 1]))
-    assert "--config" in cmd and cmd[cmd.index("--config") + 1] == f"recipes/{name}/sft.yaml"
+    config = recipes.config_file(REPO / "recipes" / name).name  # sft.yaml or dpo.yaml
+    assert "--config" in cmd and cmd[cmd.index("--config") + 1] == f"recipes/{name}/{config}"
     tiny = json.loads((cache_dir / "smoke" / name / "config.json").read_text())
     assert tiny["num_hidden_layers"] == 2 and tiny["architectures"] == json.loads(
         (REPO / "recipes" / name / "model_config.json").read_text())["architectures"]
 
     other = COVERED_ELSEWHERE[name]
     other_acc = yaml.safe_load((REPO / "recipes" / other / "accelerate.yaml").read_text())
-    if other == name:  # run for real elsewhere: its own YAML already is what a smoke run gets
-        assert scaled == smoke_module.scale_accelerate(other_acc) and other_acc["num_processes"] == 2
-        assert {k: scaled[k] for k in other_acc} == other_acc
+    if other == name:  # run elsewhere through this same launch path (for real, or as its smoke run)
+        assert scaled == smoke_module.scale_accelerate(other_acc)
+        if other_acc["num_processes"] == 2:  # a CPU recipe: its own YAML already is what a smoke run gets
+            assert {k: scaled[k] for k in other_acc} == other_acc
         return
     assert scaled == smoke_module.scale_accelerate(other_acc)  # the same processes, FSDP settings and all
-    mine, theirs = (yaml.safe_load((REPO / "recipes" / n / "sft.yaml").read_text()) for n in (name, other))
+    mine, theirs = (yaml.safe_load(recipes.config_file(REPO / "recipes" / n).read_text()) for n in (name, other))
     assert mine.keys() == theirs.keys()
     # min_gpus and output_dir: the smoke run sets its own
     differ = {k for k in mine if mine[k] != theirs[k]}

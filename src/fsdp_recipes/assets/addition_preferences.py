@@ -4,7 +4,7 @@
 
 What DPO can teach here is to stop making the mistakes the SFT model makes, so the pairs are its mistakes:
 - train.jsonl: the model answers the first TRAIN_QUESTIONS questions of the *training* split
-  (assets/addition_data.py) greedily; each wrong answer is a pair, the right sum chosen and the model's answer
+  (assets/addition_data.py's train.jsonl, as the SFT run read it) greedily; each wrong answer is a pair, the right sum chosen and the model's answer
   rejected. Where it answers right there is nothing to prefer, and no pair.
 - test.jsonl: every one of the 100 *held-out* questions is a pair built the same way, so the summary can measure
   preference on questions no stage trained on: the model's own answer rejected where it is wrong, and where it is
@@ -18,22 +18,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from fsdp_recipes.assets import addition_data
 from fsdp_recipes.errors import UserError
 
 TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained on the first 768 of a shuffle
+QUESTIONS_ENV = "FSDP_RECIPES_PREFERENCE_QUESTIONS"  # fewer training questions (the test suite's short run)
 BATCH = 100
 STAMP = "source.json"
+VERSION = 2  # of how pairs are built: a change here rebuilds every cached set
+
+
+def train_questions() -> int:
+    value = os.environ.get(QUESTIONS_ENV, str(TRAIN_QUESTIONS))
+    if not value.isdigit() or not 1 <= int(value) <= 3995:
+        raise UserError(f"{QUESTIONS_ENV}={value!r} is not a whole number from 1 to 3995. Fix: set how many training "
+                        f"questions the SFT model answers to make pairs (default {TRAIN_QUESTIONS}), or unset it.")
+    return int(value)
 
 
 def source_of(model: Path) -> dict:
     """What identifies the model the pairs come from: its folder and its weight files' sizes and times."""
     files = sorted(model.glob("*.safetensors"))
-    return {"model": str(model.resolve()), "train_questions": TRAIN_QUESTIONS,
+    return {"version": VERSION, "model": str(model.resolve()), "train_questions": train_questions(),
             "weights": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
 
 
@@ -49,10 +59,13 @@ def greedy_answers(model_dir: Path, prompts: list[list[dict]]) -> list[str]:
 
 
 def questions(split: str, n: int | None = None) -> list[tuple[list[dict], int]]:
-    """(chat prompt, the sum) for the split's questions, in the order addition_data.write puts them."""
-    train, test = addition_data.split()
-    pairs = train if split == "train" else test
-    return [(addition_data.example(a, b)["prompt"], a + b) for a, b in pairs[:n]]
+    """(chat prompt, the sum) for the first `n` questions of the default's data files (the same prompts, operand
+    order included, that the SFT run trained on and its summary scored), written first when missing."""
+    from fsdp_recipes.assets import smollm2
+
+    data = smollm2.ensure_assets(model=False, quiet=True)["data"]
+    rows = [json.loads(line) for line in (data / f"{split}.jsonl").read_text().splitlines()[:n]]
+    return [(r["prompt"], int(r["completion"][-1]["content"])) for r in rows]
 
 
 def pair(prompt: list[dict], chosen: str, rejected: str) -> dict:
@@ -71,7 +84,7 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
     torch.manual_seed(0)
     counts = {}
     t0 = time.time()
-    for split, n in (("train", TRAIN_QUESTIONS), ("test", None)):
+    for split, n in (("train", train_questions()), ("test", None)):
         qs = questions(split, n)
         answers = greedy_answers(model, [p for p, _ in qs])
         rows, wrong = [], 0

@@ -35,6 +35,9 @@ def explain_load_failure(path: Path, err: Exception) -> UserError:
     """A load_dataset failure on local files, as one line: the bad JSON line when there is one."""
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl"))
     for f in files:
+        if f.stat().st_size == 0:
+            return UserError(f"the dataset file {f} is empty. Fix: put the rows in it, or remove it.")
+    for f in files:
         if f.suffix == ".jsonl" and (bad := find_bad_json_line(f)):
             return UserError(f"malformed JSON line in the dataset: {bad}. Fix: correct or remove that line "
                              "(one JSON object per line).")

@@ -80,7 +80,7 @@ def _text(value, what: str, at: str) -> str:
                 raise UserError(f"{at}: a `{what}` turn has role {role!r}, not one of {sorted(ROLES)}. Fix: rename "
                                 "the role (chat templates know only these).")
             if not isinstance(turn.get("content"), str):
-                raise UserError(f"{at}: a {role} turn of `{what}` has content of type "
+                raise UserError(f"{at}: the {role} turn of `{what}` has content of type "
                                 f"{type(turn.get('content')).__name__}, not text. Fix: make every content a string.")
         return "\x00".join(f"{t['role']}:{t['content']}" for t in value)
     if value is None or value == []:
@@ -90,6 +90,20 @@ def _text(value, what: str, at: str) -> str:
                     "string or [{\"role\": ..., \"content\": ...}].")
 
 
+def as_written(ds, where: str, split: str):
+    """The split's rows as its JSON Lines file holds them, where it is one (Arrow gives a column one type, so a
+    number among strings comes back as a string, or the strings as numbers); else the dataset's rows."""
+    from pathlib import Path
+
+    folder = Path(where)
+    file = folder / f"{split}.jsonl" if folder.is_dir() else folder
+    if file.suffix != ".jsonl" or not file.is_file():
+        return iter(ds)
+    import json
+
+    return (json.loads(line) for line in file.read_text().splitlines() if line.strip())
+
+
 def check_rows(ds, where: str, split: str) -> None:
     """Every pair: a chosen and a rejected answer that differ, a non-empty prompt where there is a prompt column,
     text contents and known roles."""
@@ -97,15 +111,15 @@ def check_rows(ds, where: str, split: str) -> None:
         raise UserError(f"the `{split}` split of the dataset {where} has no preference pairs. Fix: point "
                         "dataset_name at data with rows (or the split at another file).")
     has_prompt = "prompt" in ds.column_names
-    for i, row in enumerate(ds):
+    for i, row in enumerate(as_written(ds, where, split)):
         at = _where(where, split, i)
         if has_prompt:
-            prompt = row["prompt"]
+            prompt = row.get("prompt")
             if prompt is None or (isinstance(prompt, (str, list)) and not (prompt.strip() if isinstance(prompt, str)
                                                                            else prompt)):
                 raise UserError(f"{at}: the prompt is empty. Fix: give the pair its prompt, or remove the row.")
             _text(prompt, "prompt", at)
-        chosen, rejected = _text(row["chosen"], "chosen", at), _text(row["rejected"], "rejected", at)
+        chosen, rejected = _text(row.get("chosen"), "chosen", at), _text(row.get("rejected"), "rejected", at)
         if chosen == rejected:
             raise UserError(f"{at}: `chosen` and `rejected` are the same answer, so the pair prefers nothing. Fix: "
                             "remove the row, or give it a different rejected answer.")

@@ -1,0 +1,151 @@
+"""A recipe names its trainer; DPO's preference data and settings are checked before any rank starts, one line each
+with the file and the line. Every case runs the launcher's `main` in this process (`launcher_checks`) on a copy of a
+tiny DPO recipe with one thing broken."""
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from conftest import REPO, launcher_checks, launcher_until_ranks, RanksWouldStart
+from test_bad_input import assert_one_line_error
+
+GOOD = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}],
+        "chosen": [{"role": "assistant", "content": "5"}], "rejected": [{"role": "assistant", "content": "6"}]}
+
+
+@pytest.fixture(autouse=True)
+def checks_before_ranks(monkeypatch):
+    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
+
+
+def dpo_recipe(tmp_path, cache_dir, rows: list | None = None, **fields) -> "Path":  # noqa: F821
+    """tiny-cpu-lora as a DPO recipe (dpo.yaml, trainer: dpo) on `rows` (default: tiny_assets' pairs)."""
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+    folder = tmp_path / "tiny-dpo"
+    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", folder)
+    raw = yaml.safe_load((folder / "sft.yaml").read_text())
+    (folder / "sft.yaml").unlink()
+    for key in ("packing", "dataset_text_field"):  # SFTConfig fields DPOConfig lacks
+        raw.pop(key, None)
+    data = ensure_assets(quiet=True)["preferences"]
+    if rows is not None:
+        data = tmp_path / "pairs"
+        data.mkdir()
+        (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        shutil.copy(ensure_assets(quiet=True)["preferences"] / "test.jsonl", data / "test.jsonl")
+    raw.update(trainer="dpo", dataset_name=str(data), eval_strategy="no", output_dir=str(tmp_path / "run"), **fields)
+    (folder / "dpo.yaml").write_text(yaml.safe_dump(raw))
+    return folder
+
+
+@pytest.fixture
+def checks(monkeypatch, capsys, cache_dir):
+    return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
+
+
+def test_a_good_dpo_recipe_reaches_the_ranks_with_its_own_yaml(tmp_path, cache_dir, monkeypatch, capsys):
+    folder = dpo_recipe(tmp_path, cache_dir)
+    with pytest.raises(RanksWouldStart) as started:
+        launcher_until_ranks([str(folder)], monkeypatch, capsys)
+    cmd = started.value.cmd
+    assert cmd[cmd.index("--config") + 1] == str(folder / "dpo.yaml")
+    assert "trainer dpo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("broken, where, fragment", [
+    ({"rejected": None}, 2, "`rejected` is missing or empty"),
+    ({"chosen": []}, 2, "`chosen` is missing or empty"),
+    ({"rejected": [{"role": "assistant", "content": "5"}]}, 2, "`chosen` and `rejected` are the same answer"),
+    ({"prompt": []}, 2, "the prompt is empty"),
+    ({"prompt": "   "}, 2, "the prompt is empty"),
+    ({"chosen": [{"role": "assistant", "content": 5}]}, 2, "content of type int, not text"),
+    ({"rejected": [{"role": "robot", "content": "6"}]}, 2, "role 'robot'"),
+    ({"chosen": 5}, 2, "`chosen` is int"),
+], ids=["no-rejected", "empty-chosen", "identical", "empty-prompt", "blank-prompt", "non-string", "bad-role",
+        "number"])
+def test_bad_preference_pairs_are_one_line_with_file_and_line(tmp_path, cache_dir, checks, broken, where, fragment):
+    rows = [GOOD, {**GOOD, **broken}, GOOD]
+    folder = dpo_recipe(tmp_path, cache_dir, rows)
+    res = checks([folder])
+    assert_one_line_error(res, fragment)
+    assert f"{tmp_path / 'pairs' / 'train.jsonl'}:{where}:" in res.stderr
+
+
+def test_no_usable_pairs(tmp_path, cache_dir, checks):
+    folder = dpo_recipe(tmp_path, cache_dir, max_length=4)  # every prompt fills max_length: no answer is left
+    assert_one_line_error(checks([folder]), "no usable pair")
+
+
+def test_an_empty_split_and_missing_columns(tmp_path, cache_dir, checks):
+    folder = dpo_recipe(tmp_path, cache_dir, [])
+    assert_one_line_error(checks([folder]), "train.jsonl is empty")
+    sft_data = tmp_path / "sft"
+    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", tmp_path / "ignored")  # any folder; the data is what matters
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+    shutil.copytree(ensure_assets(quiet=True)["data"], sft_data)
+    assert_one_line_error(checks([folder, "--dataset_name", sft_data]), "DPO needs `prompt`, `chosen` and `rejected`")
+
+
+def test_precomputed_reference_with_full_fine_tuning_is_refused(tmp_path, cache_dir, checks):
+    folder = dpo_recipe(tmp_path, cache_dir)
+    res = checks([folder, "--use_peft", "false", "--precompute_ref_log_probs", "true", "--use_cpu", "false"])
+    assert_one_line_error(res, "precompute_ref_log_probs with full fine-tuning")
+
+
+@pytest.mark.parametrize("yaml_field, fragment", [
+    ({"trainer": "sft"}, "names trainer `sft`, but a recipe's sft settings live in sft.yaml"),
+    ({"trainer": "ppo"}, "unknown trainer `ppo`"),
+    ({"beta": 0.1, "trainer": "dpo", "packing": True}, "unknown config key `packing`"),
+])
+def test_trainer_kind_mistakes(tmp_path, cache_dir, checks, yaml_field, fragment):
+    folder = dpo_recipe(tmp_path, cache_dir)
+    raw = yaml.safe_load((folder / "dpo.yaml").read_text())
+    (folder / "dpo.yaml").write_text(yaml.safe_dump({**raw, **yaml_field}))
+    assert_one_line_error(checks([folder]), fragment)
+
+
+def test_two_trainer_yamls_in_one_folder(tmp_path, cache_dir, checks):
+    folder = dpo_recipe(tmp_path, cache_dir)
+    shutil.copy(REPO / "recipes" / "tiny-cpu-lora" / "sft.yaml", folder / "sft.yaml")
+    assert_one_line_error(checks([folder]), "holds sft.yaml, dpo.yaml: a recipe trains with one trainer")
+
+
+def test_the_dpo_demo_without_its_sft_run_names_the_command(tmp_path, cache_dir, checks):
+    res = checks(["smollm2-135m-dpo", "--model_name_or_path", tmp_path / "missing" / "merged"])
+    assert_one_line_error(res, "run `make finetune RECIPE=smollm2-135m-lora` first")
+
+
+def test_every_recipe_folder_has_one_trainer_yaml_matching_its_trainer():
+    from fsdp_recipes.config import recipes
+
+    names = recipes.available(REPO / "recipes")
+    kinds = {}
+    for name in names:
+        loaded = recipes.load(REPO / "recipes" / name)
+        assert loaded.config_path.name == f"{loaded.trainer}.yaml"
+        kinds.setdefault(loaded.trainer, []).append(name)
+    assert {"sft", "dpo"} <= set(kinds) and len(kinds["dpo"]) >= 3, kinds
+
+
+def test_the_planner_counts_the_reference_model_only_for_full_fine_tuning():
+    from fsdp_recipes.planning import plan
+
+    full = plan.prepare("qwen3-8b-full-dpo", 8, 1, "H100", REPO / "recipes")
+    lora = plan.prepare("llama-3.1-8b-lora-dpo", 8, 1, "H100", REPO / "recipes")
+    sft = plan.prepare("qwen3-8b-full", 8, 1, "H100", REPO / "recipes")
+    # Qwen3-8B (hidden 4096, 32 query and 8 key/value heads of 128, intermediate 12288, 36 layers, an untied
+    # 151,936-token vocabulary): a layer holds 2*4096*4096 + 2*4096*1024 + 3*4096*12288 + 2*4096 + 2*128 weights and
+    # the root unit 2*151936*4096 + 4096. In bf16: the copy sharded over 8 GPUs, plus the reference's own all-gather
+    # of two layers and its root unit
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288 + 2 * 4096 + 2 * 128
+    root = 2 * 151936 * 4096 + 4096
+    expected = (36 * layer + root) * 2 / 8 + (2 * layer + root) * 2
+    assert full.budgets["FSDP"]["reference_model"] == pytest.approx(expected, rel=1e-3)
+    assert lora.budgets["FSDP"]["reference_model"] == 0
+    assert "reference_model" not in sft.budgets["FSDP"]
+    text = plan.report(full)
+    assert "reference model (DPO): a second copy of the weights" in text and "preference pairs" in text
