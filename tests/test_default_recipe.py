@@ -117,7 +117,7 @@ def test_merged_model_loads_tied_with_the_adapter_merged(run_dir):
 # ---- SFT -> DPO: smollm2-135m-dpo continues from the run above (its merged model), shortened the same way
 
 
-PAIR_QUESTIONS = 48  # training questions the SFT model answers to make pairs (the recipe: 1,600)
+PAIR_QUESTIONS = 16  # training questions the SFT model answers to make pairs (the recipe: 1,600; all 100 held out)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def dpo_dir(run_dir, tmp_path_factory, cache_dir):
     res = launch(["smollm2-135m-dpo", "--model_name_or_path", str(run_dir / "merged"), "--dataset_name",
                   str(root / "pairs"), "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
                   "--output_dir", str(out)], cache_dir, timeout=900, **GENERATIONS,
-                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS), FSDP_RECIPES_PREFERENCE_QUESTIONS=str(PAIR_QUESTIONS))
+                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS), FSDP_RECIPES_PREFERENCE_QUESTIONS=f"{PAIR_QUESTIONS},{EVAL_PROMPTS}")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out.joinpath("launch.log").write_text(res.stdout + res.stderr)
     return out
@@ -136,10 +136,10 @@ def dpo_dir(run_dir, tmp_path_factory, cache_dir):
 def test_dpo_pairs_come_from_the_sft_models_own_answers(dpo_dir, run_dir):
     pairs = dpo_dir.parent / "pairs"
     stamp = load(pairs, "source.json")
-    assert stamp["model"] == str((run_dir / "merged").resolve()) and stamp["train_questions"] == PAIR_QUESTIONS
+    assert stamp["model"] == str((run_dir / "merged").resolve()) and stamp["questions"] == [PAIR_QUESTIONS, EVAL_PROMPTS]
     train = [json.loads(line) for line in (pairs / "train.jsonl").read_text().splitlines()]
     test = [json.loads(line) for line in (pairs / "test.jsonl").read_text().splitlines()]
-    assert 0 < len(train) <= PAIR_QUESTIONS and len(test) == TEST_QUESTIONS
+    assert 0 < len(train) <= PAIR_QUESTIONS and len(test) == EVAL_PROMPTS  # every held-out question is a pair
     for row in train + test:  # chosen is the sum, rejected another number
         a, b = map(int, re.findall(r"\d+", row["prompt"][-1]["content"]))
         assert row["chosen"][0]["content"] == str(a + b) != row["rejected"][0]["content"]

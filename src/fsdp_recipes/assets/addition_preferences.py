@@ -26,24 +26,30 @@ from pathlib import Path
 from fsdp_recipes.errors import UserError
 
 TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained on the first 768 of a shuffle
-QUESTIONS_ENV = "FSDP_RECIPES_PREFERENCE_QUESTIONS"  # fewer training questions (the test suite's short run)
+QUESTIONS_ENV = "FSDP_RECIPES_PREFERENCE_QUESTIONS"  # fewer questions (the test suite's short run)
 BATCH = 100
 STAMP = "source.json"
-VERSION = 2  # of how pairs are built: a change here rebuilds every cached set
+VERSION = 3  # of how pairs are built: a change here rebuilds every cached set
+MIRROR = os.environ.get("FSDP_RECIPES_PREFERENCE_MIRROR", "0") == "1"  # bench/README.md: it did not help
 
 
-def train_questions() -> int:
+def question_counts() -> tuple[int, int]:
+    """(training questions, held-out questions) the model answers: FSDP_RECIPES_PREFERENCE_QUESTIONS ("N" or
+    "N,M"), else (TRAIN_QUESTIONS, all 100)."""
     value = os.environ.get(QUESTIONS_ENV, str(TRAIN_QUESTIONS))
-    if not value.isdigit() or not 1 <= int(value) <= 3995:
-        raise UserError(f"{QUESTIONS_ENV}={value!r} is not a whole number from 1 to 3995. Fix: set how many training "
-                        f"questions the SFT model answers to make pairs (default {TRAIN_QUESTIONS}), or unset it.")
-    return int(value)
+    parts = value.split(",")
+    if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > 3995 or (
+            len(parts) == 2 and int(parts[1]) > 100):
+        raise UserError(f"{QUESTIONS_ENV}={value!r} is not N or N,M (N training questions, 1 to 3995; M held-out "
+                        f"questions, 1 to 100). Fix: set how many questions the SFT model answers to make pairs "
+                        f"(default {TRAIN_QUESTIONS},100), or unset it.")
+    return int(parts[0]), int(parts[1]) if len(parts) == 2 else 100
 
 
 def source_of(model: Path) -> dict:
     """What identifies the model the pairs come from: its folder and its weight files' sizes and times."""
     files = sorted(model.glob("*.safetensors"))
-    return {"version": VERSION, "model": str(model.resolve()), "train_questions": train_questions(),
+    return {"version": VERSION, "mirror": MIRROR, "model": str(model.resolve()), "questions": list(question_counts()),
             "weights": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
 
 
@@ -84,7 +90,7 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
     torch.manual_seed(0)
     counts = {}
     t0 = time.time()
-    for split, n in (("train", train_questions()), ("test", None)):
+    for split, n in zip(("train", "test"), question_counts()):
         qs = questions(split, n)
         answers = greedy_answers(model, [p for p, _ in qs])
         rows, wrong = [], 0
@@ -92,6 +98,10 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
             if got != str(total):
                 wrong += 1
                 rows.append(pair(prompt, str(total), got))
+                if split == "train" and MIRROR and got.isdigit() and int(got) != total:
+                    # the mistake's mirror image (a carry dropped -> a carry added): pairs on both sides of the
+                    # sum, so that DPO cannot lower the loss by shifting every answer one way
+                    rows.append(pair(prompt, str(total), str(2 * total - int(got))))
             elif split == "test":
                 rows.append(pair(prompt, str(total), near_miss(total)))
         out.mkdir(parents=True, exist_ok=True)
