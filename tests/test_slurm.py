@@ -71,8 +71,10 @@ def test_one_node(cluster, submit, tmp_path):
     This is also that recipe's smoke test (tests/test_smoke.py leaves it to this one); the SFT recipe tiny-cpu-lora
     runs through Slurm in the tests below."""
     out = tmp_path / "run"
+    # --min_gpus 0, as the smoke run sets it: else the sbatch script would start one process per GPU that this test
+    # cluster's node advertises (fake ones: 8 CPU processes on 2 cores)
     job, log = submit(ONE_NODE, ["--max_steps", "10", "--eval_strategy", "no", "--save_merged_model", "false",
-                                 "--logging_steps", "5", "--output_dir", str(out)],
+                                 "--logging_steps", "5", "--min_gpus", "0", "--output_dir", str(out)],
                       recipe="llama-3.1-8b-lora-dpo", FSDP_RECIPES_SMOKE="1")
     info, text = finished(cluster, job, log, 180)
     m = json.loads((out / "metrics.json").read_text())
