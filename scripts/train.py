@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The SFT entry point as a script, for `accelerate launch scripts/train.py --config ...`.
+"""The rank entry point (every trainer kind) as a script, for `accelerate launch scripts/train.py --config ...`.
 
 The code lives in the package (fsdp_recipes.train.entry) so recipe folders copied elsewhere can use it too.
 """
