@@ -148,4 +148,4 @@ def test_the_planner_counts_the_reference_model_only_for_full_fine_tuning():
     assert lora.budgets["FSDP"]["reference_model"] == 0
     assert "reference_model" not in sft.budgets["FSDP"]
     text = plan.report(full)
-    assert "reference model (DPO): a second copy of the weights" in text and "preference pairs" in text
+    assert "reference model (dpo): a second copy of the weights" in text and "preference pairs" in text

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fsdp_recipes.config import accelerate_yaml, model_check, recipes, run_config, value_checks, yaml_keys
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.train import float8
+from fsdp_recipes.train import float8, kinds
 from fsdp_recipes.planning import answers, comms, fabric, memory_budget
 from fsdp_recipes.planning.memory_budget import GIB
 
@@ -110,11 +110,11 @@ def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = Fals
     mixed = acc.get("mixed_precision", "no") in ("bf16", "fp16") or training.bf16 or training.fp16
     load = DTYPE_BYTES.get(str(model_args.dtype or "float32").replace("torch.", ""), 4)
     optim = next((v for k, v in memory_budget.OPTIMIZER_BYTES.items() if str(training.optim).startswith(k)), 8)
-    dpo = trainer == "dpo"  # each pair is two sequences, and there is a reference model (memory_budget.py)
+    kind = kinds.load(trainer)  # DPO: each pair is two sequences, and there is a reference model (memory_budget.py)
     common = dict(
         world=gpus * nodes, load_bytes=load, compute_bytes=2 if mixed else load, mixed_precision=mixed,
-        tokens=training.per_device_train_batch_size * (training.max_length or 1024) * (2 if dpo else 1),
-        reference=("adapter" if model_args.use_peft else "copy") if dpo else "none",
+        tokens=training.per_device_train_batch_size * (training.max_length or 1024) * kind.SEQUENCES_PER_ROW,
+        reference=("adapter" if model_args.use_peft else "copy") if kind.REFERENCE_FORWARD else "none",
         activation_checkpointing=bool(training.activation_checkpointing), optimizer_bytes=optim,
         runtime_bytes=0 if on_cpu else 2 * GIB,
     )
@@ -211,7 +211,7 @@ def report(p: Planned) -> str:
         f"parameters sharded over {p.runs[own].shard} GPU(s)",
         f"global batch {training.per_device_train_batch_size} per GPU x {training.gradient_accumulation_steps} "
         f"accumulation x {gpus * nodes} data-parallel = {global_batch} "
-        f"{'preference pairs (2 sequences each)' if p.cfg.trainer == 'dpo' else 'sequences'} of up to "
+        f"{kinds.load(p.cfg.trainer).ROWS} of up to "
         f"{training.max_length} tokens",
         "",
         table(p.budgets, p.capacity),
@@ -219,9 +219,9 @@ def report(p: Planned) -> str:
         f"decision rule (fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP): "
         f"{decide(p.budgets, nodes, p.usable)}",
     ]
-    if p.cfg.trainer == "dpo":
-        ref = p.budgets[own].get("reference_model", 0)
-        lines.append("reference model (DPO): " + (
+    if "reference_model" in p.budgets[own]:
+        ref = p.budgets[own]["reference_model"]
+        lines.append(f"reference model ({p.cfg.trainer}): " + (
             "the base with the LoRA adapter disabled, no copy: 0 GiB/GPU" if model_args.use_peft else
             f"a second copy of the weights, sharded like the policy, no gradients or optimizer state: {gib(ref)} "
             f"GiB/GPU ({100 * ref / p.budgets[own]['total']:.0f}% of the total)"))

@@ -6,7 +6,9 @@ A kind module provides:
     check_data(cfg, splits, tokenizer)  the rows, in the launcher before any rank starts: errors with file and
                                       line; returns the warnings (tokenizer: None when the model is not local)
     REPORTED_LOGS                     the trainer's own log keys that the run report adds to metrics.json
-    REFERENCE_FORWARD                 whether each token also runs a reference model's forward (FLOPs, MFU)
+    REFERENCE_FORWARD                 whether each token also runs a reference model's forward (FLOPs, MFU; and
+                                      `make plan`'s reference-model row)
+    SEQUENCES_PER_ROW, ROWS           `make plan`: sequences per dataset row, and what to call a row
     SMOKE_DATA                        which of tiny_assets' datasets `make smoke` trains on
     describe_tokens                   how tokens/s and MFU count this kind's work (docs/run-report.md)
 

@@ -21,7 +21,10 @@ from fsdp_recipes.errors import UserError
 # DPOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `dpo` section
 REPORTED_LOGS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                  "logps/rejected")
-REFERENCE_FORWARD = True  # the run report's FLOPs count a reference forward per token (metrics/flops.py)
+REFERENCE_FORWARD = True  # the run report's FLOPs count a reference forward per token (metrics/flops.py), and
+# make plan a reference model (planning/memory_budget.py): none with LoRA, a sharded copy with full fine-tuning
+SEQUENCES_PER_ROW = 2  # a pair: chosen and rejected
+ROWS = "preference pairs (2 sequences each)"
 SMOKE_DATA = "preferences"  # tiny_assets' synthetic preference pairs, for make smoke
 describe_tokens = ("non-padding tokens of the chosen and rejected sequences (prompt included), one policy "
                    "forward and backward each, plus one reference forward (2N FLOPs per token, counted in MFU)")
