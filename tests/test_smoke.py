@@ -104,8 +104,7 @@ def test_smoke_checks_of_the_recipes_another_launch_covers(name, cache_dir, tmp_
 
     other = COVERED_ELSEWHERE[name]
     other_acc = yaml.safe_load((REPO / "recipes" / other / "accelerate.yaml").read_text())
-    if other == name:  # run elsewhere through this same launch path (for real, or as its smoke run)
-        assert scaled == smoke_module.scale_accelerate(other_acc)
+    if other == name:  # run elsewhere through this same launch path (for real, or as its smoke run): the checks above
         if other_acc["num_processes"] == 2:  # a CPU recipe: its own YAML already is what a smoke run gets
             assert {k: scaled[k] for k in other_acc} == other_acc
         return

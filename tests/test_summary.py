@@ -177,3 +177,30 @@ def test_the_exact_match_goes_into_metrics_json_and_the_console(tmp_path, monkey
     assert (ev["prompts"], ev["base_correct"], ev["trained_correct"]) == (100, 0, 100)
     assert ev["samples"] == examples[:summary.SHOWN_SAMPLES]
     assert json.loads((run / "sample_generations.json").read_text())["examples"] == examples
+
+
+def test_preference_margins_are_the_answers_log_probabilities(cache_dir):
+    """summary.preference_margins against each sequence scored on its own, unpadded: log p(chosen) - log p(rejected),
+    summed over the answer's tokens (those after the rendered prompt), on the tiny model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+    model_dir = str(ensure_assets(quiet=True)["model"])
+    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    pairs = [([{"role": "user", "content": "What is 2 + 3?"}], "5", "16"),
+             ([{"role": "user", "content": "What is 9 + 9?"}], "18", "7")]
+
+    def alone(prompt, answer):
+        head = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(prompt + [{"role": "assistant", "content": answer}], tokenize=False)
+        assert full.startswith(head)
+        ids = tok(full, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        n_head = len(tok(head, add_special_tokens=False)["input_ids"])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        return sum(float(logp[t - 1, ids[0, t]]) for t in range(n_head, ids.shape[1]))
+
+    expected = [alone(p, c) - alone(p, r) for p, c, r in pairs]
+    assert summary.preference_margins(model_dir, pairs) == pytest.approx(expected, abs=1e-4)

@@ -64,8 +64,9 @@ def test_a_good_dpo_recipe_reaches_the_ranks_with_its_own_yaml(tmp_path, cache_d
     ({"chosen": [{"role": "assistant", "content": 5}]}, 2, "content of type int, not text"),
     ({"rejected": [{"role": "robot", "content": "6"}]}, 2, "role 'robot'"),
     ({"chosen": 5}, 2, "`chosen` is int"),
+    ({"prompt": "What is 2 + 3?"}, 2, "chosen, rejected are chat turns but prompt plain text"),
 ], ids=["no-rejected", "empty-chosen", "identical", "empty-prompt", "blank-prompt", "non-string", "bad-role",
-        "number"])
+        "number", "mixed-layout"])
 def test_bad_preference_pairs_are_one_line_with_file_and_line(tmp_path, cache_dir, checks, broken, where, fragment):
     rows = [GOOD, {**GOOD, **broken}, GOOD]
     folder = dpo_recipe(tmp_path, cache_dir, rows)
@@ -149,3 +150,27 @@ def test_the_planner_counts_the_reference_model_only_for_full_fine_tuning():
     assert "reference_model" not in sft.budgets["FSDP"]
     text = plan.report(full)
     assert "reference model (dpo): a second copy of the weights" in text and "preference pairs" in text
+
+
+def test_continues_from_names_the_recipe_only_for_its_output_path(tmp_path):
+    from fsdp_recipes.config.model_check import check_local_model
+    from fsdp_recipes.errors import UserError
+
+    check_local_model("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-lora")  # a hub id: from_pretrained's
+    with pytest.raises(UserError, match="run `make finetune RECIPE=smollm2-135m-lora` first"):
+        check_local_model("runs/nowhere/merged", "smollm2-135m-lora")
+
+
+def test_pairs_need_a_mistake(tmp_path, monkeypatch):
+    """An SFT model that answers every training question right leaves no pair: one line, and no stamp that would call
+    an empty file current."""
+    from fsdp_recipes.assets import addition_preferences as prefs
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.setenv(prefs.QUESTIONS_ENV, "4,2")
+    monkeypatch.setattr(prefs, "greedy_answers", lambda model, prompts: [
+        str(sum(map(int, p[-1]["content"][8:-1].split(" + ")))) for p in prompts])
+    (tmp_path / "model").mkdir()
+    with pytest.raises(UserError, match="answered all 4 training questions right"):
+        prefs.write(tmp_path / "model", tmp_path / "pairs", say=lambda *a: None)
+    assert not (tmp_path / "pairs" / prefs.STAMP).exists()

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_recipes.errors import UserError
+from fsdp_recipes.errors import UserError, cli
 
 TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained on the first 768 of a shuffle
 QUESTIONS_ENV = "FSDP_RECIPES_PREFERENCE_QUESTIONS"  # fewer questions (the test suite's short run)
@@ -104,6 +104,10 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
                     rows.append(pair(prompt, str(total), str(2 * total - int(got))))
             elif split == "test":
                 rows.append(pair(prompt, str(total), near_miss(total)))
+        if not rows:  # only the training split can end empty: every held-out question makes a pair
+            raise UserError(f"addition_preferences: {model} answered all {len(qs)} training questions right, so there "
+                            f"is no mistake to make a preference pair from. Fix: raise {QUESTIONS_ENV} (more "
+                            "questions), or train DPO on other pairs (dataset_name, addition_preferences: false).")
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / f".{split}.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -130,6 +134,7 @@ def ensure(model: str, out: str, quiet: bool = False) -> Path:
     return out_dir
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="the SFT model (a merged folder)")

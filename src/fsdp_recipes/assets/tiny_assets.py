@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import time
@@ -74,7 +75,7 @@ def write_preferences(out: Path, n_train: int = 512, n_test: int = 32, seed: int
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     for split, n in (("train", n_train), ("test", n_test)):
-        tmp = out / f".{split}.jsonl.tmp"
+        tmp = out / f".{split}.jsonl.{os.getpid()}.tmp"  # two processes building at once each write their own
         with open(tmp, "w") as f:
             for _ in range(n):
                 f.write(json.dumps(make_preference(rng)) + "\n")

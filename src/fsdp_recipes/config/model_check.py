@@ -128,7 +128,8 @@ def looks_local(path: str) -> bool:
 def check_local_model(path: str, continues_from: str | None = None) -> None:
     """A local model folder must hold config.json. `continues_from`: the recipe whose output `path` is (a DPO run
     on the SFT run's merged model): then the fix is to run that recipe first."""
-    if continues_from and not (Path(path) / "config.json").is_file():
+    # a hub id is `org/name`: a path with more parts (runs/<recipe>/merged) is the other run's output
+    if continues_from and (looks_local(path) or path.count("/") > 1) and not (Path(path) / "config.json").is_file():
         raise UserError(
             f"model not found: {path} is the output of recipe {continues_from}, which has not run here yet. "
             f"Fix: run `make finetune RECIPE={continues_from}` first (or point model_name_or_path at another model)."

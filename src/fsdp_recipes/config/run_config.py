@@ -168,7 +168,10 @@ def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
     types = dataclass_types(kind)
     yaml_keys.check_known_keys(raw, types, path)
     yaml_keys.check_known_flags(argv, types)
-    for key, value in (raw.pop("env", None) or {}).items():  # TRL's `env` convention, as its parser applies it
+    env = raw.pop("env", None) or {}
+    if not isinstance(env, dict):
+        raise UserError(f"`env` in {path} must be a mapping of NAME: value lines. Fix: indent the variables under it.")
+    for key, value in env.items():  # TRL's `env` convention, as its parser applies it
         os.environ[key] = str(value)
     parser = TrlParser(types)
     parser.set_defaults_with_config(**raw)

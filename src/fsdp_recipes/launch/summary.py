@@ -54,7 +54,7 @@ def load_prompts(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict],
     (the chosen answer is the expected one)."""
     rows = eval_rows(run_args, limit, cfg)
     key = next((k for k in ("completion", "chosen") if k in rows.column_names), None)
-    if key is None or "prompt" not in rows.column_names or not isinstance(rows[0]["prompt"], list):
+    if key is None or "prompt" not in rows.column_names or not len(rows) or not isinstance(rows[0]["prompt"], list):
         return []
     return [(r["prompt"], answer(r[key])) for r in rows]
 
@@ -62,7 +62,8 @@ def load_prompts(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict],
 def load_pairs(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str, str]]:
     """(chat prompt, chosen, rejected) from the run's eval split when it holds preference pairs, else []."""
     rows = eval_rows(run_args, limit, cfg)
-    if not {"prompt", "chosen", "rejected"} <= set(rows.column_names) or not isinstance(rows[0]["prompt"], list):
+    if not {"prompt", "chosen", "rejected"} <= set(rows.column_names) or not len(rows) or not isinstance(
+            rows[0]["prompt"], list):
         return []
     return [(r["prompt"], answer(r["chosen"]), answer(r["rejected"])) for r in rows]
 
@@ -169,33 +170,51 @@ def settings() -> tuple[int, str]:
     return eval_prompts(), generation_setting()
 
 
-def preference_margins(model_dir: str, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
-    """log p(chosen) - log p(rejected) of each pair's answer after its chat prompt, summed over the answer's tokens
-    (the quantity DPO's implicit reward is built from); plain transformers, one batched forward per answer side."""
+def answer_logps(model, tok, prompt: list[dict], answers: list[str], batch_size: int = 16) -> list[float]:
+    """log p(answer | chat prompt) of each answer, summed over its tokens. The answer's tokens are those after the
+    longest common prefix of the prompt's and the full conversation's token ids (TRL's way: a template need not
+    render the prompt as a prefix of the whole); padding on the right, logsumexp instead of a full log_softmax."""
     import torch
+    from trl.data_utils import common_prefix_length
+
+    def ids(x):
+        return list(x["input_ids"] if hasattr(x, "keys") else x)
+
+    rows, starts = [], []
+    for p, a in zip(prompt, answers):
+        head = ids(tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True))
+        full = ids(tok.apply_chat_template(p + [{"role": "assistant", "content": a}], tokenize=True))
+        rows.append(full)
+        starts.append(common_prefix_length(head, full))
+    out = []
+    for i in range(0, len(rows), batch_size):
+        chunk, first = rows[i:i + batch_size], starts[i:i + batch_size]
+        width = max(len(r) for r in chunk)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in chunk])
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk])
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
+        targets = input_ids[:, 1:]
+        token_logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+        position = torch.arange(targets.shape[1]).unsqueeze(0)  # target t is token t + 1 of the row
+        answer = (position >= torch.tensor(first).unsqueeze(1) - 1) & mask[:, 1:].bool()
+        out += (token_logps * answer).sum(-1).tolist()
+    return out
+
+
+def preference_margins(model_dir: str, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
+    """log p(chosen) - log p(rejected) of each pair's answer after its chat prompt (the quantity DPO's implicit
+    reward is built from); plain transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.eval()
-
-    def logps(answers: list[str]) -> torch.Tensor:
-        prompts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p, _, _ in pairs]
-        fulls = [tok.apply_chat_template(p + [{"role": "assistant", "content": a}], tokenize=False)
-                 for (p, _, _), a in zip(pairs, answers)]
-        starts = [len(tok(t, add_special_tokens=False)["input_ids"]) for t in prompts]
-        enc = tok(fulls, return_tensors="pt", padding=True, add_special_tokens=False)
-        with torch.no_grad():
-            logits = model(**enc).logits[:, :-1].float()
-        targets = enc["input_ids"][:, 1:]
-        token_logps = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        positions = torch.arange(targets.shape[1]).unsqueeze(0)
-        # right padding: the answer's tokens are those from the prompt's end to the mask's end
-        mask = (positions >= torch.tensor(starts).unsqueeze(1) - 1) & enc["attention_mask"][:, 1:].bool()
-        return (token_logps * mask).sum(-1)
-
-    tok.padding_side = "right"
-    return (logps([c for _, c, _ in pairs]) - logps([r for _, _, r in pairs])).tolist()
+    prompts = [p for p, _, _ in pairs]
+    chosen = answer_logps(model, tok, prompts, [c for _, c, _ in pairs])
+    rejected = answer_logps(model, tok, prompts, [r for _, _, r in pairs])
+    return [c - r for c, r in zip(chosen, rejected)]
 
 
 def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=None) -> dict | None:

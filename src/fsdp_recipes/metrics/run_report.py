@@ -252,7 +252,9 @@ class RunReportCallback(TrainerCallback):
                 layers, heads, head_dim, seq_len,
             )
             if self.reference_forward:  # DPO's reference model (docs/run-report.md)
-                ref = self.params["frozen_non_embedding"] or self.params["trainable_non_embedding"]
+                # LoRA: the base with the adapter disabled (the frozen weights); full: a copy of the whole model
+                lora = self.resolved_args.get("lora_config") is not None
+                ref = self.params["frozen_non_embedding"] + (0 if lora else self.params["trainable_non_embedding"])
                 fpt += flops.reference_forward_flops(ref, layers, heads, head_dim, seq_len)
         peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
         if device["type"] != "cuda":

@@ -31,6 +31,7 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
     float8.check_config(cfg.pack.float8, cfg.model.use_peft)
     value_checks.check_values(cfg)
+    kinds.load(cfg.trainer).check_config(cfg)
 
 
 def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None, raw: dict | None = None) -> RunConfig:
@@ -324,7 +325,9 @@ def run(argv: list[str] | None = None) -> int:
     report = RunReportCallback(
         cfg.training.output_dir, cfg.resolved(peft_config),
         cfg.pack.recipe_name, resume_from=resume, prometheus_textfile=cfg.pack.prometheus_textfile,
-        trainer=cfg.trainer, reported_logs=kind.REPORTED_LOGS, reference_forward=kind.REFERENCE_FORWARD,
+        # a precomputed reference runs before training, outside the time tokens/s divides by
+        trainer=cfg.trainer, reported_logs=kind.REPORTED_LOGS,
+        reference_forward=kind.REFERENCE_FORWARD and not getattr(cfg.training, "precompute_ref_log_probs", False),
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     report.resolved_args["patches_applied"] = guard.APPLIED  # the list object: later patches show too

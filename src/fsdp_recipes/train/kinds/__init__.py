@@ -2,6 +2,7 @@
 
 A kind module provides:
     trainer_class()                   TRL's trainer class (SFTTrainer, DPOTrainer); entry.py adds the pack's hooks
+    check_config(cfg)                 the kind's own settings, before anything loads (one-line errors)
     load_datasets(cfg)                (train, eval or None), with one-line errors for splits and columns
     check_data(cfg, splits, tokenizer)  the rows, in the launcher before any rank starts: errors with file and
                                       line; returns the warnings (tokenizer: None when the model is not local)

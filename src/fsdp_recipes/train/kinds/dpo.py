@@ -123,6 +123,12 @@ def check_rows(ds, where: str, split: str) -> None:
                 raise UserError(f"{at}: the prompt is empty. Fix: give the pair its prompt, or remove the row.")
             _text(prompt, "prompt", at)
         chosen, rejected = _text(row.get("chosen"), "chosen", at), _text(row.get("rejected"), "rejected", at)
+        kinds = {k: isinstance(row.get(k), list) for k in ("prompt", "chosen", "rejected") if k in row}
+        if len(set(kinds.values())) > 1:
+            chat = ", ".join(k for k, v in kinds.items() if v)
+            raise UserError(f"{at}: {chat} are chat turns but {', '.join(k for k, v in kinds.items() if not v)} "
+                            "plain text; TRL reads a pair as one or the other. Fix: make them all lists of chat "
+                            "turns (or all text), or drop `prompt` and keep it inside `chosen` and `rejected`.")
         if chosen == rejected:
             raise UserError(f"{at}: `chosen` and `rejected` are the same answer, so the pair prefers nothing. Fix: "
                             "remove the row, or give it a different rejected answer.")
@@ -150,9 +156,10 @@ def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str)
             "their answers are cut away"] if full_prompt else []
 
 
-def check_reference(cfg) -> None:
-    """precompute_ref_log_probs with full fine-tuning under FSDP loads an unsharded reference on every rank (see
-    the module's docstring): refused with the fix."""
+def check_config(cfg) -> None:
+    """Settings, before any data or weight is loaded (entry.check_before_launch, in the launcher and every rank):
+    precompute_ref_log_probs with full fine-tuning loads an unsharded reference on every rank (see the module's
+    docstring), refused with the fix; it is allowed with LoRA."""
     if cfg.training.precompute_ref_log_probs and not cfg.model.use_peft and not cfg.training.use_cpu:
         raise UserError("precompute_ref_log_probs with full fine-tuning loads the whole reference model unsharded on "
                         "every GPU before FSDP wraps the policy (TRL 1.16; trl PR 6527). Fix: leave it false (the "
@@ -160,7 +167,6 @@ def check_reference(cfg) -> None:
 
 
 def check_data(cfg, splits, tokenizer) -> list[str]:
-    check_reference(cfg)
     where, warned = cfg.script.dataset_name, []
     if tokenizer is not None and getattr(tokenizer, "chat_template", None) is None:
         first = splits[0][0]

@@ -16,6 +16,10 @@ def trainer_class():
     return SFTTrainer
 
 
+def check_config(cfg) -> None:
+    """Nothing beyond the shared checks (entry.check_before_launch)."""
+
+
 def load_datasets(cfg, want_eval: bool | None = None):
     from fsdp_recipes.train.loading import load_sft_datasets
 
