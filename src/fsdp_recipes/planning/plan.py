@@ -71,6 +71,10 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
         ensure_assets(quiet=True)
     model_args = cfg.model
     source = model_check.model_config_source(model_args.model_name_or_path, recipe)
+    if source is None and cfg.pack.continues_from and (recipe / "model_config.json").is_file():
+        # another run's output (the SFT model a DPO recipe trains on) has its base model's architecture, which the
+        # recipe ships: the plan needs no run to have happened
+        source = recipe / "model_config.json"
     if source is None:
         raise UserError(f"recipe {recipe.name}: the config of {model_args.model_name_or_path} is not available offline. "
                         "Fix: save the model's config.json as model_config.json in the recipe folder.")
