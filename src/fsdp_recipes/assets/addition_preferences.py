@@ -31,6 +31,7 @@ BATCH = 100
 STAMP = "source.json"
 VERSION = 3  # of how pairs are built: a change here rebuilds every cached set
 MIRROR = os.environ.get("FSDP_RECIPES_PREFERENCE_MIRROR", "0") == "1"  # bench/README.md: it did not help
+SAMPLED = os.environ.get("FSDP_RECIPES_PREFERENCE_SAMPLED", "0") == "1"  # bench/README.md
 
 
 def question_counts() -> tuple[int, int]:
@@ -49,7 +50,7 @@ def question_counts() -> tuple[int, int]:
 def source_of(model: Path) -> dict:
     """What identifies the model the pairs come from: its folder and its weight files' sizes and times."""
     files = sorted(model.glob("*.safetensors"))
-    return {"version": VERSION, "mirror": MIRROR, "model": str(model.resolve()), "questions": list(question_counts()),
+    return {"version": VERSION, "mirror": MIRROR, "sampled": SAMPLED, "model": str(model.resolve()), "questions": list(question_counts()),
             "weights": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
 
 
@@ -93,6 +94,10 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
     for split, n in zip(("train", "test"), question_counts()):
         qs = questions(split, n)
         answers = greedy_answers(model, [p for p, _ in qs])
+        if split == "train" and SAMPLED:  # one answer sampled at temperature 1 per question: a second on-policy try
+            from fsdp_recipes.assets.generation import generate
+
+            sampled = generate(str(model), [p for p, _ in qs], batch_size=BATCH, temperature=1.0)
         rows, wrong = [], 0
         for (prompt, total), got in zip(qs, answers):
             if got != str(total):
@@ -104,6 +109,10 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
                     rows.append(pair(prompt, str(total), str(2 * total - int(got))))
             elif split == "test":
                 rows.append(pair(prompt, str(total), near_miss(total)))
+        if split == "train" and SAMPLED:
+            for (prompt, total), got, drawn in zip(qs, answers, sampled):
+                if drawn != str(total) and drawn != got and drawn.strip():
+                    rows.append(pair(prompt, str(total), drawn))
         if not rows:  # only the training split can end empty: every held-out question makes a pair
             raise UserError(f"addition_preferences: {model} answered all {len(qs)} training questions right, so there "
                             f"is no mistake to make a preference pair from. Fix: raise {QUESTIONS_ENV} (more "
