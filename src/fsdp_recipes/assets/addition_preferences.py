@@ -29,9 +29,7 @@ TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained o
 QUESTIONS_ENV = "FSDP_RECIPES_PREFERENCE_QUESTIONS"  # fewer questions (the test suite's short run)
 BATCH = 100
 STAMP = "source.json"
-VERSION = 3  # of how pairs are built: a change here rebuilds every cached set
-MIRROR = os.environ.get("FSDP_RECIPES_PREFERENCE_MIRROR", "0") == "1"  # bench/README.md: it did not help
-SAMPLED = os.environ.get("FSDP_RECIPES_PREFERENCE_SAMPLED", "0") == "1"  # bench/README.md
+VERSION = 4  # of how pairs are built: a change here rebuilds every cached set
 
 
 def question_counts() -> tuple[int, int]:
@@ -50,7 +48,7 @@ def question_counts() -> tuple[int, int]:
 def source_of(model: Path) -> dict:
     """What identifies the model the pairs come from: its folder and its weight files' sizes and times."""
     files = sorted(model.glob("*.safetensors"))
-    return {"version": VERSION, "mirror": MIRROR, "sampled": SAMPLED, "model": str(model.resolve()), "questions": list(question_counts()),
+    return {"version": VERSION, "model": str(model.resolve()), "questions": list(question_counts()),
             "weights": [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in files]}
 
 
@@ -94,25 +92,13 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
     for split, n in zip(("train", "test"), question_counts()):
         qs = questions(split, n)
         answers = greedy_answers(model, [p for p, _ in qs])
-        if split == "train" and SAMPLED:  # one answer sampled at temperature 1 per question: a second on-policy try
-            from fsdp_recipes.assets.generation import generate
-
-            sampled = generate(str(model), [p for p, _ in qs], batch_size=BATCH, temperature=1.0)
         rows, wrong = [], 0
         for (prompt, total), got in zip(qs, answers):
             if got != str(total):
                 wrong += 1
                 rows.append(pair(prompt, str(total), got))
-                if split == "train" and MIRROR and got.isdigit() and int(got) != total:
-                    # the mistake's mirror image (a carry dropped -> a carry added): pairs on both sides of the
-                    # sum, so that DPO cannot lower the loss by shifting every answer one way
-                    rows.append(pair(prompt, str(total), str(2 * total - int(got))))
             elif split == "test":
                 rows.append(pair(prompt, str(total), near_miss(total)))
-        if split == "train" and SAMPLED:
-            for (prompt, total), got, drawn in zip(qs, answers, sampled):
-                if drawn != str(total) and drawn != got and drawn.strip():
-                    rows.append(pair(prompt, str(total), drawn))
         if not rows:  # only the training split can end empty: every held-out question makes a pair
             raise UserError(f"addition_preferences: {model} answered all {len(qs)} training questions right, so there "
                             f"is no mistake to make a preference pair from. Fix: raise {QUESTIONS_ENV} (more "

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 
 def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | None = None,
-             batch_size: int = 128, temperature: float | None = None) -> list[str]:
-    """Greedy answers (or sampled at `temperature`), in batches of `batch_size` with left padding; plain
-    transformers, CPU or GPU; the model is loaded once."""
+             batch_size: int = 128) -> list[str]:
+    """Greedy answers, in batches of `batch_size` with left padding; plain transformers, CPU or GPU; the model is
+    loaded once."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -24,8 +24,6 @@ def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | Non
                  for p in prompts[i:i + batch_size]]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else dict(
-                do_sample=False)
-            out = model.generate(**enc, max_new_tokens=8, pad_token_id=tok.pad_token_id, **sampling)
+            out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
         answers += [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]
     return answers
