@@ -131,11 +131,10 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
     the builder after it has started the ranks, so that building (transformers' import, a few seconds) overlaps
     their imports: they wait at the start gate until the checks pass anyway."""
     from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.train import kinds
 
     folder, raw, acc = recipe.folder, recipe.raw, recipe.accelerate  # the launcher checks acc's keys later
     assets = ensure_assets(quiet=True)
-    from fsdp_recipes.train import kinds
-
     data = assets[kinds.load(recipe.trainer).SMOKE_DATA]
     smoke_args = ["--dataset_name", str(data), "--dataset_train_split", "train",
                   "--dataset_test_split", "test", "--min_gpus", "0", "--tiny_assets", "true",

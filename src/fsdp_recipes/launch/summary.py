@@ -49,23 +49,30 @@ def answer(turns) -> str:
     return turns[-1]["content"] if isinstance(turns, list) else str(turns)
 
 
-def load_prompts(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str]]:
-    """(chat prompt, expected answer) pairs from the run's eval split: prompt-completion rows, or preference pairs
-    (the chosen answer is the expected one)."""
-    rows = eval_rows(run_args, limit, cfg)
+def chat_rows(rows, columns: set[str]) -> bool:
+    """Whether the rows hold these columns and chat prompts (the summary generates from chat prompts only)."""
+    return columns <= set(rows.column_names) and len(rows) > 0 and isinstance(rows[0]["prompt"], list)
+
+
+def prompts_of(rows) -> list[tuple[list[dict], str]]:
+    """(chat prompt, expected answer) from prompt-completion rows, or from preference pairs (the chosen answer is the
+    expected one); [] for other layouts."""
     key = next((k for k in ("completion", "chosen") if k in rows.column_names), None)
-    if key is None or "prompt" not in rows.column_names or not len(rows) or not isinstance(rows[0]["prompt"], list):
+    if key is None or not chat_rows(rows, {"prompt", key}):
         return []
     return [(r["prompt"], answer(r[key])) for r in rows]
 
 
-def load_pairs(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str, str]]:
-    """(chat prompt, chosen, rejected) from the run's eval split when it holds preference pairs, else []."""
-    rows = eval_rows(run_args, limit, cfg)
-    if not {"prompt", "chosen", "rejected"} <= set(rows.column_names) or not len(rows) or not isinstance(
-            rows[0]["prompt"], list):
+def pairs_of(rows) -> list[tuple[list[dict], str, str]]:
+    """(chat prompt, chosen, rejected) when the rows are preference pairs, else []."""
+    if not chat_rows(rows, {"prompt", "chosen", "rejected"}):
         return []
     return [(r["prompt"], answer(r["chosen"]), answer(r["rejected"])) for r in rows]
+
+
+def load_prompts(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str]]:
+    """prompts_of the run's eval split's first `limit` rows."""
+    return prompts_of(eval_rows(run_args, limit, cfg))
 
 
 def stages(run_dir: Path, run_args: dict, trained: Path) -> list[tuple[str, str]]:
@@ -223,7 +230,8 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
     trained = trained_model_dir(run_dir)
     if trained is None:
         return None
-    pairs = load_prompts(run_args, n, cfg)
+    rows = eval_rows(run_args, n, cfg)  # loaded once: the prompts and, on preference data, the pairs
+    pairs = prompts_of(rows)
     if not pairs:
         return None
     prompts = [p for p, _ in pairs]
@@ -244,7 +252,7 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
             for p, e, *outs in zip(prompts, expected, *answers)
         ],
     }
-    preference = load_pairs(run_args, n, cfg)
+    preference = pairs_of(rows)
     if preference:
         margins = [preference_margins(model, preference) for _, model in chain]
         for stage, m in zip(check["stages"], margins):

@@ -47,13 +47,17 @@ def explain_load_failure(path: Path, err: Exception) -> UserError:
                      "file is valid JSON Lines / JSON / Parquet / CSV.")
 
 
-def _where(where: str, split: str, index: int) -> str:
-    """A row, and its line when the split is one JSON Lines file (row i is line i + 1 there)."""
+def split_file(where: str, split: str) -> Path | None:
+    """The JSON Lines file that holds a split of the dataset `where` (a file, or a folder of <split>.jsonl), if any."""
     path = Path(where)
     file = path / f"{split}.jsonl" if path.is_dir() else path
-    if file.suffix == ".jsonl" and file.is_file():
-        return f"{file}:{index + 1}"
-    return f"{where} ({split} split), row {index}"
+    return file if file.suffix == ".jsonl" and file.is_file() else None
+
+
+def row_at(where: str, split: str, index: int) -> str:
+    """A row, and its line when the split is one JSON Lines file (row i is line i + 1 there)."""
+    file = split_file(where, split)
+    return f"{file}:{index + 1}" if file else f"{where} ({split} split), row {index}"
 
 
 def conversational(ds) -> bool:
@@ -75,11 +79,11 @@ def check_rows(ds, where: str, split: str) -> list[str]:
         for turn in turns:
             role = turn.get("role") if isinstance(turn, dict) else None
             if role not in ROLES:
-                raise UserError(f"{_where(where, split, i)}: role {role!r} is not one of {sorted(ROLES)}. Fix: "
+                raise UserError(f"{row_at(where, split, i)}: role {role!r} is not one of {sorted(ROLES)}. Fix: "
                                 "rename the role (chat templates know only these).")
             content = turn.get("content")
             if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
-                raise UserError(f"{_where(where, split, i)}: a {role} turn's content is {type(content).__name__}, not "
+                raise UserError(f"{row_at(where, split, i)}: a {role} turn's content is {type(content).__name__}, not "
                                 "text. Fix: make every content a string.")
         if not any(t.get("role") == "assistant" for t in turns):
             without_assistant += 1
@@ -92,7 +96,7 @@ def check_rows(ds, where: str, split: str) -> list[str]:
     return []
 
 
-def _ids(encoded) -> list:
+def token_ids(encoded) -> list:
     """Token ids from what apply_chat_template / a tokenizer returns (transformers 5: a BatchEncoding)."""
     return encoded["input_ids"] if hasattr(encoded, "keys") else encoded
 
@@ -113,13 +117,13 @@ def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str)
             else:
                 prompt = tokenizer(row["prompt"])["input_ids"]
                 full = tokenizer(row["prompt"] + row["completion"])["input_ids"]
-            prompt, full = _ids(prompt), _ids(full)
+            prompt, full = token_ids(prompt), token_ids(full)
             if len(prompt) >= max_length:
                 dropped += 1
                 continue
         elif "messages" in row:
             full = tokenizer.apply_chat_template(row["messages"], tokenize=True)
-            full = _ids(full)
+            full = token_ids(full)
         else:
             continue
         truncated += len(full) > max_length

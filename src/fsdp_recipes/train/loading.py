@@ -58,8 +58,9 @@ def check_columns(ds, where: str, text_field: str = "text") -> None:
         )
 
 
-def load_sft_datasets(script_args, dataset_args, want_eval: bool, text_field: str = "text"):
-    """(train, eval or None), with one-line errors for missing splits and wrong columns."""
+def load_splits(script_args, dataset_args, want_eval: bool, check):
+    """(train, eval or None), with one-line errors for missing splits; `check(split, where)` is the trainer kind's
+    column check (SFT's check_columns, DPO's)."""
     ds = load_raw(script_args, dataset_args)
     where = script_args.dataset_name or "mixture"
     splits = list(ds.keys())
@@ -67,7 +68,7 @@ def load_sft_datasets(script_args, dataset_args, want_eval: bool, text_field: st
     if train_split not in ds:
         raise UserError(f"dataset {where} has no `{train_split}` split (it has {splits}). Fix: set dataset_train_split.")
     train = ds[train_split]
-    check_columns(train, where, text_field)
+    check(train, where)
     if not want_eval:
         return train, None
     if test_split not in ds:
@@ -75,5 +76,10 @@ def load_sft_datasets(script_args, dataset_args, want_eval: bool, text_field: st
             f"eval is on but dataset {where} has no `{test_split}` split (it has {splits}). "
             "Fix: set dataset_test_split, or eval_strategy: \"no\"."
         )
-    check_columns(ds[test_split], where, text_field)
+    check(ds[test_split], where)
     return train, ds[test_split]
+
+
+def load_sft_datasets(script_args, dataset_args, want_eval: bool, text_field: str = "text"):
+    """(train, eval or None) for SFT, with one-line errors for missing splits and wrong columns."""
+    return load_splits(script_args, dataset_args, want_eval, lambda ds, where: check_columns(ds, where, text_field))

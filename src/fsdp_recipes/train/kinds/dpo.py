@@ -17,6 +17,7 @@ Data: TRL's preference layouts, `prompt` / `chosen` / `rejected` (conversational
 from __future__ import annotations
 
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.train import data_checks
 
 # DPOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `dpo` section
 REPORTED_LOGS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -39,23 +40,10 @@ def trainer_class():
 
 def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None) preference splits, with one-line errors for missing splits and columns."""
-    from fsdp_recipes.train.loading import load_raw
+    from fsdp_recipes.train.loading import load_splits
 
-    ds = load_raw(cfg.script, cfg.mixture)
-    where = cfg.script.dataset_name or "mixture"
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    train_split, test_split = cfg.script.dataset_train_split, cfg.script.dataset_test_split
-    if train_split not in ds:
-        raise UserError(f"dataset {where} has no `{train_split}` split (it has {list(ds)}). Fix: set "
-                        "dataset_train_split.")
-    check_columns(ds[train_split], where)
-    if not want_eval:
-        return ds[train_split], None
-    if test_split not in ds:
-        raise UserError(f"eval is on but dataset {where} has no `{test_split}` split (it has {list(ds)}). "
-                        "Fix: set dataset_test_split, or eval_strategy: \"no\".")
-    check_columns(ds[test_split], where)
-    return ds[train_split], ds[test_split]
+    return load_splits(cfg.script, cfg.mixture, want_eval, check_columns)
 
 
 def check_columns(ds, where: str) -> None:
@@ -64,12 +52,6 @@ def check_columns(ds, where: str) -> None:
         raise UserError(f"dataset {where} has columns {sorted(cols)}, but DPO needs `prompt`, `chosen` and "
                         "`rejected` (or `chosen` and `rejected` with the prompt inside them). Fix: rename the columns, "
                         "or use an SFT recipe for this data.")
-
-
-def _where(where: str, split: str, index: int) -> str:
-    from fsdp_recipes.train.data_checks import _where as row_where
-
-    return row_where(where, split, index)
 
 
 def _text(value, what: str, at: str) -> str:
@@ -96,14 +78,11 @@ def _text(value, what: str, at: str) -> str:
 def as_written(ds, where: str, split: str):
     """The split's rows as its JSON Lines file holds them, where it is one (Arrow gives a column one type, so a
     number among strings comes back as a string, or the strings as numbers); else the dataset's rows."""
-    from pathlib import Path
-
-    folder = Path(where)
-    file = folder / f"{split}.jsonl" if folder.is_dir() else folder
-    if file.suffix != ".jsonl" or not file.is_file():
-        return iter(ds)
     import json
 
+    file = data_checks.split_file(where, split)
+    if file is None:
+        return iter(ds)
     return (json.loads(line) for line in file.read_text().splitlines() if line.strip())
 
 
@@ -115,7 +94,7 @@ def check_rows(ds, where: str, split: str) -> None:
                         "dataset_name at data with rows (or the split at another file).")
     has_prompt = "prompt" in ds.column_names
     for i, row in enumerate(as_written(ds, where, split)):
-        at = _where(where, split, i)
+        at = data_checks.row_at(where, split, i)
         if has_prompt:
             prompt = row.get("prompt")
             if prompt is None or (isinstance(prompt, (str, list)) and not (prompt.strip() if isinstance(prompt, str)
@@ -136,17 +115,15 @@ def check_rows(ds, where: str, split: str) -> None:
 
 def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str) -> list[str]:
     """Pairs whose prompt fills max_length keep no completion tokens: none usable is an error, some a warning."""
-    from fsdp_recipes.train.data_checks import LENGTH_SAMPLE, _ids
-
     if max_length is None or "prompt" not in ds.column_names:
         return []
-    sample = ds.select(range(min(len(ds), LENGTH_SAMPLE)))
+    sample = ds.select(range(min(len(ds), data_checks.LENGTH_SAMPLE)))
     full_prompt = 0
     for row in sample:
         prompt = row["prompt"]
         ids = (tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
                if isinstance(prompt, list) else tokenizer(prompt)["input_ids"])
-        full_prompt += len(_ids(ids)) >= max_length
+        full_prompt += len(data_checks.token_ids(ids)) >= max_length
     of = f"of {len(sample)} pairs" + (f" (the first {len(sample)} of {len(ds)})" if len(sample) < len(ds) else "")
     if full_prompt == len(sample):
         raise UserError(f"no usable pair: every pair {of} of the `{split}` split of {where} has a prompt of "
