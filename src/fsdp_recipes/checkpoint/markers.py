@@ -43,12 +43,59 @@ def latest_complete(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def unreadable(ckpt: Path) -> str | None:
+    """Why a complete checkpoint cannot be loaded, or None. Reads what is cheap to read whole (the JSON files,
+    safetensors headers, the zip directory at the end of every torch.save file, which a truncated file lacks),
+    not the tensors: an 8B checkpoint is checked in well under a second. Damage inside a tensor's bytes is
+    found by the load itself, whose error names the checkpoint (launch/failures.py)."""
+    import zipfile
+
+    from safetensors import safe_open
+
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
+        try:
+            if path.suffix == ".json":
+                json.loads(path.read_text())
+            elif path.suffix == ".safetensors":
+                with safe_open(str(path), "pt") as f:
+                    f.keys()
+            elif path.suffix in (".pt", ".pth", ".bin"):
+                zipfile.ZipFile(path).close()
+        except Exception as err:  # noqa: BLE001 -- any reason a loader would fail is the answer here
+            first = next((x.strip() for x in str(err).splitlines() if x.strip()), "")
+            return f"{path.relative_to(ckpt)}: {type(err).__name__}: {first}"
+    return None
+
+
+def usable(output_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint that can be read, and the newer complete ones that cannot, with why."""
+    bad = []
+    for ckpt in reversed([p for p in checkpoint_dirs(output_dir) if is_complete(p)]):
+        why = unreadable(ckpt)
+        if why is None:
+            return ckpt, bad
+        bad.append((ckpt, why))
+    return None, bad
+
+
+def move_aside(ckpt: Path) -> Path:
+    """Rename an unreadable checkpoint out of the checkpoint-N names (kept for a look, never resumed, never
+    overwritten by the save of that step, never rotated away by save_total_limit, whose glob is checkpoint-*)."""
+    target, n = ckpt.with_name(f"unreadable-{ckpt.name}"), 1
+    while target.exists():
+        n += 1
+        target = ckpt.with_name(f"unreadable-{ckpt.name}.{n}")
+    ckpt.rename(target)
+    return target
+
+
 def incomplete(output_dir: str | Path) -> list[Path]:
     return [p for p in checkpoint_dirs(output_dir) if not is_complete(p)]
 
 
-def identity(model_name_or_path: str, peft_config) -> dict:
-    """The model architecture (from a local config.json) and the adapter shape a checkpoint belongs to."""
+def identity(model_name_or_path: str, peft_config, settings: dict | None = None) -> dict:
+    """The model architecture (from a local config.json) and the adapter shape a checkpoint belongs to, and the
+    settings it fixes (resume_settings.py)."""
     config_file = Path(model_name_or_path) / "config.json"
     arch = None
     if config_file.is_file():
@@ -60,15 +107,20 @@ def identity(model_name_or_path: str, peft_config) -> dict:
         peft = {k: sorted(d[k]) if isinstance(d.get(k), (list, set)) else d.get(k) for k in PEFT_KEYS}
         # the whole config, so `make export` can write adapter_config.json for a sharded checkpoint
         peft_full = json.loads(json.dumps(d, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-    return {"model": model_name_or_path, "architecture": arch, "peft": peft, "peft_config": peft_full}
+    return {"model": model_name_or_path, "architecture": arch, "peft": peft, "peft_config": peft_full,
+            "settings": settings}
+
+
+def saved_identity(ckpt: Path) -> dict | None:
+    path = Path(ckpt) / IDENTITY
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def check_compatible(ckpt: Path, current: dict) -> None:
     """Refuse, before any weight is loaded, to resume a run of another model or another LoRA shape."""
-    saved_file = Path(ckpt) / IDENTITY
-    if not saved_file.is_file():
+    saved = saved_identity(ckpt)
+    if saved is None:
         return  # a checkpoint written by something else: the Trainer's own checks apply
-    saved = json.loads(saved_file.read_text())
     fix = "Fix: use a new output_dir, --auto_resume false, or the checkpoint's settings."
     if (saved["peft"] is None) != (current["peft"] is None):
         kinds = ["full fine-tuning", "LoRA"]

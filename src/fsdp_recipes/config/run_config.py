@@ -60,6 +60,17 @@ class PackArguments:
         default=True,
         metadata={"help": "Resume from the newest complete checkpoint in output_dir when there is one."},
     )
+    override_resumed_settings: bool = field(
+        default=False,
+        metadata={"help": "Resume even though the command changes a setting the checkpoint holds (learning rate and "
+                          "schedule, batch shape, seed, data): the new values apply from the next step and the run "
+                          "report lists them. Without it such a resume is refused (checkpoint/resume_settings.py)."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "Replace what output_dir holds (a finished or failed run, its checkpoints) with this run. "
+                          "Without it a finished run is never replaced (checkpoint/previous_run.py)."},
+    )
     verify_loaded_weights: bool = field(
         default=False,
         metadata={"help": "At train start, check every rank's (gathered) weights against the model files."},
@@ -128,6 +139,32 @@ def given(argv: list[str], *keys: str) -> bool:
     return any(a == f"--{k}" or a.startswith(f"--{k}=") for a in argv for k in keys)
 
 
+def _one_line(message: str):
+    """argparse's message for a wrong type or choice, as one line: `argument --max_steps/--max-steps: invalid int
+    value: 'abc'` -> `--max_steps: invalid int value: 'abc'`."""
+    import re
+
+    message = re.sub(r"^argument (--[\w]+)(/--[\w-]+)*: ", r"\1: ", message)
+    raise UserError(f"{message}. Fix: correct that value in the recipe YAML or on the command line.")
+
+
+def check_step_counts(raw: dict, argv: list[str]) -> None:
+    """TrainingArguments replaces eval_steps/save_steps 0 with logging_steps without a word: refuse 0 or less as
+    written, before it does (a float below 1 is a fraction of the run, which stays allowed)."""
+    for name, default in (("eval_steps", "no"), ("save_steps", "steps"), ("logging_steps", "steps")):
+        strategy = name.replace("_steps", "_strategy")
+        if str(override(argv, strategy, raw.get(strategy, default))) != "steps":
+            continue
+        value = override(argv, name, raw.get(name))
+        try:
+            bad = value is not None and float(value) <= 0
+        except (TypeError, ValueError):
+            continue  # argparse names a value that is not a number
+        if bad:
+            raise UserError(f"{name} is {value}; it must be positive (a number of steps, or a fraction of the run "
+                            f"below 1). Fix: set {name} above 0, or {strategy} to \"no\".")
+
+
 def dataclass_types(trainer: str = "sft"):
     import trl
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
@@ -174,7 +211,9 @@ def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
     for key, value in env.items():  # TRL's `env` convention, as its parser applies it
         os.environ[key] = str(value)
     parser = TrlParser(types)
+    parser.error = _one_line  # argparse's error() prints the whole usage (160 lines) before its message
     parser.set_defaults_with_config(**raw)
+    check_step_counts(raw, argv)
     try:
         script, training, model, mixture, pack, *renamed = parser.parse_args_into_dataclasses(argv)
     except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation

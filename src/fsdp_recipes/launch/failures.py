@@ -44,7 +44,10 @@ def _where(rec: dict) -> str:
     return f"at step {rec['step']}" if rec.get("step") else "during training"
 
 
-def fix_for(rec: dict, recipe: str, last_good: str | None) -> tuple[str, str]:
+DISK_FULL = ("No space left on device", "Disk quota exceeded")  # ENOSPC, EDQUOT, as strerror spells them
+
+
+def fix_for(rec: dict, recipe: str, last_good: str | None, output_dir: str = "output_dir") -> tuple[str, str]:
     """(problem, fix) for a record: the pack's own errors carry their fix; known library errors get one here;
     anything else names the log."""
     kind = rec["type"].rsplit(".", 1)[-1]
@@ -57,6 +60,12 @@ def fix_for(rec: dict, recipe: str, last_good: str | None) -> tuple[str, str]:
         return (f"{error}; training stopped there, before the optimizer applied it ({resume})",
                 "usually a learning rate too high (lower learning_rate, add warmup_steps, set max_grad_norm), fp16 "
                 "overflow (use bf16), or rows whose labels are all masked; fix the cause before resuming")
+    if any(text in rec["error"] for text in DISK_FULL):
+        resume = (f"it resumes from {last_good}, which is intact" if last_good
+                  else "it starts over: no checkpoint was complete")
+        return (f"rank {rec['rank']} ran out of disk space {_where(rec)}: {error}",
+                f"free space where {output_dir} is (df -h {output_dir}; older runs, or a lower save_total_limit), "
+                f"then run the same command again: {resume}")
     if kind == "OutOfMemoryError" or "out of memory" in error.lower():
         phase = ("while loading the model and setting up" if rec.get("phase") == "setup"
                  else f"during training ({_where(rec)})")
@@ -67,18 +76,19 @@ def fix_for(rec: dict, recipe: str, last_good: str | None) -> tuple[str, str]:
     return f"rank {rec['rank']} failed {_where(rec)}: {kind}: {error}", ""
 
 
-def describe(records: list[dict], rc: int, log_dir: Path | None, recipe: str,
-             last_good: str | None) -> tuple[str, int]:
-    """The one line (without `error: `) and the exit code for a run whose ranks exited with `rc` != 0."""
+def describe(records: list[dict], rc: int, log_dir: Path | None, recipe: str, last_good: str | None,
+             traceback_file: str | None = None, output_dir: str = "output_dir") -> tuple[str, int]:
+    """The one line (without `error: `) and the exit code for a run whose ranks exited with `rc` != 0.
+    `traceback_file`: where the tracebacks are when the rank logs could not be written."""
     logs = f"{log_dir}/" if log_dir else "the terminal above"
     if not records:
         return (f"training stopped with exit code {rc} and no rank recorded an error (a rank was killed: out of "
                 f"host memory, a signal, or torchrun could not start them). Fix: read {log_dir / 'launch.log' if log_dir else logs} "
                 f"and the rank logs in {logs}", EXIT_TRAINING_FAILED)
     rec = records[0]
-    problem, fix = fix_for(rec, recipe, last_good)
+    problem, fix = fix_for(rec, recipe, last_good, output_dir)
     problem = problem.rstrip(".")  # a library message ending in "." must not end in ".." before ". Fix:"
-    log = f"{log_dir}/rank{rec['rank']}.log" if log_dir else logs
+    log = traceback_file or (f"{log_dir}/rank{rec['rank']}.log" if log_dir else logs)
     code = EXIT_USER_ERROR if rec.get("phase") == "setup" else EXIT_TRAINING_FAILED
     if not fix:  # an error the pack does not know: the traceback is what there is to read
         return f"{problem}. Fix: read the full traceback in {log}", code

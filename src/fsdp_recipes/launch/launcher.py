@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 import warnings
+from contextlib import ExitStack
 from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
@@ -84,6 +85,7 @@ class Ranks:
         self.gate = start_gate.Gate()
         self.torchrun_logs = torchrun_logs  # torchrun's --log_dir: each rank's output and error record
         self.records: list[dict] = []
+        self.traceback_file: str | None = None  # where the ranks' tracebacks went when the logs could not be written
         env = dict(os.environ, **self.gate.env())
         env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks write to files now: keep their lines live
         # torchrun's --redirects, which `accelerate launch` does not offer (torchrun reads PET_<option> as its default)
@@ -149,12 +151,20 @@ class Ranks:
             self.output.join()
             self.records = failures.read_records(self.torchrun_logs)
             for rec in self.records:  # the traceback the rank did not print, in its own log
-                self.output.append(rec["rank"], f"---- rank {rec['rank']} failed ({rec['phase']}) ----\n"
-                                                f"{rec.get('py_callstack') or rec['message']}\n")
+                self.output.append(rec["rank"], self.traceback(rec))
+            if self.output.log_failure and self.records:  # the logs could not take it: a file where there is room
+                fd, path = tempfile.mkstemp(prefix="fsdp-recipes-ranks-", suffix=".log")
+                with os.fdopen(fd, "w") as f:
+                    f.writelines(self.traceback(rec) for rec in self.records)
+                self.traceback_file = path
         finally:
             self.output.close()
             self._done()
         return rc, self.preempted_by
+
+    @staticmethod
+    def traceback(rec: dict) -> str:
+        return f"---- rank {rec['rank']} failed ({rec['phase']}) ----\n{rec.get('py_callstack') or rec['message']}\n"
 
     def _done(self) -> None:
         for sig, handler in self.previous.items():
@@ -226,7 +236,6 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     if cfg.pack.float8:
         float8.check_gpus()
     model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model)
-    entry.checkpoint_to_resume(cfg, verbose=False)  # refuses an incompatible checkpoint
     if cfg.script.dataset_name and model_check.looks_local(cfg.script.dataset_name):
         import datasets
 
@@ -246,6 +255,38 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     return cfg
 
 
+def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | None:
+    """Lock output_dir for this run (held until the launcher exits), apply --overwrite_output_dir, and decide what
+    the command does with a run the folder holds already (checkpoint/previous_run.py): None to go on, or the
+    "already complete" line. Then the checkpoint to resume: refused when incompatible, skipped (and moved aside)
+    when unreadable. On a multi-node job the first node's launcher does this; the others only check the resume."""
+    from fsdp_recipes.checkpoint import output_lock, previous_run, resume_settings
+    from fsdp_recipes.train import kinds
+
+    out, first_node = cfg.training.output_dir, override(launch_args(), "machine_rank", "0") == "0"
+    world_size = job_processes(recipe.accelerate)
+    if first_node:
+        lock = held.enter_context(output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides])))
+        if lock.note:
+            say(f"warning: {lock.note}")
+        if cfg.pack.overwrite_output_dir and (removed := previous_run.clear(out)):
+            say(removed)
+        now = resume_settings.current(cfg, world_size, kinds.load(cfg.trainer).RESUME_SETTINGS)
+        if done := previous_run.decide(out, now, cfg.pack.override_resumed_settings):
+            return done
+    resume, changed = entry.checkpoint_to_resume(cfg, world_size, say=say, move_unreadable=first_node)
+    if changed.get("length"):
+        (_, was), (name, now_len) = changed["length"]
+        say(f"continuing {resume} to {name} {now_len} (it was trained toward {was}): the learning-rate schedule is "
+            f"the new length's from its step on")
+    if changed.get("changed"):
+        from fsdp_recipes.checkpoint.resume_settings import described
+
+        say(f"override_resumed_settings: resuming {resume} with {described(changed['changed'])}; the new values apply "
+            f"from step {changed['step'] + 1} (run_args.json: resumed_with_changes)")
+    return None
+
+
 def grace_seconds(recipe: Recipe) -> str:
     """preemption_grace_s before the recipe is parsed (torchrun reads it at start); the parse checks it later."""
     value = recipe.field("preemption_grace_s")
@@ -257,7 +298,11 @@ def grace_seconds(recipe: Recipe) -> str:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    with ExitStack() as held:  # the output_dir's lock, from the checks to the summary
+        return launch(list(sys.argv[1:] if argv is None else argv), held)
+
+
+def launch(argv: list[str], held: ExitStack) -> int:
     if not argv or argv[0].startswith("-"):
         raise UserError("usage: python -m fsdp_recipes.launch.launcher <recipe name or folder> [--field value ...]")
     t0 = time.time()
@@ -322,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         if build_smoke_model is not None:
             build_smoke_model()
         cfg = check_recipe(recipe)
+        done = claim_output_dir(recipe, cfg, held)
     except BaseException as err:
         if ranks is not None:
             ranks.abort()
@@ -337,6 +383,12 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(err, Exception) and not isinstance(err, UserError):
             raise unexpected(err, "checking the recipe") from None
         raise
+    if done is not None:
+        if ranks is not None:
+            ranks.abort()
+        shutil.rmtree(torchrun_logs, ignore_errors=True)
+        say(done)
+        return 0
     passed = f"checks passed in {time.time() - t0:.1f}s; "
     if ranks is None:
         ranks = start(passed, gated=False)
@@ -346,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(output_dir) / "logs"
     ranks.release(log_dir)
     rc, preempted_by = ranks.wait()
+    if ranks.output.log_failure:
+        say(f"warning: the logs in {log_dir} could not be written ({ranks.output.log_failure}); the output above is "
+            f"complete")
     report = Path(output_dir) / "metrics.json"
     fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
     metrics = json.loads(report.read_text()) if fresh else {}
@@ -378,9 +433,13 @@ def main(argv: list[str] | None = None) -> int:
         from fsdp_recipes.checkpoint import markers as checkpoints
 
         last_good = checkpoints.latest_complete(output_dir)
-        line, code = failures.describe(ranks.records, rc, log_dir, recipe.name, last_good and str(last_good))
+        line, code = failures.describe(ranks.records, rc, log_dir, recipe.name, last_good and str(last_good),
+                                       traceback_file=ranks.traceback_file, output_dir=output_dir)
         if fresh:
-            failures.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
+            try:
+                failures.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
+            except OSError as err:  # the disk that stopped the run: the line below is the report
+                say(f"warning: {report} could not record the failure ({err.strerror or err})")
         raise UserError(line, exit_code=code)
     return summary.main(summary_args(output_dir), recipe=recipe)
 

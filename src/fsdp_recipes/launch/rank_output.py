@@ -38,6 +38,7 @@ class RankOutput:
         self.held: list[tuple] = []  # (terminal stream or None, rank or None, bytes) until release()
         self.passing = self.dropped = False
         self.log_dir: Path | None = None
+        self.log_failure: str | None = None  # why the logs stopped being written (e.g. no space left on device)
         self.files: dict[int | None, object] = {}
         self.torchrun_logs, self.poll_s = torchrun_logs, poll_s
         self.offsets: dict[Path, int] = {}
@@ -60,14 +61,26 @@ class RankOutput:
             pass
 
     def _log(self, rank: int | None, chunk: bytes) -> None:
-        if self.log_dir is None:
+        if self.log_dir is None or self.log_failure:
             return
-        f = self.files.get(rank)
-        if f is None:
-            f = self.files[rank] = open(self.log_dir / log_name(rank), "ab")
-            f.write(f"==== launch at {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}) ====\n".encode())
-        f.write(chunk)
-        f.flush()
+        try:
+            f = self.files.get(rank)
+            if f is None:
+                f = self.files[rank] = open(self.log_dir / log_name(rank), "ab")
+                f.write(f"==== launch at {time.strftime('%Y-%m-%d %H:%M:%S')} (pid {os.getpid()}) ====\n".encode())
+            f.write(chunk)
+            f.flush()
+        except OSError as err:  # a full disk, a quota: the terminal still gets everything; the launcher says so
+            self.log_failure = f"{err.strerror or err}"
+            self._close_files()
+
+    def _close_files(self) -> None:
+        for f in self.files.values():
+            try:
+                f.close()
+            except OSError:  # the data it could not flush is lost either way; log_failure says so
+                pass
+        self.files.clear()
 
     def _route(self, terminal, rank: int | None, chunk: bytes) -> None:
         with self.lock:
@@ -120,8 +133,11 @@ class RankOutput:
         (created here), or None for none."""
         with self.lock:
             if log_dir is not None:
-                log_dir.mkdir(parents=True, exist_ok=True)
-                self.log_dir = log_dir
+                try:
+                    log_dir.mkdir(parents=True, exist_ok=True)
+                    self.log_dir = log_dir
+                except OSError as err:
+                    self.log_failure = f"{err.strerror or err}"
             sys.stdout.flush()
             for terminal, rank, chunk in self.held:
                 self._log(rank, chunk)
@@ -151,6 +167,4 @@ class RankOutput:
     def close(self) -> None:
         self.stopping.set()
         with self.lock:
-            for f in self.files.values():
-                f.close()
-            self.files.clear()
+            self._close_files()

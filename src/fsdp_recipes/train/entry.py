@@ -106,31 +106,51 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
 
 
-def checkpoint_to_resume(cfg: RunConfig, verbose: bool = True) -> str | None:
-    """An explicit resume_from_checkpoint wins; else, with auto_resume, the newest complete checkpoint.
-    Either way it must belong to this model and LoRA shape (checked before any weight is loaded)."""
+def checkpoint_to_resume(cfg: RunConfig, world_size: int, say=None, move_unreadable: bool = False):
+    """(checkpoint or None, what the command changes against it). An explicit resume_from_checkpoint wins; else, with
+    auto_resume, the newest complete checkpoint that can be read: newer ones that cannot are skipped, and moved aside
+    where `move_unreadable` (the launcher, which holds the output_dir's lock). The checkpoint must belong to this model
+    and LoRA shape (checked before any weight is loaded) and to this command's settings (resume_settings.py).
+    `say`: where the skipped checkpoints are told (None: nowhere)."""
     from trl import get_peft_config
 
     from fsdp_recipes.checkpoint import markers as checkpoints
+    from fsdp_recipes.checkpoint import resume_settings
+    from fsdp_recipes.checkpoint.resume_check import checkpoint_step
 
+    say = say or (lambda line: None)
     training, model_args = cfg.training, cfg.model
     resume = training.resume_from_checkpoint
     if not resume and cfg.pack.auto_resume:
         for skipped in checkpoints.incomplete(training.output_dir):
-            if verbose:
-                print(f"[train] skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)", flush=True)
-        latest = checkpoints.latest_complete(training.output_dir)
+            say(f"skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)")
+        latest, bad = checkpoints.usable(training.output_dir)
+        then = f"resuming from {latest.name}" if latest else "no other complete checkpoint: starting from step 0"
+        for ckpt, why in bad:
+            if move_unreadable:
+                say(f"{ckpt} cannot be read ({why}); moved to {checkpoints.move_aside(ckpt).name}; {then}")
+            else:
+                say(f"skipping {ckpt}: cannot be read ({why}); {then}")
         resume = str(latest) if latest else None
-    if resume:
-        if not Path(resume).is_dir():
-            raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
-        checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
-                                                                        get_peft_config(model_args)))
-    return resume
+    elif resume and Path(resume).is_dir() and (why := checkpoints.unreadable(Path(resume))):
+        raise UserError(f"resume_from_checkpoint {resume} cannot be read ({why}). Fix: point it at another checkpoint-N "
+                        f"folder.")
+    if not resume:
+        return None, {}
+    if not Path(resume).is_dir():
+        raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
+    checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
+                                                                    get_peft_config(model_args)))
+    saved = checkpoints.saved_identity(Path(resume)) or {}
+    now = resume_settings.current(cfg, world_size, kinds.load(cfg.trainer).RESUME_SETTINGS)
+    changed = resume_settings.check(resume, checkpoint_step(resume), saved.get("settings"), now,
+                                    cfg.pack.override_resumed_settings)
+    return resume, changed
 
 
-def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
-    """The kind's trainer with the pack's callbacks; the model is loaded by TRL with from_pretrained."""
+def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, settings: dict | None = None):
+    """The kind's trainer with the pack's callbacks; the model is loaded by TRL with from_pretrained. `settings`:
+    what each checkpoint records for a later resume to compare (resume_settings.current)."""
     training, model_args, pack = cfg.training, cfg.model, cfg.pack
     from fsdp_recipes.checkpoint.load_check import LoadCheckCallback
     from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
@@ -157,8 +177,8 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
         **(training.model_init_kwargs or {}),
     }
     # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
-    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config)), preemption,
-                 failure.make_phase_callback()]
+    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config, settings)),
+                 preemption, failure.make_phase_callback()]
     if pack.verify_loaded_weights and resume and peft_config is None:
         # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
         # model_name_or_path's file, every trained weight would differ. (A LoRA resume keeps the base weights.)
@@ -169,8 +189,10 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None):
         callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
     if resume:  # resume_check.py: the optimizer state (and a PEFT adapter) in memory must be the checkpoint's
         from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
+        from fsdp_recipes.checkpoint.resume_settings import ScheduleResync
 
         callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
+        callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule, from the checkpoint's step
     trainer = make_trainer_class(cfg.trainer)(
         model=model_args.model_name_or_path,  # a directory or a hub id: the same from_pretrained path
         args=training,
@@ -311,6 +333,7 @@ def run(argv: list[str] | None = None) -> int:
 
     from trl import get_peft_config
 
+    from fsdp_recipes.checkpoint import resume_settings
     from fsdp_recipes.metrics.run_report import RunReportCallback
     from fsdp_recipes.train.preemption import PreemptionCallback
 
@@ -319,7 +342,9 @@ def run(argv: list[str] | None = None) -> int:
     if not is_main:
         quiet_replica(cfg)
     peft_config = get_peft_config(cfg.model)
-    resume = checkpoint_to_resume(cfg, verbose=is_main)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    resume, changed = checkpoint_to_resume(cfg, world_size, say=(lambda line: print(f"[train] {line}", flush=True))
+                                           if is_main else None)
     if resume and is_main:
         print(f"[train] resuming from {resume}", flush=True)
     report = RunReportCallback(
@@ -330,10 +355,14 @@ def run(argv: list[str] | None = None) -> int:
         reference_forward=kind.REFERENCE_FORWARD and not getattr(cfg.training, "precompute_ref_log_probs", False),
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
+    # what a later resume or rerun of this output_dir compares with (checkpoint/resume_settings.py, previous_run.py)
+    report.resolved_args["resume_settings"] = settings = resume_settings.current(cfg, world_size, kind.RESUME_SETTINGS)
+    if changed:
+        report.resolved_args["resumed_with_changes"] = changed
     report.resolved_args["patches_applied"] = guard.APPLIED  # the list object: later patches show too
     preemption = PreemptionCallback(report)
     try:
-        trainer = build_trainer(cfg, peft_config, report, preemption, resume)
+        trainer = build_trainer(cfg, peft_config, report, preemption, resume, settings)
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted:
             report.finalize("preempted", error=f"stopped by a signal (rank 0 saw: {preemption.signal_received})")

@@ -9,6 +9,8 @@ A kind module provides:
     REPORTED_LOGS                     the trainer's own log keys that the run report adds to metrics.json
     REFERENCE_FORWARD                 whether each token also runs a reference model's forward (FLOPs, MFU; and
                                       `make plan`'s reference-model row)
+    RESUME_SETTINGS                   the kind's settings a resume compares with its checkpoint's, like the
+                                      learning rate (checkpoint/resume_settings.py)
     SEQUENCES_PER_ROW, ROWS           `make plan`: sequences per dataset row, and what to call a row
     SMOKE_DATA                        which of tiny_assets' datasets `make smoke` trains on
     describe_tokens                   how tokens/s and MFU count this kind's work (docs/run-report.md)

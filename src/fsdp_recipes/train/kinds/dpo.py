@@ -24,6 +24,7 @@ REPORTED_LOGS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewar
                  "logps/rejected")
 REFERENCE_FORWARD = True  # the run report's FLOPs count a reference forward per token (metrics/flops.py), and
 # make plan a reference model (planning/memory_budget.py): none with LoRA, a sharded copy with full fine-tuning
+RESUME_SETTINGS = ("beta", "loss_type", "loss_weights")  # what a resume compares (checkpoint/resume_settings.py)
 SEQUENCES_PER_ROW = 2  # a pair: chosen and rejected
 ROWS = "preference pairs (2 sequences each)"
 SMOKE_DATA = "preferences"  # tiny_assets' synthetic preference pairs, for make smoke

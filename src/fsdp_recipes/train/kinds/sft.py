@@ -4,6 +4,7 @@ from __future__ import annotations
 
 REPORTED_LOGS: tuple[str, ...] = ()  # the loss is in every run report already
 REFERENCE_FORWARD = False
+RESUME_SETTINGS: tuple[str, ...] = ("packing", "completion_only_loss")  # what a resume compares (checkpoint/resume_settings.py)
 SEQUENCES_PER_ROW = 1  # make plan: sequences a dataset row puts through the model
 ROWS = "sequences"  # what make plan calls the rows of a batch
 SMOKE_DATA = "data"  # tiny_assets' synthetic chat data, for make smoke

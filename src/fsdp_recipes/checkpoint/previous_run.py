@@ -1,0 +1,115 @@
+"""What an output_dir already holds, and what a new command there may do with it.
+
+The rule (docs/checkpoints.md, "One output_dir, one run"):
+- A finished run (metrics.json `completed`) is never replaced silently. The same command again says "already
+  complete" and changes nothing. A larger max_steps continues it from its last checkpoint, when it saved one at its
+  last step. Anything else is refused in one line naming a new --output_dir or --overwrite_output_dir.
+- An unfinished run (preempted, failed, interrupted, or killed before its report) is resumed from its newest complete
+  checkpoint by the same command (checkpoint/resume_settings.py compares the settings), or started over when it has
+  none.
+- `--overwrite_output_dir true` removes what the folder holds first, whatever it is, after saying what it removes.
+
+The launcher calls `decide` while it holds the output_dir's lock (output_lock.py), before any rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdp_recipes.checkpoint import markers, resume_settings
+from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
+from fsdp_recipes.errors import UserError
+
+REPORT, ARGS = "metrics.json", "run_args.json"
+
+
+@dataclass
+class Previous:
+    status: str | None  # metrics.json's, None without one; "running?" for a provisional report
+    steps: int | None
+    finished_at: str | None
+    settings: dict | None  # run_args.json's resume_settings: what the run was trained with
+    last_checkpoint: Path | None  # the newest complete, readable one
+    unreadable: list[tuple[Path, str]]  # newer complete ones that cannot be read, with why
+
+
+def read(output_dir: Path) -> Previous | None:
+    """None when the folder holds no run (no report, no run_args.json, no checkpoint)."""
+    report, args = output_dir / REPORT, output_dir / ARGS
+    if not (report.is_file() or args.is_file() or markers.checkpoint_dirs(output_dir)):
+        return None
+    metrics = _json(report)
+    status = metrics.get("status")
+    if metrics.get("provisional"):
+        status = "running?"  # a rank's report before its end: the run died, or is still running elsewhere
+    last, bad = markers.usable(output_dir)
+    return Previous(status, metrics.get("steps"), metrics.get("finished_at"), _json(args).get("resume_settings"),
+                    last, bad)
+
+
+def decide(output_dir: str | Path, now: dict, override: bool = False) -> str | None:
+    """None: go on (train, resume or continue). A string: the run is already complete, nothing to do (the line
+    to print). Raises UserError for a command that would replace a finished run. `now`: this command's
+    resume_settings.current; `override`: its override_resumed_settings."""
+    output_dir = Path(output_dir)
+    previous = read(output_dir)
+    if previous is None or previous.status != "completed":
+        return None  # nothing there, or an unfinished run: resumed from its checkpoint, or started over
+    done = f"{output_dir} holds a finished run ({previous.steps} steps, completed {previous.finished_at}, {REPORT})"
+    saved = previous.settings
+    changed = resume_settings.changes(saved, now) if saved else {"settings": ["unknown", "this command's"]}
+    longer = saved is not None and _longer(saved, now)
+    final = previous.last_checkpoint
+    at_end = final is not None and markers_step(final) == previous.steps
+    if not changed and saved is not None and resume_settings.length(saved) == resume_settings.length(now):
+        more = f"; to train longer: a larger --max_steps (continues from {final.name})" if at_end else ""
+        return (f"{done}: already complete with this command's settings; nothing to do. To train again: a new "
+                f"--output_dir, or --overwrite_output_dir true{more}")
+    if longer and at_end and (not changed or override):
+        return None  # continue from its last checkpoint: checkpoint_to_resume checks and reports the rest
+    if longer:
+        unreadable = [f"{c.name} cannot be read ({why})" for c, why in previous.unreadable
+                      if markers_step(c) == previous.steps]
+        if at_end:
+            why = f"this command also changes {resume_settings.described(changed)}"
+        else:
+            why = unreadable[0] if unreadable else ("it saved no checkpoint at its last step (save_strategy \"no\", "
+                                                    "or save_steps that do not divide max_steps)")
+        raise UserError(f"{done}; it cannot continue to {'='.join(map(str, resume_settings.length(now)))}: {why}. "
+                        f"Fix: a new --output_dir, or --overwrite_output_dir true to replace it"
+                        f"{'' if not at_end else ', or --override_resumed_settings true'}.")
+    raise UserError(f"{done} with other settings ({resume_settings.described(changed)}); a new run there would "
+                    f"replace it. Fix: a new --output_dir, or --overwrite_output_dir true to replace it.")
+
+
+def clear(output_dir: str | Path) -> str | None:
+    """--overwrite_output_dir: remove everything but the lock from an output_dir that holds a run (a report,
+    run_args.json or a checkpoint; a folder of other files is left alone). The line to print, or None."""
+    output_dir = Path(output_dir)
+    previous = read(output_dir)
+    if previous is None:
+        return None
+    entries = [p for p in output_dir.iterdir() if p.name != LOCK_FILE]
+    what = f"a {previous.status} run of {previous.steps} steps" if previous.status else "an unfinished run"
+    for p in entries:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    return f"overwrite_output_dir: removed {what} from {output_dir} ({len(entries)} files and folders)"
+
+
+def markers_step(ckpt: Path) -> int:
+    return int(ckpt.name.rsplit("-", 1)[1])
+
+
+def _longer(saved: dict, now: dict) -> bool:
+    (name_a, a), (name_b, b) = resume_settings.length(saved), resume_settings.length(now)
+    return name_a == name_b and b is not None and a is not None and b > a
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}

@@ -1,0 +1,132 @@
+"""The settings a checkpoint fixes, compared with the command that resumes it; and the learning rate put back in
+step with the schedule the command asks for.
+
+Gap this fills: the Trainer resumes whatever the command says. The optimizer's `load_state_dict` puts back the
+checkpoint's learning rate, weight decay and betas, and the scheduler's its base learning rate, so a resume with
+`--learning_rate 1e-5` trains on the old schedule while run_args.json records 1e-5 (transformers 5.23). And the
+first step after a resume runs at the learning rate the *old* schedule set for it: continuing a finished cosine run
+to a larger max_steps made that step's learning rate 0.
+
+So a resume compares SETTINGS (saved in each checkpoint's identity file, markers.py) with the command's:
+- the run length (max_steps, or num_train_epochs without it) may grow: the schedule is then the new length's, from
+  the checkpoint's step on; it may not end before the checkpoint;
+- OVERRIDABLE settings that differ stop the resume in one line, unless `override_resumed_settings` is set: then
+  they apply from the next step on (the learning rate through ScheduleResync below, the rest because the Trainer
+  reads them from the new arguments) and the run report lists them (`resumed_with_changes`);
+- FIXED settings never change on resume: the optimizer state is AdamW's moments for those hyper-parameters, and the
+  weights belong to that model and precision (the model and LoRA shape are checked before any weight loads,
+  markers.check_compatible).
+"""
+
+from __future__ import annotations
+
+import warnings
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from transformers import TrainerCallback
+
+from fsdp_recipes.errors import UserError
+
+if TYPE_CHECKING:
+    from fsdp_recipes.config.run_config import RunConfig
+
+OVERRIDABLE = (
+    # the schedule (ScheduleResync applies a new one)
+    "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
+    # the batch and the data: which rows a step sees
+    "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "max_length", "seed",
+    "dataset_name", "max_grad_norm",
+)
+FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer")
+LENGTH = ("max_steps", "num_train_epochs")
+
+
+def current(cfg: RunConfig, world_size: int, kind_settings: tuple[str, ...] = ()) -> dict:
+    """This command's values of every compared setting, JSON-ready (saved into each checkpoint's identity).
+    `kind_settings`: the trainer kind's own (train/kinds/<kind>.py RESUME_SETTINGS), compared like OVERRIDABLE."""
+    t = cfg.training
+    values = {"world_size": world_size, "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype,
+              "trainer": cfg.trainer}
+    for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings):
+        if name not in values:
+            value = getattr(t, name, None)
+            value = value.value if isinstance(value, Enum) else value  # lr_scheduler_type: SchedulerType.COSINE
+            values[name] = value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else str(value)
+    return values
+
+
+def length(settings: dict) -> tuple[str, float]:
+    """The run's length as the Trainer reads it: max_steps when positive, else the epochs."""
+    if (settings.get("max_steps") or 0) > 0:
+        return "max_steps", settings["max_steps"]
+    return "num_train_epochs", settings.get("num_train_epochs")
+
+
+def changes(saved: dict, now: dict) -> dict[str, list]:
+    """{name: [saved, now]} for every compared setting that differs (the length excluded)."""
+    return {k: [saved[k], now.get(k)] for k in saved if k not in LENGTH and k in now and saved[k] != now[k]}
+
+
+def described(diff: dict[str, list]) -> str:
+    return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())
+
+
+def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: bool) -> dict:
+    """Refuse a resume that would silently ignore the command (one line), else what changed, for the report:
+    {"changed": {...}, "length": [saved, now]} (empty when nothing did)."""
+    if not saved:  # a checkpoint from before settings were saved, or from something else
+        return {}
+    fix = "Fix: resume with the checkpoint's values, or use a new --output_dir"
+    fixed = {k: v for k, v in changes(saved, now).items() if k in FIXED}
+    if fixed:
+        raise UserError(f"cannot resume from {checkpoint} with {described(fixed)}: the checkpoint's optimizer state and "
+                        f"weights belong to the old value, so it cannot change on resume. {fix}.")
+    name, total = length(now)
+    if name == "max_steps" and total < step:
+        raise UserError(f"cannot resume from {checkpoint}: it is at step {step}, past max_steps {total}. Fix: "
+                        f"--max_steps {step} or more, or a new --output_dir.")
+    diff = changes(saved, now)
+    if diff and not override:
+        raise UserError(f"cannot resume from {checkpoint} with other settings ({described(diff)}): the checkpoint "
+                        f"holds the old ones and the run would keep some of them while its report said otherwise. "
+                        f"{fix}, or --override_resumed_settings true to apply the new values from step {step + 1}.")
+    report = {"checkpoint": str(checkpoint), "step": step}
+    if diff:
+        report["changed"] = diff
+    if length(saved) != (name, total):
+        report["length"] = [list(length(saved)), [name, total]]
+    return report if len(report) > 2 else {}
+
+
+class ScheduleResync(TrainerCallback):
+    """After a resume: the scheduler's base learning rate is this run's, and the optimizer's learning rate is the one
+    this run's schedule sets for the checkpoint's step, not the one the checkpoint's own schedule left there.
+
+    With unchanged settings this recomputes the value that was loaded (the same schedule at the same step), so an
+    exact resume stays exact. Only LambdaLR schedules (every `lr_scheduler_type` but reduce_lr_on_plateau) are
+    resynced; another scheduler keeps what it loaded, and metrics.json's resume_check says so."""
+
+    def __init__(self, learning_rate: float, report=None):
+        self.learning_rate, self.report = learning_rate, report
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's AcceleratedScheduler wraps it
+        if scheduler is None or not hasattr(scheduler, "lr_lambdas"):
+            self._record(f"not resynced: {type(scheduler).__name__} is not a LambdaLR")
+            return
+        scheduler.base_lrs = [self.learning_rate for _ in scheduler.base_lrs]
+        for group in scheduler.optimizer.param_groups:
+            group["initial_lr"] = self.learning_rate
+        # step() recomputes every group's rate at last_epoch + 1 from base_lrs and the lambdas (public API only):
+        # one step back first, so that it lands on the checkpoint's step
+        scheduler.last_epoch -= 1
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": no optimizer step yet
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            scheduler.step()
+        self._record(scheduler.get_last_lr()[0])
+
+    def _record(self, value) -> None:
+        """metrics.json's resume_check: the learning rate the first resumed step runs at."""
+        if self.report is not None:
+            self.report.resume_check = {**(self.report.resume_check or {}), "learning_rate_after_resume": value}
