@@ -12,12 +12,13 @@ targets, not from the code under test.
 """
 
 import json
+import os
 import re
 
 import pytest
 import torch
 
-from conftest import GENERATIONS, launch
+from conftest import GENERATIONS, REPO, launch
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
 
 pytestmark = pytest.mark.slow
@@ -26,15 +27,20 @@ LAYERS, HIDDEN, VOCAB = 30, 576, 49152
 LORA_TARGETS = 7  # q, k, v, o, gate, up, down
 TEST_QUESTIONS = 100
 EVAL_PROMPTS = 10
+PROBES = REPO / "tests" / "probes"
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("default") / "run"
+    # tests/probes: the bytes each rank reads from the model's safetensors files
+    probe = dict(PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}",
+                 SAFETENSORS_READ_DIR=str(cache_dir / "smollm2-135m-instruct"),
+                 SAFETENSORS_READ_FILE=str(out.parent / "safetensors-read"))
     # 2 sequences per process keep the steps short; everything else is the recipe's own
     res = launch(["smollm2-135m-lora", "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
                   "--output_dir", str(out)], cache_dir, timeout=900, **GENERATIONS,
-                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS))
+                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS), **probe)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out.joinpath("launch.log").write_text(res.stdout + res.stderr)
     return out
@@ -67,6 +73,18 @@ def test_training_was_sharded_and_the_tied_model_saved_completely(run_dir):
     lora = LAYERS * LORA_TARGETS  # one A and one B per target per layer
     assert m["final_save_check"] == {"tensors": 2 * lora, "lora_b_checked": lora, "model_shapes_checked": 2 * lora,
                                      "compared_with": LIVE_SHARDS}
+
+
+def test_only_rank_0_read_the_weights_and_every_rank_kept_them_tied(run_dir, cache_dir):
+    """Two silent failures reported upstream, checked on the real 135M model (538 MB in float32) under the recipe's
+    FSDP2 with cpu_ram_efficient_loading: every rank reading the whole file (transformers issue 43749, v5.0), and
+    loading that unties the tied head (verl issue 7834)."""
+    weights = (cache_dir / "smollm2-135m-instruct" / "model.safetensors").stat().st_size
+    read = [json.loads((run_dir.parent / f"safetensors-read.{rank}").read_text()) for rank in (0, 1)]
+    # rank 0 loads the model (and reloads it for the merge); rank 1 starts on the meta device and gets the broadcast
+    assert read[0]["bytes"] >= 0.99 * weights and "model.safetensors" in read[0]["files"]
+    assert read[1] == {"files": [], "bytes": 0}
+    assert load(run_dir, "metrics.json")["tied_embeddings"] == {"shared_on_ranks": [True, True]}
 
 
 def test_eval_covers_the_held_out_questions(run_dir, cache_dir):

@@ -155,6 +155,13 @@ CASES = {
     "cli-lora-target-yaml-string": (cli_case("--lora_target_modules", "[q_proj, v_proj]"),
                                     "is one string, which PEFT reads as a regular expression"),
     "cli-unknown-flag": (cli_case("--max_stepz", "3"), "unknown command-line flag `--max_stepz`"),
+    # argparse's own errors, without its 160-line usage
+    "cli-not-an-int": (cli_case("--max_steps", "abc"), "--max_steps: invalid int value: 'abc'"),
+    "cli-bad-choice": (cli_case("--dtype", "float13"), "--dtype: invalid choice: 'float13'"),
+    "cli-bad-scheduler": (cli_case("--lr_scheduler_type", "bogus"), "--lr_scheduler_type: invalid choice: 'bogus'"),
+    # TrainingArguments replaces 0 with logging_steps silently
+    "cli-eval-steps-zero": (cli_case("--eval_strategy", "steps", "--eval_steps", "0"),
+                            "eval_steps is 0; it must be positive"),
     "cli-output-dir-is-a-file": (output_dir_is_a_file, "is a file, not a directory"),
     # data
     "data-malformed-json-line": (data_case([qa(), qa(), '{"prompt": [{"role": "user", "content": "3 + 3?"}'],

@@ -238,6 +238,8 @@ def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_pa
     final = {"status": "completed", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 12}
 
     class FinishedThenSignalled:
+        log_failure = None  # the logs were written
+
         def __init__(self, cmd, torchrun_logs, gated=True):
             self.torchrun_logs = torchrun_logs
 

@@ -46,6 +46,18 @@ def test_rank0_slice_is_caught():
         compare(full, sliced, check_lora_b=True)
 
 
+def test_a_rank0_slice_saved_in_a_checkpoint_fails_the_resume_check(tmp_path):
+    """accelerate PR 4206 / peft PR 3251: FSDP2 + PEFT saved only rank 0's slice of each LoRA tensor. A checkpoint
+    holding such a save is refused when a run resumes from it, before its first step (resume_check.py)."""
+    from fsdp_recipes.checkpoint.resume_check import compare_with_adapter
+
+    full = adapter()
+    save_file({A: full[A][:4].clone(), B: full[B][:16].clone()}, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(RuntimeError, match=r"2 differ \(e.g. .*lora_A.weight: shape \(8, 32\) in memory, \(4, 32\) "
+                                           r"saved\)"):
+        compare_with_adapter(full, tmp_path)
+
+
 def test_a_gather_that_kept_a_shard_is_caught_against_the_models_shapes():
     """The save and its check see the same gathered tensors; the model's own (DTensor global) shapes catch a gather
     that returned rank 0's slice, even when the files faithfully hold that slice."""

@@ -85,3 +85,65 @@ if os.environ.get("NAN_LOSS_AT_STEP") and "LOCAL_RANK" in os.environ:
         return result
 
     SFTTrainer.compute_loss = _nan_loss
+
+if os.environ.get("SAFETENSORS_READ_FILE") and "RANK" in os.environ:
+    # SAFETENSORS_READ_FILE, SAFETENSORS_READ_DIR (tests/test_default_recipe.py): the bytes of tensors each rank
+    # materialises from safetensors files in $SAFETENSORS_READ_DIR (the model's folder), written as JSON to
+    # $SAFETENSORS_READ_FILE.<rank> at exit. transformers 5 opens each file with `safe_open` and materialises
+    # `get_slice(k)[...]`; both paths (and get_tensor) are counted.
+    import json
+
+    import safetensors
+
+    _read = {"files": [], "bytes": 0}
+    _open = safetensors.safe_open
+    _watched = os.path.realpath(os.environ["SAFETENSORS_READ_DIR"])
+
+    def _count(t):
+        _read["bytes"] += t.numel() * t.element_size()
+        return t
+
+    class _CountedSlice:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getitem__(self, index):
+            return _count(self._inner[index])
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    class _CountedFile:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def get_slice(self, key):
+            return _CountedSlice(self._inner.get_slice(key))
+
+        def get_tensor(self, key):
+            return _count(self._inner.get_tensor(key))
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def __enter__(self):
+            self._inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._inner.__exit__(*exc)
+
+    def _counting_open(path, *args, **kwargs):
+        handle = _open(path, *args, **kwargs)
+        if os.path.realpath(os.path.dirname(str(path))) != _watched:
+            return handle
+        _read["files"].append(os.path.basename(str(path)))
+        return _CountedFile(handle)
+
+    safetensors.safe_open = _counting_open
+
+    def _dump_reads():
+        with open(f"{os.environ['SAFETENSORS_READ_FILE']}.{os.environ['RANK']}", "w") as f:
+            json.dump(_read, f)
+
+    atexit.register(_dump_reads)

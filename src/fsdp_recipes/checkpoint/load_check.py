@@ -67,3 +67,42 @@ class LoadCheckCallback(TrainerCallback):
                   f"{self.model_dir} on every rank", flush=True)
             if self.report is not None:
                 self.report.load_check = result
+
+
+def embeddings_shared(model) -> bool | None:
+    """Whether this rank's output layer still uses the input embedding's storage; None for an untied model.
+
+    Gap it guards: RAM-efficient loading has untied tied embeddings before (verl issue 7834: the ranks that load on
+    the meta device got a separate, never-loaded LM head). A PEFT `modules_to_save` head is a trained copy by
+    design, so only the head's base weight is compared."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(inner, "config", None)
+    if not getattr(config, "tie_word_embeddings", False):
+        return None
+    head = inner.get_output_embeddings()
+    head = getattr(head, "original_module", head)  # PEFT's ModulesToSaveWrapper keeps the tied one there
+    a, b = inner.get_input_embeddings().weight, head.weight
+    local = [getattr(w, "_local_tensor", w) for w in (a, b)]  # FSDP2: each rank's shard of the DTensor
+    return a is b or local[0].untyped_storage().data_ptr() == local[1].untyped_storage().data_ptr()
+
+
+class TiedEmbeddingsCheck(TrainerCallback):
+    """When training begins, every rank's LM head of a tied model must share the input embedding's storage
+    (metrics.json `tied_embeddings`); one that does not stops the run before its first step."""
+
+    def __init__(self, report=None):
+        self.report = report
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from fsdp_recipes.dist import gather_objects
+
+        shared = gather_objects(embeddings_shared(model))
+        if shared[0] is None:
+            return
+        if self.report is not None:
+            self.report.tied_embeddings = {"shared_on_ranks": shared}
+        if not all(shared):
+            raise RuntimeError(f"the model ties its input and output embeddings, but on rank(s) "
+                               f"{[r for r, s in enumerate(shared) if not s]} the LM head no longer shares the "
+                               f"embedding's storage after loading and sharding: those ranks would train an untied, "
+                               f"unloaded head")

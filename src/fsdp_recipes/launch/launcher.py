@@ -85,7 +85,8 @@ class Ranks:
         self.gate = start_gate.Gate()
         self.torchrun_logs = torchrun_logs  # torchrun's --log_dir: each rank's output and error record
         self.records: list[dict] = []
-        self.traceback_file: str | None = None  # where the ranks' tracebacks went when the logs could not be written
+        self.log_failure: str | None = None  # why output_dir/logs could not be written (a full disk), after wait()
+        self.traceback_file: str | None = None  # where the ranks' tracebacks went instead
         env = dict(os.environ, **self.gate.env())
         env.setdefault("PYTHONUNBUFFERED", "1")  # the ranks write to files now: keep their lines live
         # torchrun's --redirects, which `accelerate launch` does not offer (torchrun reads PET_<option> as its default)
@@ -152,7 +153,8 @@ class Ranks:
             self.records = failures.read_records(self.torchrun_logs)
             for rec in self.records:  # the traceback the rank did not print, in its own log
                 self.output.append(rec["rank"], self.traceback(rec))
-            if self.output.log_failure and self.records:  # the logs could not take it: a file where there is room
+            self.log_failure = self.output.log_failure
+            if self.log_failure and self.records:  # the logs could not take it: a file where there is room
                 fd, path = tempfile.mkstemp(prefix="fsdp-recipes-ranks-", suffix=".log")
                 with os.fdopen(fd, "w") as f:
                     f.writelines(self.traceback(rec) for rec in self.records)
@@ -398,9 +400,8 @@ def launch(argv: list[str], held: ExitStack) -> int:
     log_dir = Path(output_dir) / "logs"
     ranks.release(log_dir)
     rc, preempted_by = ranks.wait()
-    if ranks.output.log_failure:
-        say(f"warning: the logs in {log_dir} could not be written ({ranks.output.log_failure}); the output above is "
-            f"complete")
+    if ranks.log_failure:
+        say(f"warning: the logs in {log_dir} could not be written ({ranks.log_failure}); the output above is complete")
     report = Path(output_dir) / "metrics.json"
     fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
     metrics = json.loads(report.read_text()) if fresh else {}

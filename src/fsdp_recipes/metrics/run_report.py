@@ -109,6 +109,7 @@ class RunReportCallback(TrainerCallback):
         self.final_save_check = None  # set by the entry point after verifying the final save
         self.load_check = None  # set by LoadCheckCallback when verify_loaded_weights is on
         self.resume_check = None  # set by ResumeCheckCallback after a resume
+        self.tied_embeddings = None  # set by TiedEmbeddingsCheck for a model with tied embeddings
         self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by entry.save_final
         self.rss_at_train_start = None
         self.finalized = False
@@ -360,6 +361,7 @@ class RunReportCallback(TrainerCallback):
             "param_shards": self.shards,
             "load_check": self.load_check,
             "resume_check": self.resume_check,
+            "tied_embeddings": self.tied_embeddings,
             "final_save_check": self.final_save_check,
             **figures,
             "first_train_loss": losses[0] if losses else None,

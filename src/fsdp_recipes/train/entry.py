@@ -20,7 +20,7 @@ from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.patches import cpu_fsdp, guard
-from fsdp_recipes.train import failure, float8, kinds, start_gate
+from fsdp_recipes.train import failure, float8, kinds, replica_model, start_gate
 
 
 def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
@@ -152,7 +152,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
     """The kind's trainer with the pack's callbacks; the model is loaded by TRL with from_pretrained. `settings`:
     what each checkpoint records for a later resume to compare (resume_settings.current)."""
     training, model_args, pack = cfg.training, cfg.model, cfg.pack
-    from fsdp_recipes.checkpoint.load_check import LoadCheckCallback
+    from fsdp_recipes.checkpoint.load_check import LoadCheckCallback, TiedEmbeddingsCheck
     from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
     from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_load
     from fsdp_recipes.patches.peft_fsdp import (
@@ -178,7 +178,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
     }
     # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
     callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config, settings)),
-                 preemption, failure.make_phase_callback()]
+                 preemption, failure.make_phase_callback(), TiedEmbeddingsCheck(report)]
     if pack.verify_loaded_weights and resume and peft_config is None:
         # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
         # model_name_or_path's file, every trained weight would differ. (A LoRA resume keeps the base weights.)
@@ -193,8 +193,11 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
 
         callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
         callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule, from the checkpoint's step
+    model = model_args.model_name_or_path  # a directory or a hub id: TRL loads it with from_pretrained
+    if replica_model.applies():  # cpu_ram_efficient_loading: rank 0 alone reads the weights (replica_model.py)
+        model = replica_model.empty_model(model, training.model_init_kwargs)
     trainer = make_trainer_class(cfg.trainer)(
-        model=model_args.model_name_or_path,  # a directory or a hub id: the same from_pretrained path
+        model=model,
         args=training,
         train_dataset=train_ds,
         eval_dataset=eval_ds,

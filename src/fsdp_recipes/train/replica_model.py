@@ -1,0 +1,69 @@
+"""The model every rank but 0 starts from under `fsdp_cpu_ram_efficient_loading`: the architecture on the meta device,
+no weight read.
+
+Gap it fills: transformers 5.x reads every weight of the checkpoint on every rank even with RAM-efficient loading
+(transformers issue 43749, reported on 5.0, open; measured on 5.23 by tests/test_default_recipe.py: rank 1 read all
+538 MB of SmolLM2-135M). accelerate then moves every rank's model to meta and broadcasts rank 0's weights while it
+shards (FSDP2: `fsdp2_load_full_state_dict`; FSDP1: `sync_module_states` after `param_init_fn`), so what the other
+ranks read is thrown away: N reads of the file, and each rank's host memory rising by the model's size at once.
+
+How: `from_pretrained(None, config=..., state_dict={})`, transformers' documented way to build a pretrained
+architecture from weights of one's own, here none. Its FSDP branch (`is_fsdp_enabled()`, not local rank 0) then leaves
+every parameter on meta, ties the embeddings, and computes the non-persistent buffers (rotary frequencies) for real,
+which accelerate keeps; the parameters then get storage that is never written (unallocated_parameters). No library
+function is replaced. TRL receives the model object instead of the path; with
+`config._name_or_path` set it loads the tokenizer from the same folder. Rank 0 still loads through TRL's own path.
+"""
+
+from __future__ import annotations
+
+import os
+
+from fsdp_recipes.dist import rank
+
+
+def applies() -> bool:
+    """FSDP with RAM-efficient loading (accelerate's environment for the ranks), on a rank other than 0."""
+    on = {"true", "1"}
+    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in on
+            and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() in on
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1 and rank() != 0)
+
+
+def empty_model(path: str, init_kwargs: dict):
+    """The architecture of `path` with its parameters on meta (filled by accelerate's broadcast from rank 0)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config_kwargs = {k: init_kwargs[k] for k in ("revision", "trust_remote_code") if init_kwargs.get(k) is not None}
+    config = AutoConfig.from_pretrained(path, **config_kwargs)
+    dtype = init_kwargs.get("dtype")
+    if isinstance(dtype, str) and dtype != "auto":  # as TRL's create_model_from_path reads it
+        dtype = getattr(torch, dtype)
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+        None, config=config, state_dict={}, dtype=dtype,
+        attn_implementation=init_kwargs.get("attn_implementation"))
+    model.config._name_or_path = path  # TRL's tokenizer lookup, and what a saved config records
+    return unallocated_parameters(model)
+
+
+def unallocated_parameters(model):
+    """Give each meta parameter CPU storage that is never written (so never resident: the kernel backs a large
+    allocation with pages only when touched), ties kept, buffers untouched.
+
+    Why not leave them on meta: with FSDP2 the Trainer builds the optimizer before accelerate shards the model, and
+    accelerate maps the optimizer's parameters to the sharded ones by `data_ptr()` (accelerate 1.15,
+    `Accelerator._prepare_fsdp2`), which is 0 for every meta tensor: all of them mapped to one, and rank 1's updates
+    went wrong from the second step (the losses of a 2-rank tiny run left the unpatched run's at step 3)."""
+    import torch
+
+    new: dict[int, torch.nn.Parameter] = {}  # by the meta parameter's id: a tied weight stays one parameter
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                if id(param) not in new:
+                    new[id(param)] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                        requires_grad=param.requires_grad)
+                module._parameters[name] = new[id(param)]
+    return model

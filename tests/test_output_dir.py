@@ -1,0 +1,176 @@
+"""One output_dir, one run: nothing a command does there loses or silently contradicts an earlier run.
+
+docs/checkpoints.md "One output_dir, one run" states the rule; checkpoint/previous_run.py, output_lock.py and
+resume_settings.py implement it. One real 4-step run (module fixture, checkpoints at steps 2 and 4) is what the
+commands below meet; each test that changes it works on a copy. The refusals are checked in the launcher's own
+process (no rank starts); continuing with new settings and a full disk run for real.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, launch, launcher_checks, launcher_until_ranks, RanksWouldStart
+from fsdp_recipes.checkpoint import markers
+from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
+
+ARGS = ["tiny-cpu-lora", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+        "--eval_strategy", "no", "--save_merged_model", "false", "--warmup_steps", "0"]
+LR = 3e-3  # the recipe's, cosine
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("output-dir") / "run"
+    res = launch([*ARGS, "--output_dir", str(out)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out
+
+
+@pytest.fixture
+def copy(finished, tmp_path):
+    return shutil.copytree(finished, tmp_path / "run")
+
+
+def files(folder):
+    """Every file's bytes but the lock's (which each launcher writes its name into)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE}
+
+
+def one_error(res) -> str:
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.stdout + res.stderr
+    assert "Traceback" not in res.stdout + res.stderr and "Fix:" in lines[0]
+    return lines[0]
+
+
+def test_the_same_command_again_is_already_complete_and_changes_nothing(finished, monkeypatch, capsys):
+    before = files(finished)
+    res = launcher_checks([*ARGS, "--output_dir", str(finished)], monkeypatch, capsys)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "holds a finished run (4 steps" in res.stdout and "already complete" in res.stdout
+    assert "continues from checkpoint-4" in res.stdout  # how to train longer
+    assert files(finished) == before
+
+
+def test_other_settings_never_replace_a_finished_run(finished, monkeypatch, capsys):
+    before = files(finished)
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--learning_rate", "1e-3"],
+                                     monkeypatch, capsys))
+    assert "holds a finished run (4 steps" in line and "learning_rate 0.003 -> 0.001" in line
+    assert "a new --output_dir, or --overwrite_output_dir true" in line
+    # a longer run with a new learning rate would continue from checkpoint-4 on other settings: asked for explicitly
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--max_steps", "6", "--learning_rate",
+                                      "1e-3"], monkeypatch, capsys))
+    assert "cannot continue to max_steps=6" in line and "--override_resumed_settings true" in line
+    assert files(finished) == before
+
+
+def test_continuing_a_finished_run_with_a_new_learning_rate_applies_it(copy, cache_dir):
+    """max_steps 4 -> 6 and learning rate 3e-3 -> 1e-3, asked for with --override_resumed_settings: steps 5 and 6 run
+    on the new cosine schedule (6 steps, peak 1e-3) from step 4, the first 4 steps stay as they were. Without the
+    schedule resync, the optimizer would keep the checkpoint's base rate and step 5 would run at the old schedule's
+    last value (resume_settings.py)."""
+    res = launch([*ARGS, "--output_dir", str(copy), "--max_steps", "6", "--learning_rate", "1e-3",
+                  "--override_resumed_settings", "true"], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"continuing {copy}/checkpoint-4 to max_steps 6 (it was trained toward 4)" in res.stdout
+    assert "learning_rate 0.003 -> 0.001; the new values apply from step 5" in res.stdout
+    history = json.loads((copy / "log_history.json").read_text())["log_history"]
+    logged = {h["step"]: h["learning_rate"] for h in history if "loss" in h}
+
+    def cosine(peak, total, step):  # transformers' get_cosine_schedule_with_warmup without warmup, logged after `step`
+        return peak * 0.5 * (1 + math.cos(math.pi * (step - 1) / total))
+
+    expected = {s: cosine(LR, 4, s) for s in range(1, 5)} | {s: cosine(1e-3, 6, s) for s in (5, 6)}
+    assert logged == pytest.approx(expected, rel=1e-6)
+    run_args = json.loads((copy / "run_args.json").read_text())
+    assert run_args["resumed_with_changes"]["changed"] == {"learning_rate": [LR, 1e-3]}
+    assert run_args["resumed_with_changes"]["length"] == [["max_steps", 4], ["max_steps", 6]]
+    metrics = json.loads((copy / "metrics.json").read_text())
+    assert metrics["status"] == "completed" and metrics["steps"] == 6
+    assert metrics["resume_check"]["learning_rate_after_resume"] == pytest.approx(cosine(1e-3, 6, 5))
+
+
+def test_an_unreadable_newest_checkpoint_is_named_and_the_previous_one_used(copy, monkeypatch, capsys):
+    """A run that failed after checkpoint-4, whose optimizer file was cut short (a disk that filled, a copy that
+    stopped): the rerun names the file, moves the checkpoint aside (kept, never resumed or overwritten) and resumes
+    from checkpoint-2."""
+    metrics = json.loads((copy / "metrics.json").read_text())
+    (copy / "metrics.json").write_text(json.dumps({**metrics, "status": "failed"}))
+    optimizer = copy / "checkpoint-4" / "optimizer.bin"
+    optimizer.write_bytes(optimizer.read_bytes()[:5000])
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([*ARGS, "--output_dir", str(copy)], monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert (f"{copy}/checkpoint-4 cannot be read (optimizer.bin: BadZipFile: File is not a zip file); moved to "
+            f"unreadable-checkpoint-4; resuming from checkpoint-2") in out
+    assert (copy / "unreadable-checkpoint-4" / "optimizer.bin").stat().st_size == 5000
+    assert markers.usable(copy) == (copy / "checkpoint-2", [])
+
+
+def test_overwrite_output_dir_replaces_the_run(copy, monkeypatch, capsys):
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([*ARGS, "--output_dir", str(copy), "--learning_rate", "1e-3", "--overwrite_output_dir",
+                              "true"], monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert f"overwrite_output_dir: removed a completed run of 4 steps from {copy}" in out
+    assert [p.name for p in copy.iterdir()] == [LOCK_FILE]
+
+
+def test_a_second_run_in_a_busy_output_dir_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, monkeypatch,
+                                                                                           capsys):
+    busy = tmp_path / "busy"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from fsdp_recipes.checkpoint.output_lock import OutputLock; "
+                               "OutputLock(sys.argv[1], 'launch tiny-cpu-lora (the first run)').acquire(); "
+                               "print('held', flush=True); time.sleep(120)", str(busy)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = one_error(launcher_checks([*ARGS, "--output_dir", str(busy)], monkeypatch, capsys))
+        assert f"{busy} is in use by another run (pid {holder.pid} on " in line
+        assert "launch tiny-cpu-lora (the first run)" in line and "use another --output_dir" in line
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)  # dies holding it: no release written
+        holder.wait()
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([*ARGS, "--output_dir", str(busy)], monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert f"took over the lock of a run that ended without releasing it (pid {holder.pid} on " in out
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs: room for one of the tiny run's checkpoints (11 MiB), not two."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("this machine does not let the test mount a tmpfs (needs root, or CAP_SYS_ADMIN)")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_resumes(small_disk, cache_dir):
+    out = small_disk / "run"
+    res = launch([*ARGS, "--output_dir", str(out)], cache_dir)
+    lines = [line for line in res.stderr.splitlines() if line.startswith("error: ")]
+    assert res.returncode == 1 and len(lines) == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "Traceback" not in res.stdout + res.stderr
+    assert "ran out of disk space" in lines[0] and "No space left on device" in lines[0]
+    assert f"it resumes from {out}/checkpoint-2, which is intact" in lines[0]
+    assert markers.latest_complete(out) == out / "checkpoint-2" and not markers.unreadable(out / "checkpoint-2")
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)  # space freed
+    res = launch([*ARGS, "--output_dir", str(out)], cache_dir)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert f"resuming from {out}/checkpoint-2" in res.stdout
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 4
