@@ -5,8 +5,10 @@ written by every rank; sharded_save.py).
     python -m bench.loading          # make bench-loading
 
 Builds a randomly initialised Mistral of about 400 MB (float32) beside the tiny assets, then runs the default
-recipe's real launch path (accelerate launch, 2 processes, FSDP2) for two steps, once with
-`fsdp_cpu_ram_efficient_loading: false` and once with `true`. Both runs turn on `verify_loaded_weights`, so every
+recipe's real launch path (accelerate launch, 2 processes, FSDP2) for two steps: with
+`fsdp_cpu_ram_efficient_loading: false`; with `true` and transformers' own loading on every rank
+(FSDP_RECIPES_EMPTY_REPLICAS=0, which reads the whole file on rank 1 too: transformers issue 43749); and with `true`
+as the pack runs it (rank 1 builds an empty model, train/replica_model.py). Both runs turn on `verify_loaded_weights`, so every
 rank's weights are checked against the file. The figure is each rank's peak RSS once the model is loaded and
 sharded, before the first step (`peak_memory.host_rss_at_train_start_bytes_per_rank` in metrics.json).
 The final-save part trains the same model for one step under FSDP2, in full and with LoRA, once per state-dict
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -70,11 +73,15 @@ def launch_variant(model_dir: Path, fsdp_config: dict, work: Path, name: str, ex
     return json.loads((out / "metrics.json").read_text())
 
 
-def run_variant(model_dir: Path, efficient: bool, work: Path) -> dict:
-    m = launch_variant(model_dir, {"fsdp_cpu_ram_efficient_loading": efficient}, work, f"loading-{efficient}",
-                       ["--max_steps", "2", "--verify_loaded_weights", "true"])
+def run_variant(model_dir: Path, efficient: bool, work: Path, empty_replicas: bool = True) -> dict:
+    """empty_replicas=False: transformers' own loading on every rank (FSDP_RECIPES_EMPTY_REPLICAS=0), which reads the
+    whole file on every rank (train/replica_model.py)."""
+    os.environ["FSDP_RECIPES_EMPTY_REPLICAS"] = "1" if empty_replicas else "0"
+    m = launch_variant(model_dir, {"fsdp_cpu_ram_efficient_loading": efficient}, work,
+                       f"loading-{efficient}-{empty_replicas}", ["--max_steps", "2", "--verify_loaded_weights", "true"])
     return {
         "cpu_ram_efficient_loading": efficient,
+        "empty_replicas": efficient and empty_replicas,
         "rss_at_train_start_bytes_per_rank": m["peak_memory"]["host_rss_at_train_start_bytes_per_rank"],
         "peak_rss_bytes_max_over_ranks": m["peak_memory"]["host_rss_bytes"],
         "load_check": m["load_check"],
@@ -102,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = bench_model()
     size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     work = Path(tempfile.mkdtemp(prefix="bench-loading-"))
-    rows = [run_variant(model_dir, eff, work) for eff in (False, True)]
+    rows = [run_variant(model_dir, False, work), run_variant(model_dir, True, work, empty_replicas=False),
+            run_variant(model_dir, True, work)]
     saves = [run_final_save(model_dir, kind, work, lora) for lora in (False, True)
              for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT")]
     result = {
@@ -120,11 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     write_json_atomic(path, result)
     mib = lambda b: f"{b / 2**20:,.0f} MiB"  # noqa: E731
     print(f"\nmodel file {mib(size)}, 2 ranks, FSDP2 on CPU; peak RSS once loaded and sharded:")
-    print("| cpu_ram_efficient_loading | rank 0 | rank 1 | weights verified |")
-    print("|---|---|---|---|")
+    print("| cpu_ram_efficient_loading | ranks but 0 | rank 0 | rank 1 | weights verified |")
+    print("|---|---|---|---|---|")
     for r in rows:
         r0, r1 = r["rss_at_train_start_bytes_per_rank"]
-        print(f"| {str(r['cpu_ram_efficient_loading']).lower()} | {mib(r0)} | {mib(r1)} | "
+        replicas = "empty (replica_model.py)" if r["empty_replicas"] else "loaded by transformers"
+        print(f"| {str(r['cpu_ram_efficient_loading']).lower()} | {replicas} | {mib(r0)} | {mib(r1)} | "
               f"{r['load_check']['parameters_checked']} parameters |")
     print("\nfinal save (FSDP2, 1 step), anonymous RSS (RssAnon) rise above its level at the "
           "start of each phase:")

@@ -73,6 +73,16 @@ def test_other_settings_never_replace_a_finished_run(finished, monkeypatch, caps
     assert files(finished) == before
 
 
+def test_a_finished_run_without_a_last_checkpoint_cannot_continue(copy, monkeypatch, capsys):
+    """The default recipe saves no checkpoint (save_strategy "no"): a larger max_steps has nothing to continue from."""
+    for ckpt in markers.checkpoint_dirs(copy):
+        shutil.rmtree(ckpt)
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(copy), "--max_steps", "6"], monkeypatch, capsys))
+    assert "cannot continue to max_steps=6: it saved no checkpoint at its last step" in line
+    res = launcher_checks([*ARGS, "--output_dir", str(copy)], monkeypatch, capsys)
+    assert res.returncode == 0 and "already complete" in res.stdout and "to train longer" not in res.stdout
+
+
 def test_continuing_a_finished_run_with_a_new_learning_rate_applies_it(copy, cache_dir):
     """max_steps 4 -> 6 and learning rate 3e-3 -> 1e-3, asked for with --override_resumed_settings: steps 5 and 6 run
     on the new cosine schedule (6 steps, peak 1e-3) from step 4, the first 4 steps stay as they were. Without the
@@ -174,3 +184,35 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(small_disk, cache_dir):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"resuming from {out}/checkpoint-2" in res.stdout
     assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+
+
+SAVED = {"learning_rate": 1e-3, "optim": "adamw_torch", "max_steps": 10, "num_train_epochs": 3.0, "beta": 0.1}
+
+
+def test_an_optimizer_setting_never_changes_on_resume_even_with_the_override():
+    from fsdp_recipes.checkpoint.resume_settings import check
+    from fsdp_recipes.errors import UserError
+
+    with pytest.raises(UserError, match=r"with optim 'adamw_torch' -> 'sgd': the checkpoint's optimizer state"):
+        check("run/checkpoint-4", 4, SAVED, {**SAVED, "optim": "sgd"}, override=True)
+
+
+def test_a_run_length_that_ends_before_the_checkpoint_is_refused_and_a_longer_one_reported():
+    from fsdp_recipes.checkpoint.resume_settings import check
+    from fsdp_recipes.errors import UserError
+
+    with pytest.raises(UserError, match=r"it is at step 4, past max_steps 3. Fix: --max_steps 4 or more"):
+        check("run/checkpoint-4", 4, SAVED, {**SAVED, "max_steps": 3}, override=True)
+    assert check("run/checkpoint-4", 4, SAVED, dict(SAVED), override=False) == {}  # nothing changed: nothing to say
+    assert check("run/checkpoint-4", 4, SAVED, {**SAVED, "max_steps": 20}, override=False) == {
+        "checkpoint": "run/checkpoint-4", "step": 4, "length": [["max_steps", 10], ["max_steps", 20]]}
+
+
+def test_a_trainer_kinds_own_setting_is_compared_like_the_learning_rate():
+    from fsdp_recipes.checkpoint.resume_settings import check
+    from fsdp_recipes.errors import UserError
+
+    with pytest.raises(UserError, match=r"other settings \(beta 0.1 -> 0.5\).*--override_resumed_settings true to apply "
+                                        r"the new values from step 5"):
+        check("run/checkpoint-4", 4, SAVED, {**SAVED, "beta": 0.5}, override=False)
+    assert check("run/checkpoint-4", 4, SAVED, {**SAVED, "beta": 0.5}, override=True)["changed"] == {"beta": [0.1, 0.5]}

@@ -50,6 +50,11 @@ def read(output_dir: Path) -> Previous | None:
                     last, bad)
 
 
+def finished(output_dir: str | Path) -> bool:
+    previous = read(Path(output_dir))
+    return previous is not None and previous.status == "completed"
+
+
 def decide(output_dir: str | Path, now: dict, override: bool = False) -> str | None:
     """None: go on (train, resume or continue). A string: the run is already complete, nothing to do (the line
     to print). Raises UserError for a command that would replace a finished run. `now`: this command's
@@ -96,7 +101,7 @@ def clear(output_dir: str | Path) -> str | None:
     what = f"a {previous.status} run of {previous.steps} steps" if previous.status else "an unfinished run"
     for p in entries:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    return f"overwrite_output_dir: removed {what} from {output_dir} ({len(entries)} files and folders)"
+    return f"removed {what} from {output_dir} ({len(entries)} files and folders)"
 
 
 def markers_step(ckpt: Path) -> int:

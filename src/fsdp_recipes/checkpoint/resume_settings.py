@@ -34,9 +34,9 @@ if TYPE_CHECKING:
 OVERRIDABLE = (
     # the schedule (ScheduleResync applies a new one)
     "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
-    # the batch and the data: which rows a step sees
-    "per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "max_length", "seed",
-    "dataset_name", "max_grad_norm",
+    # the batch and the data: which rows a step sees. The global batch, not its factors: a sharded checkpoint resumes
+    # on another number of processes with the per-device batch that keeps it (docs/checkpoints.md)
+    "global_batch", "max_length", "seed", "dataset_name", "max_grad_norm",
 )
 FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer")
 LENGTH = ("max_steps", "num_train_epochs")
@@ -46,8 +46,8 @@ def current(cfg: RunConfig, world_size: int, kind_settings: tuple[str, ...] = ()
     """This command's values of every compared setting, JSON-ready (saved into each checkpoint's identity).
     `kind_settings`: the trainer kind's own (train/kinds/<kind>.py RESUME_SETTINGS), compared like OVERRIDABLE."""
     t = cfg.training
-    values = {"world_size": world_size, "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype,
-              "trainer": cfg.trainer}
+    values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
+              "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer}
     for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings):
         if name not in values:
             value = getattr(t, name, None)
@@ -80,8 +80,8 @@ def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: b
     fix = "Fix: resume with the checkpoint's values, or use a new --output_dir"
     fixed = {k: v for k, v in changes(saved, now).items() if k in FIXED}
     if fixed:
-        raise UserError(f"cannot resume from {checkpoint} with {described(fixed)}: the checkpoint's optimizer state and "
-                        f"weights belong to the old value, so it cannot change on resume. {fix}.")
+        raise UserError(f"cannot resume from {checkpoint} with {described(fixed)}: the checkpoint's optimizer state "
+                        f"and weights belong to the old value, so it cannot change on resume. {fix}.")
     name, total = length(now)
     if name == "max_steps" and total < step:
         raise UserError(f"cannot resume from {checkpoint}: it is at step {step}, past max_steps {total}. Fix: "

@@ -271,8 +271,10 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | N
         lock = held.enter_context(output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides])))
         if lock.note:
             say(f"warning: {lock.note}")
-        if cfg.pack.overwrite_output_dir and (removed := previous_run.clear(out)):
-            say(removed)
+        # a finished smoke run is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)
+        replace = cfg.pack.overwrite_output_dir or (smoke.active() and previous_run.finished(out))
+        if replace and (removed := previous_run.clear(out)):
+            say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
         now = resume_settings.current(cfg, world_size, kinds.load(cfg.trainer).RESUME_SETTINGS)
         if done := previous_run.decide(out, now, cfg.pack.override_resumed_settings):
             return done
@@ -442,7 +444,16 @@ def launch(argv: list[str], held: ExitStack) -> int:
             except OSError as err:  # the disk that stopped the run: the line below is the report
                 say(f"warning: {report} could not record the failure ({err.strerror or err})")
         raise UserError(line, exit_code=code)
-    return summary.main(summary_args(output_dir), recipe=recipe)
+    try:
+        return summary.main(summary_args(output_dir), recipe=recipe)
+    except UserError:
+        raise
+    except OSError as err:  # a full disk or a quota, met while writing the generations or the eval section
+        raise UserError(f"training completed and {report} says so, but the summary could not write to {output_dir} "
+                        f"({err.strerror or err}). Fix: free space there, then `python -m fsdp_recipes.launch.summary "
+                        f"{output_dir}` makes the summary again", exit_code=1) from None
+    except Exception as err:
+        raise unexpected(err, "summarising the finished run") from None
 
 
 def unexpected(err: Exception, doing: str) -> UserError:

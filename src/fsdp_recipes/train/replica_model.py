@@ -23,21 +23,26 @@ from fsdp_recipes.dist import rank
 
 
 def applies() -> bool:
-    """FSDP with RAM-efficient loading (accelerate's environment for the ranks), on a rank other than 0."""
+    """FSDP with RAM-efficient loading (accelerate's environment for the ranks), on a rank other than 0.
+    FSDP_RECIPES_EMPTY_REPLICAS=0 leaves the loading to transformers (make bench-loading compares the two)."""
     on = {"true", "1"}
-    return (os.environ.get("ACCELERATE_USE_FSDP", "").lower() in on
+    return (os.environ.get("FSDP_RECIPES_EMPTY_REPLICAS", "1") != "0"
+            and os.environ.get("ACCELERATE_USE_FSDP", "").lower() in on
             and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() in on
             and int(os.environ.get("WORLD_SIZE", "1")) > 1 and rank() != 0)
 
 
 def empty_model(path: str, init_kwargs: dict):
-    """The architecture of `path` with its parameters on meta (filled by accelerate's broadcast from rank 0)."""
+    """The architecture of `path`, its parameters' storage never written (accelerate's broadcast from rank 0 fills the
+    shards); None for an architecture transformers does not ship, which TRL then loads from the path as usual."""
     import torch
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config_kwargs = {k: init_kwargs[k] for k in ("revision", "trust_remote_code") if init_kwargs.get(k) is not None}
     config = AutoConfig.from_pretrained(path, **config_kwargs)
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:  # a remote-code architecture: TRL loads it as before
+        return None
     dtype = init_kwargs.get("dtype")
     if isinstance(dtype, str) and dtype != "auto":  # as TRL's create_model_from_path reads it
         dtype = getattr(torch, dtype)
