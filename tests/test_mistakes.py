@@ -46,7 +46,11 @@ def earlier_run(tmp_path, cache_dir):
 
 
 def snapshot(folder):
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    """Every file's bytes, but the output_dir lock's, which each launcher writes its own name into."""
+    from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
+
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE}
 
 
 def assert_unchanged(before: dict, folder):
@@ -300,7 +304,9 @@ def test_rank_failures_are_one_line_and_lose_nothing(tmp_path, cache_dir):
 
     before = snapshot(out)
     res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher",
-               *launch_args(out, "--max_steps", "6", "--dataset_name", "no-such-org/no-such-dataset")], cache_dir,
+               # another dataset on resume is refused by the launcher unless asked for (resume_settings.py): asked
+               *launch_args(out, "--max_steps", "6", "--dataset_name", "no-such-org/no-such-dataset",
+                            "--override_resumed_settings", "true")], cache_dir,
               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     line = one_error_line(res)
     assert res.returncode == 2, line

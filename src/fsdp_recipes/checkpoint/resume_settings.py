@@ -22,14 +22,9 @@ from __future__ import annotations
 
 import warnings
 from enum import Enum
-from typing import TYPE_CHECKING
-
 from transformers import TrainerCallback
 
 from fsdp_recipes.errors import UserError
-
-if TYPE_CHECKING:
-    from fsdp_recipes.config.run_config import RunConfig
 
 OVERRIDABLE = (
     # the schedule (ScheduleResync applies a new one)
@@ -42,8 +37,9 @@ FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "d
 LENGTH = ("max_steps", "num_train_epochs")
 
 
-def current(cfg: RunConfig, world_size: int, kind_settings: tuple[str, ...] = ()) -> dict:
-    """This command's values of every compared setting, JSON-ready (saved into each checkpoint's identity).
+def current(cfg, world_size: int, kind_settings: tuple[str, ...] = ()) -> dict:
+    """This command's values of every compared setting, JSON-ready (saved into each checkpoint's identity). `cfg`:
+    the parsed recipe (config/run_config.RunConfig, a layer beside this one).
     `kind_settings`: the trainer kind's own (train/kinds/<kind>.py RESUME_SETTINGS), compared like OVERRIDABLE."""
     t = cfg.training
     values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
