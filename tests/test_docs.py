@@ -296,7 +296,7 @@ def test_expensive_commands_are_run_by_a_named_test(shown):
 
 def test_launch_sh_runs_the_launcher():
     """`make finetune` -> recipes/<name>/launch.sh -> the launcher that the tests run."""
-    assert 'exec python -m fsdp_recipes.launch.launcher "$(cd' in (REPO / "recipes/tiny-cpu-lora/launch.sh").read_text()
+    assert 'exec "$py" -m fsdp_recipes.launch.launcher "$(cd' in (REPO / "recipes/tiny-cpu-lora/launch.sh").read_text()
 
 
 # ------------------------------------------------------------------ links
