@@ -109,9 +109,10 @@ def launch_copy(proj: Project, name: str, args: list[str], cache, **env) -> subp
 @pytest.fixture(scope="module")
 def run_dir(project, tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("default") / "run"
-    # 2 sequences per process keep the steps short; everything else is the recipe's own
+    # 2 sequences per process keep the steps short, a log every step shows the console's progress lines;
+    # everything else is the recipe's own
     res = launch_copy(project, DEFAULT, ["--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
-                                         "--output_dir", str(out)], cache_dir, **GENERATIONS,
+                                         "--logging_steps", "1", "--output_dir", str(out)], cache_dir, **GENERATIONS,
                       FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out.joinpath("launch.log").write_text(res.stdout + res.stderr)
@@ -125,6 +126,18 @@ def test_the_pack_ran_from_the_wheel_in_the_project(project, run_dir):
     assert f"[launch] recipe {DEFAULT} ({project.root / DEFAULT})" in log  # the copy's files, not the repository's
     assert str(REPO) not in log
     assert sorted(p.name for p in project.root.iterdir()) == sorted([DEFAULT, GPU_RECIPE])  # nothing else there
+
+
+def test_the_console_shows_a_line_per_log_step_and_no_library_noise(run_dir):
+    console = (run_dir / "launch.log").read_text()  # what the user saw: the launcher's stdout and stderr
+    lines = re.findall(r"^\[train\] step (\d)/2  loss ([\d.]+)  lr [\d.]+e-\d\d  [\d,]+ tokens/s$", console, re.M)
+    history = [log for log in load(run_dir, "log_history.json")["log_history"] if "loss" in log]  # the Trainer's
+    assert [(int(step), float(loss)) for step, loss in lines] == [
+        (log["step"], float(f"{log['loss']:.4g}")) for log in history] and len(lines) == STEPS
+    for noise in ("Warning", "{'loss'", "it/s]", "Loading weights"):  # warnings, raw log dicts, progress bars
+        assert noise not in console, noise
+    rank0 = (run_dir / "logs" / "rank0.log").read_text()  # where they went instead
+    assert "FutureWarning: `is_gradient_checkpointing` is deprecated" in rank0 and '"loss": ' in rank0
 
 
 def test_installing_the_wheel_changed_no_installed_version(project):
