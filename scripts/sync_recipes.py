@@ -33,6 +33,8 @@ RECIPES = ROOT / "recipes"
 # No backquotes: launch.sh echoes it inside double quotes.
 INSTALL = ("pip install <fsdp_recipes-*.whl> (make wheel in a clone of the fsdp-recipes repository writes it to "
            "dist/) or pip install <that clone>")
+NOT_INSTALLED = ("error: the fsdp-recipes pack is not installed for ${py:-python or python3 (neither is on PATH)}. "
+                 f"Fix: activate the environment that has it, or {INSTALL}.")
 
 LAUNCH_SH = f"""#!/usr/bin/env bash
 # Run this recipe: checks, `accelerate launch` with ./accelerate.yaml over its trainer YAML (./sft.yaml or
@@ -44,7 +46,7 @@ LAUNCH_SH = f"""#!/usr/bin/env bash
 set -euo pipefail
 py=$(command -v python || command -v python3 || true)
 if [ -z "$py" ] || ! "$py" -c "import fsdp_recipes" 2>/dev/null; then
-  echo "error: the fsdp-recipes pack is not installed for ${{py:-python or python3 (neither is on PATH)}}. Fix: activate the environment that has it, or {INSTALL}." >&2
+  echo "{NOT_INSTALLED}" >&2
   exit 2
 fi
 exec "$py" -m fsdp_recipes.launch.launcher "$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)" "$@"

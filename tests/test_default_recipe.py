@@ -130,12 +130,15 @@ def test_the_pack_ran_from_the_wheel_in_the_project(project, run_dir):
 
 def test_the_console_shows_a_line_per_log_step_and_no_library_noise(run_dir):
     console = (run_dir / "launch.log").read_text()  # what the user saw: the launcher's stdout and stderr
-    lines = re.findall(r"^\[train\] step (\d)/2  loss ([\d.]+)  lr [\d.]+e-\d\d  [\d,]+ tokens/s$", console, re.M)
+    assert f"[train] training {STEPS} steps, a line every 1\n" in console
+    lines = re.findall(r"^\[train\] step (\d)/2  loss ([\d.]+)  lr [\d.]+e[-+]\d\d  [\d,]+ tokens/s$", console, re.M)
     history = [log for log in load(run_dir, "log_history.json")["log_history"] if "loss" in log]  # the Trainer's
     assert [(int(step), float(loss)) for step, loss in lines] == [
         (log["step"], float(f"{log['loss']:.4g}")) for log in history] and len(lines) == STEPS
+    # less the bar of the launcher's one-time preparation of the model (an empty cache: transformers' GGUF reader)
+    rest = re.sub(r"Converting and de-quantizing GGUF tensors[^\n]*", "", console)
     for noise in ("Warning", "{'loss'", "it/s]", "Loading weights"):  # warnings, raw log dicts, progress bars
-        assert noise not in console, noise
+        assert noise not in rest, noise
     rank0 = (run_dir / "logs" / "rank0.log").read_text()  # where they went instead
     assert "FutureWarning: `is_gradient_checkpointing` is deprecated" in rank0 and '"loss": ' in rank0
 

@@ -28,12 +28,17 @@ LOG_ONLY_WARNINGS = [
 
 def details(text: str) -> None:
     """Append `text` to this rank's log only (stderr when not under the launcher)."""
+    text = text if text.endswith("\n") else text + "\n"
     error_file = os.environ.get(ERROR_FILE_ENV)
-    if not error_file:
-        print(text, file=sys.stderr, flush=True)
-        return
-    with open(os.path.join(os.path.dirname(error_file), DETAILS_FILE), "a") as f:
-        f.write(text if text.endswith("\n") else text + "\n")
+    if error_file:
+        try:
+            with open(os.path.join(os.path.dirname(error_file), DETAILS_FILE), "a") as f:
+                f.write(text)
+            return
+        except OSError:  # a full temporary disk must not stop training: then the console gets it
+            pass
+    sys.stderr.write(text)
+    sys.stderr.flush()
 
 
 def log_only(category: type[Warning], message: str) -> bool:
@@ -59,8 +64,10 @@ def no_loading_bars() -> None:
     import huggingface_hub
     import transformers
 
-    transformers.utils.logging.disable_progress_bar()  # also turns off huggingface_hub's: turned back on below
-    huggingface_hub.utils.enable_progress_bars()
+    hub_bars = not huggingface_hub.utils.are_progress_bars_disabled()  # HF_HUB_DISABLE_PROGRESS_BARS, the user's
+    transformers.utils.logging.disable_progress_bar()  # also turns off huggingface_hub's: back on as they were
+    if hub_bars:
+        huggingface_hub.utils.enable_progress_bars()
 
 
 def progress_line(logs: dict, step: int, max_steps: int) -> str | None:
@@ -85,7 +92,8 @@ class ProgressLines(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            print(f"[train] training {state.max_steps} steps, a line every {args.logging_steps}", flush=True)
+            # the state's: the Trainer turns a fractional logging_steps into steps
+            print(f"[train] training {state.max_steps} steps, a line every {state.logging_steps:g}", flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not logs:
