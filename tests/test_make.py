@@ -1,6 +1,7 @@
 """The Makefile's set-up steps as a person sees them: `make venv`'s few lines and its log, and what `make test` says
 when it cannot install Slurm."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -10,9 +11,11 @@ from conftest import REPO
 
 def test_a_failing_make_venv_step_names_its_log(tmp_path):
     venv, missing = tmp_path / "venv", tmp_path / "torch-0-py3-none-any.whl"
+    # as from a shell: not as a sub-make of `make test` (make[1]: ..., its MAKEFLAGS)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     res = subprocess.run(["make", "--no-print-directory", "venv", f"VENV={venv}", f"PYTHON={sys.executable}",
                           f"TORCH_SPEC={missing}", "CONSTRAINTS="], cwd=REPO, capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
     log = venv / "install.log"
     assert res.returncode != 0
     assert res.stdout.splitlines() == [
