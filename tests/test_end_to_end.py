@@ -5,6 +5,7 @@ One run (module-scoped fixture, about a minute on 2 cores) and several checks of
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -152,10 +153,12 @@ def test_tensorboard_has_the_curves_and_the_packs_gauges(run_dir):
 
 
 def test_console_shows_rank_0_only(run_dir):
-    """Progress bars come from rank 0 only: transformers' model-loading bar shows for rank 0's load and for the
-    merged save, not once per rank, and not for the summary's two reloads (5 before)."""
+    """Training progress comes from rank 0 only: one `[train] step` line per training log (train/console.py), not
+    one per rank, and no model-loading bars (there were 5 once, then 2)."""
     log = (run_dir / "launch.log").read_text()
-    assert log.count("Loading weights: 100%") == 2, log[-3000:]
+    lines = [int(step) for step in re.findall(r"^\[train\] step +(\d+)/\d+  loss ", log, re.M)]
+    assert lines == [entry["step"] for entry in load(run_dir, "log_history.json")["log_history"] if "loss" in entry]
+    assert lines and "Loading weights" not in log, log[-3000:]
 
 
 def test_plan_estimate_matches_what_the_run_held(run_dir, cache_dir):

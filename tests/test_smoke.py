@@ -37,12 +37,14 @@ def expected_layout(acc: dict) -> tuple[int, str]:
 # in full. Two more are not launched here because another launch takes the same path, which
 # test_smoke_checks_of_the_recipes_another_launch_covers checks: smollm2-135m-lora (tests/test_default_recipe.py
 # runs it for real, with its own model, on the same 2 CPU processes) and mistral-small-lora-2xh200 (generated from
-# mistral-small-lora: its smoke run differs from that one's only in batch size and accumulation). Every other
-# recipe's smoke run is its only launch in CI.
+# mistral-small-lora: its smoke run differs from that one's only in batch size and accumulation), and
+# llama-3.1-8b-lora, whose smoke run tests/test_default_recipe.py runs from a folder copied into another project.
+# Every other recipe's smoke run is its only launch in CI.
 # DPO: smollm2-135m-dpo runs for real in tests/test_default_recipe.py (after the default, with the real model);
 # qwen3-8b-full-dpo's smoke run is tests/test_preemption.py's DPO run (straight, preempted and resumed), and
 # llama-3.1-8b-lora-dpo's is tests/test_slurm.py's one-node sbatch job.
 COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lora-2xh200": "mistral-small-lora",
+                     "llama-3.1-8b-lora": "llama-3.1-8b-lora",
                      "smollm2-135m-dpo": "smollm2-135m-dpo", "qwen3-8b-full-dpo": "qwen3-8b-full-dpo",
                      "llama-3.1-8b-lora-dpo": "llama-3.1-8b-lora-dpo"}
 SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora" and name not in COVERED_ELSEWHERE]

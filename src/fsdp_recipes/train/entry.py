@@ -205,6 +205,9 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         callbacks=callbacks,
     )
     trainer.token_counter, trainer.run_report = report.tokens, report
+    from fsdp_recipes.train import console
+
+    console.replace_progress_output(trainer)  # one line per log instead of bars and dictionaries
     if pack.float8:  # before train() hands the model to accelerate, which wraps it with FSDP
         float8.check_device()
         converted, linears = float8.convert(trainer.model)
@@ -302,6 +305,18 @@ def quiet_replica(cfg: RunConfig) -> None:
         cfg.training.log_level_replica = "error"
 
 
+def quiet_console(cfg: RunConfig) -> None:
+    """What a person reading the console cannot act on stays in the rank's log (train/console.py)."""
+    import torch
+
+    from fsdp_recipes.train import console
+
+    console.keep_upstream_warnings_in_log()
+    console.no_loading_bars()
+    if not torch.accelerator.is_available():  # pinning needs one: without, torch warns for every dataloader
+        cfg.training.dataloader_pin_memory = False
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     """Every exception is written to torchrun's error file for this rank (failure.py). Under the launcher, which
@@ -344,6 +359,7 @@ def run(argv: list[str] | None = None) -> int:
     kind = kinds.load(cfg.trainer)
     if not is_main:
         quiet_replica(cfg)
+    quiet_console(cfg)
     peft_config = get_peft_config(cfg.model)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     resume, changed = checkpoint_to_resume(cfg, world_size, say=(lambda line: print(f"[train] {line}", flush=True))

@@ -20,6 +20,8 @@ import traceback
 from fsdp_recipes import dist
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
+# Beside the error file: what the rank keeps for its log only (train/console.py); launch/rank_output.py relays it
+DETAILS_FILE = "details.log"
 
 # Where this rank is: the launcher's exit code is 2 for a failure before the first optimizer step, 1 after it.
 STATE = {"phase": "setup", "step": None}

@@ -1,0 +1,61 @@
+"""What a rank shows on the console and what it keeps for its log only (train/console.py). The launch itself, its
+console and rank logs: tests/test_default_recipe.py."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fsdp_recipes.train import console
+from fsdp_recipes.train.failure import DETAILS_FILE, ERROR_FILE_ENV
+
+PEFT_WARNING = ("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
+                "`is_activation_checkpointing` instead.")  # as transformers 5.23 words it
+
+
+def test_a_training_log_is_one_line():
+    logs = {"loss": 2.2171, "grad_norm": 2.579, "learning_rate": 0.001, "tokens_per_second": 1461.4, "epoch": 0.016}
+    assert console.progress_line(logs, 4, 48) == "[train] step  4/48  loss 2.217  lr 1.00e-03  1,461 tokens/s"
+    assert console.progress_line({"loss": 0.05888}, 48, 48) == "[train] step 48/48  loss 0.05888"
+
+
+def test_an_eval_log_is_one_line_and_the_end_of_training_totals_none():
+    assert console.progress_line({"eval_loss": 2.30102, "eval_runtime": 0.08}, 8, 8) == \
+        "[train] eval at step 8/8: loss 2.301"
+    assert console.progress_line({"train_runtime": 30.7, "train_loss": 1.45}, 8, 8) is None
+
+
+def test_only_the_listed_upstream_warning_is_kept_off_the_console(tmp_path):
+    """In a process of its own, as a rank: pytest records warnings itself, which would hide what reaches stderr."""
+    script = textwrap.dedent(f"""
+        import warnings
+        from fsdp_recipes.train import console
+        console.keep_upstream_warnings_in_log()
+        warnings.simplefilter("always")
+        warnings.warn({PEFT_WARNING!r}, FutureWarning)
+        warnings.warn({PEFT_WARNING!r}, UserWarning)  # the same words, another category: not ours to hide
+        warnings.warn("another deprecation", FutureWarning)
+    """)
+    env = dict(os.environ, **{ERROR_FILE_ENV: str(tmp_path / "error.json")})  # as under torchrun
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    kept = (tmp_path / DETAILS_FILE).read_text()
+    assert f"FutureWarning: {PEFT_WARNING}" in kept and "UserWarning" not in kept and "another" not in kept
+    assert f"UserWarning: {PEFT_WARNING}" in res.stderr and "FutureWarning: another deprecation" in res.stderr
+    assert f"FutureWarning: {PEFT_WARNING}" not in res.stderr
+
+
+@pytest.mark.parametrize("under_launcher", [True, False])
+def test_details_go_to_the_rank_log_file_or_stderr(tmp_path, monkeypatch, capsys, under_launcher):
+    if under_launcher:
+        monkeypatch.setenv(ERROR_FILE_ENV, str(tmp_path / "error.json"))
+    else:
+        monkeypatch.delenv(ERROR_FILE_ENV, raising=False)
+    console.details("[train] step 4: {}")
+    err = capsys.readouterr().err
+    if under_launcher:
+        assert (tmp_path / DETAILS_FILE).read_text() == "[train] step 4: {}\n" and err == ""
+    else:
+        assert err == "[train] step 4: {}\n" and not (tmp_path / DETAILS_FILE).exists()
