@@ -128,25 +128,27 @@ class Variant:
     accelerate: dict = field(default_factory=dict)
 
 
-def variants(base: dict, layer_cls: str, hsdp: bool) -> list[Variant]:
-    """Accelerate YAMLs for each strategy, derived from the default recipe's (FSDP2, 2 processes)."""
+def variants(base: dict, layer_cls: str, hsdp: bool, n: int = 2) -> list[Variant]:
+    """Accelerate YAMLs for each strategy, derived from the default recipe's (FSDP2), on `n` processes (HSDP: 2
+    replicas of max(n, 4) / 2 shards)."""
     plain = {k: v for k, v in base.items() if k not in ("fsdp_config", "parallelism_config")}
-    fsdp2 = lambda reshard: {**base, "fsdp_config": {**base["fsdp_config"],  # noqa: E731
-                                                     "fsdp_reshard_after_forward": reshard}}
+    fsdp2 = lambda reshard: {**base, "num_processes": n, "fsdp_config": {  # noqa: E731
+        **base["fsdp_config"], "fsdp_reshard_after_forward": reshard}}
     fsdp1 = copy.deepcopy(yaml.safe_load(FSDP1.read_text()))
-    fsdp1.update(num_processes=2, mixed_precision=base.get("mixed_precision", "no"))
+    fsdp1.update(num_processes=n, mixed_precision=base.get("mixed_precision", "no"))
     fsdp1["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] = layer_cls
     out = [
         Variant("single", 1, "single", 1, accelerate={**plain, "distributed_type": "NO", "num_processes": 1}),
-        Variant("ddp", 2, "DDP", 1, accelerate={**plain, "distributed_type": "MULTI_GPU", "num_processes": 2}),
-        Variant("fsdp2-full-shard", 2, "FSDP", 2, 2, True, fsdp2(True)),
-        Variant("fsdp2-shard-grad-op", 2, "FSDP", 2, 2, False, fsdp2(False)),
-        Variant("fsdp1-full-shard", 2, "FSDP", 2, 1, True, fsdp1),
+        Variant("ddp", n, "DDP", 1, accelerate={**plain, "distributed_type": "MULTI_GPU", "num_processes": n}),
+        Variant("fsdp2-full-shard", n, "FSDP", n, 2, True, fsdp2(True)),
+        Variant("fsdp2-shard-grad-op", n, "FSDP", n, 2, False, fsdp2(False)),
+        Variant("fsdp1-full-shard", n, "FSDP", n, 1, True, fsdp1),
     ]
     if hsdp:
-        out.append(Variant("hsdp", 4, "HSDP", 2, 2, True, {
-            **fsdp2(True), "num_processes": 4,
-            "parallelism_config": {"parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": 2}}))
+        world = max(n, 4)
+        out.append(Variant("hsdp", world, "HSDP", world // 2, 2, True, {
+            **fsdp2(True), "num_processes": world, "parallelism_config": {
+                "parallelism_config_dp_replicate_size": 2, "parallelism_config_dp_shard_size": world // 2}}))
     return out
 
 
@@ -330,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=4, help="sequences per optimizer step, over all processes")
     ap.add_argument("--variants", default="", help="comma-separated names (default: all but hsdp)")
     ap.add_argument("--hsdp", action="store_true", help="also HSDP, 2 replicas x 2 shards (4 processes)")
+    ap.add_argument("--processes", type=int, default=2,
+                    help="processes of the distributed variants (8 on a node of 8 GPUs: --processes 8 "
+                         "--global-batch 16 --hsdp)")
     ap.add_argument("--results", type=Path, default=REPO / "bench" / "results")
     args = ap.parse_args(argv)
     source = TINY if args.tiny else DEFAULT
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     extra += ["--learning_rate", "1e-4" if args.tiny else "1e-5"]
     cfg, shape = model_shape(source, extra)
     gpus = _gpus()
-    chosen = variants(base, base["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"], args.hsdp)
+    chosen = variants(base, base["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"], args.hsdp, args.processes)
     if gpus:  # one process per GPU: on fewer GPUs than a variant's processes it runs on those (world-size-1 rows)
         chosen = [v for v in chosen if v.strategy != "HSDP" or gpus >= v.processes]
         for v in chosen:

