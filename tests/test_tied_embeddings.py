@@ -180,3 +180,16 @@ def test_merging_a_tied_model_keeps_a_trained_head(tmp_path):
     assert torch.equal(merged.lm_head.weight, head)
     assert torch.equal(merged.model.embed_tokens.weight, base.model.embed_tokens.weight)
     assert merged.lm_head.weight is not merged.model.embed_tokens.weight
+
+
+def test_a_gathered_state_dict_keeps_one_copy_of_a_tied_weight():
+    """FSDP gathers each name of a tied weight on its own: two separate full copies, which save_pretrained (deduping
+    by shared storage) wrote both of. The final save drops the second name first (save_check.without_tied_copies)."""
+    from fsdp_recipes.checkpoint.save_check import without_tied_copies
+
+    model = tied_llama()
+    gathered = {k: v.clone() for k, v in model.state_dict().items()}  # one copy per name, as a gather returns them
+    assert gathered["lm_head.weight"].data_ptr() != gathered["model.embed_tokens.weight"].data_ptr()
+    kept = without_tied_copies(model, gathered)
+    assert "lm_head.weight" not in kept and "model.embed_tokens.weight" in kept
+    assert len(kept) == len(model.state_dict()) - 1

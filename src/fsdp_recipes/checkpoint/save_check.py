@@ -164,9 +164,23 @@ def expected_state_dict(trainer, full: dict | None = None, gathered: bool = Fals
                 f"trains {trainable} parameters"
             )
         return adapter
-    if getattr(model.config, "tie_word_embeddings", False):
-        full.pop("lm_head.weight", None)  # save_pretrained stores tied weights once
-    return full
+    return without_tied_copies(model, full)
+
+
+def without_tied_copies(model, state_dict: dict | None) -> dict | None:
+    """Drop the second name of each tied weight (transformers 5: `all_tied_weights_keys`, {"lm_head.weight":
+    "model.embed_tokens.weight"}), as save_pretrained does for a live model.
+
+    Why here: a state dict gathered from FSDP holds two separate full copies of a tied weight (each name is gathered
+    on its own), and save_pretrained dedupes by shared storage only: it wrote both (a tied SmolLM2-135M's
+    model.safetensors gained a 113 MB lm_head.weight equal to the embedding; make compare, 2026-11-25). Loading
+    ties them again, so the second copy is only disk."""
+    if state_dict is None:
+        return None
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if target in state_dict and source in state_dict:
+            state_dict.pop(target)
+    return state_dict
 
 
 def model_shapes(model) -> dict[str, tuple]:

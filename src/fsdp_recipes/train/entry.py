@@ -231,6 +231,7 @@ def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
         verified_line,
         verify_against_memory,
         verify_final_save,
+        without_tied_copies,
     )
     from fsdp_recipes.checkpoint.sharded_save import save_full_model_distributed, trainable_state_dict
     from fsdp_recipes.dist import gather_objects
@@ -254,7 +255,8 @@ def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
             # FULL_STATE_DICT, and FSDP1 (flat parameters, no DTensors) in any case: gather on rank 0 as
             # Trainer.save_model does, save, and check against that same gathered copy. Gathering again for the
             # check held the model twice on rank 0 (make bench-loading, 394 MiB model: total RSS rose 561 MiB in it).
-            full = trainer.accelerator.get_state_dict(trainer.model)
+            full = without_tied_copies(trainer.accelerator.unwrap_model(trainer.model),
+                                       trainer.accelerator.get_state_dict(trainer.model))
             save_state_dict(trainer, out, full)  # a copy: save_pretrained empties the dict it is given
             check_kwargs = dict(full=full, gathered=True)
         else:  # full fine-tuning, FSDP2, SHARDED_STATE_DICT: never gather the model
