@@ -65,11 +65,15 @@ def decide(output_dir: str | Path, now: dict, override: bool = False) -> str | N
         return None  # nothing there, or an unfinished run: resumed from its checkpoint, or started over
     done = f"{output_dir} holds a finished run ({previous.steps} steps, completed {previous.finished_at}, {REPORT})"
     saved = previous.settings
-    changed = resume_settings.changes(saved, now) if saved else {"settings": ["unknown", "this command's"]}
-    longer = saved is not None and _longer(saved, now)
+    if saved is None:  # a run of a pack version that did not record them
+        raise UserError(f"{done}, whose settings were not recorded (an earlier version of the pack), so this command "
+                        f"cannot be told apart from one that would replace it. Fix: a new --output_dir, or "
+                        f"--overwrite_output_dir true to replace it.")
+    changed = resume_settings.changes(saved, now)
+    longer = _longer(saved, now)
     final = previous.last_checkpoint
     at_end = final is not None and markers_step(final) == previous.steps
-    if not changed and saved is not None and resume_settings.length(saved) == resume_settings.length(now):
+    if not changed and resume_settings.length(saved) == resume_settings.length(now):
         more = f"; to train longer: a larger --max_steps (continues from {final.name})" if at_end else ""
         return (f"{done}: already complete with this command's settings; nothing to do. To train again: a new "
                 f"--output_dir, or --overwrite_output_dir true{more}")
