@@ -70,6 +70,11 @@ def test_other_settings_never_replace_a_finished_run(finished, monkeypatch, caps
     line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--max_steps", "6", "--learning_rate",
                                       "1e-3"], monkeypatch, capsys))
     assert "cannot continue to max_steps=6" in line and "--override_resumed_settings true" in line
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--max_steps", "2"], monkeypatch, capsys))
+    assert "with other settings (max_steps 4 -> 2)" in line
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--max_steps", "6", "--auto_resume",
+                                      "false"], monkeypatch, capsys))
+    assert "does not resume (auto_resume false), so it would start over on top of it" in line
     assert files(finished) == before
 
 
@@ -154,7 +159,7 @@ def test_a_second_run_in_a_busy_output_dir_is_refused_and_a_dead_runs_lock_is_ta
     with pytest.raises(RanksWouldStart):
         launcher_until_ranks([*ARGS, "--output_dir", str(busy)], monkeypatch, capsys)
     out = capsys.readouterr().out
-    assert f"took over the lock of a run that ended without releasing it (pid {holder.pid} on " in out
+    assert f"took over the lock of a run that is gone and did not record its release (pid {holder.pid} on " in out
 
 
 @pytest.fixture
@@ -216,3 +221,15 @@ def test_a_trainer_kinds_own_setting_is_compared_like_the_learning_rate():
                                         r"the new values from step 5"):
         check("run/checkpoint-4", 4, SAVED, {**SAVED, "beta": 0.5}, override=False)
     assert check("run/checkpoint-4", 4, SAVED, {**SAVED, "beta": 0.5}, override=True)["changed"] == {"beta": [0.1, 0.5]}
+
+
+def test_a_full_disk_elsewhere_is_named_not_blamed_on_output_dir():
+    """A container's small /dev/shm fills (the DataLoader's shared memory): the line names that file system, and
+    does not send the user to free space where output_dir is."""
+    from fsdp_recipes.launch.failures import describe
+
+    record = {"rank": 1, "type": "RuntimeError", "phase": "training", "step": 7, "time": 0.0,
+              "error": "unable to write to file </torch_123_456_0>: No space left on device (28)"}
+    line, code = describe([record], 1, None, "tiny-cpu-lora", "runs/x/checkpoint-5", output_dir="runs/x")
+    assert line.startswith("rank 1 ran out of space writing /torch_123_456_0 at step 7") and code == 1
+    assert "--shm-size" in line and "runs/x" not in line

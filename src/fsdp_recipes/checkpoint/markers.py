@@ -78,13 +78,13 @@ def usable(output_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]
     return None, bad
 
 
-def move_aside(ckpt: Path) -> Path:
-    """Rename an unreadable checkpoint out of the checkpoint-N names (kept for a look, never resumed, never
-    overwritten by the save of that step, never rotated away by save_total_limit, whose glob is checkpoint-*)."""
-    target, n = ckpt.with_name(f"unreadable-{ckpt.name}"), 1
+def move_aside(ckpt: Path, why: str = "unreadable") -> Path:
+    """Rename a checkpoint out of the checkpoint-N names (kept for a look, never resumed, never overwritten by the
+    save of that step, never rotated away by save_total_limit, whose glob is checkpoint-*): `<why>-checkpoint-N`."""
+    target, n = ckpt.with_name(f"{why}-{ckpt.name}"), 1
     while target.exists():
         n += 1
-        target = ckpt.with_name(f"unreadable-{ckpt.name}.{n}")
+        target = ckpt.with_name(f"{why}-{ckpt.name}.{n}")
     ckpt.rename(target)
     return target
 

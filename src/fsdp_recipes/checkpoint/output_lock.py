@@ -45,8 +45,9 @@ class OutputLock:
             os.close(fd)
             return self
         previous = self._holder(fd)
-        if previous and not previous.get("released_at"):
-            self.note = f"took over the lock of a run that ended without releasing it ({describe(previous)})"
+        if previous.get("pid") and not previous.get("released_at"):  # its release may also have met a full disk
+            self.note = (f"took over the lock of a run that is gone and did not record its release "
+                         f"({describe(previous)})")
         self.fd = fd
         try:
             self._write({"pid": os.getpid(), "host": socket.gethostname(), "started_at": _now(),
@@ -79,9 +80,10 @@ class OutputLock:
     @staticmethod
     def _holder(fd: int) -> dict:
         try:
-            return json.loads(os.pread(fd, 65536, 0) or b"{}")
+            holder = json.loads(os.pread(fd, 65536, 0) or b"{}")
         except ValueError:
             return {}
+        return holder if isinstance(holder, dict) else {}
 
 
 def describe(holder: dict) -> str:

@@ -55,10 +55,11 @@ def finished(output_dir: str | Path) -> bool:
     return previous is not None and previous.status == "completed"
 
 
-def decide(output_dir: str | Path, now: dict, override: bool = False) -> str | None:
+def decide(output_dir: str | Path, now: dict, override: bool = False, resumes: bool = True) -> str | None:
     """None: go on (train, resume or continue). A string: the run is already complete, nothing to do (the line
     to print). Raises UserError for a command that would replace a finished run. `now`: this command's
-    resume_settings.current; `override`: its override_resumed_settings."""
+    resume_settings.current; `override`: its override_resumed_settings; `resumes`: whether the command resumes
+    from a checkpoint at all (auto_resume, or resume_from_checkpoint): without, it would start over."""
     output_dir = Path(output_dir)
     previous = read(output_dir)
     if previous is None or previous.status != "completed":
@@ -77,20 +78,25 @@ def decide(output_dir: str | Path, now: dict, override: bool = False) -> str | N
         more = f"; to train longer: a larger --max_steps (continues from {final.name})" if at_end else ""
         return (f"{done}: already complete with this command's settings; nothing to do. To train again: a new "
                 f"--output_dir, or --overwrite_output_dir true{more}")
-    if longer and at_end and (not changed or override):
+    fixed = [k for k in changed if k in resume_settings.FIXED]
+    if longer and at_end and resumes and (not changed or override and not fixed):
         return None  # continue from its last checkpoint: checkpoint_to_resume checks and reports the rest
     if longer:
         unreadable = [f"{c.name} cannot be read ({why})" for c, why in previous.unreadable
                       if markers_step(c) == previous.steps]
-        if at_end:
+        if not resumes:
+            why = "this command does not resume (auto_resume false), so it would start over on top of it"
+        elif at_end:
             why = f"this command also changes {resume_settings.described(changed)}"
         else:
             why = unreadable[0] if unreadable else ("it saved no checkpoint at its last step (save_strategy \"no\", "
                                                     "or save_steps that do not divide max_steps)")
         raise UserError(f"{done}; it cannot continue to {'='.join(map(str, resume_settings.length(now)))}: {why}. "
                         f"Fix: a new --output_dir, or --overwrite_output_dir true to replace it"
-                        f"{'' if not at_end else ', or --override_resumed_settings true'}.")
-    raise UserError(f"{done} with other settings ({resume_settings.described(changed)}); a new run there would "
+                        f"{', or --override_resumed_settings true' if at_end and resumes and not fixed else ''}.")
+    (name, was), (_, asked) = resume_settings.length(saved), resume_settings.length(now)
+    differences = {**changed, **({name: [was, asked]} if was != asked else {})}
+    raise UserError(f"{done} with other settings ({resume_settings.described(differences)}); a new run there would "
                     f"replace it. Fix: a new --output_dir, or --overwrite_output_dir true to replace it.")
 
 

@@ -161,10 +161,13 @@ class Ranks:
                 self.output.append(rec["rank"], self.traceback(rec))
             self.log_failure = self.output.log_failure
             if self.log_failure and self.records:  # the logs could not take it: a file where there is room
-                fd, path = tempfile.mkstemp(prefix="fsdp-recipes-ranks-", suffix=".log")
-                with os.fdopen(fd, "w") as f:
-                    f.writelines(self.traceback(rec) for rec in self.records)
-                self.traceback_file = path
+                try:
+                    fd, path = tempfile.mkstemp(prefix="fsdp-recipes-ranks-", suffix=".log")
+                    with os.fdopen(fd, "w") as f:
+                        f.writelines(self.traceback(rec) for rec in self.records)
+                    self.traceback_file = path
+                except OSError:  # /tmp is full too: the one line is all there is
+                    self.traceback_file = "nowhere (no disk space for it)"
         finally:
             self.output.close()
             self._done()
@@ -273,18 +276,24 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | N
 
     out, first_node = cfg.training.output_dir, override(launch_args(), "machine_rank", "0") == "0"
     world_size = job_processes(recipe.accelerate)
+    # a finished smoke run is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)
+    replace = cfg.pack.overwrite_output_dir or (smoke.active() and previous_run.finished(out))
     if first_node:
         lock = held.enter_context(output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides])))
         if lock.note:
             say(f"warning: {lock.note}")
-        # a finished smoke run is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)
-        replace = cfg.pack.overwrite_output_dir or (smoke.active() and previous_run.finished(out))
         if replace and (removed := previous_run.clear(out)):
             say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
+    if not replace:  # every node decides alike (read-only), so none starts ranks that would wait for the others
         now = resume_settings.current(cfg, world_size, kinds.load(cfg.trainer).RESUME_SETTINGS)
-        if done := previous_run.decide(out, now, cfg.pack.override_resumed_settings):
+        resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
+        if done := previous_run.decide(out, now, cfg.pack.override_resumed_settings, resumes):
             return done
+    elif not first_node:
+        return None  # the first node is emptying output_dir: there is nothing of the old run to resume
     resume, changed = entry.checkpoint_to_resume(cfg, world_size, say=say, move_unreadable=first_node)
+    if first_node:
+        superseded(out, resume)
     if changed.get("length"):
         (_, was), (name, now_len) = changed["length"]
         say(f"continuing {resume} to {name} {now_len} (it was trained toward {was}): the learning-rate schedule is "
@@ -295,6 +304,20 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | N
         say(f"override_resumed_settings: resuming {resume} with {described(changed['changed'])}; the new values apply "
             f"from step {changed['step'] + 1} (run_args.json: resumed_with_changes)")
     return None
+
+
+def superseded(output_dir: str, resume: str | None) -> None:
+    """Complete checkpoints of this output_dir past the step this run starts from (auto_resume false, or an older
+    resume_from_checkpoint) are moved aside: the Trainer would save into those folders while their old
+    completion marker still stood, and a kill mid-save would leave a mixed folder that looked complete."""
+    from fsdp_recipes.checkpoint import markers
+    from fsdp_recipes.checkpoint.resume_check import checkpoint_step
+
+    start = checkpoint_step(resume) if resume else 0
+    for ckpt in markers.checkpoint_dirs(output_dir):
+        if markers.is_complete(ckpt) and int(ckpt.name.rsplit("-", 1)[1]) > start:
+            moved = markers.move_aside(ckpt, "superseded")
+            say(f"{ckpt.name} is past step {start}, where this run starts: moved to {moved.name} (kept, not resumed)")
 
 
 def grace_seconds(recipe: Recipe) -> str:

@@ -194,7 +194,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
         callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule, from the checkpoint's step
     model = model_args.model_name_or_path  # a directory or a hub id: TRL loads it with from_pretrained
-    if replica_model.applies():  # cpu_ram_efficient_loading: rank 0 alone reads the weights (replica_model.py)
+    if replica_model.applies(training.model_init_kwargs):  # cpu_ram_efficient_loading: rank 0 alone reads the weights (replica_model.py)
         model = replica_model.empty_model(model, training.model_init_kwargs) or model
     trainer = make_trainer_class(cfg.trainer)(
         model=model,

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import os
 
-from fsdp_recipes.dist import rank
 
-
-def applies() -> bool:
-    """FSDP with RAM-efficient loading (accelerate's environment for the ranks), on a rank other than 0.
-    FSDP_RECIPES_EMPTY_REPLICAS=0 leaves the loading to transformers (make bench-loading compares the two)."""
+def applies(init_kwargs: dict) -> bool:
+    """FSDP with RAM-efficient loading (accelerate's environment for the ranks), on a rank other than each node's
+    first: transformers' own meta-device branch keys on the local rank (`is_local_dist_rank_0`), so a node's local
+    rank 0 loads as before. Not with a pinned model revision or other model_init_kwargs than the pack's four: TRL
+    applies those only to a path it loads itself. FSDP_RECIPES_EMPTY_REPLICAS=0 leaves the loading to transformers
+    (make bench-loading compares the two)."""
     on = {"true", "1"}
+    plain = set(init_kwargs) <= {"revision", "trust_remote_code", "attn_implementation", "dtype"} and \
+        init_kwargs.get("revision") in (None, "main")
     return (os.environ.get("FSDP_RECIPES_EMPTY_REPLICAS", "1") != "0"
             and os.environ.get("ACCELERATE_USE_FSDP", "").lower() in on
             and os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() in on
-            and int(os.environ.get("WORLD_SIZE", "1")) > 1 and rank() != 0)
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("LOCAL_RANK", "0")) != 0
+            and plain)
 
 
 def empty_model(path: str, init_kwargs: dict):
