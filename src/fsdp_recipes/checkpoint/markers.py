@@ -34,6 +34,11 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def step_of(ckpt: Path) -> int:
+    """The step in a checkpoint-N folder's name."""
+    return int(_CHECKPOINT_RE.match(ckpt.name).group(1))
+
+
 def is_complete(ckpt: Path) -> bool:
     return (ckpt / MARKER).is_file()
 

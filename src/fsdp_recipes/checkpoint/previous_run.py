@@ -50,18 +50,13 @@ def read(output_dir: Path) -> Previous | None:
                     last, bad)
 
 
-def finished(output_dir: str | Path) -> bool:
-    previous = read(Path(output_dir))
-    return previous is not None and previous.status == "completed"
-
-
-def decide(output_dir: str | Path, now: dict, override: bool = False, resumes: bool = True) -> str | None:
+def decide(output_dir: str | Path, previous: Previous | None, now: dict, override: bool = False,
+           resumes: bool = True) -> str | None:
     """None: go on (train, resume or continue). A string: the run is already complete, nothing to do (the line
-    to print). Raises UserError for a command that would replace a finished run. `now`: this command's
-    resume_settings.current; `override`: its override_resumed_settings; `resumes`: whether the command resumes
-    from a checkpoint at all (auto_resume, or resume_from_checkpoint): without, it would start over."""
-    output_dir = Path(output_dir)
-    previous = read(output_dir)
+    to print). Raises UserError for a command that would replace a finished run. `previous`: read(output_dir);
+    `now`: this command's resume_settings.current; `override`: its override_resumed_settings; `resumes`: whether
+    the command resumes from a checkpoint at all (auto_resume, or resume_from_checkpoint): without, it would start
+    over."""
     if previous is None or previous.status != "completed":
         return None  # nothing there, or an unfinished run: resumed from its checkpoint, or started over
     done = f"{output_dir} holds a finished run ({previous.steps} steps, completed {previous.finished_at}, {REPORT})"
@@ -73,7 +68,7 @@ def decide(output_dir: str | Path, now: dict, override: bool = False, resumes: b
     changed = resume_settings.changes(saved, now)
     longer = _longer(saved, now)
     final = previous.last_checkpoint
-    at_end = final is not None and markers_step(final) == previous.steps
+    at_end = final is not None and markers.step_of(final) == previous.steps
     if not changed and resume_settings.length(saved) == resume_settings.length(now):
         more = f"; to train longer: a larger --max_steps (continues from {final.name})" if at_end else ""
         return (f"{done}: already complete with this command's settings; nothing to do. To train again: a new "
@@ -83,7 +78,7 @@ def decide(output_dir: str | Path, now: dict, override: bool = False, resumes: b
         return None  # continue from its last checkpoint: checkpoint_to_resume checks and reports the rest
     if longer:
         unreadable = [f"{c.name} cannot be read ({why})" for c, why in previous.unreadable
-                      if markers_step(c) == previous.steps]
+                      if markers.step_of(c) == previous.steps]
         if not resumes:
             why = "this command does not resume (auto_resume false), so it would start over on top of it"
         elif at_end:
@@ -100,11 +95,11 @@ def decide(output_dir: str | Path, now: dict, override: bool = False, resumes: b
                     f"replace it. Fix: a new --output_dir, or --overwrite_output_dir true to replace it.")
 
 
-def clear(output_dir: str | Path) -> str | None:
-    """--overwrite_output_dir: remove everything but the lock from an output_dir that holds a run (a report,
-    run_args.json or a checkpoint; a folder of other files is left alone). The line to print, or None."""
+def clear(output_dir: str | Path, previous: Previous | None) -> str | None:
+    """--overwrite_output_dir: remove everything but the lock from an output_dir that holds a run (`previous`,
+    read(output_dir): a report, run_args.json or a checkpoint; a folder of other files is left alone). The line to
+    print, or None."""
     output_dir = Path(output_dir)
-    previous = read(output_dir)
     if previous is None:
         return None
     entries = [p for p in output_dir.iterdir() if p.name != LOCK_FILE]
@@ -112,10 +107,6 @@ def clear(output_dir: str | Path) -> str | None:
     for p in entries:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
     return f"removed {what} from {output_dir} ({len(entries)} files and folders)"
-
-
-def markers_step(ckpt: Path) -> int:
-    return int(ckpt.name.rsplit("-", 1)[1])
 
 
 def _longer(saved: dict, now: dict) -> bool:

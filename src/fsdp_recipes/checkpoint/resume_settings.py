@@ -74,7 +74,8 @@ def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: b
     if not saved:  # a checkpoint from before settings were saved, or from something else
         return {}
     fix = "Fix: resume with the checkpoint's values, or use a new --output_dir"
-    fixed = {k: v for k, v in changes(saved, now).items() if k in FIXED}
+    diff = changes(saved, now)
+    fixed = {k: v for k, v in diff.items() if k in FIXED}
     if fixed:
         raise UserError(f"cannot resume from {checkpoint} with {described(fixed)}: the checkpoint's optimizer state "
                         f"and weights belong to the old value, so it cannot change on resume. {fix}.")
@@ -82,7 +83,6 @@ def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: b
     if name == "max_steps" and total < step:
         raise UserError(f"cannot resume from {checkpoint}: it is at step {step}, past max_steps {total}. Fix: "
                         f"--max_steps {step} or more, or a new --output_dir.")
-    diff = changes(saved, now)
     if diff and not override:
         raise UserError(f"cannot resume from {checkpoint} with other settings ({described(diff)}): the checkpoint "
                         f"holds the old ones and the run would keep some of them while its report said otherwise. "

@@ -63,7 +63,7 @@ class PackArguments:
     override_resumed_settings: bool = field(
         default=False,
         metadata={"help": "Resume even though the command changes a setting the checkpoint holds (learning rate and "
-                          "schedule, batch shape, seed, data): the new values apply from the next step and the run "
+                          "schedule, global batch, seed, data): the new values apply from the next step and the run "
                           "report lists them. Without it such a resume is refused (checkpoint/resume_settings.py)."},
     )
     overwrite_output_dir: bool = field(

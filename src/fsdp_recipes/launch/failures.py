@@ -62,11 +62,12 @@ def fix_for(rec: dict, recipe: str, last_good: str | None, output_dir: str = "ou
                 "usually a learning rate too high (lower learning_rate, add warmup_steps, set max_grad_norm), fp16 "
                 "overflow (use bf16), or rows whose labels are all masked; fix the cause before resuming")
     named = re.search(r"['<](/[^'>]+)['>]", rec["error"])  # the file the error names, if it names one
-    if any(text in rec["error"] for text in DISK_FULL) and named and not named.group(1).startswith(output_dir):
+    disk_full = any(text in rec["error"] for text in DISK_FULL)
+    if disk_full and named and not named.group(1).startswith(output_dir):
         return (f"rank {rec['rank']} ran out of space writing {named.group(1)} {_where(rec)}: {error}",
                 f"free space where {named.group(1)} is (df -h {Path(named.group(1)).parent}; /dev/shm in a "
                 f"container: a larger --shm-size), then run the same command again")
-    if any(text in rec["error"] for text in DISK_FULL):
+    if disk_full:
         resume = (f"it resumes from {last_good}, which is intact" if last_good
                   else "it starts over: no checkpoint was complete")
         return (f"rank {rec['rank']} ran out of disk space {_where(rec)}: {error}",

@@ -275,23 +275,24 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | N
     from fsdp_recipes.train import kinds
 
     out, first_node = cfg.training.output_dir, override(launch_args(), "machine_rank", "0") == "0"
-    world_size = job_processes(recipe.accelerate)
-    # a finished smoke run is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)
-    replace = cfg.pack.overwrite_output_dir or (smoke.active() and previous_run.finished(out))
-    if first_node:
+    now = resume_settings.current(cfg, job_processes(recipe.accelerate), kinds.load(cfg.trainer).RESUME_SETTINGS)
+    if first_node:  # the lock first: what the folder holds is read under it
         lock = held.enter_context(output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides])))
         if lock.note:
             say(f"warning: {lock.note}")
-        if replace and (removed := previous_run.clear(out)):
-            say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
+    previous = previous_run.read(Path(out))
+    # a finished smoke run is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)
+    replace = cfg.pack.overwrite_output_dir or (smoke.active() and previous is not None
+                                                and previous.status == "completed")
+    if replace and first_node and (removed := previous_run.clear(out, previous)):
+        say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
     if not replace:  # every node decides alike (read-only), so none starts ranks that would wait for the others
-        now = resume_settings.current(cfg, world_size, kinds.load(cfg.trainer).RESUME_SETTINGS)
         resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
-        if done := previous_run.decide(out, now, cfg.pack.override_resumed_settings, resumes):
+        if done := previous_run.decide(out, previous, now, cfg.pack.override_resumed_settings, resumes):
             return done
     elif not first_node:
         return None  # the first node is emptying output_dir: there is nothing of the old run to resume
-    resume, changed = entry.checkpoint_to_resume(cfg, world_size, say=say, move_unreadable=first_node)
+    resume, changed = entry.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first_node)
     if first_node:
         superseded(out, resume)
     if changed.get("length"):
@@ -299,10 +300,8 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | N
         say(f"continuing {resume} to {name} {now_len} (it was trained toward {was}): the learning-rate schedule is "
             f"the new length's from its step on")
     if changed.get("changed"):
-        from fsdp_recipes.checkpoint.resume_settings import described
-
-        say(f"override_resumed_settings: resuming {resume} with {described(changed['changed'])}; the new values apply "
-            f"from step {changed['step'] + 1} (run_args.json: resumed_with_changes)")
+        say(f"override_resumed_settings: resuming {resume} with {resume_settings.described(changed['changed'])}; the "
+            f"new values apply from step {changed['step'] + 1} (run_args.json: resumed_with_changes)")
     return None
 
 
@@ -315,7 +314,7 @@ def superseded(output_dir: str, resume: str | None) -> None:
 
     start = checkpoint_step(resume) if resume else 0
     for ckpt in markers.checkpoint_dirs(output_dir):
-        if markers.is_complete(ckpt) and int(ckpt.name.rsplit("-", 1)[1]) > start:
+        if markers.is_complete(ckpt) and markers.step_of(ckpt) > start:
             moved = markers.move_aside(ckpt, "superseded")
             say(f"{ckpt.name} is past step {start}, where this run starts: moved to {moved.name} (kept, not resumed)")
 

@@ -106,11 +106,11 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
 
 
-def checkpoint_to_resume(cfg: RunConfig, world_size: int, say=None, move_unreadable: bool = False):
+def checkpoint_to_resume(cfg: RunConfig, settings: dict, say=None, move_unreadable: bool = False):
     """(checkpoint or None, what the command changes against it). An explicit resume_from_checkpoint wins; else, with
     auto_resume, the newest complete checkpoint that can be read: newer ones that cannot are skipped, and moved aside
     where `move_unreadable` (the launcher, which holds the output_dir's lock). The checkpoint must belong to this model
-    and LoRA shape (checked before any weight is loaded) and to this command's settings (resume_settings.py).
+    and LoRA shape (checked before any weight is loaded) and to this command's `settings` (resume_settings.current).
     `say`: where the skipped checkpoints are told (None: nowhere)."""
     from trl import get_peft_config
 
@@ -133,8 +133,8 @@ def checkpoint_to_resume(cfg: RunConfig, world_size: int, say=None, move_unreada
                 say(f"skipping {ckpt}: cannot be read ({why}); {then}")
         resume = str(latest) if latest else None
     elif resume and Path(resume).is_dir() and (why := checkpoints.unreadable(Path(resume))):
-        raise UserError(f"resume_from_checkpoint {resume} cannot be read ({why}). Fix: point it at another checkpoint-N "
-                        f"folder.")
+        raise UserError(f"resume_from_checkpoint {resume} cannot be read ({why}). Fix: point it at another "
+                        f"checkpoint-N folder.")
     if not resume:
         return None, {}
     if not Path(resume).is_dir():
@@ -142,8 +142,7 @@ def checkpoint_to_resume(cfg: RunConfig, world_size: int, say=None, move_unreada
     checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
                                                                     get_peft_config(model_args)))
     saved = checkpoints.saved_identity(Path(resume)) or {}
-    now = resume_settings.current(cfg, world_size, kinds.load(cfg.trainer).RESUME_SETTINGS)
-    changed = resume_settings.check(resume, checkpoint_step(resume), saved.get("settings"), now,
+    changed = resume_settings.check(resume, checkpoint_step(resume), saved.get("settings"), settings,
                                     cfg.pack.override_resumed_settings)
     return resume, changed
 
@@ -192,9 +191,10 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         from fsdp_recipes.checkpoint.resume_settings import ScheduleResync
 
         callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
-        callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule, from the checkpoint's step
+        callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule from the checkpoint on
     model = model_args.model_name_or_path  # a directory or a hub id: TRL loads it with from_pretrained
-    if replica_model.applies(training.model_init_kwargs):  # cpu_ram_efficient_loading: rank 0 alone reads the weights (replica_model.py)
+    # cpu_ram_efficient_loading: only each node's first rank reads the weights (replica_model.py)
+    if replica_model.applies(training.model_init_kwargs):
         model = replica_model.empty_model(model, training.model_init_kwargs) or model
     trainer = make_trainer_class(cfg.trainer)(
         model=model,
@@ -363,8 +363,9 @@ def run(argv: list[str] | None = None) -> int:
         quiet_replica(cfg)
     quiet_console(cfg)
     peft_config = get_peft_config(cfg.model)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    resume, changed = checkpoint_to_resume(cfg, world_size, say=(lambda line: print(f"[train] {line}", flush=True))
+    # what this run's checkpoints record and a later resume or rerun compares with (checkpoint/resume_settings.py)
+    settings = resume_settings.current(cfg, int(os.environ.get("WORLD_SIZE", "1")), kind.RESUME_SETTINGS)
+    resume, changed = checkpoint_to_resume(cfg, settings, say=(lambda line: print(f"[train] {line}", flush=True))
                                            if is_main else None)
     if resume and is_main:
         print(f"[train] resuming from {resume}", flush=True)
@@ -376,8 +377,7 @@ def run(argv: list[str] | None = None) -> int:
         reference_forward=kind.REFERENCE_FORWARD and not getattr(cfg.training, "precompute_ref_log_probs", False),
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
-    # what a later resume or rerun of this output_dir compares with (checkpoint/resume_settings.py, previous_run.py)
-    report.resolved_args["resume_settings"] = settings = resume_settings.current(cfg, world_size, kind.RESUME_SETTINGS)
+    report.resolved_args["resume_settings"] = settings
     if changed:
         report.resolved_args["resumed_with_changes"] = changed
     report.resolved_args["patches_applied"] = guard.APPLIED  # the list object: later patches show too
