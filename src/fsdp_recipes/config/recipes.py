@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # Trainer kinds: each is TRL's config class for it, a module train/kinds/<kind>.py that builds its trainer, and
 # recipes whose settings live in <kind>.yaml. Adding a kind is one line here and that module
 # (docs/architecture.md, "Adding a trainer kind").
-TRAINERS = {"sft": "SFTConfig", "dpo": "DPOConfig"}
+TRAINERS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}
 DEFAULT_TRAINER = "sft"
 ACCELERATE_FILE = "accelerate.yaml"
 

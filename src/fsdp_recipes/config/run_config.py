@@ -29,7 +29,8 @@ class PackArguments:
     recipe_name: str | None = field(default=None, metadata={"help": "Recorded in the run report."})
     trainer: str = field(
         default="sft",
-        metadata={"help": "The trainer kind: sft (TRL's SFTTrainer) or dpo (DPOTrainer); its settings live in "
+        metadata={"help": "The trainer kind: sft (TRL's SFTTrainer), dpo (DPOTrainer) or grpo (GRPOTrainer); its "
+                          "settings live in "
                           "<trainer>.yaml (config/recipes.py)."},
     )
     continues_from: str | None = field(
@@ -52,6 +53,16 @@ class PackArguments:
         metadata={"help": "DPO on the default's task: write preference pairs built from the answers of "
                           "model_name_or_path (the SFT run's merged model) to the addition questions into "
                           "dataset_name first, once per model (assets/addition_preferences.py)."},
+    )
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={"help": "GRPO: the reward functions, by import path (fsdp_recipes.rewards.exact_answer); checked "
+                          "for their signature before any rank starts (train/kinds/grpo.py)."},
+    )
+    generation_backend: str = field(
+        default="auto",
+        metadata={"help": "GRPO: how completions are sampled: auto (vLLM in colocate mode where it is installed and "
+                          "the run is on GPUs, else the policy's own generate), vllm, or transformers."},
     )
     save_merged_model: bool = field(
         default=False, metadata={"help": "LoRA runs: also save base+adapter merged to <output_dir>/merged."}

@@ -59,7 +59,7 @@ def check_training_values(t, eval_on: bool) -> None:
             ("per_device_eval_batch_size",) if eval_on else ()):
         if getattr(t, name) < 1:
             _fail(f"{name} is {getattr(t, name)}; it must be at least 1", f"set {name} to 1 or more")
-    if t.max_length is not None and t.max_length < 1:
+    if getattr(t, "max_length", None) is not None and t.max_length < 1:  # GRPOConfig has none
         _fail(f"max_length is {t.max_length}; it must be at least 1", "set max_length to the longest sample in tokens "
               "(or null for no truncation)")
     if t.max_steps == 0 or t.max_steps < -1:

@@ -135,7 +135,8 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
 
     folder, raw, acc = recipe.folder, recipe.raw, recipe.accelerate  # the launcher checks acc's keys later
     assets = ensure_assets(quiet=True)
-    data = assets[kinds.load(recipe.trainer).SMOKE_DATA]
+    kind = kinds.load(recipe.trainer)
+    data = assets[kind.SMOKE_DATA]
     smoke_args = ["--dataset_name", str(data), "--dataset_train_split", "train",
                   "--dataset_test_split", "test", "--min_gpus", "0", "--tiny_assets", "true",
                   *([] if gpus else ["--use_cpu", "true"]),
@@ -152,6 +153,10 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
         raise UserError(f"recipe {recipe.name} has no model_config.json to build a tiny model from. "
                         "Fix: save the model's config.json there as model_config.json.")
     say(f"data: {raw.get('dataset_name')} -> {data} (local synthetic {recipe.trainer} data)")
+    for field, value in getattr(kind, "SMOKE_SETTINGS", {}).items():  # GRPO: a reward the synthetic data can feed
+        if raw.get(field) != value:
+            smoke_args += [f"--{field}", *(value if isinstance(value, list) else [str(value)])]
+            say(f"{field}: {raw.get(field)} -> {value}")
     if raw.get("smollm2_assets") or raw.get("addition_preferences"):  # the tiny model answers no additions
         smoke_args += ["--smollm2_assets", "false", "--addition_preferences", "false"]
     flash = str(raw.get("attn_implementation", "")).startswith("flash_attention")

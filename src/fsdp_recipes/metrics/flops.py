@@ -46,10 +46,10 @@ def flops_per_token(
     return 6 * trainable_params + 4 * frozen_params + 12 * n_layers * n_heads * head_dim * seq_len
 
 
-def reference_forward_flops(params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: float) -> float:
-    """DPO's reference model per token: a forward only, 2N plus attention's forward third (4 * L * H * d_head * T).
-    N is the reference's non-embedding weights: with LoRA the base with the adapter disabled (the frozen weights),
-    with full fine-tuning a copy of the policy (its trainable weights)."""
+def forward_flops(params: int, n_layers: int, n_heads: int, head_dim: int, seq_len: float) -> float:
+    """A forward only, per token: 2N plus attention's forward third (4 * L * H * d_head * T). DPO's reference model:
+    N is the reference's non-embedding weights, with LoRA the base with the adapter disabled (the frozen weights),
+    with full fine-tuning a copy of the policy (its trainable weights). GRPO's sampling: the policy's weights."""
     return 2 * params + 4 * n_layers * n_heads * head_dim * seq_len
 
 

@@ -77,7 +77,7 @@ class RunReportCallback(TrainerCallback):
 
     def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None,
                  resume_from: str | Path | None = None, prometheus_textfile: str | None = None,
-                 trainer: str = "sft", reported_logs: tuple[str, ...] = (), reference_forward: bool = False):
+                 trainer: str = "sft", reported_logs: tuple[str, ...] = (), extra_forwards: tuple[str, ...] = ()):
         self.output_dir = Path(output_dir)
         # metrics.prom in output_dir, and the collector's file when the recipe names one: rewritten at every
         # training log while the run trains (write_live), and with the whole run's figures at the end.
@@ -88,7 +88,7 @@ class RunReportCallback(TrainerCallback):
         self.live_step = None  # the step write_live last ran for: the trainer's log() or on_log, whichever first
         self.resumed_from = str(resume_from) if resume_from else None
         # Counters of the run so far, as saved with the checkpoint this run resumes from.
-        self.prior = {"non_padding": 0, "padded": 0, "sequences": 0, "squared_lengths": 0, "train_time_s": 0.0}
+        self.prior = {**dict.fromkeys(COUNTS, 0), "train_time_s": 0.0}
         if resume_from and (Path(resume_from) / COUNTERS_FILE).is_file():
             saved = json.loads((Path(resume_from) / COUNTERS_FILE).read_text())
             # a checkpoint from before squared_lengths was counted: MFU then falls back to the mean length
@@ -96,7 +96,8 @@ class RunReportCallback(TrainerCallback):
         self.resolved_args = resolved_args
         self.recipe = recipe
         self.trainer, self.reported_logs = trainer, reported_logs  # the trainer kind and its own logs to keep
-        self.reference_forward = reference_forward  # DPO: a reference model's forward per token, in the FLOPs
+        # forwards per trained token besides its own (train/kinds: DPO's "reference", GRPO's "generation"), in the FLOPs
+        self.extra_forwards = extra_forwards
         self.tokens = TokenCounter()
         self.process_start = psutil.Process().create_time()
         self.started_at = now_iso()
@@ -252,11 +253,15 @@ class RunReportCallback(TrainerCallback):
                 self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
                 layers, heads, head_dim, seq_len,
             )
-            if self.reference_forward:  # DPO's reference model (docs/run-report.md)
+            policy = self.params["frozen_non_embedding"] + self.params["trainable_non_embedding"]
+            if "reference" in self.extra_forwards:  # DPO's, GRPO's with beta > 0 (docs/run-report.md)
                 # LoRA: the base with the adapter disabled (the frozen weights); full: a copy of the whole model
                 lora = self.resolved_args.get("lora_config") is not None
                 ref = self.params["frozen_non_embedding"] + (0 if lora else self.params["trainable_non_embedding"])
-                fpt += flops.reference_forward_flops(ref, layers, heads, head_dim, seq_len)
+                fpt += flops.forward_flops(ref, layers, heads, head_dim, seq_len)
+            if "generation" in self.extra_forwards:  # GRPO: sampling a completion is a forward of the policy over
+                # its prompt and each new token (a KV cache: no token twice), the tokens it then trains on
+                fpt += flops.forward_flops(policy, layers, heads, head_dim, seq_len)
         peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
         if device["type"] != "cuda":
             why = f"device is a CPU ({device['name']}): no dense bf16 peak to compare against"
@@ -343,6 +348,9 @@ class RunReportCallback(TrainerCallback):
             "tokens": {"non_padding": tokens["non_padding"], "padded": tokens["padded"], "scope": scope},
             "tokens_per_second": tps,
             "tokens_per_second_per_device": tps / world if tps else None,
+            **({"generated_tokens": tokens["generated"],
+                "generated_tokens_per_second": tokens["generated"] / train_time if train_time and tokens["generated"]
+                is not None else None} if "generation" in self.extra_forwards else {}),
             "world_size": world,
             "num_nodes": nodes,
             **sharding_info(),

@@ -4,7 +4,7 @@ the entry point's trainer feeds it every micro-batch and the run report reads it
 
 from __future__ import annotations
 
-COUNTS = ("non_padding", "padded", "sequences", "squared_lengths")
+COUNTS = ("non_padding", "padded", "sequences", "squared_lengths", "generated")
 
 
 class TokenCounter:
@@ -26,6 +26,7 @@ class TokenCounter:
         """Start counting from zero (the GPU ladder leaves its warm-up steps out this way)."""
         self._host = dict.fromkeys(COUNTS, 0)
         self._on_device = None  # int64 [non_padding, sequences, squared_lengths] not yet read back
+        self._generated_on_device = None  # int64: sampled completion tokens (RL) not yet read back
 
     def add(self, inputs: dict) -> None:
         import torch
@@ -46,6 +47,16 @@ class TokenCounter:
             self._host["sequences"] += ids.shape[0]
             self._host["squared_lengths"] += ids.shape[0] * ids.shape[-1] ** 2
 
+    def add_sampled(self, batch: dict) -> None:
+        """An RL step's batch (GRPO): prompt and sampled completion side by side, each with its mask. The trained
+        sequence is the two together; the completion's tokens are also counted as `generated`."""
+        import torch
+
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        self.add({"input_ids": ids, "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)})
+        generated = batch["completion_mask"].sum(dtype=torch.int64)
+        self._generated_on_device = generated if self._generated_on_device is None else self._generated_on_device + generated
+
     def _add_on_device(self, non_padding, sequences, squared) -> None:
         import torch
 
@@ -63,6 +74,9 @@ class TokenCounter:
             self._host["non_padding"] += non_padding
             self._host["sequences"] += sequences
             self._host["squared_lengths"] += squared
+        if self._generated_on_device is not None and not host_only:
+            self._host["generated"] += int(self._generated_on_device)
+            self._generated_on_device = None
         return dict(self._host)
 
     @property

@@ -37,6 +37,13 @@ fine-tuning a second copy of the weights in the load dtype, sharded like the pol
 state, plus its own all-gather of one layer and its prefetch at the compute width and its root unit; its forward
 runs under no_grad, so it keeps no activations.
 
+GRPO (train/kinds/grpo.py): a micro-batch of B completions is B sequences of prompt + completion. Sampling them adds
+either the KV cache of the completions one GPU samples at once (the policy's own generate: per sequence, prompt +
+completion tokens x layers x 2 (K and V) x kv_dim x the compute width, plus one step's fp32 logits), or in vLLM's
+colocate mode the engine's share of the GPU (vllm_gpu_memory_utilization x the GPU's memory: its bf16 weights and
+its KV cache). Both are counted on top of the training peak, an upper bound: sampling ends before the training
+forward starts, and vLLM's sleep mode releases its share while the policy trains.
+
 Runtime: CUDA context, NCCL and allocator slack, 2 GiB per GPU (a typical figure for H100 nodes, not
 measured by this pack); 0 on CPU.
 """
@@ -83,6 +90,10 @@ class Setup:
     optimizer_bytes: int
     runtime_bytes: int
     reference: str = "none"  # DPO's reference model: "none" (SFT), "adapter" (LoRA: no copy), "copy" (full FT)
+    generation: str = "none"  # GRPO's sampling: "none" (SFT, DPO), "generate" (the policy's), "vllm" (colocate)
+    generated_sequences: int = 0  # completions one GPU samples at once (generate)
+    generation_tokens: int = 0  # prompt + completion tokens of each (generate)
+    vllm_bytes: float = 0  # the vLLM engine's share of the GPU (vllm)
 
 
 def shape_of(model, model_args) -> ModelShape:
@@ -167,6 +178,11 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
             if s.strategy in ("FSDP", "HSDP"):
                 reference += (2 * m.layer_params + m.root_params) * s.compute_bytes
         parts["reference_model"] = reference
+    if s.generation == "generate":  # the KV cache of every completion sampled at once, and one step's fp32 logits
+        parts["generation_kv_cache"] = (s.generated_sequences * (s.generation_tokens * m.layers * 2 * m.kv_dim
+                                                                 * s.compute_bytes + m.vocab * 4))
+    elif s.generation == "vllm":  # the engine's weights and KV cache, in the GPU share it is given
+        parts["vllm_engine"] = s.vllm_bytes
     parts = {k: int(math.ceil(v)) for k, v in parts.items()}
     parts["total"] = sum(parts.values())
     return parts

@@ -108,8 +108,19 @@ def strategy_of(acc: dict, gpus: int, nodes: int) -> tuple[str, int]:
     return "FSDP", world
 
 
+def generation_setup(training, pack, kind, capacity_gib: float) -> dict:
+    """GRPO's sampling as memory_budget.Setup fields: which backend `make plan` assumes, and its size. `auto`
+    counts vLLM (installed on the GPU machines the recipe is for); the report also gives the generate figure."""
+    if not hasattr(kind, "describe_generation"):
+        return {}
+    mode = "generate" if pack.generation_backend == "transformers" else "vllm"
+    return dict(generation=mode, generated_sequences=training.per_device_train_batch_size
+                * (training.steps_per_generation or 1), generation_tokens=kind.sequence_length(training),
+                vllm_bytes=training.vllm_gpu_memory_utilization * capacity_gib * GIB)
+
+
 def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
-           trainer: str = "sft") -> dict[str, memory_budget.Setup]:
+           trainer: str = "sft", generation: dict | None = None) -> dict[str, memory_budget.Setup]:
     strategy, shard = strategy_of(acc, gpus, nodes)
     mixed = acc.get("mixed_precision", "no") in ("bf16", "fp16") or training.bf16 or training.fp16
     load = DTYPE_BYTES.get(str(model_args.dtype or "float32").replace("torch.", ""), 4)
@@ -117,10 +128,10 @@ def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = Fals
     kind = kinds.load(trainer)  # DPO: each pair is two sequences, and there is a reference model (memory_budget.py)
     common = dict(
         world=gpus * nodes, load_bytes=load, compute_bytes=2 if mixed else load, mixed_precision=mixed,
-        tokens=training.per_device_train_batch_size * (training.max_length or 1024) * kind.SEQUENCES_PER_ROW,
-        reference=("adapter" if model_args.use_peft else "copy") if kind.REFERENCE_FORWARD else "none",
+        tokens=training.per_device_train_batch_size * kind.sequence_length(training) * kind.SEQUENCES_PER_ROW,
+        reference=("adapter" if model_args.use_peft else "copy") if "reference" in kind.extra_forwards(training) else "none",
         activation_checkpointing=bool(training.activation_checkpointing), optimizer_bytes=optim,
-        runtime_bytes=0 if on_cpu else 2 * GIB,
+        runtime_bytes=0 if on_cpu else 2 * GIB, **(generation or {}),
     )
     out = {strategy: memory_budget.Setup(shard=shard, strategy=strategy, **common)}
     if strategy != "DDP":
@@ -192,7 +203,8 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
         raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "
                         "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")
     m = memory_budget.shape_of(model, model_args)
-    runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer)
+    runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer,
+                  generation=generation_setup(training, cfg.pack, kinds.load(cfg.trainer), capacity))
     budgets = {k: memory_budget.budget(m, s) for k, s in runs.items()}
     return Planned(recipe, acc, cfg, model, m, runs, budgets, next(iter(runs)), gpu_key, capacity, gpus, nodes)
 
@@ -216,7 +228,7 @@ def report(p: Planned) -> str:
         f"global batch {training.per_device_train_batch_size} per GPU x {training.gradient_accumulation_steps} "
         f"accumulation x {gpus * nodes} data-parallel = {global_batch} "
         f"{kinds.load(p.cfg.trainer).ROWS} of up to "
-        f"{training.max_length} tokens",
+        f"{kinds.load(p.cfg.trainer).sequence_length(training)} tokens",
         "",
         table(p.budgets, p.capacity),
         "",
@@ -229,6 +241,16 @@ def report(p: Planned) -> str:
             "the base with the LoRA adapter disabled, no copy: 0 GiB/GPU" if model_args.use_peft else
             f"a second copy of the weights, sharded like the policy, no gradients or optimizer state: {gib(ref)} "
             f"GiB/GPU ({100 * ref / p.budgets[own]['total']:.0f}% of the total)"))
+    budget = p.budgets[own]
+    if "vllm_engine" in budget or "generation_kv_cache" in budget:
+        s = p.runs[own]
+        kv = memory_budget.budget(m, dataclasses.replace(s, generation="generate"))["generation_kv_cache"]
+        lines.append(f"generation ({p.cfg.trainer}, generation_backend {pack.generation_backend}): " + (
+            f"assumed vLLM in colocate mode, {training.vllm_gpu_memory_utilization:.0%} of each GPU: "
+            f"{gib(budget['vllm_engine'])} GiB/GPU; without vLLM the policy's generate holds a KV cache of "
+            f"{gib(kv)} GiB/GPU instead" if s.generation == "vllm" else
+            f"the policy's generate: a KV cache of {s.generated_sequences} completions x "
+            f"{s.generation_tokens:,} tokens, {gib(kv)} GiB/GPU"))
     if gpus * nodes < pack.min_gpus:  # the launcher's guard; the memory figures above are the real answer
         lines.append(f"note: the recipe declares min_gpus {pack.min_gpus}; its launcher refuses fewer "
                      f"(--min_gpus {gpus * nodes} overrides that)")

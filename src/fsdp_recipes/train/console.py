@@ -23,6 +23,9 @@ from fsdp_recipes.train.failure import DETAILS_FILE, ERROR_FILE_ENV
 LOG_ONLY_WARNINGS = [
     # peft's PeftModel (0.21) reads the property transformers 5.x deprecated, once per adapter it wraps
     (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    # TRL's unwrap_model_for_generation (1.16) turns checkpointing off and on around every GRPO generation, by the
+    # names transformers 5.x deprecated
+    (FutureWarning, r"`gradient_checkpointing_(en|dis)able` is deprecated"),
 ]
 
 

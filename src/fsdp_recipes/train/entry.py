@@ -80,8 +80,15 @@ def make_trainer_class(kind: str = "sft"):
                 logs.update(self.run_report.tracker_scalars(self.state.global_step))
             super().log(logs, *args, **kwargs)
 
+        def _prepare_inputs(self, inputs):
+            prepared = super()._prepare_inputs(inputs)
+            # GRPO: the batch trained on exists only now, sampled from the prompts training_step was given
+            if self.token_counter is not None and self.model.training and "completion_ids" in prepared:
+                self.token_counter.add_sampled(prepared)
+            return prepared
+
         def training_step(self, model, inputs, *args, **kwargs):
-            if self.token_counter is not None:
+            if self.token_counter is not None and "input_ids" in inputs:  # SFT, DPO: the collated batch
                 self.token_counter.add(inputs)
             loss = super().training_step(model, inputs, *args, **kwargs)
             # Stop before the optimizer applies a NaN/inf gradient. The Trainer's default logging_nan_inf_filter
@@ -167,7 +174,8 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
     keep_fsdp1_output_layer_in_root()  # see peft_fsdp.py: TRL's fused LM head needs the head unsharded
     init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
 
-    train_ds, eval_ds = kinds.load(cfg.trainer).load_datasets(cfg)
+    kind = kinds.load(cfg.trainer)
+    train_ds, eval_ds = kind.load_datasets(cfg)
     training.model_init_kwargs = {
         "revision": model_args.model_revision,
         "trust_remote_code": training.trust_remote_code,
@@ -203,6 +211,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         eval_dataset=eval_ds,
         peft_config=peft_config,
         callbacks=callbacks,
+        **kind.trainer_kwargs(cfg),  # GRPO: the reward functions
     )
     trainer.token_counter, trainer.run_report = report.tokens, report
     from fsdp_recipes.train import console
@@ -372,9 +381,7 @@ def run(argv: list[str] | None = None) -> int:
     report = RunReportCallback(
         cfg.training.output_dir, cfg.resolved(peft_config),
         cfg.pack.recipe_name, resume_from=resume, prometheus_textfile=cfg.pack.prometheus_textfile,
-        # a precomputed reference runs before training, outside the time tokens/s divides by
-        trainer=cfg.trainer, reported_logs=kind.REPORTED_LOGS,
-        reference_forward=kind.REFERENCE_FORWARD and not getattr(cfg.training, "precompute_ref_log_probs", False),
+        trainer=cfg.trainer, reported_logs=kind.REPORTED_LOGS, extra_forwards=kind.extra_forwards(cfg.training),
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     report.resolved_args["resume_settings"] = settings
@@ -384,6 +391,8 @@ def run(argv: list[str] | None = None) -> int:
     preemption = PreemptionCallback(report)
     try:
         trainer = build_trainer(cfg, peft_config, report, preemption, resume, settings)
+        if is_main and hasattr(kind, "describe_generation"):
+            print(f"[train] {cfg.trainer}: {kind.describe_generation(cfg.training)}", flush=True)
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted:
             report.finalize("preempted", error=f"stopped by a signal (rank 0 saw: {preemption.signal_received})")

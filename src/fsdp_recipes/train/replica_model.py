@@ -50,9 +50,16 @@ def empty_model(path: str, init_kwargs: dict):
     dtype = init_kwargs.get("dtype")
     if isinstance(dtype, str) and dtype != "auto":  # as TRL's create_model_from_path reads it
         dtype = getattr(torch, dtype)
-    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
-        None, config=config, state_dict={}, dtype=dtype,
-        attn_implementation=init_kwargs.get("attn_implementation"))
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity_error()  # every weight is missing by design: transformers' load report would say so
+    try:
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].from_pretrained(
+            None, config=config, state_dict={}, dtype=dtype,
+            attn_implementation=init_kwargs.get("attn_implementation"))
+    finally:
+        logging.set_verbosity(level)
     model.config._name_or_path = path  # TRL's tokenizer lookup, and what a saved config records
     return unallocated_parameters(model)
 

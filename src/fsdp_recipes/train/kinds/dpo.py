@@ -22,8 +22,6 @@ from fsdp_recipes.train import data_checks
 # DPOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `dpo` section
 REPORTED_LOGS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
                  "logps/rejected")
-REFERENCE_FORWARD = True  # the run report's FLOPs count a reference forward per token (metrics/flops.py), and
-# make plan a reference model (planning/memory_budget.py): none with LoRA, a sharded copy with full fine-tuning
 RESUME_SETTINGS = ("beta", "loss_type", "loss_weights")  # what a resume compares (checkpoint/resume_settings.py)
 SEQUENCES_PER_ROW = 2  # a pair: chosen and rejected
 ROWS = "preference pairs (2 sequences each)"
@@ -37,6 +35,22 @@ def trainer_class():
     from trl import DPOTrainer
 
     return DPOTrainer
+
+
+def trainer_kwargs(cfg) -> dict:
+    return {}
+
+
+def sequence_length(training) -> int:
+    """make plan's worst case: every sequence max_length long."""
+    return training.max_length or 1024
+
+
+def extra_forwards(training) -> tuple[str, ...]:
+    """The run report's FLOPs count a reference forward per token (metrics/flops.py), and make plan a reference
+    model (planning/memory_budget.py): none with LoRA, a sharded copy with full fine-tuning. A precomputed
+    reference runs before training, outside the time tokens/s divides by."""
+    return () if training.precompute_ref_log_probs else ("reference",)
 
 
 def load_datasets(cfg, want_eval: bool | None = None):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 REPORTED_LOGS: tuple[str, ...] = ()  # the loss is in every run report already
-REFERENCE_FORWARD = False
 RESUME_SETTINGS: tuple[str, ...] = ("packing", "completion_only_loss")  # what a resume compares (checkpoint/resume_settings.py)
 SEQUENCES_PER_ROW = 1  # make plan: sequences a dataset row puts through the model
 ROWS = "sequences"  # what make plan calls the rows of a batch
@@ -15,6 +14,19 @@ def trainer_class():
     from trl import SFTTrainer
 
     return SFTTrainer
+
+
+def trainer_kwargs(cfg) -> dict:
+    return {}
+
+
+def sequence_length(training) -> int:
+    """make plan's worst case: every sequence max_length long."""
+    return training.max_length or 1024
+
+
+def extra_forwards(training) -> tuple[str, ...]:
+    return ()
 
 
 def check_config(cfg) -> None:

@@ -1,0 +1,188 @@
+"""GRPO: TRL's GRPOTrainer, reinforcement learning with a verifiable reward, on the same FSDP lifecycle as SFT and DPO.
+
+Each step: every rank takes its share of the step's prompts, samples `num_generations` completions per prompt with
+the policy being trained, scores them with the recipe's reward functions (`reward_funcs`, import paths: data of the
+recipe, see fsdp_recipes/rewards.py), and trains on the completions weighted by their advantage over their group's
+mean reward. A group whose completions all score alike carries no advantage, hence no gradient.
+
+Generation:
+- `generation_backend: auto` (the default) generates with vLLM in the trainer's processes (`vllm_mode: colocate`)
+  where vLLM is installed and the run is on GPUs, else with the policy's own `generate`. `vllm` insists on vLLM
+  (one line when it cannot), `transformers` never uses it. The run's first lines say which was chosen.
+- With `generate` under FSDP2 every forward gathers the layer it runs, as in training (TRL's path; transformers
+  sets `synced_gpus` for an FSDP module, so a rank whose completions ended keeps stepping with the others).
+
+Data: `prompt` plus the columns the reward functions read. Prompt-completion data (the SFT recipes' own) works as it
+is: its `completion` becomes the `answer` column, which TRL would otherwise not pass to a reward function.
+
+An exact resume: the Trainer saves each rank's random generators into every checkpoint (rng_state_<rank>.pth) and
+restores them on resume, and with one optimizer step per generation (`steps_per_generation` 1, `num_iterations` 1)
+no sampled batch outlives a step, so a preempted and resumed run samples the same completions as an uninterrupted
+one (tests/test_preemption.py compares their rewards and losses step by step).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from fsdp_recipes.errors import UserError
+
+# GRPOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `grpo` section
+REPORTED_LOGS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                 "completions/clipped_ratio", "kl", "entropy")
+RESUME_SETTINGS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature",
+                   "beta", "epsilon", "loss_type", "scale_rewards")  # what a resume compares (resume_settings.py)
+SEQUENCES_PER_ROW = 1  # per_device_train_batch_size counts completions: each is one prompt + completion sequence
+ROWS = "completions (num_generations per prompt)"
+SMOKE_DATA = "data"  # tiny_assets' prompt-completion chat data: its completion is the answer the reward checks
+# make smoke: the recipe's own reward may read columns the synthetic data lacks (trl.rewards.accuracy_reward: a
+# `solution`); the exact answer runs on it, with number_only beside it so that a tiny random model's completions
+# still differ in reward (fsdp_recipes/rewards.py); a few short completions keep the steps quick
+SMOKE_SETTINGS = {"reward_funcs": ["fsdp_recipes.rewards.exact_answer", "fsdp_recipes.rewards.number_only"],
+                  "max_completion_length": 4, "num_generations": 2, "vllm_enable_sleep_mode": False}
+describe_tokens = ("non-padding tokens of the trained sequences (prompt + sampled completion), one forward and "
+                   "backward each; sampling them is one more forward per token, counted in MFU (2N FLOPs), and "
+                   "metrics.json's `generated_tokens` counts the completion tokens sampled")
+# Keyword arguments TRL passes to every reward function besides the dataset's columns (trl 1.16 _calculate_rewards)
+PASSED = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
+BACKENDS = ("auto", "vllm", "transformers")
+
+
+def trainer_class():
+    from trl import GRPOTrainer
+
+    return GRPOTrainer
+
+
+def trainer_kwargs(cfg) -> dict:
+    return {"reward_funcs": [load_reward_func(path) for path in cfg.pack.reward_funcs]}
+
+
+PROMPT_TOKENS = 512  # make plan's assumption for a prompt: GRPOConfig does not truncate prompts
+
+
+def sequence_length(training) -> int:
+    """make plan's worst case for a trained sequence: a prompt of PROMPT_TOKENS and the longest completion."""
+    return PROMPT_TOKENS + training.max_completion_length
+
+
+def extra_forwards(training) -> tuple[str, ...]:
+    """Forwards per trained token besides its training forward and backward: sampling it, and the reference
+    model's when the KL term is on (beta > 0)."""
+    return ("generation", "reference") if training.beta > 0 else ("generation",)
+
+
+def load_reward_func(path: str):
+    """`package.module.function` (or `package.module:function`) -> the function; one line when it is not there."""
+    module_name, _, name = path.replace(":", ".").rpartition(".")
+    fix = "Fix: name a function by its import path, e.g. fsdp_recipes.rewards.exact_answer."
+    if not module_name:
+        raise UserError(f"reward_funcs entry {path!r} is not an import path. {fix}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise UserError(f"reward_funcs entry {path!r}: module {module_name} cannot be imported ({err}). {fix}") from None
+    func = getattr(module, name, None)
+    if not callable(func):
+        raise UserError(f"reward_funcs entry {path!r}: {module_name} has no function {name}. {fix}")
+    return func
+
+
+def check_reward_func(path: str, columns: set[str] | None = None) -> None:
+    """TRL calls a reward function with keyword arguments only (PASSED and the dataset's columns): it must take
+    **kwargs (TRL passes more than any one function reads) and need no argument TRL does not give."""
+    func = load_reward_func(path)
+    params = inspect.signature(func).parameters.values()
+    if not any(p.kind is p.VAR_KEYWORD for p in params):
+        raise UserError(f"reward function {path} does not take **kwargs, but TRL passes it every dataset column and "
+                        f"{', '.join(sorted(PASSED - {'environments'}))}. Fix: add **kwargs to its signature.")
+    needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if columns is not None:
+        missing = [n for n in needed if n not in PASSED | columns]
+        if missing:
+            raise UserError(f"reward function {path} needs {', '.join(missing)}, which is neither a dataset column "
+                            f"(the data has {sorted(columns)}) nor passed by TRL. Fix: add that column to the data, "
+                            f"or give the argument a default.")
+
+
+def check_config(cfg) -> None:
+    """Settings, before any data or weight is loaded (entry.check_before_launch, in the launcher and every rank)."""
+    funcs, weights = cfg.pack.reward_funcs, cfg.training.reward_weights
+    if not funcs:
+        raise UserError("a GRPO recipe needs reward_funcs, the import paths of its reward functions. Fix: add e.g. "
+                        "`reward_funcs: [fsdp_recipes.rewards.exact_answer]` to grpo.yaml.")
+    for path in funcs:
+        check_reward_func(path)
+    if weights is not None and len(weights) != len(funcs):
+        raise UserError(f"reward_weights has {len(weights)} values for {len(funcs)} reward_funcs. Fix: give one weight "
+                        "per function, or leave reward_weights out (all 1.0).")
+    cfg.training.use_vllm = use_vllm(cfg.pack.generation_backend, cfg.training.use_cpu)
+
+
+def use_vllm(backend: str, use_cpu: bool) -> bool:
+    """generation_backend -> GRPOConfig.use_vllm: vLLM where asked for (and there), or where `auto` finds it on GPUs."""
+    if backend not in BACKENDS:
+        raise UserError(f"generation_backend {backend!r} is not one of {', '.join(BACKENDS)}. Fix: use auto (vLLM "
+                        "where installed, else the model's generate), vllm or transformers.")
+    import importlib.util
+
+    import torch
+
+    have = importlib.util.find_spec("vllm") is not None
+    gpus = torch.cuda.is_available() and not use_cpu
+    if backend == "vllm" and not (have and gpus):
+        why = "vLLM is not installed" if not have else "the run has no GPU"
+        raise UserError(f"generation_backend vllm, but {why}. Fix: pip install 'fsdp-recipes[vllm]' on the GPU "
+                        "machines, or set generation_backend auto (the model's generate where vLLM cannot run).")
+    return backend == "vllm" or (backend == "auto" and have and gpus)
+
+
+def describe_generation(training) -> str:
+    """The run's first lines say how completions are sampled."""
+    how = (f"vLLM ({training.vllm_mode}, {training.vllm_gpu_memory_utilization:.0%} of each GPU)" if training.use_vllm
+           else "the policy's own generate (vLLM not used)")
+    return (f"{training.num_generations} completions of at most {training.max_completion_length} tokens per prompt, "
+            f"temperature {training.temperature}, sampled with {how}")
+
+
+def load_datasets(cfg, want_eval: bool | None = None):
+    """(train, eval or None): prompts and the columns the rewards read; a `completion` column becomes `answer`."""
+    from fsdp_recipes.train.loading import load_splits
+
+    want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
+    splits = load_splits(cfg.script, cfg.mixture, want_eval, check_columns)
+    return tuple(None if ds is None else with_answer(ds) for ds in splits)
+
+
+def with_answer(ds):
+    if "completion" in ds.column_names and "answer" not in ds.column_names:
+        return ds.rename_column("completion", "answer")
+    return ds
+
+
+def check_columns(ds, where: str) -> None:
+    if "prompt" not in set(ds.column_names or []):
+        raise UserError(f"dataset {where} has columns {sorted(ds.column_names or [])}, but GRPO needs `prompt` (and "
+                        "the columns its reward functions read, e.g. `answer`). Fix: rename the prompt column, or use "
+                        "prompt-completion data (its completion becomes `answer`).")
+
+
+def check_data(cfg, splits, tokenizer) -> list[str]:
+    """Prompts present; every reward function's named arguments are columns of the data (or passed by TRL)."""
+    from fsdp_recipes.train import data_checks
+
+    where = cfg.script.dataset_name
+    for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
+        if ds is None:
+            continue
+        check_columns(ds, where)
+        if len(ds) == 0:
+            raise UserError(f"the `{split}` split of the dataset {where} has no prompts. Fix: point dataset_name at "
+                            "data with rows.")
+        columns = set(with_answer(ds).column_names)
+        for path in cfg.pack.reward_funcs:
+            check_reward_func(path, columns)
+        if tokenizer is not None and data_checks.conversational(ds):
+            data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
+    return []
