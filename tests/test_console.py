@@ -19,6 +19,8 @@ def test_a_training_log_is_one_line():
     logs = {"loss": 2.2171, "grad_norm": 2.579, "learning_rate": 0.001, "tokens_per_second": 1461.4, "epoch": 0.016}
     assert console.progress_line(logs, 4, 48) == "[train] step  4/48  loss 2.217  lr 1.00e-03  1,461 tokens/s"
     assert console.progress_line({"loss": 0.05888}, 48, 48) == "[train] step 48/48  loss 0.05888"
+    grpo = {"loss": -0.002552, "learning_rate": 2e-05, "reward": 0.84375, "tokens_per_second": 133.2}
+    assert console.progress_line(grpo, 4, 40) == "[train] step  4/40  loss -0.002552  lr 2.00e-05  reward 0.844  133 tokens/s"
 
 
 def test_an_eval_log_is_one_line_and_the_end_of_training_totals_none():

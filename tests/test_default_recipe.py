@@ -320,3 +320,44 @@ def test_dpo_run_reports_its_rewards_and_every_stage(dpo_dir, run_dir):
     log = (dpo_dir / "launch.log").read_text()
     assert "exact match on 10 eval prompts: base " in log and " -> sft " in log and " -> dpo " in log
     assert "implicit-reward accuracy" in log
+
+
+# ---- SFT -> GRPO: smollm2-135m-grpo continues from the same SFT run, shortened the same way
+
+GRPO_COMPLETIONS = 8  # per process and step: one question's group of num_generations (8)
+
+
+@pytest.fixture(scope="module")
+def grpo_dir(run_dir, tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("grpo") / "run"
+    res = launch(["smollm2-135m-grpo", "--model_name_or_path", str(run_dir / "merged"), "--max_steps", str(STEPS),
+                  "--per_device_train_batch_size", str(GRPO_COMPLETIONS), "--logging_steps", "1",
+                  "--output_dir", str(out)], cache_dir, timeout=900, **GENERATIONS,
+                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
+    out.joinpath("launch.log").write_text(res.stdout + res.stderr)
+    return out
+
+
+def test_grpo_run_samples_rewards_and_reports_every_stage(grpo_dir, run_dir):
+    m = load(grpo_dir, "metrics.json")
+    assert m["status"] == "completed" and m["trainer"] == "grpo" and m["steps"] == STEPS and m["world_size"] == 2
+    samples = STEPS * 2 * GRPO_COMPLETIONS  # 2 processes: 2 questions x 8 completions per step
+    assert m["samples"] == samples
+    # each completion is 1 to max_completion_length (6) sampled tokens; each trained sequence adds its prompt
+    # (~30 tokens: the system line, the question, the chat template's markers)
+    assert samples <= m["generated_tokens"] <= 6 * samples
+    assert m["tokens"]["non_padding"] > m["generated_tokens"] + 20 * samples
+    assert m["generated_tokens_per_second"] == pytest.approx(m["generated_tokens"] / m["train_time_s"], rel=1e-6)
+    g = m["grpo"]
+    assert 0 <= g["reward"]["last"] <= 1 and 1 <= g["completions/mean_length"]["last"] <= 6
+    assert g["kl"]["last"] is None  # beta 0: no KL term, no reference forward
+    assert m["final_save_check"]["lora_b_checked"] > 0  # the GRPO adapter trained, saved and checked
+    ev = m["eval"]
+    assert [s["stage"] for s in ev["stages"]] == ["base", "sft", "grpo"]
+    assert ev["stages"][2]["model"] == str(grpo_dir / "merged")
+    assert ev["stages"][1]["correct"] == load(run_dir, "metrics.json")["eval"]["trained_correct"]
+    log = (grpo_dir / "launch.log").read_text()
+    assert "[train] grpo: 8 completions of at most 6 tokens per prompt, temperature 1.0" in log
+    assert " -> sft " in log and " -> grpo " in log
+    assert "Warning" not in log and "LOAD REPORT" not in log  # the console stays one line per step

@@ -268,3 +268,45 @@ def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_pa
     assert "SIGTERM arrived after training completed" in text and "nothing to resume" in text
     assert json.loads((out / "metrics.json").read_text()) == final  # not rewritten as preempted
     assert summaries == []  # the node is going away: no generations
+
+
+@pytest.mark.slow
+def test_grpo_preempted_resumes_exactly_with_the_same_samples(tmp_path, cache_dir):
+    """GRPO samples its training data: an exact resume needs each rank's generators restored from the checkpoint, so
+    that the resumed run samples the completions the uninterrupted one did. llama-3.1-8b-lora-grpo's smoke run (a
+    tiny Llama, LoRA, FSDP2, sampled with the policy's generate at temperature 1) run straight, then SIGTERMed and
+    resumed: the same reward, loss and sampled-token count at every step, the same adapter. This is also that
+    recipe's smoke test (tests/test_smoke.py leaves it to this one). One micro-batch per step keeps it short."""
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    args = ["llama-3.1-8b-lora-grpo", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "3",
+            "--logging_steps", "1", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1",
+            "--save_merged_model", "false"]
+    res = launch([*args, "--output_dir", str(straight)], cache_dir, FSDP_RECIPES_SMOKE="1")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "[train] grpo: 2 completions of at most 4 tokens per prompt" in res.stdout
+
+    rc, out = signal_launch([*args, "--output_dir", str(preempted)], cache_dir,
+                            lambda: checkpoints.is_complete(preempted / "checkpoint-3"), signal.SIGTERM,
+                            FSDP_RECIPES_SMOKE="1")
+    assert rc == EXIT_PREEMPTED, out[-3000:]
+    first = json.loads((preempted / "metrics.json").read_text())
+    assert first["status"] == "preempted" and 3 <= first["steps"] < 8, first
+    res = launch([*args, "--output_dir", str(preempted)], cache_dir, FSDP_RECIPES_SMOKE="1")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+    def per_step(run):
+        history = json.loads((run / "log_history.json").read_text())["log_history"]
+        return {h["step"]: (h["reward"], h["loss"], h["completions/mean_length"]) for h in history if "loss" in h}
+
+    a, b = per_step(straight), per_step(preempted)
+    assert sorted(a) == sorted(b) == list(range(1, 9))
+    assert len({r for r, _, _ in a.values()}) > 1  # the rewards vary: there is something to get wrong
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-6), (step, a[step], b[step])
+    wa, wb = read_saved(straight), read_saved(preempted)
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+    done, straight_m = (json.loads((run / "metrics.json").read_text()) for run in (preempted, straight))
+    assert done["generated_tokens"] == straight_m["generated_tokens"] > 0
+    # 8 steps x 2 processes x 8 completions, each at most 4 sampled tokens
+    assert done["samples"] == straight_m["samples"] == 8 * 2 * 8 and done["generated_tokens"] <= 8 * 2 * 8 * 4
+    assert done["final_save_check"]["lora_b_checked"] > 0

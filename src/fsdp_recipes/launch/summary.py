@@ -304,6 +304,13 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
         f"throughput  {tps:,.0f} tokens/s ({m['tokens_per_second_per_device']:,.0f} per device), "
         f"{m['steps']} steps, {m['tokens']['non_padding']:,} tokens" if tps else "throughput  n/a"
     )
+    if m.get("generated_tokens") is not None:  # GRPO: what was sampled, and what it scored
+        g = m.get("grpo") or {}
+        reward = g.get("reward") or {}
+        rewards = (f"; reward {reward['first']:.3f} -> {reward['last']:.3f} (mean over the first and last logged "
+                   "steps)" if reward.get("last") is not None else "")
+        lines.append(f"sampled     {m['generated_tokens']:,} completion tokens "
+                     f"({m.get('generated_tokens_per_second') or 0:,.1f}/s){rewards}")
     mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else f"n/a ({m.get('mfu_note')})"
     lines.append(f"MFU         {mfu}")
     pm = m["peak_memory"]

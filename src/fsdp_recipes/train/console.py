@@ -81,6 +81,8 @@ def progress_line(logs: dict, step: int, max_steps: int) -> str | None:
         parts = [f"[train] step {step:>{width}}/{max_steps}", f"loss {logs['loss']:.4g}"]
         if "learning_rate" in logs:
             parts.append(f"lr {logs['learning_rate']:.2e}")
+        if "reward" in logs:  # GRPO: the sampled completions' mean reward
+            parts.append(f"reward {logs['reward']:.3f}")
         if "tokens_per_second" in logs:
             parts.append(f"{logs['tokens_per_second']:,.0f} tokens/s")
         return "  ".join(parts)

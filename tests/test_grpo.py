@@ -1,0 +1,126 @@
+"""GRPO, the third trainer kind: its reward functions are data of the recipe (import paths), checked before any rank
+starts, one line each; the shipped rewards score what they say; `make plan` counts the sampling's memory. The runs
+themselves: tests/test_default_recipe.py (the real model, after SFT) and tests/test_preemption.py (exact resume)."""
+
+import shutil
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO, launcher_checks, launcher_until_ranks, RanksWouldStart
+from test_bad_input import assert_one_line_error
+
+from fsdp_recipes.rewards import exact_answer, number_only
+
+
+@pytest.fixture(autouse=True)
+def checks_before_ranks(monkeypatch):
+    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
+
+
+@pytest.fixture
+def checks(monkeypatch, capsys, cache_dir):
+    return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
+
+
+def grpo_recipe(tmp_path, **fields) -> "Path":  # noqa: F821
+    """tiny-cpu-lora as a GRPO recipe (grpo.yaml, trainer: grpo) on its prompt-completion data."""
+    folder = tmp_path / "tiny-grpo"
+    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", folder)
+    raw = yaml.safe_load((folder / "sft.yaml").read_text())
+    (folder / "sft.yaml").unlink()
+    for key in ("packing", "max_length", "per_device_eval_batch_size"):  # SFTConfig fields GRPOConfig lacks or
+        raw.pop(key, None)  # would have to divide by num_generations
+    raw.update({"trainer": "grpo", "reward_funcs": ["fsdp_recipes.rewards.exact_answer"], "num_generations": 4,
+                "max_completion_length": 4, "eval_strategy": "no", "output_dir": str(tmp_path / "run"), **fields})
+    (folder / "grpo.yaml").write_text(yaml.safe_dump(raw))
+    return folder
+
+
+def write_module(tmp_path, monkeypatch, source: str) -> str:
+    (tmp_path / "my_rewards.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_rewards", None)
+    return "my_rewards.score"
+
+
+def test_a_good_grpo_recipe_reaches_the_ranks_with_its_own_yaml(tmp_path, cache_dir, monkeypatch, capsys):
+    folder = grpo_recipe(tmp_path)
+    with pytest.raises(RanksWouldStart) as started:
+        launcher_until_ranks([str(folder)], monkeypatch, capsys)
+    cmd = started.value.cmd
+    assert cmd[cmd.index("--config") + 1] == str(folder / "grpo.yaml")
+    assert "trainer grpo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source, fragment", [
+    ("def score(completions, answer):\n    return [0.0]\n", "does not take **kwargs"),
+    ("def score(completions, ground_truth, **kwargs):\n    return [0.0]\n",
+     "needs ground_truth, which is neither a dataset column"),
+    ("score = 3\n", "has no function score"),
+], ids=["no-kwargs", "missing-column", "not-callable"])
+def test_a_reward_function_that_cannot_work_is_one_line(tmp_path, cache_dir, checks, monkeypatch, source, fragment):
+    path = write_module(tmp_path, monkeypatch, source)
+    assert_one_line_error(checks([grpo_recipe(tmp_path, reward_funcs=[path])]), fragment)
+
+
+def test_a_reward_function_naming_a_column_the_data_has_passes(tmp_path, cache_dir, monkeypatch, capsys):
+    # `answer` is the prompt-completion data's completion, renamed by the kind; `prompts` is passed by TRL
+    path = write_module(tmp_path, monkeypatch, "def score(prompts, completions, answer, **kwargs):\n    return []\n")
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([str(grpo_recipe(tmp_path, reward_funcs=[path]))], monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"reward_funcs": []}, "a GRPO recipe needs reward_funcs"),
+    ({"reward_funcs": ["no_such_module_xyz.score"]}, "module no_such_module_xyz cannot be imported"),
+    ({"reward_funcs": ["exact_answer"]}, "is not an import path"),
+    ({"reward_weights": [1.0, 0.5]}, "reward_weights has 2 values for 1 reward_funcs"),
+    ({"generation_backend": "sglang"}, "generation_backend 'sglang' is not one of auto, vllm, transformers"),
+    ({"generation_backend": "vllm"}, "generation_backend vllm, but"),
+], ids=["none", "no-module", "bare-name", "weights", "backend", "vllm-here"])
+def test_grpo_setting_mistakes(tmp_path, cache_dir, checks, fields, fragment):
+    assert_one_line_error(checks([grpo_recipe(tmp_path, **fields)]), fragment)
+
+
+def test_data_without_prompts(tmp_path, cache_dir, checks):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"question": "What is 2 + 3?", "answer": "5"}\n')
+    res = checks([grpo_recipe(tmp_path, dataset_name=str(data), dataset_test_split="train")])
+    assert_one_line_error(res, "GRPO needs `prompt`")
+
+
+def test_the_grpo_demo_without_its_sft_run_names_the_command(tmp_path, cache_dir, checks):
+    res = checks(["smollm2-135m-grpo", "--model_name_or_path", tmp_path / "missing" / "merged"])
+    assert_one_line_error(res, "run `make finetune RECIPE=smollm2-135m-lora` first")
+
+
+def test_exact_answer_and_number_only_score_what_they_say():
+    chat = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    assert exact_answer([chat("57"), chat(" 57\n"), chat("56"), chat("57 is it")], [chat("57")] * 4) == [1, 1, 0, 0]
+    assert exact_answer(["123"], ["123"]) == [1.0]  # plain-text prompts give plain completions
+    # digits among the non-space characters: 2 of 2, 2 of 6 ("57isit"), 0 of 3, nothing at all
+    assert number_only([chat("57"), chat("57 is it"), chat("abc"), chat("  ")]) == [1.0, 2 / 6, 0.0, 0.0]
+
+
+def test_the_planner_counts_generation_and_says_which_backend_it_assumed():
+    from fsdp_recipes.planning import plan
+
+    gib = 1024 ** 3
+    vllm = plan.prepare("llama-3.1-8b-lora-grpo", 8, 1, "H100", REPO / "recipes")
+    budget = vllm.budgets[vllm.own]
+    # the engine's share: vllm_gpu_memory_utilization 0.3 of the H100's memory as the planner reads it
+    assert budget["vllm_engine"] == pytest.approx(0.3 * vllm.capacity * gib, rel=1e-6)
+    text = plan.report(vllm)
+    assert "assumed vLLM in colocate mode, 30% of each GPU" in text
+    hf = plan.prepare("llama-3.1-8b-lora-grpo", 8, 1, "H100", REPO / "recipes",
+                      ["--generation_backend", "transformers"])
+    kv = hf.budgets[hf.own]["generation_kv_cache"]
+    # Llama 3.1 8B: 32 layers, 8 KV heads of 128; 8 completions x 4 micro-batches sampled at once per GPU, each a
+    # 512-token prompt (the planner's assumption) + 1024 completion tokens, bf16 K and V; plus fp32 logits
+    expected = 32 * (512 + 1024) * 32 * 2 * (8 * 128) * 2 + 32 * 128256 * 4
+    assert kv == expected
+    assert "the policy's generate: a KV cache of 32 completions x 1,536 tokens" in plan.report(hf)
+    assert "vllm_engine" not in hf.budgets[hf.own]
