@@ -80,8 +80,26 @@ def test_a_reward_function_naming_a_column_the_data_has_passes(tmp_path, cache_d
     ({"generation_backend": "sglang"}, "generation_backend 'sglang' is not one of auto, vllm, transformers"),
     ({"generation_backend": "vllm"}, "generation_backend vllm, but"),
 ], ids=["none", "no-module", "bare-name", "weights", "backend", "vllm-here"])
-def test_grpo_setting_mistakes(tmp_path, cache_dir, checks, fields, fragment):
+def test_grpo_setting_mistakes(tmp_path, cache_dir, checks, monkeypatch, fields, fragment):
+    from fsdp_recipes.train.kinds import grpo
+
+    monkeypatch.setattr(grpo, "vllm_installed", lambda: False)  # the same answer on a GPU machine with vLLM
     assert_one_line_error(checks([grpo_recipe(tmp_path, **fields)]), fragment)
+
+
+def test_a_reward_function_whose_package_is_missing_is_one_line_before_any_rank(tmp_path, cache_dir, checks,
+                                                                                monkeypatch):
+    # as trl.rewards.accuracy_reward without math-verify: importable, failing only when called
+    path = write_module(tmp_path, monkeypatch, "def score(completions, answer, **kwargs):\n"
+                                               "    raise ImportError('Please install the `math_verify` package')\n")
+    res = checks([grpo_recipe(tmp_path, reward_funcs=[path])])
+    assert_one_line_error(res, "reward function my_rewards.score cannot run here: Please install the `math_verify`")
+
+
+def test_a_reward_function_cannot_read_the_prompt_column(tmp_path, cache_dir, checks, monkeypatch):
+    # TRL passes every column but `prompt` and `completion` (it passes `prompts`)
+    path = write_module(tmp_path, monkeypatch, "def score(completions, prompt, **kwargs):\n    return []\n")
+    assert_one_line_error(checks([grpo_recipe(tmp_path, reward_funcs=[path])]), "needs prompt, which is neither")
 
 
 def test_data_without_prompts(tmp_path, cache_dir, checks):
@@ -124,3 +142,35 @@ def test_the_planner_counts_generation_and_says_which_backend_it_assumed():
     assert kv == expected
     assert "the policy's generate: a KV cache of 32 completions x 1,536 tokens" in plan.report(hf)
     assert "vllm_engine" not in hf.budgets[hf.own]
+    server = plan.prepare("llama-3.1-8b-lora-grpo", 8, 1, "H100", REPO / "recipes", ["--vllm_mode", "server"])
+    assert not {"vllm_engine", "generation_kv_cache"} & set(server.budgets[server.own])
+    assert "vLLM in server mode, on GPUs of its own" in plan.report(server)
+
+
+def test_mfu_counts_each_forward_grpo_runs_per_sampled_batch():
+    from types import SimpleNamespace
+
+    from fsdp_recipes.train.kinds import grpo
+
+    args = dict(beta=0.0, num_iterations=1, steps_per_generation=4, gradient_accumulation_steps=4, use_vllm=False,
+                vllm_importance_sampling_correction=True)
+    assert grpo.extra_forwards(SimpleNamespace(**args)) == {"generation": 1.0}
+    # vLLM's importance-sampling correction recomputes the sampled tokens' log-probabilities; so does a sampled batch
+    # that outlives an optimizer step (accumulation 2, a batch every 4 micro-batches)
+    assert grpo.extra_forwards(SimpleNamespace(**{**args, "use_vllm": True})) == {"generation": 1.0, "old_policy": 1.0}
+    assert grpo.extra_forwards(SimpleNamespace(**{**args, "gradient_accumulation_steps": 2}))["old_policy"] == 1.0
+    # a batch trained on twice was sampled (and its reference computed) once: half a forward per trained token
+    assert grpo.extra_forwards(SimpleNamespace(**{**args, "beta": 0.1, "num_iterations": 2,
+                                                  "gradient_accumulation_steps": 8})) == {"generation": 0.5,
+                                                                                          "reference": 0.5}
+
+
+def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save():
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.train.kinds import grpo
+
+    flat = [{"step": 1, "reward": 0.0, "frac_reward_zero_std": 1.0}, {"step": 2, "reward": 0.0, "frac_reward_zero_std": 1.0}]
+    with pytest.raises(UserError, match=r"GRPO learned nothing: .* each group of 8 completions scored alike \(mean "
+                                        r"reward 0.000\)"):
+        grpo.check_learned(flat, 8)
+    grpo.check_learned([*flat, {"step": 3, "reward": 0.25, "frac_reward_zero_std": 0.5}], 8)  # one step varied

@@ -34,6 +34,19 @@ def test_token_counter_padding_free_counts_sequences_from_position_ids():
     assert c.squared_lengths == 3 ** 2 + 2 ** 2 + 2 ** 2  # sequences of 3, 2 and 2 tokens in one row
 
 
+def test_token_counter_sampled_batches_count_prompt_and_completion_and_what_was_sampled():
+    c = TokenCounter()
+    # GRPO's batch: left-padded prompts of 2 and 3 tokens, completions of 3 and 1 tokens (right-padded)
+    batch = {"prompt_ids": torch.zeros(2, 3, dtype=torch.long), "prompt_mask": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+             "completion_ids": torch.zeros(2, 3, dtype=torch.long),
+             "completion_mask": torch.tensor([[1, 1, 1], [1, 0, 0]])}
+    c.add_sampled(batch)
+    assert (c.non_padding, c.padded, c.sequences, c.generated) == (2 + 3 + 3 + 1, 12, 2, 4)
+    assert c.squared_lengths == 5 ** 2 + 4 ** 2
+    c.add_sampled(batch, generated=False)  # trained on again (num_iterations 2), not sampled again
+    assert (c.non_padding, c.sequences, c.generated) == (18, 4, 4)
+
+
 def test_mfu_attention_length_is_token_weighted(tmp_path):
     # a row of 6 + 2 tokens: 6 of the 8 tokens attend over a 6-token sequence, so the per-token attention length
     # is (36 + 4) / 8 = 5, not the mean sequence length 4

@@ -5,7 +5,7 @@ for plain prompts), `completion_ids`, every other column of the dataset (here `a
 takes from a prompt-completion dataset's `completion`), and `trainer_state`, `log_extra`, `log_metric`. So a
 reward function takes the arguments it reads by name and `**kwargs` for the rest, and returns one float (or None:
 not applicable) per completion. Yours can live in any importable module; the launcher checks its signature before
-any rank starts (train/kinds/grpo.py check_reward_funcs).
+any rank starts (train/kinds/grpo.py check_reward_func).
 """
 
 from __future__ import annotations

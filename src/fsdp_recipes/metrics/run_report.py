@@ -77,7 +77,7 @@ class RunReportCallback(TrainerCallback):
 
     def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None,
                  resume_from: str | Path | None = None, prometheus_textfile: str | None = None,
-                 trainer: str = "sft", reported_logs: tuple[str, ...] = (), extra_forwards: tuple[str, ...] = ()):
+                 trainer: str = "sft", reported_logs: tuple[str, ...] = (), extra_forwards: dict[str, float] | None = None):
         self.output_dir = Path(output_dir)
         # metrics.prom in output_dir, and the collector's file when the recipe names one: rewritten at every
         # training log while the run trains (write_live), and with the whole run's figures at the end.
@@ -97,7 +97,7 @@ class RunReportCallback(TrainerCallback):
         self.recipe = recipe
         self.trainer, self.reported_logs = trainer, reported_logs  # the trainer kind and its own logs to keep
         # forwards per trained token besides its own (train/kinds: DPO's "reference", GRPO's "generation"), in the FLOPs
-        self.extra_forwards = extra_forwards
+        self.extra_forwards = extra_forwards or {}
         self.tokens = TokenCounter()
         self.process_start = psutil.Process().create_time()
         self.started_at = now_iso()
@@ -253,15 +253,15 @@ class RunReportCallback(TrainerCallback):
                 self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
                 layers, heads, head_dim, seq_len,
             )
+            # LoRA: the reference is the base with the adapter disabled (the frozen weights); full: a copy of the whole
+            # model. GRPO's sampling ("generation": over its prompt and each new token, a KV cache, no token twice)
+            # and its "old_policy" log-probabilities run the policy itself (docs/run-report.md)
+            lora = self.resolved_args.get("lora_config") is not None
+            weights = {"reference": self.params["frozen_non_embedding"] + (
+                0 if lora else self.params["trainable_non_embedding"])}
             policy = self.params["frozen_non_embedding"] + self.params["trainable_non_embedding"]
-            if "reference" in self.extra_forwards:  # DPO's, GRPO's with beta > 0 (docs/run-report.md)
-                # LoRA: the base with the adapter disabled (the frozen weights); full: a copy of the whole model
-                lora = self.resolved_args.get("lora_config") is not None
-                ref = self.params["frozen_non_embedding"] + (0 if lora else self.params["trainable_non_embedding"])
-                fpt += flops.forward_flops(ref, layers, heads, head_dim, seq_len)
-            if "generation" in self.extra_forwards:  # GRPO: sampling a completion is a forward of the policy over
-                # its prompt and each new token (a KV cache: no token twice), the tokens it then trains on
-                fpt += flops.forward_flops(policy, layers, heads, head_dim, seq_len)
+            for name, per_token in self.extra_forwards.items():  # forwards per trained token, by kind
+                fpt += per_token * flops.forward_flops(weights.get(name, policy), layers, heads, head_dim, seq_len)
         peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
         if device["type"] != "cuda":
             why = f"device is a CPU ({device['name']}): no dense bf16 peak to compare against"

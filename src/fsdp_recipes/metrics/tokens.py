@@ -47,13 +47,16 @@ class TokenCounter:
             self._host["sequences"] += ids.shape[0]
             self._host["squared_lengths"] += ids.shape[0] * ids.shape[-1] ** 2
 
-    def add_sampled(self, batch: dict) -> None:
+    def add_sampled(self, batch: dict, generated: bool = True) -> None:
         """An RL step's batch (GRPO): prompt and sampled completion side by side, each with its mask. The trained
-        sequence is the two together; the completion's tokens are also counted as `generated`."""
+        sequence is the two together; the completion's tokens are also counted as `generated` (`generated`: the
+        batch's first training pass; GRPO's num_iterations trains on it again without sampling it again)."""
         import torch
 
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         self.add({"input_ids": ids, "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)})
+        if not generated:
+            return
         generated = batch["completion_mask"].sum(dtype=torch.int64)
         self._generated_on_device = generated if self._generated_on_device is None else self._generated_on_device + generated
 
@@ -66,7 +69,7 @@ class TokenCounter:
         self._on_device = step if self._on_device is None else self._on_device + step  # queued, not waited for
 
     def counts(self, host_only: bool = False) -> dict[str, int]:
-        """All four counts; reads the device's share back (one synchronisation) if there is any. `host_only`: leave
+        """All the counts (COUNTS); reads the device's share back (one synchronisation) if there is any. `host_only`: leave
         it out (after a failure, when the device may no longer answer)."""
         if self._on_device is not None and not host_only:
             non_padding, sequences, squared = self._on_device.tolist()
@@ -94,3 +97,7 @@ class TokenCounter:
     @property
     def squared_lengths(self) -> int:
         return self.counts()["squared_lengths"]
+
+    @property
+    def generated(self) -> int:
+        return self.counts()["generated"]

@@ -111,8 +111,11 @@ def strategy_of(acc: dict, gpus: int, nodes: int) -> tuple[str, int]:
 def generation_setup(training, pack, kind, capacity_gib: float) -> dict:
     """GRPO's sampling as memory_budget.Setup fields: which backend `make plan` assumes, and its size. `auto`
     counts vLLM (installed on the GPU machines the recipe is for); the report also gives the generate figure."""
-    if not hasattr(kind, "describe_generation"):
+    if "generation" not in kind.extra_forwards(training):
         return {}
+    kind.check_backend(pack.generation_backend)
+    if pack.generation_backend != "transformers" and training.vllm_mode == "server":
+        return dict(generation="none")  # vLLM on GPUs of its own (trl vllm-serve): nothing on the training GPUs
     mode = "generate" if pack.generation_backend == "transformers" else "vllm"
     return dict(generation=mode, generated_sequences=training.per_device_train_batch_size
                 * (training.steps_per_generation or 1), generation_tokens=kind.sequence_length(training),
@@ -242,6 +245,9 @@ def report(p: Planned) -> str:
             f"a second copy of the weights, sharded like the policy, no gradients or optimizer state: {gib(ref)} "
             f"GiB/GPU ({100 * ref / p.budgets[own]['total']:.0f}% of the total)"))
     budget = p.budgets[own]
+    if p.runs[own].generation == "none" and p.cfg.trainer == "grpo":  # kinds that sample with vLLM in server mode
+        lines.append(f"generation ({p.cfg.trainer}): vLLM in server mode, on GPUs of its own (trl vllm-serve): not "
+                     "counted on the training GPUs above")
     if "vllm_engine" in budget or "generation_kv_cache" in budget:
         s = p.runs[own]
         kv = memory_budget.budget(m, dataclasses.replace(s, generation="generate"))["generation_kv_cache"]

@@ -81,10 +81,14 @@ def make_trainer_class(kind: str = "sft"):
             super().log(logs, *args, **kwargs)
 
         def _prepare_inputs(self, inputs):
+            # GRPO: the batch trained on exists only now, sampled from the prompts training_step was given; a sampled
+            # batch is trained on num_iterations times (trl 1.16 _prepare_inputs), its tokens sampled once
+            every = getattr(self.args, "steps_per_generation", 1) * getattr(self, "num_iterations", 1)
+            first_pass = self.model.training and getattr(self, "_step", 0) % every < getattr(
+                self.args, "steps_per_generation", 1)
             prepared = super()._prepare_inputs(inputs)
-            # GRPO: the batch trained on exists only now, sampled from the prompts training_step was given
             if self.token_counter is not None and self.model.training and "completion_ids" in prepared:
-                self.token_counter.add_sampled(prepared)
+                self.token_counter.add_sampled(prepared, generated=first_pass)
             return prepared
 
         def training_step(self, model, inputs, *args, **kwargs):
@@ -401,6 +405,8 @@ def run(argv: list[str] | None = None) -> int:
                 f"relaunch the same command to resume (exit code {EXIT_PREEMPTED})"
             )
             return EXIT_PREEMPTED
+        if hasattr(kind, "check_learned"):  # GRPO: a run whose rewards never varied trained nothing
+            kind.check_learned(trainer.state.log_history, cfg.training.num_generations)
         save_final(trainer, cfg, peft_config, report)
     except KeyboardInterrupt as err:
         report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")

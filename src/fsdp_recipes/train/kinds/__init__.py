@@ -17,8 +17,9 @@ A kind module provides:
     SEQUENCES_PER_ROW, ROWS           `make plan`: sequences per dataset row, and what to call a row
     SMOKE_DATA                        which of tiny_assets' datasets `make smoke` trains on
     describe_tokens                   how tokens/s and MFU count this kind's work (docs/run-report.md)
-Optional: SMOKE_SETTINGS (fields `make smoke` replaces: GRPO's reward) and describe_generation(training) (GRPO: the
-run's first lines say how completions are sampled; `make plan` then counts the sampling's memory).
+Optional: SMOKE_SETTINGS (fields `make smoke` replaces: GRPO's reward), describe_generation(training) (GRPO: the
+run's first lines say how completions are sampled; `make plan` then counts the sampling's memory) and
+check_learned(log_history, ...) (GRPO: a run whose rewards never varied stops before its final save, in one line).
 
 Adding a kind: that module, a line in config/recipes.py TRAINERS (the TRL config class), and recipes whose
 settings live in <kind>.yaml (docs/architecture.md).

@@ -46,11 +46,11 @@ def sequence_length(training) -> int:
     return training.max_length or 1024
 
 
-def extra_forwards(training) -> tuple[str, ...]:
+def extra_forwards(training) -> dict[str, float]:
     """The run report's FLOPs count a reference forward per token (metrics/flops.py), and make plan a reference
     model (planning/memory_budget.py): none with LoRA, a sharded copy with full fine-tuning. A precomputed
     reference runs before training, outside the time tokens/s divides by."""
-    return () if training.precompute_ref_log_probs else ("reference",)
+    return {} if training.precompute_ref_log_probs else {"reference": 1.0}
 
 
 def load_datasets(cfg, want_eval: bool | None = None):

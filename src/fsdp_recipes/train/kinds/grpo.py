@@ -15,10 +15,11 @@ Generation:
 Data: `prompt` plus the columns the reward functions read. Prompt-completion data (the SFT recipes' own) works as it
 is: its `completion` becomes the `answer` column, which TRL would otherwise not pass to a reward function.
 
-An exact resume: the Trainer saves each rank's random generators into every checkpoint (rng_state_<rank>.pth) and
-restores them on resume, and with one optimizer step per generation (`steps_per_generation` 1, `num_iterations` 1)
-no sampled batch outlives a step, so a preempted and resumed run samples the same completions as an uninterrupted
-one (tests/test_preemption.py compares their rewards and losses step by step).
+An exact resume, with the policy's `generate`: the Trainer saves each rank's random generators into every checkpoint
+(rng_state_<rank>.pth) and restores them on resume, and where the accumulation is a multiple of steps_per_generation x
+num_iterations (the recipes' settings) no sampled batch outlives an optimizer step, so a preempted and resumed run
+samples the same completions as an uninterrupted one (tests/test_preemption.py compares their rewards and losses
+step by step). With vLLM it is not exact: the engine's sampler is seeded per process and its state is in no checkpoint.
 """
 
 from __future__ import annotations
@@ -67,10 +68,21 @@ def sequence_length(training) -> int:
     return PROMPT_TOKENS + training.max_completion_length
 
 
-def extra_forwards(training) -> tuple[str, ...]:
-    """Forwards per trained token besides its training forward and backward: sampling it, and the reference
-    model's when the KL term is on (beta > 0)."""
-    return ("generation", "reference") if training.beta > 0 else ("generation",)
+def extra_forwards(training) -> dict[str, float]:
+    """Forwards per trained token besides its training forward and backward, each run once per sampled batch, which
+    is trained on num_iterations times (trl 1.16 _generate_and_score_completions): sampling it; the reference
+    model's when the KL term is on (beta > 0); and the policy's own again ("old_policy", the log-probabilities TRL's
+    importance sampling needs) with vLLM's importance-sampling correction, or when a sampled batch outlives an
+    optimizer step (the accumulation not a multiple of steps_per_generation x num_iterations)."""
+    per_batch = 1.0 / training.num_iterations
+    forwards = {"generation": per_batch}
+    if training.beta > 0:
+        forwards["reference"] = per_batch
+    every = training.steps_per_generation * training.num_iterations
+    if training.gradient_accumulation_steps % every or (training.use_vllm and
+                                                        training.vllm_importance_sampling_correction):
+        forwards["old_policy"] = per_batch
+    return forwards
 
 
 def load_reward_func(path: str):
@@ -98,6 +110,13 @@ def check_reward_func(path: str, columns: set[str] | None = None) -> None:
         raise UserError(f"reward function {path} does not take **kwargs, but TRL passes it every dataset column and "
                         f"{', '.join(sorted(PASSED - {'environments'}))}. Fix: add **kwargs to its signature.")
     needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    try:  # a function whose package is missing says so only when called (trl.rewards.accuracy_reward: math-verify)
+        func(**{name: [] for name in needed})
+    except ImportError as err:
+        raise UserError(f"reward function {path} cannot run here: {err}. Fix: install what it needs (TRL's math "
+                        "rewards: pip install 'fsdp-recipes[grpo]') in every node's environment.") from None
+    except Exception:  # noqa: BLE001  (called with no completions, a function may fail in its own ways: not ours to judge)
+        pass
     if columns is not None:
         missing = [n for n in needed if n not in PASSED | columns]
         if missing:
@@ -120,16 +139,26 @@ def check_config(cfg) -> None:
     cfg.training.use_vllm = use_vllm(cfg.pack.generation_backend, cfg.training.use_cpu)
 
 
-def use_vllm(backend: str, use_cpu: bool) -> bool:
-    """generation_backend -> GRPOConfig.use_vllm: vLLM where asked for (and there), or where `auto` finds it on GPUs."""
+def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise UserError(f"generation_backend {backend!r} is not one of {', '.join(BACKENDS)}. Fix: use auto (vLLM "
                         "where installed, else the model's generate), vllm or transformers.")
+
+
+def vllm_installed() -> bool:
     import importlib.util
 
+    return importlib.util.find_spec("vllm") is not None
+
+
+def use_vllm(backend: str, use_cpu: bool) -> bool:
+    """generation_backend -> GRPOConfig.use_vllm: vLLM where asked for (and there), or where `auto` finds it on GPUs.
+    Decided in the launcher and again in every rank from the same facts; nodes with different installs would decide
+    differently, so install vLLM on every node or on none (or say vllm / transformers)."""
+    check_backend(backend)
     import torch
 
-    have = importlib.util.find_spec("vllm") is not None
+    have = vllm_installed()
     gpus = torch.cuda.is_available() and not use_cpu
     if backend == "vllm" and not (have and gpus):
         why = "vLLM is not installed" if not have else "the run has no GPU"
@@ -140,10 +169,26 @@ def use_vllm(backend: str, use_cpu: bool) -> bool:
 
 def describe_generation(training) -> str:
     """The run's first lines say how completions are sampled."""
-    how = (f"vLLM ({training.vllm_mode}, {training.vllm_gpu_memory_utilization:.0%} of each GPU)" if training.use_vllm
+    share = (f"{training.vllm_gpu_memory_utilization:.0%} of each GPU" if training.vllm_mode == "colocate" else
+             f"at {training.vllm_server_base_url or f'{training.vllm_server_host}:{training.vllm_server_port}'}")
+    how = (f"vLLM ({training.vllm_mode}, {share})" if training.use_vllm
            else "the policy's own generate (vLLM not used)")
     return (f"{training.num_generations} completions of at most {training.max_completion_length} tokens per prompt, "
             f"temperature {training.temperature}, sampled with {how}")
+
+
+def check_learned(log_history: list[dict], num_generations: int) -> None:
+    """After training, before the final save: a run in which no group's rewards ever varied had no advantage to learn
+    from, so its weights are those it started with (a LoRA adapter still zero, which the final-save check would call
+    an incomplete save). Almost always a reward that cannot vary on this model's completions: said as such."""
+    logged = [h for h in log_history if "frac_reward_zero_std" in h]
+    if logged and all(h["frac_reward_zero_std"] == 1.0 for h in logged):
+        mean = sum(h.get("reward") or 0.0 for h in logged) / len(logged)
+        raise UserError(f"GRPO learned nothing: at every logged step each group of {num_generations} completions "
+                        f"scored alike (mean reward {mean:.3f}), so no completion had an advantage and the weights "
+                        "did not change. Fix: try the reward functions on a few of this model's completions (one "
+                        "that is always 0 or always 1 teaches nothing), start from a model that is sometimes right "
+                        "(an SFT run), or raise temperature or num_generations.")
 
 
 def load_datasets(cfg, want_eval: bool | None = None):
@@ -180,7 +225,8 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
         if len(ds) == 0:
             raise UserError(f"the `{split}` split of the dataset {where} has no prompts. Fix: point dataset_name at "
                             "data with rows.")
-        columns = set(with_answer(ds).column_names)
+        # TRL passes every column to the rewards but these (trl 1.16 _calculate_rewards)
+        columns = set(with_answer(ds).column_names) - {"prompt", "completion", "completion_ids"}
         for path in cfg.pack.reward_funcs:
             check_reward_func(path, columns)
         if tokenizer is not None and data_checks.conversational(ds):

@@ -25,8 +25,8 @@ def sequence_length(training) -> int:
     return training.max_length or 1024
 
 
-def extra_forwards(training) -> tuple[str, ...]:
-    return ()
+def extra_forwards(training) -> dict[str, float]:
+    return {}
 
 
 def check_config(cfg) -> None:
