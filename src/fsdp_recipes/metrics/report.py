@@ -107,10 +107,11 @@ def table_row(cells: list[str]) -> str:
 
 
 # run_args.json sections whose fields are settings (or the software) a comparison should name when they differ
-SETTING_SECTIONS = ("pack_args", "script_args", "model_args", "dataset_mixture", "sft_config", "dpo_config", "grpo_config",
-                    "lora_config", "accelerate_env", "versions")
+SETTING_SECTIONS = ("pack_args", "script_args", "model_args", "dataset_mixture", "sft_config", "dpo_config",
+                    "grpo_config", "lora_config", "accelerate_env", "versions")
 # fields that differ between any two runs by construction: where the run writes, the launcher's rendezvous gate
-PER_RUN = {f"{kind}_config.{k}" for kind in ("sft", "dpo", "grpo") for k in ("output_dir", "logging_dir", "run_name")} | {
+PER_RUN = {f"{kind}_config.{k}" for kind in ("sft", "dpo", "grpo")
+           for k in ("output_dir", "logging_dir", "run_name")} | {
     "accelerate_env.FSDP_RECIPES_START_GATE", "accelerate_env.FSDP_RECIPES_START_GATE_PID"}
 MAX_SETTING_ROWS = 40
 _ABSENT = object()
