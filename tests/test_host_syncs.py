@@ -109,7 +109,7 @@ def test_no_host_wait_in_the_pack_per_step(world_of_one, tmp_path, host_waits):
     assert host_waits == {"tolist": 0, "item": 0, "blocking_collective": 0}
     # the counts, read once at the end: padded rows of 3 and 2 tokens, a packed row of 3 + 2 + 2 tokens, 5 steps
     assert report.tokens.counts() == {"non_padding": 5 * (5 + 7), "padded": 5 * (8 + 7), "sequences": 5 * (2 + 3),
-                                      "squared_lengths": 5 * (9 + 4 + 9 + 4 + 4)}
+                                      "squared_lengths": 5 * (9 + 4 + 9 + 4 + 4), "generated": 0}  # nothing sampled
 
 
 def test_a_signal_stops_every_rank_one_step_later(world_of_one, tmp_path, host_waits):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "src" / "fsdp_recipes"
 LAYER = {
-    "launch": 5, "planning": 5, "cluster": 5,
+    "launch": 5, "planning": 5, "cluster": 5, "serving": 5,
     "train": 4,
     "checkpoint": 3, "metrics": 3, "config": 3, "assets": 3,
     "patches": 2,

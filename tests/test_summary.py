@@ -92,15 +92,20 @@ def fake_run(tmp_path):
     return run
 
 
+def generations_line(capsys) -> str:
+    """The summary's `generations ...` line (the `serve it` block comes after it)."""
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("generations "))
+
+
 def test_the_summary_skips_big_models_without_loading_them(tmp_path, monkeypatch, capsys):
     run = fake_run(tmp_path)
     monkeypatch.delenv(summary.FORCE_ENV, raising=False)
     monkeypatch.setattr(summary, "model_size", lambda _: BIG)
     monkeypatch.setattr(summary, "learning_check", never)
     assert summary.main([str(run)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("generations skipped: the model has 23.6B parameters")
+    assert generations_line(capsys).startswith("generations skipped: the model has 23.6B parameters")
     assert summary.main([str(run), "--machine-rank", "1"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == (
+    assert generations_line(capsys) == (
         "generations skipped on this node (machine rank 1): the first node generates them")
     assert not (run / "sample_generations.json").exists()
 
@@ -145,7 +150,7 @@ def test_generations_can_be_turned_off_whatever_the_size(tmp_path, monkeypatch, 
     monkeypatch.setattr(summary, "learning_check", never)
     monkeypatch.setenv(summary.FORCE_ENV, "0")
     assert summary.main([str(run)]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == "generations skipped: FSDP_RECIPES_SUMMARY_GENERATIONS=0"
+    assert generations_line(capsys) == "generations skipped: FSDP_RECIPES_SUMMARY_GENERATIONS=0"
     assert not (run / "sample_generations.json").exists()
 
 
@@ -204,3 +209,21 @@ def test_preference_margins_are_the_answers_log_probabilities(cache_dir):
 
     expected = [alone(p, c) - alone(p, r) for p, c, r in pairs]
     assert summary.preference_margins(model_dir, pairs) == pytest.approx(expected, abs=1e-4)
+
+
+def test_the_summary_ends_with_how_to_serve_the_run(tmp_path, monkeypatch, capsys):
+    run = fake_run(tmp_path)
+    (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "r": 32}))
+    monkeypatch.setenv(summary.FORCE_ENV, "0")
+    assert summary.main([str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    serve = out[out.index(next(line for line in out if line.startswith("serve it"))):]
+    assert serve == [
+        f"serve it    vLLM: vllm serve {run / 'merged'}",
+        f"            vLLM, base + adapter: vllm serve org/base --enable-lora --max-lora-rank 32 --lora-modules run={run}",
+        f"            llama.cpp / Ollama: make gguf RUN={run}, then llama-server -m {run}/gguf/run.f16.gguf, or "
+        f"ollama create run -f {run}/gguf/Modelfile"]
+    (run / "adapter_config.json").unlink()
+    (run / "merged" / "config.json").unlink()  # no model to serve: no block
+    assert summary.main([str(run)]) == 0
+    assert not any(line.startswith("serve it") for line in capsys.readouterr().out.splitlines())

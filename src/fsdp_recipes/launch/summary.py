@@ -354,7 +354,27 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
             )
     if skipped:
         lines.append(f"generations {skipped}")
+    lines += serve_lines(run_dir)
     return "\n".join(lines)
+
+
+def serve_lines(run_dir: Path) -> list[str]:
+    """How to serve what this run made: vLLM on its merged (or full) model, and on the base model with its LoRA
+    adapter; llama.cpp and Ollama through `make gguf` (docs/serving.md)."""
+    model = trained_model_dir(run_dir)
+    if model is None:
+        return []
+    lines = [f"serve it    vLLM: vllm serve {model}"]
+    adapter = run_dir / "adapter_config.json"
+    if adapter.is_file():
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+        rank = json.loads(adapter.read_text()).get("r", 16)
+        lines.append(f"            vLLM, base + adapter: vllm serve {base} --enable-lora --max-lora-rank {max(rank, 8)} "
+                     f"--lora-modules {run_dir.name}={run_dir}")
+    name = run_dir.resolve().name  # serving/gguf_export.py's file name for it
+    lines.append(f"            llama.cpp / Ollama: make gguf RUN={run_dir}, then llama-server -m "
+                 f"{run_dir}/gguf/{name}.f16.gguf, or ollama create {name} -f {run_dir}/gguf/Modelfile")
+    return lines
 
 
 @cli

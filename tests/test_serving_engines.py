@@ -1,0 +1,39 @@
+"""`make test-serve`: the served model answers like the trained one, checked by an engine this pack did not write.
+
+The real default trained as `make finetune` trains it (48 steps), exported to GGUF f16 and q8_0, answered by
+llama.cpp (llama-cpp-python, built by `make serve-env`) with the GGUF's own chat template, against plain transformers
+on the merged folder, on the 100 held-out questions. Not part of `make test`: building llama.cpp takes minutes, and
+the full run four more; `.ci/run` runs this target after `make test`."""
+
+import json
+import os
+
+import pytest
+
+from conftest import GENERATIONS, launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.serve]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    assert os.environ.get("FSDP_RECIPES_LLAMACPP_PYTHON"), "run through make test-serve (it builds the environment)"
+    out = tmp_path_factory.mktemp("serve") / "run"
+    res = launch(["smollm2-135m-lora", "--output_dir", str(out)], cache_dir, timeout=900, **GENERATIONS)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out
+
+
+def test_llamacpp_answers_the_held_out_questions_like_transformers(trained):
+    from fsdp_recipes.serving import engine_check
+
+    assert engine_check.main([str(trained)]) == 0
+    r = json.loads((trained / "gguf" / "engine_check.json").read_text())
+    n, hf = r["questions"], r["transformers"]["correct"]
+    f16, q8 = r["llama.cpp f16"], r["llama.cpp q8_0"]
+    assert n == 100 and hf >= 80  # the trained model, not a broken one: both engines have something to agree on
+    assert abs(f16["correct"] - hf) <= engine_check.TOLERANCE
+    assert hf == json.loads((trained / "metrics.json").read_text())["eval"]["trained_correct"]  # the summary's count
+    assert f16["same_answer_as_transformers"] >= 95  # the same answers, not only as many right
+    assert 0 <= q8["correct"] <= n and q8["file"].endswith(".q8_0.gguf")
+    print(json.dumps(r, indent=1))
