@@ -383,8 +383,13 @@ def test_the_merged_model_exports_to_gguf_that_transformers_reads_back_exactly(r
     assert res.returncode == 0 and res.stdout.startswith(f"[gguf] {tmp_path / 'model.f16.gguf'}: llama, "), res.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before  # the run's folder is not touched
     merged = run_dir / "merged"
-    ours = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).state_dict()
-    back = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.f16.gguf", dtype=torch.float32).state_dict()
+    ours_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    back_model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="model.f16.gguf", dtype=torch.float32)
+    # the shape and the rotary base (SmolLM2's 100,000: a GGUF with the default 10,000 answered 82 of 100 in llama.cpp)
+    for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps"):
+        assert getattr(back_model.config, key) == pytest.approx(getattr(ours_model.config, key)), key
+    assert back_model.config.rope_parameters["rope_theta"] == ours_model.config.rope_parameters["rope_theta"] == 1e5
+    ours, back = ours_model.state_dict(), back_model.state_dict()
     assert back.keys() == ours.keys()
     for key, value in ours.items():  # q and k permuted for llama.cpp and back by transformers: bit-exact in f16
         assert torch.equal(back[key], value.half().float()), key

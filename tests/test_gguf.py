@@ -30,8 +30,9 @@ def edit_config(folder, **fields):
 @pytest.mark.parametrize("fields, fragment", [
     ({"architectures": ["GPT2LMHeadModel"]}, "is a GPT2LMHeadModel, which this GGUF writer does not support"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "uses rope scaling 'llama3'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "uses rope scaling 'llama3'"),
     ({}, "no known llama.cpp pre-tokenizer for a mistral model with a 268-token byte-level BPE vocabulary"),
-], ids=["architecture", "rope-scaling", "unknown-tokenizer"])
+], ids=["architecture", "rope-scaling", "rope-parameters", "unknown-tokenizer"])
 def test_what_the_writer_cannot_write_is_refused_and_leaves_nothing(tiny, tmp_path, fields, fragment):
     edit_config(tiny, **fields)
     out = tmp_path / "out" / "model.f16.gguf"

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
 
-TYPES = ("f16", "bf16", "q8_0")
+TYPES = ("f16", "bf16", "q8_0", "f32")
 # transformers architecture -> (gguf architecture name, q/k rows need Meta's interleaved rotary order)
 ARCHITECTURES = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
                  "Qwen2ForCausalLM": ("qwen2", False), "Qwen3ForCausalLM": ("qwen3", False)}
@@ -47,6 +47,17 @@ def pre_tokenizer(config: dict) -> str:
                         f"vocabulary. Fix: add its name to PRE_TOKENIZERS in fsdp_recipes/serving/gguf_export.py "
                         "(llama.cpp's convert_hf_to_gguf.py get_vocab_base_pre says which), or convert with llama.cpp.")
     return pre
+
+
+def rope(config: dict) -> tuple[float, str | None]:
+    """(rope theta, rope type): transformers 5 keeps them in `rope_parameters`, older configs in `rope_theta` and
+    `rope_scaling`. (Reading only `rope_theta` wrote 10,000 for SmolLM2's 100,000: llama.cpp then answered 82 of the
+    100 held-out questions against transformers' 93, caught by serving/engine_check.py.)"""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or {}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kinds = [params.get("rope_type"), scaling.get("rope_type"), scaling.get("type")]
+    return float(theta), next((k for k in kinds if k not in (None, "default")), None)
 
 
 def model_folder(run: Path) -> Path:
@@ -123,15 +134,16 @@ def export(folder: Path, out: Path, qtype: str = "f16") -> dict:
     if arch_name not in ARCHITECTURES:
         raise UserError(f"{folder} is a {arch_name}, which this GGUF writer does not support (it writes "
                         f"{', '.join(sorted(ARCHITECTURES))}). Fix: convert it with llama.cpp's convert_hf_to_gguf.py.")
-    if config.get("rope_scaling"):
-        raise UserError(f"{folder} uses rope scaling {config['rope_scaling'].get('rope_type')!r}, which this GGUF "
+    rope_type = rope(config)[1]
+    if rope_type not in (None, "default"):
+        raise UserError(f"{folder} uses rope scaling {rope_type!r}, which this GGUF "
                         "writer does not write yet (llama.cpp needs its rope_freqs tensor). Fix: convert it with "
                         "llama.cpp's convert_hf_to_gguf.py.")
     arch, needs_permute = ARCHITECTURES[arch_name]
     kind = {"f16": gguf.GGMLQuantizationType.F16, "bf16": gguf.GGMLQuantizationType.BF16,
-            "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+            "q8_0": gguf.GGMLQuantizationType.Q8_0, "f32": gguf.GGMLQuantizationType.F32}[qtype]
     file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype]
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "f32": gguf.LlamaFileType.ALL_F32}[qtype]
 
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")  # renamed when complete: a cut-short export is never taken for one
@@ -157,7 +169,7 @@ def write(folder, config, out, partial, arch, needs_permute, qtype, kind, file_t
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(rope(config)[0])
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -179,7 +191,7 @@ def write(folder, config, out, partial, arch, needs_permute, qtype, kind, file_t
             data = permute(data, heads)
         elif needs_permute and name.endswith("k_proj.weight"):
             data = permute(data, kv_heads)
-        if data.ndim == 1 or (qtype == "q8_0" and data.shape[-1] % 32):
+        if data.ndim == 1 or kind == gguf.GGMLQuantizationType.F32 or (qtype == "q8_0" and data.shape[-1] % 32):
             tensor, dtype = data.astype(np.float32), gguf.GGMLQuantizationType.F32
         elif kind == gguf.GGMLQuantizationType.F16:
             tensor, dtype = data.astype(np.float16), kind
