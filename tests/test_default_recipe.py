@@ -372,14 +372,14 @@ def test_grpo_run_samples_rewards_and_reports_every_stage(grpo_dir, run_dir):
 # ---- the trained model as GGUF (make gguf), read back by transformers' own GGUF reader
 
 
-def test_the_merged_model_exports_to_gguf_that_transformers_reads_back_exactly(run_dir, tmp_path):
+def test_the_merged_model_exports_to_gguf_that_transformers_reads_back_exactly(run_dir, tmp_path, cache_dir):
     import gguf
     import numpy as np
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     before = sorted(p.name for p in run_dir.iterdir())
     res = run([sys.executable, "-m", "fsdp_recipes.serving.gguf_export", str(run_dir), "--out",
-               str(tmp_path / "model.f16.gguf")])
+               str(tmp_path / "model.f16.gguf")], cache_dir)
     assert res.returncode == 0 and res.stdout.startswith(f"[gguf] {tmp_path / 'model.f16.gguf'}: llama, "), res.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before  # the run's folder is not touched
     merged = run_dir / "merged"

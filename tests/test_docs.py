@@ -75,6 +75,7 @@ RUN_BY = {
     "make test": RunBy((".ci/run",), ("make test",), expands="-m pytest -v -n 2 --dist loadfile"),
     "make test-fast": RunBy((".ci/run",), ("make test",), expands='-m pytest -q -m "not slow"'),
     "make venv": RunBy((".ci/run",), ("make venv",)),
+    "make test-serve": RunBy((".ci/run",), ("make test-serve",), expands="-m pytest -v -m serve"),
     # Every recipe, mistral-small-lora among them, through `make smoke` itself.
     "make smoke RECIPE=mistral-small-lora": RunBy(
         ("tests/test_smoke.py",),
