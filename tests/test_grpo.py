@@ -59,7 +59,8 @@ def test_a_good_grpo_recipe_reaches_the_ranks_with_its_own_yaml(tmp_path, cache_
     ("def score(completions, ground_truth, **kwargs):\n    return [0.0]\n",
      "needs ground_truth, which is neither a dataset column"),
     ("score = 3\n", "has no function score"),
-], ids=["no-kwargs", "missing-column", "not-callable"])
+    ("def score(completions, **kwargs)\n    return []\n", "module my_rewards cannot be imported (SyntaxError"),
+], ids=["no-kwargs", "missing-column", "not-callable", "syntax-error"])
 def test_a_reward_function_that_cannot_work_is_one_line(tmp_path, cache_dir, checks, monkeypatch, source, fragment):
     path = write_module(tmp_path, monkeypatch, source)
     assert_one_line_error(checks([grpo_recipe(tmp_path, reward_funcs=[path])]), fragment)

@@ -93,8 +93,9 @@ def load_reward_func(path: str):
         raise UserError(f"reward_funcs entry {path!r} is not an import path. {fix}")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise UserError(f"reward_funcs entry {path!r}: module {module_name} cannot be imported ({err}). {fix}") from None
+    except (ImportError, SyntaxError) as err:  # a user's own module may not even parse
+        raise UserError(f"reward_funcs entry {path!r}: module {module_name} cannot be imported "
+                        f"({type(err).__name__}: {err}). {fix}") from None
     func = getattr(module, name, None)
     if not callable(func):
         raise UserError(f"reward_funcs entry {path!r}: {module_name} has no function {name}. {fix}")
