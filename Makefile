@@ -109,7 +109,7 @@ test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
 SERVE_ENV = $(or $(FSDP_RECIPES_CACHE),$(HOME)/.cache/fsdp_recipes)/serve-env/llamacpp
-serve-env: ## llama-cpp-python built from PyPI's source into its own environment, once (about 10 minutes on 2 cores)
+serve-env: ## llama-cpp-python built from PyPI's source into its own environment, once (3-7 minutes on 2 cores)
 	@if [ -x "$(SERVE_ENV)/bin/python" ] && "$(SERVE_ENV)/bin/python" -c "import llama_cpp" 2>/dev/null; then \
 	  echo "[serve-env] $(SERVE_ENV): llama-cpp-python is there"; else \
 	  echo "[serve-env] building llama-cpp-python into $(SERVE_ENV) (once; its build log: $(SERVE_ENV).log)"; \
