@@ -1,5 +1,5 @@
-"""Recipes: `recipes/<name>/` folders holding a trainer YAML (`sft.yaml`, `dpo.yaml`: the trainer kind's name),
-accelerate.yaml, launch.sh and README.md; and `Recipe`, one recipe loaded once.
+"""Recipes: `recipes/<name>/` folders holding a trainer YAML (`sft.yaml`, `dpo.yaml`, `grpo.yaml`: the trainer
+kind's name), accelerate.yaml, launch.sh and README.md; and `Recipe`, one recipe loaded once.
 
     python -m fsdp_recipes.config.recipes list          # name, trainer and one-line description of each recipe
     python -m fsdp_recipes.config.recipes check NAME    # exit 2 with a clear line when NAME is not a recipe
