@@ -367,8 +367,8 @@ def serve_lines(run_dir: Path) -> list[str]:
     lines = [f"serve it    vLLM: vllm serve {model}"]
     adapter = run_dir / "adapter_config.json"
     if adapter.is_file():
-        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
-        rank = json.loads(adapter.read_text()).get("r", 16)
+        config = json.loads(adapter.read_text())
+        base, rank = config.get("base_model_name_or_path"), config.get("r", 16)
         lines.append(f"            vLLM, base + adapter: vllm serve {base} --enable-lora --max-lora-rank {max(rank, 8)} "
                      f"--lora-modules {run_dir.name}={run_dir}")
     name = run_dir.resolve().name  # serving/gguf_export.py's file name for it

@@ -25,8 +25,7 @@ class TokenCounter:
     def reset(self) -> None:
         """Start counting from zero (the GPU ladder leaves its warm-up steps out this way)."""
         self._host = dict.fromkeys(COUNTS, 0)
-        self._on_device = None  # int64 [non_padding, sequences, squared_lengths] not yet read back
-        self._generated_on_device = None  # int64: sampled completion tokens (RL) not yet read back
+        self._on_device = None  # int64 [non_padding, sequences, squared_lengths, generated] not yet read back
 
     def add(self, inputs: dict) -> None:
         import torch
@@ -55,31 +54,28 @@ class TokenCounter:
 
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         self.add({"input_ids": ids, "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)})
-        if not generated:
-            return
-        generated = batch["completion_mask"].sum(dtype=torch.int64)
-        self._generated_on_device = generated if self._generated_on_device is None else self._generated_on_device + generated
+        if generated:
+            self._add_on_device(None, None, None, batch["completion_mask"].sum(dtype=torch.int64))
 
-    def _add_on_device(self, non_padding, sequences, squared) -> None:
+    def _add_on_device(self, non_padding, sequences, squared, generated=None) -> None:
         import torch
 
-        given = next(v for v in (non_padding, sequences, squared) if v is not None)
+        values = (non_padding, sequences, squared, generated)
+        given = next(v for v in values if v is not None)
         zero = torch.zeros((), dtype=torch.int64, device=given.device)
-        step = torch.stack([zero if v is None else v.to(torch.int64) for v in (non_padding, sequences, squared)])
+        step = torch.stack([zero if v is None else v.to(torch.int64) for v in values])
         self._on_device = step if self._on_device is None else self._on_device + step  # queued, not waited for
 
     def counts(self, host_only: bool = False) -> dict[str, int]:
-        """All the counts (COUNTS); reads the device's share back (one synchronisation) if there is any. `host_only`: leave
-        it out (after a failure, when the device may no longer answer)."""
+        """All the counts (COUNTS); reads the device's share back (one synchronisation) if there is any.
+        `host_only`: leave it out (after a failure, when the device may no longer answer)."""
         if self._on_device is not None and not host_only:
-            non_padding, sequences, squared = self._on_device.tolist()
+            non_padding, sequences, squared, generated = self._on_device.tolist()
             self._on_device = None
             self._host["non_padding"] += non_padding
             self._host["sequences"] += sequences
             self._host["squared_lengths"] += squared
-        if self._generated_on_device is not None and not host_only:
-            self._host["generated"] += int(self._generated_on_device)
-            self._generated_on_device = None
+            self._host["generated"] += generated
         return dict(self._host)
 
     @property

@@ -81,13 +81,14 @@ def make_trainer_class(kind: str = "sft"):
             super().log(logs, *args, **kwargs)
 
         def _prepare_inputs(self, inputs):
-            # GRPO: the batch trained on exists only now, sampled from the prompts training_step was given; a sampled
-            # batch is trained on num_iterations times (trl 1.16 _prepare_inputs), its tokens sampled once
-            every = getattr(self.args, "steps_per_generation", 1) * getattr(self, "num_iterations", 1)
-            first_pass = self.model.training and getattr(self, "_step", 0) % every < getattr(
-                self.args, "steps_per_generation", 1)
             prepared = super()._prepare_inputs(inputs)
             if self.token_counter is not None and self.model.training and "completion_ids" in prepared:
+                # GRPO: the batch trained on exists only now, sampled from the prompts training_step was given. A
+                # sampled batch is trained on num_iterations times, its tokens sampled once: the first pass is the
+                # first steps_per_generation micro-batches of each cycle (trl 1.16 _prepare_inputs; training_step
+                # advances _step only after this returns)
+                per_batch = self.args.steps_per_generation
+                first_pass = self._step % (per_batch * self.num_iterations) < per_batch
                 self.token_counter.add_sampled(prepared, generated=first_pass)
             return prepared
 
