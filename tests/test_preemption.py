@@ -93,6 +93,20 @@ def assert_resumed_exactly(straight, resumed, first):
     assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint
 
 
+def smoke_preempted_then_resumed(args, out, cache_dir, save_step: int, max_steps: int) -> dict:
+    """A recipe's smoke run SIGTERMed once checkpoint-<save_step> is complete (exit 75, a `preempted` report between
+    that step and the end), then the same command again, which completes. Returns the preempted run's report."""
+    rc, log = signal_launch([*args, "--output_dir", str(out)], cache_dir,
+                            lambda: checkpoints.is_complete(out / f"checkpoint-{save_step}"), signal.SIGTERM,
+                            FSDP_RECIPES_SMOKE="1")
+    assert rc == EXIT_PREEMPTED, log[-3000:]
+    first = json.loads((out / "metrics.json").read_text())
+    assert first["status"] == "preempted" and save_step <= first["steps"] < max_steps, first
+    res = launch([*args, "--output_dir", str(out)], cache_dir, FSDP_RECIPES_SMOKE="1")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return first
+
+
 FULL = ["--use_peft", "false", "--learning_rate", "1e-3"]
 
 
@@ -155,14 +169,7 @@ def test_dpo_full_fine_tuning_preempted_resumes_exactly(tmp_path, cache_dir):
     assert m["sharding_strategy"] == "FULL_SHARD" and m["param_shards"]["dtensor_params"] > 0
     assert m["dpo"]["rewards/margins"]["last"] is not None
 
-    rc, out = signal_launch([*args, "--output_dir", str(preempted)], cache_dir,
-                            lambda: checkpoints.is_complete(preempted / "checkpoint-5"), signal.SIGTERM,
-                            FSDP_RECIPES_SMOKE="1")
-    assert rc == EXIT_PREEMPTED, out[-3000:]
-    first = json.loads((preempted / "metrics.json").read_text())
-    assert first["status"] == "preempted" and 5 <= first["steps"] < 16, first
-    res = launch([*args, "--output_dir", str(preempted)], cache_dir, FSDP_RECIPES_SMOKE="1")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    first = smoke_preempted_then_resumed(args, preempted, cache_dir, save_step=5, max_steps=16)
     done = json.loads((preempted / "metrics.json").read_text())
     assert done["status"] == "completed" and done["resumed_from"] == str(checkpoints.latest_complete(preempted)
                                                                           .with_name(f"checkpoint-{first['steps']}"))
@@ -285,14 +292,7 @@ def test_grpo_preempted_resumes_exactly_with_the_same_samples(tmp_path, cache_di
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[train] grpo: 2 completions of at most 4 tokens per prompt" in res.stdout
 
-    rc, out = signal_launch([*args, "--output_dir", str(preempted)], cache_dir,
-                            lambda: checkpoints.is_complete(preempted / "checkpoint-3"), signal.SIGTERM,
-                            FSDP_RECIPES_SMOKE="1")
-    assert rc == EXIT_PREEMPTED, out[-3000:]
-    first = json.loads((preempted / "metrics.json").read_text())
-    assert first["status"] == "preempted" and 3 <= first["steps"] < 8, first
-    res = launch([*args, "--output_dir", str(preempted)], cache_dir, FSDP_RECIPES_SMOKE="1")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    smoke_preempted_then_resumed(args, preempted, cache_dir, save_step=3, max_steps=8)
 
     def per_step(run):
         history = json.loads((run / "log_history.json").read_text())["log_history"]
