@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 from fsdp_recipes.errors import EXIT_USER_ERROR
@@ -46,6 +47,22 @@ def _where(rec: dict) -> str:
 
 
 DISK_FULL = ("No space left on device", "Disk quota exceeded")  # ENOSPC, EDQUOT, as strerror spells them
+# torch.save's zip writer (caffe2 inline_container.cc) reports a failed write without the errno ("unexpected pos 64
+# vs 0", "file write failed"): seen when a rank's optimizer shard met a full tmpfs. Read as a full disk only when
+# output_dir's file system is in fact nearly full when the launcher looks.
+TORCH_WRITER = ("inline_container.cc", "PytorchStreamWriter failed")
+NEARLY_FULL = 1 << 30
+
+
+def free_bytes(path: str) -> int | None:
+    """Free space of the file system holding `path` (its nearest existing parent); None when unreadable."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None
 
 
 def fix_for(rec: dict, recipe: str, last_good: str | None, output_dir: str = "output_dir") -> tuple[str, str]:
@@ -63,6 +80,11 @@ def fix_for(rec: dict, recipe: str, last_good: str | None, output_dir: str = "ou
                 "overflow (use bf16), or rows whose labels are all masked; fix the cause before resuming")
     named = re.search(r"['<](/[^'>]+)['>]", rec["error"])  # the file the error names, if it names one
     disk_full = any(text in rec["error"] for text in DISK_FULL)
+    if not disk_full and any(text in rec["error"] for text in TORCH_WRITER):
+        free = free_bytes(output_dir)
+        disk_full = free is not None and free < NEARLY_FULL
+        if disk_full:
+            error += f" (torch could not write the file; {output_dir} has {free / 2**20:.1f} MiB free)"
     if disk_full and named and not named.group(1).startswith(output_dir):
         return (f"rank {rec['rank']} ran out of space writing {named.group(1)} {_where(rec)}: {error}",
                 f"free space where {named.group(1)} is (df -h {Path(named.group(1)).parent}; /dev/shm in a "
