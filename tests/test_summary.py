@@ -213,16 +213,20 @@ def test_preference_margins_are_the_answers_log_probabilities(cache_dir):
 
 def test_the_summary_ends_with_how_to_serve_the_run(tmp_path, monkeypatch, capsys):
     run = fake_run(tmp_path)
-    (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "r": 32}))
+    (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", "r": 24}))
+    (run / "tokenizer_config.json").write_text("{}")
     monkeypatch.setenv(summary.FORCE_ENV, "0")
     assert summary.main([str(run)]) == 0
     out = capsys.readouterr().out.splitlines()
     serve = out[out.index(next(line for line in out if line.startswith("serve it"))):]
     assert serve == [
         f"serve it    vLLM: vllm serve {run / 'merged'}",
-        f"            vLLM, base + adapter: vllm serve org/base --enable-lora --max-lora-rank 32 --lora-modules run={run}",
+        # rank 24: vLLM accepts --max-lora-rank 1, 8, 16, 32, ... only
+        f"            vLLM, base + adapter: vllm serve org/base --enable-lora --max-lora-rank 32 --lora-modules run={run} "
+        f"--tokenizer {run}",
         f"            llama.cpp / Ollama: make gguf RUN={run}, then llama-server -m {run}/gguf/run.f16.gguf, or "
-        f"ollama create run -f {run}/gguf/Modelfile"]
+        f"ollama create run -f {run}/gguf/Modelfile",
+        f"            check they answer like this run: make serve-check RUN={run}"]
     (run / "adapter_config.json").unlink()
     (run / "merged" / "config.json").unlink()  # no model to serve: no block
     assert summary.main([str(run)]) == 0

@@ -360,7 +360,7 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
 
 def serve_lines(run_dir: Path) -> list[str]:
     """How to serve what this run made: vLLM on its merged (or full) model, and on the base model with its LoRA
-    adapter; llama.cpp and Ollama through `make gguf` (docs/serving.md)."""
+    adapter; llama.cpp and Ollama through `make gguf`; `make serve-check` to compare their answers (docs/serving.md)."""
     model = trained_model_dir(run_dir)
     if model is None:
         return []
@@ -369,11 +369,16 @@ def serve_lines(run_dir: Path) -> list[str]:
     if adapter.is_file():
         config = json.loads(adapter.read_text())
         base, rank = config.get("base_model_name_or_path"), config.get("r", 16)
-        lines.append(f"            vLLM, base + adapter: vllm serve {base} --enable-lora --max-lora-rank {max(rank, 8)} "
-                     f"--lora-modules {run_dir.name}={run_dir}")
+        # vLLM accepts only these --max-lora-rank values (serving/vllm_server.py LORA_RANKS; the layers keep the
+        # summary from importing it)
+        limit = next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
+        tokenizer = f" --tokenizer {run_dir}" if (run_dir / "tokenizer_config.json").is_file() else ""  # its template
+        lines.append(f"            vLLM, base + adapter: vllm serve {base} --enable-lora --max-lora-rank {limit} "
+                     f"--lora-modules {run_dir.name}={run_dir}{tokenizer}")
     name = run_dir.resolve().name  # serving/gguf_export.py's file name for it
     lines.append(f"            llama.cpp / Ollama: make gguf RUN={run_dir}, then llama-server -m "
                  f"{run_dir}/gguf/{name}.f16.gguf, or ollama create {name} -f {run_dir}/gguf/Modelfile")
+    lines.append(f"            check they answer like this run: make serve-check RUN={run_dir}")
     return lines
 
 

