@@ -34,9 +34,11 @@ TYPES = ("f16", "bf16", "q8_0", "f32")
 ARCHITECTURES = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
                  "Qwen2ForCausalLM": ("qwen2", False), "Qwen3ForCausalLM": ("qwen3", False)}
 # llama.cpp's pre-tokenizer names (llama-vocab.cpp) for the byte-level BPE families this writer knows, by
-# (model_type, vocab_size): SmolLM/SmolLM2, Llama 3, Qwen2/2.5/3
+# (model_type, vocab_size): SmolLM/SmolLM2, Llama 3, Qwen2/2.5/3, Mistral's tekken tokenizer (Nemo, Small 3: 131,072
+# tokens; convert_hf_to_gguf.py names it so by Mistral-Nemo-Base-2407's hash). Mistral 7B v0.3 and Large 2411 are
+# SentencePiece-style (32,768): no pre-tokenizer needed.
 PRE_TOKENIZERS = {("llama", 49152): "smollm", ("llama", 128256): "llama-bpe", ("qwen2", None): "qwen2",
-                  ("qwen3", None): "qwen2"}
+                  ("qwen3", None): "qwen2", ("mistral", 131072): "tekken"}
 
 
 def pre_tokenizer(config: dict) -> str:
