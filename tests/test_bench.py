@@ -293,3 +293,19 @@ def test_compare_measures_every_rank_and_sets_the_plan_beside_it(compared, cache
     stem = next(results.glob("compare-tiny-*.json")).with_suffix("")
     assert stem.with_suffix(".png").stat().st_size > 10_000 and "| fsdp2-full-shard | 1 |" in stem.with_suffix(
         ".md").read_text()
+
+
+def test_speed_against_trl_is_the_median_of_the_ratios_within_each_pair():
+    from bench.speed_vs_trl import summarize
+
+    runs = [{"arm": "plain-trl", "pair": 0, "train_time_s": 180.0, "held_out_correct": 93, "final_loss": 0.05},
+            {"arm": "pack", "pair": 0, "train_time_s": 90.0, "held_out_correct": 92, "final_loss": 0.06},
+            {"arm": "plain-trl", "pair": 1, "train_time_s": 240.0, "held_out_correct": 93, "final_loss": 0.05},
+            {"arm": "pack", "pair": 1, "train_time_s": 100.0, "held_out_correct": 94, "final_loss": 0.06},
+            {"arm": "plain-trl", "pair": 2, "train_time_s": 150.0, "held_out_correct": 93, "final_loss": 0.05},
+            {"arm": "pack", "pair": 2, "train_time_s": 100.0, "held_out_correct": 93, "final_loss": 0.06}]
+    s = summarize(runs, ["plain-trl", "pack"])
+    # per pair 2.0, 2.4, 1.5: their median 2.0; the ratio of the medians (180/100 = 1.8) would mix the pairs
+    assert s["pack"]["speedup_over_plain_trl_per_pair"] == [2.0, 2.4, 1.5]
+    assert s["pack"]["median_speedup_over_plain_trl"] == 2.0
+    assert s["plain-trl"]["median_train_time_s"] == 180.0 and s["pack"]["held_out_correct"] == [92, 94, 93]

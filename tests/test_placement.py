@@ -146,3 +146,44 @@ def test_a_gpu_recipe_asking_for_more_processes_than_gpus(cache_dir, tmp_path, m
     monkeypatch.setattr(placement.hardware, "gpu_count", lambda: 2)  # the min_gpus check's count
     res = launcher_checks(["qwen3-8b-full", "--min_gpus", "2"], monkeypatch, capsys)
     assert res.returncode != 0 and "starts 8 GPU process(es) on this node, which has 2 GPU(s)" in res.stderr
+
+
+def test_on_a_cpu_with_bf16_arithmetic_the_default_trains_with_bf16_autocast_and_says_so():
+    raw, _ = recipe_yamls("smollm2-135m-lora")
+    assert raw["cpu_bf16"] == "auto" and raw["bf16"] is False
+    placed = placement.cpu_precision("smollm2-135m-lora", raw, [], ["avx512_bf16"])
+    assert placed.overrides == ["--bf16", "true", "--use_cpu", "true"]  # TrainingArguments: bf16 on CPU needs use_cpu
+    assert placed.notes == ["recipe smollm2-135m-lora: bf16 autocast on this CPU (avx512_bf16): bf16 matmuls, "
+                            "float32 master weights (cpu_bf16: auto; --cpu_bf16 false trains in float32)"]
+    placed = placement.cpu_precision("smollm2-135m-lora", raw, [], [])  # neither AVX-512 BF16 nor AMX
+    assert placed.overrides == [] and "float32 on this CPU" in placed.notes[0] and "emulated" in placed.notes[0]
+    # the user's word wins, and a recipe without the field (every other) trains as written, silently
+    for overrides in (["--bf16", "false"], ["--cpu_bf16", "false"], ["--fp16=true"]):
+        assert placement.cpu_precision("smollm2-135m-lora", raw, overrides, ["amx_bf16"]) == placement.Placement()
+    tiny, _ = recipe_yamls("tiny-cpu-lora")
+    assert placement.cpu_precision("tiny-cpu-lora", tiny, [], ["amx_bf16"]) == placement.Placement()
+    with pytest.raises(UserError, match=r"cpu_bf16 'yes' is not a setting. Fix: cpu_bf16: auto"):
+        placement.cpu_precision("smollm2-135m-lora", raw, ["--cpu_bf16", "yes"], [])
+
+
+def test_the_cpus_bf16_flags_are_read_from_cpuinfo():
+    from fsdp_recipes.config import hardware
+
+    zen4 = "processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n"
+    spr = "flags\t\t: avx512f amx_bf16 amx_tile amx_int8 avx512_bf16\n"
+    assert hardware.cpu_bf16_flags(zen4) == ["avx512_bf16"]
+    assert hardware.cpu_bf16_flags(spr) == ["avx512_bf16", "amx_bf16"]
+    assert hardware.cpu_bf16_flags("flags\t\t: fpu sse2 avx2 fma\n") == [] and hardware.cpu_bf16_flags("") == []
+
+
+def test_the_launcher_hands_the_cpu_precision_to_the_ranks_before_the_users_settings(cache_dir, tmp_path,
+                                                                                        monkeypatch, capsys):
+    monkeypatch.setattr(placement, "gpus_here", lambda: 0)
+    monkeypatch.setattr(placement.hardware, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    with pytest.raises(RanksWouldStart) as started:
+        launcher_until_ranks(["tiny-cpu-lora", "--output_dir", str(tmp_path / "run"), "--cpu_bf16", "auto"],
+                             monkeypatch, capsys, checks_first=False)
+    cmd = started.value.cmd
+    assert cmd[cmd.index("--config") + 2:] == ["--bf16", "true", "--use_cpu", "true", "--output_dir",
+                                               str(tmp_path / "run"), "--cpu_bf16", "auto"]
+    assert "recipe tiny-cpu-lora: bf16 autocast on this CPU (avx512_bf16)" in capsys.readouterr().out

@@ -12,6 +12,23 @@ import subprocess
 from fsdp_recipes.errors import UserError
 
 
+# /proc/cpuinfo's names for bf16 arithmetic in hardware: AVX-512 BF16 (AMD Zen 4+, Intel Cooper Lake+) and AMX
+# (Intel Sapphire Rapids+). Without them torch emulates bf16 matmuls, slower than float32.
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_bf16_flags(cpuinfo: str | None = None) -> list[str]:
+    """Which of CPU_BF16_FLAGS this CPU has ([] where /proc/cpuinfo is missing: macOS, or unreadable)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return []
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return [f for f in CPU_BF16_FLAGS if f in flags]
+
+
 def gpu_count() -> int:
     import torch
 

@@ -39,6 +39,10 @@ class PackArguments:
                           "named in the one line that says how to make it when it is missing."},
     )
     min_gpus: int = field(default=0, metadata={"help": "GPUs the recipe needs; 0 means it runs on CPU."})
+    cpu_bf16: str = field(
+        default="false",
+        metadata={"help": "On CPU: auto trains with bf16 autocast where the CPU has AVX-512 BF16 or AMX, float32 "
+                          "elsewhere (the launcher decides and says which); false trains as written."})
     tiny_assets: bool = field(
         default=False, metadata={"help": "Build the tiny local model and dataset before training."}
     )

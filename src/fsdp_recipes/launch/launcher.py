@@ -364,6 +364,8 @@ def launch(argv: list[str], held: ExitStack) -> int:
     extra = launch_args()
     placed = placement.place(recipe.name, recipe.raw, recipe.accelerate, gpus, recipe.overrides, extra,
                              bf16_ok=gpus > 0 and hardware.bf16_supported())
+    if placement.runs_on_cpu(recipe.raw, recipe.accelerate, gpus, recipe.overrides):
+        placed = placement.cpu_precision(recipe.name, recipe.raw, recipe.overrides, hardware.cpu_bf16_flags())
     for note in placed.notes:
         say(note)
     recipe.overrides = [*placed.overrides, *recipe.overrides]  # the user's last: they win
