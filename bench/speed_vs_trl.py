@@ -58,7 +58,8 @@ def run_arm(arm: str, steps: int, out: Path) -> dict:
     losses = [h["loss"] for h in json.loads((out / "log_history.json").read_text())["log_history"] if "loss" in h]
     return {"arm": arm, "train_time_s": round(m["train_time_s"], 2), "steps": m["steps"],
             "final_loss": m["final_train_loss"], "losses": losses, "held_out_correct": m["eval"]["trained_correct"],
-            "held_out": m["eval"]["prompts"], "mixed_precision": m["mixed_precision"]}
+            "held_out": m["eval"]["prompts"], "mixed_precision": m["mixed_precision"],
+            "console": [line for line in res.stdout.splitlines() if line.startswith(("[launch] recipe", "== "))]}
 
 
 def summarize(runs: list[dict], arms: list[str]) -> dict:
