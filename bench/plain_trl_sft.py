@@ -40,7 +40,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--precision", choices=("fp32", "bf16", "default"), default="fp32",
+                    help="default: TRL's own (bf16=True), for a GPU; on a CPU it stops with TRL's error")
     args = ap.parse_args()
 
     model, data = cache_dir() / "smollm2-135m-instruct", cache_dir() / "two-digit-addition"
@@ -48,7 +49,7 @@ def main() -> None:
     config = SFTConfig(output_dir=str(args.out), max_steps=args.steps, per_device_train_batch_size=16,
                        learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=3, logging_steps=4,
                        save_strategy="no", report_to="none", seed=42,
-                       **({"bf16": False} if args.precision == "fp32" else {"use_cpu": True}))
+                       **{"fp32": {"bf16": False}, "bf16": {"use_cpu": True}, "default": {}}[args.precision])
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     clock = Clock()
@@ -65,8 +66,10 @@ def main() -> None:
     test = ds["test"]
     answers = generate(str(merged), list(test["prompt"]))
     correct = sum(a == c[-1]["content"] for a, c in zip(answers, test["completion"]))
-    print(json.dumps({"arm": "plain-trl" + ("-bf16" if args.precision == "bf16" else ""), "train_time_s": round(clock.seconds, 2), "steps": trainer.state.global_step,
-                      "final_loss": losses[-1], "losses": losses, "held_out_correct": correct,
+    arm = {"fp32": "plain-trl", "bf16": "plain-trl-bf16", "default": "plain-trl-default"}[args.precision]
+    print(json.dumps({"arm": arm, "device": str(trainer.args.device), "train_time_s": round(clock.seconds, 2),
+                      "steps": trainer.state.global_step, "final_loss": losses[-1], "losses": losses,
+                      "held_out_correct": correct,
                       "held_out": len(test), "bf16": config.bf16, "threads": torch.get_num_threads()}))
 
 

