@@ -47,7 +47,8 @@ def main() -> None:
     model, data = cache_dir() / "smollm2-135m-instruct", cache_dir() / "two-digit-addition"
     ds = load_dataset("json", data_files={"train": str(data / "train.jsonl"), "test": str(data / "test.jsonl")})
     config = SFTConfig(output_dir=str(args.out), max_steps=args.steps, per_device_train_batch_size=16,
-                       learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=3, logging_steps=4,
+                       learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=3,
+                       logging_steps=min(4, args.steps),
                        save_strategy="no", report_to="none", seed=42,
                        **{"fp32": {"bf16": False}, "bf16": {"use_cpu": True}, "default": {}}[args.precision])
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, task_type="CAUSAL_LM",

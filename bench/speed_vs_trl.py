@@ -51,7 +51,8 @@ def run_arm(arm: str, steps: int, out: Path) -> dict:
         if res.returncode:
             raise SystemExit(f"{arm} failed:\n{res.stderr[-3000:]}")
         return json.loads(res.stdout.strip().splitlines()[-1])
-    res = subprocess.run(["bash", str(RECIPE), "--output_dir", str(out), "--max_steps", str(steps), *ARMS[arm]],
+    res = subprocess.run(["bash", str(RECIPE), "--output_dir", str(out), "--max_steps", str(steps),
+                          "--logging_steps", str(min(4, steps)), *ARMS[arm]],  # the recipe's 4, or every step
                          capture_output=True, text=True, cwd=REPO)
     if res.returncode:
         raise SystemExit(f"{arm} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")
@@ -73,7 +74,7 @@ def summarize(runs: list[dict], arms: list[str]) -> dict:
         mine = [r for r in runs if r["arm"] == arm]
         summary[arm] = {"median_train_time_s": statistics.median(r["train_time_s"] for r in mine),
                         "held_out_correct": [r["held_out_correct"] for r in mine],
-                        "final_loss": [round(r["final_loss"], 4) for r in mine]}
+                        "final_loss": [r["final_loss"] and round(r["final_loss"], 4) for r in mine]}
         if arm != base:
             ratios = [plain[r["pair"]] / r["train_time_s"] for r in mine if r["pair"] in plain]
             summary[arm][f"speedup_over_{key}_per_pair"] = [round(x, 3) for x in ratios]
