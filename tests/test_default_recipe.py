@@ -35,6 +35,7 @@ import torch
 import yaml
 from packaging.requirements import Requirement
 from packaging.version import Version
+from safetensors.torch import load_file
 
 from conftest import BIN, GENERATIONS, REPO, launch, run
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
@@ -115,10 +116,12 @@ def run_dir(project, tmp_path_factory, cache_dir):
     probe = dict(PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}",
                  SAFETENSORS_READ_DIR=str(cache_dir / "smollm2-135m-instruct"),
                  SAFETENSORS_READ_FILE=str(out.parent / "safetensors-read"))
-    # 2 sequences per process keep the steps short, a log every step shows the console's progress lines;
-    # everything else is the recipe's own
+    # 2 sequences per process keep the steps short, a log every step shows the console's progress lines; an
+    # evaluation at the last step precedes the final save, as with eval_strategy steps (in bf16 it once left the
+    # adapter's bf16 copies to be saved: sharded_save.reshard_fsdp2); everything else is the recipe's own
     res = launch_copy(project, DEFAULT, ["--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
-                                         "--logging_steps", "1", "--output_dir", str(out)], cache_dir, **GENERATIONS,
+                                         "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps",
+                                         str(STEPS), "--output_dir", str(out)], cache_dir, **GENERATIONS,
                       FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS), **probe)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
     out.joinpath("launch.log").write_text(res.stdout + res.stderr)
@@ -208,6 +211,9 @@ def test_training_was_sharded_and_the_tied_model_saved_completely(run_dir):
     lora = LAYERS * LORA_TARGETS  # one A and one B per target per layer
     assert m["final_save_check"] == {"tensors": 2 * lora, "lora_b_checked": lora, "model_shapes_checked": 2 * lora,
                                      "compared_with": LIVE_SHARDS}
+    # saved after the last step's evaluation: the float32 weights, not the bf16 copies an autocast run computes with
+    assert f"[train] eval at step {STEPS}/{STEPS}" in (run_dir / "launch.log").read_text()
+    assert {str(t.dtype) for t in load_file(run_dir / "adapter_model.safetensors").values()} == {"torch.float32"}
 
 
 def test_only_rank_0_read_the_weights_and_every_rank_kept_them_tied(run_dir, cache_dir):

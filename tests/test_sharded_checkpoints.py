@@ -140,3 +140,37 @@ def test_full_finetune_sharded_checkpoint_exports_to_a_plain_model(tmp_path, cac
     final = AutoModelForCausalLM.from_pretrained(out)
     for (name, p), (_, q) in zip(exported.named_parameters(), final.named_parameters()):
         assert torch.equal(p, q), name
+
+
+RESHARD_PROBE = """
+import json, os, torch, torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from fsdp_recipes.checkpoint.sharded_save import reshard_fsdp2
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=0, world_size=1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+fully_shard(model[0], mp_policy=mp, reshard_after_forward=False)  # SHARD_GRAD_OP, as the default's YAML
+fully_shard(model, mp_policy=mp)  # the root (LM head, embeddings): never resharded after its forward
+seen = lambda pairs: sorted({f"{type(v).__name__} {str(v.dtype)[6:]}" for _, v in pairs})
+with torch.no_grad():
+    model(torch.randn(2, 8))  # an evaluation: a forward, no backward
+out = {"parameters": seen(model.named_parameters()), "state_dict": seen(model.state_dict().items())}
+out["modules"] = reshard_fsdp2(model)
+out["resharded"] = seen(model.named_parameters())
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_after_an_evaluation_the_parameters_are_bf16_copies_until_resharded(tmp_path):
+    """Why the pack reshards after every evaluation and before the final save (sharded_save.reshard_fsdp2): with
+    mixed precision, a forward without a backward leaves FSDP2's bf16 unsharded copies where named_parameters()
+    reads (the LoRA save gathers from there); state_dict() still returns the float32 shards."""
+    from fsdp_recipes.launch.launcher import free_port
+
+    res = subprocess.run([sys.executable, "-c", RESHARD_PROBE], capture_output=True, text=True, timeout=120,
+                         env=pack_env(tmp_path, PORT=str(free_port())))
+    assert res.returncode == 0, res.stderr[-2000:]
+    seen = json.loads(res.stdout.strip().splitlines()[-1])
+    assert seen["parameters"] == ["Parameter bfloat16"] and seen["state_dict"] == ["DTensor float32"]
+    assert seen["modules"] == 2 and seen["resharded"] == ["DTensor float32"]

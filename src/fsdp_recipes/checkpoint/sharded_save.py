@@ -123,3 +123,35 @@ def trainable_state_dict(trainer) -> dict | None:
             if trainer.accelerator.is_main_process:  # a copy: on CPU `.cpu()` is the same storage, maybe a view
                 out[name] = full.detach().to("cpu", copy=True).contiguous()
     return out if trainer.accelerator.is_main_process else None
+
+
+def reshard_fsdp2(model) -> int:
+    """Put every FSDP2 module of `model` back to its sharded parameters; returns how many were modules of FSDP2.
+
+    Why: FSDP2 keeps a module's parameters unsharded after its forward when reshard_after_forward is False (always
+    for the root module, which holds the LM head, the embeddings and the final norm, and for every module under
+    SHARD_GRAD_OP), and a backward reshards them; an evaluation has no backward. Under mixed precision the unsharded
+    parameters are the bf16 copies, and named_parameters() then yields them (state_dict() does not: FSDP2's hook
+    returns the shards). The LoRA save gathers the trainable parameters from named_parameters (trainable_state_dict):
+    the LM head that tiny-cpu-lora trains (modules_to_save, in the root) was written in bf16 after the last step's
+    evaluation, and the final-save check refused it (bf16 autocast on CPU, torch 2.13.0, accelerate 1.15.0). Under
+    SHARD_GRAD_OP every LoRA matrix would have been. tests/test_sharded_checkpoints.py shows the mechanism."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.reshard()
+    return len(modules)
+
+
+def reshard_after_evaluate():
+    """A TrainerCallback that reshards after every evaluation, so that the save the Trainer may run next reads the
+    float32 shards (reshard_fsdp2)."""
+    from transformers import TrainerCallback
+
+    class ReshardAfterEvaluate(TrainerCallback):
+        def on_evaluate(self, args, state, control, model=None, **kwargs):
+            if model is not None:
+                reshard_fsdp2(model)
+
+    return ReshardAfterEvaluate()

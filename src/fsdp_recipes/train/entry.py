@@ -230,6 +230,10 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
                                   f"(the LM head and layers with a dimension not a multiple of 16 are not)")
     if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
+    if fsdp2_requested():  # an evaluation leaves the root's bf16 copies in place of its weights: sharded_save.py
+        from fsdp_recipes.checkpoint.sharded_save import reshard_after_evaluate
+
+        trainer.add_callback(reshard_after_evaluate())
     if pack.measure_memory:
         from fsdp_recipes.metrics.memory_probe import MemoryProbeCallback
 
@@ -247,7 +251,7 @@ def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
         verify_final_save,
         without_tied_copies,
     )
-    from fsdp_recipes.checkpoint.sharded_save import save_full_model_distributed, trainable_state_dict
+    from fsdp_recipes.checkpoint.sharded_save import reshard_fsdp2, save_full_model_distributed, trainable_state_dict
     from fsdp_recipes.dist import gather_objects
     from fsdp_recipes.metrics.rss_watch import RssRise
 
@@ -255,6 +259,8 @@ def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
     out = training.output_dir
     sharded = trainer.is_fsdp_enabled and "SHARDED" in str(trainer.accelerator.state.fsdp_plugin.state_dict_type)
     check_kwargs, checked_in_save = {}, False
+    if trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2:
+        reshard_fsdp2(trainer.model)  # whatever ran last without a backward (sharded_save.py says why)
     with RssRise() as saving:  # each rank's host-memory rise while saving, then while checking (rss_watch.py)
         if not trainer.is_fsdp_enabled:
             trainer.save_model(out)
