@@ -136,8 +136,8 @@ def cpu_precision(recipe: str, raw: dict, overrides: list[str], flags: list[str]
     """A run on CPU: bf16 autocast where the recipe asks for it (`cpu_bf16: auto`) and the CPU has `flags`
     (hardware.cpu_bf16_flags()); the line that says which, either way. The user's --bf16/--fp16 win.
     Why autocast and not bf16 weights: the same speed (one step of the default 2.36 s against 2.42 s, float32 4.18 s,
-    in a probe while another job ran; bench/README.md), and the optimizer keeps float32 weights. TrainingArguments takes bf16 on a CPU only with
-    use_cpu, which the ranks are on anyway."""
+    in a probe while another job ran; bench/README.md), and the optimizer keeps float32 weights. TrainingArguments
+    takes bf16 on a CPU only with use_cpu, which the ranks are on anyway."""
     setting = str(override(overrides, "cpu_bf16", raw.get("cpu_bf16", "false"))).strip().lower()
     if setting not in CPU_BF16:
         raise UserError(f"cpu_bf16 {setting!r} is not a setting. Fix: cpu_bf16: auto (bf16 autocast on a CPU with "
