@@ -37,11 +37,12 @@ ARMS = {  # name -> the plain script's settings, or the default's launch.sh's
 
 
 def cpu() -> dict:
+    """The CPU's model, cores, and the bf16 flags the launcher decides cpu_bf16 by."""
+    from fsdp_recipes.config.hardware import cpu_bf16_flags
+
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
-    return {"model": model or platform.processor(), "cores": os.cpu_count(),
-            "bf16_flags": sorted(f for f in flags if "bf16" in f or f.startswith("amx"))}
+    return {"model": model or platform.processor(), "cores": os.cpu_count(), "bf16_flags": cpu_bf16_flags(info)}
 
 
 def run_arm(arm: str, steps: int, out: Path) -> dict:

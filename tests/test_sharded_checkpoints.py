@@ -166,7 +166,7 @@ def test_after_an_evaluation_the_parameters_are_bf16_copies_until_resharded(tmp_
     """Why the pack reshards after every evaluation and before the final save (sharded_save.reshard_fsdp2): with
     mixed precision, a forward without a backward leaves FSDP2's bf16 unsharded copies where named_parameters()
     reads (the LoRA save gathers from there); state_dict() still returns the float32 shards."""
-    from fsdp_recipes.launch.launcher import free_port
+    from fsdp_recipes.dist import free_port
 
     res = subprocess.run([sys.executable, "-c", RESHARD_PROBE], capture_output=True, text=True, timeout=120,
                          env=pack_env(tmp_path, PORT=str(free_port())))

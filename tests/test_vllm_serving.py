@@ -12,6 +12,7 @@ import time
 import pytest
 
 from conftest import REPO
+from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.serving import engine_check, vllm_server
 
@@ -44,7 +45,7 @@ def test_a_missing_environment_an_unknown_engine_and_a_missing_base_model_are_on
     assert f"no vLLM environment at {tmp_path / 'none'}" in line and "make serve-env ENGINE=vllm" in line
     assert "no engine named 'tgi'" in one_line(check_cli(str(run), "--engine", "tgi"))
     (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone"), "r": 8}))
-    monkeypatch.setenv(vllm_server.PYTHON_ENV, sys.executable)  # any python file: the commands are not run here
+    monkeypatch.setenv("FSDP_RECIPES_VLLM_PYTHON", sys.executable)  # any python file: the commands are not run here
     with pytest.raises(UserError, match=r"the adapter's base model .*/gone \(adapter_config.json\) is not on this"):
         engine_check.vllm_commands(run, run / "merged", 8000)
 
@@ -55,7 +56,7 @@ def test_the_commands_serve_the_merged_model_and_the_base_with_the_adapter_and_i
     base.mkdir()
     (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base), "r": 24}))
     (run / "tokenizer_config.json").write_text("{}")
-    monkeypatch.setenv(vllm_server.PYTHON_ENV, sys.executable)  # any python file: the commands are not run here
+    monkeypatch.setenv("FSDP_RECIPES_VLLM_PYTHON", sys.executable)  # any python file: the commands are not run here
     (merged_name, merged), (lora_name, lora) = engine_check.vllm_commands(run, run / "merged", 8123)
     assert merged_name == "merged" and merged[merged.index("--model") + 1] == str(run / "merged")
     assert merged[merged.index("--port") + 1] == "8123" and "--enable-lora" not in merged
@@ -79,7 +80,7 @@ FAKE_SERVER = textwrap.dedent("""
 
 
 def test_the_server_is_healthy_inside_the_block_and_its_whole_group_is_gone_after(tmp_path):
-    port = vllm_server.free_port()
+    port = free_port()
     log = tmp_path / "logs" / "server.log"
     with vllm_server.Server([sys.executable, "-c", FAKE_SERVER, str(port)], port, log) as url:
         assert url == f"http://127.0.0.1:{port}"
@@ -95,6 +96,6 @@ def test_a_server_that_dies_before_serving_is_one_line_with_its_error(tmp_path):
     crash = "import sys; print('loading...'); sys.exit('ValueError: max_lora_rank (24) must be one of 1, 8, 16')"
     start = time.time()
     with pytest.raises(UserError, match=r"vLLM exited with code 1 before serving: ValueError: max_lora_rank \(24\)"):
-        with vllm_server.Server([sys.executable, "-c", crash], vllm_server.free_port(), log):
+        with vllm_server.Server([sys.executable, "-c", crash], free_port(), log):
             pass
     assert time.time() - start < 30

@@ -1,10 +1,18 @@
 """Small helpers for the few collectives the pack runs itself (run report, preemption, checkpoint markers,
-the load and resume checks)."""
+the load and resume checks), and a free local port for a rendezvous or a server."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (the OS picks it): torchrun's rendezvous, vLLM's server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def rank() -> int:

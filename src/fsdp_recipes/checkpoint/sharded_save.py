@@ -18,6 +18,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import TrainerCallback
 
 
 def _local_slice(param):
@@ -144,14 +145,10 @@ def reshard_fsdp2(model) -> int:
     return len(modules)
 
 
-def reshard_after_evaluate():
-    """A TrainerCallback that reshards after every evaluation, so that the save the Trainer may run next reads the
-    float32 shards (reshard_fsdp2)."""
-    from transformers import TrainerCallback
+class ReshardAfterEvaluate(TrainerCallback):
+    """Reshard after every evaluation, so that the save the Trainer may run next reads the float32 shards
+    (reshard_fsdp2)."""
 
-    class ReshardAfterEvaluate(TrainerCallback):
-        def on_evaluate(self, args, state, control, model=None, **kwargs):
-            if model is not None:
-                reshard_fsdp2(model)
-
-    return ReshardAfterEvaluate()
+    def on_evaluate(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            reshard_fsdp2(model)

@@ -30,7 +30,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from pathlib import Path
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, recipes, yaml_keys
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import PackArguments, RunConfig, override
+from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import failures, smoke, summary
 from fsdp_recipes.launch.rank_output import RankOutput
@@ -56,12 +56,6 @@ def say(msg: str) -> None:
 
 def launch_args() -> list[str]:
     return shlex.split(os.environ.get("FSDP_RECIPES_LAUNCH_ARGS", ""))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def accelerate_cmd() -> list[str]:

@@ -24,22 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.serving.environments import engine_python
 
 TOLERANCE = 2  # exact-match answers out of the held-out questions
-PYTHON_ENV = "FSDP_RECIPES_LLAMACPP_PYTHON"
-
-
-def llamacpp_python() -> Path:
-    path = Path(os.environ.get(PYTHON_ENV) or cache_dir() / "serve-env" / "llamacpp" / "bin" / "python")
-    if not path.is_file():
-        raise UserError(f"no llama-cpp-python environment at {path}. Fix: make serve-env (builds it once, about "
-                        f"{BUILD_MINUTES} minutes on 2 cores), or set {PYTHON_ENV} to a python that has llama_cpp.")
-    return path
-
-
-BUILD_MINUTES = "3 to 7"
 
 
 def held_out(run: Path) -> list[dict]:
@@ -63,7 +52,7 @@ def llamacpp_answers(gguf_file: Path, questions: list[dict]) -> tuple[list[str],
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.writelines(json.dumps({"prompt": q["prompt"]}) + "\n" for q in questions)
     start = time.time()
-    res = subprocess.run([str(llamacpp_python()), str(script), str(gguf_file), f.name], capture_output=True,
+    res = subprocess.run([str(engine_python("llama.cpp")), str(script), str(gguf_file), f.name], capture_output=True,
                          text=True)
     os.unlink(f.name)
     if res.returncode != 0:
@@ -80,10 +69,8 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
     from fsdp_recipes.assets.generation import generate
     from fsdp_recipes.serving import gguf_export, vllm_server
 
-    if "vllm" in engines:
-        vllm_server.vllm_python()  # a missing environment is one line before minutes of answering
-    if "llama.cpp" in engines:
-        llamacpp_python()
+    for engine in engines:
+        engine_python(engine)  # a missing environment is one line before minutes of answering
     folder = gguf_export.model_folder(run)
     questions = held_out(run)
     expected = [q["expected"] for q in questions]
@@ -106,7 +93,7 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
             result[f"llama.cpp {qtype}"] = scored(answers, seconds, file=str(out))
         gated.append("llama.cpp f16")
     if "vllm" in engines:
-        for name, cmd in vllm_commands(run, folder, port or vllm_server.free_port()):
+        for name, cmd in vllm_commands(run, folder, port or free_port()):
             start = time.time()
             log = run / "logs" / f"vllm-{name.split()[-1].lower()}.log"  # vllm-merged.log, vllm-lora.log
             with vllm_server.Server(cmd, int(cmd[cmd.index("--port") + 1]), log) as url:

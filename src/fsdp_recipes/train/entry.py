@@ -231,9 +231,9 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
     if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
     if fsdp2_requested():  # an evaluation leaves the root's bf16 copies in place of its weights: sharded_save.py
-        from fsdp_recipes.checkpoint.sharded_save import reshard_after_evaluate
+        from fsdp_recipes.checkpoint.sharded_save import ReshardAfterEvaluate
 
-        trainer.add_callback(reshard_after_evaluate())
+        trainer.add_callback(ReshardAfterEvaluate())
     if pack.measure_memory:
         from fsdp_recipes.metrics.memory_probe import MemoryProbeCallback
 
