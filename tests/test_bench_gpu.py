@@ -154,6 +154,14 @@ def test_model_sizes_on_the_meta_device():
     assert bench_gpu.mistral_config("8b").model_type == "mistral"
 
 
+def test_llama3_8b_shape_has_the_published_parameter_count():
+    """Meta's model card: Llama 3 8B has 8.03B parameters; the safetensors index of Meta-Llama-3-8B totals
+    16,060,522,496 bytes in bf16, i.e. 8,030,261,248 parameters (untied embeddings, vocabulary 128,256)."""
+    count = bench_gpu.param_counts("llama3-8b")
+    assert count["total"] == 16_060_522_496 // 2
+    assert count["total"] - count["trainable_non_embedding"] == 128_256 * 4096  # the input embedding
+
+
 def clipped_lognormal(median: float, sigma: float, lo: float, hi: float) -> dict:
     """Figures of min(max(X, lo), hi) for X lognormal (ln X ~ N(ln median, sigma^2)), from the distribution's formulas
     rather than from samples: quantiles exp(mu + sigma z_p); P(X > hi) = 1 - Phi((ln hi - mu) / sigma); and the mean
