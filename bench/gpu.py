@@ -302,9 +302,10 @@ def why_skip(rung: dict, s: dict, device: dict) -> str | None:
     return None
 
 
-def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
-    """Bytes per GPU by memory_budget (the arithmetic `make plan` prints); selective checkpointing adds the saved
-    attention outputs to full checkpointing's figure."""
+def memory_parts(size: str, s: dict, processes: int, max_length: int, tokens: int | None = None) -> dict[str, int]:
+    """Bytes per GPU by memory_budget's components (the arithmetic `make plan` prints), at `tokens` per micro-batch
+    (default the worst case, every row max_length long); selective checkpointing adds the saved attention outputs
+    to full checkpointing's activations."""
     from types import SimpleNamespace
 
     import torch
@@ -317,15 +318,22 @@ def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
     lora = s["method"] == "lora"
     shape = memory_budget.shape_of(model, SimpleNamespace(use_peft=lora, lora_modules_to_save=None,
                                                           **(lora_settings() if lora else {})))
-    tokens = s["batch"] * max_length
+    tokens = tokens or s["batch"] * max_length
     setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
                                 load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
                                 activation_checkpointing=s["activation_checkpointing"] != "none", optimizer_bytes=8,
-                                runtime_bytes=RUNTIME_BYTES)
-    total = memory_budget.budget(shape, setup)["total"]
+                                runtime_bytes=RUNTIME_BYTES, reshard_after_forward=s["reshard_after_forward"])
+    parts = memory_budget.budget(shape, setup)
     if s["activation_checkpointing"] == "selective":
-        total += tokens * shape.layers * 2 * shape.q_dim
-    return total
+        extra = tokens * shape.layers * 2 * shape.q_dim
+        parts["activations"] += extra
+        parts["total"] += extra
+    return parts
+
+
+def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
+    """memory_parts' total at the worst case: what the fit check compares with the GPU."""
+    return memory_parts(size, s, processes, max_length)["total"]
 
 
 def dynamo_config(backend: str) -> dict:
@@ -500,6 +508,8 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
                                     rec["dynamo_config"])
         worker = ["--warmup", str(sizes["warmup"]), "--"]
         args = sft_args(s, model_dir, ctx["data_dir"], out_dir, sizes, bf16=not ctx["dry_run"])
+        if not s["compile"]:  # the probe's saved-tensor hooks would be traced by dynamo; it runs in warm-up only
+            args += ["--measure_memory", "true"]
         if rung["id"] in ctx["inject_failure"]:  # tests: a setting the entry point rejects
             args += ["--no_such_setting", "1"]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(yaml_path),
@@ -526,6 +536,12 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             rec["status"] = "measured"
             wpath = out_dir / WARMUP_FILE
             rec["figures"] = figures(metrics, sizes, json.loads(wpath.read_text()) if wpath.is_file() else None)
+            ppath = out_dir / "memory_probe.rank0.json"  # the planner per component, at the first step's tokens
+            if ppath.is_file():
+                probe = json.loads(ppath.read_text())
+                rec["memory_probe"] = probe
+                rec["memory_estimate_parts_at_probe_tokens"] = memory_parts(
+                    size, s, processes, sizes["max_length"], probe.get("tokens_per_micro_batch"))
             best = faster(rec)
             print(f"[bench-gpu]   {rec['figures']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU in {rec['wall_s']:.0f} s",
                   flush=True)
@@ -653,10 +669,16 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
                     "(90 s, twice that for compiled rungs) left of this many seconds from the start, and cut the "
                     "last one's timeout to it (default: none)")
     ap.add_argument("--rung-timeout-s", type=float)
+    ap.add_argument("--min-rung-s", type=float, help="with --deadline-s: a rung starts only with this many seconds "
+                    "left, twice that if it compiles (default 90; measured on an H100, 2026-11-26: a 1B rung 42 s, "
+                    "an 8B LoRA rung 61 s, start to end)")
     ap.add_argument("--no-fit-check", action="store_true", help="run rungs whose memory estimate exceeds the GPU")
     ap.add_argument("--resume", type=Path, default=None, help="a JSON this command wrote before (same device, sizes "
                     "and data): its measured and failed rungs are carried over, and the rest run on top of them "
                     "(a 10-minute command limit cuts a ladder in two)")
+    ap.add_argument("--resume-if-comparable", type=Path, default=None, help="--resume, unless that file was "
+                    "measured on another device or with other options: then it says so and runs every rung (the GPU "
+                    "plan's ladders continue the last session's this way)")
     ap.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests: rung ids given a bad setting
     args = ap.parse_args(argv)
 
@@ -672,7 +694,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     if not dry and not torch.cuda.is_available():
         raise SystemExit("bench_gpu: no CUDA device here. Use --dry-run to test the plumbing on CPU.")
     sizes = {**(DRY_RUN if dry else GPU_RUN)}
-    for k in ("warmup", "steps", "deadline_s", "rung_timeout_s"):
+    for k in ("warmup", "steps", "deadline_s", "rung_timeout_s", "min_rung_s"):
         if getattr(args, k) is not None:
             sizes[k] = getattr(args, k)
     size_names = (args.sizes or ("tiny" if dry else "1b,8b")).split(",")
@@ -692,6 +714,12 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
         raise SystemExit(f"bench_gpu: unknown method(s) in --methods {args.methods}. Fix: --methods from "
                          f"{','.join(METHODS)}.")
     carried = resume_rungs(args.resume, dry, device, sizes) if args.resume else {}
+    if args.resume_if_comparable and not args.resume:
+        try:
+            carried = resume_rungs(args.resume_if_comparable, dry, device, sizes)
+            args.resume = args.resume_if_comparable
+        except SystemExit as err:
+            print(f"[bench-gpu] not resuming: {err}", flush=True)
 
     date = now_iso()
     name = f"bench-gpu-{'cpu-plumbing' if dry else slug(device['name'])}-{file_stamp(date)}"

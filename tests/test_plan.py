@@ -1,6 +1,7 @@
 """`make plan`: the memory estimate against hand arithmetic for two recipes, the topology rules, bad input. (Against
 what a real 2-process run holds: tests/test_end_to_end.py, on that run's memory probe.)"""
 
+import dataclasses
 import subprocess
 
 import pytest
@@ -121,3 +122,32 @@ def test_make_plan_runs_the_planner():
                          cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "decision rule" in res.stdout and "DDP" in res.stdout
+
+
+@pytest.mark.parametrize("fsdp_config, expected", [
+    ({"fsdp_reshard_after_forward": False}, False), ({"fsdp_reshard_after_forward": True}, True),
+    ({"fsdp_reshard_after_forward": "SHARD_GRAD_OP"}, False), ({"fsdp_reshard_after_forward": "FULL_SHARD"}, True),
+    ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, False), ({"fsdp_sharding_strategy": "FULL_SHARD"}, True),
+    ({}, True),
+])
+def test_reshard_after_forward_read_from_the_accelerate_config(fsdp_config, expected):
+    assert plan.reshards_after_forward({"distributed_type": "FSDP", "fsdp_config": fsdp_config}) is expected
+
+
+def test_without_resharding_the_whole_models_gathered_copy_is_counted():
+    """recipes/smollm2-135m-lora keeps FSDP2's gathered bf16 parameters from forward to backward
+    (fsdp_reshard_after_forward false). On an H100 (2026-11-26, world size 1, bf16) torch's max_memory_allocated was
+    1,355,032,064 B, 289 MB above the estimate that counted two layers' gathered copies; counting the whole model's
+    brought the estimate to 1,350,865,792 B (bench/results/first-contact-nvidia-h100-80gb-hbm3-2026-11-26T1454Z.json,
+    recomputed). By hand: SmolLM2-135M has 134,515,008 parameters; LoRA r 16 on the seven projections of its 30
+    layers (hidden 576, k/v 192, intermediate 1536) adds 16 x (2 x 1152 + 2 x 768 + 3 x 2112) = 162,816 per layer."""
+    _, acc, cfg, model = plan.load_recipe("smollm2-135m-lora", REPO / "recipes")
+    assert plan.reshards_after_forward(acc) is False
+    setup = plan.setups(acc, cfg.training, cfg.model, gpus=1, nodes=1)["FSDP"]
+    setup = dataclasses.replace(setup, compute_bytes=2, mixed_precision=True)  # as placed on a GPU: bf16
+    shape = memory_budget.shape_of(model, cfg.model)
+    assert shape.params == 134_515_008 + 30 * 162_816
+    gathered = memory_budget.budget(shape, setup)["communication_buffers"]
+    assert gathered == (134_515_008 + 30 * 162_816) * 2 + 162_816 * 4  # bf16 copies + one layer's fp32 LoRA grads
+    resharded = memory_budget.budget(shape, dataclasses.replace(setup, reshard_after_forward=True))
+    assert resharded["communication_buffers"] == (2 * shape.layer_params + shape.root_params) * 2 + 162_816 * 4

@@ -28,7 +28,11 @@ sequence max_length long.
 Communication buffers (also at world size 1, where FSDP2 still casts each layer to a compute-width copy): FSDP
 all-gathers one decoder layer's parameters at the compute width while
 prefetching the next (2 layers), plus that layer's gradients for the reduce-scatter; the root unit
-(embeddings, final norm, LM head) stays gathered for the whole step. DDP keeps a gradient bucket copy of
+(embeddings, final norm, LM head) stays gathered for the whole step. Without resharding after the forward
+(FSDP2's reshard_after_forward false, FSDP1's SHARD_GRAD_OP: ZeRO-2) every layer's gathered compute-width copy is
+kept from its forward to its backward, so the whole model's is counted. Measured on an H100, 2026-11-26 (the
+default, world size 1, bench/README.md "First GPU run"): the two-layer count left 289 MB of torch's
+max_memory_allocated unexplained; the whole model's bf16 copy is 279 MB of it. DDP keeps a gradient bucket copy of
 every trainable parameter (gradient_as_bucket_view is off by default).
 
 DPO (train/kinds/dpo.py): a micro-batch of B pairs is 2B sequences (chosen and rejected), so the tokens double. The
@@ -94,6 +98,7 @@ class Setup:
     generated_sequences: int = 0  # completions one GPU samples at once (generate)
     generation_tokens: int = 0  # prompt + completion tokens of each (generate)
     vllm_bytes: float = 0  # the vLLM engine's share of the GPU (vllm)
+    reshard_after_forward: bool = True  # False: FSDP2 reshard_after_forward false / FSDP1 SHARD_GRAD_OP
 
 
 def shape_of(model, model_args) -> ModelShape:
@@ -162,7 +167,8 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     head_grads = s.tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 if m.trainable == m.params else 0)
     activations += s.tokens * m.hidden * 4 * 2 + tile + head_grads  # + final norm (fp32)
     if s.strategy in ("FSDP", "HSDP"):
-        comm = (2 * m.layer_params + m.root_params) * s.compute_bytes + m.layer_trainable * master
+        gathered = (2 * m.layer_params + m.root_params) if s.reshard_after_forward else m.params
+        comm = gathered * s.compute_bytes + m.layer_trainable * master
     elif s.strategy == "DDP":
         comm = m.trainable * master
     else:

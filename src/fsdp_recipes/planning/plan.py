@@ -122,6 +122,16 @@ def generation_setup(training, pack, kind, capacity_gib: float) -> dict:
                 vllm_bytes=training.vllm_gpu_memory_utilization * capacity_gib * GIB)
 
 
+def reshards_after_forward(acc: dict) -> bool:
+    """False where the gathered parameters stay from forward to backward: FSDP2's fsdp_reshard_after_forward false
+    (or accelerate's string form SHARD_GRAD_OP / NO_SHARD), FSDP1's fsdp_sharding_strategy SHARD_GRAD_OP."""
+    fsdp = acc.get("fsdp_config") or {}
+    value = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy", True))
+    if isinstance(value, str):
+        return value.strip().upper() not in ("FALSE", "SHARD_GRAD_OP", "NO_SHARD")
+    return bool(value)
+
+
 def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
            trainer: str = "sft", generation: dict | None = None) -> dict[str, memory_budget.Setup]:
     strategy, shard = strategy_of(acc, gpus, nodes)
@@ -134,7 +144,8 @@ def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = Fals
         tokens=training.per_device_train_batch_size * kind.sequence_length(training) * kind.SEQUENCES_PER_ROW,
         reference=("adapter" if model_args.use_peft else "copy") if "reference" in kind.extra_forwards(training) else "none",
         activation_checkpointing=bool(training.activation_checkpointing), optimizer_bytes=optim,
-        runtime_bytes=0 if on_cpu else 2 * GIB, **(generation or {}),
+        runtime_bytes=0 if on_cpu else 2 * GIB, reshard_after_forward=reshards_after_forward(acc),
+        **(generation or {}),
     )
     out = {strategy: memory_budget.Setup(shard=shard, strategy=strategy, **common)}
     if strategy != "DDP":
