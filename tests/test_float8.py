@@ -24,6 +24,40 @@ def torchao_site():
     return conftest.torchao_site()
 
 
+# torch's CPU float8 matmul is a reference implementation whose speed depends on the CPU: on the 2-core AMD EPYC VM
+# one float8 linear's forward and backward takes 75-120 ms (2026-11-26, another job running); on a 2-core Intel Xeon
+# (AMX) the 2-process float8 runs below took 717 s and over 600 s (issue 47), minutes of the suite's budget. Those
+# runs go ahead where a probe of the same operation is within this bound, and are skipped, with the figure, elsewhere.
+FLOAT8_PROBE_LIMIT_S = 0.4
+FLOAT8_PROBE = """
+import time, torch
+from torchao.float8 import convert_to_float8_training
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False))
+convert_to_float8_training(m)
+times = []
+for n in (37, 41, 43, 47):  # a new token count each time, as unpacked and packed batches bring
+    x = torch.randn(n, 64, requires_grad=True)
+    t = time.perf_counter(); m(x).sum().backward(); times.append(time.perf_counter() - t)
+print(max(times))
+"""
+
+
+@pytest.fixture(scope="module")
+def float8_fast_enough(torchao_site):
+    """Skips a multi-process float8 run where this CPU's float8 matmul is too slow for the suite (see above)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=torchao_site, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", FLOAT8_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    slowest = float(res.stdout.strip().splitlines()[-1])
+    if slowest > FLOAT8_PROBE_LIMIT_S:
+        pytest.skip(f"this CPU's float8 matmul is emulated slowly: one float8 linear's forward and backward took "
+                    f"{slowest:.2f} s (limit {FLOAT8_PROBE_LIMIT_S} s); the 2-process float8 runs would take minutes")
+    return slowest
+
+
 def tiny_model():
     import torch
     from transformers import MistralConfig, MistralForCausalLM
@@ -103,7 +137,8 @@ def test_a_gpu_older_than_ada_is_refused(monkeypatch):
 
 
 @pytest.mark.slow
-def test_float8_full_finetune_trains_checkpoints_resumes_and_saves_a_plain_model(torchao_site, cache_dir, tmp_path):
+def test_float8_full_finetune_trains_checkpoints_resumes_and_saves_a_plain_model(torchao_site, float8_fast_enough,
+                                                                                 cache_dir, tmp_path):
     """2 processes, FSDP2 over gloo, full fine-tuning in float8: 4 steps with a checkpoint at 2 and 4, then the
     same command with max_steps 6 resumes from checkpoint-4; the final model loads without torchao."""
     import torch
@@ -196,7 +231,7 @@ def test_an_nvidia_smi_that_cannot_say_leaves_the_check_to_the_ranks(tmp_path, m
 
 
 @pytest.mark.slow
-def test_float8_under_accelerates_regional_compile(torchao_site, cache_dir, tmp_path):
+def test_float8_under_accelerates_regional_compile(torchao_site, float8_fast_enough, cache_dir, tmp_path):
     """The GPU ladder's rung 4 builds on rung 3 when compile measured fastest: float8 layers inside accelerate's
     regionally compiled decoder layers (AOT_EAGER here: dynamo and AOTAutograd, no inductor), with packing and
     activation checkpointing, 2 processes of FSDP2."""

@@ -4,6 +4,7 @@ themselves: tests/test_default_recipe.py (the real model, after SFT) and tests/t
 
 import shutil
 import sys
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -173,5 +174,6 @@ def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save():
     flat = [{"step": 1, "reward": 0.0, "frac_reward_zero_std": 1.0}, {"step": 2, "reward": 0.0, "frac_reward_zero_std": 1.0}]
     with pytest.raises(UserError, match=r"GRPO learned nothing: .* each group of 8 completions scored alike \(mean "
                                         r"reward 0.000\)"):
-        grpo.check_learned(flat, 8)
-    grpo.check_learned([*flat, {"step": 3, "reward": 0.25, "frac_reward_zero_std": 0.5}], 8)  # one step varied
+        grpo.check_learned(flat, SimpleNamespace(num_generations=8))
+    varied = [*flat, {"step": 3, "reward": 0.25, "frac_reward_zero_std": 0.5}]
+    grpo.check_learned(varied, SimpleNamespace(num_generations=8))  # one step varied

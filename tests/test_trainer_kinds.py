@@ -174,3 +174,59 @@ def test_pairs_need_a_mistake(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="answered all 4 training questions right"):
         prefs.write(tmp_path / "model", tmp_path / "pairs", say=lambda *a: None)
     assert not (tmp_path / "pairs" / prefs.STAMP).exists()
+
+
+def test_every_registered_kind_provides_the_interface():
+    """The registry is built from the kind modules at import: each registered kind has every member the launcher,
+    checks, planner, smoke run, resume comparison, summary and run report ask for, of the right sort."""
+    import dataclasses
+
+    import trl
+    from transformers import Trainer
+
+    from fsdp_recipes.config.recipes import TRAINERS
+    from fsdp_recipes.train import kinds
+
+    assert kinds.names() == tuple(TRAINERS) and kinds.DEFAULT in kinds.names()  # config/kind_registry.py's kinds
+    for name in kinds.names():
+        kind = kinds.load(name)
+        assert kind.name == name and kind.module.__name__ == f"fsdp_recipes.train.kinds.{name}"
+        for f in dataclasses.fields(kinds.TrainerKind):
+            value = getattr(kind, f.name)
+            if f.type in ("Callable", "Callable | None"):
+                assert value is None or callable(value), (name, f.name)
+            elif f.type in ("tuple", "dict", "int", "str"):
+                assert isinstance(value, {"tuple": tuple, "dict": dict, "int": int, "str": str}[f.type]), (name, f.name)
+        assert kind.config_class == TRAINERS[name] and hasattr(trl, kind.config_class), name  # <kind>.yaml's fields
+        assert issubclass(kind.trainer_class(), Trainer), name
+
+
+def test_a_kind_module_missing_a_member_fails_when_the_registry_is_built():
+    from types import ModuleType
+
+    from fsdp_recipes.train import kinds
+
+    half = ModuleType("fsdp_recipes.train.kinds.half")
+    for member in kinds.required_members():
+        setattr(half, member, getattr(kinds.load("sft").module, member))
+    assert kinds.TrainerKind.from_module("half", half, "SFTConfig").check_backend("anything") is None  # defaults filled in
+    del half.sequence_length
+    with pytest.raises(TypeError, match=r"trainer kind half \(fsdp_recipes.train.kinds.half\) lacks sequence_length"):
+        kinds.TrainerKind.from_module("half", half, "SFTConfig")
+
+
+def test_no_kind_name_outside_the_kinds_folder():
+    """Everything outside train/kinds/ and the registry (config/kind_registry.py) asks the registry and the kind: no
+    module tests a kind's name or reads a kind's section of metrics.json by name (issue 47)."""
+    import re
+
+    pattern = re.compile(r"""(["'])(sft|dpo|grpo)\1|\.get\((["'])(sft|dpo|grpo)\3\)|(sft|dpo|grpo)_config""")
+    found = []
+    for path in sorted((REPO / "src" / "fsdp_recipes").rglob("*.py")):
+        if "kinds" in path.parts or path.name == "kind_registry.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if pattern.search(code):
+                found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)

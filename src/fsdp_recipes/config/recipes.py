@@ -18,16 +18,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS
 from fsdp_recipes.errors import UserError, cli
 
 if TYPE_CHECKING:
     from fsdp_recipes.config.run_config import RunConfig
 
-# Trainer kinds: each is TRL's config class for it, a module train/kinds/<kind>.py that builds its trainer, and
-# recipes whose settings live in <kind>.yaml. Adding a kind is one line here and that module
-# (docs/architecture.md, "Adding a trainer kind").
-TRAINERS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}
-DEFAULT_TRAINER = "sft"
+# Trainer kinds (config/kind_registry.py): a recipe's settings live in <kind>.yaml, fields of TRL's config class for
+# that kind (docs/architecture.md, "Adding a trainer kind").
+__all__ = ["DEFAULT_TRAINER", "TRAINERS"]
 ACCELERATE_FILE = "accelerate.yaml"
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config import yaml_keys
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS
 from fsdp_recipes.paths import expand
 
 if TYPE_CHECKING:  # TRL is imported lazily: the launcher's light path must not pay for it
@@ -28,10 +29,9 @@ class PackArguments:
 
     recipe_name: str | None = field(default=None, metadata={"help": "Recorded in the run report."})
     trainer: str = field(
-        default="sft",
-        metadata={"help": "The trainer kind: sft (TRL's SFTTrainer), dpo (DPOTrainer) or grpo (GRPOTrainer); its "
-                          "settings live in "
-                          "<trainer>.yaml (config/recipes.py)."},
+        default=DEFAULT_TRAINER,
+        metadata={"help": f"The trainer kind, one of {', '.join(TRAINERS)} (train/kinds/: TRL's trainer of "
+                          "that name); its settings live in <trainer>.yaml (config/recipes.py)."},
     )
     continues_from: str | None = field(
         default=None,
@@ -180,11 +180,10 @@ def check_step_counts(raw: dict, argv: list[str]) -> None:
                             f"below 1). Fix: set {name} above 0, or {strategy} to \"no\".")
 
 
-def dataclass_types(trainer: str = "sft"):
+def dataclass_types(trainer: str = DEFAULT_TRAINER):
     import trl
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
 
-    from fsdp_recipes.config.recipes import TRAINERS
     from fsdp_recipes.patches.versions import new_training_field_names
 
     config_class = getattr(trl, TRAINERS[trainer])

@@ -153,7 +153,7 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
         raise UserError(f"recipe {recipe.name} has no model_config.json to build a tiny model from. "
                         "Fix: save the model's config.json there as model_config.json.")
     say(f"data: {raw.get('dataset_name')} -> {data} (local synthetic {recipe.trainer} data)")
-    for field, value in getattr(kind, "SMOKE_SETTINGS", {}).items():  # GRPO: a reward the synthetic data can feed
+    for field, value in kind.SMOKE_SETTINGS.items():  # GRPO: a reward the synthetic data can feed
         if raw.get(field) != value:
             smoke_args += [f"--{field}", *(value if isinstance(value, list) else [str(value)])]
             say(f"{field}: {raw.get(field)} -> {value}")

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.train import kinds
 from fsdp_recipes.metrics.report import human_bytes
 from fsdp_recipes.assets.generation import generate
 from fsdp_recipes.metrics import metrics_file
@@ -304,13 +305,8 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
         f"throughput  {tps:,.0f} tokens/s ({m['tokens_per_second_per_device']:,.0f} per device), "
         f"{m['steps']} steps, {m['tokens']['non_padding']:,} tokens" if tps else "throughput  n/a"
     )
-    if m.get("generated_tokens") is not None:  # GRPO: what was sampled, and what it scored
-        g = m.get("grpo") or {}
-        reward = g.get("reward") or {}
-        rewards = (f"; reward {reward['first']:.3f} -> {reward['last']:.3f} (mean over the first and last logged "
-                   "steps)" if reward.get("last") is not None else "")
-        lines.append(f"sampled     {m['generated_tokens']:,} completion tokens "
-                     f"({m.get('generated_tokens_per_second') or 0:,.1f}/s){rewards}")
+    if m.get("trainer") in kinds.names():  # the kind's own lines (GRPO: what was sampled, and what it scored)
+        lines += kinds.load(m["trainer"]).summary_lines(m)
     mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else f"n/a ({m.get('mfu_note')})"
     lines.append(f"MFU         {mfu}")
     pm = m["peak_memory"]

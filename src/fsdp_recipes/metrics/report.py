@@ -107,12 +107,12 @@ def table_row(cells: list[str]) -> str:
 
 
 # run_args.json sections whose fields are settings (or the software) a comparison should name when they differ
-SETTING_SECTIONS = ("pack_args", "script_args", "model_args", "dataset_mixture", "sft_config", "dpo_config",
-                    "grpo_config", "lora_config", "accelerate_env", "versions")
+# (and the trainer kind's TRL config, `<kind>_config`: any section whose name ends so, whatever the kind)
+SETTING_SECTIONS = ("pack_args", "script_args", "model_args", "dataset_mixture", "lora_config", "accelerate_env",
+                    "versions")
 # fields that differ between any two runs by construction: where the run writes, the launcher's rendezvous gate
-PER_RUN = {f"{kind}_config.{k}" for kind in ("sft", "dpo", "grpo")
-           for k in ("output_dir", "logging_dir", "run_name")} | {
-    "accelerate_env.FSDP_RECIPES_START_GATE", "accelerate_env.FSDP_RECIPES_START_GATE_PID"}
+PER_RUN = {"accelerate_env.FSDP_RECIPES_START_GATE", "accelerate_env.FSDP_RECIPES_START_GATE_PID"}
+PER_RUN_TRAINING = ("output_dir", "logging_dir", "run_name")  # of the kind's `<kind>_config`
 MAX_SETTING_ROWS = 40
 _ABSENT = object()
 
@@ -130,7 +130,9 @@ def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
     flat = []
     for r in runs:
         args = r["run_args"]
-        flat.append({f"{sec}.{k}": v for sec in SETTING_SECTIONS for k, v in (args.get(sec) or {}).items()})
+        sections = [*SETTING_SECTIONS, *(sec for sec in args if sec.endswith("_config") and sec != "lora_config")]
+        flat.append({f"{sec}.{k}": v for sec in sections for k, v in (args.get(sec) or {}).items()
+                     if not (sec.endswith("_config") and k in PER_RUN_TRAINING)})
     keys = sorted(set().union(*flat) - PER_RUN)
     rows = []
     for key in keys:
@@ -141,7 +143,8 @@ def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
 
 
 def settings_markdown(runs: list[dict]) -> list[str]:
-    if len(runs) < 2 or not any(r["run_args"].get(sec) for r in runs for sec in SETTING_SECTIONS):
+    if len(runs) < 2 or not any(r["run_args"].get(sec) for r in runs for sec in r["run_args"]
+                                if sec in SETTING_SECTIONS or sec.endswith("_config")):
         return []  # one run, or runs without recorded settings: nothing to compare
     rows = differing_settings(runs)
     if not rows:

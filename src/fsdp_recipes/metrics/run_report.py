@@ -77,7 +77,7 @@ class RunReportCallback(TrainerCallback):
 
     def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None,
                  resume_from: str | Path | None = None, prometheus_textfile: str | None = None,
-                 trainer: str = "sft", reported_logs: tuple[str, ...] = (), extra_forwards: dict[str, float] | None = None):
+                 trainer: str | None = None, reported_logs: tuple[str, ...] = (), extra_forwards: dict[str, float] | None = None):
         self.output_dir = Path(output_dir)
         # metrics.prom in output_dir, and the collector's file when the recipe names one: rewritten at every
         # training log while the run trains (write_live), and with the whole run's figures at the end.

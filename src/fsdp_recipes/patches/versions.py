@@ -71,9 +71,10 @@ class NewTrainingFieldNames:
         "help": "gradient_checkpointing_kwargs (a dict, or its JSON), as newer transformers releases call it"})
 
 
-def new_training_field_names(sft_config_class) -> type | None:
-    """NewTrainingFieldNames when `sft_config_class` (the installed SFTConfig) has only the old names, else None."""
-    names = {f.name for f in fields(sft_config_class)}
+def new_training_field_names(config_class) -> type | None:
+    """NewTrainingFieldNames when `config_class` (the installed TRL config of the run's kind) has only the old names,
+    else None."""
+    names = {f.name for f in fields(config_class)}
     return NewTrainingFieldNames if not set(RENAMED_TRAINING_FIELDS) & names else None
 
 

@@ -133,7 +133,7 @@ def reshards_after_forward(acc: dict) -> bool:
 
 
 def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
-           trainer: str = "sft", generation: dict | None = None) -> dict[str, memory_budget.Setup]:
+           trainer: str = kinds.DEFAULT, generation: dict | None = None) -> dict[str, memory_budget.Setup]:
     strategy, shard = strategy_of(acc, gpus, nodes)
     mixed = acc.get("mixed_precision", "no") in ("bf16", "fp16") or training.bf16 or training.fp16
     load = DTYPE_BYTES.get(str(model_args.dtype or "float32").replace("torch.", ""), 4)
@@ -256,7 +256,7 @@ def report(p: Planned) -> str:
             f"a second copy of the weights, sharded like the policy, no gradients or optimizer state: {gib(ref)} "
             f"GiB/GPU ({100 * ref / p.budgets[own]['total']:.0f}% of the total)"))
     budget = p.budgets[own]
-    if p.runs[own].generation == "none" and p.cfg.trainer == "grpo":  # kinds that sample with vLLM in server mode
+    if p.runs[own].generation == "none" and kinds.load(p.cfg.trainer).samples(training):  # vLLM in server mode
         lines.append(f"generation ({p.cfg.trainer}): vLLM in server mode, on GPUs of its own (trl vllm-serve): not "
                      "counted on the training GPUs above")
     if "vllm_engine" in budget or "generation_kv_cache" in budget:

@@ -59,8 +59,9 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
     return cfg
 
 
-def make_trainer_class(kind: str = "sft"):
+def make_trainer_class(kind: str = kinds.DEFAULT):
     base = kinds.load(kind).trainer_class()
+    count_prepared = kinds.load(kind).count_prepared
 
     class Reporting(base):
         """The kind's TRL trainer, feeding the run report's token counter and putting the report's live gauges
@@ -82,14 +83,8 @@ def make_trainer_class(kind: str = "sft"):
 
         def _prepare_inputs(self, inputs):
             prepared = super()._prepare_inputs(inputs)
-            if self.token_counter is not None and self.model.training and "completion_ids" in prepared:
-                # GRPO: the batch trained on exists only now, sampled from the prompts training_step was given. A
-                # sampled batch is trained on num_iterations times, its tokens sampled once: the first pass is the
-                # first steps_per_generation micro-batches of each cycle (trl 1.16 _prepare_inputs; training_step
-                # advances _step only after this returns)
-                per_batch = self.args.steps_per_generation
-                first_pass = self._step % (per_batch * self.num_iterations) < per_batch
-                self.token_counter.add_sampled(prepared, generated=first_pass)
+            if self.token_counter is not None and self.model.training and count_prepared is not None:
+                count_prepared(self, prepared, self.token_counter)  # a sampling kind's batch exists only now
             return prepared
 
         def training_step(self, model, inputs, *args, **kwargs):
@@ -402,7 +397,7 @@ def run(argv: list[str] | None = None) -> int:
     preemption = PreemptionCallback(report)
     try:
         trainer = build_trainer(cfg, peft_config, report, preemption, resume, settings)
-        if is_main and hasattr(kind, "describe_generation"):
+        if is_main and kind.describe_generation is not None:
             print(f"[train] {cfg.trainer}: {kind.describe_generation(cfg.training)}", flush=True)
         trainer.train(resume_from_checkpoint=resume)
         if preemption.preempted:
@@ -412,8 +407,7 @@ def run(argv: list[str] | None = None) -> int:
                 f"relaunch the same command to resume (exit code {EXIT_PREEMPTED})"
             )
             return EXIT_PREEMPTED
-        if hasattr(kind, "check_learned"):  # GRPO: a run whose rewards never varied trained nothing
-            kind.check_learned(trainer.state.log_history, cfg.training.num_generations)
+        kind.check_learned(trainer.state.log_history, cfg.training)  # GRPO: rewards that never varied taught nothing
         save_final(trainer, cfg, peft_config, report)
     except KeyboardInterrupt as err:
         report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")

@@ -1,6 +1,10 @@
-"""Trainer kinds: one thin module each, on the rank lifecycle that train/entry.py runs for all of them.
+"""Trainer kinds: one thin module each, on the rank lifecycle that train/entry.py runs for all of them, and one
+registry, KINDS. Everything outside this folder asks the registry and the kind (`kinds.load(name)`), never a kind's
+name.
 
-A kind module provides:
+The kinds' names, and the TRL config class whose fields each kind's <kind>.yaml holds, are the registry in
+config/kind_registry.py (the config layer needs them before any training code loads). A kind module provides
+(TrainerKind below checks it when KINDS is built from those names, at import):
     trainer_class()                   TRL's trainer class (SFTTrainer, DPOTrainer, GRPOTrainer); entry.py adds the pack's hooks
     check_config(cfg)                 the kind's own settings, before anything loads (one-line errors)
     load_datasets(cfg)                (train, eval or None), with one-line errors for splits and columns
@@ -17,19 +21,97 @@ A kind module provides:
     SEQUENCES_PER_ROW, ROWS           `make plan`: sequences per dataset row, and what to call a row
     SMOKE_DATA                        which of tiny_assets' datasets `make smoke` trains on
     describe_tokens                   how tokens/s and MFU count this kind's work (docs/run-report.md)
-Optional: SMOKE_SETTINGS (fields `make smoke` replaces: GRPO's reward), describe_generation(training) (GRPO: the
-run's first lines say how completions are sampled; `make plan` then counts the sampling's memory) and
-check_learned(log_history, ...) (GRPO: a run whose rewards never varied stops before its final save, in one line).
+Optional, with the defaults of TrainerKind: SMOKE_SETTINGS (fields `make smoke` replaces: GRPO's reward),
+check_backend(backend) (GRPO: generation_backend), describe_generation(training) (the run's first lines say how
+completions are sampled), check_learned(log_history, training) (GRPO: a run whose rewards never varied stops before
+its final save, in one line), count_prepared(trainer, prepared, counter) (GRPO: counts the batch that exists only
+after sampling) and summary_lines(metrics) (the end-of-run summary's lines of the kind's own).
 
-Adding a kind: that module, a line in config/recipes.py TRAINERS (the TRL config class), and recipes whose
-settings live in <kind>.yaml (docs/architecture.md).
+Adding a kind: that module, its line in config/kind_registry.py, and recipes whose settings live in <kind>.yaml
+(docs/architecture.md).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+from collections.abc import Callable
 from types import ModuleType
 
+from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS
 
-def load(kind: str) -> ModuleType:
-    return importlib.import_module(f"fsdp_recipes.train.kinds.{kind}")
+DEFAULT = DEFAULT_TRAINER
+
+
+def _no_check(*args, **kwargs) -> None:
+    return None
+
+
+def _nothing(*args, **kwargs) -> list:
+    return []
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerKind:
+    """What the launcher, checks, placement, planner, smoke run, resume comparison, console, summary and run report
+    ask of a kind. Built from the kind's module by `from_module`: a missing required member fails there, when the
+    registry is built, not in the middle of a run."""
+
+    name: str
+    trainer_class: Callable
+    trainer_kwargs: Callable
+    check_config: Callable
+    load_datasets: Callable
+    check_data: Callable
+    sequence_length: Callable
+    extra_forwards: Callable
+    REPORTED_LOGS: tuple
+    RESUME_SETTINGS: tuple
+    SEQUENCES_PER_ROW: int
+    ROWS: str
+    SMOKE_DATA: str
+    describe_tokens: str
+    SMOKE_SETTINGS: dict = dataclasses.field(default_factory=dict)
+    check_backend: Callable = _no_check
+    describe_generation: Callable | None = None
+    check_learned: Callable = _no_check
+    count_prepared: Callable | None = None
+    summary_lines: Callable = _nothing
+    config_class: str = ""  # TRL's config class (config/kind_registry.py)
+    module: ModuleType | None = None
+
+    @classmethod
+    def from_module(cls, name: str, module: ModuleType, config_class: str | None = None) -> TrainerKind:
+        members = {}
+        for f in dataclasses.fields(cls):
+            if f.name in ("name", "config_class", "module"):
+                continue
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            if hasattr(module, f.name):
+                members[f.name] = getattr(module, f.name)
+            elif required:
+                raise TypeError(f"trainer kind {name} ({module.__name__}) lacks {f.name}: every kind provides "
+                                f"{', '.join(required_members())} (fsdp_recipes/train/kinds/__init__.py)")
+        return cls(name=name, config_class=config_class or TRAINERS[name], module=module, **members)
+
+    def samples(self, training) -> bool:
+        """The kind samples what it trains on (its forwards include generation): FLOPs, plan, summary."""
+        return "generation" in self.extra_forwards(training)
+
+
+def required_members() -> list[str]:
+    return [f.name for f in dataclasses.fields(TrainerKind) if f.name not in ("name", "config_class", "module")
+            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+KINDS: dict[str, TrainerKind] = {
+    name: TrainerKind.from_module(name, importlib.import_module(f"{__name__}.{name}")) for name in TRAINERS
+}
+
+
+def load(kind: str) -> TrainerKind:
+    return KINDS[kind]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(KINDS)

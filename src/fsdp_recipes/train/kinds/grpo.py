@@ -178,14 +178,38 @@ def describe_generation(training) -> str:
             f"temperature {training.temperature}, sampled with {how}")
 
 
-def check_learned(log_history: list[dict], num_generations: int) -> None:
+def count_prepared(trainer, prepared, counter) -> None:
+    """The batch trained on exists only after _prepare_inputs, sampled from the prompts training_step was given. A
+    sampled batch is trained on num_iterations times, its tokens sampled once: the first pass is the first
+    steps_per_generation micro-batches of each cycle (trl 1.16 _prepare_inputs; training_step advances _step only
+    after this returns)."""
+    if "completion_ids" not in prepared:
+        return
+    per_batch = trainer.args.steps_per_generation
+    first_pass = trainer._step % (per_batch * trainer.num_iterations) < per_batch
+    counter.add_sampled(prepared, generated=first_pass)
+
+
+def summary_lines(m: dict) -> list[str]:
+    """The end-of-run summary: what was sampled, and what it scored."""
+    if m.get("generated_tokens") is None:
+        return []
+    reward = (m.get("grpo") or {}).get("reward") or {}
+    rewards = (f"; reward {reward['first']:.3f} -> {reward['last']:.3f} (mean over the first and last logged "
+               "steps)" if reward.get("last") is not None else "")
+    return [f"sampled     {m['generated_tokens']:,} completion tokens "
+            f"({m.get('generated_tokens_per_second') or 0:,.1f}/s){rewards}"]
+
+
+def check_learned(log_history: list[dict], training) -> None:
     """After training, before the final save: a run in which no group's rewards ever varied had no advantage to learn
     from, so its weights are those it started with (a LoRA adapter still zero, which the final-save check would call
     an incomplete save). Almost always a reward that cannot vary on this model's completions: said as such."""
     logged = [h for h in log_history if "frac_reward_zero_std" in h]
     if logged and all(h["frac_reward_zero_std"] == 1.0 for h in logged):
         mean = sum(h.get("reward") or 0.0 for h in logged) / len(logged)
-        raise UserError(f"GRPO learned nothing: at every logged step each group of {num_generations} completions "
+        raise UserError(f"GRPO learned nothing: at every logged step each group of {training.num_generations} "
+                        "completions "
                         f"scored alike (mean reward {mean:.3f}), so no completion had an advantage and the weights "
                         "did not change. Fix: try the reward functions on a few of this model's completions (one "
                         "that is always 0 or always 1 teaches nothing), start from a model that is sometimes right "
