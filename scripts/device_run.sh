@@ -114,7 +114,9 @@ step() {
 # inside it, so that what they measured is written before `timeout` would kill them.
 s_launch() {
   local args=(--default-model random --max-steps 12 --parallel 8)
-  [ "$DRY" = 1 ] && args=(--dry-run --default-model tiny-random --parallel 2)
+  # the dry run checks this step's plumbing on one recipe of each kind: every recipe's smoke run is in the suite
+  [ "$DRY" = 1 ] && args=(--dry-run --default-model tiny-random --parallel 2
+                          --recipes "tiny-cpu-lora,smollm2-135m-dpo,smollm2-135m-grpo")
   "$PY" -m bench.first_contact "${args[@]}" --timeout-s 150 --deadline-s $((STEP_BUDGET - 15)) \
     --results "$WORK/launch" --work "$WORK/launch/runs"
 }
