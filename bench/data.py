@@ -84,7 +84,7 @@ def pack_path(data_dir: Path, work: Path, packing: bool) -> dict:
             "--packing", str(packing).lower(), "--output_dir", str(work / "out"), "--save_merged_model", "false"]
     cfg = entry.parse_and_check(argv, quiet=True)
     peft_config = get_peft_config(cfg.model)
-    report = RunReportCallback(cfg.training.output_dir, {}, cfg.pack.recipe_name)
+    report = RunReportCallback(cfg.training.output_dir, {}, cfg.pack.recipe_name, trainer=cfg.trainer)
     clocks = Clocks()
     clocks.wrap(loading, "load_sft_datasets", "load")
     clocks.wrap(SFTTrainer, "_prepare_dataset", "prepare")

@@ -456,7 +456,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
 
     for rung in RUNGS:
         prev = carried.get(rung["id"])
-        if prev is not None and not (ctx["rungs_named"] and rung["id"] in selected):
+        if prev is not None and not (ctx["rungs_named"] and rung["id"] in selected and not ctx.get("keep_carried")):
             lad["rungs"].append({**prev, "carried_from": prev.get("carried_from") or ctx["resume_from"]})
             if prev["status"] == "measured":
                 best = faster(prev)
@@ -676,9 +676,10 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     ap.add_argument("--resume", type=Path, default=None, help="a JSON this command wrote before (same device, sizes "
                     "and data): its measured and failed rungs are carried over, and the rest run on top of them "
                     "(a 10-minute command limit cuts a ladder in two)")
-    ap.add_argument("--resume-if-comparable", type=Path, default=None, help="--resume, unless that file was "
-                    "measured on another device or with other options: then it says so and runs every rung (the GPU "
-                    "plan's ladders continue the last session's this way)")
+    ap.add_argument("--resume-if-comparable", type=Path, nargs="+", default=None, help="earlier JSONs of this "
+                    "benchmark: the newest (by its date) measured on this device with these options is resumed, and "
+                    "its measured and failed rungs are kept even where --rungs names them; with none comparable, "
+                    "every named rung runs (the GPU plan's ladders continue the last session's this way)")
     ap.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests: rung ids given a bad setting
     args = ap.parse_args(argv)
 
@@ -714,12 +715,22 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
         raise SystemExit(f"bench_gpu: unknown method(s) in --methods {args.methods}. Fix: --methods from "
                          f"{','.join(METHODS)}.")
     carried = resume_rungs(args.resume, dry, device, sizes) if args.resume else {}
+    keep_carried = False
     if args.resume_if_comparable and not args.resume:
-        try:
-            carried = resume_rungs(args.resume_if_comparable, dry, device, sizes)
-            args.resume = args.resume_if_comparable
-        except SystemExit as err:
-            print(f"[bench-gpu] not resuming: {err}", flush=True)
+        def date_of(path: Path) -> str:
+            try:
+                return json.loads(path.read_text()).get("date") or ""
+            except (OSError, ValueError):
+                return ""
+
+        for candidate in sorted(args.resume_if_comparable, key=date_of, reverse=True):
+            try:
+                carried = resume_rungs(candidate, dry, device, sizes)
+            except SystemExit as err:
+                print(f"[bench-gpu] not resuming {candidate.name}: {err}", flush=True)
+                continue
+            args.resume, keep_carried = candidate, True
+            break
 
     date = now_iso()
     name = f"bench-gpu-{'cpu-plumbing' if dry else slug(device['name'])}-{file_stamp(date)}"
@@ -760,7 +771,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
         if "lora" in methods:
             result["lora"] = {"recipe": LORA_RECIPE.name, **lora_settings()}
         ctx = dict(sizes=sizes, device=device, work=work, dry_run=dry, t0=t0, env=env,
-                   carried=carried, rungs_named=args.rungs is not None,
+                   carried=carried, rungs_named=args.rungs is not None, keep_carried=keep_carried,
                    resume_from=str(args.resume) if args.resume else None,
                    deadline_s=sizes["deadline_s"], fit_check=not args.no_fit_check,
                    build_device="cpu" if dry else "cuda",

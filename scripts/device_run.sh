@@ -127,16 +127,17 @@ s_real_default() {
   "$PY" -m bench.first_contact "${extra[@]}" --only default --default-model real --timeout-s 200 \
     --deadline-s $((STEP_BUDGET - 15)) --results "$WORK/real-default" --work "$WORK/real-default/runs"
 }
-s_ladder() {  # $1 size, $2 method, $3 rungs, $4 the step's name: continues the newest bench/results JSON of it
-  local dry=() size=$1 resume=() earlier=""
+s_ladder() {  # $1 size, $2 method, $3 rungs, $4 the step's name, $5 seconds a rung needs to start
+  # continues the newest earlier JSON of this ladder measured on this GPU (bench.gpu picks it among all of them)
+  local dry=() size=$1 resume=() earlier=()
   [ "$DRY" = 1 ] && { dry=(--dry-run); size=tiny; }
   local suffix=$1; [ "$2" = lora ] && suffix=$1-lora
-  for f in bench/results/bench-gpu-*-"$suffix".json; do [ -f "$f" ] && earlier=$f; done  # names sort by time
-  [ -n "$earlier" ] && [ "$DRY" != 1 ] && resume=(--resume-if-comparable "$earlier")
+  for f in bench/results/bench-gpu-*-"$suffix".json; do [ -f "$f" ] && earlier+=("$f"); done
+  [ "${#earlier[@]}" -gt 0 ] && [ "$DRY" != 1 ] && resume=(--resume-if-comparable "${earlier[@]}")
+  # its own work folder inside the step's: the rung logs are packed even when `timeout` ends the step
   "$PY" -m bench.gpu "${dry[@]}" --sizes "$size" --methods "$2" --rungs "$3" --gpus 1 --warmup 3 --steps 8 \
-    "${resume[@]}" --deadline-s $((STEP_BUDGET - 15)) --min-rung-s 50 --rung-timeout-s 150 --results "$WORK/$4" \
-    --work /tmp/bench-gpu
-  (cd /tmp/bench-gpu && cp log-* "$WORK/$4/" 2>/dev/null)
+    "${resume[@]}" --deadline-s $((STEP_BUDGET - 15)) --min-rung-s "$5" --rung-timeout-s 150 \
+    --results "$WORK/$4" --work "$WORK/$4/work"
 }
 s_speed_vs_trl() {
   if ! have_real_model; then echo "skipped: the default's model is not whole here"; return 3; fi
@@ -162,8 +163,8 @@ export DRY PY SITE WORK
 run_named() {  # one step by name, with its budget
   case "$1" in
     launch) step launch 200 s_launch ;;
-    ladder-1b) step ladder-1b 160 s_ladder 1b full 0,1,2,3 ladder-1b ;;
-    ladder-8b-lora) step ladder-8b-lora 150 s_ladder llama3-8b lora 0,1,2 ladder-8b-lora ;;
+    ladder-1b) step ladder-1b 160 s_ladder 1b full 0,1,2,3 ladder-1b 50 ;;  # a 1B rung: 42 s on the H100
+    ladder-8b-lora) step ladder-8b-lora 170 s_ladder llama3-8b lora 0,1,2 ladder-8b-lora 70 ;;  # 61 s, 30 s build
     speed-vs-trl) step speed-vs-trl 120 s_speed_vs_trl ;;
     real-default) step real-default 160 s_real_default ;;
     grpo-default) step grpo-default 150 s_grpo_default ;;
@@ -176,14 +177,17 @@ run_named() {  # one step by name, with its budget
 install
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 mkdir -p "$WORK"
-{
+if ! {
   echo "# $(date -u +%FT%TZ) $* (dry run: $DRY)"
   if [ "$DRY" = 1 ]; then echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-), $(nproc) cores"
   else nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; fi
   "$PY" -c "import torch, transformers, trl, peft, accelerate, datasets; print('torch', torch.__version__, 'cuda',
 torch.version.cuda, 'transformers', transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__,
-'accelerate', accelerate.__version__, 'datasets', datasets.__version__)" || exit 2
-} | tee -a "$OUT/plan.txt"
+'accelerate', accelerate.__version__, 'datasets', datasets.__version__)"
+} | tee -a "$OUT/plan.txt"; then
+  echo "error: the installed packages do not import (above); nothing was run" | tee -a "$OUT/plan.txt"
+  exit 2
+fi
 
 RC=0
 n=0

@@ -25,21 +25,23 @@ def torchao_site():
 
 
 # torch's CPU float8 matmul is a reference implementation whose speed depends on the CPU: on the 2-core AMD EPYC VM
-# one float8 linear's forward and backward takes 75-120 ms (2026-11-26, another job running); on a 2-core Intel Xeon
-# (AMX) the 2-process float8 runs below took 717 s and over 600 s (issue 47), minutes of the suite's budget. Those
-# runs go ahead where a probe of the same operation is within this bound, and are skipped, with the figure, elsewhere.
-FLOAT8_PROBE_LIMIT_S = 0.4
+# the probe below (one float8 linear's forward and backward, 1 thread, median of 4 new token counts) takes 7.8 ms
+# (2026-11-26, a CI run beside it), and the full fine-tune below under 2 minutes; on a 2-core Intel Xeon (AMX) that
+# run took 717 s and the compiled one over 600 s (issue 47). The limit is 5x this VM's figure: the runs go ahead
+# under it and are skipped, with the figure, above it. Not yet probed on the Intel machine.
+FLOAT8_PROBE_LIMIT_S = 0.04
 FLOAT8_PROBE = """
 import time, torch
 from torchao.float8 import convert_to_float8_training
 torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(64, 128, bias=False))
 convert_to_float8_training(m)
+m(torch.randn(32, 64, requires_grad=True)).sum().backward()  # warm-up: one-time set-up stays out
 times = []
 for n in (37, 41, 43, 47):  # a new token count each time, as unpacked and packed batches bring
     x = torch.randn(n, 64, requires_grad=True)
     t = time.perf_counter(); m(x).sum().backward(); times.append(time.perf_counter() - t)
-print(max(times))
+print(sorted(times)[len(times) // 2])  # the median call
 """
 
 
@@ -49,13 +51,18 @@ def float8_fast_enough(torchao_site):
     import subprocess
 
     env = dict(os.environ, PYTHONPATH=torchao_site, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", FLOAT8_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    try:
+        res = subprocess.run([sys.executable, "-c", FLOAT8_PROBE], capture_output=True, text=True, env=env,
+                             timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.skip("this CPU's float8 matmul is emulated slowly: 5 calls of one float8 linear took over 120 s")
     assert res.returncode == 0, res.stderr[-2000:]
-    slowest = float(res.stdout.strip().splitlines()[-1])
-    if slowest > FLOAT8_PROBE_LIMIT_S:
+    median = float(res.stdout.strip().splitlines()[-1])
+    if median > FLOAT8_PROBE_LIMIT_S:
         pytest.skip(f"this CPU's float8 matmul is emulated slowly: one float8 linear's forward and backward took "
-                    f"{slowest:.2f} s (limit {FLOAT8_PROBE_LIMIT_S} s); the 2-process float8 runs would take minutes")
-    return slowest
+                    f"(median of 4 new token counts) "
+                    f"{median:.2f} s (limit {FLOAT8_PROBE_LIMIT_S} s); the 2-process float8 runs would take minutes")
+    return median
 
 
 def tiny_model():

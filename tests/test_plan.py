@@ -128,6 +128,9 @@ def test_make_plan_runs_the_planner():
     ({"fsdp_reshard_after_forward": False}, False), ({"fsdp_reshard_after_forward": True}, True),
     ({"fsdp_reshard_after_forward": "SHARD_GRAD_OP"}, False), ({"fsdp_reshard_after_forward": "FULL_SHARD"}, True),
     ({"fsdp_sharding_strategy": "SHARD_GRAD_OP"}, False), ({"fsdp_sharding_strategy": "FULL_SHARD"}, True),
+    ({"fsdp_sharding_strategy": "HYBRID_SHARD_ZERO2"}, False), ({"fsdp_sharding_strategy": "HYBRID_SHARD"}, True),
+    ({"fsdp_sharding_strategy": 2}, False), ({"fsdp_sharding_strategy": "1"}, True),
+    ({"fsdp_reshard_after_forward": "no"}, False), ({"fsdp_reshard_after_forward": "true"}, True),
     ({}, True),
 ])
 def test_reshard_after_forward_read_from_the_accelerate_config(fsdp_config, expected):

@@ -95,7 +95,9 @@ class RunReportCallback(TrainerCallback):
             self.prior.update({"squared_lengths": None, **saved})
         self.resolved_args = resolved_args
         self.recipe = recipe
-        self.trainer, self.reported_logs = trainer, reported_logs  # the trainer kind and its own logs to keep
+        # the trainer kind (the caller's, else the one the resolved settings name) and its own logs to keep
+        self.trainer = trainer or (resolved_args.get("pack_args") or {}).get("trainer")
+        self.reported_logs = reported_logs
         # forwards per trained token besides its own (train/kinds: DPO's "reference", GRPO's "generation"), in the FLOPs
         self.extra_forwards = extra_forwards or {}
         self.tokens = TokenCounter()

@@ -122,14 +122,21 @@ def generation_setup(training, pack, kind, capacity_gib: float) -> dict:
                 vllm_bytes=training.vllm_gpu_memory_utilization * capacity_gib * GIB)
 
 
+# accelerate's FSDP1 strategies by name and by their 1-based number (FSDP_SHARDING_STRATEGY), and FSDP2's false
+# spellings (str_to_bool): those that keep the gathered parameters from forward to backward (ZeRO-2 and unsharded)
+KEEPS_GATHERED = {"SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD_ZERO2", "2", "3", "5",
+                  "FALSE", "NO", "N", "OFF", "F", "0"}
+
+
 def reshards_after_forward(acc: dict) -> bool:
     """False where the gathered parameters stay from forward to backward: FSDP2's fsdp_reshard_after_forward false
-    (or accelerate's string form SHARD_GRAD_OP / NO_SHARD), FSDP1's fsdp_sharding_strategy SHARD_GRAD_OP."""
+    (or a strategy name that keeps them), FSDP1's fsdp_sharding_strategy SHARD_GRAD_OP, NO_SHARD or
+    HYBRID_SHARD_ZERO2, by name or number."""
     fsdp = acc.get("fsdp_config") or {}
     value = fsdp.get("fsdp_reshard_after_forward", fsdp.get("fsdp_sharding_strategy", True))
-    if isinstance(value, str):
-        return value.strip().upper() not in ("FALSE", "SHARD_GRAD_OP", "NO_SHARD")
-    return bool(value)
+    if isinstance(value, bool):
+        return value
+    return str(value).strip().upper() not in KEEPS_GATHERED
 
 
 def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
