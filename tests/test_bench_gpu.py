@@ -390,3 +390,24 @@ def test_a_rung_without_time_to_finish_is_skipped_not_started(tmp_path, cache_di
     assert [r["status"] for r in rungs] == ["skipped", "skipped"]
     assert all(r["reason"].startswith("time budget") and "--resume" in r["reason"] for r in rungs)
     assert "under 10 s left" in rungs[1]["reason"]  # a compiled rung needs twice the minimum
+
+
+@pytest.mark.parametrize("keep_carried", [True, False])
+def test_the_plans_ladders_keep_carried_rungs_that_they_name(keep_carried, monkeypatch, tmp_path):
+    """scripts/device_run.sh names every rung of a ladder and passes the earlier JSONs (--resume-if-comparable): a
+    rung measured in an earlier session is carried, not measured again; plain --resume with --rungs reruns it."""
+    monkeypatch.setattr(bench_gpu, "run_rung", lambda *a, **k: pytest.fail("launched"))
+    monkeypatch.setattr(bench_gpu, "build_model", lambda *a, **k: pytest.fail("built"))
+    rung0 = {**_measured("0", 100.0), "config": dict(bench_gpu.BASELINE, batch=8, method="full")}
+    ctx = dict(sizes=bench_gpu.DRY_RUN, device={"type": "cpu"}, work=tmp_path, dry_run=True, t0=0.0,
+               deadline_s=0.0, fit_check=True, build_device="cpu", inject_failure=set(),
+               carried={("tiny", 1, "full"): {"0": rung0}}, rungs_named=True, keep_carried=keep_carried,
+               resume_from="bench-gpu-earlier.json")
+    lad = {"size": "tiny", "processes": 1, "rungs": []}
+    bench_gpu.ladder(lad, ctx, ["0", "1"], lambda: None)  # deadline 0: a rung that would run is skipped instead
+    first = lad["rungs"][0]
+    if keep_carried:
+        assert first["status"] == "measured" and first["carried_from"] == "bench-gpu-earlier.json"
+    else:
+        assert first["status"] == "skipped" and first["reason"].startswith("time budget")
+    assert lad["rungs"][1]["status"] == "skipped"
