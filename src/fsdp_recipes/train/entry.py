@@ -60,8 +60,8 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
 
 
 def make_trainer_class(kind: str = kinds.DEFAULT):
-    base = kinds.load(kind).trainer_class()
-    count_prepared = kinds.load(kind).count_prepared
+    spec = kinds.load(kind)
+    base, count_prepared = spec.trainer_class(), spec.count_prepared
 
     class Reporting(base):
         """The kind's TRL trainer, feeding the run report's token counter and putting the report's live gauges

@@ -43,6 +43,9 @@ from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS
 DEFAULT = DEFAULT_TRAINER
 
 
+NOT_MEMBERS = ("name", "config_class", "module")  # TrainerKind's fields that the registry fills, not the module
+
+
 def _no_check(*args, **kwargs) -> None:
     return None
 
@@ -83,15 +86,15 @@ class TrainerKind:
     @classmethod
     def from_module(cls, name: str, module: ModuleType, config_class: str | None = None) -> TrainerKind:
         members = {}
+        required = required_members()
         for f in dataclasses.fields(cls):
-            if f.name in ("name", "config_class", "module"):
+            if f.name in NOT_MEMBERS:
                 continue
-            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             if hasattr(module, f.name):
                 members[f.name] = getattr(module, f.name)
-            elif required:
+            elif f.name in required:
                 raise TypeError(f"trainer kind {name} ({module.__name__}) lacks {f.name}: every kind provides "
-                                f"{', '.join(required_members())} (fsdp_recipes/train/kinds/__init__.py)")
+                                f"{', '.join(required)} (fsdp_recipes/train/kinds/__init__.py)")
         return cls(name=name, config_class=config_class or TRAINERS[name], module=module, **members)
 
     def samples(self, training) -> bool:
@@ -100,7 +103,7 @@ class TrainerKind:
 
 
 def required_members() -> list[str]:
-    return [f.name for f in dataclasses.fields(TrainerKind) if f.name not in ("name", "config_class", "module")
+    return [f.name for f in dataclasses.fields(TrainerKind) if f.name not in NOT_MEMBERS
             and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
 
