@@ -83,9 +83,9 @@ def test_a_reward_function_naming_a_column_the_data_has_passes(tmp_path, cache_d
     ({"generation_backend": "vllm"}, "generation_backend vllm, but"),
 ], ids=["none", "no-module", "bare-name", "weights", "backend", "vllm-here"])
 def test_grpo_setting_mistakes(tmp_path, cache_dir, checks, monkeypatch, fields, fragment):
-    from fsdp_recipes.train.kinds import grpo
+    from fsdp_recipes.train.kinds import sampling
 
-    monkeypatch.setattr(grpo, "vllm_installed", lambda: False)  # the same answer on a GPU machine with vLLM
+    monkeypatch.setattr(sampling, "vllm_installed", lambda: False)  # the same answer on a GPU machine with vLLM
     assert_one_line_error(checks([grpo_recipe(tmp_path, **fields)]), fragment)
 
 
@@ -109,7 +109,7 @@ def test_data_without_prompts(tmp_path, cache_dir, checks):
     data.mkdir()
     (data / "train.jsonl").write_text('{"question": "What is 2 + 3?", "answer": "5"}\n')
     res = checks([grpo_recipe(tmp_path, dataset_name=str(data), dataset_test_split="train")])
-    assert_one_line_error(res, "GRPO needs `prompt`")
+    assert_one_line_error(res, "GRPO and RLOO need `prompt`")
 
 
 def test_the_grpo_demo_without_its_sft_run_names_the_command(tmp_path, cache_dir, checks):
@@ -167,13 +167,17 @@ def test_mfu_counts_each_forward_grpo_runs_per_sampled_batch():
                                                                                           "reference": 0.5}
 
 
-def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save():
+def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save(tmp_path):
+    from trl import GRPOConfig
+
     from fsdp_recipes.errors import UserError
     from fsdp_recipes.train.kinds import grpo
+
+    training = GRPOConfig(output_dir=str(tmp_path), num_generations=8, per_device_train_batch_size=8, use_cpu=True)
 
     flat = [{"step": 1, "reward": 0.0, "frac_reward_zero_std": 1.0}, {"step": 2, "reward": 0.0, "frac_reward_zero_std": 1.0}]
     with pytest.raises(UserError, match=r"GRPO learned nothing: .* each group of 8 completions scored alike \(mean "
                                         r"reward 0.000\)"):
-        grpo.check_learned(flat, SimpleNamespace(num_generations=8))
+        grpo.check_learned(flat, training)
     varied = [*flat, {"step": 3, "reward": 0.25, "frac_reward_zero_std": 0.5}]
-    grpo.check_learned(varied, SimpleNamespace(num_generations=8))  # one step varied
+    grpo.check_learned(varied, training)  # one step varied

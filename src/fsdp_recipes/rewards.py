@@ -1,11 +1,11 @@
 """Reward functions a GRPO recipe names by import path (`reward_funcs: [fsdp_recipes.rewards.exact_answer]`).
 
 TRL's GRPOTrainer calls each one per batch with keyword arguments: `prompts`, `completions` (chat turns, or text
-for plain prompts), `completion_ids`, every other column of the dataset (here `answer`, which train/kinds/grpo.py
+for plain prompts), `completion_ids`, every other column of the dataset (here `answer`, which train/kinds/sampling.py
 takes from a prompt-completion dataset's `completion`), and `trainer_state`, `log_extra`, `log_metric`. So a
 reward function takes the arguments it reads by name and `**kwargs` for the rest, and returns one float (or None:
 not applicable) per completion. Yours can live in any importable module; the launcher checks its signature before
-any rank starts (train/kinds/grpo.py check_reward_func).
+any rank starts (train/kinds/sampling.py check_reward_func).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def current(cfg, world_size: int, kind_settings: tuple[str, ...] = ()) -> dict:
               "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer}
     for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings):
         if name not in values:
-            value = getattr(t, name, getattr(cfg.pack, name, None))  # a kind's own may be a pack field (reward_funcs)
+            value = getattr(t, name, getattr(cfg.kind_args, name, None))  # a kind's own (reward_funcs) too
             value = value.value if isinstance(value, Enum) else value  # lr_scheduler_type: SchedulerType.COSINE
             values[name] = value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else str(value)
     return values

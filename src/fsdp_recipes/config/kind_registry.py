@@ -1,9 +1,39 @@
 """The registry of trainer kinds: each kind's name, the TRL config class whose fields its recipes' <kind>.yaml holds,
-and the default. Here, in the config layer, because recipe finding and argument parsing need the names before any
-training code loads; the kinds' behaviour is in train/kinds/ (one module each, checked against its interface when
-train/kinds builds its registry from these names). Adding a kind: a line here and its module there."""
+the kind's own argument dataclass (settings TRL's config lacks), and the default. Here, in the config layer, because
+recipe finding and argument parsing need them before any training code loads; the kinds' behaviour is in
+train/kinds/ (one module each, checked against its interface when train/kinds builds its registry from these
+names). Adding a kind: a line in TRAINERS and its module there."""
 
 from __future__ import annotations
 
-TRAINERS = {"sft": "SFTConfig", "dpo": "DPOConfig", "grpo": "GRPOConfig"}
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingArguments:
+    """The sampling kinds' own settings (train/kinds/sampling.py: GRPO, RLOO), parsed from the same <kind>.yaml."""
+
+    reward_funcs: list[str] = field(
+        default_factory=list,
+        metadata={"help": "The reward functions, by import path (fsdp_recipes.rewards.exact_answer); checked for "
+                          "their signature before any rank starts (train/kinds/sampling.py)."},
+    )
+    generation_backend: str = field(
+        default="auto",
+        metadata={"help": "How completions are sampled: auto (vLLM in colocate mode where it is installed and the "
+                          "run is on GPUs, else the policy's own generate), vllm, or transformers."},
+    )
+
+
+@dataclass(frozen=True)
+class Registration:
+    config_class: str  # TRL's config class for the kind (trl.SFTConfig, ...): every training setting
+    arguments: type | None = None  # the kind's own argument dataclass, or None
+
+
+TRAINERS: dict[str, Registration] = {
+    "sft": Registration("SFTConfig"),
+    "dpo": Registration("DPOConfig"),
+    "grpo": Registration("GRPOConfig", SamplingArguments),
+}
 DEFAULT_TRAINER = "sft"

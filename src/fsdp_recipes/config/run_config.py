@@ -58,16 +58,6 @@ class PackArguments:
                           "model_name_or_path (the SFT run's merged model) to the addition questions into "
                           "dataset_name first, once per model (assets/addition_preferences.py)."},
     )
-    reward_funcs: list[str] = field(
-        default_factory=list,
-        metadata={"help": "GRPO: the reward functions, by import path (fsdp_recipes.rewards.exact_answer); checked "
-                          "for their signature before any rank starts (train/kinds/grpo.py)."},
-    )
-    generation_backend: str = field(
-        default="auto",
-        metadata={"help": "GRPO: how completions are sampled: auto (vLLM in colocate mode where it is installed and "
-                          "the run is on GPUs, else the policy's own generate), vllm, or transformers."},
-    )
     save_merged_model: bool = field(
         default=False, metadata={"help": "LoRA runs: also save base+adapter merged to <output_dir>/merged."}
     )
@@ -120,6 +110,7 @@ class RunConfig:
     model: ModelConfig  # model path, dtype, attention, LoRA
     mixture: DatasetMixtureConfig
     pack: PackArguments
+    kind_args: Any = None  # the kind's own settings (config/kind_registry.py: SamplingArguments), or None
 
     @property
     def trainer(self) -> str:
@@ -134,6 +125,7 @@ class RunConfig:
             "dataset_mixture": dataclasses.asdict(self.mixture),
             f"{self.trainer}_config": self.training.to_dict(),
             "lora_config": peft_config.to_dict() if peft_config is not None else None,
+            **({f"{self.trainer}_args": dataclasses.asdict(self.kind_args)} if self.kind_args is not None else {}),
         }
 
 
@@ -186,12 +178,13 @@ def dataclass_types(trainer: str = DEFAULT_TRAINER):
 
     from fsdp_recipes.patches.versions import new_training_field_names
 
-    config_class = getattr(trl, TRAINERS[trainer])
+    registered = TRAINERS[trainer]
+    config_class = getattr(trl, registered.config_class)
     # an older transformers release spells some TrainingArguments fields the old way: the new names are parsed
     # beside them
     renamed = new_training_field_names(config_class)
     types = (ScriptArguments, config_class, ModelConfig, DatasetMixtureConfig, PackArguments)
-    return types + ((renamed,) if renamed else ())
+    return types + ((registered.arguments,) if registered.arguments else ()) + ((renamed,) if renamed else ())
 
 
 def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
@@ -229,11 +222,13 @@ def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
     parser.set_defaults_with_config(**raw)
     check_step_counts(raw, argv)
     try:
-        script, training, model, mixture, pack, *renamed = parser.parse_args_into_dataclasses(argv)
+        script, training, model, mixture, pack, *rest = parser.parse_args_into_dataclasses(argv)
     except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
         raise UserError(
             f"invalid configuration: {str(err).splitlines()[0]} Fix: correct that setting in the recipe YAML or ARGS."
         ) from None
+    kind_args = rest.pop(0) if TRAINERS[kind].arguments else None
+    renamed = rest
     if renamed:  # see patches/versions.py: the recipe's field names on an older transformers
         from fsdp_recipes.patches.versions import RENAMED_TRAINING_FIELDS, apply_new_training_field_names
 
@@ -245,4 +240,4 @@ def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
     pack.prometheus_textfile = expand(pack.prometheus_textfile, "prometheus_textfile")
     if not model.model_name_or_path:
         raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
-    return RunConfig(script, training, model, mixture, pack)
+    return RunConfig(script, training, model, mixture, pack, kind_args)

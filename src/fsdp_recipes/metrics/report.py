@@ -118,8 +118,9 @@ _ABSENT = object()
 
 
 def setting_sections(args: dict) -> list[str]:
-    """SETTING_SECTIONS and the trainer kind's `<kind>_config` sections of one run_args.json."""
-    return [*SETTING_SECTIONS, *(sec for sec in args if sec.endswith("_config") and sec not in SETTING_SECTIONS)]
+    """SETTING_SECTIONS and the trainer kind's `<kind>_config` and `<kind>_args` sections of one run_args.json."""
+    return [*SETTING_SECTIONS, *(sec for sec in args if sec.endswith(("_config", "_args"))
+                                 and sec not in SETTING_SECTIONS)]
 
 
 def _setting_value(value) -> str:

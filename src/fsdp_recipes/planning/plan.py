@@ -71,9 +71,10 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
         ensure_assets(quiet=True)
     model_args = cfg.model
     source = model_check.model_config_source(model_args.model_name_or_path, recipe)
-    if source is None and cfg.pack.continues_from and (recipe / "model_config.json").is_file():
+    if source is None and (cfg.pack.continues_from or cfg.pack.smollm2_assets) and (
+            recipe / "model_config.json").is_file():
         # another run's output (the SFT model a DPO recipe trains on) has its base model's architecture, which the
-        # recipe ships: the plan needs no run to have happened
+        # recipe ships, and so has the default's model before its first launch prepares it: the plan needs neither
         source = recipe / "model_config.json"
     if source is None:
         raise UserError(f"recipe {recipe.name}: the config of {model_args.model_name_or_path} is not available offline. "
@@ -106,20 +107,6 @@ def strategy_of(acc: dict, gpus: int, nodes: int) -> tuple[str, int]:
                             f"Fix: GPUS={shard} or set parallelism_config_dp_shard_size to a divisor of {gpus}.")
         return "HSDP", shard
     return "FSDP", world
-
-
-def generation_setup(training, pack, kind, capacity_gib: float) -> dict:
-    """GRPO's sampling as memory_budget.Setup fields: which backend `make plan` assumes, and its size. `auto`
-    counts vLLM (installed on the GPU machines the recipe is for); the report also gives the generate figure."""
-    if not kind.samples(training):
-        return {}
-    kind.check_backend(pack.generation_backend)
-    if pack.generation_backend != "transformers" and training.vllm_mode == "server":
-        return dict(generation="none")  # vLLM on GPUs of its own (trl vllm-serve): nothing on the training GPUs
-    mode = "generate" if pack.generation_backend == "transformers" else "vllm"
-    return dict(generation=mode, generated_sequences=training.per_device_train_batch_size
-                * (training.steps_per_generation or 1), generation_tokens=kind.sequence_length(training),
-                vllm_bytes=training.vllm_gpu_memory_utilization * capacity_gib * GIB)
 
 
 # accelerate's FSDP1 strategies by name and by their 1-based number (FSDP_SHARDING_STRATEGY), and FSDP2's false
@@ -225,7 +212,7 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
                         "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")
     m = memory_budget.shape_of(model, model_args)
     runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer,
-                  generation=generation_setup(training, cfg.pack, kinds.load(cfg.trainer), capacity))
+                  generation=kinds.load(cfg.trainer).generation_setup(cfg, capacity))
     budgets = {k: memory_budget.budget(m, s) for k, s in runs.items()}
     return Planned(recipe, acc, cfg, model, m, runs, budgets, next(iter(runs)), gpu_key, capacity, gpus, nodes)
 
@@ -269,7 +256,7 @@ def report(p: Planned) -> str:
     if "vllm_engine" in budget or "generation_kv_cache" in budget:
         s = p.runs[own]
         kv = memory_budget.budget(m, dataclasses.replace(s, generation="generate"))["generation_kv_cache"]
-        lines.append(f"generation ({p.cfg.trainer}, generation_backend {pack.generation_backend}): " + (
+        lines.append(f"generation ({p.cfg.trainer}, generation_backend {p.cfg.kind_args.generation_backend}): " + (
             f"assumed vLLM in colocate mode, {training.vllm_gpu_memory_utilization:.0%} of each GPU: "
             f"{gib(budget['vllm_engine'])} GiB/GPU; without vLLM the policy's generate holds a KV cache of "
             f"{gib(kv)} GiB/GPU instead" if s.generation == "vllm" else

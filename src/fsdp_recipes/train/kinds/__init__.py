@@ -2,30 +2,32 @@
 registry, KINDS. Everything outside this folder asks the registry and the kind (`kinds.load(name)`), never a kind's
 name.
 
-The kinds' names, and the TRL config class whose fields each kind's <kind>.yaml holds, are the registry in
+The kinds' names, the TRL config class whose fields each kind's <kind>.yaml holds, and the kind's own argument
+dataclass (cfg.kind_args: the sampling kinds' reward_funcs and generation_backend) are the registry in
 config/kind_registry.py (the config layer needs them before any training code loads). A kind module provides
 (TrainerKind below checks it when KINDS is built from those names, at import):
-    trainer_class()                   TRL's trainer class (SFTTrainer, DPOTrainer, GRPOTrainer); entry.py adds the pack's hooks
+    trainer_class()                   TRL's trainer class (SFTTrainer, DPOTrainer, ...); entry.py adds the pack's hooks
     check_config(cfg)                 the kind's own settings, before anything loads (one-line errors)
     load_datasets(cfg)                (train, eval or None), with one-line errors for splits and columns
     check_data(cfg, splits, tokenizer)  the rows, in the launcher before any rank starts: errors with file and
                                       line; returns the warnings (tokenizer: None when the model is not local)
     REPORTED_LOGS                     the trainer's own log keys that the run report adds to metrics.json
     trainer_kwargs(cfg)               what the trainer takes besides model, args, data, peft_config and callbacks
-                                      (GRPO: the reward functions)
-    extra_forwards(training)          forwards per trained token besides its own: "reference" (DPO; GRPO with a
-                                      KL term), "generation" (GRPO's sampling): FLOPs, MFU, `make plan`'s rows
+                                      (the sampling kinds: the reward functions)
+    extra_forwards(training)          forwards per trained token besides its own: "reference" (DPO, KTO; sampling
+                                      kinds with a KL term), "generation" (sampling): FLOPs, MFU, `make plan`'s rows
     sequence_length(training)         `make plan`'s worst-case tokens of one trained sequence
     RESUME_SETTINGS                   the kind's settings a resume compares with its checkpoint's, like the
                                       learning rate (checkpoint/resume_settings.py)
     SEQUENCES_PER_ROW, ROWS           `make plan`: sequences per dataset row, and what to call a row
     SMOKE_DATA                        which of tiny_assets' datasets `make smoke` trains on
     describe_tokens                   how tokens/s and MFU count this kind's work (docs/run-report.md)
-Optional, with the defaults of TrainerKind: SMOKE_SETTINGS (fields `make smoke` replaces: GRPO's reward),
-check_backend(backend) (GRPO: generation_backend), describe_generation(training) (the run's first lines say how
-completions are sampled), check_learned(log_history, training) (GRPO: a run whose rewards never varied stops before
-its final save, in one line), count_prepared(trainer, prepared, counter) (GRPO: counts the batch that exists only
-after sampling) and summary_lines(metrics) (the end-of-run summary's lines of the kind's own).
+Optional, with the defaults of TrainerKind: SMOKE_SETTINGS (fields `make smoke` replaces: a sampling kind's reward),
+generation_setup(cfg, capacity_gib) (`make plan`'s memory for sampling), describe_generation(training) (the run's
+first lines say how completions are sampled), check_learned(log_history, training) (a run whose rewards never varied
+stops before its final save, in one line), count_prepared(trainer, prepared, counter) (counts the batch that exists
+only after sampling) and summary_lines(metrics) (the end-of-run summary's lines of the kind's own). What the sampling
+kinds share is sampling.py's, which their modules take as these members.
 
 Adding a kind: that module, its line in config/kind_registry.py, and recipes whose settings live in <kind>.yaml
 (docs/architecture.md).
@@ -54,6 +56,10 @@ def _nothing(*args, **kwargs) -> list:
     return []
 
 
+def _no_setup(*args, **kwargs) -> dict:
+    return {}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainerKind:
     """What the launcher, checks, placement, planner, smoke run, resume comparison, console, summary and run report
@@ -75,7 +81,7 @@ class TrainerKind:
     SMOKE_DATA: str
     describe_tokens: str
     SMOKE_SETTINGS: dict = dataclasses.field(default_factory=dict)
-    check_backend: Callable = _no_check
+    generation_setup: Callable = _no_setup
     describe_generation: Callable | None = None
     check_learned: Callable = _no_check
     count_prepared: Callable | None = None
@@ -95,7 +101,7 @@ class TrainerKind:
             elif f.name in required:
                 raise TypeError(f"trainer kind {name} ({module.__name__}) lacks {f.name}: every kind provides "
                                 f"{', '.join(required)} (fsdp_recipes/train/kinds/__init__.py)")
-        return cls(name=name, config_class=config_class or TRAINERS[name], module=module, **members)
+        return cls(name=name, config_class=config_class or TRAINERS[name].config_class, module=module, **members)
 
     def samples(self, training) -> bool:
         """The kind samples what it trains on (its forwards include generation): FLOPs, plan, summary."""

@@ -1,71 +1,27 @@
 """GRPO: TRL's GRPOTrainer, reinforcement learning with a verifiable reward, on the same FSDP lifecycle as SFT and DPO.
 
 Each step: every rank takes its share of the step's prompts, samples `num_generations` completions per prompt with
-the policy being trained, scores them with the recipe's reward functions (`reward_funcs`, import paths: data of the
-recipe, see fsdp_recipes/rewards.py), and trains on the completions weighted by their advantage over their group's
-mean reward. A group whose completions all score alike carries no advantage, hence no gradient.
-
-Generation:
-- `generation_backend: auto` (the default) generates with vLLM in the trainer's processes (`vllm_mode: colocate`)
-  where vLLM is installed and the run is on GPUs, else with the policy's own `generate`. `vllm` insists on vLLM
-  (one line when it cannot), `transformers` never uses it. The run's first lines say which was chosen.
-- With `generate` under FSDP2 every forward gathers the layer it runs, as in training (TRL's path; transformers
-  sets `synced_gpus` for an FSDP module, so a rank whose completions ended keeps stepping with the others).
-
-Data: `prompt` plus the columns the reward functions read. Prompt-completion data (the SFT recipes' own) works as it
-is: its `completion` becomes the `answer` column, which TRL would otherwise not pass to a reward function.
-
-An exact resume, with the policy's `generate`: the Trainer saves each rank's random generators into every checkpoint
-(rng_state_<rank>.pth) and restores them on resume, and where the accumulation is a multiple of steps_per_generation x
-num_iterations (the recipes' settings) no sampled batch outlives an optimizer step, so a preempted and resumed run
-samples the same completions as an uninterrupted one (tests/test_preemption.py compares their rewards and losses
-step by step). With vLLM it is not exact: the engine's sampler is seeded per process and its state is in no checkpoint.
+the policy being trained, scores them with the recipe's reward functions, and trains on the completions weighted by
+their advantage over their group's mean reward. A group whose completions all score alike carries no advantage,
+hence no gradient. What GRPO shares with the other sampling kinds (rewards, generation backend, data, counting,
+plan, summary) is sampling.py's; this module adds GRPO's forwards and resume settings.
 """
 
 from __future__ import annotations
 
-import importlib
-import inspect
+from fsdp_recipes.train.kinds import sampling
+from fsdp_recipes.train.kinds.sampling import (  # noqa: F401  (the kind's interface members, TrainerKind reads them)
+    REPORTED_LOGS, ROWS, SEQUENCES_PER_ROW, SMOKE_DATA, SMOKE_SETTINGS, check_config, check_data, check_learned,
+    count_prepared, describe_generation, describe_tokens, generation_setup, load_datasets, sequence_length,
+    summary_lines, trainer_kwargs)
 
-from fsdp_recipes.errors import UserError
-
-# GRPOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `grpo` section
-REPORTED_LOGS = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
-                 "completions/clipped_ratio", "kl", "entropy")
-RESUME_SETTINGS = ("reward_funcs", "reward_weights", "num_generations", "max_completion_length", "temperature",
-                   "beta", "epsilon", "loss_type", "scale_rewards")  # what a resume compares (resume_settings.py)
-SEQUENCES_PER_ROW = 1  # per_device_train_batch_size counts completions: each is one prompt + completion sequence
-ROWS = "completions (num_generations per prompt)"
-SMOKE_DATA = "data"  # tiny_assets' prompt-completion chat data: its completion is the answer the reward checks
-# make smoke: the recipe's own reward may read columns the synthetic data lacks (trl.rewards.accuracy_reward: a
-# `solution`); the exact answer runs on it, with number_only beside it so that a tiny random model's completions
-# still differ in reward (fsdp_recipes/rewards.py); a few short completions keep the steps quick
-SMOKE_SETTINGS = {"reward_funcs": ["fsdp_recipes.rewards.exact_answer", "fsdp_recipes.rewards.number_only"],
-                  "max_completion_length": 4, "num_generations": 2, "vllm_enable_sleep_mode": False}
-describe_tokens = ("non-padding tokens of the trained sequences (prompt + sampled completion), one forward and "
-                   "backward each; sampling them is one more forward per token, counted in MFU (2N FLOPs), and "
-                   "metrics.json's `generated_tokens` counts the completion tokens sampled")
-# Keyword arguments TRL passes to every reward function besides the dataset's columns (trl 1.16 _calculate_rewards)
-PASSED = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric", "environments"}
-BACKENDS = ("auto", "vllm", "transformers")
+RESUME_SETTINGS = (*sampling.RESUME_SETTINGS, "loss_type", "scale_rewards")
 
 
 def trainer_class():
     from trl import GRPOTrainer
 
     return GRPOTrainer
-
-
-def trainer_kwargs(cfg) -> dict:
-    return {"reward_funcs": [load_reward_func(path) for path in cfg.pack.reward_funcs]}
-
-
-PROMPT_TOKENS = 512  # make plan's assumption for a prompt: GRPOConfig does not truncate prompts
-
-
-def sequence_length(training) -> int:
-    """make plan's worst case for a trained sequence: a prompt of PROMPT_TOKENS and the longest completion."""
-    return PROMPT_TOKENS + training.max_completion_length
 
 
 def extra_forwards(training) -> dict[str, float]:
@@ -83,177 +39,3 @@ def extra_forwards(training) -> dict[str, float]:
                                                         training.vllm_importance_sampling_correction):
         forwards["old_policy"] = per_batch
     return forwards
-
-
-def load_reward_func(path: str):
-    """`package.module.function` (or `package.module:function`) -> the function; one line when it is not there."""
-    module_name, _, name = path.replace(":", ".").rpartition(".")
-    fix = "Fix: name a function by its import path, e.g. fsdp_recipes.rewards.exact_answer."
-    if not module_name:
-        raise UserError(f"reward_funcs entry {path!r} is not an import path. {fix}")
-    try:
-        module = importlib.import_module(module_name)
-    except (ImportError, SyntaxError) as err:  # a user's own module may not even parse
-        raise UserError(f"reward_funcs entry {path!r}: module {module_name} cannot be imported "
-                        f"({type(err).__name__}: {err}). {fix}") from None
-    func = getattr(module, name, None)
-    if not callable(func):
-        raise UserError(f"reward_funcs entry {path!r}: {module_name} has no function {name}. {fix}")
-    return func
-
-
-def check_reward_func(path: str, columns: set[str] | None = None) -> None:
-    """TRL calls a reward function with keyword arguments only (PASSED and the dataset's columns): it must take
-    **kwargs (TRL passes more than any one function reads) and need no argument TRL does not give."""
-    func = load_reward_func(path)
-    params = inspect.signature(func).parameters.values()
-    if not any(p.kind is p.VAR_KEYWORD for p in params):
-        raise UserError(f"reward function {path} does not take **kwargs, but TRL passes it every dataset column and "
-                        f"{', '.join(sorted(PASSED - {'environments'}))}. Fix: add **kwargs to its signature.")
-    needed = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    try:  # a function whose package is missing says so only when called (trl.rewards.accuracy_reward: math-verify)
-        func(**{name: [] for name in needed})
-    except ImportError as err:
-        raise UserError(f"reward function {path} cannot run here: {err}. Fix: install what it needs (TRL's math "
-                        "rewards: pip install 'fsdp-recipes[grpo]') in every node's environment.") from None
-    except Exception:  # noqa: BLE001  (called with no completions, a function may fail in its own ways: not ours to judge)
-        pass
-    if columns is not None:
-        missing = [n for n in needed if n not in PASSED | columns]
-        if missing:
-            raise UserError(f"reward function {path} needs {', '.join(missing)}, which is neither a dataset column "
-                            f"(the data has {sorted(columns)}) nor passed by TRL. Fix: add that column to the data, "
-                            f"or give the argument a default.")
-
-
-def check_config(cfg) -> None:
-    """Settings, before any data or weight is loaded (entry.check_before_launch, in the launcher and every rank)."""
-    funcs, weights = cfg.pack.reward_funcs, cfg.training.reward_weights
-    if not funcs:
-        raise UserError("a GRPO recipe needs reward_funcs, the import paths of its reward functions. Fix: add e.g. "
-                        "`reward_funcs: [fsdp_recipes.rewards.exact_answer]` to grpo.yaml.")
-    for path in funcs:
-        check_reward_func(path)
-    if weights is not None and len(weights) != len(funcs):
-        raise UserError(f"reward_weights has {len(weights)} values for {len(funcs)} reward_funcs. Fix: give one weight "
-                        "per function, or leave reward_weights out (all 1.0).")
-    cfg.training.use_vllm = use_vllm(cfg.pack.generation_backend, cfg.training.use_cpu)
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise UserError(f"generation_backend {backend!r} is not one of {', '.join(BACKENDS)}. Fix: use auto (vLLM "
-                        "where installed, else the model's generate), vllm or transformers.")
-
-
-def vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
-def use_vllm(backend: str, use_cpu: bool) -> bool:
-    """generation_backend -> GRPOConfig.use_vllm: vLLM where asked for (and there), or where `auto` finds it on GPUs.
-    Decided in the launcher and again in every rank from the same facts; nodes with different installs would decide
-    differently, so install vLLM on every node or on none (or say vllm / transformers)."""
-    check_backend(backend)
-    import torch
-
-    have = vllm_installed()
-    gpus = torch.cuda.is_available() and not use_cpu
-    if backend == "vllm" and not (have and gpus):
-        why = "vLLM is not installed" if not have else "the run has no GPU"
-        raise UserError(f"generation_backend vllm, but {why}. Fix: pip install 'fsdp-recipes[vllm]' on the GPU "
-                        "machines, or set generation_backend auto (the model's generate where vLLM cannot run).")
-    return backend == "vllm" or (backend == "auto" and have and gpus)
-
-
-def describe_generation(training) -> str:
-    """The run's first lines say how completions are sampled."""
-    share = (f"{training.vllm_gpu_memory_utilization:.0%} of each GPU" if training.vllm_mode == "colocate" else
-             f"at {training.vllm_server_base_url or f'{training.vllm_server_host}:{training.vllm_server_port}'}")
-    how = (f"vLLM ({training.vllm_mode}, {share})" if training.use_vllm
-           else "the policy's own generate (vLLM not used)")
-    return (f"{training.num_generations} completions of at most {training.max_completion_length} tokens per prompt, "
-            f"temperature {training.temperature}, sampled with {how}")
-
-
-def count_prepared(trainer, prepared, counter) -> None:
-    """The batch trained on exists only after _prepare_inputs, sampled from the prompts training_step was given. A
-    sampled batch is trained on num_iterations times, its tokens sampled once: the first pass is the first
-    steps_per_generation micro-batches of each cycle (trl 1.16 _prepare_inputs; training_step advances _step only
-    after this returns)."""
-    if "completion_ids" not in prepared:
-        return
-    per_batch = trainer.args.steps_per_generation
-    first_pass = trainer._step % (per_batch * trainer.num_iterations) < per_batch
-    counter.add_sampled(prepared, generated=first_pass)
-
-
-def summary_lines(m: dict) -> list[str]:
-    """The end-of-run summary: what was sampled, and what it scored."""
-    if m.get("generated_tokens") is None:
-        return []
-    reward = (m.get("grpo") or {}).get("reward") or {}
-    rewards = (f"; reward {reward['first']:.3f} -> {reward['last']:.3f} (mean over the first and last logged "
-               "steps)" if reward.get("last") is not None else "")
-    return [f"sampled     {m['generated_tokens']:,} completion tokens "
-            f"({m.get('generated_tokens_per_second') or 0:,.1f}/s){rewards}"]
-
-
-def check_learned(log_history: list[dict], training) -> None:
-    """After training, before the final save: a run in which no group's rewards ever varied had no advantage to learn
-    from, so its weights are those it started with (a LoRA adapter still zero, which the final-save check would call
-    an incomplete save). Almost always a reward that cannot vary on this model's completions: said as such."""
-    logged = [h for h in log_history if "frac_reward_zero_std" in h]
-    if logged and all(h["frac_reward_zero_std"] == 1.0 for h in logged):
-        mean = sum(h.get("reward") or 0.0 for h in logged) / len(logged)
-        raise UserError(f"GRPO learned nothing: at every logged step each group of {training.num_generations} "
-                        "completions "
-                        f"scored alike (mean reward {mean:.3f}), so no completion had an advantage and the weights "
-                        "did not change. Fix: try the reward functions on a few of this model's completions (one "
-                        "that is always 0 or always 1 teaches nothing), start from a model that is sometimes right "
-                        "(an SFT run), or raise temperature or num_generations.")
-
-
-def load_datasets(cfg, want_eval: bool | None = None):
-    """(train, eval or None): prompts and the columns the rewards read; a `completion` column becomes `answer`."""
-    from fsdp_recipes.train.loading import load_splits
-
-    want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    splits = load_splits(cfg.script, cfg.mixture, want_eval, check_columns)
-    return tuple(None if ds is None else with_answer(ds) for ds in splits)
-
-
-def with_answer(ds):
-    if "completion" in ds.column_names and "answer" not in ds.column_names:
-        return ds.rename_column("completion", "answer")
-    return ds
-
-
-def check_columns(ds, where: str) -> None:
-    if "prompt" not in set(ds.column_names or []):
-        raise UserError(f"dataset {where} has columns {sorted(ds.column_names or [])}, but GRPO needs `prompt` (and "
-                        "the columns its reward functions read, e.g. `answer`). Fix: rename the prompt column, or use "
-                        "prompt-completion data (its completion becomes `answer`).")
-
-
-def check_data(cfg, splits, tokenizer) -> list[str]:
-    """Prompts present; every reward function's named arguments are columns of the data (or passed by TRL)."""
-    from fsdp_recipes.train import data_checks
-
-    where = cfg.script.dataset_name
-    for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
-        if ds is None:
-            continue
-        check_columns(ds, where)
-        if len(ds) == 0:
-            raise UserError(f"the `{split}` split of the dataset {where} has no prompts. Fix: point dataset_name at "
-                            "data with rows.")
-        # TRL passes every column to the rewards but these (trl 1.16 _calculate_rewards)
-        columns = set(with_answer(ds).column_names) - {"prompt", "completion", "completion_ids"}
-        for path in cfg.pack.reward_funcs:
-            check_reward_func(path, columns)
-        if tokenizer is not None and data_checks.conversational(ds):
-            data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
-    return []
