@@ -41,8 +41,9 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, recipes, yaml_keys
+from fsdp_recipes.config.argv import override
 from fsdp_recipes.config.recipes import Recipe
-from fsdp_recipes.config.run_config import PackArguments, RunConfig, override
+from fsdp_recipes.config.run_config import PackArguments, RunConfig
 from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import failures, smoke, summary
