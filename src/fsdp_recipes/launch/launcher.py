@@ -40,6 +40,7 @@ from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
+from fsdp_recipes.checkpoint import resume_choice
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, recipes, yaml_keys
 from fsdp_recipes.config.argv import override
 from fsdp_recipes.config.recipes import Recipe
@@ -48,7 +49,7 @@ from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import failures, smoke, summary
 from fsdp_recipes.launch.rank_output import RankOutput
-from fsdp_recipes.train import entry, failure, float8, start_gate
+from fsdp_recipes.train import failure, float8, run_checks, start_gate
 
 
 def say(msg: str) -> None:
@@ -234,7 +235,7 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
-        cfg = entry.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw)
+        cfg = run_checks.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw)
     from fsdp_recipes.config.value_checks import schedule_warnings
 
     warn(recipe, schedule_warnings(cfg.training))
@@ -287,7 +288,7 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | N
             return done
     elif not first_node:
         return None  # the first node is emptying output_dir: there is nothing of the old run to resume
-    resume, changed = entry.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first_node)
+    resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first_node)
     if first_node:
         superseded(out, resume)
     if changed.get("length"):

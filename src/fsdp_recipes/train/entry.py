@@ -12,51 +12,14 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from fsdp_recipes import dist
-from fsdp_recipes.config import hardware, model_check, value_checks
-from fsdp_recipes.config.run_config import RunConfig, parse_args
-from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
-from fsdp_recipes.metrics import prometheus
+from fsdp_recipes.checkpoint.resume_choice import checkpoint_to_resume
+from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, cli
 from fsdp_recipes.patches import cpu_fsdp, guard
 from fsdp_recipes.train import failure, float8, kinds, replica_model, start_gate
-
-
-def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
-    """Everything that can be checked without starting processes or loading weights."""
-    hardware.check_gpus(cfg.pack.min_gpus, cfg.pack.recipe_name or "(unnamed)", nodes)
-    model_check.check_attn_implementation(cfg.model.attn_implementation)
-    model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
-    prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
-    float8.check_config(cfg.pack.float8, cfg.model.use_peft)
-    value_checks.check_values(cfg)
-    kinds.load(cfg.trainer).check_config(cfg)
-
-
-def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None, raw: dict | None = None) -> RunConfig:
-    """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
-    of them, so before the model check), and run the checks that need no process group. `nodes`: of the job
-    (min_gpus is shared among them); by default read from torchrun's environment. `raw`: the recipe YAML when the
-    caller has read it already (the launcher's Recipe)."""
-    cfg = parse_args(argv, raw)
-    if cfg.pack.tiny_assets:
-        from fsdp_recipes.assets.tiny_assets import ensure_assets
-
-        ensure_assets(quiet=quiet)
-    if cfg.pack.smollm2_assets:
-        from fsdp_recipes.assets import smollm2
-
-        # The model only when the recipe trains the prepared folder: with a hub id
-        # (--model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct) from_pretrained fetches it as usual.
-        smollm2.ensure_assets(model=smollm2.is_prepared_path(cfg.model.model_name_or_path), quiet=quiet)
-    if cfg.pack.addition_preferences:  # DPO on the default's task: pairs from the SFT model's own answers
-        from fsdp_recipes.assets import addition_preferences
-
-        model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
-        addition_preferences.ensure(cfg.model.model_name_or_path, cfg.script.dataset_name, quiet=quiet)
-    check_before_launch(cfg, nodes=hardware.job_nodes() if nodes is None else nodes)
-    return cfg
+from fsdp_recipes.train.run_checks import parse_and_check
 
 
 def make_trainer_class(kind: str = kinds.DEFAULT):
@@ -111,47 +74,6 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
-
-
-def checkpoint_to_resume(cfg: RunConfig, settings: dict, say=None, move_unreadable: bool = False):
-    """(checkpoint or None, what the command changes against it). An explicit resume_from_checkpoint wins; else, with
-    auto_resume, the newest complete checkpoint that can be read: newer ones that cannot are skipped, and moved aside
-    where `move_unreadable` (the launcher, which holds the output_dir's lock). The checkpoint must belong to this model
-    and LoRA shape (checked before any weight is loaded) and to this command's `settings` (resume_settings.current).
-    `say`: where the skipped checkpoints are told (None: nowhere)."""
-    from trl import get_peft_config
-
-    from fsdp_recipes.checkpoint import markers as checkpoints
-    from fsdp_recipes.checkpoint import resume_settings
-    from fsdp_recipes.checkpoint.resume_check import checkpoint_step
-
-    say = say or (lambda line: None)
-    training, model_args = cfg.training, cfg.model
-    resume = training.resume_from_checkpoint
-    if not resume and cfg.pack.auto_resume:
-        for skipped in checkpoints.incomplete(training.output_dir):
-            say(f"skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)")
-        latest, bad = checkpoints.usable(training.output_dir)
-        then = f"resuming from {latest.name}" if latest else "no other complete checkpoint: starting from step 0"
-        for ckpt, why in bad:
-            if move_unreadable:
-                say(f"{ckpt} cannot be read ({why}); moved to {checkpoints.move_aside(ckpt).name}; {then}")
-            else:
-                say(f"skipping {ckpt}: cannot be read ({why}); {then}")
-        resume = str(latest) if latest else None
-    elif resume and Path(resume).is_dir() and (why := checkpoints.unreadable(Path(resume))):
-        raise UserError(f"resume_from_checkpoint {resume} cannot be read ({why}). Fix: point it at another "
-                        f"checkpoint-N folder.")
-    if not resume:
-        return None, {}
-    if not Path(resume).is_dir():
-        raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
-    checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
-                                                                    get_peft_config(model_args)))
-    saved = checkpoints.saved_identity(Path(resume)) or {}
-    changed = resume_settings.check(resume, checkpoint_step(resume), saved.get("settings"), settings,
-                                    cfg.pack.override_resumed_settings)
-    return resume, changed
 
 
 def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, settings: dict | None = None):
