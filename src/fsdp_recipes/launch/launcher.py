@@ -47,9 +47,9 @@ from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import PackArguments, RunConfig
 from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
-from fsdp_recipes.launch import failures, smoke, summary
+from fsdp_recipes.launch import explain_failure, smoke, summary
 from fsdp_recipes.launch.rank_output import RankOutput
-from fsdp_recipes.train import failure, float8, run_checks, start_gate
+from fsdp_recipes.train import failure_record, float8, run_checks, start_gate
 
 
 def say(msg: str) -> None:
@@ -105,7 +105,7 @@ class Ranks:
             # die_with_parent: `accelerate launch` (and with it torchrun, whose ranks die with it in turn) is
             # killed when this launcher dies, even by SIGKILL.
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                         start_new_session=True, preexec_fn=failure.die_with_parent)
+                                         start_new_session=True, preexec_fn=failure_record.die_with_parent)
         except BaseException:
             self._done()
             raise
@@ -152,7 +152,7 @@ class Ranks:
         try:
             rc = self.proc.wait()
             self.output.join()
-            self.records = failures.read_records(self.torchrun_logs)
+            self.records = explain_failure.read_records(self.torchrun_logs)
             for rec in self.records:  # the traceback the rank did not print, in its own log
                 self.output.append(rec["rank"], self.traceback(rec))
             self.log_failure = self.output.log_failure
@@ -371,7 +371,7 @@ def launch(argv: list[str], held: ExitStack) -> int:
         extra += ["--num_processes", str(placed.processes)]
     # torchrun writes each rank's output and error record under --log_dir (PET_REDIRECTS=3, in Ranks: to files
     # only); the launcher relays the output, keeps it in output_dir/logs/rank<N>.log and reads the records
-    # (rank_output.py, failures.py).
+    # (rank_output.py, explain_failure.py).
     torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))
     cmd = accelerate_cmd() + ["--config_file", str(recipe.accelerate_path), "--log_dir", str(torchrun_logs), *extra]
     multi_node = int(acc.get("num_machines", 1)) > 1 or "--num_machines" in extra
@@ -462,11 +462,11 @@ def launch(argv: list[str], held: ExitStack) -> int:
         from fsdp_recipes.checkpoint import markers as checkpoints
 
         last_good = checkpoints.latest_complete(output_dir)
-        line, code = failures.describe(ranks.records, rc, log_dir, recipe.name, last_good and str(last_good),
+        line, code = explain_failure.describe(ranks.records, rc, log_dir, recipe.name, last_good and str(last_good),
                                        traceback_file=ranks.traceback_file, output_dir=output_dir)
         if fresh:
             try:
-                failures.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
+                explain_failure.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
             except OSError as err:  # the disk that stopped the run: the line below is the report
                 say(f"warning: {report} could not record the failure ({err.strerror or err})")
         raise UserError(line, exit_code=code)

@@ -18,7 +18,7 @@ from fsdp_recipes.checkpoint.resume_choice import checkpoint_to_resume
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, cli
 from fsdp_recipes.patches import cpu_fsdp, guard
-from fsdp_recipes.train import failure, float8, kinds, replica_model, start_gate
+from fsdp_recipes.train import failure_record, float8, kinds, replica_model, start_gate
 from fsdp_recipes.train.run_checks import parse_and_check
 
 
@@ -57,7 +57,7 @@ def make_trainer_class(kind: str = kinds.DEFAULT):
             # Stop before the optimizer applies a NaN/inf gradient. The Trainer's default logging_nan_inf_filter
             # already reads this loss on every step (a device sync), and hides a NaN from the logged average.
             if not bool(loss.isfinite().all()):
-                raise failure.NonFiniteLoss(f"the training loss was {float(loss.float().mean())} at step "
+                raise failure_record.NonFiniteLoss(f"the training loss was {float(loss.float().mean())} at step "
                                             f"{self.state.global_step + 1}")
             return loss
 
@@ -107,7 +107,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
     }
     # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
     callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config, settings)),
-                 preemption, failure.make_phase_callback(), TiedEmbeddingsCheck(report)]
+                 preemption, failure_record.make_phase_callback(), TiedEmbeddingsCheck(report)]
     if pack.verify_loaded_weights and resume and peft_config is None:
         # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
         # model_name_or_path's file, every trained weight would differ. (A LoRA resume keeps the base weights.)
@@ -258,21 +258,21 @@ def quiet_console(cfg: RunConfig) -> None:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    """Every exception is written to torchrun's error file for this rank (failure.py). Under the launcher, which
+    """Every exception is written to torchrun's error file for this rank (failure_record.py). Under the launcher, which
     prints one line for the first failing rank and appends the traceback to this rank's log, the rank then exits
     without printing it; run directly, it raises as usual (a UserError is one `error:` line)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        failure.mark_rank()  # first: the launcher holds this rank's output until it knows which rank it is
-        failure.die_with_parent()  # torchrun is the parent: a rank must not outlive it (nor the launcher)
+        failure_record.mark_rank()  # first: the launcher holds this rank's output until it knows which rank it is
+        failure_record.die_with_parent()  # torchrun is the parent: a rank must not outlive it (nor the launcher)
     try:
         return run(argv)
     except (SystemExit, KeyboardInterrupt):  # the start gate's exits; Ctrl-C is the run report's "interrupted"
         raise
     except BaseException as err:
-        failure.record(err)
+        failure_record.record(err)
         if not start_gate.under_launcher():
             raise
-        return 2 if failure.STATE["phase"] == "setup" else 1
+        return 2 if failure_record.STATE["phase"] == "setup" else 1
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -337,7 +337,7 @@ def run(argv: list[str] | None = None) -> int:
     except BaseException as err:  # UserError included: the report records why the run stopped
         # Only once this run has trained: a failure before its first optimizer step (a mistake in the command
         # that resumes an output_dir) leaves the previous run's report as it was.
-        if failure.STATE["phase"] == "training":
+        if failure_record.STATE["phase"] == "training":
             report.finalize("failed", error=f"{type(err).__name__}: {err}")
         raise
     if report.finalize("completed") is not None:
