@@ -79,22 +79,8 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
 def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, settings: dict | None = None):
     """The kind's trainer with the pack's callbacks; the model is loaded by TRL with from_pretrained. `settings`:
     what each checkpoint records for a later resume to compare (resume_settings.current)."""
-    training, model_args, pack = cfg.training, cfg.model, cfg.pack
-    from fsdp_recipes.checkpoint.load_check import LoadCheckCallback, TiedEmbeddingsCheck
-    from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
-    from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_load
-    from fsdp_recipes.patches.peft_fsdp import (
-        RestoreOutputEmbeddings,
-        fsdp2_requested,
-        hide_wrapped_output_layer,
-        keep_fsdp1_output_layer_in_root,
-        load_adapter_through_fsdp1_root,
-        strip_fsdp1_wrapper_names,
-    )
-    strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
-    load_adapter_through_fsdp1_root()  # see peft_fsdp.py: without it an FSDP1 resume silently loads no adapter
-    keep_fsdp1_output_layer_in_root()  # see peft_fsdp.py: TRL's fused LM head needs the head unsharded
-    init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
+    training, model_args = cfg.training, cfg.model
+    patch_peft_under_fsdp()
 
     kind = kinds.load(cfg.trainer)
     train_ds, eval_ds = kind.load_datasets(cfg)
@@ -105,6 +91,46 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         "dtype": model_args.dtype,
         **(training.model_init_kwargs or {}),
     }
+    callbacks = pack_callbacks(cfg, peft_config, report, preemption, resume, settings)
+    model = model_args.model_name_or_path  # a directory or a hub id: TRL loads it with from_pretrained
+    # cpu_ram_efficient_loading: only each node's first rank reads the weights (replica_model.py)
+    if replica_model.applies(training.model_init_kwargs):
+        model = replica_model.empty_model(model, training.model_init_kwargs) or model
+    trainer = make_trainer_class(cfg.trainer)(
+        model=model,
+        args=training,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        peft_config=peft_config,
+        callbacks=callbacks,
+        **kind.trainer_kwargs(cfg),  # GRPO: the reward functions
+    )
+    trainer.token_counter, trainer.run_report = report.tokens, report
+    add_pack_hooks(trainer, cfg, report)
+    return trainer
+
+
+def patch_peft_under_fsdp() -> None:
+    """The patches PEFT and FSDP1 need, before the trainer exists (patches/peft_fsdp.py, patches/optim_resume.py)."""
+    from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_load
+    from fsdp_recipes.patches.peft_fsdp import (
+        keep_fsdp1_output_layer_in_root,
+        load_adapter_through_fsdp1_root,
+        strip_fsdp1_wrapper_names,
+    )
+    strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
+    load_adapter_through_fsdp1_root()  # see peft_fsdp.py: without it an FSDP1 resume silently loads no adapter
+    keep_fsdp1_output_layer_in_root()  # see peft_fsdp.py: TRL's fused LM head needs the head unsharded
+    init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
+
+
+def pack_callbacks(cfg: RunConfig, peft_config, report, preemption, resume, settings: dict | None) -> list:
+    """The pack's callbacks the trainer is built with: the run report, the checkpoint marker, preemption, the
+    failure phase, the load checks and, on a resume, its checks."""
+    training, model_args, pack = cfg.training, cfg.model, cfg.pack
+    from fsdp_recipes.checkpoint.load_check import LoadCheckCallback, TiedEmbeddingsCheck
+    from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
+
     # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
     callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config, settings)),
                  preemption, failure_record.make_phase_callback(), TiedEmbeddingsCheck(report)]
@@ -122,20 +148,14 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
 
         callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
         callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule from the checkpoint on
-    model = model_args.model_name_or_path  # a directory or a hub id: TRL loads it with from_pretrained
-    # cpu_ram_efficient_loading: only each node's first rank reads the weights (replica_model.py)
-    if replica_model.applies(training.model_init_kwargs):
-        model = replica_model.empty_model(model, training.model_init_kwargs) or model
-    trainer = make_trainer_class(cfg.trainer)(
-        model=model,
-        args=training,
-        train_dataset=train_ds,
-        eval_dataset=eval_ds,
-        peft_config=peft_config,
-        callbacks=callbacks,
-        **kind.trainer_kwargs(cfg),  # GRPO: the reward functions
-    )
-    trainer.token_counter, trainer.run_report = report.tokens, report
+    return callbacks
+
+
+def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
+    """What the built trainer gets before train(): the console's lines, float8, and the callbacks that need its
+    model (FSDP2's output layer and resharding, the memory probe)."""
+    training, pack = cfg.training, cfg.pack
+    from fsdp_recipes.patches.peft_fsdp import RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer
     from fsdp_recipes.train import console
 
     console.replace_progress_output(trainer)  # one line per log instead of bars and dictionaries
@@ -156,7 +176,6 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
 
         trainer.add_callback(MemoryProbeCallback(trainer.model, training.output_dir, trainer.accelerator.process_index,
                                                  report.tokens))
-    return trainer
 
 
 def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
