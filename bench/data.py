@@ -77,12 +77,12 @@ def pack_path(data_dir: Path, work: Path, packing: bool) -> dict:
     from trl import SFTTrainer, get_peft_config
 
     from fsdp_recipes.metrics.run_report import RunReportCallback
-    from fsdp_recipes.train import entry, loading
+    from fsdp_recipes.train import entry, loading, run_checks
     from fsdp_recipes.train.preemption import PreemptionCallback
 
     argv = ["--config", str(RECIPE_SFT), "--dataset_name", str(data_dir), "--eval_strategy", "no",
             "--packing", str(packing).lower(), "--output_dir", str(work / "out"), "--save_merged_model", "false"]
-    cfg = entry.parse_and_check(argv, quiet=True)
+    cfg = run_checks.parse_and_check(argv, quiet=True)
     peft_config = get_peft_config(cfg.model)
     report = RunReportCallback(cfg.training.output_dir, {}, cfg.pack.recipe_name, trainer=cfg.trainer)
     clocks = Clocks()

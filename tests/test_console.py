@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from fsdp_recipes.train import console
-from fsdp_recipes.train.failure import DETAILS_FILE, ERROR_FILE_ENV
+from fsdp_recipes.train.failure_record import DETAILS_FILE, ERROR_FILE_ENV
 
 PEFT_WARNING = ("`is_gradient_checkpointing` is deprecated and will be removed in v6. Use "
                 "`is_activation_checkpointing` instead.")  # as transformers 5.23 words it

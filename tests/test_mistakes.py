@@ -3,8 +3,8 @@ earlier run's files in the same output_dir unchanged.
 
 Most mistakes must be caught before any process starts, so they run through the launcher's own `main` in this
 process (with `Ranks` replaced by a failure: starting a rank is a bug here). A few real launches cover what only the
-ranks can find, through the rank error channel (train/failure.py, launch/failures.py), a NaN loss mid-run, and a
-launcher killed with SIGKILL.
+ranks can find, through the rank error channel (train/failure_record.py, launch/explain_failure.py), a NaN loss
+mid-run, and a launcher killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -339,27 +339,27 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, cache_dir):
 @pytest.mark.parametrize("phase, step, code", [("setup", None, 2), ("training", 7, 1)])
 def test_cuda_out_of_memory_is_one_line_with_the_budget_and_the_knobs(tmp_path, monkeypatch, phase, step, code):
     """The out-of-memory line, which no CPU run can trigger for real: torch's own OutOfMemoryError with a CUDA
-    allocator message, written to the error file where torchrun would put it (train/failure.py), read back and
-    described by the launcher's code (launch/failures.py)."""
+    allocator message, written to the error file where torchrun would put it (train/failure_record.py), read back and
+    described by the launcher's code (launch/explain_failure.py)."""
     import torch
 
-    from fsdp_recipes.launch import failures
-    from fsdp_recipes.train import failure
+    from fsdp_recipes.launch import explain_failure
+    from fsdp_recipes.train import failure_record
 
     error_file = tmp_path / "torchrun" / "run_0" / "attempt_0" / "1" / "error.json"
     error_file.parent.mkdir(parents=True)
-    monkeypatch.setenv(failure.ERROR_FILE_ENV, str(error_file))
+    monkeypatch.setenv(failure_record.ERROR_FILE_ENV, str(error_file))
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setitem(failure.STATE, "phase", phase)
-    monkeypatch.setitem(failure.STATE, "step", step)
+    monkeypatch.setitem(failure_record.STATE, "phase", phase)
+    monkeypatch.setitem(failure_record.STATE, "step", step)
     cuda_says = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
                  "1.02 GiB is free.\nOf the allocated memory 75.10 GiB is allocated by PyTorch")
     try:
         raise torch.OutOfMemoryError(cuda_says)
     except torch.OutOfMemoryError as err:
-        failure.record(err)
-    records = failures.read_records(tmp_path / "torchrun")
-    line, exit_code = failures.describe(records, 1, tmp_path / "logs", "mistral-7b-full", None)
+        failure_record.record(err)
+    records = explain_failure.read_records(tmp_path / "torchrun")
+    line, exit_code = explain_failure.describe(records, 1, tmp_path / "logs", "mistral-7b-full", None)
     where = "while loading the model and setting up" if phase == "setup" else "during training (at step 7)"
     assert line == (f"rank 1 ran out of device memory {where}: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 "
                     "has a total capacity of 79.19 GiB of which 1.02 GiB is free. Fix: check the budget with "

@@ -228,7 +228,7 @@ def test_a_trainer_kinds_own_setting_is_compared_like_the_learning_rate():
 def test_torchs_zip_writer_failing_on_a_full_disk_is_a_full_disk_and_elsewhere_is_not(small_disk, tmp_path):
     """torch.save's writer says "unexpected pos 64 vs 0", no errno: read as a full disk only where output_dir's file
     system is nearly full."""
-    from fsdp_recipes.launch.failures import describe
+    from fsdp_recipes.launch.explain_failure import describe
 
     (small_disk / "filler").write_bytes(bytes(8 << 20))  # 8 of its 16 MiB left: under NEARLY_FULL (1 GiB)
     record = {"rank": 1, "type": "RuntimeError", "phase": "training", "step": 3, "time": 0.0,
@@ -243,7 +243,7 @@ def test_torchs_zip_writer_failing_on_a_full_disk_is_a_full_disk_and_elsewhere_i
 def test_a_full_disk_elsewhere_is_named_not_blamed_on_output_dir():
     """A container's small /dev/shm fills (the DataLoader's shared memory): the line names that file system, and
     does not send the user to free space where output_dir is."""
-    from fsdp_recipes.launch.failures import describe
+    from fsdp_recipes.launch.explain_failure import describe
 
     record = {"rank": 1, "type": "RuntimeError", "phase": "training", "step": 7, "time": 0.0,
               "error": "unable to write to file </torch_123_456_0>: No space left on device (28)"}

@@ -123,7 +123,7 @@ def test_load_check_catches_weights_that_differ_from_the_file(tmp_path):
 def test_shard_check_catches_a_wrong_region(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from fsdp_recipes.checkpoint.sharded_save import shard_mismatches
+    from fsdp_recipes.checkpoint.save_check import shard_mismatches
 
     state = {"a.weight": torch.randn(4, 3), "b.weight": torch.randn(2)}
     save_file(state, tmp_path / "model-00001-of-00001.safetensors")

@@ -1,6 +1,6 @@
 """Tied input and output embeddings (SmolLM2, Llama 3.2 1B/3B, Qwen3 0.6B-4B, Gemma) through the pack's FSDP2 path,
 in one process on a tiny tied Llama: accelerate's own preparation with the pack's LM-head workaround
-(patches/peft_fsdp.py, workaround 2), the final-save check against the live shards (checkpoint/sharded_save.py),
+(patches/peft_fsdp.py, workaround 2), the final-save check against the live shards (checkpoint/save_check.py),
 the checkpoint save and load a resume makes (accelerate's FSDP2 adapter-only path), and the merge.
 
 Issue 18 item 6. The 2-process run of a tied model (training, a checkpoint, the verified final save, the merge) is
@@ -94,8 +94,7 @@ def test_final_save_check_of_a_tied_model_compares_every_shard(world_of_one, tmp
     wrong value in the shared tensor."""
     from safetensors.torch import load_file, save_file
 
-    from fsdp_recipes.checkpoint.save_check import IncompleteSave
-    from fsdp_recipes.checkpoint.sharded_save import verify_live_shards
+    from fsdp_recipes.checkpoint.save_check import IncompleteSave, verify_live_shards
 
     model = tied_llama()
     model.save_pretrained(tmp_path)

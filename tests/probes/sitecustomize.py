@@ -51,9 +51,9 @@ if os.environ.get("SLOW_CHECK_S") and "LOCAL_RANK" not in os.environ:
     # test can look at the ranks while they wait at the start gate. Only in the launcher, not in the ranks.
     import time
 
-    from fsdp_recipes.train import entry
+    from fsdp_recipes.train import run_checks
 
-    _parse_and_check = entry.parse_and_check
+    _parse_and_check = run_checks.parse_and_check
 
     def _slow_parse_and_check(*args, **kwargs):
         # ... or until the test creates $SLOW_CHECK_RELEASE, once it has seen what it looks for
@@ -62,7 +62,7 @@ if os.environ.get("SLOW_CHECK_S") and "LOCAL_RANK" not in os.environ:
             time.sleep(0.05)
         return _parse_and_check(*args, **kwargs)
 
-    entry.parse_and_check = _slow_parse_and_check
+    run_checks.parse_and_check = _slow_parse_and_check
 
 if os.environ.get("ABORT_AT_EXIT_RANK") and os.environ.get("RANK") == os.environ["ABORT_AT_EXIT_RANK"]:
     # ABORT_AT_EXIT_RANK (tests/test_start_gate.py): that rank dies of SIGABRT when its interpreter exits, after

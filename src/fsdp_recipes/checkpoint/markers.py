@@ -52,7 +52,7 @@ def unreadable(ckpt: Path) -> str | None:
     """Why a complete checkpoint cannot be loaded, or None. Reads what is cheap to read whole (the JSON files,
     safetensors headers, the zip directory at the end of every torch.save file, which a truncated file lacks),
     not the tensors: an 8B checkpoint is checked in well under a second. Damage inside a tensor's bytes is
-    found by the load itself, whose error names the checkpoint (launch/failures.py)."""
+    found by the load itself, whose error names the checkpoint (launch/explain_failure.py)."""
     import zipfile
 
     from safetensors import safe_open

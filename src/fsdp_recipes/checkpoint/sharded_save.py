@@ -17,66 +17,9 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
 from transformers import TrainerCallback
 
-
-def _local_slice(param):
-    """(local tensor, slices into the full tensor) for a DTensor sharded on dim 0, else the whole tensor."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(param, DTensor):
-        return param.data, None
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return param.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
-
-
-def shard_mismatches(state: dict, directory: Path, pattern: str = "model*.safetensors") -> list[str]:
-    """This rank's part of every tensor against the same region of the safetensors files in `directory`."""
-    from fsdp_recipes.checkpoint.save_check import safetensors_index
-
-    where = safetensors_index(directory, pattern)
-    problems = []
-    for name, tensor in state.items():
-        local, region = _local_slice(tensor)
-        if name not in where:
-            problems.append(f"{name} missing")
-            continue
-        written = where[name].get_slice(name)
-        if tuple(written.get_shape()) != tuple(tensor.shape):  # a DTensor's shape is the model's global one
-            problems.append(f"{name} saved with shape {tuple(written.get_shape())}, the model's is {tuple(tensor.shape)}")
-            continue
-        expected = written[region] if region is not None else written[:]
-        if tuple(expected.shape) != tuple(local.shape) or not torch.equal(local.detach().cpu(), expected.to(local.dtype)):
-            problems.append(f"{name} differs")
-    return problems
-
-
-def verify_live_shards(model, output_dir: str | Path) -> int:
-    """FSDP2, after a save from a gathered state dict (FULL_STATE_DICT, or a LoRA adapter): each rank compares its
-    own shard of every saved parameter, read from the live DTensor, with the same region of the written files. A
-    collective: every rank calls it, and every rank raises when any rank found a difference. Returns how many
-    tensors this rank compared.
-
-    Why: the rank-0 check (save_check.compare) compares the files with the very dict that was written, so a gather
-    that returned wrong values would pass it. This compares with the weights in memory, without gathering them.
-    Every rank reads the files rank 0 wrote: output_dir must be shared between nodes (shared_dir.py checks it)."""
-    from fsdp_recipes.checkpoint.resume_check import adapter_key
-    from fsdp_recipes.dist import all_reduce
-
-    peft = hasattr(model, "peft_config")
-    state = {adapter_key(name) if peft else name: param for name, param in model.named_parameters()
-             if param.requires_grad or not peft}  # named_parameters lists a tied LM head once, as save_pretrained
-    problems = shard_mismatches(state, Path(output_dir), "adapter_model.safetensors" if peft else "model*.safetensors")
-    bad = int(all_reduce([len(problems)], "sum")[0])
-    if bad:
-        from fsdp_recipes.checkpoint.save_check import IncompleteSave
-
-        raise IncompleteSave(f"final save failed its check against the weights in memory on {bad} tensor shard(s)"
-                             + (f", e.g. rank {os.environ.get('RANK', 0)}: {problems[0]}" if problems else ""))
-    return len(state)
+from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS, IncompleteSave, shard_mismatches
 
 
 def save_full_model_distributed(trainer, output_dir: str) -> dict:
@@ -100,14 +43,10 @@ def save_full_model_distributed(trainer, output_dir: str) -> dict:
     problems = shard_mismatches(state, out)
     bad = int(all_reduce([len(problems)], "sum")[0])
     if bad:
-        from fsdp_recipes.checkpoint.save_check import IncompleteSave
-
         raise IncompleteSave(f"distributed final save failed its check on {bad} tensor(s)"
                              + (f", e.g. rank {os.environ.get('RANK', 0)}: {problems[0]}" if problems else ""))
     if trainer.accelerator.is_main_process:  # the per-rank shards are now in the consolidated files
         shutil.rmtree(out / "sharded", ignore_errors=True)
-        from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
-
         return {"tensors": len(state), "lora_b_checked": 0, "model_shapes_checked": len(state),
                 "compared_with": LIVE_SHARDS}
     return None

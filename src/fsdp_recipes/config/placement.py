@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass, field
 
 from fsdp_recipes.config import hardware
-from fsdp_recipes.config.run_config import given, override
+from fsdp_recipes.config.argv import given, override
 from fsdp_recipes.errors import UserError
 
 ENV = "FSDP_RECIPES_DEVICE"

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_recipes.config.argv import override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS
 from fsdp_recipes.errors import UserError, cli
 
@@ -83,8 +84,6 @@ def config_file(folder: Path) -> Path:
 
 def trainer_kind(raw: dict, path: Path | str, overrides: list[str] = ()) -> str:
     """The `trainer` a recipe YAML names (default sft); it must be a known kind and match the file's name."""
-    from fsdp_recipes.config.run_config import override
-
     kind = str(override(list(overrides), "trainer", raw.get("trainer", DEFAULT_TRAINER)))
     if kind not in TRAINERS:
         raise UserError(f"unknown trainer `{kind}` in {path}. Fix: one of {', '.join(TRAINERS)}.")
@@ -115,8 +114,6 @@ class Recipe:
 
     def field(self, key: str, default: Any = None) -> Any:
         """A field as the run will see it before the full parse: the command line's value, else the YAML's."""
-        from fsdp_recipes.config.run_config import override
-
         return override(self.overrides, key, self.raw.get(key, default))
 
     def argv(self) -> list[str]:

@@ -9,12 +9,13 @@ planner and the benchmarks all parse a recipe here, so they agree on what it say
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config import yaml_keys
+from fsdp_recipes.config.argv import given, override
+from fsdp_recipes.config.recipes import trainer_kind
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS
 from fsdp_recipes.paths import expand
@@ -129,23 +130,6 @@ class RunConfig:
         }
 
 
-def override(argv: list[str], key: str, default):
-    """The value of `--key v` / `--key=v` among command-line overrides, else `default`: for the few settings the
-    launcher needs before the recipe is parsed (torchrun's grace period, the node count)."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    parser.add_argument(f"--{key}", default=default)
-    try:
-        known, _ = parser.parse_known_args(argv)
-    except argparse.ArgumentError:  # `--key` with no value: the full parse names the mistake
-        return default
-    return getattr(known, key)
-
-
-def given(argv: list[str], *keys: str) -> bool:
-    """Whether any of `--key v` / `--key=v` is among command-line overrides (override() reads its value)."""
-    return any(a == f"--{k}" or a.startswith(f"--{k}=") for a in argv for k in keys)
-
-
 def _one_line(message: str):
     """argparse's message for a wrong type or choice, as one line: `argument --max_steps/--max-steps: invalid int
     value: 'abc'` -> `--max_steps: invalid int value: 'abc'`."""
@@ -194,8 +178,6 @@ def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
     import os
 
     from trl import TrlParser
-
-    from fsdp_recipes.config.recipes import trainer_kind
 
     argv = list(argv)
     path = "the command line"

@@ -35,19 +35,22 @@ import sys
 import tempfile
 import time
 import warnings
-from contextlib import ExitStack
+from collections.abc import Callable
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
+from fsdp_recipes.checkpoint import resume_choice
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, recipes, yaml_keys
+from fsdp_recipes.config.argv import override
 from fsdp_recipes.config.recipes import Recipe
-from fsdp_recipes.config.run_config import PackArguments, RunConfig, override
+from fsdp_recipes.config.run_config import PackArguments, RunConfig
 from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
-from fsdp_recipes.launch import failures, smoke, summary
+from fsdp_recipes.launch import explain_failure, smoke, summary
 from fsdp_recipes.launch.rank_output import RankOutput
-from fsdp_recipes.train import entry, failure, float8, start_gate
+from fsdp_recipes.train import failure_record, float8, run_checks, start_gate
 
 
 def say(msg: str) -> None:
@@ -103,7 +106,7 @@ class Ranks:
             # die_with_parent: `accelerate launch` (and with it torchrun, whose ranks die with it in turn) is
             # killed when this launcher dies, even by SIGKILL.
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                         start_new_session=True, preexec_fn=failure.die_with_parent)
+                                         start_new_session=True, preexec_fn=failure_record.die_with_parent)
         except BaseException:
             self._done()
             raise
@@ -150,7 +153,7 @@ class Ranks:
         try:
             rc = self.proc.wait()
             self.output.join()
-            self.records = failures.read_records(self.torchrun_logs)
+            self.records = explain_failure.read_records(self.torchrun_logs)
             for rec in self.records:  # the traceback the rank did not print, in its own log
                 self.output.append(rec["rank"], self.traceback(rec))
             self.log_failure = self.output.log_failure
@@ -233,7 +236,7 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
-        cfg = entry.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw)
+        cfg = run_checks.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw)
     from fsdp_recipes.config.value_checks import schedule_warnings
 
     warn(recipe, schedule_warnings(cfg.training))
@@ -286,7 +289,7 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | N
             return done
     elif not first_node:
         return None  # the first node is emptying output_dir: there is nothing of the old run to resume
-    resume, changed = entry.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first_node)
+    resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first_node)
     if first_node:
         superseded(out, resume)
     if changed.get("length"):
@@ -329,15 +332,43 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch(argv: list[str], held: ExitStack) -> int:
+    """The steps of the module docstring, in order. The exit code, or a UserError's one line."""
+    t0 = time.time()
+    recipe = load_recipe(argv)
+    gpus, build_smoke_model = set_up(recipe)
+    with unexpected_errors("reading the recipe"):
+        check_launch(recipe)
+    extra = place(recipe, gpus)
+    torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))  # torchrun's --log_dir: rank_command
+    cmd = rank_command(recipe, extra, torchrun_logs)
+    started = time.time()
+    ranks = start_ranks(recipe, cmd, torchrun_logs, "", gated=True) if overlap_checks() else None
+    cfg, code = check_while_ranks_import(recipe, held, ranks, torchrun_logs, build_smoke_model)
+    if code is not None:
+        return code
+    output_dir = cfg.training.output_dir
+    log_dir = Path(output_dir) / "logs"
+    ranks = release_ranks(recipe, cmd, torchrun_logs, ranks, f"checks passed in {time.time() - t0:.1f}s; ", log_dir)
+    rc, preempted_by = ranks.wait()
+    if ranks.log_failure:
+        say(f"warning: the logs in {log_dir} could not be written ({ranks.log_failure}); the output above is complete")
+    code = how_it_ended(recipe, ranks, rc, preempted_by, output_dir, started)
+    if code is not None:
+        return code
+    return summarise(recipe, output_dir)
+
+
+def load_recipe(argv: list[str]) -> Recipe:
+    """The recipe named first on the command line, loaded once (config/recipes.py), with the rest as overrides."""
     if not argv or argv[0].startswith("-"):
         raise UserError("usage: python -m fsdp_recipes.launch.launcher <recipe name or folder> [--field value ...]")
-    t0 = time.time()
-    try:
-        recipe = recipes.load(argv[0], argv[1:])
-    except UserError:
-        raise
-    except Exception as err:
-        raise unexpected(err, "reading the recipe") from None
+    with unexpected_errors("reading the recipe"):
+        return recipes.load(argv[0], argv[1:])
+
+
+def set_up(recipe: Recipe) -> tuple[int, Callable[[], None] | None]:
+    """Step 1 of the module docstring; the summary's settings checked. Returns the GPUs here and, for a smoke run,
+    what builds its tiny model (smoke.prepare swaps in the scaled accelerate YAML and its overrides now)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     say(f"recipe {recipe.name} ({recipe.folder}), trainer {recipe.trainer}")
@@ -347,14 +378,13 @@ def launch(argv: list[str], held: ExitStack) -> int:
     gpus = placement.gpus_here()
     build_smoke_model = None
     if smoke.active():
-        build_smoke_model = smoke.prepare(recipe, gpus)  # swaps in the scaled accelerate YAML and its overrides
+        build_smoke_model = smoke.prepare(recipe, gpus)
+    return gpus, build_smoke_model
 
-    try:
-        check_launch(recipe)
-    except UserError:
-        raise
-    except Exception as err:
-        raise unexpected(err, "reading the recipe") from None
+
+def place(recipe: Recipe, gpus: int) -> list[str]:
+    """Where the processes go on this machine (config/placement.py): its overrides go before the user's, and the
+    process count it chooses into the recipe's accelerate config. Returns the extra `accelerate launch` options."""
     extra = launch_args()
     placed = placement.place(recipe.name, recipe.raw, recipe.accelerate, gpus, recipe.overrides, extra,
                              bf16_ok=gpus > 0 and hardware.bf16_supported())
@@ -363,34 +393,48 @@ def launch(argv: list[str], held: ExitStack) -> int:
     for note in placed.notes:
         say(note)
     recipe.overrides = [*placed.overrides, *recipe.overrides]  # the user's last: they win
-    acc = recipe.accelerate
     if placed.processes is not None:
-        acc = recipe.accelerate = dict(acc, num_processes=placed.processes)
+        recipe.accelerate = dict(recipe.accelerate, num_processes=placed.processes)
         extra += ["--num_processes", str(placed.processes)]
-    # torchrun writes each rank's output and error record under --log_dir (PET_REDIRECTS=3, in Ranks: to files
-    # only); the launcher relays the output, keeps it in output_dir/logs/rank<N>.log and reads the records
-    # (rank_output.py, failures.py).
-    torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))
+    return extra
+
+
+def rank_command(recipe: Recipe, extra: list[str], torchrun_logs: Path) -> list[str]:
+    """The `accelerate launch` command of the rank entry point; torchrun's signal handling set in the environment.
+
+    torchrun writes each rank's output and error record under --log_dir, `torchrun_logs` (PET_REDIRECTS=3, in Ranks:
+    to files only); the launcher relays the output, keeps it in output_dir/logs/rank<N>.log and reads the records
+    (rank_output.py, explain_failure.py)."""
     cmd = accelerate_cmd() + ["--config_file", str(recipe.accelerate_path), "--log_dir", str(torchrun_logs), *extra]
-    multi_node = int(acc.get("num_machines", 1)) > 1 or "--num_machines" in extra
+    multi_node = int(recipe.accelerate.get("num_machines", 1)) > 1 or "--num_machines" in extra
     if not multi_node and "MASTER_PORT" not in os.environ:
         cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide
     cmd += ["-m", "fsdp_recipes.train.entry", *recipe.argv()]
     # torchrun forwards these signals to every rank and then allows the grace period before killing them.
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", grace_seconds(recipe))
-    # FSDP_RECIPES_OVERLAP_CHECKS=0: check first, then start the ranks (the order before start_gate.py), for a
-    # node whose host memory cannot take the ranks' imports and the launcher's dataset check at once.
-    overlap = os.environ.get("FSDP_RECIPES_OVERLAP_CHECKS", "1") != "0"
-    started = time.time()
+    return cmd
 
-    def start(said: str, gated: bool) -> Ranks:
-        wait = "; they wait at a gate until the checks pass" if gated else ""
-        say(f"{said}starting {acc.get('num_processes', 1)} process(es){wait}:")
-        say(" ".join(cmd))
-        return Ranks(cmd, torchrun_logs, gated)
 
-    ranks = start("", gated=True) if overlap else None
+def overlap_checks() -> bool:
+    """FSDP_RECIPES_OVERLAP_CHECKS=0: check first, then start the ranks (the order before start_gate.py), for a
+    node whose host memory cannot take the ranks' imports and the launcher's dataset check at once."""
+    return os.environ.get("FSDP_RECIPES_OVERLAP_CHECKS", "1") != "0"
+
+
+def start_ranks(recipe: Recipe, cmd: list[str], torchrun_logs: Path, said: str, gated: bool) -> Ranks:
+    wait = "; they wait at a gate until the checks pass" if gated else ""
+    say(f"{said}starting {recipe.accelerate.get('num_processes', 1)} process(es){wait}:")
+    say(" ".join(cmd))
+    return Ranks(cmd, torchrun_logs, gated)
+
+
+def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | None, torchrun_logs: Path,
+                             build_smoke_model: Callable[[], None] | None) -> tuple[RunConfig | None, int | None]:
+    """Step 3 of the module docstring: the smoke run's model, the recipe's checks (check_recipe) and output_dir's
+    (claim_output_dir), while the ranks import, or before they start (`ranks` None). Returns the parsed
+    configuration and None; or None and the exit code where the launch ends here (a signal, a run that is complete
+    already), the ranks stopped. A failed check stops them and raises."""
     try:
         if build_smoke_model is not None:
             build_smoke_model()
@@ -404,10 +448,10 @@ def launch(argv: list[str], held: ExitStack) -> int:
         if isinstance(err, Preempted):
             say(f"{err} before the checks finished: nothing had started, nothing to save; run the same command "
                 "again")
-            return EXIT_PREEMPTED
+            return None, EXIT_PREEMPTED
         if isinstance(err, KeyboardInterrupt):
             say("interrupted before the checks finished: nothing had started")
-            return EXIT_INTERRUPTED
+            return None, EXIT_INTERRUPTED
         if isinstance(err, Exception) and not isinstance(err, UserError):
             raise unexpected(err, "checking the recipe") from None
         raise
@@ -416,21 +460,35 @@ def launch(argv: list[str], held: ExitStack) -> int:
             ranks.abort()
         shutil.rmtree(torchrun_logs, ignore_errors=True)
         say(done)
-        return 0
-    passed = f"checks passed in {time.time() - t0:.1f}s; "
+        return None, 0
+    return cfg, None
+
+
+def release_ranks(recipe: Recipe, cmd: list[str], torchrun_logs: Path, ranks: Ranks | None, passed: str,
+                  log_dir: Path) -> Ranks:
+    """The checks passed: the ranks start now (when they were not started before the checks) or go on past the
+    gate, and their output goes to the terminal and to `log_dir`."""
     if ranks is None:
-        ranks = start(passed, gated=False)
+        ranks = start_ranks(recipe, cmd, torchrun_logs, passed, gated=False)
     else:
         say(passed + "the ranks go on")
-    output_dir = cfg.training.output_dir
-    log_dir = Path(output_dir) / "logs"
     ranks.release(log_dir)
-    rc, preempted_by = ranks.wait()
-    if ranks.log_failure:
-        say(f"warning: the logs in {log_dir} could not be written ({ranks.log_failure}); the output above is complete")
+    return ranks
+
+
+def read_report(output_dir: str, started: float) -> tuple[Path, bool, dict]:
+    """The run report: its path, whether this run wrote it (not a previous run's), and what it says (this run's)."""
     report = Path(output_dir) / "metrics.json"
     fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
     metrics = json.loads(report.read_text()) if fresh else {}
+    return report, fresh, metrics
+
+
+def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None, output_dir: str,
+                 started: float) -> int | None:
+    """The exit code of a run that was preempted, interrupted or failed (a failure raises its one line), with what to
+    do next; None for a completed run, whose summary follows."""
+    report, fresh, metrics = read_report(output_dir, started)
     completed = metrics.get("status") == "completed" and not metrics.get("provisional")
     if preempted_by is not None and completed:
         # The signal came after the ranks' final report (on a fast GPU a short run ends within a second of it):
@@ -457,27 +515,47 @@ def launch(argv: list[str], held: ExitStack) -> int:
             f"from the newest complete checkpoint in {output_dir}, if there is one")
         return EXIT_INTERRUPTED
     if rc != 0:
-        from fsdp_recipes.checkpoint import markers as checkpoints
+        raise failed(recipe, ranks, rc, output_dir, report, fresh)
+    return None
 
-        last_good = checkpoints.latest_complete(output_dir)
-        line, code = failures.describe(ranks.records, rc, log_dir, recipe.name, last_good and str(last_good),
-                                       traceback_file=ranks.traceback_file, output_dir=output_dir)
-        if fresh:
-            try:
-                failures.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
-            except OSError as err:  # the disk that stopped the run: the line below is the report
-                say(f"warning: {report} could not record the failure ({err.strerror or err})")
-        raise UserError(line, exit_code=code)
+
+def failed(recipe: Recipe, ranks: Ranks, rc: int, output_dir: str, report: Path, fresh: bool) -> UserError:
+    """A failed run as one line (explain_failure.py), also recorded in this run's report."""
+    from fsdp_recipes.checkpoint import markers as checkpoints
+
+    log_dir = Path(output_dir) / "logs"
+    last_good = checkpoints.latest_complete(output_dir)
+    line, code = explain_failure.describe(ranks.records, rc, log_dir, recipe.name, last_good and str(last_good),
+                                          traceback_file=ranks.traceback_file, output_dir=output_dir)
+    if fresh:
+        try:
+            explain_failure.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
+        except OSError as err:  # the disk that stopped the run: the line below is the report
+            say(f"warning: {report} could not record the failure ({err.strerror or err})")
+    return UserError(line, exit_code=code)
+
+
+def summarise(recipe: Recipe, output_dir: str) -> int:
+    """Step 5 of the module docstring, for a completed run (fsdp_recipes.launch.summary)."""
+    report = Path(output_dir) / "metrics.json"
+    with unexpected_errors("summarising the finished run"):
+        try:
+            return summary.main(summary_args(output_dir), recipe=recipe)
+        except OSError as err:  # a full disk or a quota, met while writing the generations or the eval section
+            raise UserError(f"training completed and {report} says so, but the summary could not write to "
+                            f"{output_dir} ({err.strerror or err}). Fix: free space there, then `python -m "
+                            f"fsdp_recipes.launch.summary {output_dir}` makes the summary again", exit_code=1) from None
+
+
+@contextmanager
+def unexpected_errors(doing: str):
+    """Any exception but a UserError, raised inside, becomes the one line of `unexpected`."""
     try:
-        return summary.main(summary_args(output_dir), recipe=recipe)
+        yield
     except UserError:
         raise
-    except OSError as err:  # a full disk or a quota, met while writing the generations or the eval section
-        raise UserError(f"training completed and {report} says so, but the summary could not write to {output_dir} "
-                        f"({err.strerror or err}). Fix: free space there, then `python -m fsdp_recipes.launch.summary "
-                        f"{output_dir}` makes the summary again", exit_code=1) from None
     except Exception as err:
-        raise unexpected(err, "summarising the finished run") from None
+        raise unexpected(err, doing) from None
 
 
 def unexpected(err: Exception, doing: str) -> UserError:

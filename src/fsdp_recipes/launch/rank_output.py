@@ -2,11 +2,11 @@
 
 The launcher starts `accelerate launch` with torchrun's `--redirects 3 --log_dir <tmp>`: torchrun writes each rank's
 stdout and stderr to files there (<tmp>/<run id>/attempt_<n>/<local rank>/stdout.log, stderr.log) beside its error
-record (error.json, train/failure.py), and each rank writes its global rank into the same folder. This module tails
-those files byte for byte (torchrun's own `--tee` reads them as text lines, which turns every progress-bar update
+record (error.json, train/failure_record.py), and each rank writes its global rank into the same folder. This module
+tails those files byte for byte (torchrun's own `--tee` reads them as text lines, which turns every progress-bar update
 into a line of its own) and sends each rank's bytes to the terminal and to that rank's log. torchrun's and
 accelerate's own output (start-up notes, the ChildFailedError page with its traceback) goes to `logs/launch.log`
-only: the launcher prints its own one-line account of a failure (launch/failures.py).
+only: the launcher prints its own one-line account of a failure (launch/explain_failure.py).
 
 Until the launcher's checks pass, everything is held in memory: released (to the terminal and the logs) when they
 pass, dropped when they fail, so a mistake is one line and the output_dir is not touched.
@@ -21,10 +21,10 @@ import threading
 import time
 from pathlib import Path
 
-from fsdp_recipes.train.failure import DETAILS_FILE
+from fsdp_recipes.train.failure_record import DETAILS_FILE
 
 LAUNCH_LOG = "launch.log"
-RANK_FILE = "rank"  # written by each rank beside its error file (train/failure.py)
+RANK_FILE = "rank"  # written by each rank beside its error file (train/failure_record.py)
 STREAMS = {"stdout.log": "stdout", "stderr.log": "stderr", DETAILS_FILE: None}  # details: the rank's log only
 
 

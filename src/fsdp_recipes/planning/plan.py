@@ -60,12 +60,12 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
         warnings.simplefilter("ignore")
         # use_cpu: the bf16 setting is validated against the named GPU below, not this machine
         cfg = run_config.parse_args(loaded.argv(), loaded.raw)
-        # what entry.check_before_launch checks without this machine's GPUs or the model's files
+        # what run_checks.check_before_launch checks without this machine's GPUs or the model's files
         model_check.check_attn_implementation(cfg.model.attn_implementation)
         if cfg.model.use_peft:  # float8's torchao check is about the training machine, not this one
             float8.check_config(cfg.pack.float8, cfg.model.use_peft)
         value_checks.check_values(cfg)
-    if cfg.pack.tiny_assets:  # as entry.parse_and_check does: the tiny model is built locally, offline
+    if cfg.pack.tiny_assets:  # as run_checks.parse_and_check does: the tiny model is built locally, offline
         from fsdp_recipes.assets.tiny_assets import ensure_assets
 
         ensure_assets(quiet=True)

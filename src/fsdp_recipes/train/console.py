@@ -16,7 +16,7 @@ import warnings
 
 from transformers import TrainerCallback
 
-from fsdp_recipes.train.failure import DETAILS_FILE, ERROR_FILE_ENV
+from fsdp_recipes.train.failure_record import DETAILS_FILE, ERROR_FILE_ENV
 
 # Upstream warnings that tell the user nothing they can act on, matched by category and message: every other warning
 # still reaches the console. Each says whose it is.

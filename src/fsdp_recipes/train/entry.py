@@ -12,51 +12,14 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from fsdp_recipes import dist
-from fsdp_recipes.config import hardware, model_check, value_checks
-from fsdp_recipes.config.run_config import RunConfig, parse_args
-from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
-from fsdp_recipes.metrics import prometheus
+from fsdp_recipes.checkpoint.resume_choice import checkpoint_to_resume
+from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, cli
 from fsdp_recipes.patches import cpu_fsdp, guard
-from fsdp_recipes.train import failure, float8, kinds, replica_model, start_gate
-
-
-def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
-    """Everything that can be checked without starting processes or loading weights."""
-    hardware.check_gpus(cfg.pack.min_gpus, cfg.pack.recipe_name or "(unnamed)", nodes)
-    model_check.check_attn_implementation(cfg.model.attn_implementation)
-    model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
-    prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
-    float8.check_config(cfg.pack.float8, cfg.model.use_peft)
-    value_checks.check_values(cfg)
-    kinds.load(cfg.trainer).check_config(cfg)
-
-
-def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None, raw: dict | None = None) -> RunConfig:
-    """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
-    of them, so before the model check), and run the checks that need no process group. `nodes`: of the job
-    (min_gpus is shared among them); by default read from torchrun's environment. `raw`: the recipe YAML when the
-    caller has read it already (the launcher's Recipe)."""
-    cfg = parse_args(argv, raw)
-    if cfg.pack.tiny_assets:
-        from fsdp_recipes.assets.tiny_assets import ensure_assets
-
-        ensure_assets(quiet=quiet)
-    if cfg.pack.smollm2_assets:
-        from fsdp_recipes.assets import smollm2
-
-        # The model only when the recipe trains the prepared folder: with a hub id
-        # (--model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct) from_pretrained fetches it as usual.
-        smollm2.ensure_assets(model=smollm2.is_prepared_path(cfg.model.model_name_or_path), quiet=quiet)
-    if cfg.pack.addition_preferences:  # DPO on the default's task: pairs from the SFT model's own answers
-        from fsdp_recipes.assets import addition_preferences
-
-        model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
-        addition_preferences.ensure(cfg.model.model_name_or_path, cfg.script.dataset_name, quiet=quiet)
-    check_before_launch(cfg, nodes=hardware.job_nodes() if nodes is None else nodes)
-    return cfg
+from fsdp_recipes.train import failure_record, float8, kinds, replica_model, start_gate
+from fsdp_recipes.train.run_checks import parse_and_check
 
 
 def make_trainer_class(kind: str = kinds.DEFAULT):
@@ -94,7 +57,7 @@ def make_trainer_class(kind: str = kinds.DEFAULT):
             # Stop before the optimizer applies a NaN/inf gradient. The Trainer's default logging_nan_inf_filter
             # already reads this loss on every step (a device sync), and hides a NaN from the logged average.
             if not bool(loss.isfinite().all()):
-                raise failure.NonFiniteLoss(f"the training loss was {float(loss.float().mean())} at step "
+                raise failure_record.NonFiniteLoss(f"the training loss was {float(loss.float().mean())} at step "
                                             f"{self.state.global_step + 1}")
             return loss
 
@@ -113,66 +76,11 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
 
 
-def checkpoint_to_resume(cfg: RunConfig, settings: dict, say=None, move_unreadable: bool = False):
-    """(checkpoint or None, what the command changes against it). An explicit resume_from_checkpoint wins; else, with
-    auto_resume, the newest complete checkpoint that can be read: newer ones that cannot are skipped, and moved aside
-    where `move_unreadable` (the launcher, which holds the output_dir's lock). The checkpoint must belong to this model
-    and LoRA shape (checked before any weight is loaded) and to this command's `settings` (resume_settings.current).
-    `say`: where the skipped checkpoints are told (None: nowhere)."""
-    from trl import get_peft_config
-
-    from fsdp_recipes.checkpoint import markers as checkpoints
-    from fsdp_recipes.checkpoint import resume_settings
-    from fsdp_recipes.checkpoint.resume_check import checkpoint_step
-
-    say = say or (lambda line: None)
-    training, model_args = cfg.training, cfg.model
-    resume = training.resume_from_checkpoint
-    if not resume and cfg.pack.auto_resume:
-        for skipped in checkpoints.incomplete(training.output_dir):
-            say(f"skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)")
-        latest, bad = checkpoints.usable(training.output_dir)
-        then = f"resuming from {latest.name}" if latest else "no other complete checkpoint: starting from step 0"
-        for ckpt, why in bad:
-            if move_unreadable:
-                say(f"{ckpt} cannot be read ({why}); moved to {checkpoints.move_aside(ckpt).name}; {then}")
-            else:
-                say(f"skipping {ckpt}: cannot be read ({why}); {then}")
-        resume = str(latest) if latest else None
-    elif resume and Path(resume).is_dir() and (why := checkpoints.unreadable(Path(resume))):
-        raise UserError(f"resume_from_checkpoint {resume} cannot be read ({why}). Fix: point it at another "
-                        f"checkpoint-N folder.")
-    if not resume:
-        return None, {}
-    if not Path(resume).is_dir():
-        raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
-    checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
-                                                                    get_peft_config(model_args)))
-    saved = checkpoints.saved_identity(Path(resume)) or {}
-    changed = resume_settings.check(resume, checkpoint_step(resume), saved.get("settings"), settings,
-                                    cfg.pack.override_resumed_settings)
-    return resume, changed
-
-
 def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, settings: dict | None = None):
     """The kind's trainer with the pack's callbacks; the model is loaded by TRL with from_pretrained. `settings`:
     what each checkpoint records for a later resume to compare (resume_settings.current)."""
-    training, model_args, pack = cfg.training, cfg.model, cfg.pack
-    from fsdp_recipes.checkpoint.load_check import LoadCheckCallback, TiedEmbeddingsCheck
-    from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
-    from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_load
-    from fsdp_recipes.patches.peft_fsdp import (
-        RestoreOutputEmbeddings,
-        fsdp2_requested,
-        hide_wrapped_output_layer,
-        keep_fsdp1_output_layer_in_root,
-        load_adapter_through_fsdp1_root,
-        strip_fsdp1_wrapper_names,
-    )
-    strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
-    load_adapter_through_fsdp1_root()  # see peft_fsdp.py: without it an FSDP1 resume silently loads no adapter
-    keep_fsdp1_output_layer_in_root()  # see peft_fsdp.py: TRL's fused LM head needs the head unsharded
-    init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
+    training, model_args = cfg.training, cfg.model
+    patch_peft_under_fsdp()
 
     kind = kinds.load(cfg.trainer)
     train_ds, eval_ds = kind.load_datasets(cfg)
@@ -183,23 +91,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         "dtype": model_args.dtype,
         **(training.model_init_kwargs or {}),
     }
-    # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
-    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config, settings)),
-                 preemption, failure.make_phase_callback(), TiedEmbeddingsCheck(report)]
-    if pack.verify_loaded_weights and resume and peft_config is None:
-        # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
-        # model_name_or_path's file, every trained weight would differ. (A LoRA resume keeps the base weights.)
-        if report.is_main:
-            print(f"[train] verify_loaded_weights: skipped, this run resumes full fine-tuning from {resume}: its "
-                  f"weights are the checkpoint's, not those of {model_args.model_name_or_path}", flush=True)
-    elif pack.verify_loaded_weights:
-        callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
-    if resume:  # resume_check.py: the optimizer state (and a PEFT adapter) in memory must be the checkpoint's
-        from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
-        from fsdp_recipes.checkpoint.resume_settings import ScheduleResync
-
-        callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
-        callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule from the checkpoint on
+    callbacks = pack_callbacks(cfg, peft_config, report, preemption, resume, settings)
     model = model_args.model_name_or_path  # a directory or a hub id: TRL loads it with from_pretrained
     # cpu_ram_efficient_loading: only each node's first rank reads the weights (replica_model.py)
     if replica_model.applies(training.model_init_kwargs):
@@ -214,6 +106,56 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         **kind.trainer_kwargs(cfg),  # GRPO: the reward functions
     )
     trainer.token_counter, trainer.run_report = report.tokens, report
+    add_pack_hooks(trainer, cfg, report)
+    return trainer
+
+
+def patch_peft_under_fsdp() -> None:
+    """The patches PEFT and FSDP1 need, before the trainer exists (patches/peft_fsdp.py, patches/optim_resume.py)."""
+    from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_load
+    from fsdp_recipes.patches.peft_fsdp import (
+        keep_fsdp1_output_layer_in_root,
+        load_adapter_through_fsdp1_root,
+        strip_fsdp1_wrapper_names,
+    )
+    strip_fsdp1_wrapper_names()  # see peft_fsdp.py: without it FSDP1 saves empty adapters
+    load_adapter_through_fsdp1_root()  # see peft_fsdp.py: without it an FSDP1 resume silently loads no adapter
+    keep_fsdp1_output_layer_in_root()  # see peft_fsdp.py: TRL's fused LM head needs the head unsharded
+    init_state_before_fsdp1_sharded_load()  # see optim_resume.py: without it FSDP1 sharded resumes lose AdamW
+
+
+def pack_callbacks(cfg: RunConfig, peft_config, report, preemption, resume, settings: dict | None) -> list:
+    """The pack's callbacks the trainer is built with: the run report, the checkpoint marker, preemption, the
+    failure phase, the load checks and, on a resume, its checks."""
+    training, model_args, pack = cfg.training, cfg.model, cfg.pack
+    from fsdp_recipes.checkpoint.load_check import LoadCheckCallback, TiedEmbeddingsCheck
+    from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
+
+    # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
+    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config, settings)),
+                 preemption, failure_record.make_phase_callback(), TiedEmbeddingsCheck(report)]
+    if pack.verify_loaded_weights and resume and peft_config is None:
+        # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
+        # model_name_or_path's file, every trained weight would differ. (A LoRA resume keeps the base weights.)
+        if report.is_main:
+            print(f"[train] verify_loaded_weights: skipped, this run resumes full fine-tuning from {resume}: its "
+                  f"weights are the checkpoint's, not those of {model_args.model_name_or_path}", flush=True)
+    elif pack.verify_loaded_weights:
+        callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
+    if resume:  # resume_check.py: the optimizer state (and a PEFT adapter) in memory must be the checkpoint's
+        from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
+        from fsdp_recipes.checkpoint.resume_settings import ScheduleResync
+
+        callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
+        callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule from the checkpoint on
+    return callbacks
+
+
+def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
+    """What the built trainer gets before train(): the console's lines, float8, and the callbacks that need its
+    model (FSDP2's output layer and resharding, the memory probe)."""
+    training, pack = cfg.training, cfg.pack
+    from fsdp_recipes.patches.peft_fsdp import RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer
     from fsdp_recipes.train import console
 
     console.replace_progress_output(trainer)  # one line per log instead of bars and dictionaries
@@ -234,7 +176,6 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
 
         trainer.add_callback(MemoryProbeCallback(trainer.model, training.output_dir, trainer.accelerator.process_index,
                                                  report.tokens))
-    return trainer
 
 
 def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
@@ -336,21 +277,21 @@ def quiet_console(cfg: RunConfig) -> None:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    """Every exception is written to torchrun's error file for this rank (failure.py). Under the launcher, which
+    """Every exception is written to torchrun's error file for this rank (failure_record.py). Under the launcher, which
     prints one line for the first failing rank and appends the traceback to this rank's log, the rank then exits
     without printing it; run directly, it raises as usual (a UserError is one `error:` line)."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
-        failure.mark_rank()  # first: the launcher holds this rank's output until it knows which rank it is
-        failure.die_with_parent()  # torchrun is the parent: a rank must not outlive it (nor the launcher)
+        failure_record.mark_rank()  # first: the launcher holds this rank's output until it knows which rank it is
+        failure_record.die_with_parent()  # torchrun is the parent: a rank must not outlive it (nor the launcher)
     try:
         return run(argv)
     except (SystemExit, KeyboardInterrupt):  # the start gate's exits; Ctrl-C is the run report's "interrupted"
         raise
     except BaseException as err:
-        failure.record(err)
+        failure_record.record(err)
         if not start_gate.under_launcher():
             raise
-        return 2 if failure.STATE["phase"] == "setup" else 1
+        return 2 if failure_record.STATE["phase"] == "setup" else 1
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -415,7 +356,7 @@ def run(argv: list[str] | None = None) -> int:
     except BaseException as err:  # UserError included: the report records why the run stopped
         # Only once this run has trained: a failure before its first optimizer step (a mistake in the command
         # that resumes an output_dir) leaves the previous run's report as it was.
-        if failure.STATE["phase"] == "training":
+        if failure_record.STATE["phase"] == "training":
             report.finalize("failed", error=f"{type(err).__name__}: {err}")
         raise
     if report.finalize("completed") is not None:

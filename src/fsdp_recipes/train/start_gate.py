@@ -59,7 +59,7 @@ def state(path: str) -> str | None:
 
 
 def under_launcher() -> bool:
-    """Whether this rank was started by the pack's launcher (which prints its failures, launch/failures.py)."""
+    """Whether this rank was started by the pack's launcher (which prints its failures, launch/explain_failure.py)."""
     return bool(os.environ.get(FILE_ENV))
 
 

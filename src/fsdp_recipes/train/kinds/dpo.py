@@ -149,7 +149,7 @@ def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str)
 
 
 def check_config(cfg) -> None:
-    """Settings, before any data or weight is loaded (entry.check_before_launch, in the launcher and every rank):
+    """Settings, before any data or weight is loaded (run_checks.check_before_launch, in the launcher and every rank):
     precompute_ref_log_probs with full fine-tuning loads an unsharded reference on every rank (see the module's
     docstring), refused with the fix; it is allowed with LoRA."""
     if cfg.training.precompute_ref_log_probs and not cfg.model.use_peft and not cfg.training.use_cpu:

@@ -30,7 +30,7 @@ def extra_forwards(training) -> dict[str, float]:
 
 
 def check_config(cfg) -> None:
-    """Nothing beyond the shared checks (entry.check_before_launch)."""
+    """Nothing beyond the shared checks (run_checks.check_before_launch)."""
 
 
 def load_datasets(cfg, want_eval: bool | None = None):

@@ -1,5 +1,5 @@
-"""A failed run, as one line: the first failing rank's error record (train/failure.py), what to do about it, where
-the full traceback is, and the exit code (2: before the first optimizer step, 1: during training)."""
+"""A failed run, as one line: the first failing rank's error record (train/failure_record.py), what to do about it,
+where the full traceback is, and the exit code (2: before the first optimizer step, 1: during training)."""
 
 from __future__ import annotations
 
