@@ -35,5 +35,6 @@ TRAINERS: dict[str, Registration] = {
     "sft": Registration("SFTConfig"),
     "dpo": Registration("DPOConfig"),
     "grpo": Registration("GRPOConfig", SamplingArguments),
+    "kto": Registration("KTOConfig"),
 }
 DEFAULT_TRAINER = "sft"
