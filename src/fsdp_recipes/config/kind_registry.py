@@ -36,5 +36,6 @@ TRAINERS: dict[str, Registration] = {
     "dpo": Registration("DPOConfig"),
     "grpo": Registration("GRPOConfig", SamplingArguments),
     "kto": Registration("KTOConfig"),
+    "rloo": Registration("RLOOConfig", SamplingArguments),
 }
 DEFAULT_TRAINER = "sft"
