@@ -116,7 +116,7 @@ s_launch() {
   local args=(--default-model random --max-steps 12 --parallel 8)
   # the dry run checks this step's plumbing on one recipe of each kind: every recipe's smoke run is in the suite
   [ "$DRY" = 1 ] && args=(--dry-run --default-model tiny-random --parallel 2
-                          --recipes "tiny-cpu-lora,smollm2-135m-dpo,smollm2-135m-grpo")
+                          --recipes "tiny-cpu-lora,smollm2-135m-dpo,smollm2-135m-kto,smollm2-135m-grpo,smollm2-135m-rloo")
   "$PY" -m bench.first_contact "${args[@]}" --timeout-s 150 --deadline-s $((STEP_BUDGET - 15)) \
     --results "$WORK/launch" --work "$WORK/launch/runs"
 }

@@ -374,7 +374,8 @@ def test_readme_recipe_table_matches_the_recipe_budgets():
     for name, estimate in rows.items():
         budget = re.fullmatch(r"([\d.]+) of ([\d.]+) GiB", estimate)
         cpu = {"smollm2-135m-lora": "measured above", "smollm2-135m-dpo": "measured above",
-               "smollm2-135m-grpo": "measured above", "tiny-cpu-lora": "CPU only"}
+               "smollm2-135m-grpo": "measured above", "smollm2-135m-kto": "measured above",
+               "smollm2-135m-rloo": "measured above", "tiny-cpu-lora": "CPU only"}
         if name in cpu:  # CPU recipes: no GPU budget to show
             assert estimate == cpu[name]
             continue

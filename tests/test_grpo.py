@@ -181,3 +181,21 @@ def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save(tmp_
         grpo.check_learned(flat, training)
     varied = [*flat, {"step": 3, "reward": 0.25, "frac_reward_zero_std": 0.5}]
     grpo.check_learned(varied, training)  # one step varied
+
+
+# ---- RLOO, the second sampling kind: the same checks from sampling.py, its own forwards
+
+def test_an_rloo_recipe_gets_the_sampling_checks(tmp_path, cache_dir, checks, monkeypatch):
+    folder = grpo_recipe(tmp_path, trainer="rloo", reward_funcs=[])
+    (folder / "grpo.yaml").rename(folder / "rloo.yaml")
+    assert_one_line_error(checks([folder]), "a RLOO recipe needs reward_funcs")
+
+
+def test_mfu_counts_each_forward_rloo_runs_per_sampled_batch():
+    from fsdp_recipes.train.kinds import rloo
+
+    args = dict(beta=0.0, num_iterations=1)
+    # RLOOTrainer recomputes the sampled tokens' log-probabilities for every batch (trl 1.16)
+    assert rloo.extra_forwards(SimpleNamespace(**args)) == {"generation": 1.0, "old_policy": 1.0}
+    assert rloo.extra_forwards(SimpleNamespace(beta=0.05, num_iterations=2)) == {
+        "generation": 0.5, "old_policy": 0.5, "reference": 0.5}

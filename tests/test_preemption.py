@@ -74,11 +74,12 @@ def assert_a_plain_full_model(out, fsdp):
     assert len(changed) == 39  # every tensor was trained and saved unsharded
 
 
-def assert_resumed_exactly(straight, resumed, first):
-    """The resumed run ends where the uninterrupted one does: the same 16 per-step losses, the same final weights, the
+def assert_resumed_exactly(straight, resumed, first, steps: int = 16):
+    """The resumed run ends where the uninterrupted one does: the same per-step losses (`steps` of them), the same
+    final weights, the
     same token and sample counts; its training time goes on from the checkpoint's (`first`: the preempted report)."""
     a, b = losses(straight), losses(resumed)
-    assert sorted(a) == sorted(b) == list(range(1, 17))
+    assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-4, abs=1e-5), (step, a[step], b[step])
     wa, wb = read_saved(straight), read_saved(resumed)  # the adapter, or the whole model
@@ -87,7 +88,7 @@ def assert_resumed_exactly(straight, resumed, first):
         assert torch.allclose(wa[key], wb[key], atol=1e-5), key
 
     done, straight_m = (json.loads((run / "metrics.json").read_text()) for run in (resumed, straight))
-    assert done["steps"] == straight_m["steps"] == 16
+    assert done["steps"] == straight_m["steps"] == steps
     assert done["tokens"]["non_padding"] == straight_m["tokens"]["non_padding"]
     assert done["samples"] == straight_m["samples"]
     assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint
@@ -175,6 +176,27 @@ def test_dpo_full_fine_tuning_preempted_resumes_exactly(tmp_path, cache_dir):
                                                                           .with_name(f"checkpoint-{first['steps']}"))
     assert_resumed_exactly(straight, preempted, first)
     a, b = (json.loads((r / "metrics.json").read_text())["dpo"] for r in (straight, preempted))
+    assert b["rewards/margins"]["last"] == pytest.approx(a["rewards/margins"]["last"], rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_kto_preempted_resumes_exactly(tmp_path, cache_dir):
+    """KTO on the same lifecycle: llama-3.1-8b-lora-kto's smoke run (a tiny Llama, LoRA, the reference the policy
+    with its adapter disabled, the synthetic pairs read as alternating labelled rows) run straight, then SIGTERMed and
+    resumed with the same command. This is also that recipe's smoke test (tests/test_smoke.py leaves it to this
+    one)."""
+    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    args = ["llama-3.1-8b-lora-kto", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "3",
+            "--logging_steps", "1", "--save_merged_model", "false", "--per_device_train_batch_size", "2",
+            "--gradient_accumulation_steps", "1", "--learning_rate", "1e-3"]
+    res = launch([*args, "--output_dir", str(straight)], cache_dir, FSDP_RECIPES_SMOKE="1")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = json.loads((straight / "metrics.json").read_text())
+    assert m["trainer"] == "kto" and m["sharding_strategy"] == "FULL_SHARD" and m["param_shards"]["dtensor_params"] > 0
+    assert m["kto"]["kl"]["last"] is not None and m["final_save_check"]["lora_b_checked"] > 0
+    first = smoke_preempted_then_resumed(args, preempted, cache_dir, save_step=3, max_steps=8)
+    assert_resumed_exactly(straight, preempted, first, steps=8)
+    a, b = (json.loads((r / "metrics.json").read_text())["kto"] for r in (straight, preempted))
     assert b["rewards/margins"]["last"] == pytest.approx(a["rewards/margins"]["last"], rel=1e-3, abs=1e-5)
 
 
@@ -278,19 +300,20 @@ def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_pa
 
 
 @pytest.mark.slow
-def test_grpo_preempted_resumes_exactly_with_the_same_samples(tmp_path, cache_dir):
-    """GRPO samples its training data: an exact resume needs each rank's generators restored from the checkpoint, so
-    that the resumed run samples the completions the uninterrupted one did. llama-3.1-8b-lora-grpo's smoke run (a
-    tiny Llama, LoRA, FSDP2, sampled with the policy's generate at temperature 1) run straight, then SIGTERMed and
-    resumed: the same reward, loss and sampled-token count at every step, the same adapter. This is also that
-    recipe's smoke test (tests/test_smoke.py leaves it to this one). One micro-batch per step keeps it short."""
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_sampling_kinds_preempted_resume_exactly_with_the_same_samples(tmp_path, cache_dir, kind):
+    """GRPO and RLOO sample their training data: an exact resume needs each rank's generators restored from the
+    checkpoint, so that the resumed run samples the completions the uninterrupted one did. llama-3.1-8b-lora-<kind>'s
+    smoke run (a tiny Llama, LoRA, FSDP2, sampled with the policy's generate at temperature 1) run straight, then
+    SIGTERMed and resumed: the same reward, loss and sampled-token count at every step, the same adapter. This is also
+    that recipe's smoke test (tests/test_smoke.py leaves it to this one). One micro-batch per step keeps it short."""
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    args = ["llama-3.1-8b-lora-grpo", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "3",
+    args = [f"llama-3.1-8b-lora-{kind}", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "3",
             "--logging_steps", "1", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1",
             "--save_merged_model", "false"]
     res = launch([*args, "--output_dir", str(straight)], cache_dir, FSDP_RECIPES_SMOKE="1")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    assert "[train] grpo: 2 completions of at most 4 tokens per prompt" in res.stdout
+    assert f"[train] {kind}: 2 completions of at most 4 tokens per prompt" in res.stdout
 
     smoke_preempted_then_resumed(args, preempted, cache_dir, save_step=3, max_steps=8)
 

@@ -43,13 +43,17 @@ def expected_layout(acc: dict) -> tuple[int, str]:
 # DPO: smollm2-135m-dpo runs for real in tests/test_default_recipe.py (after the default, with the real model);
 # qwen3-8b-full-dpo's smoke run is tests/test_preemption.py's DPO run (straight, preempted and resumed), and
 # llama-3.1-8b-lora-dpo's is tests/test_slurm.py's one-node sbatch job.
-# GRPO: smollm2-135m-grpo runs for real in tests/test_default_recipe.py, and llama-3.1-8b-lora-grpo's smoke run is
-# tests/test_preemption.py's GRPO run (straight, preempted and resumed).
+# GRPO, RLOO: smollm2-135m-grpo and -rloo run for real in tests/test_default_recipe.py, and llama-3.1-8b-lora-grpo's
+# and -rloo's smoke runs are tests/test_preemption.py's sampling-kind runs (straight, preempted and resumed).
+# KTO: smollm2-135m-kto runs for real in tests/test_default_recipe.py, llama-3.1-8b-lora-kto's smoke run is
+# tests/test_preemption.py's KTO run.
 COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lora-2xh200": "mistral-small-lora",
                      "llama-3.1-8b-lora": "llama-3.1-8b-lora",
                      "smollm2-135m-dpo": "smollm2-135m-dpo", "qwen3-8b-full-dpo": "qwen3-8b-full-dpo",
                      "llama-3.1-8b-lora-dpo": "llama-3.1-8b-lora-dpo",
-                     "smollm2-135m-grpo": "smollm2-135m-grpo", "llama-3.1-8b-lora-grpo": "llama-3.1-8b-lora-grpo"}
+                     "smollm2-135m-grpo": "smollm2-135m-grpo", "llama-3.1-8b-lora-grpo": "llama-3.1-8b-lora-grpo",
+                     "smollm2-135m-rloo": "smollm2-135m-rloo", "llama-3.1-8b-lora-rloo": "llama-3.1-8b-lora-rloo",
+                     "smollm2-135m-kto": "smollm2-135m-kto", "llama-3.1-8b-lora-kto": "llama-3.1-8b-lora-kto"}
 SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora" and name not in COVERED_ELSEWHERE]
 
 

@@ -231,3 +231,15 @@ def test_the_summary_ends_with_how_to_serve_the_run(tmp_path, monkeypatch, capsy
     (run / "merged" / "config.json").unlink()  # no model to serve: no block
     assert summary.main([str(run)]) == 0
     assert not any(line.startswith("serve it") for line in capsys.readouterr().out.splitlines())
+
+
+def test_labelled_answers_are_expected_only_where_labelled_desirable():
+    """KTO's unpaired rows hold wrong answers too: the summary's exact match must not expect one of those."""
+    from datasets import Dataset
+
+    from fsdp_recipes.launch.summary import prompts_of
+
+    q = [{"role": "user", "content": "What is 2 + 3?"}]
+    rows = Dataset.from_list([{"prompt": q, "completion": [{"role": "assistant", "content": "5"}], "label": True},
+                              {"prompt": q, "completion": [{"role": "assistant", "content": "6"}], "label": False}])
+    assert prompts_of(rows) == [(q, "5")]

@@ -7,6 +7,10 @@ names). Adding a kind: a line in TRAINERS and its module there."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from fsdp_recipes.config.argv import override
+from fsdp_recipes.errors import UserError
 
 
 @dataclass
@@ -39,3 +43,15 @@ TRAINERS: dict[str, Registration] = {
     "rloo": Registration("RLOOConfig", SamplingArguments),
 }
 DEFAULT_TRAINER = "sft"
+
+
+def trainer_kind(raw: dict, path: Path | str, overrides: list[str] = ()) -> str:
+    """The `trainer` a recipe YAML names (default sft); it must be a known kind and match the file's name."""
+    kind = str(override(list(overrides), "trainer", raw.get("trainer", DEFAULT_TRAINER)))
+    if kind not in TRAINERS:
+        raise UserError(f"unknown trainer `{kind}` in {path}. Fix: one of {', '.join(TRAINERS)}.")
+    stem = Path(path).stem
+    if stem in TRAINERS and stem != kind:
+        raise UserError(f"{path} names trainer `{kind}`, but a recipe's {kind} settings live in {kind}.yaml. "
+                        f"Fix: rename the file to {kind}.yaml, or set `trainer: {stem}`.")
+    return kind

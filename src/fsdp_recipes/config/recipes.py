@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config.argv import override
-from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS
+from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
 from fsdp_recipes.errors import UserError, cli
 
 if TYPE_CHECKING:
@@ -80,18 +80,6 @@ def config_file(folder: Path) -> Path:
     if len(files) != 1:
         resolve(str(folder))  # says what is wrong
     return files[0]
-
-
-def trainer_kind(raw: dict, path: Path | str, overrides: list[str] = ()) -> str:
-    """The `trainer` a recipe YAML names (default sft); it must be a known kind and match the file's name."""
-    kind = str(override(list(overrides), "trainer", raw.get("trainer", DEFAULT_TRAINER)))
-    if kind not in TRAINERS:
-        raise UserError(f"unknown trainer `{kind}` in {path}. Fix: one of {', '.join(TRAINERS)}.")
-    stem = Path(path).stem
-    if stem in TRAINERS and stem != kind:
-        raise UserError(f"{path} names trainer `{kind}`, but a recipe's {kind} settings live in {kind}.yaml. "
-                        f"Fix: rename the file to {kind}.yaml, or set `trainer: {stem}`.")
-    return kind
 
 
 @dataclasses.dataclass

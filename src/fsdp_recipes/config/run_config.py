@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config import yaml_keys
 from fsdp_recipes.config.argv import given, override
-from fsdp_recipes.config.recipes import trainer_kind
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS
+from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
 from fsdp_recipes.paths import expand
 
 if TYPE_CHECKING:  # TRL is imported lazily: the launcher's light path must not pay for it

@@ -57,11 +57,12 @@ def chat_rows(rows, columns: set[str]) -> bool:
 
 def prompts_of(rows) -> list[tuple[list[dict], str]]:
     """(chat prompt, expected answer) from prompt-completion rows, or from preference pairs (the chosen answer is the
-    expected one); [] for other layouts."""
+    expected one), or from labelled answers (those labelled desirable); [] for other layouts."""
     key = next((k for k in ("completion", "chosen") if k in rows.column_names), None)
     if key is None or not chat_rows(rows, {"prompt", key}):
         return []
-    return [(r["prompt"], answer(r[key])) for r in rows]
+    labelled = "label" in rows.column_names  # unpaired preference rows: an undesirable answer is not the expected one
+    return [(r["prompt"], answer(r[key])) for r in rows if not labelled or r["label"] is True]
 
 
 def pairs_of(rows) -> list[tuple[list[dict], str, str]]:
