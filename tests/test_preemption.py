@@ -76,8 +76,8 @@ def assert_a_plain_full_model(out, fsdp):
 
 def assert_resumed_exactly(straight, resumed, first, steps: int = 16):
     """The resumed run ends where the uninterrupted one does: the same per-step losses (`steps` of them), the same
-    final weights, the
-    same token and sample counts; its training time goes on from the checkpoint's (`first`: the preempted report)."""
+    final weights, the same token and sample counts; its training time goes on from the checkpoint's (`first`: the
+    preempted report)."""
     a, b = losses(straight), losses(resumed)
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
     for step in a:
