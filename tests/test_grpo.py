@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from conftest import REPO, launcher_checks, launcher_until_ranks, RanksWouldStart
+from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 
 from fsdp_recipes.rewards import exact_answer, number_only
@@ -27,16 +28,13 @@ def checks(monkeypatch, capsys, cache_dir):
 
 def grpo_recipe(tmp_path, **fields) -> "Path":  # noqa: F821
     """tiny-cpu-lora as a GRPO recipe (grpo.yaml, trainer: grpo) on its prompt-completion data."""
-    folder = tmp_path / "tiny-grpo"
-    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", folder)
-    raw = yaml.safe_load((folder / "sft.yaml").read_text())
-    (folder / "sft.yaml").unlink()
-    for key in ("packing", "max_length", "per_device_eval_batch_size"):  # SFTConfig fields GRPOConfig lacks or
-        raw.pop(key, None)  # would have to divide by num_generations
-    raw.update({"trainer": "grpo", "reward_funcs": ["fsdp_recipes.rewards.exact_answer"], "num_generations": 4,
-                "max_completion_length": 4, "eval_strategy": "no", "output_dir": str(tmp_path / "run"), **fields})
-    (folder / "grpo.yaml").write_text(yaml.safe_dump(raw))
-    return folder
+    fields = {"reward_funcs": ["fsdp_recipes.rewards.exact_answer"], "num_generations": 4, "max_completion_length": 4,
+              "eval_strategy": "no", "output_dir": str(tmp_path / "run"), **fields}
+    kind = fields.pop("trainer", "grpo")
+    # max_length and per_device_eval_batch_size: GRPOConfig lacks the first, the second would have to divide by
+    # num_generations
+    return recipe_variant(tmp_path, "tiny-grpo", trainer=kind, drop=("max_length", "per_device_eval_batch_size"),
+                          **fields)
 
 
 def write_module(tmp_path, monkeypatch, source: str) -> str:
@@ -186,9 +184,8 @@ def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save(tmp_
 # ---- RLOO, the second sampling kind: the same checks from sampling.py, its own forwards
 
 def test_an_rloo_recipe_gets_the_sampling_checks(tmp_path, cache_dir, checks, monkeypatch):
-    folder = grpo_recipe(tmp_path, trainer="rloo", reward_funcs=[])
-    (folder / "grpo.yaml").rename(folder / "rloo.yaml")
-    assert_one_line_error(checks([folder]), "a RLOO recipe needs reward_funcs")
+    assert_one_line_error(checks([grpo_recipe(tmp_path, trainer="rloo", reward_funcs=[])]),
+                          "a RLOO recipe needs reward_funcs")
 
 
 def test_mfu_counts_each_forward_rloo_runs_per_sampled_batch():

@@ -3,13 +3,11 @@ labelled rows that alternate. The launcher's checks run in this process (`launch
 recipe made a KTO recipe; exact resume is tests/test_preemption.py's, the CPU demo tests/test_default_recipe.py's."""
 
 import json
-import shutil
 from types import SimpleNamespace
 
 import pytest
-import yaml
-
-from conftest import REPO, RanksWouldStart, launcher_checks, launcher_until_ranks
+from conftest import RanksWouldStart, launcher_checks, launcher_until_ranks
+from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -29,21 +27,14 @@ def kto_recipe(tmp_path, rows: list | None = None, **fields):
     """tiny-cpu-lora as a KTO recipe (kto.yaml, trainer: kto) on `rows` (default: tiny_assets' pairs)."""
     from fsdp_recipes.assets.tiny_assets import ensure_assets
 
-    folder = tmp_path / "tiny-kto"
-    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", folder)
-    raw = yaml.safe_load((folder / "sft.yaml").read_text())
-    (folder / "sft.yaml").unlink()
-    for key in ("packing", "dataset_text_field"):  # SFTConfig fields KTOConfig lacks
-        raw.pop(key, None)
     data = ensure_assets(quiet=True)["preferences"]
     if rows is not None:
         data = tmp_path / "labelled"
         data.mkdir()
         (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    raw.update({"trainer": "kto", "dataset_name": str(data), "dataset_test_split": "none", "eval_strategy": "no",
-                "output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 2, **fields})
-    (folder / "kto.yaml").write_text(yaml.safe_dump(raw))
-    return folder
+    fields = {"dataset_name": str(data), "dataset_test_split": "none", "eval_strategy": "no",
+              "output_dir": str(tmp_path / "run"), "per_device_train_batch_size": 2, **fields}
+    return recipe_variant(tmp_path, "tiny-kto", trainer="kto", **fields)
 
 
 def row(answer: str, label) -> dict:

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO, launcher_checks, launcher_until_ranks, RanksWouldStart
+from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 
 GOOD = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}],
@@ -24,21 +25,14 @@ def dpo_recipe(tmp_path, cache_dir, rows: list | None = None, **fields) -> "Path
     """tiny-cpu-lora as a DPO recipe (dpo.yaml, trainer: dpo) on `rows` (default: tiny_assets' pairs)."""
     from fsdp_recipes.assets.tiny_assets import ensure_assets
 
-    folder = tmp_path / "tiny-dpo"
-    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", folder)
-    raw = yaml.safe_load((folder / "sft.yaml").read_text())
-    (folder / "sft.yaml").unlink()
-    for key in ("packing", "dataset_text_field"):  # SFTConfig fields DPOConfig lacks
-        raw.pop(key, None)
     data = ensure_assets(quiet=True)["preferences"]
     if rows is not None:
         data = tmp_path / "pairs"
         data.mkdir()
         (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         shutil.copy(ensure_assets(quiet=True)["preferences"] / "test.jsonl", data / "test.jsonl")
-    raw.update(trainer="dpo", dataset_name=str(data), eval_strategy="no", output_dir=str(tmp_path / "run"), **fields)
-    (folder / "dpo.yaml").write_text(yaml.safe_dump(raw))
-    return folder
+    return recipe_variant(tmp_path, "tiny-dpo", trainer="dpo", dataset_name=str(data), eval_strategy="no",
+                          output_dir=str(tmp_path / "run"), **fields)
 
 
 @pytest.fixture
