@@ -19,7 +19,8 @@ K8S_ARGS ?=
 RUNS ?=
 PYTEST_ARGS ?=
 # make test: two pytest-xdist workers, a whole file each at a time (its launches share module fixtures; the Slurm
-# cluster lives in one file), longest files first (tests/conftest.py LONGEST_FILES). One worker leaves a core idle
+# cluster lives in one file) or, for files whose tests share nothing, a test at a time; the longest first, by a
+# measured run's seconds (tests/conftest.py SPLIT_BY_TEST, tests/durations.json). One worker leaves a core idle
 # while a launch waits on a signal, a scheduler or a one-process phase (imports, the summary, the GPU ladder's
 # one-process rungs). TEST_WORKERS=0 runs the suite in one process.
 TEST_WORKERS ?= 2

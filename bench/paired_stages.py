@@ -1,7 +1,7 @@
-"""Held-out exact match of every stage of one run, with its interval, and each stage against the one before it on
-the same rows (a paired test), from the run's sample_generations.json.
+"""Held-out exact match of each stage, with its interval, and each stage against the one before it on the same rows
+(a paired test), from the runs' sample_generations.json: the first run's base model, then each run's trained model.
 
-    python -m bench.paired_stages runs/smollm2-135m-kto [--json OUT]
+    python -m bench.paired_stages runs/smollm2-135m-lora runs/smollm2-135m-kto [--json OUT]
 
 Wilson's score interval (95%) for each stage's share correct; for two stages, the exact McNemar test: of the rows
 where exactly one of the two is right (b: only the earlier, c: only the later), a two-sided binomial test of b
@@ -39,21 +39,27 @@ def mcnemar_exact(b: int, c: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def stage_answers(samples: dict) -> dict[str, list[bool]]:
-    """{stage: [right?] per held-out row}, in the file's stage order; an example's stage answer is under the stage's
-    name (the SFT run's own file names its two `base` and `trained`)."""
-    rows = samples["examples"]
-    names = [s["stage"] for s in samples.get("stages", [])] or ["base", "trained"]
+def stage_answers(runs: list[dict]) -> tuple[list[str], dict[str, list[bool]]]:
+    """(the prompts, {stage: [right?] per prompt}): the first run's `base` answers, then each run's `trained`
+    answers, the stage named as the run's last stage (`sft`, `kto`, ...; its sample_generations.json keeps those two
+    answers per prompt; a name already taken gets the run's position). Right means equal to the expected answer, as
+    the summary scores (answers are stored stripped). Every run must hold the same prompts in the same order."""
+    prompts = [r["prompt"] for r in runs[0]["examples"]]
     out = {}
-    for name in names:
-        key = name if name in rows[0] else ("trained" if name == names[-1] else name)
-        out[name] = [str(r.get(key, "")).strip() == str(r["expected"]).strip() for r in rows]
-    return out
+    for i, samples in enumerate(runs):
+        if [r["prompt"] for r in samples["examples"]] != prompts:
+            raise SystemExit(f"run {i + 1} scored other prompts, or in another order, than run 1: no paired test")
+        names = [s["stage"] for s in samples.get("stages", [])] or ["base", "trained"]
+        keys = [("base", names[0]), ("trained", names[-1])] if i == 0 else [("trained", names[-1])]
+        for key, name in keys:
+            name = f"{name} (run {i + 1})" if name in out else name
+            out[name] = [r[key] == r["expected"] for r in samples["examples"]]
+    return prompts, out
 
 
-def report(samples: dict) -> dict:
-    stages = stage_answers(samples)
-    n = len(next(iter(stages.values())))
+def report(runs: list[dict]) -> dict:
+    prompts, stages = stage_answers(runs)
+    n = len(prompts)
     result = {"n": n, "stages": [], "paired": []}
     for name, right in stages.items():
         lo, hi = wilson(sum(right), n)
@@ -69,10 +75,10 @@ def report(samples: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", type=Path)
+    ap.add_argument("runs", type=Path, nargs="+", help="run folders, the earliest stage's first")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    result = report(json.loads((args.run / "sample_generations.json").read_text()))
+    result = report([json.loads((run / "sample_generations.json").read_text()) for run in args.runs])
     for s in result["stages"]:
         lo, hi = wilson(s["correct"], result["n"])
         print(f"{s['stage']:<8} {s['correct']}/{result['n']}  (Wilson 95% {100 * lo:.1f}-{100 * hi:.1f}%)")

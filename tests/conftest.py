@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -60,20 +66,63 @@ def no_process_outlives_its_test():
         pytest.fail(f"{len(left)} process(es) outlived the test and were killed: {left}")
 
 
-# `make test` runs the suite on two pytest-xdist workers, a file at a time each (--dist loadfile: a file's launches
-# share module fixtures, and the Slurm cluster lives in one file). The workers take the files in collection order, so
-# the longest go first and the two end together (longest processing time first). Seconds of a serial run on the 2-core
-# machine, 2026-11-24, before launches were shared between files; a file not listed runs after these. A stale list
+# `make test` runs the suite on two pytest-xdist workers (--dist loadfile). A scope (a file, or one test of a file
+# in SPLIT_BY_TEST) runs whole on one worker: a file's tests may share module fixtures (launches, the Slurm cluster),
+# but those in SPLIT_BY_TEST share none, and their long tests (test_preemption.py's 25 launches) would otherwise hold
+# one worker while the other idles. The workers take scopes in collection order, so the longest go first and the
+# two end together (longest processing time first): seconds per test from a measured run, tests/durations.json
+# (scripts/test_durations.py writes it from pytest's --junitxml; a test not in it counts UNMEASURED_S). A stale file
 # costs minutes, not correctness.
-LONGEST_FILES = {
-    "test_preemption.py": 238, "test_bench_gpu.py": 152, "test_smoke.py": 128, "test_slurm.py": 109,
-    "test_float8.py": 85, "test_sharded_checkpoints.py": 74, "test_fsdp1.py": 67, "test_default_recipe.py": 54,
-    "test_start_gate.py": 51, "test_end_to_end.py": 47, "test_grad_accumulation.py": 35, "test_mistakes.py": 33,
-}
+SPLIT_BY_TEST = {"test_preemption.py", "test_smoke.py", "test_fsdp1.py", "test_mistakes.py", "test_start_gate.py"}
+DURATIONS = Path(__file__).with_name("durations.json")
+UNMEASURED_S = 5.0
+
+
+def scope_of(nodeid: str) -> str:
+    file = nodeid.split("::", 1)[0]
+    return nodeid if Path(file).name in SPLIT_BY_TEST else file
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: -LONGEST_FILES.get(item.path.name, 0))  # stable: each file keeps its own order
+    import json
+
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    total: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        scope = scope_of(item.nodeid)
+        total[scope] = total.get(scope, 0.0) + seconds.get(item.nodeid, UNMEASURED_S)
+        first.setdefault(scope, i)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (-total[scope_of(it.nodeid)], first[scope_of(it.nodeid)], order[id(it)]))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without xdist (-p no:xdist) does not know it
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, with the tests of SPLIT_BY_TEST's files scheduled one by one (scope_of), in collection order
+    (xdist would otherwise put the scopes with most tests first), and a worker given its next scope only when it
+    is down to its last test (xdist's default waits for two: it would hold three long tests while the other idles).
+    Checked against pytest-xdist 3.8's LoadScopeScheduling."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+        def _reschedule(self, node) -> None:
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+                return
+            if self._pending_of(self.assigned_work[node]) <= 1:  # a worker must know its next test to run one
+                self._assign_work_unit(node)
+
+    return Scheduling(config, log)
 
 
 def in_ci() -> bool:
@@ -147,6 +196,111 @@ def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env
 def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
     """`python -m fsdp_recipes.launch.launcher ...`, what every recipe's launch.sh runs."""
     return run([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cache, cwd=cwd, timeout=timeout, **env)
+
+
+# ---- launches shared between tests and files: one run per pytest run, on whichever worker asks first
+
+# tiny-cpu-lora for 4 steps with checkpoints at steps 2 and 4: tests/test_output_dir.py's finished run, and the run
+# that tests/test_start_gate.py's gate test watches (it publishes it, so the first is not launched a second time)
+SHORT_TINY_RUN = ["tiny-cpu-lora", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2",
+                  "--logging_steps", "1", "--eval_strategy", "no", "--save_merged_model", "false",
+                  "--warmup_steps", "0"]
+
+
+@dataclass(frozen=True)
+class SharedRun:
+    """A finished launch that several tests read. `out` is read-only for all of them: a test that changes it works
+    on a copy (shutil.copytree). `cache` is the asset cache it ran with, which may be the other xdist worker's: its
+    run_args.json and checkpoints name that cache's model and data, so a command that continues or compares with the
+    run must use it (FSDP_RECIPES_CACHE), not the test's own cache_dir."""
+    out: Path
+    cache: Path
+
+
+def shared_root(cache: Path) -> Path:
+    """One folder per pytest run that both xdist workers see: the workers' basetemps (<run>/popen-gw0, -gw1) share
+    their parent, which pytest removes with the run's other folders. cache_dir lies right under the basetemp."""
+    basetemp = Path(cache).parent
+    return (basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp) / "shared-runs"
+
+
+def _slot(args: list[str], cache: Path, env: dict) -> Path:
+    key = json.dumps({"args": [str(a) for a in args], "env": env}, sort_keys=True)
+    slot = shared_root(cache) / f"{Path(str(args[0])).name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    slot.mkdir(parents=True, exist_ok=True)
+    return slot
+
+
+def _published(slot: Path) -> SharedRun | None:
+    done = slot / "done.json"
+    if not done.is_file():
+        return None
+    info = json.loads(done.read_text())
+    return SharedRun(Path(info["out"]), Path(info["cache"]))
+
+
+def _publish(slot: Path, out: Path, cache: Path) -> SharedRun:
+    tmp = slot / "done.json.tmp"
+    tmp.write_text(json.dumps({"out": str(out), "cache": str(cache)}))
+    tmp.rename(slot / "done.json")  # atomic: a reader sees no file or the whole file
+    return SharedRun(out, Path(cache))
+
+
+@contextlib.contextmanager
+def _slot_lock(slot: Path, wait: bool = True):
+    """The slot's file lock (fcntl, so it holds between the xdist workers' processes): yields True once held, or
+    False at once when `wait` is off and another process holds it. Released when the block ends, also on an error
+    and when the process dies."""
+    with open(slot / "lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            held = True
+        except BlockingIOError:
+            held = False
+        if not held:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shared_run(key_args: list[str], cache_dir: Path, timeout: int = 600, **env) -> SharedRun:
+    """`launch([*key_args, "--output_dir", <dir>], cache_dir, **env)` once per pytest run, across both xdist
+    workers: the first caller launches (a second caller, on the other worker, waits for it on the file lock instead
+    of launching the same run beside it), later callers get the same finished run. A failed launch fails its caller
+    and publishes nothing: the next caller launches again (and fails with its own message)."""
+    slot = _slot(key_args, cache_dir, env)
+    if (done := _published(slot)) is not None:
+        return done
+    with _slot_lock(slot):
+        if (done := _published(slot)) is not None:
+            return done
+        out = slot / "run"
+        shutil.rmtree(out, ignore_errors=True)  # a failed earlier try's leftovers
+        res = launch([*key_args, "--output_dir", str(out)], cache_dir, timeout=timeout, **env)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        return _publish(slot, out, cache_dir)
+
+
+@contextlib.contextmanager
+def publishing_shared_run(key_args: list[str], cache_dir: Path, own: Path):
+    """For a test that must make the launch itself (it watches it: probes, output as it comes) and whose launch is
+    also `shared_run(key_args)`'s: yields the output_dir to launch into. That is the shared run's folder when no run
+    of `key_args` is there yet and no other process is making it; the run is published when the block ends without
+    an error, for later shared_run callers to reuse. Otherwise `own` (the test never waits for another's launch).
+    The test passes exactly `key_args` to its launch; only environment that changes no output may be added."""
+    slot = _slot(key_args, cache_dir, {})
+    with _slot_lock(slot, wait=False) as held:
+        mine = held and _published(slot) is None
+        if mine:
+            out = slot / "run"
+            shutil.rmtree(out, ignore_errors=True)
+            yield out
+            _publish(slot, out, cache_dir)
+    if not mine:  # outside the lock: another worker's shared_run need not wait for this test's own launch
+        yield own
 
 
 class RanksWouldStart(BaseException):  # not an Exception: no handler in the launcher may take it for a failure

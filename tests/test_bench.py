@@ -312,16 +312,19 @@ def test_speed_against_trl_is_the_median_of_the_ratios_within_each_pair():
 
 
 def test_paired_stages_intervals_and_exact_mcnemar_by_hand():
-    """Wilson 95% for 93/100 is 86.25-96.57% (Newcombe 1998's formula by hand: centre 0.91417, half-width 0.05167);
+    """Wilson 95% for 93/100 is 86.25-96.57% (Newcombe 1998's formula by hand: centre 0.91409, half-width 0.05159);
     exact McNemar: 0 against 6 discordant rows is 2 x 0.5^6 = 0.03125, 4 against 5 is 1."""
     from bench.paired_stages import mcnemar_exact, report, wilson
 
     lo, hi = wilson(93, 100)
     assert round(lo, 4) == 0.8625 and round(hi, 4) == 0.9657
     assert mcnemar_exact(0, 6) == 0.03125 and mcnemar_exact(4, 5) == 1.0
-    rows = [{"expected": "5", "sft": "5", "kto": "5"}, {"expected": "6", "sft": "6", "kto": "7"},
-            {"expected": "8", "sft": "9", "kto": "8"}, {"expected": "9", "sft": "1", "kto": "9"}]
-    out = report({"examples": rows, "stages": [{"stage": "sft"}, {"stage": "kto"}]})
-    assert [s["correct"] for s in out["stages"]] == [2, 3]
-    assert out["paired"] == [{"from": "sft", "to": "kto", "only_before": 1, "only_after": 2,
-                              "mcnemar_exact_p": 1.0}]
+    sft = {"stages": [{"stage": "base"}, {"stage": "sft"}], "examples": [
+        {"prompt": q, "expected": e, "base": "x", "trained": t} for q, e, t in
+        (("1+4", "5", "5"), ("2+4", "6", "6"), ("3+5", "8", "9"), ("4+5", "9", "1"))]}
+    kto = {"stages": [{"stage": "base"}, {"stage": "sft"}, {"stage": "kto"}], "examples": [
+        {"prompt": q, "expected": e, "base": "x", "trained": t} for q, e, t in
+        (("1+4", "5", "5"), ("2+4", "6", "7"), ("3+5", "8", "8"), ("4+5", "9", "9"))]}
+    out = report([sft, kto])
+    assert [(s["stage"], s["correct"]) for s in out["stages"]] == [("base", 0), ("sft", 2), ("kto", 3)]
+    assert out["paired"][1] == {"from": "sft", "to": "kto", "only_before": 1, "only_after": 2, "mcnemar_exact_p": 1.0}

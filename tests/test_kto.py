@@ -94,3 +94,22 @@ def test_one_label_only_is_a_warning(tmp_path, cache_dir, monkeypatch, capsys):
         launcher_until_ranks([str(kto_recipe(tmp_path, rows=[row("5", True), row("6", True)]))], monkeypatch, capsys)
     out = capsys.readouterr()
     assert "has no undesirable answers (2 desirable, 0 undesirable)" in out.out + out.err
+
+
+def test_pairs_with_the_prompt_inside_their_answers_get_it_back_before_unpairing():
+    from datasets import Dataset
+
+    from fsdp_recipes.train.kinds import kto
+
+    q = {"role": "user", "content": "What is 2 + 3?"}
+    pairs = Dataset.from_list([{"chosen": [q, {"role": "assistant", "content": f"{5 + i}"}],
+                                "rejected": [q, {"role": "assistant", "content": f"{6 + i}"}]} for i in range(3)])
+    rows = list(kto.unpaired(pairs))
+    assert rows[0] == {"prompt": [q], "completion": [{"role": "assistant", "content": "5"}], "label": True}
+    assert rows[1] == {"prompt": [q], "completion": [{"role": "assistant", "content": "8"}], "label": False}
+
+
+def test_fewer_than_three_pairs_cannot_feed_the_kl_term(tmp_path, checks):
+    pair = {"prompt": PROMPT, "chosen": [{"role": "assistant", "content": "5"}],
+            "rejected": [{"role": "assistant", "content": "6"}]}
+    assert_one_line_error(checks([kto_recipe(tmp_path, rows=[pair, pair])]), "has 2 preference pair(s)")

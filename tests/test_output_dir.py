@@ -3,7 +3,9 @@
 docs/checkpoints.md "One output_dir, one run" states the rule; checkpoint/previous_run.py, output_lock.py and
 resume_settings.py implement it. One real 4-step run (module fixture, checkpoints at steps 2 and 4) is what the
 commands below meet; each test that changes it works on a copy. The refusals are checked in the launcher's own
-process (no rank starts); continuing with new settings and a full disk run for real.
+process (no rank starts); continuing with new settings and a full disk run for real. The finished run is
+conftest.shared_run's: tests/test_start_gate.py's gate test watches the same launch and publishes it, so that one
+launch serves both files (the one that comes first makes it).
 """
 
 import json
@@ -16,21 +18,26 @@ import sys
 
 import pytest
 
-from conftest import REPO, launch, launcher_checks, launcher_until_ranks, RanksWouldStart
+from conftest import SHORT_TINY_RUN, launch, launcher_checks, launcher_until_ranks, RanksWouldStart, shared_run
 from fsdp_recipes.checkpoint import markers
 from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
 
-ARGS = ["tiny-cpu-lora", "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
-        "--eval_strategy", "no", "--save_merged_model", "false", "--warmup_steps", "0"]
+# tiny-cpu-lora, 4 steps, checkpoints at steps 2 and 4, no evaluation, no merged model, no warm-up
+ARGS = SHORT_TINY_RUN
 LR = 3e-3  # the recipe's, cosine
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, cache_dir):
-    out = tmp_path_factory.mktemp("output-dir") / "run"
-    res = launch([*ARGS, "--output_dir", str(out)], cache_dir)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return out
+def shared(cache_dir):
+    return shared_run(ARGS, cache_dir)
+
+
+@pytest.fixture
+def finished(shared, monkeypatch):
+    """The finished run's folder (read-only: the tests that change it use `copy`). The launcher resolves the
+    recipe's $FSDP_RECIPES_CACHE paths where this run was made (the other xdist worker's cache, if it made it)."""
+    monkeypatch.setenv("FSDP_RECIPES_CACHE", str(shared.cache))
+    return shared.out
 
 
 @pytest.fixture
@@ -88,13 +95,13 @@ def test_a_finished_run_without_a_last_checkpoint_cannot_continue(copy, monkeypa
     assert res.returncode == 0 and "already complete" in res.stdout and "to train longer" not in res.stdout
 
 
-def test_continuing_a_finished_run_with_a_new_learning_rate_applies_it(copy, cache_dir):
+def test_continuing_a_finished_run_with_a_new_learning_rate_applies_it(copy, shared):
     """max_steps 4 -> 6 and learning rate 3e-3 -> 1e-3, asked for with --override_resumed_settings: steps 5 and 6 run
     on the new cosine schedule (6 steps, peak 1e-3) from step 4, the first 4 steps stay as they were. Without the
     schedule resync, the optimizer would keep the checkpoint's base rate and step 5 would run at the old schedule's
     last value (resume_settings.py)."""
     res = launch([*ARGS, "--output_dir", str(copy), "--max_steps", "6", "--learning_rate", "1e-3",
-                  "--override_resumed_settings", "true"], cache_dir)
+                  "--override_resumed_settings", "true"], shared.cache)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"continuing {copy}/checkpoint-4 to max_steps 6 (it was trained toward 4)" in res.stdout
     assert "learning_rate 0.003 -> 0.001; the new values apply from step 5" in res.stdout
@@ -250,3 +257,24 @@ def test_a_full_disk_elsewhere_is_named_not_blamed_on_output_dir():
     line, code = describe([record], 1, None, "tiny-cpu-lora", "runs/x/checkpoint-5", output_dir="runs/x")
     assert line.startswith("rank 1 ran out of space writing /torch_123_456_0 at step 7") and code == 1
     assert "--shm-size" in line and "runs/x" not in line
+
+
+def test_a_sampling_kinds_own_settings_are_saved_and_compared_from_its_argument_dataclass():
+    """reward_funcs lives in the kind's SamplingArguments (cfg.kind_args), not in TRL's config: the checkpoint's
+    settings hold it, and a resume that changes it is refused like the learning rate."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.checkpoint.resume_settings import check, current
+    from fsdp_recipes.config.kind_registry import SamplingArguments
+    from fsdp_recipes.errors import UserError
+
+    training = SimpleNamespace(per_device_train_batch_size=2, gradient_accumulation_steps=1, learning_rate=1e-5)
+    cfg = SimpleNamespace(training=training, script=SimpleNamespace(dataset_name="d"), trainer="rloo",
+                          model=SimpleNamespace(dtype="float32"), pack=SimpleNamespace(),
+                          kind_args=SamplingArguments(reward_funcs=["fsdp_recipes.rewards.exact_answer"]))
+    saved = current(cfg, 2, ("reward_funcs",))
+    assert saved["reward_funcs"] == ["fsdp_recipes.rewards.exact_answer"] and saved["global_batch"] == 4
+    cfg.kind_args = SamplingArguments(reward_funcs=["fsdp_recipes.rewards.number_only"])
+    with pytest.raises(UserError, match=r"reward_funcs \['fsdp_recipes.rewards.exact_answer'\] -> "
+                                        r"\['fsdp_recipes.rewards.number_only'\]"):
+        check("run/checkpoint-4", 4, saved, current(cfg, 2, ("reward_funcs",)), override=False)

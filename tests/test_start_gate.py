@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import REPO, pack_env
+from conftest import REPO, SHORT_TINY_RUN, pack_env, publishing_shared_run
 from fsdp_recipes.errors import EXIT_PREEMPTED
 from fsdp_recipes.train import start_gate
 
@@ -136,17 +136,18 @@ class SlowCheckLaunch:
 
 @pytest.mark.slow
 def test_ranks_wait_at_the_gate_and_run_once_the_checks_pass(tmp_path, cache_dir):
-    out = tmp_path / "run"
-    run = SlowCheckLaunch(["tiny-cpu-lora", "--max_steps", "1", "--eval_strategy", "no",
-                           "--save_merged_model", "false", "--output_dir", str(out)], cache_dir, slow_s=20)
-    run.wait_for_ranks_at_the_gate()
-    assert run.proc.poll() is None and not out.exists(), "a rank wrote before the checks passed"
-    assert not any("[train]" in line for line in run.out), run.out  # their output is held back
-    run.release()
-    assert run.finish() == 0, "".join(run.out[-40:] + run.err[-40:])
-    text = "".join(run.out)
-    assert text.index("they wait at a gate") < text.index("checks passed in") < text.index("run report written")
-    assert (out / "metrics.json").is_file()
+    """The run it watches is tests/test_output_dir.py's finished one (conftest.SHORT_TINY_RUN, 4 short steps): it
+    publishes it for that file's tests (conftest.publishing_shared_run) unless that file made it first."""
+    with publishing_shared_run(SHORT_TINY_RUN, cache_dir, own=tmp_path / "run") as out:
+        run = SlowCheckLaunch([*SHORT_TINY_RUN, "--output_dir", str(out)], cache_dir, slow_s=20)
+        run.wait_for_ranks_at_the_gate()
+        assert run.proc.poll() is None and not out.exists(), "a rank wrote before the checks passed"
+        assert not any("[train]" in line for line in run.out), run.out  # their output is held back
+        run.release()
+        assert run.finish() == 0, "".join(run.out[-40:] + run.err[-40:])
+        text = "".join(run.out)
+        assert text.index("they wait at a gate") < text.index("checks passed in") < text.index("run report written")
+        assert (out / "metrics.json").is_file()
 
 
 @pytest.mark.slow

@@ -214,7 +214,10 @@ def test_no_kind_name_outside_the_kinds_folder():
     module tests a kind's name or reads a kind's section of metrics.json by name (issue 47)."""
     import re
 
-    pattern = re.compile(r"""(["'])(sft|dpo|grpo)\1|\.get\((["'])(sft|dpo|grpo)\3\)|(sft|dpo|grpo)_config""")
+    from fsdp_recipes.config.kind_registry import TRAINERS
+
+    names = "|".join(TRAINERS)
+    pattern = re.compile(rf"""(["'])({names})\1|\.get\((["'])({names})\3\)|({names})_(config|args)\b""")
     found = []
     for path in sorted((REPO / "src" / "fsdp_recipes").rglob("*.py")):
         if "kinds" in path.parts or path.name == "kind_registry.py":

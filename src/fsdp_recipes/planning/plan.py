@@ -256,7 +256,7 @@ def report(p: Planned) -> str:
     if "vllm_engine" in budget or "generation_kv_cache" in budget:
         s = p.runs[own]
         kv = memory_budget.budget(m, dataclasses.replace(s, generation="generate"))["generation_kv_cache"]
-        lines.append(f"generation ({p.cfg.trainer}, generation_backend {p.cfg.kind_args.generation_backend}): " + (
+        lines.append(f"generation ({p.cfg.trainer}): " + (
             f"assumed vLLM in colocate mode, {training.vllm_gpu_memory_utilization:.0%} of each GPU: "
             f"{gib(budget['vllm_engine'])} GiB/GPU; without vLLM the policy's generate holds a KV cache of "
             f"{gib(kv)} GiB/GPU instead" if s.generation == "vllm" else

@@ -27,12 +27,13 @@ REPORTED_LOGS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps
 RESUME_SETTINGS = ("beta", "loss_type", "desirable_weight", "undesirable_weight")  # checkpoint/resume_settings.py
 SEQUENCES_PER_ROW = 1  # a labelled answer (a pair is unpaired into two rows)
 ROWS = "labelled answers"
-SMOKE_DATA = "preferences"  # tiny_assets' synthetic preference pairs, unpaired by TRL, for make smoke
+SMOKE_DATA = "preferences"  # tiny_assets' synthetic preference pairs, read as labelled rows (unpaired), for make smoke
 describe_tokens = ("non-padding tokens of the labelled sequences (prompt + answer), one policy forward and backward "
                    "each; with the KL term one more policy forward and two reference forwards per token (matched and "
                    "mismatched answers), without it one reference forward (2N FLOPs each, counted in MFU)")
 SMOKE_SETTINGS = {"per_device_train_batch_size": 2}  # the KL term needs two rows per micro-batch
 LABELS = {"prompt", "completion", "label"}
+MIN_PAIRS = 3  # unpaired() sets pair i's rejected answer beside pair i-2's chosen one: 3 pairs make them differ
 
 
 def trainer_class():
@@ -75,7 +76,10 @@ def load_datasets(cfg, want_eval: bool | None = None):
 def unpaired(ds, offset: int = 2):
     """Pairs -> labelled rows, alternating: chosen of pair i, rejected of pair i + offset (see the docstring)."""
     from datasets import interleave_datasets
+    from trl.data_utils import maybe_extract_prompt
 
+    if "prompt" not in ds.column_names:  # implicit-prompt pairs: the prompt is the turns chosen and rejected share
+        ds = ds.map(maybe_extract_prompt)
     n = len(ds)
     others = [c for c in ds.column_names if c not in ("chosen", "rejected")]
     good = ds.map(lambda r: {"completion": r["chosen"], "label": True}, remove_columns=["chosen", "rejected"])
@@ -137,8 +141,14 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
     for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
         if ds is None:
             continue
-        if "chosen" in next(iter(dpo.as_written(ds, where, split)), {}):  # pairs, as written (unpaired on loading)
+        written = list(dpo.as_written(ds, where, split))
+        if written and "chosen" in written[0]:  # pairs, as written (unpaired on loading)
             dpo.check_rows(ds, where, split)
+            if len(written) < MIN_PAIRS:
+                raise UserError(f"the `{split}` split of {where} has {len(written)} preference pair(s): read as "
+                                f"labelled answers for KTO, its KL term needs {MIN_PAIRS} or more, so that no answer "
+                                "sits beside its own prompt. Fix: add pairs, or give labelled rows (prompt, "
+                                "completion, label).")
         else:
             warned += check_labelled_rows(ds, where, split)
         if tokenizer is not None:
