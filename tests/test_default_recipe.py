@@ -375,63 +375,6 @@ def test_grpo_run_samples_rewards_and_reports_every_stage(grpo_dir, run_dir):
     assert "Warning" not in log and "LOAD REPORT" not in log  # the console stays one line per step
 
 
-# ---- SFT -> KTO and SFT -> RLOO: the other two post-training kinds, on the same SFT run, shortened the same way
-
-
-@pytest.fixture(scope="module")
-def kto_dir(run_dir, dpo_dir, cache_dir):
-    """On the DPO run's pairs (built from the SFT model above): read as alternating labelled answers."""
-    out = dpo_dir.parent / "kto"
-    res = launch(["smollm2-135m-kto", "--model_name_or_path", str(run_dir / "merged"), "--dataset_name",
-                  str(dpo_dir.parent / "pairs"), "--max_steps", str(STEPS), "--per_device_train_batch_size", "2",
-                  "--output_dir", str(out)], cache_dir, timeout=900, **GENERATIONS,
-                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS), FSDP_RECIPES_PREFERENCE_QUESTIONS=f"{PAIR_QUESTIONS},{EVAL_PROMPTS}")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    out.joinpath("launch.log").write_text(res.stdout + res.stderr)
-    return out
-
-
-def test_kto_run_reports_its_rewards_and_every_stage(kto_dir, run_dir):
-    m = load(kto_dir, "metrics.json")
-    assert m["status"] == "completed" and m["trainer"] == "kto" and m["steps"] == STEPS and m["world_size"] == 2
-    assert m["samples"] == STEPS * 2 * 2  # 2 processes x 2 labelled answers per step
-    for key in ("rewards/chosen", "rewards/rejected", "kl"):
-        assert m["kto"][key]["last"] is not None, key
-    assert m["final_save_check"]["lora_b_checked"] > 0
-    ev = m["eval"]
-    assert [s["stage"] for s in ev["stages"]] == ["base", "sft", "kto"] and ev["preference"]["pairs"] == EVAL_PROMPTS
-    log = (kto_dir / "launch.log").read_text()
-    assert " -> sft " in log and " -> kto " in log
-
-
-@pytest.fixture(scope="module")
-def rloo_dir(run_dir, tmp_path_factory, cache_dir):
-    out = tmp_path_factory.mktemp("rloo") / "run"
-    res = launch(["smollm2-135m-rloo", "--model_name_or_path", str(run_dir / "merged"), "--max_steps", str(STEPS),
-                  "--per_device_train_batch_size", str(GRPO_COMPLETIONS), "--logging_steps", "1",
-                  "--reward_funcs", "fsdp_recipes.rewards.exact_answer", "fsdp_recipes.rewards.number_only",
-                  "--output_dir", str(out)], cache_dir, timeout=900, **GENERATIONS,
-                 FSDP_RECIPES_SUMMARY_PROMPTS=str(EVAL_PROMPTS))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    out.joinpath("launch.log").write_text(res.stdout + res.stderr)
-    return out
-
-
-def test_rloo_run_samples_rewards_and_reports_every_stage(rloo_dir, run_dir):
-    m = load(rloo_dir, "metrics.json")
-    assert m["status"] == "completed" and m["trainer"] == "rloo" and m["steps"] == STEPS
-    samples = STEPS * 2 * GRPO_COMPLETIONS
-    assert m["samples"] == samples and samples <= m["generated_tokens"] <= 6 * samples
-    assert 0 <= m["rloo"]["reward"]["last"] <= 2 and m["final_save_check"]["lora_b_checked"] > 0
-    assert load(rloo_dir, "run_args.json")["rloo_args"]["reward_funcs"] == [
-        "fsdp_recipes.rewards.exact_answer", "fsdp_recipes.rewards.number_only"]
-    ev = m["eval"]
-    assert [s["stage"] for s in ev["stages"]] == ["base", "sft", "rloo"]
-    log = (rloo_dir / "launch.log").read_text()
-    assert "[train] rloo: 8 completions of at most 6 tokens per prompt" in log
-    assert f"sampled     {m['generated_tokens']:,} completion tokens" in log
-
-
 # ---- the trained model as GGUF (make gguf), read back by transformers' own GGUF reader
 
 
