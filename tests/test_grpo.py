@@ -169,8 +169,9 @@ def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save(tmp_
     from trl import GRPOConfig
 
     from fsdp_recipes.errors import UserError
-    from fsdp_recipes.train.kinds import grpo
+    from fsdp_recipes.train import kinds
 
+    grpo = kinds.load("grpo")  # its check_learned is sampling.py's, which RLOO shares
     training = GRPOConfig(output_dir=str(tmp_path), num_generations=8, per_device_train_batch_size=8, use_cpu=True)
 
     flat = [{"step": 1, "reward": 0.0, "frac_reward_zero_std": 1.0}, {"step": 2, "reward": 0.0, "frac_reward_zero_std": 1.0}]

@@ -227,3 +227,15 @@ def test_no_kind_name_outside_the_kinds_folder():
             if pattern.search(code):
                 found.append(f"{path.relative_to(REPO)}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def test_a_kind_takes_the_members_it_lacks_from_the_module_it_shares_with():
+    """grpo.py and rloo.py define their trainer, forwards and resume settings; the rest is sampling.py's."""
+    from fsdp_recipes.train import kinds
+    from fsdp_recipes.train.kinds import grpo, rloo, sampling
+
+    for kind, module in (("grpo", grpo), ("rloo", rloo)):
+        spec = kinds.load(kind)
+        assert spec.check_data is sampling.check_data and spec.generation_setup is sampling.generation_setup
+        assert spec.extra_forwards is module.extra_forwards and spec.RESUME_SETTINGS is module.RESUME_SETTINGS
+    assert kinds.load("grpo").extra_forwards is not kinds.load("rloo").extra_forwards

@@ -26,8 +26,8 @@ Optional, with the defaults of TrainerKind: SMOKE_SETTINGS (fields `make smoke` 
 generation_setup(cfg, capacity_gib) (`make plan`'s memory for sampling), describe_generation(training) (the run's
 first lines say how completions are sampled), check_learned(log_history, training) (a run whose rewards never varied
 stops before its final save, in one line), count_prepared(trainer, prepared, counter) (counts the batch that exists
-only after sampling) and summary_lines(metrics) (the end-of-run summary's lines of the kind's own). What the sampling
-kinds share is sampling.py's, which their modules take as these members.
+only after sampling) and summary_lines(metrics) (the end-of-run summary's lines of the kind's own). A kind module may
+name SHARED_WITH, a module whose members it takes where it defines none: the sampling kinds take sampling.py's.
 
 Adding a kind: that module, its line in config/kind_registry.py, and recipes whose settings live in <kind>.yaml
 (docs/architecture.md).
@@ -93,11 +93,14 @@ class TrainerKind:
     def from_module(cls, name: str, module: ModuleType, config_class: str | None = None) -> TrainerKind:
         members = {}
         required = required_members()
+        shared = getattr(module, "SHARED_WITH", None)  # a module whose members the kind takes where it has none
         for f in dataclasses.fields(cls):
             if f.name in NOT_MEMBERS:
                 continue
             if hasattr(module, f.name):
                 members[f.name] = getattr(module, f.name)
+            elif shared is not None and hasattr(shared, f.name):
+                members[f.name] = getattr(shared, f.name)
             elif f.name in required:
                 raise TypeError(f"trainer kind {name} ({module.__name__}) lacks {f.name}: every kind provides "
                                 f"{', '.join(required)} (fsdp_recipes/train/kinds/__init__.py)")

@@ -11,10 +11,8 @@ check) is sampling.py's; this module adds RLOO's forwards and resume settings.
 from __future__ import annotations
 
 from fsdp_recipes.train.kinds import sampling
-from fsdp_recipes.train.kinds.sampling import (  # noqa: F401  (the kind's interface members, TrainerKind reads them)
-    REPORTED_LOGS, ROWS, SEQUENCES_PER_ROW, SMOKE_DATA, SMOKE_SETTINGS, check_config, check_data, check_learned,
-    count_prepared, describe_generation, describe_tokens, generation_setup, load_datasets, sequence_length,
-    summary_lines, trainer_kwargs)
+
+SHARED_WITH = sampling  # every interface member not defined below (TrainerKind.from_module)
 
 RESUME_SETTINGS = (*sampling.RESUME_SETTINGS, "normalize_advantages", "reward_clip_range")
 
