@@ -321,6 +321,12 @@ def launcher_checks(args: list[str], monkeypatch, capsys) -> subprocess.Complete
         raise AssertionError("the launcher started the ranks for a mistake it should have caught") from None
 
 
+@pytest.fixture
+def checks(monkeypatch, capsys, cache_dir):
+    """launcher_checks as a fixture: checks([recipe, *overrides]) -> the launcher's exit code and streams."""
+    return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
+
+
 def launcher_until_ranks(args: list[str], monkeypatch, capsys,
                          checks_first: bool = True) -> subprocess.CompletedProcess:
     """launcher_checks, for a command whose checks pass: raises RanksWouldStart (its .cmd the `accelerate launch`

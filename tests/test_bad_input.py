@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO, launch, launcher_checks, pack_env
+from conftest import REPO, launch, pack_env
 
 
 def assert_one_line_error(res, fragment):
@@ -31,12 +31,6 @@ def checks_before_ranks(monkeypatch):
     """The launcher checks first and starts no rank for a mistake: these tests are about the one line, and the
     overlapped start (ranks importing while the launcher checks, then aborted) is tests/test_start_gate.py's."""
     monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
-
-
-@pytest.fixture
-def checks(monkeypatch, capsys, cache_dir):
-    """launcher_checks bound to this test: `checks([recipe, "--field", "value"])`."""
-    return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import REPO, launcher_checks, launcher_until_ranks, RanksWouldStart
+from conftest import REPO, launcher_until_ranks, RanksWouldStart
 from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 
@@ -19,11 +19,6 @@ from fsdp_recipes.rewards import exact_answer, number_only
 @pytest.fixture(autouse=True)
 def checks_before_ranks(monkeypatch):
     monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
-
-
-@pytest.fixture
-def checks(monkeypatch, capsys, cache_dir):
-    return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
 
 
 def grpo_recipe(tmp_path, **fields) -> "Path":  # noqa: F821

@@ -6,21 +6,11 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from conftest import RanksWouldStart, launcher_checks, launcher_until_ranks
+from conftest import RanksWouldStart, launcher_until_ranks
 from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 
 PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
-
-
-@pytest.fixture(autouse=True)
-def checks_before_ranks(monkeypatch):
-    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0")
-
-
-@pytest.fixture
-def checks(monkeypatch, capsys, cache_dir):
-    return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
 
 
 def kto_recipe(tmp_path, rows: list | None = None, **fields):

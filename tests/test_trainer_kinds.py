@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from conftest import REPO, launcher_checks, launcher_until_ranks, RanksWouldStart
+from conftest import REPO, launcher_until_ranks, RanksWouldStart
 from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 
@@ -33,11 +33,6 @@ def dpo_recipe(tmp_path, cache_dir, rows: list | None = None, **fields) -> "Path
         shutil.copy(ensure_assets(quiet=True)["preferences"] / "test.jsonl", data / "test.jsonl")
     return recipe_variant(tmp_path, "tiny-dpo", trainer="dpo", dataset_name=str(data), eval_strategy="no",
                           output_dir=str(tmp_path / "run"), **fields)
-
-
-@pytest.fixture
-def checks(monkeypatch, capsys, cache_dir):
-    return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
 
 
 def test_a_good_dpo_recipe_reaches_the_ranks_with_its_own_yaml(tmp_path, cache_dir, monkeypatch, capsys):

@@ -15,7 +15,7 @@ from fsdp_recipes.errors import UserError
 
 @dataclass
 class SamplingArguments:
-    """The sampling kinds' own settings (train/kinds/sampling.py: GRPO, RLOO), parsed from the same <kind>.yaml."""
+    """The sampling kinds' own settings (train/kinds/sampling.py), parsed from the same <kind>.yaml."""
 
     reward_funcs: list[str] = field(
         default_factory=list,
@@ -31,7 +31,7 @@ class SamplingArguments:
 
 @dataclass(frozen=True)
 class Registration:
-    config_class: str  # TRL's config class for the kind (trl.SFTConfig, ...): every training setting
+    config_class: str  # the name of TRL's config class for the kind: every training setting
     arguments: type | None = None  # the kind's own argument dataclass, or None
 
 
@@ -46,7 +46,8 @@ DEFAULT_TRAINER = "sft"
 
 
 def trainer_kind(raw: dict, path: Path | str, overrides: list[str] = ()) -> str:
-    """The `trainer` a recipe YAML names (default sft); it must be a known kind and match the file's name."""
+    """The `trainer` a recipe YAML names (default DEFAULT_TRAINER); it must be a known kind and match the file's
+    name."""
     kind = str(override(list(overrides), "trainer", raw.get("trainer", DEFAULT_TRAINER)))
     if kind not in TRAINERS:
         raise UserError(f"unknown trainer `{kind}` in {path}. Fix: one of {', '.join(TRAINERS)}.")

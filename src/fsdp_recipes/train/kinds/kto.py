@@ -100,14 +100,15 @@ def check_columns(ds, where: str) -> None:
                         "`chosen`, `rejected`). Fix: rename the columns, or use an SFT recipe for this data.")
 
 
-def check_labelled_rows(ds, where: str, split: str) -> list[str]:
-    """Every row: a prompt, an answer (text or chat turns, as DPO's), a true/false label. One label only is a
-    warning: KTO then learns only to raise (or only to lower) answers' likelihood against the reference."""
-    if len(ds) == 0:
+def check_labelled_rows(rows: list[dict], where: str, split: str) -> list[str]:
+    """Every row (as written: dpo.as_written): a prompt, an answer (text or chat turns, as DPO's), a true/false
+    label. One label only is a warning: KTO then learns only to raise (or only to lower) answers' likelihood against
+    the reference."""
+    if not rows:
         raise UserError(f"the `{split}` split of the dataset {where} has no rows. Fix: point dataset_name at data "
                         "with rows (or the split at another file).")
     counts = {True: 0, False: 0}
-    for i, row in enumerate(dpo.as_written(ds, where, split)):
+    for i, row in enumerate(rows):
         at = data_checks.row_at(where, split, i)
         label = row.get("label")
         if not isinstance(label, bool):
@@ -150,11 +151,9 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
                                 "sits beside its own prompt. Fix: add pairs, or give labelled rows (prompt, "
                                 "completion, label).")
         else:
-            warned += check_labelled_rows(ds, where, split)
+            warned += check_labelled_rows(written, where, split)
         if tokenizer is not None:
-            if getattr(tokenizer, "chat_template", None) is None and data_checks.conversational(ds):
-                raise UserError(f"the dataset {where} is conversational but the tokenizer of "
-                                f"{cfg.model.model_name_or_path} has no chat template. Fix: set chat_template_path, "
-                                "or use a model whose tokenizer has one.")
+            if data_checks.conversational(ds):
+                data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
             warned += dpo.check_lengths(ds, tokenizer, cfg.training.max_length, split, where)
     return warned
