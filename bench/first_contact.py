@@ -253,11 +253,34 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s,
     return items, facts
 
 
+def refused_here(name: str, gpus: int) -> str | None:
+    """The launcher's own refusal of this recipe's smoke run on `gpus` GPUs, if any (FSDP1 LoRA on one GPU: one
+    process is NO_SHARD, which cannot save; accelerate_yaml.check_fsdp_with_peft), asked before a launch."""
+    from fsdp_recipes.config import recipes
+    from fsdp_recipes.config.accelerate_yaml import check_fsdp_with_peft
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.launch.smoke import scale_accelerate
+
+    recipe = recipes.load(name)
+    acc = scale_accelerate(recipe.accelerate, gpus)
+    try:
+        check_fsdp_with_peft(acc, bool(recipe.field("use_peft", False)), recipe.accelerate_path,
+                             int(acc.get("num_processes", 1)))
+    except UserError as err:
+        return str(err)
+    return None
+
+
 def smoke(name: str, work: Path, env: dict, on_gpu: bool, timeout_s) -> tuple[list[dict], dict]:
     out = work / "smoke" / name
     shutil.rmtree(out, ignore_errors=True)
     if timeout_s() < MIN_LAUNCH_S:
         return [not_run(f"smoke {name}")], {}
+    from fsdp_recipes.config.placement import gpus_here
+
+    refusal = refused_here(name, gpus_here()) if on_gpu else None
+    if refusal:  # the launcher would refuse it in one line: nothing of CUDA to learn here (its CPU smoke is in the suite)
+        return [item(f"smoke {name}: not at this machine's world size", None, refusal)], {"refused": refusal}
     rc, _ = launch(launcher_cmd(name, "--output_dir", str(out)), dict(env, FSDP_RECIPES_SMOKE="1"),
                    work / f"smoke-{name}.log", timeout_s())
     metrics = read_json(out / "metrics.json")

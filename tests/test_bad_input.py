@@ -171,17 +171,17 @@ def test_lora_under_fsdp1_needs_use_orig_params(tmp_path):
     check_fsdp_with_peft(acc, False, "fsdp1.yaml")  # full fine-tuning does not need it
 
 
-def test_fsdp1_lora_sharded_checkpoints_on_one_process_stop_before_launch(tmp_path, cache_dir, checks):
-    """One FSDP1 process is NO_SHARD, whose sharded LoRA state dict crashes the first checkpoint save (seen:
-    AssertionError in torch's state-dict post-hook after step 1). The launcher refuses it up front."""
+@pytest.mark.parametrize("state_dict_type", ["SHARDED_STATE_DICT", "FULL_STATE_DICT"])
+def test_fsdp1_lora_on_one_process_stops_before_launch(tmp_path, cache_dir, checks, state_dict_type):
+    """One FSDP1 process is NO_SHARD, whose LoRA state dict crashes the first checkpoint save (seen: AssertionError in
+    torch's state-dict post-hook at the first save, sharded on CPU, full on CPU and on an H100). Refused up front."""
     from conftest import fsdp1_recipe
 
-    recipe = fsdp1_recipe(tmp_path, fsdp_state_dict_type="SHARDED_STATE_DICT")
+    recipe = fsdp1_recipe(tmp_path, fsdp_state_dict_type=state_dict_type)
     acc = yaml.safe_load((recipe / "accelerate.yaml").read_text())
     acc["num_processes"] = 1
     (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
-    assert_one_line_error(checks([str(recipe)]), "LoRA under FSDP1 with one process cannot save "
-                          "SHARDED_STATE_DICT checkpoints")
+    assert_one_line_error(checks([str(recipe)]), "LoRA under FSDP1 with one process cannot save checkpoints")
 
 
 def test_min_gpus_is_shared_among_the_nodes(monkeypatch):

@@ -76,3 +76,14 @@ def test_a_run_left_out_for_time_is_said_in_the_title():
     text = markdown(result)
     assert text.splitlines()[0].endswith("0 passed, 0 failed, 0 n/a, 1 not run")
     assert "| smoke x | not run | time budget (--deadline-s)" in text
+
+
+def test_an_fsdp1_lora_recipe_is_not_smoked_on_one_gpu_but_is_on_two():
+    """The first GPU plan's smoke of mistral-small-lora on one H100 failed at its first save (FSDP1 is NO_SHARD on one
+    process); the launcher now refuses that, and first_contact records it as n/a with the launcher's own line."""
+    from bench.first_contact import refused_here
+
+    assert "LoRA under FSDP1 with one process" in refused_here("mistral-small-lora", 1)
+    assert refused_here("mistral-small-lora", 2) is None
+    assert refused_here("llama-3.1-8b-lora", 1) is None  # FSDP2
+    assert refused_here("mistral-7b-full", 1) is None  # no LoRA

@@ -98,9 +98,10 @@ def check_topology(acc: dict, path, num_machines: int, num_processes: int) -> No
 
 def check_fsdp_with_peft(acc: dict, use_peft: bool, path, processes: int = 2) -> None:
     """FSDP1 flattens parameters; LoRA mixes frozen and trainable ones, which needs use_orig_params. And FSDP1 on
-    one process runs NO_SHARD, whose sharded state dict of a LoRA model torch 2.13 cannot take: the first
-    checkpoint save fails ("FSDP assumes ...base_layer.weight is in the state_dict"; seen on CPU, the same code
-    runs on a GPU), so the run would lose its work at the first save."""
+    one process runs NO_SHARD, whose state dict of a LoRA model torch cannot build: the first checkpoint save fails
+    in torch's post-hook ("FSDP assumes ...weight is in the state_dict"), whatever fsdp_state_dict_type says. Seen
+    with SHARDED_ and FULL_STATE_DICT on CPU (torch 2.13) and with FULL_STATE_DICT on an H100 (torch 2.11, the
+    first GPU run's smoke of mistral-small-lora, 2026-11-26), so the run would lose its work at the first save."""
     fsdp = acc.get("fsdp_config") or {}
     if not (use_peft and acc.get("distributed_type") == "FSDP" and int(fsdp.get("fsdp_version", 1)) == 1):
         return
@@ -109,13 +110,13 @@ def check_fsdp_with_peft(acc: dict, use_peft: bool, path, processes: int = 2) ->
             f"{path}: LoRA under FSDP1 needs fsdp_use_orig_params: true (FSDP1 cannot flatten frozen and trainable "
             "parameters together). Fix: set fsdp_use_orig_params: true, or use fsdp_version: 2."
         )
-    if processes == 1 and "SHARDED" in str(fsdp.get("fsdp_state_dict_type", "")):
+    if processes == 1:
         raise UserError(
-            f"{path}: LoRA under FSDP1 with one process cannot save SHARDED_STATE_DICT checkpoints (FSDP1 runs "
-            "NO_SHARD there, and its sharded state dict of a LoRA model fails at the first save). Fix: "
-            "fsdp_state_dict_type: FULL_STATE_DICT, fsdp_version: 2, or num_processes > 1."
+            f"{path}: LoRA under FSDP1 with one process cannot save checkpoints (FSDP1 runs NO_SHARD there, and "
+            "torch cannot build its state dict of a LoRA model: the first save fails). Fix: fsdp_version: 2 "
+            "(accelerate_configs/fsdp2_1node.yaml), or num_processes 2 or more (on one GPU, a smoke run checks "
+            "the recipe on CPU instead: CUDA_VISIBLE_DEVICES= make smoke)."
         )
-
 
 
 # Keys that mean something only to FSDP1; accelerate ignores or rejects them under FSDP2 (its FSDP2 migration

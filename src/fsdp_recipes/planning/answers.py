@@ -61,7 +61,7 @@ def topology_answer(p) -> list[str]:
     if world is None:
         return [f"smallest topology: none up to {node * 1024} GPUs"]
     if world == 1:
-        try:  # FSDP1 + LoRA on one process cannot save sharded checkpoints: the launcher refuses it
+        try:  # FSDP1 + LoRA on one process cannot save checkpoints: the launcher refuses it
             accelerate_yaml.check_fsdp_with_peft(p.acc, p.cfg.model.use_peft, p.recipe / "accelerate.yaml", 1)
         except UserError:
             return ["smallest topology: GPUS=2 NODES=1 (1 GPU holds it, but the launcher refuses FSDP1 "
