@@ -106,6 +106,7 @@ sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.ya
 
 test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 cores)
 	@scripts/install_slurm.sh --if-possible  # tests/test_slurm.py's throw-away cluster: installs it, or says what skips
+	@VENV=$(VENV) scripts/install_promtool.sh --if-possible  # tests/test_gates.py's promtool: into $(VENV)/bin
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v $(XDIST) -m "not serve" --durations=10 $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

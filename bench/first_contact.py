@@ -92,6 +92,11 @@ def run_items(label: str, rc: int | None, metrics: dict | None, run_args: dict |
         out.append(item(f"{label}: peak allocated/reserved memory and MFU recorded", not missing,
                         f"{gpu_figures}" + (f"; missing {missing}, mfu_note {metrics.get('mfu_note')!r}"
                                             if missing else "")))
+        gates = metrics.get("gates") or {}
+        out.append(item(f"{label}: gates judged against the GPU's memory",
+                        bool(gates.get("verdict")) and bool(peak.get("device_total_bytes")),
+                        f"verdict {gates.get('verdict')!r}, device_total_bytes {peak.get('device_total_bytes')}, "
+                        f"peak_memory gate {gates.get('peak_memory')}"))
     else:
         out.append(item(f"{label}: device figures", None, f"no GPU in this run: device {device.get('type')}"))
     patches = [p.get("patch") for p in (run_args or {}).get("patches_applied") or []]

@@ -231,3 +231,10 @@ def test_unset_variable_in_a_path_is_refused_not_written_literally(recipe, cache
     assert_one_line_error(res, "output_dir")
     assert "$NO_SUCH_VAR_FOR_TEST, which is not set here" in res.stderr
     assert not (tmp_path / "$NO_SUCH_VAR_FOR_TEST").exists()
+
+
+@pytest.mark.parametrize("name, value", [("mfu_min", 40), ("peak_memory_max_fraction", 95),
+                                         ("divergence_factor", 0.5)])
+def test_a_gate_written_as_a_percentage_is_one_line(recipe, name, value, checks):
+    """The gates are shares (metrics/gates.py): 40 would be an MFU floor no run meets."""
+    assert_one_line_error(checks([str(recipe), f"--{name}", str(value)]), f"{name} is {value}")

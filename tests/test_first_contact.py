@@ -7,8 +7,10 @@ from bench.first_contact import item, markdown, not_run, run_items
 GPU_METRICS = {
     "status": "completed",
     "device": {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "count": 1},
-    "peak_memory": {"device_allocated_bytes": 3 * 2**30, "device_reserved_bytes": 4 * 2**30},
+    "peak_memory": {"device_allocated_bytes": 3 * 2**30, "device_reserved_bytes": 4 * 2**30,
+                    "device_total_bytes": 80 * 2**30},
     "mfu": 0.12,
+    "gates": {"verdict": "no gates", "peak_memory": None},
     "final_save_check": {"tensors": 28, "compared_with": "each rank's shards of the weights in memory"},
 }
 GPU_ARGS = {"patches_applied": [{"patch": "peft_fsdp.strip_fsdp1_wrapper_names"}]}
@@ -25,6 +27,7 @@ def test_a_good_gpu_run_passes_every_item():
         "smoke x: status completed": "pass",
         "smoke x: device is CUDA": "pass",
         "smoke x: peak allocated/reserved memory and MFU recorded": "pass",
+        "smoke x: gates judged against the GPU's memory": "pass",
         "smoke x: no CPU-only patch applied": "pass",
         "smoke x: final save checked": "pass",
     }
@@ -38,6 +41,9 @@ def test_each_missing_gpu_figure_or_cpu_patch_fails_its_item():
     assert got["r: no CPU-only patch applied"] == "FAIL"
     on_cpu = dict(GPU_METRICS, device={"type": "cpu", "name": "AMD EPYC"})
     assert results(run_items("r", 0, on_cpu, GPU_ARGS, on_gpu=True))["r: device is CUDA"] == "FAIL"
+    no_capacity = dict(GPU_METRICS, peak_memory=dict(GPU_METRICS["peak_memory"], device_total_bytes=None))
+    assert results(run_items("r", 0, no_capacity, GPU_ARGS, on_gpu=True))[
+        "r: gates judged against the GPU's memory"] == "FAIL"
     unchecked = dict(GPU_METRICS, final_save_check=None)
     assert results(run_items("r", 0, unchecked, GPU_ARGS, on_gpu=True))["r: final save checked"] == "FAIL"
 

@@ -280,7 +280,7 @@ def test_label_values_are_escaped(tmp_path):
 
 
 def test_alert_rules_structure_and_promql():
-    # promtool is not on PyPI, so `promtool check rules` cannot run here. What is checked: the YAML style, the
+    # Prometheus's own promtool checks and unit-tests the rules in tests/test_gates.py. Here: the YAML style, the
     # rule-group structure Prometheus expects, every `for` as a Prometheus duration, and every expression through
     # promql-parser (a Rust port of Prometheus's parser that also checks function argument types).
     promql = need_module("promql_parser")

@@ -139,10 +139,16 @@ def hand_flops_per_token(seq_len: float) -> float:
 H100_SXM_PEAK = 989e12  # dense BF16 tensor-core FLOP/s of the H100 SXM5, NVIDIA's H100 datasheet (1,979 with sparsity)
 
 
-def simulated_run(tmp_path, monkeypatch, device=None):
-    """Drive the callback through the hooks the Trainer calls, with a real (tiny) model."""
+CPU_PEAK = {"flops": 2e9, "products": 5, "size": 1024, "dtype": "float32", "threads": 1, "cached": True,
+            "key": "a CPU | float32 | 1 thread(s) per rank | 1 rank(s) | torch"}  # as metrics/cpu_peak.py returns
+
+
+def simulated_run(tmp_path, monkeypatch, device=None, cpu_peak=CPU_PEAK):
+    """Drive the callback through the hooks the Trainer calls, with a real (tiny) model. On CPU the matmul rate
+    the ranks would measure is `cpu_peak` (None: none measured)."""
     if device:
         monkeypatch.setattr(run_report, "device_info", lambda: device)
+    monkeypatch.setattr(run_report.cpu_peak, "cached_or_measured", lambda *a, **k: cpu_peak)
     cb = RunReportCallback(str(tmp_path), {}, recipe="sim")
     model = tiny_model()
     state = SimpleNamespace(global_step=0, log_history=[])
@@ -166,8 +172,10 @@ def test_completed_run_metrics_are_consistent(tmp_path, monkeypatch):
     assert m["tokens_per_second"] == pytest.approx(120 / m["train_time_s"])
     assert m["first_train_loss"] == 3.0 and m["final_train_loss"] == 1.0 and m["final_eval_loss"] == 0.9
     assert m["params"] == {"total": TINY_TOTAL, "trainable": TINY_TOTAL}  # counted by hand above; all trainable
-    # CPU: no MFU, and the reason is given
-    assert m["mfu"] is None and "CPU" in m["mfu_note"]
+    # CPU: MFU against the ranks' measured matmul rate (here 2 GFLOP/s, one rank), said in peak_flops_source
+    assert m["peak_flops_per_device"] == 2e9 and "against a measured 1-rank float32 matmul rate of 2.0 GFLOP/s" in \
+        m["peak_flops_source"]
+    assert m["mfu"] == pytest.approx(131_520 * m["tokens_per_second"] / 2e9)
     assert m["peak_memory"]["device_allocated_bytes"] is None and m["peak_memory"]["host_rss_bytes"] > 0
     # every sequence is 10 tokens (4 x 10, no padding): 6 x 20,640 + 12 x 2 x 4 x 8 x 10 = 123,840 + 7,680
     assert hand_flops_per_token(10) == 131_520
@@ -293,3 +301,9 @@ def test_metrics_json_has_one_owner_and_no_writer_drops_anothers_field(tmp_path)
     assert metrics_file.amend(tmp_path, lambda m: None) is None  # a change may decline: the file stays
     assert json.loads((tmp_path / "metrics.json").read_text()) == later
 
+
+
+def test_a_cpu_run_without_a_measured_peak_has_no_mfu_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_report.RunReportCallback, "measure_cpu_peak", lambda self: None)
+    m, _ = simulated_run(tmp_path, monkeypatch)
+    assert m["mfu"] is None and "no matmul rate was measured" in m["mfu_note"] and m["peak_flops_source"] is None

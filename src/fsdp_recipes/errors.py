@@ -8,6 +8,8 @@ import sys
 EXIT_USER_ERROR = 2  # a mistake the user can fix, found before training
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was saved on a signal; the same command resumes from it
+EXIT_GATE_FAILED = 3  # trained and saved, but below the recipe's MFU floor or over its memory ceiling (metrics/gates.py)
+EXIT_DIVERGED = 4  # trained and saved, but the loss diverged: the weights are not worth using
 
 
 class UserError(Exception):

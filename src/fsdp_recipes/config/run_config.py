@@ -99,6 +99,31 @@ class PackArguments:
         default=120,
         metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
     )
+    # Acceptance gates (metrics/gates.py), judged at the end of every run from its own report; docs/run-report.md.
+    mfu_min: float | None = field(
+        default=None,
+        metadata={"help": "Gate: the run's MFU must reach this (0.4 = 40%); below it the launcher exits 3. On CPU the "
+                          "MFU is against a matmul rate measured here (metrics/cpu_peak.py)."},
+    )
+    peak_memory_max_fraction: float | None = field(
+        default=None,
+        metadata={"help": "Gate: the peak memory's share of capacity must stay at or under this (GPU: reserved / "
+                          "device total; CPU: the largest rank's RSS x ranks / host RAM); above it the launcher exits 3."},
+    )
+    gates_warn_only: bool = field(
+        default=False, metadata={"help": "A failed gate is said in the summary and metrics.json, and the exit code "
+                                         "stays 0."},
+    )
+    memory_headroom_warning: float = field(
+        default=0.1,
+        metadata={"help": "Warn in the summary when the peak memory comes within this share of capacity (0: never)."},
+    )
+    divergence_factor: float = field(
+        default=2.0,
+        metadata={"help": "A run whose last logged training loss exceeds this many times its first is called "
+                          "diverged (exit code 4; 0: never). Not applied to the sampling kinds, whose loss is no "
+                          "falling objective."},
+    )
 
 
 @dataclass

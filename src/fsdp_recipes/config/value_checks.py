@@ -103,10 +103,23 @@ def check_lora_values(model_args) -> None:
         _fail(f"lora_dropout is {model_args.lora_dropout}; it must be in [0, 1)", "set lora_dropout to e.g. 0.05")
 
 
+def check_gate_values(pack) -> None:
+    """The gates and warnings of metrics/gates.py are shares (0-1), not percentages: 40 would be a gate no run meets."""
+    for name in ("mfu_min", "peak_memory_max_fraction", "memory_headroom_warning"):
+        value = getattr(pack, name)
+        if value is not None and not 0 <= value <= 1:
+            _fail(f"{name} is {value}; it is a share between 0 and 1", f"write e.g. {name}: {min(value / 100, 1):g} "
+                  "for a percentage")
+    if pack.divergence_factor < 0 or 0 < pack.divergence_factor <= 1:
+        _fail(f"divergence_factor is {pack.divergence_factor}; it must be above 1 (or 0: off)",
+              "set it to e.g. 2 (the last loss above twice the first)")
+
+
 def check_values(cfg: RunConfig) -> None:
     check_training_values(cfg.training, cfg.training.eval_strategy != "no")
     check_lora_values(cfg.model)
     if cfg.pack.preemption_grace_s < 0:
         _fail(f"preemption_grace_s is {cfg.pack.preemption_grace_s}", "set it to the seconds a checkpoint save needs")
+    check_gate_values(cfg.pack)
     check_output_dir(cfg.training.output_dir)
     lora_config(cfg)

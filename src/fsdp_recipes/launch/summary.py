@@ -21,11 +21,11 @@ import os
 import sys
 from pathlib import Path
 
-from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.errors import EXIT_DIVERGED, EXIT_GATE_FAILED, UserError, cli
 from fsdp_recipes.train import kinds
 from fsdp_recipes.metrics.report import human_bytes
 from fsdp_recipes.assets.generation import generate
-from fsdp_recipes.metrics import metrics_file
+from fsdp_recipes.metrics import gates, metrics_file
 
 
 def eval_rows(run_args: dict, limit: int, cfg=None):
@@ -309,13 +309,15 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
     if m.get("trainer") in kinds.names():  # the kind's own lines (GRPO: what was sampled, and what it scored)
         lines += kinds.load(m["trainer"]).summary_lines(m)
     mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else f"n/a ({m.get('mfu_note')})"
-    lines.append(f"MFU         {mfu}")
+    source = m.get("peak_flops_source")
+    lines.append(f"MFU         {mfu}" + (f" {source}" if source and m.get("mfu") is not None else ""))
     pm = m["peak_memory"]
     dev = (
         f"device {human_bytes(pm['device_allocated_bytes'])} allocated / {human_bytes(pm['device_reserved_bytes'])} reserved, "
         if pm.get("device_allocated_bytes") is not None else ""
     )
     lines.append(f"peak memory {dev}host RSS {human_bytes(pm['host_rss_bytes'])} (max over ranks)")
+    lines += gates.lines(m.get("gates") or {})
     lines.append(
         f"sharding    {m['sharding_strategy']} (FSDP{m['fsdp_version'] or '-'}), world size {m['world_size']}, "
         f"{m['num_nodes']} node(s), {m['device']['type']}: {m['device']['name']}"
@@ -411,6 +413,38 @@ def main(argv: list[str] | None = None, recipe=None) -> int:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
         metrics = metrics_file.amend(args.run_dir, lambda m: {**m, "eval": eval_section(check)})
     print(render(args.run_dir, metrics, check, skipped))
+    code = exit_code(metrics)
+    if code:
+        print(f"error: {verdict_line(metrics['gates'])}", file=sys.stderr, flush=True)
+    return code
+
+
+def verdict_line(verdicts: dict) -> str:
+    """The one line of a completed run that exits 3 or 4."""
+    if verdicts.get("diverged"):
+        return (f"the run diverged: {verdicts['diverged']} (exit code {EXIT_DIVERGED}). Fix: lower learning_rate or "
+                "raise warmup_steps and train again; divergence_factor: 0 switches the test off")
+    failed = []
+    for name in verdicts["failed"]:
+        g = verdicts[name]
+        value = "n/a" if g["value"] is None else f"{100 * g['value']:.1f}%"
+        limit = f"mfu_min {100 * g['min']:g}%" if name == "mfu" else f"peak_memory_max_fraction {100 * g['max_fraction']:g}%"
+        failed.append(f"{name} {value} against {limit}")
+    return (f"the run trained and saved, but failed its gate(s): {'; '.join(failed)} (exit code {EXIT_GATE_FAILED}). "
+            "Fix: tune the run (bench/README.md: the GPU ladder), or change the gate in the recipe; gates_warn_only: true keeps "
+            "the exit code 0")
+
+
+def exit_code(metrics: dict) -> int:
+    """A completed run's code from its verdicts (metrics/gates.py): 4 diverged, 3 a failed gate the recipe enforces,
+    else 0, so that a job script tells "trained but unusable / too slow / too close to OOM" from a crash."""
+    verdicts = metrics.get("gates") or {}
+    if metrics.get("status") != "completed":
+        return 0
+    if verdicts.get("diverged"):
+        return EXIT_DIVERGED
+    if verdicts.get("failed") and verdicts.get("enforced", True):
+        return EXIT_GATE_FAILED
     return 0
 
 

@@ -20,7 +20,7 @@ from transformers import TrainerCallback
 
 from fsdp_recipes import dist
 from fsdp_recipes.dist import all_reduce, gather_objects
-from fsdp_recipes.metrics import flops, metrics_file
+from fsdp_recipes.metrics import cpu_peak, flops, gates, metrics_file
 from fsdp_recipes.metrics.environment import (
     accelerate_env,
     device_info,
@@ -32,6 +32,7 @@ from fsdp_recipes.metrics.environment import (
 from fsdp_recipes.metrics.metrics_file import same_run
 from fsdp_recipes.metrics.prometheus import write_textfile
 from fsdp_recipes.metrics.tokens import COUNTS, TokenCounter
+from fsdp_recipes.paths import cache_dir
 from fsdp_recipes.records import now_iso, write_json_atomic
 
 SCHEMA_VERSION = 1
@@ -58,6 +59,16 @@ def param_shards(model) -> dict:
 
 
 
+def capacity(device: dict) -> dict:
+    """What the peaks are judged against (metrics/gates.py): the GPU's total memory, the host's RAM, the ranks on
+    this node that share it."""
+    import torch
+
+    gpu = device["type"] == "cuda" and torch.cuda.is_available()
+    return {"device_total_bytes": torch.cuda.get_device_properties(0).total_memory if gpu else None,
+            "host_total_bytes": psutil.virtual_memory().total, "ranks_per_node": device.get("count_per_node")}
+
+
 def _peak_memory() -> dict:
     import torch
 
@@ -77,7 +88,8 @@ class RunReportCallback(TrainerCallback):
 
     def __init__(self, output_dir: str, resolved_args: dict, recipe: str | None = None,
                  resume_from: str | Path | None = None, prometheus_textfile: str | None = None,
-                 trainer: str | None = None, reported_logs: tuple[str, ...] = (), extra_forwards: dict[str, float] | None = None):
+                 trainer: str | None = None, reported_logs: tuple[str, ...] = (), extra_forwards: dict[str, float] | None = None,
+                 loss_falls: bool = True):
         self.output_dir = Path(output_dir)
         # metrics.prom in output_dir, and the collector's file when the recipe names one: rewritten at every
         # training log while the run trains (write_live), and with the whole run's figures at the end.
@@ -100,6 +112,7 @@ class RunReportCallback(TrainerCallback):
         self.reported_logs = reported_logs
         # forwards per trained token besides its own (train/kinds: DPO's "reference", GRPO's "generation"), in the FLOPs
         self.extra_forwards = extra_forwards or {}
+        self.loss_falls = loss_falls  # False for a kind whose loss is no falling objective (sampling): no divergence test
         self.tokens = TokenCounter()
         self.process_start = psutil.Process().create_time()
         self.started_at = now_iso()
@@ -115,6 +128,7 @@ class RunReportCallback(TrainerCallback):
         self.tied_embeddings = None  # set by TiedEmbeddingsCheck for a model with tied embeddings
         self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by entry.save_final
         self.rss_at_train_start = None
+        self.cpu_peak = None  # per rank, on CPU: the measured matmul rate MFU divides by (metrics/cpu_peak.py)
         self.finalized = False
 
     # -- trainer hooks ------------------------------------------------------------------------------
@@ -124,8 +138,13 @@ class RunReportCallback(TrainerCallback):
             self.params = flops.count_params(model)
             self.model_config = getattr(model, "config", None)
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            shards = gather_objects({**param_shards(model), "rss": rss})  # a collective: every rank runs on_train_begin
+            peak = self.measure_cpu_peak()
+            shards = gather_objects({**param_shards(model), "rss": rss, "cpu_peak": peak})  # a collective: every rank
             self.rss_at_train_start = [s["rss"] for s in shards]
+            if peak is not None:
+                self.cpu_peak = [s["cpu_peak"] for s in shards]
+                if self.is_main:
+                    cpu_peak.store(cache_dir(), self.cpu_peak)
             self.shards = {
                 "dtensor_params": shards[0]["dtensor_params"],
                 "global_numel": shards[0]["global_numel"],
@@ -234,6 +253,15 @@ class RunReportCallback(TrainerCallback):
         self.totals = self.counters_so_far(self.train_end)
         self.peaks = self.peaks_so_far()
 
+    def measure_cpu_peak(self) -> dict | None:
+        """On CPU: this rank's dense matmul rate in the run's compute dtype (cached per machine), else None."""
+        device = device_info()
+        if device["type"] == "cuda":
+            return None
+        bf16 = bool((self.resolved_args.get(f"{self.trainer}_config") or {}).get("bf16"))
+        return cpu_peak.cached_or_measured(cache_dir(), device["name"], "bfloat16" if bf16 else "float32",
+                                           int(device["count_per_node"]))
+
     def peaks_so_far(self) -> dict:
         """Peak device memory and host RSS so far, max over ranks: a collective, so every rank must call it."""
         mem = _peak_memory()
@@ -265,14 +293,19 @@ class RunReportCallback(TrainerCallback):
             for name, per_token in self.extra_forwards.items():  # forwards per trained token, by kind
                 fpt += per_token * flops.forward_flops(weights.get(name, policy), layers, heads, head_dim, seq_len)
         peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
+        source = f"against the datasheet's dense bf16 peak of the {device['name']} (metrics/flops.py)" if peak else None
         if device["type"] != "cuda":
-            why = f"device is a CPU ({device['name']}): no dense bf16 peak to compare against"
+            if self.cpu_peak:  # the ranks' own measured rates: their mean times the world is their sum
+                peak = sum(p["flops"] for p in self.cpu_peak) / len(self.cpu_peak)
+                source = cpu_peak.describe(self.cpu_peak)
+            else:
+                why = f"device is a CPU ({device['name']}) and no matmul rate was measured before training"
         if fpt is not None and tps and peak:
             mfu = flops.mfu(fpt, tps, peak, world)
         else:
             mfu_note = why if not peak else "no tokens or no model config recorded"
-        return {"flops_per_token": fpt, "flops_seq_len": seq_len, "peak_flops_per_device": peak, "mfu": mfu,
-                "mfu_note": mfu_note}
+        return {"flops_per_token": fpt, "flops_seq_len": seq_len, "peak_flops_per_device": peak,
+                "peak_flops_source": source, "mfu": mfu, "mfu_note": mfu_note}
 
     # -- files --------------------------------------------------------------------------------------
     def run_args(self) -> dict:
@@ -333,7 +366,7 @@ class RunReportCallback(TrainerCallback):
 
         figures = self.mfu_figures(tokens, tps, world, device)
         no_device_mem = peaks["allocated"] < 0
-        return {
+        report = {
             "schema_version": SCHEMA_VERSION,
             "status": status,
             "provisional": provisional,
@@ -366,6 +399,7 @@ class RunReportCallback(TrainerCallback):
                 "host_rss_rise_final_save_bytes_per_rank": [r["save"] for r in self.final_save_rss or []] or None,
                 "host_rss_rise_final_check_bytes_per_rank": [r["check"] for r in self.final_save_rss or []] or None,
                 "scope": "max_over_ranks" if scope == "all_ranks" else scope,
+                **capacity(device),
             },
             "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
             "param_shards": self.shards,
@@ -380,6 +414,8 @@ class RunReportCallback(TrainerCallback):
             "trainer": self.trainer,
             **({self.trainer: self.kind_logs()} if self.reported_logs else {}),
         }
+        report["gates"] = gates.evaluate(report, self.resolved_args.get("pack_args") or {}, losses, self.loss_falls)
+        return report
 
     def kind_logs(self) -> dict:
         """The trainer kind's own logs (DPO: rewards, margins, accuracies): first and last training value of each,

@@ -267,7 +267,22 @@ def report(p: Planned) -> str:
                      f"(--min_gpus {gpus * nodes} overrides that)")
     if p.fits:
         lines.append(f"fits: {gib(p.budgets[own]['total'])} GiB of {p.capacity * HEADROOM:.1f} GiB usable per GPU")
+    lines += gate_lines(pack, p.budgets[own]["total"] / GIB, p.capacity)
     return "\n".join(lines)
+
+
+def gate_lines(pack, total_gib: float, capacity_gib: float) -> list[str]:
+    """The recipe's acceptance gates beside the estimate (metrics/gates.py judges them at the end of the run)."""
+    gates = []
+    if pack.mfu_min is not None:
+        gates.append(f"MFU >= {100 * pack.mfu_min:g}% (mfu_min)")
+    if pack.peak_memory_max_fraction is not None:
+        gates.append(f"peak memory <= {100 * pack.peak_memory_max_fraction:g}% of the GPU (peak_memory_max_fraction; "
+                     f"this estimate: {100 * total_gib / capacity_gib:.0f}%)")
+    if not gates:
+        return []
+    return [f"gates: {', '.join(gates)}" + ("; warn only (gates_warn_only)" if pack.gates_warn_only else
+                                             "; a failed gate exits 3")]
 
 
 def budget_markdown(name: str, recipes_root: Path, gpu: str = "H100") -> str:

@@ -16,6 +16,7 @@ import warnings
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.metrics import gates
 from fsdp_recipes.train.failure_record import DETAILS_FILE, ERROR_FILE_ENV
 
 # Upstream warnings that tell the user nothing they can act on, matched by category and message: every other warning
@@ -93,7 +94,12 @@ def progress_line(logs: dict, step: int, max_steps: int) -> str | None:
 
 class ProgressLines(TrainerCallback):
     """Instead of the Trainer's progress bars (ProgressCallback) or raw dictionaries (PrinterCallback): rank 0
-    prints one line per log; every rank keeps the whole dictionary in its log."""
+    prints one line per log; every rank keeps the whole dictionary in its log. A loss past `divergence_factor` times
+    the first is said on its line (metrics/gates.py: the summary and the exit code say it at the end)."""
+
+    def __init__(self, divergence_factor: float = 0.0):
+        self.divergence_factor = divergence_factor
+        self.losses: list[float] = []
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
@@ -105,13 +111,18 @@ class ProgressLines(TrainerCallback):
             return
         details(f"[train] step {state.global_step}: {json.dumps(logs, default=str)}")
         line = progress_line(logs, state.global_step, state.max_steps) if state.is_world_process_zero else None
+        if line and "loss" in logs:
+            self.losses.append(float(logs["loss"]))
+            why = gates.diverged(self.losses, self.divergence_factor)
+            if why:
+                line += f"  DIVERGING: {why}"
         if line:
             print(line, flush=True)
 
 
-def replace_progress_output(trainer) -> None:
+def replace_progress_output(trainer, divergence_factor: float = 0.0) -> None:
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)
-    trainer.add_callback(ProgressLines())
+    trainer.add_callback(ProgressLines(divergence_factor))

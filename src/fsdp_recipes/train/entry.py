@@ -158,7 +158,8 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
     from fsdp_recipes.patches.peft_fsdp import RestoreOutputEmbeddings, fsdp2_requested, hide_wrapped_output_layer
     from fsdp_recipes.train import console
 
-    console.replace_progress_output(trainer)  # one line per log instead of bars and dictionaries
+    # one line per log instead of bars and dictionaries; a sampling kind's loss is no falling objective
+    console.replace_progress_output(trainer, pack.divergence_factor if getattr(report, "loss_falls", True) else 0.0)
     if pack.float8:  # before train() hands the model to accelerate, which wraps it with FSDP
         float8.check_device()
         converted, linears = float8.convert(trainer.model)
@@ -329,6 +330,7 @@ def run(argv: list[str] | None = None) -> int:
         cfg.training.output_dir, cfg.resolved(peft_config),
         cfg.pack.recipe_name, resume_from=resume, prometheus_textfile=cfg.pack.prometheus_textfile,
         trainer=cfg.trainer, reported_logs=kind.REPORTED_LOGS, extra_forwards=kind.extra_forwards(cfg.training),
+        loss_falls=not kind.samples(cfg.training),  # a sampling kind's loss is no falling objective
     )
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     report.resolved_args["resume_settings"] = settings

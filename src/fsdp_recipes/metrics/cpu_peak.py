@@ -1,0 +1,95 @@
+"""The peak a CPU run's MFU divides by: a dense matmul rate measured on this machine, not a datasheet figure.
+
+A CPU has no published dense bf16 peak that its ranks reach (the rate depends on the instructions torch's kernels use
+here, AVX-512 BF16 or AMX or neither, and on the threads each rank gets), so each rank measures one: the median
+rate of square matmuls in the compute dtype the run uses (bf16 under autocast, else float32), with the rank's own
+threads, all ranks at once as they train. It is cached per CPU model, dtype, threads per rank, ranks on the node and
+torch version in $FSDP_RECIPES_CACHE/cpu_matmul_peak.json, so a machine measures once (with the load average then:
+a busy machine measures low; delete the file to measure again). MFU against it says how close training comes to
+what this CPU's matmul kernels do, the same question a GPU's datasheet peak answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+SIZE = 1024  # n x n x n: 2.1 GFLOP per product, large enough for the kernels' steady rate, ~20-200 ms on one core
+MIN_PRODUCTS = 5
+MIN_SECONDS = 0.5
+CACHE_FILE = "cpu_matmul_peak.json"
+
+
+def key(cpu_name: str, dtype: str, threads: int, ranks_on_node: int) -> str:
+    import torch
+
+    return f"{cpu_name} | {dtype} | {threads} thread(s) per rank | {ranks_on_node} rank(s) | torch {torch.__version__}"
+
+
+def measure(dtype: str, size: int = SIZE, min_products: int = MIN_PRODUCTS, min_seconds: float = MIN_SECONDS) -> dict:
+    """Median FLOP/s of size^3 matmuls in `dtype` ("bfloat16" or "float32") on this process's threads: at least
+    `min_products` products and `min_seconds`, after one warm-up product."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=gen).to(getattr(torch, dtype))  # random, never zeros (faster than real data)
+    b = torch.randn(size, size, generator=gen).to(getattr(torch, dtype))
+    torch.mm(a, b)
+    rates, start = [], time.perf_counter()
+    while len(rates) < min_products or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        rates.append(2 * size**3 / (time.perf_counter() - t0))
+    return {"flops": statistics.median(rates), "products": len(rates), "size": size, "dtype": dtype,
+            "threads": torch.get_num_threads(), "load_1min": round(os.getloadavg()[0], 2)}
+
+
+def cached_or_measured(cache_dir: Path, cpu_name: str, dtype: str, ranks_on_node: int) -> dict:
+    """This rank's peak: the cached figure for this CPU, dtype, threads and rank count, else measured now (every
+    rank of the node measures at once, as they will train). Rank 0 stores it: `store`."""
+    import torch
+
+    k = key(cpu_name, dtype, torch.get_num_threads(), ranks_on_node)
+    try:
+        cached = json.loads((cache_dir / CACHE_FILE).read_text()).get(k)
+    except (OSError, ValueError):
+        cached = None
+    if cached:
+        return {**cached, "key": k, "cached": True}
+    return {**measure(dtype), "key": k, "cached": False, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                     time.gmtime())}
+
+
+def store(cache_dir: Path, per_rank: list[dict]) -> None:
+    """Keep the node's measured figure (the median of its ranks') under its key; atomic, last writer wins."""
+    fresh = [p for p in per_rank if not p.get("cached")]
+    if not fresh:
+        return
+    path = cache_dir / CACHE_FILE
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    first = fresh[0]
+    table[first["key"]] = {"flops": statistics.median(p["flops"] for p in fresh), "products": first["products"],
+                           "size": first["size"], "dtype": first["dtype"], "threads": first["threads"],
+                           "measured_at": first["measured_at"], "load_1min": first.get("load_1min")}
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(table, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def describe(per_rank: list[dict]) -> str:
+    """What the MFU of a CPU run is against, for its report and summary."""
+    total = sum(p["flops"] for p in per_rank)
+    p = per_rank[0]
+    how = "cached from an earlier run here" if all(x.get("cached") for x in per_rank) else "measured at this launch"
+    if p.get("load_1min") is not None:
+        how += f", load average {p['load_1min']:g} then"
+    return (f"against a measured {len(per_rank)}-rank {p['dtype']} matmul rate of {total / 1e9:,.1f} GFLOP/s "
+            f"({p['threads']} thread(s) per rank; median of {p['products']} {p['size']}x{p['size']} products per "
+            f"rank, {how}; metrics/cpu_peak.py)")

@@ -1,0 +1,92 @@
+"""A finished run judged against its recipe: the acceptance gates (an MFU floor, a peak-memory ceiling), the memory
+headroom warning, and whether the loss diverged. Pure functions of the run report's own figures and the recipe's
+pack settings, so the verdict in metrics.json and the summary is what anyone can recompute from the files.
+
+The gates follow the FSDP2 design's acceptance rule ("mfu >= 0.40 and no OOM headroom warnings"). Memory is judged
+where it runs out: on a GPU, torch's peak reserved bytes against the device's total; on CPU, the largest rank's host
+RSS times the ranks on the node against the host's RAM (the ranks share it).
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def memory_fraction(peak_memory: dict) -> tuple[float | None, str]:
+    """(share of capacity the run's peak used, what was compared), or (None, why) without the figures."""
+    pm = peak_memory or {}
+    if pm.get("device_reserved_bytes") is not None and pm.get("device_total_bytes"):
+        return pm["device_reserved_bytes"] / pm["device_total_bytes"], "device memory reserved / device total"
+    if pm.get("host_rss_bytes") and pm.get("host_total_bytes"):
+        ranks = pm.get("ranks_per_node") or 1
+        return pm["host_rss_bytes"] * ranks / pm["host_total_bytes"], \
+            f"host RSS of the largest rank x {ranks} rank(s) on the node / host RAM"
+    return None, "no peak memory or capacity recorded"
+
+
+def diverged(losses: list[float], factor: float) -> str | None:
+    """Why the logged training losses say the run diverged (a non-finite loss; the last loss above `factor` times the
+    first), else None. `factor` 0 switches the second test off; a first loss at or below 0 cannot be scaled."""
+    bad = [x for x in losses if not math.isfinite(x)]
+    if bad:
+        return f"a logged training loss was {bad[0]}"
+    if factor and len(losses) >= 2 and losses[0] > 0 and losses[-1] > factor * losses[0]:
+        return (f"the training loss rose from {losses[0]:.4g} to {losses[-1]:.4g}, over {factor:g}x where it "
+                f"started (divergence_factor)")
+    return None
+
+
+def evaluate(metrics: dict, pack: dict, losses: list[float], loss_falls: bool = True) -> dict:
+    """The run's verdicts: each gate the recipe sets (value, limit, passed), the headroom warning, divergence, and
+    `verdict` "pass", "fail" or "no gates"; `enforced` False when the recipe says the gates only warn."""
+    out: dict = {"enforced": not pack.get("gates_warn_only", False), "mfu": None, "peak_memory": None,
+                 "headroom_warning": None}
+    failed = []
+    if pack.get("mfu_min") is not None:
+        mfu = metrics.get("mfu")
+        ok = mfu is not None and mfu >= pack["mfu_min"]
+        out["mfu"] = {"min": pack["mfu_min"], "value": mfu, "passed": ok,
+                      **({} if mfu is not None else {"why": f"no MFU figure: {metrics.get('mfu_note')}"})}
+        if not ok:
+            failed.append("mfu")
+    fraction, what = memory_fraction(metrics.get("peak_memory"))
+    if pack.get("peak_memory_max_fraction") is not None:
+        ok = fraction is not None and fraction <= pack["peak_memory_max_fraction"]
+        out["peak_memory"] = {"max_fraction": pack["peak_memory_max_fraction"], "value": fraction, "of": what,
+                              "passed": ok}
+        if not ok:
+            failed.append("peak_memory")
+    margin = pack.get("memory_headroom_warning")
+    if margin and fraction is not None and fraction > 1 - margin:
+        out["headroom_warning"] = (f"peak memory at {100 * fraction:.1f}% of capacity ({what}), within the "
+                                   f"{100 * margin:g}% margin (memory_headroom_warning): the next longer batch or "
+                                   "step may not fit")
+    why = diverged(losses, pack.get("divergence_factor") or 0) if loss_falls else None
+    out["diverged"] = why
+    out["failed"] = failed
+    out["verdict"] = "fail" if failed else ("pass" if out["mfu"] or out["peak_memory"] else "no gates")
+    return out
+
+
+def lines(gates: dict) -> list[str]:
+    """The summary's lines for the verdicts (empty for a run with no gates, no warning and no divergence)."""
+    out = []
+    for name, label in (("mfu", "MFU"), ("peak_memory", "peak memory")):
+        g = gates.get(name)
+        if not g:
+            continue
+        if name == "mfu":
+            value = "n/a" if g["value"] is None else f"{100 * g['value']:.1f}%"
+            limit = f">= {100 * g['min']:g}% (mfu_min)"
+        else:
+            value = "n/a" if g["value"] is None else f"{100 * g['value']:.1f}% of capacity"
+            limit = f"<= {100 * g['max_fraction']:g}% (peak_memory_max_fraction; {g['of']})"
+        out.append(f"gate        {label} {value}, gate {limit}: {'pass' if g['passed'] else 'FAIL'}")
+    if gates.get("failed") and not gates.get("enforced", True):
+        out.append("gate        failed, but the recipe says gates_warn_only: true, so the exit code stays 0")
+    if gates.get("headroom_warning"):
+        out.append(f"warning     {gates['headroom_warning']}")
+    if gates.get("diverged"):
+        out.append(f"DIVERGED    {gates['diverged']}: the weights were saved, but do not use them; lower the "
+                   "learning rate or raise warmup, then train again")
+    return out

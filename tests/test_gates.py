@@ -1,0 +1,148 @@
+"""Acceptance gates (an MFU floor, a peak-memory ceiling), the headroom warning, divergence and their exit codes
+(metrics/gates.py, launch/summary.py), the CPU's measured matmul peak (metrics/cpu_peak.py), and the alert rules
+checked by Prometheus's own promtool. Expected values are worked out by hand in each test."""
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, launch, skip_or_fail
+from fsdp_recipes.errors import EXIT_DIVERGED, EXIT_GATE_FAILED
+from fsdp_recipes.metrics import cpu_peak, gates
+
+GIB = 2**30
+
+
+def report(mfu=0.3, reserved=None, total=None, rss=GIB, host=16 * GIB, ranks=2, status="completed"):
+    pm = {"device_reserved_bytes": reserved, "device_total_bytes": total, "host_rss_bytes": rss,
+          "host_total_bytes": host, "ranks_per_node": ranks}
+    return {"status": status, "mfu": mfu, "mfu_note": None if mfu is not None else "no peak", "peak_memory": pm}
+
+
+def test_no_gate_set_is_no_verdict_either_way():
+    g = gates.evaluate(report(), {}, [2.0, 1.0])
+    assert g["verdict"] == "no gates" and g["failed"] == [] and g["diverged"] is None
+
+
+def test_the_mfu_floor_passes_at_or_above_it_and_fails_below_or_without_a_figure():
+    assert gates.evaluate(report(mfu=0.40), {"mfu_min": 0.40}, [])["verdict"] == "pass"
+    low = gates.evaluate(report(mfu=0.39), {"mfu_min": 0.40}, [])
+    assert low["verdict"] == "fail" and low["failed"] == ["mfu"] and low["mfu"]["value"] == 0.39
+    none = gates.evaluate(report(mfu=None), {"mfu_min": 0.40}, [])
+    assert none["failed"] == ["mfu"] and "no MFU figure" in none["mfu"]["why"]  # never a silent pass
+
+
+def test_memory_is_judged_on_the_gpu_by_reserved_over_total_and_on_cpu_by_the_ranks_rss_over_host_ram():
+    gpu = gates.evaluate(report(reserved=72 * GIB, total=80 * GIB), {"peak_memory_max_fraction": 0.9}, [])
+    assert gpu["peak_memory"]["value"] == pytest.approx(0.9) and gpu["verdict"] == "pass"  # 72/80 = 0.9: at the gate
+    cpu = gates.evaluate(report(rss=3 * GIB, host=16 * GIB, ranks=2), {"peak_memory_max_fraction": 0.25}, [])
+    assert cpu["peak_memory"]["value"] == pytest.approx(6 / 16)  # 3 GiB x 2 ranks of 16 GiB
+    assert cpu["verdict"] == "fail" and "host RSS" in cpu["peak_memory"]["of"]
+
+
+def test_the_headroom_warning_comes_within_the_margin_of_capacity():
+    near = gates.evaluate(report(reserved=75 * GIB, total=80 * GIB), {"memory_headroom_warning": 0.1}, [])
+    assert "93.8% of capacity" in near["headroom_warning"]  # 75/80, over 1 - 0.1
+    far = gates.evaluate(report(reserved=70 * GIB, total=80 * GIB), {"memory_headroom_warning": 0.1}, [])
+    assert far["headroom_warning"] is None  # 87.5% < 90%
+    assert gates.evaluate(report(reserved=79 * GIB, total=80 * GIB), {"memory_headroom_warning": 0},
+                          [])["headroom_warning"] is None
+
+
+@pytest.mark.parametrize("losses, factor, said", [
+    ([2.0, 1.0, 4.5], 2.0, "rose from 2 to 4.5"),  # 4.5 > 2 x 2.0
+    ([2.0, 3.9], 2.0, None),  # under twice
+    ([0.69, 0.5, float("nan")], 2.0, "was nan"),
+    ([0.69, float("inf")], 0, "was inf"),  # non-finite is said even with the ratio test off
+    ([2.0, 9.0], 0, None),  # off
+    ([-0.1, 5.0], 2.0, None),  # a first loss at or below 0 cannot be scaled
+    ([3.0], 2.0, None),
+])
+def test_divergence_is_a_non_finite_loss_or_the_last_above_factor_times_the_first(losses, factor, said):
+    why = gates.diverged(losses, factor)
+    assert (why is None) if said is None else (said in why)
+
+
+def test_a_sampling_kinds_loss_is_not_tested_for_divergence():
+    assert gates.evaluate(report(), {"divergence_factor": 2.0}, [0.01, 0.5], loss_falls=False)["diverged"] is None
+    assert gates.evaluate(report(), {"divergence_factor": 2.0}, [0.01, 0.5])["diverged"]
+
+
+def test_exit_codes_and_the_one_line():
+    from fsdp_recipes.launch.summary import exit_code, verdict_line
+
+    failed = {**report(mfu=0.1), "gates": gates.evaluate(report(mfu=0.1), {"mfu_min": 0.4}, [2, 1])}
+    assert exit_code(failed) == EXIT_GATE_FAILED == 3
+    assert "mfu 10.0% against mfu_min 40%" in verdict_line(failed["gates"])
+    warn = {**failed, "gates": {**failed["gates"], "enforced": False}}
+    assert exit_code(warn) == 0
+    diverged = {**report(), "gates": gates.evaluate(report(), {"mfu_min": 0.4, "divergence_factor": 2}, [1, 3])}
+    assert exit_code(diverged) == EXIT_DIVERGED == 4  # before a gate: the weights are not worth using
+    assert "diverged" in verdict_line(diverged["gates"])
+    assert exit_code({**failed, "status": "preempted"}) == 0  # judged when the run completes
+
+
+def test_the_step_line_says_a_diverging_loss():
+    from types import SimpleNamespace
+
+    from fsdp_recipes.train.console import ProgressLines
+
+    lines = ProgressLines(divergence_factor=2.0)
+    state = SimpleNamespace(global_step=1, max_steps=3, is_world_process_zero=True)
+    printed = []
+    import builtins
+    real = builtins.print
+    builtins.print = lambda *a, **k: printed.append(a[0])
+    try:
+        for step, loss in ((1, 2.0), (2, 3.0), (3, 4.4)):
+            state.global_step = step
+            lines.on_log(None, state, None, logs={"loss": loss})
+    finally:
+        builtins.print = real
+    assert "DIVERGING" not in printed[1] and "DIVERGING: the training loss rose from 2 to 4.4" in printed[2]
+
+
+def test_the_cpu_peak_is_measured_in_the_runs_dtype_and_cached_per_key(tmp_path):
+    m = cpu_peak.measure("float32", size=128, min_products=3, min_seconds=0.0)
+    assert m["flops"] > 1e8 and m["products"] >= 3 and m["dtype"] == "float32"  # any CPU does 0.1 GFLOP/s
+    first = cpu_peak.cached_or_measured(tmp_path, "Test CPU", "float32", 2)
+    assert first["cached"] is False and "Test CPU | float32" in first["key"]
+    cpu_peak.store(tmp_path, [first, {**first, "flops": first["flops"] * 3}])
+    again = cpu_peak.cached_or_measured(tmp_path, "Test CPU", "float32", 2)
+    assert again["cached"] is True and again["flops"] == pytest.approx(first["flops"] * 2)  # median of the two
+    assert cpu_peak.cached_or_measured(tmp_path, "Test CPU", "bfloat16", 2)["cached"] is False  # another dtype
+    said = cpu_peak.describe([again, again])
+    assert said.startswith("against a measured 2-rank float32 matmul rate of") and "cached" in said
+
+
+@pytest.mark.slow
+def test_an_mfu_floor_above_the_machine_fails_its_gate_with_exit_3_and_one_line(tmp_path, cache_dir):
+    """The default's CPU MFU is against the measured peak; a floor of 99% no CPU run reaches."""
+    out = tmp_path / "run"
+    res = launch(["tiny-cpu-lora", "--max_steps", "2", "--eval_strategy", "no", "--save_merged_model", "false",
+                  "--logging_steps", "1", "--mfu_min", "0.99", "--output_dir", str(out)], cache_dir)
+    assert res.returncode == EXIT_GATE_FAILED, res.stdout[-3000:] + res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "failed its gate(s): mfu" in errors[0] and "mfu_min 99%" in errors[0]
+    m = json.loads((out / "metrics.json").read_text())
+    assert 0 < m["mfu"] < 0.99 and "against a measured 2-rank float32" in m["peak_flops_source"]
+    assert m["gates"]["mfu"] == {"min": 0.99, "value": m["mfu"], "passed": False} and m["gates"]["enforced"]
+    assert "gate        MFU" in res.stdout and ": FAIL" in res.stdout
+    assert (out / "adapter_model.safetensors").is_file()  # trained and saved: nothing lost
+
+
+def test_promtool_checks_the_alert_rules_and_fires_the_mfu_alert_on_a_falling_series():
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        skip_or_fail("promtool is not installed (scripts/install_promtool.sh: Debian's prometheus package)")
+    rules = REPO / "monitoring" / "alerts.yaml"
+    res = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "SUCCESS: 3 rules found" in res.stdout
+    res = subprocess.run([promtool, "test", "rules", str(REPO / "monitoring" / "alerts_test.yaml")],
+                         capture_output=True, text=True, cwd=REPO / "monitoring")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "SUCCESS" in res.stdout
