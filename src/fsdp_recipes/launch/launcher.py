@@ -42,7 +42,7 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes.checkpoint import resume_choice
-from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, recipes, yaml_keys
+from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, quantization, recipes, yaml_keys
 from fsdp_recipes.config.argv import override
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import PackArguments, RunConfig
@@ -241,6 +241,7 @@ def check_recipe(recipe: Recipe) -> RunConfig:
 
     warn(recipe, schedule_warnings(cfg.training))
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
+    quantization.check(cfg.model, acc, named)
     if cfg.pack.float8:
         float8.check_gpus()
     model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model)

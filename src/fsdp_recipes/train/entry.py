@@ -15,6 +15,7 @@ import sys
 
 from fsdp_recipes import dist
 from fsdp_recipes.checkpoint.resume_choice import checkpoint_to_resume
+from fsdp_recipes.config import quantization
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, cli
 from fsdp_recipes.patches import cpu_fsdp, guard
@@ -91,6 +92,10 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         "dtype": model_args.dtype,
         **(training.model_init_kwargs or {}),
     }
+    # QLoRA: the 4-bit base stored in the dtype FSDP gathers in (config/quantization.py)
+    bnb = quantization.quantization_config(model_args, os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    if bnb is not None:
+        training.model_init_kwargs["quantization_config"] = bnb
     callbacks = pack_callbacks(cfg, peft_config, report, preemption, resume, settings)
     model = model_args.model_name_or_path  # a directory or a hub id: TRL loads it with from_pretrained
     # cpu_ram_efficient_loading: only each node's first rank reads the weights (replica_model.py)
@@ -320,6 +325,7 @@ def run(argv: list[str] | None = None) -> int:
         quiet_replica(cfg)
     quiet_console(cfg)
     peft_config = get_peft_config(cfg.model)
+    quantization.settle_storage(cfg.model, os.environ.get("ACCELERATE_MIXED_PRECISION"))  # recorded as it will run
     # what this run's checkpoints record and a later resume or rerun compares with (checkpoint/resume_settings.py)
     settings = resume_settings.current(cfg, int(os.environ.get("WORLD_SIZE", "1")), kind.RESUME_SETTINGS)
     resume, changed = checkpoint_to_resume(cfg, settings, say=(lambda line: print(f"[train] {line}", flush=True))

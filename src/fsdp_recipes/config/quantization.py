@@ -1,0 +1,79 @@
+"""QLoRA under FSDP: a 4-bit (NF4) base through transformers' BitsAndBytesConfig (TRL's `load_in_4bit`,
+`bnb_4bit_quant_type`, `use_bnb_nested_quant`, `bnb_4bit_quant_storage` fields of ModelConfig), LoRA on top.
+
+The storage dtype is the pack's to set, never a default. bitsandbytes packs two 4-bit values per byte and keeps them
+in a tensor of `bnb_4bit_quant_storage` (uint8 unless told). FSDP shards and all-gathers that tensor like any other
+parameter and, under mixed precision, casts it to its compute dtype first: uint8 storage then crashes or trains with
+a loss of 0 or NaN (accelerate issue 3983), and float32 storage cast to bf16 rounds the packed bits away. Stored in the
+dtype FSDP itself gives the parameters (the mixed-precision dtype, else the model's), the cast is a no-op, the packed
+bytes shard along dim 0 and gather back bit for bit: on 2 CPU processes the sharded model's loss equals the unsharded
+one (tests/test_qlora.py).
+
+What cannot be sharded correctly is refused in one line before any rank starts: 8-bit weights (bitsandbytes' int8
+parameters carry their scales outside the tensor FSDP gathers), full fine-tuning of a 4-bit base (no gradient to
+give packed weights), a storage dtype other than FSDP's, FSDP1 (not checked by this pack: FSDP2 is), a model dtype
+left to `auto`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from fsdp_recipes.errors import UserError
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def fsdp_param_dtype(acc: dict, model_dtype: str | None) -> str | None:
+    """The dtype FSDP keeps the parameters in as it gathers them: the accelerate config's mixed precision (FSDP2's
+    MixedPrecisionPolicy param_dtype) where it sets one, else the model's own dtype."""
+    mixed = str(acc.get("mixed_precision") or "no").lower()
+    return {"bf16": "bfloat16", "fp16": "float16"}.get(mixed, model_dtype)
+
+
+def check(model_args, acc: dict, path) -> None:
+    """The 4-bit settings, before any rank starts: refuse what FSDP cannot shard correctly."""
+    if getattr(model_args, "load_in_8bit", False):
+        raise UserError(f"{path}: load_in_8bit cannot be sharded by FSDP (bitsandbytes' int8 weights keep their "
+                        "scales outside the tensor FSDP gathers). Fix: load_in_4bit: true (QLoRA, NF4), or neither")
+    if not getattr(model_args, "load_in_4bit", False):
+        return
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("load_in_4bit needs bitsandbytes, which is not installed. Fix: pip install "
+                        "'fsdp-recipes[qlora]' (or pip install bitsandbytes), or drop load_in_4bit")
+    if not model_args.use_peft:
+        raise UserError("load_in_4bit with full fine-tuning: 4-bit weights cannot be trained, only LoRA adapters on "
+                        "them. Fix: use_peft: true (QLoRA), or drop load_in_4bit")
+    fsdp = acc.get("distributed_type") == "FSDP"
+    if fsdp and int((acc.get("fsdp_config") or {}).get("fsdp_version", 1)) == 1:
+        raise UserError(f"{path}: load_in_4bit under FSDP1 is not checked by this pack (its 4-bit path is checked "
+                        "under FSDP2: sharded storage, losses equal to one process). Fix: fsdp_version: 2 "
+                        "(accelerate_configs/fsdp2_1node.yaml)")
+    if model_args.dtype not in DTYPES:
+        raise UserError(f"load_in_4bit with dtype {model_args.dtype!r}: the 4-bit storage must be FSDP's own dtype, "
+                        f"which needs the model's. Fix: dtype: bfloat16 on GPUs, float32 on CPU")
+    want = fsdp_param_dtype(acc, model_args.dtype) if fsdp else model_args.dtype
+    given = model_args.bnb_4bit_quant_storage
+    if given is not None and given != want:
+        raise UserError(f"bnb_4bit_quant_storage {given} differs from the dtype FSDP gathers the parameters in "
+                        f"({want}): FSDP would cast the packed 4-bit bytes and corrupt them (accelerate issue 3983). "
+                        f"Fix: leave bnb_4bit_quant_storage out (the pack sets {want}), or set it to {want}")
+
+
+def settle_storage(model_args, acc_mixed_precision: str | None) -> None:
+    """In the ranks, before run_args.json records the settings: the storage FSDP's dtype. `acc_mixed_precision`:
+    accelerate's setting as the ranks see it (ACCELERATE_MIXED_PRECISION)."""
+    if getattr(model_args, "load_in_4bit", False):
+        model_args.bnb_4bit_quant_storage = fsdp_param_dtype({"mixed_precision": acc_mixed_precision},
+                                                             model_args.dtype)
+
+
+def quantization_config(model_args, acc_mixed_precision: str | None):
+    """The BitsAndBytesConfig for from_pretrained (TRL's get_quantization_config), its storage set to FSDP's dtype;
+    None without load_in_4bit."""
+    if not getattr(model_args, "load_in_4bit", False):
+        return None
+    from trl import get_quantization_config
+
+    settle_storage(model_args, acc_mixed_precision)
+    return get_quantization_config(model_args)
