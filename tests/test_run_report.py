@@ -139,8 +139,8 @@ def hand_flops_per_token(seq_len: float) -> float:
 H100_SXM_PEAK = 989e12  # dense BF16 tensor-core FLOP/s of the H100 SXM5, NVIDIA's H100 datasheet (1,979 with sparsity)
 
 
-CPU_PEAK = {"flops": 2e9, "products": 5, "size": 1024, "dtype": "float32", "threads": 1, "cached": True,
-            "key": "a CPU | float32 | 1 thread(s) per rank | 1 rank(s) | torch"}  # as metrics/cpu_peak.py returns
+CPU_PEAK = {"flops": 2e9, "measured_now": 1.5e9, "runs": 3, "products": 5, "size": 1024, "dtype": "float32",
+            "threads": 1, "load_1min": 0.1, "key": "a CPU | float32 | 1 thread(s) per rank | 1 rank(s) | torch"}
 
 
 def simulated_run(tmp_path, monkeypatch, device=None, cpu_peak=CPU_PEAK):
@@ -148,7 +148,8 @@ def simulated_run(tmp_path, monkeypatch, device=None, cpu_peak=CPU_PEAK):
     the ranks would measure is `cpu_peak` (None: none measured)."""
     if device:
         monkeypatch.setattr(run_report, "device_info", lambda: device)
-    monkeypatch.setattr(run_report.cpu_peak, "cached_or_measured", lambda *a, **k: cpu_peak)
+    monkeypatch.setattr(run_report.cpu_peak, "best_rate", lambda *a, **k: cpu_peak)
+    monkeypatch.setattr(run_report.cpu_peak, "store", lambda *a, **k: None)  # the user's cache is not the test's
     cb = RunReportCallback(str(tmp_path), {}, recipe="sim")
     model = tiny_model()
     state = SimpleNamespace(global_step=0, log_history=[])
@@ -173,8 +174,8 @@ def test_completed_run_metrics_are_consistent(tmp_path, monkeypatch):
     assert m["first_train_loss"] == 3.0 and m["final_train_loss"] == 1.0 and m["final_eval_loss"] == 0.9
     assert m["params"] == {"total": TINY_TOTAL, "trainable": TINY_TOTAL}  # counted by hand above; all trainable
     # CPU: MFU against the ranks' measured matmul rate (here 2 GFLOP/s, one rank), said in peak_flops_source
-    assert m["peak_flops_per_device"] == 2e9 and "against a measured 1-rank float32 matmul rate of 2.0 GFLOP/s" in \
-        m["peak_flops_source"]
+    assert m["peak_flops_per_device"] == 2e9 and m["peak_flops_source"].startswith(
+        "against the best 1-rank float32 matmul rate measured on this machine, 2.0 GFLOP/s")
     assert m["mfu"] == pytest.approx(131_520 * m["tokens_per_second"] / 2e9)
     assert m["peak_memory"]["device_allocated_bytes"] is None and m["peak_memory"]["host_rss_bytes"] > 0
     # every sequence is 10 tokens (4 x 10, no padding): 6 x 20,640 + 12 x 2 x 4 x 8 x 10 = 123,840 + 7,680

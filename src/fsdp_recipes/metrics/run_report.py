@@ -254,12 +254,12 @@ class RunReportCallback(TrainerCallback):
         self.peaks = self.peaks_so_far()
 
     def measure_cpu_peak(self) -> dict | None:
-        """On CPU: this rank's dense matmul rate in the run's compute dtype (cached per machine), else None."""
+        """On CPU: this rank's dense matmul rate in the run's compute dtype (the best measured on this machine), else None."""
         device = device_info()
         if device["type"] == "cuda":
             return None
         bf16 = bool((self.resolved_args.get(f"{self.trainer}_config") or {}).get("bf16"))
-        return cpu_peak.cached_or_measured(cache_dir(), device["name"], "bfloat16" if bf16 else "float32",
+        return cpu_peak.best_rate(cache_dir(), device["name"], "bfloat16" if bf16 else "float32",
                                            int(device["count_per_node"]))
 
     def peaks_so_far(self) -> dict:
