@@ -214,10 +214,10 @@ def check_learned(log_history: list[dict], training) -> None:
 
 def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None): prompts and the columns the rewards read; a `completion` column becomes `answer`."""
-    from fsdp_recipes.train.loading import load_splits
+    from fsdp_recipes.train.loading import load_for
 
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    splits = load_splits(cfg.script, cfg.mixture, want_eval, check_columns)
+    splits = load_for(cfg, want_eval, check_columns)
     return tuple(None if ds is None else with_answer(ds) for ds in splits)
 
 
