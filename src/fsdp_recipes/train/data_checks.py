@@ -21,6 +21,9 @@ LENGTH_SAMPLE = 200  # rows tokenized to count truncation: enough to see a syste
 # (where, split) -> (file, the file's row index of each row of the split): rows of a split carved off another
 # (loading.held_out) are still named by their line in the file
 ROW_ORIGIN: dict[tuple[str, str], tuple[Path, list[int]]] = {}
+# datasets' SPLIT_KEYWORDS (datasets/data_files.py): the file names a local folder's splits are read from
+SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
 CONVERTED: set[tuple[str, str]] = set()  # (where, split) whose rows the pack converted from another format
 
 
@@ -96,8 +99,10 @@ def split_file(where: str, split: str) -> Path | None:
     if not where:  # a `datasets:` mixture: its sources name their own rows while they are converted
         return None
     path = Path(where)
-    file = path / f"{split}.jsonl" if path.is_dir() else path
-    return file if file.suffix == ".jsonl" and file.is_file() else None
+    if path.is_dir():  # datasets names a folder's splits by these words in its file names (dev.jsonl: validation)
+        names = [split, *SPLIT_KEYWORDS.get(split, ())]
+        return next((path / f"{n}.jsonl" for n in names if (path / f"{n}.jsonl").is_file()), None)
+    return path if path.suffix == ".jsonl" and path.is_file() else None
 
 
 def row_at(where: str, split: str, index: int) -> str:

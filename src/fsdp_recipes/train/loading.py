@@ -186,7 +186,9 @@ def held_out(ds, script_args, pack, seed: int, where: str):
         if size:
             WARNINGS.append(f"eval_split_size {size:g} is not used: the dataset {where} has its own `{test_name}` "
                             "split, which is held out instead")
-        return train, ds[test_name], f"the `{test_name}` split ({len(ds[test_name])} rows)"
+        file = data_checks.split_file(where, test_name)
+        named = f"{file.name}, " if file is not None and file.stem != test_name else ""
+        return train, ds[test_name], f"the `{test_name}` split ({named}{len(ds[test_name])} rows)"
     if size:
         import random
 
