@@ -152,3 +152,11 @@ def test_parse_spec_round_trips_the_documented_examples():
         "alpaca", {"instruction": "question", "output": "answer"}, {})
     assert data_formats.parse_spec("sharegpt bot=assistant") == data_formats.Spec("sharegpt", {}, {"bot": "assistant"})
     assert data_formats.parse_spec(None) is None and data_formats.parse_spec(" ") is None
+
+
+def test_an_alpaca_answer_reaches_grpo_rewards_as_text(tmp_path):
+    """GRPO and RLOO read a completion as `answer`: Alpaca's converted chat completion gives its text."""
+    from fsdp_recipes.train.kinds import sampling
+
+    train, _ = load(write_jsonl(tmp_path / "alpaca.jsonl", [alpaca(i) for i in range(3)]))
+    assert sampling.with_answer(train)["answer"] == ["1", "2", "3"]

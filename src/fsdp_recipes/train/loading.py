@@ -182,6 +182,14 @@ def held_out(ds, script_args, pack, seed: int, where: str):
         if found:
             script_args.dataset_test_split = test_name = found
     size = getattr(pack, "eval_split_size", None) or 0
+    streamed = not hasattr(train, "__len__")  # a streamed hub dataset: rows are not counted or carved here
+    if streamed and test_name in ds and test_name != train_name:
+        return train, ds[test_name], f"the `{test_name}` split (streamed)"
+    if streamed:
+        if size:
+            raise UserError(f"eval_split_size {size:g} needs the rows counted, and the dataset {where} is streamed. "
+                            "Fix: dataset_streaming: false, or a dataset with its own eval split.")
+        return train, None, None
     if test_name in ds and test_name != train_name:
         if size:
             WARNINGS.append(f"eval_split_size {size:g} is not used: the dataset {where} has its own `{test_name}` "
@@ -250,7 +258,7 @@ def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, se
         return train, None
     check(evaluation, where)
     NOTES.append(f"eval split: {how}")
-    if (shared := shared_rows(train, evaluation)):
+    if hasattr(evaluation, "__len__") and (shared := shared_rows(train, evaluation)):
         WARNINGS.append(f"{shared} of the {len(evaluation)} eval rows also appear in the training data: their scores "
                         "are not held out")
     return train, (evaluation if want_eval else None)

@@ -222,8 +222,12 @@ def load_datasets(cfg, want_eval: bool | None = None):
 
 
 def with_answer(ds):
+    """A `completion` column becomes `answer`, as text: a chat completion (Alpaca's, converted) gives its last turn's
+    content, what a reward function compares with."""
     if "completion" in ds.column_names and "answer" not in ds.column_names:
-        return ds.rename_column("completion", "answer")
+        ds = ds.rename_column("completion", "answer")
+        if len(ds) and isinstance(ds[0]["answer"], list):
+            ds = ds.map(lambda r: {"answer": r["answer"][-1]["content"] if r["answer"] else ""})
     return ds
 
 
