@@ -7,8 +7,8 @@ from __future__ import annotations
 
 def generate(model_dir: str, prompts: list[list[dict] | str], tokenizer_dir: str | None = None,
              batch_size: int = 128) -> list[str]:
-    """Greedy answers to chat prompts (rendered with the chat template) or plain-text ones, in batches of `batch_size` with left padding; plain transformers, CPU or GPU; the model is
-    loaded once."""
+    """Greedy answers to chat prompts (rendered with the chat template) or plain-text ones (as they are), in batches
+    of `batch_size` with left padding; plain transformers, CPU or GPU; the model is loaded once."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -185,9 +185,11 @@ def convert(ds, spec: Spec | None, where: str, at, text_field: str = "text"):
 
         def alpaca(row, i):
             for slot, col in (("instruction", ins), ("output", outp)):
-                if not isinstance(row.get(col), str) or not row[col].strip():
-                    raise UserError(f"{at(i)}: Alpaca's `{col}` is {'empty' if row.get(col) == '' else repr(row.get(col))}"
-                                    f", not text. Fix: give the row its {slot}, or remove it.")
+                value = row.get(col)
+                if not isinstance(value, str) or not value.strip():
+                    shown = "empty" if isinstance(value, str) else repr(value)
+                    raise UserError(f"{at(i)}: Alpaca's `{col}` is {shown}, not text. Fix: give the row its {slot}, "
+                                    "or remove it.")
             extra = row.get(inp)
             user = row[ins] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
             head = [{"role": "system", "content": row[system]}] if isinstance(row.get(system), str) and row[system] \
