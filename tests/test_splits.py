@@ -196,3 +196,9 @@ def test_text_data_has_nothing_to_score_and_says_so(tmp_path, monkeypatch, capsy
     assert ("generations skipped: the data (text) has no prompt with an expected answer to score"
             in capsys.readouterr().out)
     assert not (run / "sample_generations.json").exists()
+
+
+@pytest.mark.parametrize("size", ["-0.1", "2.5"])
+def test_an_eval_split_size_that_is_neither_a_share_nor_a_count_is_one_line(tmp_path, checks, size):
+    res = checks([recipe_variant(tmp_path), "--eval_split_size", size])
+    assert_one_line_error(res, f"eval_split_size is {float(size):g}: give a share of the training rows below 1")
