@@ -5,10 +5,10 @@ exact match and the DPO demo's on-policy preference pairs (addition_preferences.
 from __future__ import annotations
 
 
-def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | None = None,
+def generate(model_dir: str, prompts: list[list[dict] | str], tokenizer_dir: str | None = None,
              batch_size: int = 128) -> list[str]:
-    """Greedy answers, in batches of `batch_size` with left padding; plain transformers, CPU or GPU; the model is
-    loaded once."""
+    """Greedy answers to chat prompts (rendered with the chat template) or plain-text ones (as they are), in batches
+    of `batch_size` with left padding; plain transformers, CPU or GPU; the model is loaded once."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -20,9 +20,12 @@ def generate(model_dir: str, prompts: list[list[dict]], tokenizer_dir: str | Non
     model.eval()
     answers = []
     for i in range(0, len(prompts), batch_size):
-        texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
-                 for p in prompts[i:i + batch_size]]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = prompts[i:i + batch_size]
+        # a plain-text prompt is the model's input as it is, with the tokenizer's special tokens as TRL adds them
+        plain = all(isinstance(p, str) for p in batch)
+        texts = batch if plain else [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+                                     for p in batch]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=plain)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
         answers += [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]

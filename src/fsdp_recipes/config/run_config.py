@@ -38,6 +38,21 @@ class PackArguments:
         metadata={"help": "The recipe whose output this one trains on (model_name_or_path is that run's model): "
                           "named in the one line that says how to make it when it is missing."},
     )
+    dataset_format: str | None = field(
+        default=None,
+        metadata={"help": "The data's layout, when the pack should not detect it from the columns and first row: "
+                          "messages, sharegpt, alpaca, prompt_completion, prompt_response, text, preference or "
+                          "unpaired_preference, then optionally slot=column (the file's column for one of the "
+                          "format's) and, for messages and sharegpt, name=role (the file's role name for a chat "
+                          "role): `alpaca instruction=question output=answer`, `sharegpt bot=assistant` "
+                          "(train/data_formats.py; docs/training.md)."},
+    )
+    eval_split_size: float = field(
+        default=0.0,
+        metadata={"help": "Where the data has no eval split (test, validation, valid, eval, dev), hold out this "
+                          "share of the training rows (below 1) or this many rows (1 or more), chosen with the run's "
+                          "seed: trained on never, evaluated and scored by the summary. 0: none."},
+    )
     min_gpus: int = field(default=0, metadata={"help": "GPUs the recipe needs; 0 means it runs on CPU."})
     cpu_bf16: str = field(
         default="false",

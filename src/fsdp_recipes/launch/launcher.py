@@ -245,7 +245,9 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     if cfg.pack.float8:
         float8.check_gpus()
     model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model)
-    if cfg.script.dataset_name and model_check.looks_local(cfg.script.dataset_name):
+    from fsdp_recipes.train import loading
+
+    if loading.is_local(cfg.script, cfg.mixture):
         import datasets
 
         kind = kinds.load(cfg.trainer)
@@ -253,6 +255,9 @@ def check_recipe(recipe: Recipe) -> RunConfig:
         # datasets logs a bad JSON file at error level with its traceback; loading.py names the line instead
         datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
         splits = kind.load_datasets(cfg)
+        for line in loading.NOTES:  # the format found and how it maps; the eval split, or that there is none
+            say(line)
+        warn(recipe, loading.WARNINGS)
         tokenizer = None
         if model_check.looks_local(cfg.model.model_name_or_path):
             from transformers import AutoTokenizer

@@ -28,22 +28,44 @@ from fsdp_recipes.assets.generation import generate
 from fsdp_recipes.metrics import gates, metrics_file
 
 
-def eval_rows(run_args: dict, limit: int, cfg=None):
-    """The first `limit` rows of the run's eval split (its train split when it has none). `cfg`: the launcher's
-    parsed recipe (config/recipes.py Recipe.cfg); without it, the run's settings from run_args.json."""
+def run_settings(run_args: dict, cfg=None):
+    """(script, mixture, pack, seed, text field) of a run: the launcher's parsed recipe (config/recipes.py
+    Recipe.cfg), else what its run_args.json says."""
+    import dataclasses
+
     from trl import DatasetMixtureConfig, ScriptArguments
 
-    from fsdp_recipes.train.loading import load_raw
+    from fsdp_recipes.config.run_config import PackArguments
 
     if cfg is not None:
-        script, mixture = cfg.script, cfg.mixture
-    else:
-        script = ScriptArguments(**run_args["script_args"])
-        mixture = DatasetMixtureConfig(**run_args["dataset_mixture"])
-    ds = load_raw(script, mixture)
-    split = script.dataset_test_split if script.dataset_test_split in ds else script.dataset_train_split
-    rows = ds[split]
-    return rows.select(range(min(limit, len(rows))))
+        return (cfg.script, cfg.mixture, cfg.pack, cfg.training.seed,
+                getattr(cfg.training, "dataset_text_field", None) or "text")
+    names = {f.name for f in dataclasses.fields(PackArguments)}
+    pack = PackArguments(**{k: v for k, v in run_args.get("pack_args", {}).items() if k in names})
+    training = run_args.get(f"{pack.trainer}_config") or {}
+    return (ScriptArguments(**run_args["script_args"]), DatasetMixtureConfig(**run_args["dataset_mixture"]), pack,
+            training.get("seed", 42), training.get("dataset_text_field") or "text")
+
+
+def scored_rows(run_args: dict, limit: int, cfg=None):
+    """(rows, held_out, shared): the first `limit` rows of the run's eval split, found or carved off as the run did
+    (train/loading.py held_out, the same seed), and a description of it; without an eval split the first training
+    rows and held_out None (they are not called held out); shared: how many of the rows are training rows too."""
+    import copy
+
+    from fsdp_recipes.train.loading import held_out, load_raw, shared_rows
+
+    script, mixture, pack, seed, text_field = run_settings(run_args, cfg)
+    ds = load_raw(script, mixture, pack, text_field, seed)
+    train, evaluation, how = held_out(ds, copy.copy(script), pack, seed, script.dataset_name or "mixture")
+    rows = train if evaluation is None else evaluation
+    rows = rows.select(range(min(limit, len(rows))))
+    return rows, how, (shared_rows(train, rows) if evaluation is not None else 0)
+
+
+def eval_rows(run_args: dict, limit: int, cfg=None):
+    """The first `limit` rows scored (scored_rows): the eval split's, else the training split's."""
+    return scored_rows(run_args, limit, cfg)[0]
 
 
 def answer(turns) -> str:
@@ -55,14 +77,25 @@ def chat_rows(rows, columns: set[str]) -> bool:
     return columns <= set(rows.column_names) and len(rows) > 0 and isinstance(rows[0]["prompt"], list)
 
 
-def prompts_of(rows) -> list[tuple[list[dict], str]]:
-    """(chat prompt, expected answer) from prompt-completion rows, or from preference pairs (the chosen answer is the
-    expected one), or from labelled answers (those labelled desirable); [] for other layouts."""
+def prompts_of(rows) -> list[tuple[list[dict] | str, str]]:
+    """(prompt, expected answer): from prompt-completion rows, chat or plain text (a text prompt is generated from as
+    it is, without the chat template); from `messages` (the turns before the last assistant turn, which is the
+    expected answer); from preference pairs (the chosen answer) or labelled answers (those labelled desirable);
+    [] for other layouts (a text field has no prompt to answer)."""
+    if "messages" in rows.column_names and "prompt" not in rows.column_names:
+        out = []
+        for r in rows:
+            turns = r["messages"] or []
+            last = max((i for i, t in enumerate(turns) if t.get("role") == "assistant"), default=None)
+            if last:  # an assistant turn after at least one turn to answer
+                out.append((turns[:last], turns[last]["content"]))
+        return out
     key = next((k for k in ("completion", "chosen") if k in rows.column_names), None)
-    if key is None or not chat_rows(rows, {"prompt", key}):
+    if key is None or "prompt" not in rows.column_names or not len(rows):
         return []
     labelled = "label" in rows.column_names  # unpaired preference rows: an undesirable answer is not the expected one
-    return [(r["prompt"], answer(r[key])) for r in rows if not labelled or r["label"] is True]
+    return [(r["prompt"], answer(r[key]).strip() if isinstance(r["prompt"], str) else answer(r[key]))
+            for r in rows if not labelled or r["label"] is True]
 
 
 def pairs_of(rows) -> list[tuple[list[dict], str, str]]:
@@ -232,10 +265,11 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
     trained = trained_model_dir(run_dir)
     if trained is None:
         return None
-    rows = eval_rows(run_args, n, cfg)  # loaded once: the prompts and, on preference data, the pairs
+    rows, held, shared = scored_rows(run_args, n, cfg)  # loaded once: the prompts and, on preference data, the pairs
     pairs = prompts_of(rows)
     if not pairs:
-        return None
+        return {"n": 0, "note": f"skipped: the data ({', '.join(rows.column_names)}) has no prompt with an expected "
+                                "answer to score (chat `messages`, or prompt + completion)"}
     prompts = [p for p, _ in pairs]
     expected = [a for _, a in pairs]
     chain = stages(run_dir, run_args, trained)
@@ -243,6 +277,9 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
     score = lambda outs: sum(o == e for o, e in zip(outs, expected))  # noqa: E731
     check = {
         "n": len(pairs),
+        "held_out": held is not None,
+        "split": held or "training rows, not held out: the data has no eval split (eval_split_size holds rows out)",
+        "eval_rows_in_train": shared,
         "base_correct": score(answers[0]),
         "trained_correct": score(answers[-1]),
         "base_model": chain[0][1],
@@ -250,7 +287,8 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
         "stages": [{"stage": name, "model": model, "correct": score(outs)} for (name, model), outs in
                    zip(chain, answers)],
         "examples": [
-            {"prompt": p[-1]["content"], "expected": e, "base": outs[0], "trained": outs[-1]}
+            {"prompt": p if isinstance(p, str) else p[-1]["content"], "expected": e, "base": outs[0],
+             "trained": outs[-1]}
             for p, e, *outs in zip(prompts, expected, *answers)
         ],
     }
@@ -274,7 +312,9 @@ def eval_section(check: dict) -> dict:
     return {
         "metric": "exact match of the greedy answer (stripped) with the expected completion",
         "prompts": check["n"],
-        "split": "the eval split's first prompts",
+        "split": check.get("split", "the eval split's first prompts"),
+        "held_out": check.get("held_out", True),
+        "eval_rows_in_train": check.get("eval_rows_in_train", 0),
         "base_correct": check["base_correct"],
         "trained_correct": check["trained_correct"],
         "base_model": check["base_model"],
@@ -331,15 +371,23 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
         )
     files = [p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir()) if not p.name.startswith(".")]
     lines.append(f"files       {run_dir}/: {', '.join(files)}")
+    # held-out rows are "eval prompts"; without an eval split the rows scored are training rows, and say so
+    what = "eval prompts" if check is None or check.get("held_out", True) else "training prompts (not held out)"
     if check and len(check.get("stages") or []) > 2:  # base -> SFT -> DPO
         n = check["n"]
-        lines.append(f"exact match on {n} eval prompts: " + " -> ".join(
+        lines.append(f"exact match on {n} {what}: " + " -> ".join(
             f"{s['stage']} {s['correct']}/{n}" for s in check["stages"]))
     elif check:
         lines.append(
-            f"exact match on {check['n']} eval prompts: base model {check['base_correct']}/{check['n']} -> "
+            f"exact match on {check['n']} {what}: base model {check['base_correct']}/{check['n']} -> "
             f"trained {check['trained_correct']}/{check['n']}"
         )
+    if check and not check.get("held_out", True):
+        lines.append("            the data has no eval split (test, validation, valid, eval, dev): these rows were "
+                     "trained on; eval_split_size: 0.1 holds 10% out")
+    elif check and check.get("eval_rows_in_train"):
+        lines.append(f"            {check['eval_rows_in_train']} of these {check['n']} eval rows also appear in the "
+                     "training data: their answers are not held out")
     if check and check.get("preference"):
         pref = check["preference"]
         lines.append(f"preference on {pref['pairs']} eval pairs, log p(chosen) > log p(rejected): " + " -> ".join(
@@ -409,6 +457,8 @@ def main(argv: list[str] | None = None, recipe=None) -> int:
             skipped = skip_generations(args.run_dir, trained, args.machine_rank, args.generate or setting == "1")
         if skipped is None:
             check = learning_check(args.run_dir, run_args, prompts, recipe.cfg if recipe is not None else None)
+            if check and not check.get("n"):  # nothing to score: the line says why
+                skipped, check = check.get("note"), None
     if check:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
         metrics = metrics_file.amend(args.run_dir, lambda m: {**m, "eval": eval_section(check)})

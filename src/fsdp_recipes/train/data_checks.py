@@ -18,9 +18,54 @@ CONVERSATION_COLUMNS = ("messages", "prompt", "completion")
 LENGTH_SAMPLE = 200  # rows tokenized to count truncation: enough to see a systematic problem, well under a second
 
 
+# (where, split) -> (file, the file's row index of each row of the split): rows of a split carved off another
+# (loading.held_out) are still named by their line in the file
+ROW_ORIGIN: dict[tuple[str, str], tuple[Path, list[int]]] = {}
+# datasets' SPLIT_KEYWORDS (datasets/data_files.py): the file names a local folder's splits are read from
+SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+CONVERTED: set[tuple[str, str]] = set()  # (where, split) whose rows the pack converted from another format
+
+
+def check_file_bytes(path: Path) -> None:
+    """What `datasets` would read wrongly or refuse without naming the file: a byte that is not UTF-8 (pyarrow loads
+    it, and the row fails to decode when it is read, in a rank) and a file of blank lines only ("corresponds to no
+    data"). A byte-order mark, Windows line endings and blank lines are read as datasets reads them. Parquet is
+    binary: not scanned."""
+    if path.suffix not in (".json", ".jsonl", ".csv"):
+        return
+    with open(path, "rb") as f:
+        blank = True
+        for number, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{path}:{number}: byte 0x{line[err.start]:02x} at column {err.start + 1} is not "
+                                "UTF-8 (the file was saved in another encoding, e.g. Latin-1 or Windows-1252). Fix: "
+                                f"save the file as UTF-8 (`iconv -f cp1252 -t utf-8`), or correct that line.") from None
+            if blank and text.lstrip("\ufeff").strip():
+                blank = False
+    if blank and path.stat().st_size:
+        raise UserError(f"the dataset file {path} holds only blank lines, no rows. Fix: put the rows in it, or remove "
+                        "it.")
+
+
+def line_of(path: Path, index: int) -> int:
+    """The line (as an editor counts them, from 1) of row `index` of a JSON Lines file: datasets skips blank lines,
+    so row i is the i-th line that is not blank."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        row = -1
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                row += 1
+                if row == index:
+                    return number
+    return index + 1
+
+
 def find_bad_json_line(path: Path) -> str | None:
     """`file:line: problem` for the first line of a JSON Lines file that does not parse, else None."""
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -49,15 +94,39 @@ def explain_load_failure(path: Path, err: Exception) -> UserError:
 
 def split_file(where: str, split: str) -> Path | None:
     """The JSON Lines file that holds a split of the dataset `where` (a file, or a folder of <split>.jsonl), if any."""
+    if (where, split) in ROW_ORIGIN:
+        return ROW_ORIGIN[(where, split)][0]
+    if not where:  # a `datasets:` mixture: its sources name their own rows while they are converted
+        return None
     path = Path(where)
-    file = path / f"{split}.jsonl" if path.is_dir() else path
-    return file if file.suffix == ".jsonl" and file.is_file() else None
+    if path.is_dir():  # datasets names a folder's splits by these words in its file names (dev.jsonl: validation)
+        names = [split, *SPLIT_KEYWORDS.get(split, ())]
+        return next((path / f"{n}.jsonl" for n in names if (path / f"{n}.jsonl").is_file()), None)
+    return path if path.suffix == ".jsonl" and path.is_file() else None
 
 
 def row_at(where: str, split: str, index: int) -> str:
-    """A row, and its line when the split is one JSON Lines file (row i is line i + 1 there)."""
+    """A row, and its line when the split is one JSON Lines file (blank lines skipped, as datasets skips them)."""
     file = split_file(where, split)
-    return f"{file}:{index + 1}" if file else f"{where} ({split} split), row {index}"
+    if file is None:
+        return f"{where} ({split} split), row {index}"
+    if (where, split) in ROW_ORIGIN:
+        index = ROW_ORIGIN[(where, split)][1][index]
+    return f"{file}:{line_of(file, index)}"
+
+
+def written_rows(ds, where: str, split: str):
+    """The split's rows as its JSON Lines file holds them, where it is one and the pack did not convert them (Arrow
+    gives a column one type, so a number among strings comes back as a string); else the dataset's rows."""
+    file = split_file(where, split)
+    if file is None:
+        return iter(ds)
+    if (where, split) in CONVERTED:  # the pack converted the file's format: the rows are the dataset's
+        return iter(ds)
+    rows = [json.loads(line) for line in file.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    if (where, split) in ROW_ORIGIN:
+        rows = [rows[i] for i in ROW_ORIGIN[(where, split)][1]]
+    return iter(rows)
 
 
 def conversational(ds) -> bool:

@@ -1,7 +1,16 @@
-"""Dataset loading for the entry point: local JSON/JSONL/Parquet files and directories, or hub ids.
+"""Dataset loading for the entry point: local JSON/JSONL/Parquet files and directories, hub ids, and `datasets:`
+mixtures; each converted from its format (train/data_formats.py) to the layout TRL takes; the eval split found or
+carved off.
 
-All roads go through `datasets.load_dataset` (or TRL's `get_dataset` for a `datasets:` mixture), the same
-calls a user with hub access makes; only the error messages are ours.
+All roads go through `datasets.load_dataset`, the call a user with hub access makes (a mixture's sources one by one,
+as TRL's `get_dataset` loads them, so that each is converted from its own format); only the error messages, the
+conversion and the split rules are ours:
+
+- the eval split is `dataset_test_split`; when that is `test` (the default) and the data has none, the first of
+  `validation`, `valid`, `eval`, `dev` it has (dataset_test_split is set to it, so run_args.json says which);
+- else, with `eval_split_size` (a fraction below 1, or a number of rows), that many training rows are held out,
+  chosen with the run's seed: the same rows in every rank, and in the summary, which scores them;
+- else there is no eval split: one line says so, and nothing is scored as held out.
 """
 
 from __future__ import annotations
@@ -11,20 +20,51 @@ from pathlib import Path
 from fsdp_recipes.config.model_check import looks_local
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import expand
+from fsdp_recipes.train import data_checks, data_formats
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+EVAL_NAMES = ("test", "validation", "valid", "eval", "dev")  # the names an eval split goes by, searched in order
 
 # The dataset layouts TRL's SFTTrainer accepts (language modeling or prompt-completion, plain or chat).
 SFT_FORMATS = ({"messages"}, {"prompt", "completion"}, {"text"})
 
+# What the last load found, for the launcher to print (one line each): the formats and how they map, the eval
+# split, the eval rows that are training rows too. Reset by every load_splits.
+NOTES: list[str] = []
+WARNINGS: list[str] = []
 
-def load_raw(script_args, dataset_args):
+
+def local_files(path: Path) -> list[Path]:
+    """The data files datasets reads from a local file or folder (those of the builders above)."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS and p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def load_local(path: Path, config_name: str | None = None):
     import datasets
 
-    if dataset_args.datasets:
-        from trl import get_dataset
+    if path.is_file() and FILE_BUILDERS.get(path.suffix) is None:
+        raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file.")
+    for f in local_files(path):
+        data_checks.check_file_bytes(f)  # a byte that is not UTF-8, a file of blank lines: one line, file and line
+    try:
+        if path.is_file():
+            return datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
+        return datasets.load_dataset(str(path), name=config_name)
+    except Exception as err:  # datasets names neither the file nor the line of a bad JSON line
+        raise data_checks.explain_load_failure(path, err) from None
 
-        return get_dataset(dataset_args)
+
+def load_raw(script_args, dataset_args, pack=None, text_field: str = "text", seed: int = 42):
+    """The dataset as a DatasetDict, each split converted to the layout TRL takes (pack.dataset_format, else the
+    format detected from its columns and first row); NOTES says what was found."""
+    import datasets
+
+    declared = getattr(pack, "dataset_format", None)
+    if dataset_args.datasets:
+        return load_mixture(dataset_args, declared, text_field, seed)
     name = expand(script_args.dataset_name)
     if not name:
         raise UserError("no dataset configured. Fix: set dataset_name (a file, directory or hub id) in the recipe.")
@@ -35,17 +75,83 @@ def load_raw(script_args, dataset_args):
                 f"dataset not found: {path}. Fix: check dataset_name, or build the tiny default's data with "
                 "`python -m fsdp_recipes.assets.tiny_assets`."
             )
-        if path.is_file() and FILE_BUILDERS.get(path.suffix) is None:
-            raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file.")
-        try:
-            if path.is_file():
-                return datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
-            return datasets.load_dataset(str(path), name=script_args.dataset_config)
-        except Exception as err:  # datasets names neither the file nor the line of a bad JSON line
-            from fsdp_recipes.train.data_checks import explain_load_failure
+        ds = load_local(path, script_args.dataset_config)
+    else:
+        ds = datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+    if script_args.dataset_streaming and not looks_local(name):
+        return ds
+    return datasets.DatasetDict({split: convert(part, name, split, declared, text_field)
+                                 for split, part in ds.items()})
 
-            raise explain_load_failure(path, err) from None
-    return datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
+
+def convert(ds, where: str, split: str, declared: str | None, text_field: str, at=None):
+    """One split (or mixture source) converted from its format, and its format's line in NOTES (once per source)."""
+    spec = data_formats.resolve(ds, where, declared, text_field)
+    if spec is not None:
+        line = data_formats.describe(spec, where, declared is not None, list(ds.column_names))
+        if line not in NOTES:
+            NOTES.append(line)
+    at = at or (lambda i: data_checks.row_at(where, split, i))
+    converted = data_formats.convert(ds, spec, where, at, text_field)
+    if converted is not ds:
+        data_checks.CONVERTED.add((where, split))
+    return converted
+
+
+def load_mixture(mixture, declared: str | None, text_field: str, seed: int):
+    """TRL's get_dataset (trl/scripts/utils.py), with each source converted from its own format before the sources
+    are joined, and test_split_size seeded."""
+    import datasets
+
+    if mixture.streaming:
+        from trl import get_dataset
+
+        return get_dataset(mixture)
+    parts = []
+    for source in mixture.datasets:
+        files = source.data_files
+        local = [Path(f) for f in ([files] if isinstance(files, str) else (files or [])) if Path(f).is_file()]
+        for f in local:
+            data_checks.check_file_bytes(f)
+        where = str(local[0]) if len(local) == 1 else source.path
+        ds = datasets.load_dataset(path=source.path, name=source.name, data_dir=source.data_dir,
+                                   data_files=source.data_files, split=source.split)
+        if source.columns is not None:
+            ds = ds.select_columns(source.columns)
+        at = (lambda i, f=local[0]: f"{f}:{data_checks.line_of(f, i)}") if len(local) == 1 else None
+        parts.append(convert(ds, where, source.split, declared, text_field, at))
+    fractions = [source.fraction for source in mixture.datasets]
+    if any(f is not None for f in fractions):
+        if any(f is None for f in fractions):
+            raise UserError("`fraction` is set for some sources of the `datasets:` mixture but not all. Fix: set it "
+                            "for every source, or for none.")
+        weights = [f / sum(fractions) for f in fractions]
+        total = min(len(ds) / w for ds, w in zip(parts, weights) if w > 0)
+        parts = [ds.select(range(round(w * total))) for ds, w in zip(parts, weights)]
+    layouts = {tuple(sorted(ds.column_names)) for ds in parts}
+    if ("messages",) in layouts and len(layouts) > 1:  # chat sources of both layouts: all become whole conversations
+        parts = [as_messages(ds) for ds in parts]
+        layouts = {tuple(sorted(ds.column_names)) for ds in parts}
+    try:
+        if len(layouts) > 1:
+            raise ValueError("their columns differ")
+        combined = datasets.concatenate_datasets(parts)
+    except ValueError as err:
+        named = "; ".join(f"{s.data_files or s.path}: {sorted(ds.column_names)}"
+                          for s, ds in zip(mixture.datasets, parts))
+        raise UserError(f"the sources of the `datasets:` mixture convert to different layouts ({named}): "
+                        f"{str(err).splitlines()[0]}. Fix: mix sources that convert alike (all chat `messages`, or "
+                        "all prompt + completion), or convert one of them.") from None
+    if mixture.test_split_size is not None:
+        return combined.train_test_split(test_size=mixture.test_split_size, seed=seed)
+    return datasets.DatasetDict({"train": combined})
+
+
+def as_messages(ds):
+    """Chat prompt + completion rows as one conversation (`messages`), so that they join a mixture of chat data."""
+    if set(ds.column_names) != {"prompt", "completion"} or not len(ds) or not isinstance(ds[0]["prompt"], list):
+        return ds
+    return ds.map(lambda r: {"messages": r["prompt"] + r["completion"]}, remove_columns=["prompt", "completion"])
 
 
 def check_columns(ds, where: str, text_field: str = "text") -> None:
@@ -53,33 +159,131 @@ def check_columns(ds, where: str, text_field: str = "text") -> None:
     formats = [f if f != {"text"} else {text_field} for f in SFT_FORMATS]
     if not any(f <= cols for f in formats):
         raise UserError(
-            f"dataset {where} has columns {sorted(cols)}, but SFT needs `messages`, `prompt` + `completion`, "
-            f"or `{text_field}`. Fix: rename the columns, or set dataset_text_field."
+            f"dataset {where} has columns {sorted(cols)}, but SFT needs `messages`, ShareGPT `conversations`, "
+            f"Alpaca `instruction` + `output`, `prompt` + `completion` (or `response`), or `{text_field}`. Fix: "
+            f"name your columns with `dataset_format:` (e.g. `prompt_completion prompt=question completion=answer`; "
+            f"{data_formats.DOCS}), or set dataset_text_field."
         )
 
 
-def load_splits(script_args, dataset_args, want_eval: bool, check):
+def carve_size(size: float, n: int) -> int:
+    """Rows eval_split_size holds out of n: a fraction below 1, else a number of rows; at least 1, at most n - 1."""
+    rows = round(size * n) if size < 1 else int(size)
+    return max(1, min(rows, n - 1))
+
+
+def held_out(ds, script_args, pack, seed: int, where: str):
+    """(train, eval or None, how the eval split was found) under the module's rules; script_args.dataset_test_split
+    becomes the split found by another of the usual names."""
+    train_name, test_name = script_args.dataset_train_split, script_args.dataset_test_split
+    train = ds[train_name]
+    if test_name not in ds and test_name == "test":
+        found = next((n for n in EVAL_NAMES if n in ds and n != train_name), None)
+        if found:
+            script_args.dataset_test_split = test_name = found
+    size = getattr(pack, "eval_split_size", None) or 0
+    streamed = not hasattr(train, "__len__")  # a streamed hub dataset: rows are not counted or carved here
+    if streamed and test_name in ds and test_name != train_name:
+        return train, ds[test_name], f"the `{test_name}` split (streamed)"
+    if streamed:
+        if size:
+            raise UserError(f"eval_split_size {size:g} needs the rows counted, and the dataset {where} is streamed. "
+                            "Fix: dataset_streaming: false, or a dataset with its own eval split.")
+        return train, None, None
+    if test_name in ds and test_name != train_name:
+        if size:
+            WARNINGS.append(f"eval_split_size {size:g} is not used: the dataset {where} has its own `{test_name}` "
+                            "split, which is held out instead")
+        file = data_checks.split_file(where, test_name)
+        named = f"{file.name}, " if file is not None and file.stem != test_name else ""
+        return train, ds[test_name], f"the `{test_name}` split ({named}{len(ds[test_name])} rows)"
+    if size:
+        import random
+
+        n = len(train)
+        if n < 2:
+            raise UserError(f"eval_split_size {size:g}: the `{train_name}` split of {where} has {n} row(s), too few "
+                            "to hold any out. Fix: add rows, or remove eval_split_size.")
+        k = carve_size(size, n)
+        chosen = sorted(random.Random(seed).sample(range(n), k))
+        taken = set(chosen)
+        rest = [i for i in range(n) if i not in taken]
+        file = data_checks.split_file(where, train_name)
+        if file is not None:  # rows still named by their file's line
+            data_checks.ROW_ORIGIN[(where, train_name)] = (file, rest)
+            data_checks.ROW_ORIGIN[(where, test_name)] = (file, chosen)
+        if (where, train_name) in data_checks.CONVERTED:
+            data_checks.CONVERTED.add((where, test_name))
+        return (train.select(rest), train.select(chosen),
+                f"{k} of the {n} rows of `{train_name}` held out (eval_split_size {size:g}, seed {seed})")
+    return train, None, None
+
+
+def shared_rows(train, evaluation) -> int:
+    """Eval rows that are also training rows, compared on the columns both have."""
+    import json
+
+    cols = [c for c in evaluation.column_names if c in set(train.column_names)]
+    key = lambda row: json.dumps(row, sort_keys=True, default=str)  # noqa: E731
+    seen = {key(r) for r in train.select_columns(cols)}
+    return sum(key(r) in seen for r in evaluation.select_columns(cols))
+
+
+def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, seed: int = 42,
+                text_field: str = "text"):
     """(train, eval or None), with one-line errors for missing splits; `check(split, where)` is the trainer kind's
-    column check (SFT's check_columns, DPO's)."""
-    ds = load_raw(script_args, dataset_args)
+    column check (SFT's check_columns, DPO's). `pack`: the recipe's PackArguments (dataset_format,
+    eval_split_size); `seed`: the run's, which chooses the held-out rows."""
+    NOTES.clear()
+    WARNINGS.clear()
+    data_checks.ROW_ORIGIN.clear()
+    data_checks.CONVERTED.clear()
+    ds = load_raw(script_args, dataset_args, pack, text_field, seed)
     where = script_args.dataset_name or "mixture"
     splits = list(ds.keys())
     train_split, test_split = script_args.dataset_train_split, script_args.dataset_test_split
     if train_split not in ds:
         raise UserError(f"dataset {where} has no `{train_split}` split (it has {splits}). Fix: set dataset_train_split.")
-    train = ds[train_split]
-    check(train, where)
-    if not want_eval:
+    check(ds[train_split], where)
+    train, evaluation, how = held_out(ds, script_args, pack, seed, where)
+    if evaluation is None:
+        if want_eval:
+            raise UserError(
+                f"eval is on but dataset {where} has no `{test_split}` split (it has {splits}; also looked for "
+                f"{', '.join(n for n in EVAL_NAMES if n != test_split)}). Fix: set dataset_test_split, "
+                "eval_split_size: 0.1 (hold out 10% of the training rows), or eval_strategy: \"no\"."
+            )
+        NOTES.append(f"eval split: none in {where} (looked for {', '.join(EVAL_NAMES)}): nothing is scored as held "
+                     "out. Fix: eval_split_size: 0.1 holds out 10% of the training rows")
         return train, None
-    if test_split not in ds:
-        raise UserError(
-            f"eval is on but dataset {where} has no `{test_split}` split (it has {splits}). "
-            "Fix: set dataset_test_split, or eval_strategy: \"no\"."
-        )
-    check(ds[test_split], where)
-    return train, ds[test_split]
+    check(evaluation, where)
+    NOTES.append(f"eval split: {how}")
+    if hasattr(evaluation, "__len__") and (shared := shared_rows(train, evaluation)):
+        WARNINGS.append(f"{shared} of the {len(evaluation)} eval rows also appear in the training data: their scores "
+                        "are not held out")
+    return train, (evaluation if want_eval else None)
 
 
-def load_sft_datasets(script_args, dataset_args, want_eval: bool, text_field: str = "text"):
+def load_sft_datasets(script_args, dataset_args, want_eval: bool, text_field: str = "text", pack=None,
+                      seed: int = 42):
     """(train, eval or None) for SFT, with one-line errors for missing splits and wrong columns."""
-    return load_splits(script_args, dataset_args, want_eval, lambda ds, where: check_columns(ds, where, text_field))
+    return load_splits(script_args, dataset_args, want_eval, lambda ds, where: check_columns(ds, where, text_field),
+                       pack, seed, text_field)
+
+
+def load_for(cfg, want_eval: bool, check):
+    """load_splits with a run's settings: its dataset_format, eval_split_size, seed and text field."""
+    return load_splits(cfg.script, cfg.mixture, want_eval, check, cfg.pack, cfg.training.seed,
+                       getattr(cfg.training, "dataset_text_field", None) or "text")
+
+
+def is_local(script_args, mixture) -> bool:
+    """Whether the data is on this machine (a file or folder; a mixture whose sources all are), so that the
+    launcher can read and check it before any rank starts."""
+    if mixture.datasets:
+        def local(source):
+            files = source.data_files
+            files = [files] if isinstance(files, str) else list(files or [])
+            return (files and all(Path(f).is_file() for f in files)) or looks_local(source.path)
+        return all(local(s) for s in mixture.datasets)
+    return bool(script_args.dataset_name) and looks_local(script_args.dataset_name)

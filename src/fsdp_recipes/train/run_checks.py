@@ -8,7 +8,8 @@ from __future__ import annotations
 from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.metrics import prometheus
-from fsdp_recipes.train import float8, kinds
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.train import data_formats, float8, kinds
 
 
 def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
@@ -19,6 +20,10 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
     float8.check_config(cfg.pack.float8, cfg.model.use_peft)
     value_checks.check_values(cfg)
+    data_formats.parse_spec(cfg.pack.dataset_format)  # a misspelt format or column mapping: one line now
+    if cfg.pack.eval_split_size < 0 or (cfg.pack.eval_split_size >= 1 and cfg.pack.eval_split_size % 1):
+        raise UserError(f"eval_split_size is {cfg.pack.eval_split_size:g}: give a share of the training rows below 1 "
+                        "(0.1 holds out 10%) or a whole number of rows. Fix: correct it, or 0 for none.")
     kinds.load(cfg.trainer).check_config(cfg)
 
 

@@ -55,10 +55,10 @@ def extra_forwards(training) -> dict[str, float]:
 
 def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None) preference splits, with one-line errors for missing splits and columns."""
-    from fsdp_recipes.train.loading import load_splits
+    from fsdp_recipes.train.loading import load_for
 
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    return load_splits(cfg.script, cfg.mixture, want_eval, check_columns)
+    return load_for(cfg, want_eval, check_columns)
 
 
 def check_columns(ds, where: str) -> None:
@@ -91,14 +91,8 @@ def _text(value, what: str, at: str) -> str:
 
 
 def as_written(ds, where: str, split: str):
-    """The split's rows as its JSON Lines file holds them, where it is one (Arrow gives a column one type, so a
-    number among strings comes back as a string, or the strings as numbers); else the dataset's rows."""
-    import json
-
-    file = data_checks.split_file(where, split)
-    if file is None:
-        return iter(ds)
-    return (json.loads(line) for line in file.read_text().splitlines() if line.strip())
+    """data_checks.written_rows: the rows as the file holds them (Arrow gives a column one type)."""
+    return data_checks.written_rows(ds, where, split)
 
 
 def check_rows(ds, where: str, split: str) -> None:

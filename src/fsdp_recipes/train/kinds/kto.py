@@ -66,10 +66,10 @@ def extra_forwards(training) -> dict[str, float]:
 
 def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None) labelled or paired splits, with one-line errors for missing splits and columns."""
-    from fsdp_recipes.train.loading import load_splits
+    from fsdp_recipes.train.loading import load_for
 
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    splits = load_splits(cfg.script, cfg.mixture, want_eval, check_columns)
+    splits = load_for(cfg, want_eval, check_columns)
     return tuple(unpaired(ds) if ds is not None and paired(ds) else ds for ds in splits)
 
 

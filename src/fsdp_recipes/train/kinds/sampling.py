@@ -214,16 +214,20 @@ def check_learned(log_history: list[dict], training) -> None:
 
 def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None): prompts and the columns the rewards read; a `completion` column becomes `answer`."""
-    from fsdp_recipes.train.loading import load_splits
+    from fsdp_recipes.train.loading import load_for
 
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    splits = load_splits(cfg.script, cfg.mixture, want_eval, check_columns)
+    splits = load_for(cfg, want_eval, check_columns)
     return tuple(None if ds is None else with_answer(ds) for ds in splits)
 
 
 def with_answer(ds):
+    """A `completion` column becomes `answer`, as text: a chat completion (Alpaca's, converted) gives its last turn's
+    content, what a reward function compares with."""
     if "completion" in ds.column_names and "answer" not in ds.column_names:
-        return ds.rename_column("completion", "answer")
+        ds = ds.rename_column("completion", "answer")
+        if len(ds) and isinstance(ds[0]["answer"], list):
+            ds = ds.map(lambda r: {"answer": r["answer"][-1]["content"] if r["answer"] else ""})
     return ds
 
 

@@ -34,10 +34,11 @@ def check_config(cfg) -> None:
 
 
 def load_datasets(cfg, want_eval: bool | None = None):
-    from fsdp_recipes.train.loading import load_sft_datasets
+    from fsdp_recipes.train.loading import check_columns, load_for
 
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    return load_sft_datasets(cfg.script, cfg.mixture, want_eval, cfg.training.dataset_text_field)
+    text_field = cfg.training.dataset_text_field
+    return load_for(cfg, want_eval, lambda ds, where: check_columns(ds, where, text_field))
 
 
 def check_data(cfg, splits, tokenizer) -> list[str]:

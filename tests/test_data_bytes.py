@@ -1,0 +1,92 @@
+"""Data files as other tools write them (issue 44 item 6): a UTF-8 byte-order mark, Windows line endings and blank
+lines are read as `datasets` reads them, and the pack's own readers (the row checks, DPO's and KTO's rows as written)
+agree with it on the rows and name a row by its line as an editor counts lines; a byte that is not UTF-8 (which
+pyarrow loads and a rank then fails to decode, naming no file) and a file of blank lines only are one line with the
+file (and the line) before any rank starts."""
+
+import json
+
+import pytest
+from recipe_variant import recipe_variant
+from test_bad_input import assert_one_line_error
+from trl import DatasetMixtureConfig, ScriptArguments
+
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.train import data_checks, loading
+from fsdp_recipes.train.kinds import dpo
+
+
+def chat(i):
+    return {"prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+            "completion": [{"role": "assistant", "content": str(i + 1)}]}
+
+
+def write(path, lines, bom=False, newline="\n", encoding="utf-8"):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = newline.join(lines) + newline
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode(encoding))
+    return path
+
+
+def load(path):
+    return loading.load_sft_datasets(ScriptArguments(dataset_name=str(path)), DatasetMixtureConfig(), False)[0]
+
+
+@pytest.mark.parametrize("bom, newline", [(True, "\n"), (False, "\r\n"), (True, "\r\n")],
+                         ids=["bom", "crlf", "bom-crlf"])
+def test_a_bom_windows_line_endings_and_blank_lines_read_as_datasets_reads_them(tmp_path, bom, newline):
+    lines = [json.dumps(chat(0)), "", json.dumps(chat(1)), "   ", "", json.dumps(chat(2))]
+    train = load(write(tmp_path / "d.jsonl", lines, bom, newline))
+    assert [r["completion"][0]["content"] for r in train] == ["1", "2", "3"]
+    assert data_checks.row_at(str(tmp_path / "d.jsonl"), "train", 2) == f"{tmp_path / 'd.jsonl'}:6"
+
+
+def test_preference_pairs_with_a_bom_are_checked_as_written(tmp_path):
+    """DPO's and KTO's checks read the file's rows as written: a BOM used to stop json.loads there."""
+    pair = lambda good, bad: json.dumps({"prompt": "2 + 3 =", "chosen": good, "rejected": bad})  # noqa: E731
+    path = write(tmp_path / "pairs.jsonl", [pair("5", "6"), "", pair("7", "7")], bom=True, newline="\r\n")
+    ds = loading.load_splits(ScriptArguments(dataset_name=str(path)), DatasetMixtureConfig(), False,
+                             dpo.check_columns)[0]
+    with pytest.raises(UserError, match=f"{path}:3: `chosen` and `rejected` are the same answer"):
+        dpo.check_rows(ds, str(path), "train")
+
+
+def test_a_bad_row_after_blank_lines_is_named_by_its_editor_line(tmp_path, checks):
+    bad = {"prompt": [{"role": "robot", "content": "hi"}], "completion": [{"role": "assistant", "content": "1"}]}
+    folder = tmp_path / "data"
+    write(folder / "train.jsonl", [json.dumps(chat(0)), "", "", json.dumps(chat(1)), json.dumps(bad)], bom=True,
+          newline="\r\n")
+    write(folder / "test.jsonl", [json.dumps(chat(5))])
+    res = checks([recipe_variant(tmp_path, dataset_name=str(folder))])
+    assert_one_line_error(res, f"{folder / 'train.jsonl'}:5: role 'robot' is not one of")
+
+
+PREFIX = '{"prompt": [{"role": "user", "content": "'
+
+
+@pytest.mark.parametrize("encoding, text, byte, at", [
+    ("latin-1", "caf\u00e9", 0xE9, 4),  # é as Latin-1's one byte, the 4th character of the text
+    ("cp1252", "\u201csmart quotes\u201d", 0x93, 1),  # Word's quotes
+], ids=["latin-1", "cp1252"])
+def test_a_stray_non_utf8_byte_is_one_line_with_file_and_line(tmp_path, checks, encoding, text, byte, at):
+    folder = tmp_path / "data"
+    write(folder / "train.jsonl", [json.dumps(chat(i)) for i in range(3)])
+    line = PREFIX + text + '"}], "completion": [{"role": "assistant", "content": "1"}]}'
+    path = write(folder / "test.jsonl", [json.dumps(chat(5)), "", line], encoding=encoding)
+    res = checks([recipe_variant(tmp_path, dataset_name=str(folder))])
+    assert_one_line_error(res, f"{path}:3: byte 0x{byte:02x} at column {len(PREFIX) + at} is not UTF-8")
+    assert "iconv" in res.stderr
+
+
+@pytest.mark.parametrize("content", [b"\n\n   \n", b"\xef\xbb\xbf\r\n\r\n"], ids=["blank", "bom-crlf"])
+def test_a_file_of_blank_lines_only_is_one_line(tmp_path, checks, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_bytes(content)
+    res = checks([recipe_variant(tmp_path, dataset_name=str(path), eval_strategy="no")])
+    assert_one_line_error(res, f"the dataset file {path} holds only blank lines, no rows")
+
+
+def test_a_malformed_line_after_a_bom_and_blank_lines_is_named_by_its_line(tmp_path):
+    path = write(tmp_path / "d.jsonl", [json.dumps(chat(0)), "", '{"prompt": "x"'], bom=True, newline="\r\n")
+    with pytest.raises(UserError, match=f"malformed JSON line in the dataset: {path}:3: "):
+        load(path)

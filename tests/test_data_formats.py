@@ -1,0 +1,162 @@
+"""Data formats (train/data_formats.py, train/loading.py): ShareGPT, Alpaca, prompt/response, messages, a text field
+and the preference layouts, declared with `dataset_format:` or detected, converted once with datasets' map; the
+launcher's one line saying what it found; a row that fits no format is one line with its file and line. The
+launcher's checks run in this process (`checks`, `launcher_until_ranks`) on copies of the tiny recipe."""
+
+import json
+
+import pytest
+from conftest import RanksWouldStart, launcher_until_ranks
+from recipe_variant import recipe_variant
+from test_bad_input import assert_one_line_error
+from trl import DatasetMixtureConfig, ScriptArguments
+
+from fsdp_recipes.config.run_config import PackArguments
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.train import data_formats, loading
+from fsdp_recipes.train.kinds import dpo, kto
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def sharegpt(i, bot="gpt"):
+    return {"conversations": [{"from": "system", "value": "Answer with the number."},
+                              {"from": "human", "value": f"What is {i} + 1?"}, {"from": bot, "value": str(i + 1)}]}
+
+
+def alpaca(i):
+    return {"instruction": f"What is {i} + 1?", "input": "" if i % 2 else "Answer with digits.", "output": str(i + 1)}
+
+
+def load(path, fmt=None, want_eval=False, **pack):
+    return loading.load_sft_datasets(ScriptArguments(dataset_name=str(path)), DatasetMixtureConfig(), want_eval,
+                                     pack=PackArguments(dataset_format=fmt, **pack))
+
+
+def test_a_sharegpt_file_becomes_messages_with_chat_roles(tmp_path):
+    train, _ = load(write_jsonl(tmp_path / "sg.jsonl", [sharegpt(i) for i in range(4)]))
+    assert train.column_names == ["messages"]
+    assert train[0]["messages"] == [{"role": "system", "content": "Answer with the number."},
+                                    {"role": "user", "content": "What is 0 + 1?"},
+                                    {"role": "assistant", "content": "1"}]
+    assert loading.NOTES[0] == (f"data {tmp_path / 'sg.jsonl'}: ShareGPT (conversations) -> messages; roles human "
+                                "-> user, gpt -> assistant (detected; declare it with `dataset_format: sharegpt`)")
+
+
+def test_an_alpaca_file_becomes_chat_prompt_and_completion(tmp_path):
+    train, _ = load(write_jsonl(tmp_path / "alpaca.jsonl", [alpaca(i) for i in range(4)]))
+    assert sorted(train.column_names) == ["completion", "prompt"]
+    assert train[0]["prompt"] == [{"role": "user", "content": "What is 0 + 1?\n\nAnswer with digits."}]
+    assert train[1]["prompt"] == [{"role": "user", "content": "What is 1 + 1?"}]  # an empty input adds nothing
+    assert train[1]["completion"] == [{"role": "assistant", "content": "2"}]
+    assert "Alpaca (instruction, output, input) -> chat prompt + completion (detected" in loading.NOTES[0]
+
+
+def test_prompt_response_text_and_messages(tmp_path):
+    train, _ = load(write_jsonl(tmp_path / "pr.jsonl", [{"prompt": "2 + 2 =", "response": " 4"}] * 2))
+    assert train[0] == {"prompt": "2 + 2 =", "completion": " 4"}
+    messages = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    train, _ = load(write_jsonl(tmp_path / "m.jsonl", messages))
+    assert train[0] == messages[0] and "OpenAI chat (messages) (as TRL takes it)" in loading.NOTES[0]
+    train, _ = load(write_jsonl(tmp_path / "t.jsonl", [{"text": "a b c"}]))
+    assert train[0] == {"text": "a b c"} and "a text field (text)" in loading.NOTES[0]
+
+
+def test_a_declared_format_maps_columns_and_roles(tmp_path):
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(3)]
+    train, _ = load(write_jsonl(tmp_path / "qa.jsonl", rows), "prompt_completion prompt=question completion=answer")
+    assert train[0] == {"prompt": "What is 0 + 1?", "completion": "1"}
+    assert loading.NOTES[0].endswith("; question as prompt; answer as completion (declared by dataset_format)")
+    train, _ = load(write_jsonl(tmp_path / "bot.jsonl", [sharegpt(i, bot="bot") for i in range(2)]),
+                    "sharegpt bot=assistant")
+    assert train[0]["messages"][-1] == {"role": "assistant", "content": "1"}
+    rows = [{"q": "What is 1 + 1?", "a": "2"}]
+    train, _ = load(write_jsonl(tmp_path / "alp.jsonl", rows), "alpaca instruction=q, output=a")
+    assert train[0]["completion"] == [{"role": "assistant", "content": "2"}]
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("shargpt", "dataset_format 'shargpt' is not one of messages, sharegpt, alpaca"),
+    ("alpaca question=instruction", "'question' is not a column of the alpaca format (instruction, output, input,"),
+    ("sharegpt bot", "'bot' is not slot=column or name=role"),
+], ids=["name", "slot", "pair"])
+def test_a_mistyped_declaration_is_one_line_before_any_data_is_read(tmp_path, checks, spec, fragment):
+    assert_one_line_error(checks([recipe_variant(tmp_path, dataset_format=spec)]), fragment)
+
+
+def test_a_declared_column_the_file_lacks_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"declared `dataset_format: alpaca` but has no column `instruction`"):
+        load(write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "output": "a"}]), "alpaca")
+
+
+@pytest.mark.parametrize("rows, fragment", [
+    ([sharegpt(1), sharegpt(2), sharegpt(3, bot="bot")],
+     "sg.jsonl:3: role 'bot' is not a chat role (system, user, assistant, tool) nor one the pack maps (human -> "
+     "user, gpt -> assistant"),
+    ([alpaca(1), {"instruction": "What is 2 + 2?", "input": "", "output": None}],
+     "sg.jsonl:2: Alpaca's `output` is None, not text"),
+], ids=["sharegpt-role", "alpaca-output"])
+def test_a_row_that_fits_no_format_is_one_line_with_file_and_line(tmp_path, rows, fragment):
+    with pytest.raises(UserError, match="Fix:") as err:
+        load(write_jsonl(tmp_path / "sg.jsonl", rows))
+    assert fragment in str(err.value)
+
+
+def test_the_preference_layouts_pass_through(tmp_path):
+    q = [{"role": "user", "content": "What is 2 + 3?"}]
+    pairs = [{"prompt": q, "chosen": [{"role": "assistant", "content": "5"}],
+              "rejected": [{"role": "assistant", "content": "6"}]}] * 3
+    script = ScriptArguments(dataset_name=str(write_jsonl(tmp_path / "pairs.jsonl", pairs)))
+    train, _ = loading.load_splits(script, DatasetMixtureConfig(), False, dpo.check_columns)
+    assert train[0] == pairs[0] and "preference pairs (chosen, rejected, prompt) (as TRL takes it)" in loading.NOTES[0]
+    labelled = [{"prompt": q, "completion": [{"role": "assistant", "content": "5"}], "label": True}] * 2
+    script = ScriptArguments(dataset_name=str(write_jsonl(tmp_path / "labelled.jsonl", labelled)))
+    train, _ = loading.load_splits(script, DatasetMixtureConfig(), False, kto.check_columns)
+    assert train[0] == labelled[0] and "labelled answers (prompt, completion, label)" in loading.NOTES[0]
+
+
+def test_a_mixture_converts_each_source_from_its_own_format(tmp_path):
+    sg = write_jsonl(tmp_path / "sg.jsonl", [sharegpt(i) for i in range(3)])
+    al = write_jsonl(tmp_path / "al.jsonl", [alpaca(i) for i in range(2)])
+    mixture = DatasetMixtureConfig(datasets=[{"path": "json", "data_files": str(sg)},
+                                             {"path": "json", "data_files": str(al)}])
+    train, _ = loading.load_sft_datasets(ScriptArguments(), mixture, False)
+    assert len(train) == 5 and train.column_names == ["messages"]
+    assert train[3]["messages"] == [{"role": "user", "content": "What is 0 + 1?\n\nAnswer with digits."},
+                                    {"role": "assistant", "content": "1"}]
+    assert [n.split(":")[0] for n in loading.NOTES[:2]] == [f"data {sg}", f"data {al}"]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [sharegpt(1), sharegpt(2, bot="bot")])
+    mixture.datasets[1].data_files = str(bad)
+    with pytest.raises(UserError, match=f"{bad}:2: role 'bot'"):
+        loading.load_sft_datasets(ScriptArguments(), mixture, False)
+
+
+def test_the_launcher_says_what_it_found_and_how_it_maps(tmp_path, cache_dir, monkeypatch, capsys):
+    data = tmp_path / "sharegpt"
+    write_jsonl(data / "train.jsonl", [sharegpt(i) for i in range(8)])
+    write_jsonl(data / "validation.jsonl", [sharegpt(i) for i in range(20, 24)])
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([str(recipe_variant(tmp_path, dataset_name=str(data)))], monkeypatch, capsys)
+    out = capsys.readouterr().out.splitlines()
+    assert (f"[launch] data {data}: ShareGPT (conversations) -> messages; roles human -> user, gpt -> assistant "
+            "(detected; declare it with `dataset_format: sharegpt`)") in out
+    assert "[launch] eval split: the `validation` split (4 rows)" in out
+
+
+def test_parse_spec_round_trips_the_documented_examples():
+    assert data_formats.parse_spec("alpaca instruction=question output=answer") == data_formats.Spec(
+        "alpaca", {"instruction": "question", "output": "answer"}, {})
+    assert data_formats.parse_spec("sharegpt bot=assistant") == data_formats.Spec("sharegpt", {}, {"bot": "assistant"})
+    assert data_formats.parse_spec(None) is None and data_formats.parse_spec(" ") is None
+
+
+def test_an_alpaca_answer_reaches_grpo_rewards_as_text(tmp_path):
+    """GRPO and RLOO read a completion as `answer`: Alpaca's converted chat completion gives its text."""
+    from fsdp_recipes.train.kinds import sampling
+
+    train, _ = load(write_jsonl(tmp_path / "alpaca.jsonl", [alpaca(i) for i in range(3)]))
+    assert sampling.with_answer(train)["answer"] == ["1", "2", "3"]

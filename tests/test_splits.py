@@ -1,0 +1,204 @@
+"""Splits that tell the truth (train/loading.py held_out, launch/summary.py): an eval split found by its usual names
+or carved off with eval_split_size (seeded, in run_args.json), never a training row called held out, eval rows that
+are training rows too counted; the summary scores `messages` data and plain-text prompt/completion and writes
+sample_generations.json for them. In process: the loading, the launcher's checks and the summary with its
+generations replaced by a stand-in (no model is loaded)."""
+
+import dataclasses
+import json
+
+import pytest
+from conftest import RanksWouldStart, launcher_until_ranks
+from recipe_variant import recipe_variant
+from test_bad_input import assert_one_line_error
+from trl import DatasetMixtureConfig, ScriptArguments
+
+from fsdp_recipes.config.run_config import PackArguments
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.launch import summary
+from fsdp_recipes.train import data_checks, loading
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def chat(i):
+    return {"messages": [{"role": "user", "content": f"What is {i} + 1?"},
+                         {"role": "assistant", "content": str(i + 1)}]}
+
+
+def load(name, want_eval=True, seed=42, **pack):
+    script = ScriptArguments(dataset_name=str(name))
+    train, ev = loading.load_sft_datasets(script, DatasetMixtureConfig(), want_eval, pack=PackArguments(**pack),
+                                          seed=seed)
+    return train, ev, script
+
+
+@pytest.mark.parametrize("file, split", [("validation", "validation"), ("dev", "validation"), ("eval", "test")])
+def test_an_eval_split_is_found_by_its_usual_names(tmp_path, file, split):
+    """datasets reads dev.jsonl as the `validation` split and eval.jsonl as `test` (its SPLIT_KEYWORDS)."""
+    write_jsonl(tmp_path / "train.jsonl", [chat(i) for i in range(6)])
+    write_jsonl(tmp_path / f"{file}.jsonl", [chat(i) for i in range(10, 13)])
+    train, ev, script = load(tmp_path)
+    assert (len(train), len(ev)) == (6, 3) and script.dataset_test_split == split  # so run_args.json says which
+    named = "" if file == split else f"{file}.jsonl, "
+    assert loading.NOTES[-1] == f"eval split: the `{split}` split ({named}3 rows)"
+    assert loading.WARNINGS == []
+    assert data_checks.row_at(str(tmp_path), split, 1) == f"{tmp_path / file}.jsonl:2"
+
+
+def test_a_split_named_otherwise_is_still_one_line(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [chat(i) for i in range(6)])
+    write_jsonl(tmp_path / "validation.jsonl", [chat(i) for i in range(10, 13)])
+    with pytest.raises(UserError, match="no `test_sft` split"):  # a name the recipe chose is not guessed at
+        loading.load_sft_datasets(ScriptArguments(dataset_name=str(tmp_path), dataset_test_split="test_sft"),
+                                  DatasetMixtureConfig(), True)
+
+
+def test_eval_split_size_holds_out_seeded_rows_that_are_never_trained_on(tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", [chat(i) for i in range(20)])
+    train, ev, _ = load(data, eval_split_size=0.25)
+    asked = lambda ds: [r["messages"][0]["content"] for r in ds]  # noqa: E731
+    assert (len(train), len(ev)) == (15, 5) and not set(asked(train)) & set(asked(ev))
+    assert loading.NOTES[-1] == "eval split: 5 of the 20 rows of `train` held out (eval_split_size 0.25, seed 42)"
+    assert asked(load(data, eval_split_size=0.25)[1]) == asked(ev)  # the same rows in every rank and the summary
+    assert asked(load(data, eval_split_size=0.25, seed=7)[1]) != asked(ev)
+    assert len(load(data, eval_split_size=3)[1]) == 3  # a number of rows
+    # held out even where the run evaluates nothing: the summary scores those rows
+    train, ev, _ = load(data, want_eval=False, eval_split_size=0.25)
+    assert len(train) == 15 and ev is None
+
+
+def test_a_carved_off_row_is_still_named_by_its_line(tmp_path):
+    rows = [chat(i) for i in range(10)]
+    rows[7] = {"messages": [{"role": "robot", "content": "hi"}]}
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    text = data.read_text().splitlines()
+    data.write_text("\n".join(text[:3] + ["", "   "] + text[3:]) + "\n")  # blank lines move row 7 to line 10
+    train, ev, _ = load(data, eval_split_size=0.5)
+    for split, ds in (("train", train), ("test", ev)):
+        if any(t["role"] == "robot" for r in ds for t in r["messages"]):
+            with pytest.raises(UserError, match=f"{data}:10: role 'robot'"):
+                data_checks.check_rows(ds, str(data), split)
+
+
+def test_eval_split_size_is_recorded_in_run_args(cache_dir):
+    from conftest import REPO
+
+    from fsdp_recipes.config.run_config import parse_args
+
+    cfg = parse_args(["--config", str(REPO / "recipes" / "tiny-cpu-lora" / "sft.yaml"), "--eval_split_size", "0.1",
+                      "--dataset_format", "messages"])
+    resolved = cfg.resolved()
+    assert resolved["pack_args"]["eval_split_size"] == 0.1 and resolved["pack_args"]["dataset_format"] == "messages"
+    assert resolved["sft_config"]["seed"] == 42  # the seed that chose the rows
+
+
+def test_no_eval_split_is_one_line_and_eval_rows_in_training_are_counted(tmp_path, cache_dir, monkeypatch, capsys):
+    data = write_jsonl(tmp_path / "qa.jsonl", [chat(i) for i in range(6)])
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([str(recipe_variant(tmp_path, "a", dataset_name=str(data), eval_strategy="no"))],
+                             monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert ("[launch] eval split: none in " f"{data} (looked for test, validation, valid, eval, dev): nothing is "
+            "scored as held out. Fix: eval_split_size: 0.1 holds out 10% of the training rows") in out
+    folder = tmp_path / "overlap"
+    write_jsonl(folder / "train.jsonl", [chat(i) for i in range(6)])
+    write_jsonl(folder / "eval.jsonl", [chat(1), chat(2), chat(30)])
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([str(recipe_variant(tmp_path, "b", dataset_name=str(folder)))], monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert "[launch] eval split: the `test` split (eval.jsonl, 3 rows)" in out
+    assert ("[launch] warning: 2 of the 3 eval rows also appear in the training data: their scores are not held "
+            "out") in out
+
+
+def test_eval_on_without_any_eval_split_names_the_way_out(tmp_path, checks):
+    data = write_jsonl(tmp_path / "qa.jsonl", [chat(i) for i in range(6)])
+    res = checks([recipe_variant(tmp_path, dataset_name=str(data))])
+    assert_one_line_error(res, "no `test` split (it has ['train']; also looked for validation, valid, eval, dev)")
+    assert "eval_split_size: 0.1" in res.stderr
+
+
+def fake_run(tmp_path, dataset, **pack):
+    """A finished SFT run on `dataset` with a merged model, as far as the summary reads it (no weights)."""
+    run = tmp_path / "run"
+    (run / "merged").mkdir(parents=True)
+    (run / "merged" / "config.json").write_text("{}")
+    (run / "run_args.json").write_text(json.dumps({
+        "script_args": dataclasses.asdict(ScriptArguments(dataset_name=str(dataset))),
+        "dataset_mixture": dataclasses.asdict(DatasetMixtureConfig()),
+        "pack_args": dataclasses.asdict(PackArguments(**pack)), "sft_config": {"seed": 42},
+        "model_args": {"model_name_or_path": "base-model"}}))
+    (run / "metrics.json").write_text(json.dumps({
+        "recipe": "mine", "status": "completed", "wall_clock_s": 10.0, "tokens_per_second": None, "mfu": None,
+        "mfu_note": "cpu", "peak_memory": {"host_rss_bytes": 2**30}, "sharding_strategy": "FULL_SHARD",
+        "fsdp_version": 2, "world_size": 2, "num_nodes": 1, "device": {"type": "cpu", "name": "cpu"}}))
+    return run
+
+
+def stand_in(calls):
+    """summary.generate without a model: the trained model answers the sum, the base model 'no'."""
+    def generate(model, prompts):
+        calls.append(prompts)
+        asked = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
+        return ["no" if model == "base-model" else str(int(q.split()[2]) + 1) for q in asked]
+    return generate
+
+
+def test_the_summary_scores_messages_data_by_its_last_assistant_turn(tmp_path, monkeypatch, capsys):
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, *chat(i)["messages"]]} for i in range(8)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    run = fake_run(tmp_path, data, eval_split_size=0.5)
+    calls = []
+    monkeypatch.setattr(summary, "generate", stand_in(calls))
+    monkeypatch.setenv(summary.FORCE_ENV, "1")
+    assert summary.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "exact match on 4 eval prompts: base model 0/4 -> trained 4/4" in out
+    assert calls[0][0][0] == {"role": "system", "content": "Be brief."} and len(calls[0][0]) == 2  # up to the answer
+    written = json.loads((run / "sample_generations.json").read_text())
+    assert written["held_out"] is True and written["split"].startswith("4 of the 8 rows of `train` held out")
+    train_rows = [json.loads(line)["messages"][1]["content"] for line in data.read_text().splitlines()]
+    held = {ex["prompt"] for ex in written["examples"]}
+    assert len(held) == 4 and held <= set(train_rows)
+    ev = json.loads((run / "metrics.json").read_text())["eval"]
+    assert (ev["prompts"], ev["trained_correct"], ev["eval_rows_in_train"]) == (4, 4, 0)
+
+
+def test_the_summary_scores_plain_prompt_completion_and_never_calls_training_rows_held_out(tmp_path, monkeypatch,
+                                                                                           capsys):
+    data = write_jsonl(tmp_path / "plain.jsonl",
+                       [{"prompt": f"What is {i} + 1? ", "completion": f" {i + 1}"} for i in range(5)])
+    run = fake_run(tmp_path, data)
+    calls = []
+    monkeypatch.setattr(summary, "generate", stand_in(calls))
+    monkeypatch.setenv(summary.FORCE_ENV, "1")
+    assert summary.main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "exact match on 5 training prompts (not held out): base model 0/5 -> trained 5/5" in out
+    assert "the data has no eval split (test, validation, valid, eval, dev): these rows were trained on" in out
+    assert "eval prompts" not in out
+    assert calls[0][0] == "What is 0 + 1? "  # a text prompt, generated from as it is
+    ev = json.loads((run / "metrics.json").read_text())["eval"]
+    assert ev["held_out"] is False and ev["split"].startswith("training rows, not held out")
+    assert json.loads((run / "sample_generations.json").read_text())["examples"][0]["expected"] == "1"
+
+
+def test_text_data_has_nothing_to_score_and_says_so(tmp_path, monkeypatch, capsys):
+    run = fake_run(tmp_path, write_jsonl(tmp_path / "t.jsonl", [{"text": "a b"}] * 3))
+    monkeypatch.setattr(summary, "generate", lambda *a: pytest.fail("generated for data without prompts"))
+    monkeypatch.setenv(summary.FORCE_ENV, "1")
+    assert summary.main([str(run)]) == 0
+    assert ("generations skipped: the data (text) has no prompt with an expected answer to score"
+            in capsys.readouterr().out)
+    assert not (run / "sample_generations.json").exists()
+
+
+@pytest.mark.parametrize("size", ["-0.1", "2.5"])
+def test_an_eval_split_size_that_is_neither_a_share_nor_a_count_is_one_line(tmp_path, checks, size):
+    res = checks([recipe_variant(tmp_path), "--eval_split_size", size])
+    assert_one_line_error(res, f"eval_split_size is {float(size):g}: give a share of the training rows below 1")
