@@ -2,6 +2,7 @@
 refused before any rank starts, and a 2-process run whose storage is sharded and whose losses equal one process's."""
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -74,10 +75,12 @@ def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(
     need_module("bitsandbytes")
     common = ["--load_in_4bit", "true", "--max_steps", "4", "--logging_steps", "1", "--eval_strategy", "no",
               "--save_merged_model", "false", "--warmup_steps", "0"]
-    two = tmp_path / "two"
-    res = launch(["tiny-cpu-lora", *common, "--output_dir", str(two)], cache_dir)
+    # LoRA on the linears only: the trained LM head of a tied model is the pack's own case (peft_fsdp.py), not QLoRA's
+    two_recipe = recipe_variant(tmp_path, "two", drop=("lora_modules_to_save",))
+    two = tmp_path / "two-run"
+    res = launch([str(two_recipe), *common, "--measure_memory", "true", "--output_dir", str(two)], cache_dir)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    one_recipe = recipe_variant(tmp_path, "one", accelerate={"num_processes": 1})
+    one_recipe = recipe_variant(tmp_path, "one", drop=("lora_modules_to_save",), accelerate={"num_processes": 1})
     one = tmp_path / "one-run"
     res = launch([str(one_recipe), *common, "--per_device_train_batch_size", "32",  # the same 32 rows per step
                   "--output_dir", str(one)], cache_dir)
@@ -95,3 +98,64 @@ def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(
     args = json.loads((two / "run_args.json").read_text())["model_args"]
     assert args["load_in_4bit"] is True and args["bnb_4bit_quant_storage"] == "float32"  # set by the pack
     assert m2["final_save_check"]["tensors"] > 0  # every rank's adapter shards complete in the saved file
+
+    # bytes per rank measured against the plan: the probe counts each rank's parameter shards (the 4-bit storage
+    # at half a byte per weight); the planner's weights are those plus the scales, which no parameter holds
+    from fsdp_recipes.config.model_check import load_config, meta_model
+    from fsdp_recipes.planning import memory_budget, plan
+
+    model_args = SimpleNamespace(**args)
+    shape = memory_budget.shape_of(meta_model(load_config(Path(args["model_name_or_path"]) / "config.json")),
+                                   model_args)
+    setup = memory_budget.Setup(shard=2, world=2, strategy="FSDP", load_bytes=4, compute_bytes=4,
+                                mixed_precision=False, tokens=1, activation_checkpointing=False, optimizer_bytes=8,
+                                runtime_bytes=0, **plan.four_bit(model_args))
+    planned = memory_budget.budget(shape, setup)
+    probe = json.loads((two / "memory_probe.rank0.json").read_text())
+    assert shape.quantized > 0 and probe["weights"] == planned["weights"] - round(shape.quantized * setup.scale_bytes)
+    # TRL keeps a 4-bit model's adapters in bf16 (no mixed precision here): their gradients and AdamW moments too
+    assert probe["gradients"] == planned["gradients"] == shape.trainable * 2 // 2
+    assert probe["optimizer_states"] == planned["optimizer_states"] == shape.trainable * 4 // 2
+
+
+# Llama 3.1 70B's published shape (meta-llama/Llama-3.1-70B config.json): 80 layers, hidden 8192, intermediate 28672,
+# 64 query heads and 8 key/value heads of 128, vocabulary 128256, untied embeddings.
+LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)
+
+
+def test_the_planner_counts_llama_70b_in_4_bits_as_worked_out_by_hand():
+    from transformers import LlamaConfig
+
+    from fsdp_recipes.config.model_check import meta_model
+    from fsdp_recipes.planning import memory_budget, plan
+
+    args = SimpleNamespace(use_peft=True, lora_r=16, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                           lora_dropout=0.0, lora_modules_to_save=None, load_in_4bit=True, use_bnb_nested_quant=False)
+    m = memory_budget.shape_of(meta_model(LlamaConfig(**LLAMA_70B)), args)
+    # one layer's linears: q and o 8192 x 8192, k and v 8192 x 1024, gate, up and down 8192 x 28672
+    layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672
+    assert layer == 855_638_016 and m.layer_quantized == layer and m.quantized == 80 * layer == 68_451_041_280
+    assert m.largest_quantized == 8192 * 28672
+    # LoRA r16 on q, k, v, o: r x (in + out) each, 80 layers
+    lora = 80 * 16 * ((8192 + 8192) * 2 + (8192 + 1024) * 2)
+    assert m.trainable == lora == 65_536_000
+    rest = 2 * 128256 * 8192 + 80 * 2 * 8192 + 8192  # embeddings, LM head, norms: in bf16
+    assert m.params - m.trainable - m.quantized == rest == 2_102_665_216
+
+    setup = memory_budget.Setup(shard=2, world=2, strategy="FSDP", load_bytes=2, compute_bytes=2, mixed_precision=True,
+                                tokens=4096, activation_checkpointing=True, optimizer_bytes=8, runtime_bytes=0,
+                                **plan.four_bit(args))
+    b = memory_budget.budget(m, setup)
+    # sharded over 2: bf16 rest, NF4 at half a byte, fp32 adapters; then the absmax scales, whole on each rank
+    assert b["weights"] == (rest * 2 + 68_451_041_280 // 2 + lora * 4) // 2 + 68_451_041_280 // 16 == 23_624_687_616
+    assert b["gradients"] == lora * 4 // 2 and b["optimizer_states"] == lora * 8 // 2
+    assert b["dequantised_working_copy"] == 8192 * 28672 * 2  # the largest linear in bf16, once
+    # FSDP gathers two layers' packed bytes and the root unit at the compute width, and one layer's adapter gradients
+    lora_layer = lora // 80
+    gathered = 2 * (layer + 2 * 8192 + lora_layer) + rest - 80 * 2 * 8192
+    assert b["communication_buffers"] == (gathered - 2 * layer) * 2 + 2 * layer // 2 + lora_layer * 4
+    nested = memory_budget.budget(m, memory_budget.Setup(**{**vars(setup), "scale_bytes":
+                                                            memory_budget.NF4_NESTED_SCALE_BYTES}))
+    # nested quantization: a uint8 per 64 and an fp32 per 16384 instead of an fp32 per 64: 3.2 GB less per rank
+    assert b["weights"] - nested["weights"] == 68_451_041_280 // 16 - (68_451_041_280 // 64 + 68_451_041_280 // 4096)

@@ -48,6 +48,15 @@ colocate mode the engine's share of the GPU (vllm_gpu_memory_utilization x the G
 its KV cache). Both are counted on top of the training peak, an upper bound: sampling ends before the training
 forward starts, and vLLM's sleep mode releases its share while the policy trains.
 
+QLoRA (`load_in_4bit`, config/quantization.py): every linear layer of the decoder is stored as NF4, two values per
+byte (0.5 bytes per parameter), in a tensor FSDP shards like any other; its scales are not part of that tensor and
+stay whole on every rank: one fp32 absmax per 64-value block (4/64 = 0.0625 bytes per parameter), or with nested
+quantization one uint8 per block plus one fp32 per 256 blocks (1/64 + 4/16384). Embeddings, norms and the LM head stay
+in the load dtype (transformers' bitsandbytes quantizer keeps the output layer). FSDP gathers a layer's packed bytes
+(0.5 per parameter, not the compute width), and bitsandbytes dequantises one linear at a time to the compute dtype
+for its matmul: the largest linear of a layer, once, is the working copy (QLoRA paper, Dettmers et al. 2023, section 3;
+bitsandbytes' Linear4bit).
+
 Runtime: CUDA context, NCCL and allocator slack, 2 GiB per GPU (a typical figure for H100 nodes, not
 measured by this pack); 0 on CPU.
 """
@@ -79,6 +88,9 @@ class ModelShape:
     lora_rank_width: int  # LoRA r x the number of targeted linears in one layer (the A outputs B keeps)
     embedding: int = 0  # the input embedding (a lookup, no matmul FLOPs)
     tied: bool = False  # the LM head shares the embedding's weight (still a matmul)
+    quantized: int = 0  # QLoRA: base weights stored in 4 bits (every linear of the decoder layers)
+    layer_quantized: int = 0  # of one layer
+    largest_quantized: int = 0  # the largest such linear: the dequantised working copy
 
 
 @dataclasses.dataclass
@@ -99,6 +111,13 @@ class Setup:
     generation_tokens: int = 0  # prompt + completion tokens of each (generate)
     vllm_bytes: float = 0  # the vLLM engine's share of the GPU (vllm)
     reshard_after_forward: bool = True  # False: FSDP2 reshard_after_forward false / FSDP1 SHARD_GRAD_OP
+    quant_bytes: float = 0  # QLoRA: bytes per 4-bit parameter of the sharded storage (0.5), 0 without
+    scale_bytes: float = 0  # its scales per parameter, whole on every rank
+
+
+NF4_BYTES = 0.5
+NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per block of 64
+NF4_NESTED_SCALE_BYTES = 1 / 64 + 4 / (64 * 256)  # a uint8 per block, an fp32 per 256 blocks
 
 
 def shape_of(model, model_args) -> ModelShape:
@@ -133,6 +152,11 @@ def shape_of(model, model_args) -> ModelShape:
         trainable = total
     params = total + (trainable if model_args.use_peft else 0)
     layer_params = base_layer + lora_layer
+    quantized = layer_quantized = largest = 0
+    if getattr(model_args, "load_in_4bit", False):
+        linears = [m.weight.numel() for m in layer0.modules() if isinstance(m, torch.nn.Linear)]
+        layer_quantized, largest = sum(linears), max(linears)
+        quantized = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
     return ModelShape(
         params=params, trainable=trainable, layers=len(layers), hidden=cfg.hidden_size,
         q_dim=cfg.num_attention_heads * head_dim, kv_dim=cfg.num_key_value_heads * head_dim,
@@ -140,6 +164,7 @@ def shape_of(model, model_args) -> ModelShape:
         layer_trainable=lora_layer if model_args.use_peft else base_layer,
         root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
         embedding=model.get_input_embeddings().weight.numel(), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        quantized=quantized, layer_quantized=layer_quantized, largest_quantized=largest,
     )
 
 
@@ -152,11 +177,15 @@ def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
 
 def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     """Bytes per GPU, by component."""
-    master = 4 if s.mixed_precision else s.load_bytes  # trainable parameters' storage dtype
+    # trainable parameters' storage dtype: fp32 under mixed precision (accelerate upcasts them); TRL keeps a 4-bit
+    # model's adapters in bf16 (QLoRA paper; trl SFTTrainer), and AdamW's moments then have their dtype too
+    master = 4 if s.mixed_precision else (2 if s.quant_bytes else s.load_bytes)
     frozen = m.params - m.trainable
-    weights = (frozen * s.load_bytes + m.trainable * master) / s.shard
+    packed = m.quantized * s.quant_bytes if s.quant_bytes else 0  # QLoRA: the 4-bit base, sharded
+    full = m.quantized if s.quant_bytes else 0
+    weights = ((frozen - full) * s.load_bytes + packed + m.trainable * master) / s.shard + full * s.scale_bytes
     gradients = m.trainable * master / s.shard
-    optimizer = m.trainable * s.optimizer_bytes / s.shard
+    optimizer = m.trainable * s.optimizer_bytes * (master / 4 if s.quant_bytes else 1) / s.shard
     per_layer = activations_per_token_per_layer(m, s)
     if s.activation_checkpointing:
         activations = s.tokens * (m.layers * m.hidden * s.compute_bytes + per_layer)
@@ -168,7 +197,8 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     activations += s.tokens * m.hidden * 4 * 2 + tile + head_grads  # + final norm (fp32)
     if s.strategy in ("FSDP", "HSDP"):
         gathered = (2 * m.layer_params + m.root_params) if s.reshard_after_forward else m.params
-        comm = gathered * s.compute_bytes + m.layer_trainable * master
+        four_bit = (2 * m.layer_quantized if s.reshard_after_forward else m.quantized) if s.quant_bytes else 0
+        comm = (gathered - four_bit) * s.compute_bytes + four_bit * s.quant_bytes + m.layer_trainable * master
     elif s.strategy == "DDP":
         comm = m.trainable * master
     else:
@@ -184,6 +214,8 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
             if s.strategy in ("FSDP", "HSDP"):
                 reference += (2 * m.layer_params + m.root_params) * s.compute_bytes
         parts["reference_model"] = reference
+    if s.quant_bytes:  # bitsandbytes dequantises one linear at a time for its matmul
+        parts["dequantised_working_copy"] = m.largest_quantized * s.compute_bytes
     if s.generation == "generate":  # the KV cache of every completion sampled at once, and one step's fp32 logits
         parts["generation_kv_cache"] = (s.generated_sequences * (s.generation_tokens * m.layers * 2 * m.kv_dim
                                                                  * s.compute_bytes + m.vocab * 4))

@@ -126,6 +126,15 @@ def reshards_after_forward(acc: dict) -> bool:
     return str(value).strip().upper() not in KEEPS_GATHERED
 
 
+def four_bit(model_args) -> dict:
+    """QLoRA's bytes per 4-bit parameter: the packed storage and its scales (memory_budget.py)."""
+    if not getattr(model_args, "load_in_4bit", False):
+        return {}
+    nested = getattr(model_args, "use_bnb_nested_quant", False)
+    return {"quant_bytes": memory_budget.NF4_BYTES,
+            "scale_bytes": memory_budget.NF4_NESTED_SCALE_BYTES if nested else memory_budget.NF4_SCALE_BYTES}
+
+
 def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
            trainer: str = kinds.DEFAULT, generation: dict | None = None) -> dict[str, memory_budget.Setup]:
     strategy, shard = strategy_of(acc, gpus, nodes)
@@ -139,7 +148,7 @@ def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = Fals
         reference=("adapter" if model_args.use_peft else "copy") if "reference" in kind.extra_forwards(training) else "none",
         activation_checkpointing=bool(training.activation_checkpointing), optimizer_bytes=optim,
         runtime_bytes=0 if on_cpu else 2 * GIB, reshard_after_forward=reshards_after_forward(acc),
-        **(generation or {}),
+        **(generation or {}), **four_bit(model_args),
     )
     out = {strategy: memory_budget.Setup(shard=shard, strategy=strategy, **common)}
     if strategy != "DDP":
