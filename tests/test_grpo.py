@@ -192,3 +192,35 @@ def test_mfu_counts_each_forward_rloo_runs_per_sampled_batch():
     assert rloo.extra_forwards(SimpleNamespace(**args)) == {"generation": 1.0, "old_policy": 1.0}
     assert rloo.extra_forwards(SimpleNamespace(beta=0.05, num_iterations=2)) == {
         "generation": 0.5, "old_policy": 0.5, "reference": 0.5}
+
+
+# ---- issue 44: the launcher's checks of the trainer config see the layout the ranks will see
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_fewer_completions_per_process_than_num_generations_reaches_the_ranks(tmp_path, cache_dir, monkeypatch,
+                                                                              capsys, trainer):
+    # 2 processes x 4 completions = one group of 8 per step: TRL accepts it under torchrun (its world size is 2); the
+    # launcher, one process, used to validate GRPOConfig with world size 1 and refuse it (generation batch 4)
+    folder = grpo_recipe(tmp_path, trainer=trainer, num_generations=8, per_device_train_batch_size=4)
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([str(folder)], monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("fields", [
+    {"num_generations": 8, "per_device_train_batch_size": 3},  # 2 x 3 = 6 completions: no whole group of 8
+    {"num_generations": 8, "per_device_train_batch_size": 2, "steps_per_generation": 3},  # 2 x 2 x 3 = 12
+], ids=["per-step", "per-generation"])
+def test_a_generation_batch_without_whole_groups_is_still_refused(tmp_path, cache_dir, checks, fields):
+    res = checks([grpo_recipe(tmp_path, **fields)])
+    assert_one_line_error(res, f"must be divisible by num_generations (8) (as the ranks see it: 2 process(es)")
+
+
+def test_the_planner_validates_the_layout_of_the_planned_job():
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.planning import plan
+
+    # the shipped recipe: 8 completions per GPU, one group of 8 on any number of GPUs; 4 per GPU needs 2 or more
+    plan.load_recipe("llama-3.1-8b-lora-grpo", REPO / "recipes", ["--per_device_train_batch_size", "4"], world_size=2)
+    with pytest.raises(UserError, match=r"divisible by num_generations \(8\) \(as the ranks see it: 1 process"):
+        plan.load_recipe("llama-3.1-8b-lora-grpo", REPO / "recipes", ["--per_device_train_batch_size", "4",
+                                                                      "--steps_per_generation", "1"], world_size=1)
