@@ -177,6 +177,38 @@ def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save(tmp_
     grpo.check_learned(varied, training)  # one step varied
 
 
+def test_a_run_whose_completions_were_all_cut_says_so_instead_of_raising_the_temperature(tmp_path):
+    from trl import GRPOConfig, RLOOConfig
+
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.train import kinds
+
+    # tiny-grpo's logs at max_completion_length 4: every completion was cut, every reward 0 (a measured launch)
+    cut = [{"step": s, "reward": 0.0, "frac_reward_zero_std": 1.0, "completions/clipped_ratio": 1.0,
+            "completions/mean_terminated_length": 0.0} for s in (1, 2)]
+    for kind, config in (("grpo", GRPOConfig), ("rloo", RLOOConfig)):
+        training = config(output_dir=str(tmp_path), num_generations=8, max_completion_length=4,
+                          per_device_train_batch_size=8, use_cpu=True)
+        with pytest.raises(UserError, match=rf"{kind.upper()} learned nothing: every completion was cut at "
+                                            r"max_completion_length \(4 tokens; completions/clipped_ratio 1.0 at "
+                                            r"every logged step\).* Fix: raise max_completion_length") as err:
+            kinds.load(kind).check_learned(cut, training)
+        assert "temperature" not in str(err.value)
+    half = [{**cut[0], "completions/clipped_ratio": 0.5}, cut[1]]  # some ended: the rewards are the cause
+    with pytest.raises(UserError, match="raise temperature or num_generations"):
+        kinds.load("grpo").check_learned(half, training)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"reward_weights": [0.0]}, "reward_weights [0.0] are all 0"),
+    ({"reward_funcs": ["fsdp_recipes.rewards.exact_answer", "fsdp_recipes.rewards.number_only"],
+      "reward_weights": [0.0, 0.0]}, "reward_weights [0.0, 0.0] are all 0"),
+    ({"temperature": 0.0}, "temperature is 0: GRPO samples each prompt's 4 completions, and without randomness"),
+], ids=["weight-0", "weights-0", "temperature-0"])
+def test_sampling_settings_that_train_nothing_are_one_line(tmp_path, cache_dir, checks, fields, fragment):
+    assert_one_line_error(checks([grpo_recipe(tmp_path, **fields)]), fragment)
+
+
 # ---- RLOO, the second sampling kind: the same checks from sampling.py, its own forwards
 
 def test_an_rloo_recipe_gets_the_sampling_checks(tmp_path, cache_dir, checks, monkeypatch):

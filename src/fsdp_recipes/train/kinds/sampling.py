@@ -240,6 +240,15 @@ def check_config(cfg) -> None:
     if weights is not None and len(weights) != len(funcs):
         raise UserError(f"reward_weights has {len(weights)} values for {len(funcs)} reward_funcs. Fix: give one weight "
                         "per function, or leave reward_weights out (all 1.0).")
+    if weights is not None and not any(weights):
+        raise UserError(f"reward_weights {list(weights)} are all 0: every completion's reward is 0, so no completion "
+                        "has an advantage and nothing would be trained. Fix: give a reward function a weight other "
+                        "than 0, or leave reward_weights out (all 1.0).")
+    if cfg.training.temperature <= 0:
+        raise UserError(f"temperature is {cfg.training.temperature:g}: {cfg.trainer.upper()} samples each prompt's "
+                        f"{cfg.training.num_generations} completions, and without randomness they are alike, score "
+                        "alike and teach nothing (transformers refuses it for sampling). Fix: set temperature above "
+                        "0 (1.0 samples the policy as it is).")
     cfg.training.use_vllm = use_vllm(cfg.kind_args.generation_backend, cfg.training.use_cpu)
 
 
@@ -330,6 +339,14 @@ def check_learned(log_history: list[dict], training) -> None:
     if logged and all(h["frac_reward_zero_std"] == 1.0 for h in logged):
         mean = sum(h.get("reward") or 0.0 for h in logged) / len(logged)
         kind = type(training).__name__.removesuffix("Config")  # GRPOConfig -> GRPO
+        clipped = [h.get("completions/clipped_ratio") for h in logged]
+        if all(c is not None and c >= 1.0 for c in clipped):  # TRL: the share cut at max_completion_length
+            raise UserError(f"{kind} learned nothing: every completion was cut at max_completion_length "
+                            f"({training.max_completion_length} tokens; completions/clipped_ratio 1.0 at every "
+                            f"logged step), so none ended with an answer and each group of "
+                            f"{training.num_generations} scored alike (mean reward {mean:.3f}). Fix: raise "
+                            "max_completion_length to the longest answer in tokens plus the end-of-turn token, or "
+                            "start from a model that answers briefly (an SFT run on the same task).")
         raise UserError(f"{kind} learned nothing: at every logged step each group of {training.num_generations} "
                         "completions "
                         f"scored alike (mean reward {mean:.3f}), so no completion had an advantage and the weights "
