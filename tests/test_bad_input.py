@@ -231,3 +231,50 @@ def test_unset_variable_in_a_path_is_refused_not_written_literally(recipe, cache
     assert_one_line_error(res, "output_dir")
     assert "$NO_SUCH_VAR_FOR_TEST, which is not set here" in res.stderr
     assert not (tmp_path / "$NO_SUCH_VAR_FOR_TEST").exists()
+
+
+# ---- issue 44 items 4 and 5: the model folder
+
+def tied_copy_of_the_tiny_model(tmp_path, cache_dir):
+    """tiny_assets' model and tokenizer with tie_word_embeddings set: a tied model the launcher can check."""
+    model = tmp_path / "tiny-tied"
+    shutil.copytree(cache_dir / "tiny-mistral", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    return model
+
+
+@pytest.mark.parametrize("modules", [["embed_tokens"], ["lm_head", "embed_tokens"]])
+def test_training_a_tied_input_embedding_is_one_line_before_any_rank(tmp_path, cache_dir, checks, modules):
+    res = checks(["tiny-cpu-lora", "--model_name_or_path", tied_copy_of_the_tiny_model(tmp_path, cache_dir),
+                  "--output_dir", tmp_path / "run", "--lora_modules_to_save", *modules])
+    assert_one_line_error(res, "lora_modules_to_save names embed_tokens, the input embedding of MistralForCausalLM, "
+                               "whose LM head lm_head is tied to it (tie_word_embeddings)")
+
+
+def sft_output(tmp_path, merged: bool):
+    """What a LoRA SFT run leaves in its output_dir: the adapter, a checkpoint, and merged/ with save_merged_model."""
+    run = tmp_path / "runs" / "smollm2-135m-lora"
+    for folder in (run, run / "checkpoint-4"):
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/cache/smollm2-135m",
+                                                                "peft_type": "LORA"}))
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+    if merged:
+        (run / "merged").mkdir()
+        (run / "merged" / "config.json").write_text("{}")
+    return run
+
+
+@pytest.mark.parametrize("recipe", ["smollm2-135m-dpo", "smollm2-135m-grpo"])
+@pytest.mark.parametrize("where, merged, fix", [
+    ("", True, "Fix: set model_name_or_path to {run}/merged (the run's base model with this adapter merged"),
+    ("checkpoint-4", True, "Fix: set model_name_or_path to {run}/merged"),
+    ("", False, "Fix: rerun that recipe with --save_merged_model true, which writes {run}/merged"),
+], ids=["run", "checkpoint", "no-merged"])
+def test_an_sft_runs_adapter_folder_is_named_with_its_merged_path(tmp_path, cache_dir, checks, recipe, where, merged,
+                                                                  fix):
+    run = sft_output(tmp_path, merged)
+    res = checks([recipe, "--model_name_or_path", run / where if where else run, "--output_dir", tmp_path / "out"])
+    assert_one_line_error(res, f"is a LoRA adapter of /cache/smollm2-135m (adapter_config.json, no config.json)")
+    assert fix.format(run=run) in res.stderr and "has not run here yet" not in res.stderr
