@@ -131,8 +131,57 @@ def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, mod
     source = model_config_source(model_name_or_path, recipe)
     if source is None:
         return False
-    check_recipe_fits_model(meta_model(load_config(source)), acc, acc_path, model_args)
+    model = meta_model(load_config(source))
+    check_recipe_fits_model(model, acc, acc_path, model_args)
+    if source == Path(model_name_or_path) / "config.json":
+        check_stored_tie(source.parent, model)
     return True
+
+
+def check_stored_tie(folder: Path, model) -> None:
+    """A config that ties the LM head to the input embedding (tie_word_embeddings) over weights that store a
+    different head: transformers then loads the head untied ("both are present in the checkpoints with different
+    values, so we will NOT tie them"), and the ranks disagree on the model's shape -- FSDP2's setup failed with
+    `KeyError: "attribute 'weight' already exists"`, FSDP1's with a gloo size mismatch, and without RAM-efficient
+    loading the pack's own tie check stopped every rank (measured on the tiny model, its config set to tie). Compared
+    here on a few rows of the two stored tensors, read lazily from the safetensors files."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    names = {m: n for n, m in model.named_modules()}
+    head, embedding = (names.get(model.get_output_embeddings()), names.get(model.get_input_embeddings()))
+    if not head or not embedding:
+        return
+    head_key, embedding_key = f"{head}.weight", f"{embedding}.weight"
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = {k: folder / weight_map[k] for k in (head_key, embedding_key) if k in weight_map}
+        else:
+            files = {k: folder / "model.safetensors" for k in (head_key, embedding_key)}
+        if head_key not in files or not all(f.is_file() for f in files.values()):
+            return
+        from safetensors import safe_open
+
+        rows = []
+        for key in (head_key, embedding_key):
+            with safe_open(str(files[key]), framework="pt") as f:
+                if key not in f.keys():
+                    return  # the usual tied checkpoint: the head is not stored
+                tensor = f.get_slice(key)
+                n = tensor.get_shape()[0]
+                rows.append((tensor[:8], tensor[max(n - 8, 0):]))
+    except (OSError, ValueError):
+        return  # not ours to judge a file the loader will name
+    import torch
+
+    if all(torch.equal(a, b) for a, b in zip(*rows)):
+        return  # stored twice but equal: transformers ties them
+    raise UserError(f"{folder}/config.json ties the LM head to the input embedding (tie_word_embeddings: true), but "
+                    f"the weights store a {head_key} that differs from {embedding_key}: transformers loads it untied, "
+                    "and the ranks disagree on the model's shape (FSDP's setup fails). Fix: set "
+                    f"tie_word_embeddings to false in {folder}/config.json (the stored weights are untied), or save "
+                    "the model again with its head tied.")
 
 
 def check_attn_implementation(attn: str | None) -> None:
