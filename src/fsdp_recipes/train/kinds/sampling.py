@@ -62,13 +62,15 @@ def trainer_kwargs(cfg) -> dict:
 
 def checked_reward_funcs(paths: list[str]) -> list:
     """The recipe's reward functions, each wrapped so that what it returns is checked at every call (CheckedReward);
-    an async function goes to TRL as it is (TRL awaits it in a loop of its own)."""
+    an async function or a reward model (a torch module) goes to TRL as it is (TRL awaits the first in a loop of its
+    own and calls the second's forward itself)."""
+    import torch
     from trl.trainer.utils import is_async_callable
 
     batch = RewardBatch(len(paths))
     funcs = [load_reward_func(path) for path in paths]
-    return [f if is_async_callable(f) else CheckedReward(f, path, i, batch) for i, (f, path) in
-            enumerate(zip(funcs, paths))]
+    return [f if is_async_callable(f) or isinstance(f, torch.nn.Module) else CheckedReward(f, path, i, batch)
+            for i, (f, path) in enumerate(zip(funcs, paths))]
 
 
 class RewardBatch:
