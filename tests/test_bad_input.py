@@ -249,3 +249,74 @@ def test_a_4bit_setting_fsdp_cannot_shard_is_one_line(recipe, args, fragment, ch
     """accelerate issue 3983 (uint8 storage under FSDP2: a crash or a loss of 0 or NaN) and its kin
     (config/quantization.py), before any rank starts."""
     assert_one_line_error(checks([str(recipe), *args]), fragment)
+
+# ---- issue 44 items 4 and 5: the model folder
+
+def tied_copy_of_the_tiny_model(tmp_path, cache_dir, store_head: bool = False):
+    """tiny_assets' model and tokenizer with tie_word_embeddings set: a tied model, saved as one (the LM head not
+    stored; `store_head`: the tiny model's own, different head left in the weights)."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "tiny-tied"
+    shutil.copytree(cache_dir / "tiny-mistral", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    if not store_head:
+        weights = load_file(model / "model.safetensors")
+        del weights["lm_head.weight"]
+        save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("modules", [["embed_tokens"], ["lm_head", "embed_tokens"]])
+def test_training_a_tied_input_embedding_is_one_line_before_any_rank(tmp_path, cache_dir, checks, modules):
+    res = checks(["tiny-cpu-lora", "--model_name_or_path", tied_copy_of_the_tiny_model(tmp_path, cache_dir),
+                  "--output_dir", tmp_path / "run", "--lora_modules_to_save", *modules])
+    assert_one_line_error(res, "lora_modules_to_save names embed_tokens, the input embedding of MistralForCausalLM, "
+                               "whose LM head lm_head is tied to it (tie_word_embeddings)")
+
+
+def sft_output(tmp_path, merged: bool):
+    """What a LoRA SFT run leaves in its output_dir: the adapter, a checkpoint, and merged/ with save_merged_model."""
+    run = tmp_path / "runs" / "smollm2-135m-lora"
+    for folder in (run, run / "checkpoint-4"):
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/cache/smollm2-135m",
+                                                                "peft_type": "LORA"}))
+        (folder / "adapter_model.safetensors").write_bytes(b"")
+    if merged:
+        (run / "merged").mkdir()
+        (run / "merged" / "config.json").write_text("{}")
+    return run
+
+
+@pytest.mark.parametrize("recipe", ["smollm2-135m-dpo", "smollm2-135m-grpo"])
+@pytest.mark.parametrize("where, merged, fix", [
+    ("", True, "Fix: set model_name_or_path to {run}/merged (the run's base model with this adapter merged"),
+    ("checkpoint-4", True, "Fix: set model_name_or_path to {run}/merged"),
+    ("", False, "Fix: rerun that recipe with --save_merged_model true, which writes {run}/merged"),
+], ids=["run", "checkpoint", "no-merged"])
+def test_an_sft_runs_adapter_folder_is_named_with_its_merged_path(tmp_path, cache_dir, checks, recipe, where, merged,
+                                                                  fix):
+    run = sft_output(tmp_path, merged)
+    res = checks([recipe, "--model_name_or_path", run / where if where else run, "--output_dir", tmp_path / "out"])
+    assert_one_line_error(res, f"is a LoRA adapter of /cache/smollm2-135m (adapter_config.json, no config.json)")
+    assert fix.format(run=run) in res.stderr and "has not run here yet" not in res.stderr
+
+
+def test_a_config_that_ties_a_stored_separate_head_is_one_line_before_any_rank(tmp_path, cache_dir, checks,
+                                                                              monkeypatch, capsys):
+    """tie_word_embeddings: true over weights that hold their own, different lm_head (the tiny model as built, its
+    config edited): transformers loads it untied, and the ranks failed: FSDP2's setup with KeyError "attribute 'weight'
+    already exists", FSDP1's with a gloo size mismatch, without RAM-efficient loading the pack's tie check (measured
+    launches). Stored once, as a tied model saves it, it reaches the ranks."""
+    from conftest import RanksWouldStart, launcher_until_ranks
+
+    model = tied_copy_of_the_tiny_model(tmp_path, cache_dir, store_head=True)
+    args = ["tiny-cpu-lora", "--model_name_or_path", str(model), "--output_dir", str(tmp_path / "run")]
+    assert_one_line_error(checks(args), f"{model}/config.json ties the LM head to the input embedding "
+                                        "(tie_word_embeddings: true), but the weights store a lm_head.weight that "
+                                        "differs from model.embed_tokens.weight")
+    model = tied_copy_of_the_tiny_model(tmp_path / "faithful", cache_dir)
+    with pytest.raises(RanksWouldStart):  # lora_modules_to_save: [lm_head], as tiny-cpu-lora trains it
+        launcher_until_ranks([*args[:2], str(model), *args[3:]], monkeypatch, capsys)

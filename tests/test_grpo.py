@@ -177,6 +177,38 @@ def test_a_run_whose_rewards_never_varied_is_one_line_before_its_final_save(tmp_
     grpo.check_learned(varied, training)  # one step varied
 
 
+def test_a_run_whose_completions_were_all_cut_says_so_instead_of_raising_the_temperature(tmp_path):
+    from trl import GRPOConfig, RLOOConfig
+
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.train import kinds
+
+    # tiny-grpo's logs at max_completion_length 4: every completion was cut, every reward 0 (a measured launch)
+    cut = [{"step": s, "reward": 0.0, "frac_reward_zero_std": 1.0, "completions/clipped_ratio": 1.0,
+            "completions/mean_terminated_length": 0.0} for s in (1, 2)]
+    for kind, config in (("grpo", GRPOConfig), ("rloo", RLOOConfig)):
+        training = config(output_dir=str(tmp_path), num_generations=8, max_completion_length=4,
+                          per_device_train_batch_size=8, use_cpu=True)
+        with pytest.raises(UserError, match=rf"{kind.upper()} learned nothing: every completion was cut at "
+                                            r"max_completion_length \(4 tokens; completions/clipped_ratio 1.0 at "
+                                            r"every logged step\).* Fix: raise max_completion_length") as err:
+            kinds.load(kind).check_learned(cut, training)
+        assert "temperature" not in str(err.value)
+    half = [{**cut[0], "completions/clipped_ratio": 0.5}, cut[1]]  # some ended: the rewards are the cause
+    with pytest.raises(UserError, match="raise temperature or num_generations"):
+        kinds.load("grpo").check_learned(half, training)
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"reward_weights": [0.0]}, "reward_weights [0.0] are all 0"),
+    ({"reward_funcs": ["fsdp_recipes.rewards.exact_answer", "fsdp_recipes.rewards.number_only"],
+      "reward_weights": [0.0, 0.0]}, "reward_weights [0.0, 0.0] are all 0"),
+    ({"temperature": 0.0}, "temperature is 0: GRPO samples each prompt's 4 completions, and without randomness"),
+], ids=["weight-0", "weights-0", "temperature-0"])
+def test_sampling_settings_that_train_nothing_are_one_line(tmp_path, cache_dir, checks, fields, fragment):
+    assert_one_line_error(checks([grpo_recipe(tmp_path, **fields)]), fragment)
+
+
 # ---- RLOO, the second sampling kind: the same checks from sampling.py, its own forwards
 
 def test_an_rloo_recipe_gets_the_sampling_checks(tmp_path, cache_dir, checks, monkeypatch):
@@ -192,3 +224,128 @@ def test_mfu_counts_each_forward_rloo_runs_per_sampled_batch():
     assert rloo.extra_forwards(SimpleNamespace(**args)) == {"generation": 1.0, "old_policy": 1.0}
     assert rloo.extra_forwards(SimpleNamespace(beta=0.05, num_iterations=2)) == {
         "generation": 0.5, "old_policy": 0.5, "reference": 0.5}
+
+
+# ---- issue 44: the launcher's checks of the trainer config see the layout the ranks will see
+
+@pytest.mark.parametrize("trainer", ["grpo", "rloo"])
+def test_fewer_completions_per_process_than_num_generations_reaches_the_ranks(tmp_path, cache_dir, monkeypatch,
+                                                                              capsys, trainer):
+    # 2 processes x 4 completions = one group of 8 per step: TRL accepts it under torchrun (its world size is 2); the
+    # launcher, one process, used to validate GRPOConfig with world size 1 and refuse it (generation batch 4)
+    folder = grpo_recipe(tmp_path, trainer=trainer, num_generations=8, per_device_train_batch_size=4)
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([str(folder)], monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("fields", [
+    {"num_generations": 8, "per_device_train_batch_size": 3},  # 2 x 3 = 6 completions: no whole group of 8
+    {"num_generations": 8, "per_device_train_batch_size": 2, "steps_per_generation": 3},  # 2 x 2 x 3 = 12
+], ids=["per-step", "per-generation"])
+def test_a_generation_batch_without_whole_groups_is_still_refused(tmp_path, cache_dir, checks, fields):
+    res = checks([grpo_recipe(tmp_path, **fields)])
+    assert_one_line_error(res, f"must be divisible by num_generations (8) (as the ranks see it: 2 process(es)")
+
+
+def test_the_planner_validates_the_layout_of_the_planned_job():
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.planning import plan
+
+    # the shipped recipe: 8 completions per GPU, one group of 8 on any number of GPUs; 4 per GPU needs 2 or more
+    plan.load_recipe("llama-3.1-8b-lora-grpo", REPO / "recipes", ["--per_device_train_batch_size", "4"], world_size=2)
+    with pytest.raises(UserError, match=r"divisible by num_generations \(8\) \(as the ranks see it: 1 process"):
+        plan.load_recipe("llama-3.1-8b-lora-grpo", REPO / "recipes", ["--per_device_train_batch_size", "4",
+                                                                      "--steps_per_generation", "1"], world_size=1)
+
+
+# ---- issue 44: a reward function that misbehaves is one line naming it, at the step where it happens
+
+def checked(source: str, tmp_path, monkeypatch, funcs: tuple[str, ...] = ()):
+    """The kind's reward functions as the ranks give them to TRL: my_rewards.score after `funcs`."""
+    from fsdp_recipes.train.kinds import sampling
+
+    return sampling.checked_reward_funcs([*funcs, write_module(tmp_path, monkeypatch, source)])
+
+
+def call(funcs, n: int = 4, step: int = 0) -> list:
+    """TRL 1.16's _calculate_rewards: each function in turn, keyword arguments only."""
+    kwargs = dict(prompts=["q"] * n, completions=[f"{i}" for i in range(n)], completion_ids=[[1]] * n,
+                  answer=["1"] * n, trainer_state=SimpleNamespace(global_step=step), log_extra=None, log_metric=None)
+    return [f(**kwargs) for f in funcs]
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("x = 1", "returned None (NoneType) instead of a list of 4 rewards (at step 1). Fix: return a list with one "
+              "number (or None) per completion: a function that ends without `return` returns None"),
+    ("return [None] * len(completions)", "the reward function returned None for all 4 completions (at step 1; the "
+                                         "last: my_rewards.score): no completion could be scored"),
+    ("return [float('nan')] + [1.0] * (len(completions) - 1)", "returned nan for 1 of 4 completions (at step 1)"),
+    ("return [1.0] * (len(completions) + 1)", "returned 5 rewards for 4 completions (at step 1)"),
+    ("return ['1.0'] * len(completions)", "returned '1.0' (str), not a number, for 4 of 4 completions"),
+    ("return 1.0", "returned 1.0 (float) instead of a list of 4 rewards"),
+    ("return {c: 1.0 for c in completions}", "(dict) instead of a list of 4 rewards"),
+    ("raise KeyError('solution')", "raised KeyError: 'solution' (at step 1, on 4 completions)"),
+], ids=["no-return", "all-none", "nan", "wrong-length", "strings", "one-float", "dict", "raises"])
+def test_a_misbehaving_reward_function_is_one_line_naming_it(tmp_path, monkeypatch, body, fragment):
+    from fsdp_recipes.errors import UserError
+
+    funcs = checked(f"def score(completions, **kwargs):\n    {body}\n", tmp_path, monkeypatch)
+    with pytest.raises(UserError) as err:
+        call(funcs)
+    line = str(err.value)
+    assert "\n" not in line and fragment in line and "Fix:" in line, line
+    if "last:" not in fragment:
+        assert line.startswith("reward function my_rewards.score ")
+
+
+def test_what_trl_accepts_from_a_reward_function_passes_unchanged(tmp_path, monkeypatch, capsys):
+    import numpy as np
+    import torch
+
+    # a tensor, numpy scalars, bools, ints: numbers as torch.tensor takes them; TRL's own name for its logs
+    funcs = checked("import torch\ndef score(completions, **kwargs):\n"
+                    "    return torch.tensor([0.5] * len(completions))\n", tmp_path, monkeypatch)
+    assert call(funcs) == [[0.5] * 4] and funcs[0].__name__ == "score"
+    from fsdp_recipes.train.kinds import sampling
+
+    mixed = sampling.CheckedReward(lambda **kw: [np.float32(1), True, 2, None], "m.mixed", 0, sampling.RewardBatch(1))
+    assert call([mixed]) == [[1.0, True, 2, None]]
+    assert "returned None for 1 of 4 completions (at step 1; the last: m.mixed): TRL gives those no advantage" in \
+        capsys.readouterr().out
+    # two functions, one of which applies to no completion of this batch: the other scores them all, no line
+    funcs = checked("def score(completions, **kwargs):\n    return [None] * len(completions)\n", tmp_path, monkeypatch,
+                    ("fsdp_recipes.rewards.number_only",))
+    assert call(funcs, step=3) == [[1.0] * 4, [None] * 4] and capsys.readouterr().out == ""
+    assert torch.tensor([v if v is not None else float("nan") for v in call(funcs)[0]]).isfinite().all()
+
+
+def test_a_nan_reward_in_the_logs_reaches_the_console_and_summary_as_text():
+    from fsdp_recipes.train.console import progress_line
+    from fsdp_recipes.train.kinds import sampling
+
+    # TRL logs nanmean: NaN when every completion of the interval was unscored
+    assert "reward nan" in progress_line({"loss": 0.0, "reward": float("nan")}, 1, 4)
+    line = sampling.summary_lines({"trainer": "grpo", "generated_tokens": 10, "generated_tokens_per_second": None,
+                                   "grpo": {"reward": {"first": None, "last": float("nan")}}})
+    assert line == ["sampled     10 completion tokens (0.0/s); reward n/a -> nan (mean over the first and last "
+                    "logged steps)"]
+
+
+@pytest.mark.slow
+def test_the_once_refused_layout_trains_and_unscored_completions_are_said_once(tmp_path, cache_dir):
+    """Issue 44's refused-valid layout, launched: 2 processes x 4 completions, groups of 8 (the launcher refused it
+    before it checked the config with the job's world size), with a reward that leaves some completions unscored
+    (None: TRL gives them no advantage). The run trains to the end and the unscored completions are one warning."""
+    from conftest import launch
+
+    (tmp_path / "my_rewards.py").write_text(
+        "from fsdp_recipes.rewards import number_only\n"
+        "def score(completions, **kwargs):\n"
+        "    return [None] + number_only(completions[1:])\n")
+    folder = grpo_recipe(tmp_path, num_generations=8, per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                         warmup_steps=0, save_strategy="no", save_merged_model=False, reward_funcs=["my_rewards.score"])
+    res = launch([str(folder)], cache_dir, PYTHONPATH=f"{tmp_path}:{REPO / 'src'}")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "[train] step 2/2" in res.stdout and "completed" in res.stdout
+    said = [line for line in res.stdout.splitlines() if "returned None for 1 of 4 completions (at step 1" in line]
+    assert 1 <= len(said) <= 2 and "TRL gives those no advantage" in said[0], res.stdout  # once per rank at most

@@ -103,3 +103,12 @@ def test_fewer_than_three_pairs_cannot_feed_the_kl_term(tmp_path, checks):
     pair = {"prompt": PROMPT, "chosen": [{"role": "assistant", "content": "5"}],
             "rejected": [{"role": "assistant", "content": "6"}]}
     assert_one_line_error(checks([kto_recipe(tmp_path, rows=[pair, pair])]), "has 2 preference pair(s)")
+
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"beta": 0.0}, "beta is 0: KTO's kto loss scales the preference margin by beta"),
+    ({"desirable_weight": 0.0, "undesirable_weight": 0.0}, "both 0 weigh every answer's loss 0"),
+    ({"undesirable_weight": -1.0}, "a negative weight trains towards the answers"),
+], ids=["beta-0", "weights-0", "weight-negative"])
+def test_kto_settings_that_train_nothing_are_one_line(tmp_path, cache_dir, checks, fields, fragment):
+    assert_one_line_error(checks([kto_recipe(tmp_path, **fields)]), fragment)

@@ -125,3 +125,40 @@ def test_qwen_and_mistral_shapes_export_to_gguf_that_both_readers_compute_alike(
     got = torch.tensor(json.loads(res.stdout))
     # measured: at most 7e-5 apart (float32 in both, summed in another order), logits up to 0.41
     assert (got - expected).abs().max() < 1e-3 and torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+VLLM_VERDICTS = """
+import json, sys
+from vllm.config.lora import LoRAConfig
+from vllm.lora.peft_helper import PEFTHelper
+out = {}
+for name, (config, rank) in json.loads(sys.argv[1]).items():
+    try:
+        PEFTHelper.from_dict(config).validate_legal(LoRAConfig(max_lora_rank=rank))
+        out[name] = "served"
+    except Exception as err:  # pydantic's ValidationError for a rank above 512, ValueError for the rest
+        out[name] = f"{type(err).__name__}: {err}"
+print(json.dumps(out))
+"""
+
+
+def test_the_adapter_rules_the_summary_follows_are_vllms_own():
+    """config/engine_rules.py's verdict on each adapter of test_vllm_serving.ADAPTERS, against vLLM's own loader
+    checks (PEFTHelper.validate_legal at the --max-lora-rank the summary prints): served exactly where the summary
+    prints a command. Needs only the vLLM environment, not the trained run."""
+    from test_vllm_serving import ADAPTERS, adapter
+
+    from fsdp_recipes.config.engine_rules import VLLM_LORA_RANKS, vllm_lora_refusals, vllm_max_lora_rank
+    from fsdp_recipes.serving.environments import engine_python
+
+    cases = {name: (adapter(config), vllm_max_lora_rank(adapter(config)) or 1024) for name, (config, _) in
+             ADAPTERS.items()}
+    res = subprocess.run([str(engine_python("vllm")), "-c", VLLM_VERDICTS, json.dumps(cases)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    verdicts = json.loads(res.stdout.strip().splitlines()[-1])
+    for name, (config, rank) in cases.items():
+        ours = "served" if not vllm_lora_refusals(config) else "refused"
+        theirs = "served" if verdicts[name] == "served" else "refused"
+        assert ours == theirs, (name, vllm_lora_refusals(config), verdicts[name])
+        assert rank in VLLM_LORA_RANKS or theirs == "refused"

@@ -233,6 +233,24 @@ def test_the_summary_ends_with_how_to_serve_the_run(tmp_path, monkeypatch, capsy
     assert not any(line.startswith("serve it") for line in capsys.readouterr().out.splitlines())
 
 
+@pytest.mark.parametrize("config, why", [
+    ({"r": 16, "modules_to_save": ["lm_head"]},
+     "it trains whole modules (modules_to_save ['lm_head']), which vLLM does not load"),
+    ({"r": 1024}, "its LoRA rank 1024 is above vLLM's largest --max-lora-rank (512)"),
+], ids=["modules-to-save", "rank"])
+def test_the_summary_offers_no_adapter_command_vllm_would_refuse(tmp_path, monkeypatch, capsys, config, why):
+    run = fake_run(tmp_path)
+    (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/base", **config}))
+    monkeypatch.setenv(summary.FORCE_ENV, "0")
+    assert summary.main([str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    serve = out[out.index(next(line for line in out if line.startswith("serve it"))):]
+    assert serve[:2] == [f"serve it    vLLM: vllm serve {run / 'merged'}",
+                         f"            vLLM, base + adapter: not offered: vLLM refuses this adapter ({why}); serve "
+                         "the merged model above"]
+    assert not any("--enable-lora" in line for line in serve)
+
+
 def test_labelled_answers_are_expected_only_where_labelled_desirable():
     """KTO's unpaired rows hold wrong answers too: the summary's exact match must not expect one of those."""
     from datasets import Dataset

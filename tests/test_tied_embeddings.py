@@ -192,3 +192,42 @@ def test_a_gathered_state_dict_keeps_one_copy_of_a_tied_weight():
     kept = without_tied_copies(model, gathered)
     assert "lm_head.weight" not in kept and "model.embed_tokens.weight" in kept
     assert len(kept) == len(model.state_dict()) - 1
+
+
+# ---- issue 44: a trained copy of a tied input embedding is refused before any rank, in one line
+
+def test_a_trained_copy_of_the_tied_input_embedding_is_what_fsdp2_refuses(world_of_one):
+    """The gap the launcher's check closes: `lora_modules_to_save: [embed_tokens]` (with or without lm_head) on a
+    tied model reached FSDP2's own error at the first step of every rank, even with the pack's LM-head workaround."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    if not hasattr(FSDPState, "_validate_no_duplicate_params"):
+        pytest.skip("this torch's FSDP2 does not check for a parameter in two groups")
+    for modules in (["embed_tokens"], ["lm_head", "embed_tokens"]):
+        model = get_peft_model(tied_llama(), LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=modules))
+        hide_wrapped_output_layer(model)
+        with pytest.raises(ValueError, match=SHARED_TWICE):
+            step(prepare(model))
+
+
+@pytest.mark.parametrize("recipe, modules, refused", [
+    ("smollm2-135m-lora", ["embed_tokens"], "lora_modules_to_save names embed_tokens, the input embedding of "
+                                            "LlamaForCausalLM, whose LM head lm_head is tied to it"),
+    ("smollm2-135m-lora", ["lm_head", "embed_tokens"], "Fix: train the head instead (lora_modules_to_save: "
+                                                       "['lm_head']"),
+    ("smollm2-135m-lora", ["lm_head"], None),  # works: patches/peft_fsdp.py workaround 2
+    ("llama-3.1-8b-lora", ["embed_tokens"], None),  # untied: the embedding's copy is its own
+], ids=["tied-embedding", "tied-both", "tied-head", "untied-embedding"])
+def test_the_tie_check_on_the_recipes_model_configs(recipe, modules, refused):
+    from conftest import REPO
+    from fsdp_recipes.config import model_check
+    from fsdp_recipes.errors import UserError
+
+    model = model_check.meta_model(model_check.load_config(REPO / "recipes" / recipe / "model_config.json"))
+    if refused is None:
+        model_check.check_tied_modules_to_save(model, modules)
+        return
+    with pytest.raises(UserError) as err:
+        model_check.check_tied_modules_to_save(model, modules)
+    assert refused in str(err.value) and "\n" not in str(err.value)

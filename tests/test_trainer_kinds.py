@@ -234,3 +234,25 @@ def test_a_kind_takes_the_members_it_lacks_from_the_module_it_shares_with():
         assert spec.check_data is sampling.check_data and spec.generation_setup is sampling.generation_setup
         assert spec.extra_forwards is module.extra_forwards and spec.RESUME_SETTINGS is module.RESUME_SETTINGS
     assert kinds.load("grpo").extra_forwards is not kinds.load("rloo").extra_forwards
+
+
+# ---- issue 44: settings with which DPO would train nothing, refused before any rank starts
+
+@pytest.mark.parametrize("fields, fragment", [
+    ({"beta": 0.0}, "beta is 0: DPO's sigmoid loss scales the preference margin by beta, so its gradient is 0"),
+    ({"beta": -0.1}, "beta is -0.1: DPO's sigmoid loss scales the preference margin by beta, so the rejected"),
+    ({"beta": 0.0, "loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 1.0]}, "DPO's sigmoid loss scales"),
+    ({"loss_type": ["sigmoid", "sft"], "loss_weights": [0.0, 0.0]}, "loss_weights [0.0, 0.0] are all 0 for loss_type "
+                                                                    "['sigmoid', 'sft']"),
+], ids=["beta-0", "beta-negative", "beta-0-with-sft", "weights-0"])
+def test_dpo_settings_that_train_nothing_are_one_line(tmp_path, cache_dir, checks, fields, fragment):
+    assert_one_line_error(checks([dpo_recipe(tmp_path, cache_dir, **fields)]), fragment)
+
+
+def test_beta_0_passes_where_no_loss_it_scales_is_weighted(tmp_path):
+    from trl import DPOConfig
+
+    from fsdp_recipes.train.kinds import dpo
+
+    for kwargs in ({"loss_type": ["sft"]}, {"loss_type": ["sigmoid", "sft"], "loss_weights": [0.0, 1.0]}):
+        dpo.check_trains_something(DPOConfig(output_dir=str(tmp_path), beta=0.0, use_cpu=True, **kwargs))

@@ -68,6 +68,48 @@ def test_the_commands_serve_the_merged_model_and_the_base_with_the_adapter_and_i
         vllm_server.lora_rank_limit(1024)
 
 
+# adapter_config.json's that vLLM 0.32 serves or refuses (vllm/lora/peft_helper.py): tests/test_serving_engines.py
+# holds these verdicts to vLLM's own code where its environment is made
+ADAPTERS = {
+    "rank-24": ({"r": 24}, []),
+    "rank-512": ({"r": 512}, []),
+    "rank-640": ({"r": 640}, ["its LoRA rank 640 is above vLLM's largest --max-lora-rank (512)"]),
+    "rank-pattern-1024": ({"r": 16, "rank_pattern": {"q_proj": 1024}}, ["its LoRA rank 1024 is above"]),
+    "lm-head": ({"r": 16, "modules_to_save": ["lm_head"]}, ["modules_to_save ['lm_head']"]),
+    "embeddings": ({"r": 16, "modules_to_save": ["embed_tokens", "lm_head"]}, ["modules_to_save ['embed_tokens',"]),
+    "classifier": ({"r": 16, "modules_to_save": ["score"]}, []),
+    "dora": ({"r": 16, "use_dora": True}, ["it is a DoRA adapter (use_dora)"]),
+    "bias": ({"r": 16, "bias": "lora_only"}, ["it trains biases (bias: lora_only)"]),
+    "pissa": ({"r": 16, "init_lora_weights": "pissa"}, ["its init_lora_weights 'pissa' changes the base model"]),
+    "gaussian": ({"r": 16, "init_lora_weights": "gaussian"}, []),
+}
+
+
+def adapter(config: dict) -> dict:
+    return {"base_model_name_or_path": "org/base", "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"],
+            "peft_type": "LORA", **config}
+
+
+@pytest.mark.parametrize("name", ADAPTERS)
+def test_vllms_rules_for_an_adapter(name):
+    from fsdp_recipes.config.engine_rules import vllm_lora_refusals
+
+    config, refused = ADAPTERS[name]
+    why = vllm_lora_refusals(adapter(config))
+    assert len(why) == len(refused) and all(fragment in w for fragment, w in zip(refused, why)), why
+
+
+def test_an_adapter_vllm_refuses_gets_no_lora_command(tmp_path, monkeypatch):
+    run, base = tmp_path / "run", tmp_path / "base"
+    (run / "merged").mkdir(parents=True)
+    base.mkdir()
+    monkeypatch.setenv("FSDP_RECIPES_VLLM_PYTHON", sys.executable)  # any python file: the commands are not run here
+    for config in ({"r": 16, "modules_to_save": ["lm_head"]}, {"r": 1024}):
+        (run / "adapter_config.json").write_text(json.dumps({**adapter(config), "base_model_name_or_path": str(base)}))
+        assert [name for name, _ in engine_check.vllm_commands(run, run / "merged", 8123)] == ["merged"]
+        assert engine_check.lora_refused(run)
+
+
 FAKE_SERVER = textwrap.dedent("""
     import http.server, subprocess, sys
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like vLLM's engine process

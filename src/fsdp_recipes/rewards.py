@@ -5,7 +5,9 @@ for plain prompts), `completion_ids`, every other column of the dataset (here `a
 takes from a prompt-completion dataset's `completion`), and `trainer_state`, `log_extra`, `log_metric`. So a
 reward function takes the arguments it reads by name and `**kwargs` for the rest, and returns one float (or None:
 not applicable) per completion. Yours can live in any importable module; the launcher checks its signature before
-any rank starts (train/kinds/sampling.py check_reward_func).
+any rank starts (train/kinds/sampling.py check_reward_func), and the ranks check what it returns at every call
+(sampling.CheckedReward): no list, a list of the wrong length, a non-number, NaN or inf, an exception, or None for
+every completion is one line naming the function, at the step where it happens.
 """
 
 from __future__ import annotations

@@ -99,6 +99,31 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args) -> None:
     missing = [m for m in (model_args.lora_modules_to_save or []) if m not in names]
     if missing:
         raise UserError(f"lora_modules_to_save {missing} match no module of {arch}. Fix: remove them or correct the names.")
+    check_tied_modules_to_save(model, model_args.lora_modules_to_save or [])
+
+
+def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
+    """A model whose LM head is its input embedding (tie_word_embeddings: SmolLM2, Llama 3.2 1B/3B, Qwen3 0.6B-4B,
+    Gemma) cannot train a copy of the input embedding: PEFT's ModulesToSaveWrapper gives the embedding a trained copy
+    while the head keeps the original, so the tie breaks in training (the merged model, whose config still ties them,
+    would load the trained embedding as its head), and under FSDP2 the one tied Parameter lands in two groups
+    (torch: "is shared with a parameter already managed by another FSDP group", at the first step on every rank).
+    The head alone works: its trained copy is the untied head the merge writes (patches/peft_fsdp.py, workaround 2)."""
+    if not modules_to_save or not getattr(model.config, "tie_word_embeddings", False):
+        return
+    embedding = model.get_input_embeddings()
+    named = [name for name, m in model.named_modules() if m is embedding]
+    leaf = named[0].rsplit(".", 1)[-1] if named else None
+    hit = [m for m in modules_to_save if leaf and (m == leaf or m == named[0] or named[0].endswith("." + m))]
+    if hit:
+        head = [name for name, m in model.named_modules() if m is model.get_output_embeddings()]
+        head_name = head[0].rsplit(".", 1)[-1] if head else "lm_head"
+        way = f"lora_modules_to_save: {[head_name, *[m for m in modules_to_save if m not in hit + [head_name]]]}"
+        raise UserError(f"lora_modules_to_save names {hit[0]}, the input embedding of {type(model).__name__}, whose "
+                        f"LM head {head_name} is tied to it (tie_word_embeddings): PEFT would train a copy of the "
+                        "embedding the head no longer shares, and FSDP cannot shard the tied weight in two groups. "
+                        f"Fix: train the head instead ({way}: an untied trained copy of the head, the embedding "
+                        "kept), or leave the embedding out, or train a model without tied embeddings.")
 
 
 def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, model_args) -> bool:
@@ -106,8 +131,57 @@ def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, mod
     source = model_config_source(model_name_or_path, recipe)
     if source is None:
         return False
-    check_recipe_fits_model(meta_model(load_config(source)), acc, acc_path, model_args)
+    model = meta_model(load_config(source))
+    check_recipe_fits_model(model, acc, acc_path, model_args)
+    if source == Path(model_name_or_path) / "config.json":
+        check_stored_tie(source.parent, model)
     return True
+
+
+def check_stored_tie(folder: Path, model) -> None:
+    """A config that ties the LM head to the input embedding (tie_word_embeddings) over weights that store a
+    different head: transformers then loads the head untied ("both are present in the checkpoints with different
+    values, so we will NOT tie them"), and the ranks disagree on the model's shape -- FSDP2's setup failed with
+    `KeyError: "attribute 'weight' already exists"`, FSDP1's with a gloo size mismatch, and without RAM-efficient
+    loading the pack's own tie check stopped every rank (measured on the tiny model, its config set to tie). Compared
+    here on a few rows of the two stored tensors, read lazily from the safetensors files."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return
+    names = {m: n for n, m in model.named_modules()}
+    head, embedding = (names.get(model.get_output_embeddings()), names.get(model.get_input_embeddings()))
+    if not head or not embedding:
+        return
+    head_key, embedding_key = f"{head}.weight", f"{embedding}.weight"
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = {k: folder / weight_map[k] for k in (head_key, embedding_key) if k in weight_map}
+        else:
+            files = {k: folder / "model.safetensors" for k in (head_key, embedding_key)}
+        if head_key not in files or not all(f.is_file() for f in files.values()):
+            return
+        from safetensors import safe_open
+
+        rows = []
+        for key in (head_key, embedding_key):
+            with safe_open(str(files[key]), framework="pt") as f:
+                if key not in f.keys():
+                    return  # the usual tied checkpoint: the head is not stored
+                tensor = f.get_slice(key)
+                n = tensor.get_shape()[0]
+                rows.append((tensor[:8], tensor[max(n - 8, 0):]))
+    except (OSError, ValueError):
+        return  # not ours to judge a file the loader will name
+    import torch
+
+    if all(torch.equal(a, b) for a, b in zip(*rows)):
+        return  # stored twice but equal: transformers ties them
+    raise UserError(f"{folder}/config.json ties the LM head to the input embedding (tie_word_embeddings: true), but "
+                    f"the weights store a {head_key} that differs from {embedding_key}: transformers loads it untied, "
+                    "and the ranks disagree on the model's shape (FSDP's setup fails). Fix: set "
+                    f"tie_word_embeddings to false in {folder}/config.json (the stored weights are untied), or save "
+                    "the model again with its head tied.")
 
 
 def check_attn_implementation(attn: str | None) -> None:
@@ -128,6 +202,7 @@ def looks_local(path: str) -> bool:
 def check_local_model(path: str, continues_from: str | None = None) -> None:
     """A local model folder must hold config.json. `continues_from`: the recipe whose output `path` is (a DPO run
     on the SFT run's merged model): then the fix is to run that recipe first."""
+    check_not_an_adapter(path)
     # a hub id is `org/name`: a path with more parts (runs/<recipe>/merged) is the other run's output
     if continues_from and (looks_local(path) or path.count("/") > 1) and not (Path(path) / "config.json").is_file():
         raise UserError(
@@ -140,3 +215,26 @@ def check_local_model(path: str, continues_from: str | None = None) -> None:
             "Fix: point model_name_or_path at a model directory or a hub id "
             "(the tiny default is built by `python -m fsdp_recipes.assets.tiny_assets`)."
         )
+
+
+def check_not_an_adapter(path: str) -> None:
+    """A LoRA run's output folder (or one of its checkpoints) holds the adapter, not a model: adapter_config.json
+    and no config.json. A recipe that trains on that run's model (DPO, GRPO after SFT) wants its `merged/`, which
+    save_merged_model writes: named, with the path, instead of "has not run here yet"."""
+    p = Path(os.path.expandvars(os.path.expanduser(path)))
+    if not (p / "adapter_config.json").is_file() or (p / "config.json").is_file():
+        return
+    run = p.parent if p.name.startswith("checkpoint-") else p
+    merged = run / "merged"
+    try:
+        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError):
+        base = None
+    of = f" of {base}" if base else ""
+    if (merged / "config.json").is_file():
+        fix = f"set model_name_or_path to {merged} (the run's base model with this adapter merged into it)"
+    else:
+        fix = (f"rerun that recipe with --save_merged_model true, which writes {merged} (the base model with the "
+               "adapter merged), and point model_name_or_path there")
+    raise UserError(f"model_name_or_path {p} is a LoRA adapter{of} (adapter_config.json, no config.json), the output "
+                    f"of a LoRA run, not a model to train. Fix: {fix}.")

@@ -195,7 +195,7 @@ def check_step_counts(raw: dict, argv: list[str]) -> None:
                             f"below 1). Fix: set {name} above 0, or {strategy} to \"no\".")
 
 
-def dataclass_types(trainer: str = DEFAULT_TRAINER):
+def dataclass_types(trainer: str = DEFAULT_TRAINER, world_size: int | None = None):
     import trl
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
 
@@ -203,6 +203,8 @@ def dataclass_types(trainer: str = DEFAULT_TRAINER):
 
     registered = TRAINERS[trainer]
     config_class = getattr(trl, registered.config_class)
+    if world_size is not None:
+        config_class = as_seen_by_ranks(config_class, world_size)
     # an older transformers release spells some TrainingArguments fields the old way: the new names are parsed
     # beside them
     renamed = new_training_field_names(config_class)
@@ -210,10 +212,30 @@ def dataclass_types(trainer: str = DEFAULT_TRAINER):
     return types + ((registered.arguments,) if registered.arguments else ()) + ((renamed,) if renamed else ())
 
 
-def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
+def as_seen_by_ranks(config_class: type, world_size: int) -> type:
+    """The trainer kind's config class as the ranks build it: its `world_size` is the job's, not this process's 1.
+
+    Why: a TRL config validates the layout in __post_init__ with `self.world_size` (GRPOConfig and RLOOConfig: the
+    generation batch, per_device_train_batch_size x processes x steps_per_generation, must hold whole groups of
+    num_generations). Parsed in the launcher, one process, it refused layouts the ranks accept under torchrun (2
+    processes x 4 completions, 8 generations: issue 44). A subclass of the same name, so that messages, to_dict and
+    `type(training).__name__` are unchanged; only a process that is not one of the job's ranks asks for it."""
+    if world_size < 1:
+        raise UserError(f"the job has {world_size} processes. Fix: set num_processes to 1 or more.")
+    return type(config_class.__name__, (config_class,), {
+        "world_size": property(lambda self: world_size),
+        "__module__": config_class.__module__,
+        "__qualname__": config_class.__qualname__,
+        "__doc__": config_class.__doc__,
+    })
+
+
+def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None = None) -> RunConfig:
     """The recipe YAML (`--config`, read once here; or `raw`, the YAML a caller already read, config/recipes.py
     Recipe) and command-line overrides, parsed by TRL's parser into the recipe's trainer kind's classes, with
-    one-line errors for config mistakes. Paths get `~` and `$VARS` expanded."""
+    one-line errors for config mistakes. Paths get `~` and `$VARS` expanded. `world_size`: the job's processes, for a
+    caller that is not one of its ranks (the launcher, the planner): the trainer config validates the batch layout
+    as the ranks will (as_seen_by_ranks); None in a rank, which has its own."""
     import os
 
     from trl import TrlParser
@@ -230,7 +252,7 @@ def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
             raw = yaml_keys.load_yaml(path, "recipe config")
     raw = dict(raw or {})
     kind = trainer_kind(raw, path, argv)
-    types = dataclass_types(kind)
+    types = dataclass_types(kind, world_size)
     yaml_keys.check_known_keys(raw, types, path)
     yaml_keys.check_known_flags(argv, types)
     env = raw.pop("env", None) or {}
@@ -245,8 +267,13 @@ def parse_args(argv: list[str], raw: dict | None = None) -> RunConfig:
     try:
         script, training, model, mixture, pack, *rest = parser.parse_args_into_dataclasses(argv)
     except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
+        first = str(err).splitlines()[0]
+        layout = ""
+        if world_size is not None and ("num_generations" in first or "global batch" in first):
+            layout = (f" (as the ranks see it: {world_size} process(es) x per_device_train_batch_size, times "
+                      "steps_per_generation)")
         raise UserError(
-            f"invalid configuration: {str(err).splitlines()[0]} Fix: correct that setting in the recipe YAML or ARGS."
+            f"invalid configuration: {first.rstrip('.')}{layout}. Fix: correct that setting in the recipe YAML or ARGS."
         ) from None
     kind_args = rest.pop(0) if TRAINERS[kind].arguments else None
     renamed = rest

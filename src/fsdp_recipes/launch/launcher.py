@@ -236,7 +236,8 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
-        cfg = run_checks.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw)
+        cfg = run_checks.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw,
+                                         world_size=job_processes(acc))
     from fsdp_recipes.config.value_checks import schedule_warnings
 
     warn(recipe, schedule_warnings(cfg.training))

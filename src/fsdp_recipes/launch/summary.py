@@ -411,17 +411,22 @@ def serve_lines(run_dir: Path) -> list[str]:
     model = trained_model_dir(run_dir)
     if model is None:
         return []
+    from fsdp_recipes.config.engine_rules import vllm_lora_refusals, vllm_max_lora_rank
+
     lines = [f"serve it    vLLM: vllm serve {model}"]
     adapter = run_dir / "adapter_config.json"
     if adapter.is_file():
         config = json.loads(adapter.read_text())
-        base, rank = config.get("base_model_name_or_path"), config.get("r", 16)
-        # vLLM accepts only these --max-lora-rank values (serving/vllm_server.py LORA_RANKS; the layers keep the
-        # summary from importing it)
-        limit = next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= rank), rank)
-        tokenizer = f" --tokenizer {run_dir}" if (run_dir / "tokenizer_config.json").is_file() else ""  # its template
-        lines.append(f"            vLLM, base + adapter: vllm serve {base} --enable-lora --max-lora-rank {limit} "
-                     f"--lora-modules {run_dir.name}={run_dir}{tokenizer}")
+        base = config.get("base_model_name_or_path")
+        refused = vllm_lora_refusals(config)  # vLLM's own rules for an adapter (config/engine_rules.py)
+        if refused:
+            offer = "serve the merged model above" if model != run_dir else "serve the model above"
+            lines.append(f"            vLLM, base + adapter: not offered: vLLM refuses this adapter "
+                         f"({'; '.join(refused)}); {offer}")
+        else:
+            tokenizer = f" --tokenizer {run_dir}" if (run_dir / "tokenizer_config.json").is_file() else ""  # its template
+            lines.append(f"            vLLM, base + adapter: vllm serve {base} --enable-lora --max-lora-rank "
+                         f"{vllm_max_lora_rank(config)} --lora-modules {run_dir.name}={run_dir}{tokenizer}")
     name = run_dir.resolve().name  # serving/gguf_export.py's file name for it
     lines.append(f"            llama.cpp / Ollama: make gguf RUN={run_dir}, then llama-server -m "
                  f"{run_dir}/gguf/{name}.f16.gguf, or ollama create {name} -f {run_dir}/gguf/Modelfile")

@@ -49,17 +49,21 @@ def gpu_spec(name: str) -> tuple[str, float, bool]:
     return (key, *GPUS[key])
 
 
-def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str] | tuple = ()):
+def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str] | tuple = (),
+                world_size: int | None = None):
     """(recipe dir, accelerate dict, parsed recipe args, model) with the launcher's checks applied. `overrides`: the
     run's command-line overrides (`make finetune ARGS=...`), parsed and checked by the run's own code
-    (run_config.parse_args, value_checks), so one the run would reject is the same one line here."""
+    (run_config.parse_args, value_checks), so one the run would reject is the same one line here. `world_size`: the
+    planned job's processes (default: the recipe's accelerate num_processes), which the trainer config's own layout
+    checks see as the ranks would."""
     loaded = recipes.load(str(recipes_root / name) if recipes_root else name, [*overrides, "--use_cpu", "true"])
     recipe, acc = loaded.folder, loaded.accelerate
     accelerate_yaml.check_accelerate_keys(loaded.accelerate_path, acc)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # use_cpu: the bf16 setting is validated against the named GPU below, not this machine
-        cfg = run_config.parse_args(loaded.argv(), loaded.raw)
+        world = world_size if world_size is not None else int(acc.get("num_processes", 1) or 1)
+        cfg = run_config.parse_args(loaded.argv(), loaded.raw, world_size=world)
         # what run_checks.check_before_launch checks without this machine's GPUs or the model's files
         model_check.check_attn_implementation(cfg.model.attn_implementation)
         if cfg.model.use_peft:  # float8's torchao check is about the training machine, not this one
@@ -214,7 +218,7 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
     if gpus < 1 or nodes < 1:
         raise UserError(f"GPUS={gpus} NODES={nodes}: both must be at least 1.")
     gpu_key, capacity, bf16_ok = gpu_spec(gpu)
-    recipe, acc, cfg, model = load_recipe(name, recipes_root, overrides)
+    recipe, acc, cfg, model = load_recipe(name, recipes_root, overrides, world_size=gpus * nodes)
     training, model_args = cfg.training, cfg.model
     if (training.bf16 or acc.get("mixed_precision") == "bf16" or model_args.dtype == "bfloat16") and not bf16_ok:
         raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "

@@ -102,6 +102,9 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
             result[f"vllm {name}"] = scored(answers, time.time() - start, start_up_seconds=round(ready, 1),
                                             command=" ".join(cmd[1:]), log=str(log))
             gated.append(f"vllm {name}")
+        refused = lora_refused(run)
+        if refused:  # said in engine_check.json, not tried: vLLM would refuse to load the adapter
+            result["vllm base + LoRA"] = f"not served: vLLM refuses this adapter ({'; '.join(refused)})"
     hf = result["transformers"]["correct"]
     result["checked"] = gated
     result["passed"] = all(abs(result[k]["correct"] - hf) <= TOLERANCE for k in gated)
@@ -114,20 +117,32 @@ def vllm_commands(run: Path, folder: Path, port: int) -> list[tuple[str, list[st
     the run's own tokenizer (the chat template it trained with)."""
     from fsdp_recipes.serving import vllm_server
 
+    from fsdp_recipes.config.engine_rules import adapter_rank, vllm_lora_refusals
+
     commands = [("merged" if folder != run else "model", vllm_server.command(folder, port))]
     adapter = run / "adapter_config.json"
     if adapter.is_file():
         config = json.loads(adapter.read_text())
+        if vllm_lora_refusals(config):  # vLLM would refuse to load it: the merged model is what it serves
+            return commands
         base = config.get("base_model_name_or_path") or ""
         local = Path(base).expanduser()
         if base.startswith(("/", ".", "~")) and not local.is_dir():  # a path, not a hub id vLLM would download
             raise UserError(f"the adapter's base model {base} (adapter_config.json) is not on this machine. Fix: "
                             f"copy it there, or set base_model_name_or_path to where it is.")
-        cmd = vllm_server.command(local if local.is_dir() else base, port, adapter=run, rank=int(config.get("r", 16)))
+        cmd = vllm_server.command(local if local.is_dir() else base, port, adapter=run, rank=adapter_rank(config))
         if (run / "tokenizer_config.json").is_file():
             cmd += ["--tokenizer", str(run)]
         commands.append(("base + LoRA", cmd))
     return commands
+
+
+def lora_refused(run: Path) -> list[str]:
+    """Why vLLM would refuse the run's LoRA adapter (config/engine_rules.py); empty for a servable one or none."""
+    from fsdp_recipes.config.engine_rules import vllm_lora_refusals
+
+    adapter = run / "adapter_config.json"
+    return vllm_lora_refusals(json.loads(adapter.read_text())) if adapter.is_file() else []
 
 
 @cli
@@ -153,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in r.items():
         if isinstance(value, dict) and key != "transformers":
             parts.append(f"{key} {value['correct']}/{n} ({value['same_answer_as_transformers']} identical)")
+        elif isinstance(value, str) and value.startswith("not served"):
+            parts.append(f"{key} {value}")
     off = [k for k in r["checked"] if abs(r[k]["correct"] - hf) > TOLERANCE]
     verdict = "passed" if r["passed"] else f"FAILED ({', '.join(off)}: more than {TOLERANCE} from transformers)"
     print(f"[serve-check] exact match on {n} held-out questions: {', '.join(parts)}: {verdict}; "

@@ -27,12 +27,14 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     kinds.load(cfg.trainer).check_config(cfg)
 
 
-def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None, raw: dict | None = None) -> RunConfig:
+def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None, raw: dict | None = None,
+                    world_size: int | None = None) -> RunConfig:
     """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
     of them, so before the model check), and run the checks that need no process group. `nodes`: of the job
     (min_gpus is shared among them); by default read from torchrun's environment. `raw`: the recipe YAML when the
-    caller has read it already (the launcher's Recipe)."""
-    cfg = parse_args(argv, raw)
+    caller has read it already (the launcher's Recipe). `world_size`: the job's processes, where the caller is not
+    one of its ranks (the launcher): the trainer config's own checks see the layout the ranks will see."""
+    cfg = parse_args(argv, raw, world_size)
     if cfg.pack.tiny_assets:
         from fsdp_recipes.assets.tiny_assets import ensure_assets
 

@@ -142,10 +142,36 @@ def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str)
             "their answers are cut away"] if full_prompt else []
 
 
+BETA_FREE = ("sft",)  # DPO loss types that beta neither scales nor divides (trl 1.16 DPOTrainer._compute_loss)
+
+
+def check_trains_something(t) -> None:
+    """Settings with which every step's gradient is zero, or points away from the chosen answers: TRL trains on
+    without a word (a LoRA adapter stays zero, which only the final save's check notices, as an incomplete save).
+    Every loss type but `sft` scales the chosen-over-rejected margin by beta (ipo and sppo_hard divide by it); KTO's
+    losses scale theirs alike. Called for DPO and KTO (their configs' loss_type: a list, a string)."""
+    kind = type(t).__name__.removesuffix("Config")
+    types = list(t.loss_type) if isinstance(t.loss_type, (list, tuple)) else [t.loss_type]
+    weights = getattr(t, "loss_weights", None) or [1.0] * len(types)
+    live = [lt for lt, w in zip(types, weights) if w != 0]
+    if not live:
+        raise UserError(f"loss_weights {list(weights)} are all 0 for loss_type {types}: the loss is 0 at every step, "
+                        "so nothing would be trained. Fix: give a loss type a weight above 0, or leave loss_weights "
+                        "out (1.0 each).")
+    scaled = [lt for lt in live if lt not in BETA_FREE]
+    if scaled and t.beta <= 0:
+        what = "its gradient is 0 and nothing would be trained" if t.beta == 0 else \
+            "the rejected answers would be trained over the chosen ones"
+        raise UserError(f"beta is {t.beta:g}: {kind}'s {'/'.join(scaled)} loss scales the preference margin by beta, "
+                        f"so {what}. Fix: set beta above 0 (TRL's default 0.1; lower lets the model move further "
+                        "from the reference).")
+
+
 def check_config(cfg) -> None:
     """Settings, before any data or weight is loaded (run_checks.check_before_launch, in the launcher and every rank):
     precompute_ref_log_probs with full fine-tuning loads an unsharded reference on every rank (see the module's
     docstring), refused with the fix; it is allowed with LoRA."""
+    check_trains_something(cfg.training)
     if cfg.training.precompute_ref_log_probs and not cfg.model.use_peft and not cfg.training.use_cpu:
         raise UserError("precompute_ref_log_probs with full fine-tuning loads the whole reference model unsharded on "
                         "every GPU before FSDP wraps the policy (TRL 1.16; trl PR 6527). Fix: leave it false (the "

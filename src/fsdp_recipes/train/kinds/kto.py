@@ -134,7 +134,13 @@ def check_config(cfg) -> None:
         raise UserError(f"train_sampling_strategy {t.train_sampling_strategy} with KTO's KL term: its mismatched "
                         "answers are fixed against their neighbours in a sequential batch. Fix: leave "
                         "train_sampling_strategy sequential (KTO's default; shuffle the data file instead).")
-    dpo.check_config(cfg)  # precompute_ref_log_probs with full fine-tuning: the same unsharded reference
+    if t.desirable_weight < 0 or t.undesirable_weight < 0 or t.desirable_weight == t.undesirable_weight == 0:
+        raise UserError(f"desirable_weight {t.desirable_weight:g} and undesirable_weight {t.undesirable_weight:g}: "
+                        + ("both 0 weigh every answer's loss 0, so nothing would be trained" if
+                           min(t.desirable_weight, t.undesirable_weight) >= 0 else
+                           "a negative weight trains towards the answers it should train away from")
+                        + ". Fix: set both above 0 (1.0 each by default; raise the rarer label's to balance them).")
+    dpo.check_config(cfg)  # beta; precompute_ref_log_probs with full fine-tuning: the same unsharded reference
 
 
 def check_data(cfg, splits, tokenizer) -> list[str]:

@@ -57,7 +57,131 @@ GIB = 1024 ** 3
 
 
 def trainer_kwargs(cfg) -> dict:
-    return {"reward_funcs": [load_reward_func(path) for path in cfg.kind_args.reward_funcs]}
+    return {"reward_funcs": checked_reward_funcs(cfg.kind_args.reward_funcs)}
+
+
+def checked_reward_funcs(paths: list[str]) -> list:
+    """The recipe's reward functions, each wrapped so that what it returns is checked at every call (CheckedReward);
+    an async function or a reward model (a torch module) goes to TRL as it is (TRL awaits the first in a loop of its
+    own and calls the second's forward itself)."""
+    import torch
+    from trl.trainer.utils import is_async_callable
+
+    batch = RewardBatch(len(paths))
+    funcs = [load_reward_func(path) for path in paths]
+    return [f if is_async_callable(f) or isinstance(f, torch.nn.Module) else CheckedReward(f, path, i, batch)
+            for i, (f, path) in enumerate(zip(funcs, paths))]
+
+
+class RewardBatch:
+    """Which completions of the batch now being scored each reward function left unscored (None): TRL calls the
+    functions one after another on the same batch, so the last one can tell whether any function scored each."""
+
+    def __init__(self, functions: int) -> None:
+        self.functions = functions
+        self.unscored: dict[int, list[bool]] = {}
+        self.warned = False
+
+
+def describe(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class CheckedReward:
+    """A reward function as TRL calls it, with what it returns checked, at every call, against what TRL needs: one
+    number or None (does not apply: TRL gives that completion no advantage) per completion. Anything else stops the
+    run in one line that names the function, what it returned and for how many of the rank's completions, at the
+    step where it happens (the first, for a function that is always wrong): where TRL would raise from inside its
+    reward code (a list of the wrong length, a string), go on with NaN (a non-number that torch converts), or train
+    on nothing (every completion None). A completion that no function scores is one warning line, once.
+
+    A callable object, not a closure: picklable as the function is, and named as it is (TRL's reward_func_names, its
+    logs' `rewards/<name>/mean`)."""
+
+    def __init__(self, func, path: str, index: int, batch: RewardBatch) -> None:
+        self.func, self.path, self.index, self.batch = func, path, index, batch
+        self.__name__ = getattr(func, "__name__", type(func).__name__)
+        self.__doc__ = getattr(func, "__doc__", None)
+
+    def __call__(self, *args, **kwargs):
+        completions = kwargs.get("completions")
+        n = len(completions) if completions is not None else None
+        state = kwargs.get("trainer_state")
+        at = f"at step {state.global_step + 1}" if state is not None else "when called"
+        try:
+            out = self.func(*args, **kwargs)
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001  (the user's code: named with the function, one line)
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise UserError(f"reward function {self.path} raised {type(err).__name__}: {first} ({at}, on {n} "
+                            "completions). Fix: make it return a number (or None) for every completion; try it on a "
+                            "few of the data's rows and this model's answers.") from err
+        values = self.check(out, n, at)
+        self.count_unscored(values, at)
+        return values
+
+    def fail(self, what: str, at: str, fix: str = "return one number per completion, or None where the reward does "
+                                                   "not apply") -> None:
+        raise UserError(f"reward function {self.path} returned {what} ({at}). Fix: {fix}.")
+
+    def check(self, out, n: int | None, at: str) -> list:
+        if hasattr(out, "tolist") and not isinstance(out, (str, bytes)):  # a tensor or numpy array
+            out = out.tolist()
+        if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") \
+                or not hasattr(out, "__iter__"):
+            self.fail(f"{describe(out)} ({type(out).__name__}) instead of a list of {n} rewards", at,
+                      "return a list with one number (or None) per completion" + (
+                          ": a function that ends without `return` returns None" if out is None else ""))
+        out = list(out)
+        if n is not None and len(out) != n:
+            self.fail(f"{len(out)} rewards for {n} completions", at, "return exactly one reward per completion "
+                      "(None where it does not apply), in the order of `completions`")
+        values, bad, not_finite = [], [], []
+        for value in out:
+            if value is None:
+                values.append(None)
+                continue
+            if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # a numpy or torch scalar
+                value = value.item()
+            if not isinstance(value, (int, float)):  # bool is an int: True is 1.0, as torch.tensor takes it
+                bad.append(value)
+                continue
+            value = float(value)
+            if value != value or value in (float("inf"), float("-inf")):
+                not_finite.append(value)
+            values.append(value)
+        if bad:
+            self.fail(f"{describe(bad[0])} ({type(bad[0]).__name__}), not a number, for {len(bad)} of {len(out)} "
+                      "completions", at)
+        if not_finite:
+            self.fail(f"{not_finite[0]} for {len(not_finite)} of {len(out)} completions", at,
+                      "return a finite number per completion (None where the reward does not apply: TRL gives that "
+                      "completion no advantage; NaN or inf would reach the advantages)")
+        return values
+
+    def count_unscored(self, values: list, at: str) -> None:
+        """The last function of a batch: completions that no function scored (None from every one)."""
+        batch = self.batch
+        batch.unscored[self.index] = [v is None for v in values]
+        if self.index != batch.functions - 1 or len(batch.unscored) != batch.functions:
+            return
+        masks, batch.unscored = list(batch.unscored.values()), {}
+        unscored = sum(all(column) for column in zip(*masks))
+        if not unscored:
+            return
+        alone = "the reward function" if batch.functions == 1 else f"every one of the {batch.functions} reward " \
+                                                                     "functions"
+        if unscored == len(values):
+            raise UserError(f"{alone} returned None for all {unscored} completions ({at}; the last: {self.path}): no "
+                            "completion could be scored, so nothing would be learned. Fix: return a number for the "
+                            "completions a function applies to (check the columns it reads, e.g. `answer`, and the "
+                            "form of `completions`: chat turns for conversational prompts).")
+        if not batch.warned:
+            batch.warned = True
+            print(f"[train] warning: {alone} returned None for {unscored} of {len(values)} completions ({at}; the "
+                  f"last: {self.path}): TRL gives those no advantage, so they teach nothing (said once)", flush=True)
 
 
 def sequence_length(training) -> int:
@@ -118,6 +242,15 @@ def check_config(cfg) -> None:
     if weights is not None and len(weights) != len(funcs):
         raise UserError(f"reward_weights has {len(weights)} values for {len(funcs)} reward_funcs. Fix: give one weight "
                         "per function, or leave reward_weights out (all 1.0).")
+    if weights is not None and not any(weights):
+        raise UserError(f"reward_weights {list(weights)} are all 0: every completion's reward is 0, so no completion "
+                        "has an advantage and nothing would be trained. Fix: give a reward function a weight other "
+                        "than 0, or leave reward_weights out (all 1.0).")
+    if cfg.training.temperature <= 0:
+        raise UserError(f"temperature is {cfg.training.temperature:g}: {cfg.trainer.upper()} samples each prompt's "
+                        f"{cfg.training.num_generations} completions, and without randomness they are alike, score "
+                        "alike and teach nothing (transformers refuses it for sampling). Fix: set temperature above "
+                        "0 (1.0 samples the policy as it is).")
     cfg.training.use_vllm = use_vllm(cfg.kind_args.generation_backend, cfg.training.use_cpu)
 
 
@@ -189,8 +322,12 @@ def summary_lines(m: dict) -> list[str]:
     if m.get("generated_tokens") is None:
         return []
     reward = (m.get(m.get("trainer") or "") or {}).get("reward") or {}
-    rewards = (f"; reward {reward['first']:.3f} -> {reward['last']:.3f} (mean over the first and last logged "
-               "steps)" if reward.get("last") is not None else "")
+
+    def number(value) -> str:  # None (never logged) or NaN (TRL's nanmean of an interval no function scored)
+        return "n/a" if not isinstance(value, (int, float)) else f"{value:.3f}"
+
+    rewards = (f"; reward {number(reward.get('first'))} -> {number(reward.get('last'))} (mean over the first and "
+               "last logged steps)" if reward.get("last") is not None else "")
     return [f"sampled     {m['generated_tokens']:,} completion tokens "
             f"({m.get('generated_tokens_per_second') or 0:,.1f}/s){rewards}"]
 
@@ -204,6 +341,14 @@ def check_learned(log_history: list[dict], training) -> None:
     if logged and all(h["frac_reward_zero_std"] == 1.0 for h in logged):
         mean = sum(h.get("reward") or 0.0 for h in logged) / len(logged)
         kind = type(training).__name__.removesuffix("Config")  # GRPOConfig -> GRPO
+        clipped = [h.get("completions/clipped_ratio") for h in logged]
+        if all(c is not None and c >= 1.0 for c in clipped):  # TRL: the share cut at max_completion_length
+            raise UserError(f"{kind} learned nothing: every completion was cut at max_completion_length "
+                            f"({training.max_completion_length} tokens; completions/clipped_ratio 1.0 at every "
+                            f"logged step), so none ended with an answer and each group of "
+                            f"{training.num_generations} scored alike (mean reward {mean:.3f}). Fix: raise "
+                            "max_completion_length to the longest answer in tokens plus the end-of-turn token, or "
+                            "start from a model that answers briefly (an SFT run on the same task).")
         raise UserError(f"{kind} learned nothing: at every logged step each group of {training.num_generations} "
                         "completions "
                         f"scored alike (mean reward {mean:.3f}), so no completion had an advantage and the weights "
