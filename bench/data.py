@@ -6,7 +6,7 @@ Data: N conversational prompt-completion examples from `tiny_assets.make_example
 generator, seed 1), tokenized with the tiny tokenizer and its chat template. Two paths on the same rows:
 
 - pack: the rows written as train.jsonl; `run_config.parse_args` on the default recipe's sft.yaml with this
-  dataset, then `entry.build_trainer` as the entry point calls it: `loading.load_sft_datasets`
+  dataset, then `entry.build_trainer` as the entry point calls it: `loading.load_for`
   (datasets.load_dataset of the JSONL) and SFTTrainer's preparation with the recipe's settings (max_length 64).
 - TRL default: `datasets.Dataset.from_list(rows)` and `SFTTrainer(model, args=SFTConfig(output_dir, packing=...))`,
   everything else TRL's default (max_length 1024) but bf16, off on CPU.
@@ -15,7 +15,7 @@ generator, seed 1), tokenized with the tiny tokenizer and its chat template. Two
   than into 1024-token rows, and TRL's best-fit-decreasing packer works per row.
 
 Each with `packing` false and true (TRL's default strategy, bfd), `dataset_num_proc` left at its default (None:
-one process). Timed: the load (load_sft_datasets / Dataset.from_list) and TRL's `_prepare_dataset` (chat
+one process). Timed: the load (loading.load_for / Dataset.from_list) and TRL's `_prepare_dataset` (chat
 template, tokenize, labels, truncate or pack), with clocks wrapped around those two functions during a real
 trainer construction; the model load and the rest of the construction are not counted. Every run gets an empty
 datasets cache, so nothing is reused from an earlier run (a repeated real run would reuse the cached Arrow files
@@ -86,7 +86,7 @@ def pack_path(data_dir: Path, work: Path, packing: bool) -> dict:
     peft_config = get_peft_config(cfg.model)
     report = RunReportCallback(cfg.training.output_dir, {}, cfg.pack.recipe_name, trainer=cfg.trainer)
     clocks = Clocks()
-    clocks.wrap(loading, "load_sft_datasets", "load")
+    clocks.wrap(loading, "load_for", "load")  # what the SFT kind loads its splits with
     clocks.wrap(SFTTrainer, "_prepare_dataset", "prepare")
     try:
         trainer = entry.build_trainer(cfg, peft_config, report, PreemptionCallback())

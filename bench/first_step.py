@@ -92,7 +92,7 @@ def install_probe() -> None:
     # `python -m fsdp_recipes.train.entry` runs that file as __main__, a module that does not exist yet here, so the
     # probe wraps only what it calls from other modules.
     timed(start_gate, "wait", "gate")
-    timed(loading, "load_sft_datasets", "load_datasets")
+    timed(loading, "load_for", "load_datasets")  # what the SFT kind loads its splits with
     timed(sft_mod, "create_model_from_path", "model_load")
     timed(sft_mod, "get_peft_model", "peft_wrap")
     timed(trl.SFTTrainer, "_prepare_dataset", "dataset_prep")  # called for train (and eval): first start, last end
@@ -196,7 +196,7 @@ def phases(run: dict) -> dict[str, float]:
         ("rank: imports (torch, transformers, trl, peft, accelerate, datasets)", m["imports_done"]),
         ("rank: waits at the gate for the launcher's checks", m["gate_end"]),
         ("rank: parse recipe, checks, run report set-up", m["load_datasets_start"]),
-        ("rank: dataset load (load_sft_datasets)", m["load_datasets_end"]),
+        ("rank: dataset load (loading.load_for)", m["load_datasets_end"]),
         ("rank: SFTTrainer start to model load", m["model_load_start"]),
         ("rank: model load (from_pretrained)", m["model_load_end"]),
         ("rank: LoRA wrap (get_peft_model)", m["peft_wrap_end"]),

@@ -86,7 +86,8 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
     kind = kinds.load(cfg.trainer)
     train_ds, eval_ds = kind.load_datasets(cfg)
     # an eval split found under another of its usual names (train/loading.py held_out): run_args.json says which
-    report.resolved_args["script_args"]["dataset_test_split"] = cfg.script.dataset_test_split
+    if report is not None and "script_args" in report.resolved_args:  # bench/overhead.py reports no settings
+        report.resolved_args["script_args"]["dataset_test_split"] = cfg.script.dataset_test_split
     from fsdp_recipes.train import loading
 
     if dist.rank() == 0 and not loading.is_local(cfg.script, cfg.mixture):  # the launcher read local data only
