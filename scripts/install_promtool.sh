@@ -26,7 +26,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 if ! (cd "$tmp" && apt-get download -qq prometheus >/dev/null 2>&1); then
   [ "$(id -u)" -eq 0 ] || cannot "apt has no package lists and this is not root"
-  apt-get update -qq
+  apt-get update -qq || cannot "apt-get update failed (no network?)"
   (cd "$tmp" && apt-get download -qq prometheus >/dev/null 2>&1) || cannot "apt-get download prometheus failed"
 fi
 dpkg -x "$tmp"/prometheus_*.deb "$tmp/x"

@@ -68,7 +68,8 @@ def test_divergence_is_a_non_finite_loss_or_the_last_above_factor_times_the_firs
 
 def test_a_sampling_kinds_loss_is_not_tested_for_divergence():
     assert gates.evaluate(report(), {"divergence_factor": 2.0}, [0.01, 0.5], loss_falls=False)["diverged"] is None
-    assert gates.evaluate(report(), {"divergence_factor": 2.0}, [0.01, 0.5])["diverged"]
+    diverged = gates.evaluate(report(), {"divergence_factor": 2.0}, [0.01, 0.5])
+    assert diverged["diverged"] and diverged["verdict"] == "fail" and diverged["failed"] == []
 
 
 def test_exit_codes_and_the_one_line():

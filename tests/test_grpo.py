@@ -277,8 +277,8 @@ def call(funcs, n: int = 4, step: int = 0) -> list:
 @pytest.mark.parametrize("body, fragment", [
     ("x = 1", "returned None (NoneType) instead of a list of 4 rewards (at step 1). Fix: return a list with one "
               "number (or None) per completion: a function that ends without `return` returns None"),
-    ("return [None] * len(completions)", "the reward function returned None for all 4 completions (at step 1; the "
-                                         "last: my_rewards.score): no completion could be scored"),
+    ("return [None] * len(completions)", "the reward function returned None for all 4 completions of 3 batches in a "
+                                         "row (at step 1; the last: my_rewards.score): no completion could be scored"),
     ("return [float('nan')] + [1.0] * (len(completions) - 1)", "returned nan for 1 of 4 completions (at step 1)"),
     ("return [1.0] * (len(completions) + 1)", "returned 5 rewards for 4 completions (at step 1)"),
     ("return ['1.0'] * len(completions)", "returned '1.0' (str), not a number, for 4 of 4 completions"),
@@ -290,6 +290,8 @@ def test_a_misbehaving_reward_function_is_one_line_naming_it(tmp_path, monkeypat
     from fsdp_recipes.errors import UserError
 
     funcs = checked(f"def score(completions, **kwargs):\n    {body}\n", tmp_path, monkeypatch)
+    if "None] *" in body:  # one batch with nothing scored can be right (a reward for some prompts only): 3 in a row
+        call(funcs), call(funcs)
     with pytest.raises(UserError) as err:
         call(funcs)
     line = str(err.value)

@@ -21,25 +21,35 @@ def model_args(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
-@pytest.mark.parametrize("acc, dtype, want", [
-    ({"mixed_precision": "bf16"}, "float32", "bfloat16"),  # FSDP2's MixedPrecisionPolicy casts to bf16: store bf16
-    ({"mixed_precision": "fp16"}, "bfloat16", "float16"),
-    ({"mixed_precision": "no"}, "float32", "float32"),  # no policy: the model's own dtype
-    ({}, "bfloat16", "bfloat16"),
+NO_MIXED = SimpleNamespace(bf16=False, fp16=False)
+
+
+@pytest.mark.parametrize("training, acc_mixed, dtype, fsdp, want", [
+    (NO_MIXED, "bf16", "float32", True, "bfloat16"),  # FSDP2's MixedPrecisionPolicy casts to bf16: store bf16
+    (NO_MIXED, "fp16", "bfloat16", True, "float16"),
+    (NO_MIXED, "no", "float32", True, "float32"),  # no policy: the model's own dtype
+    (NO_MIXED, None, "bfloat16", True, "bfloat16"),
+    # TrainingArguments' bf16 wins over the accelerate config, as in transformers' Trainer: the default recipe's
+    # accelerate YAML says "no" and the launcher adds --bf16 true on GPUs and bf16 CPUs
+    (SimpleNamespace(bf16=True, fp16=False), "no", "float32", True, "bfloat16"),
+    (SimpleNamespace(bf16=False, fp16=True), "no", "float32", True, "float16"),
+    (SimpleNamespace(bf16=True, fp16=False), "bf16", "float32", False, "float32"),  # DDP: nothing casts parameters
 ])
-def test_the_storage_is_the_dtype_fsdp_gathers_in(acc, dtype, want):
-    assert quantization.fsdp_param_dtype(acc, dtype) == want
+def test_the_storage_is_the_dtype_fsdp_gathers_in(training, acc_mixed, dtype, fsdp, want):
+    assert quantization.storage_dtype(dtype, training, acc_mixed, fsdp) == want
 
 
-def test_the_pack_sets_the_storage_it_passes_to_transformers():
+def test_the_pack_sets_the_storage_it_passes_to_transformers(monkeypatch):
     need_module("bitsandbytes")
     import torch
 
     args = model_args(dtype="bfloat16")
-    config = quantization.quantization_config(args, "bf16")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    config = quantization.quantization_config(args, NO_MIXED)
     assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
     assert config.bnb_4bit_quant_storage == torch.bfloat16 and args.bnb_4bit_quant_storage == "bfloat16"
-    assert quantization.quantization_config(model_args(load_in_4bit=False), "bf16") is None
+    assert quantization.quantization_config(model_args(load_in_4bit=False), NO_MIXED) is None
 
 
 @pytest.mark.parametrize("changes, acc, fragment", [
@@ -53,16 +63,19 @@ def test_the_pack_sets_the_storage_it_passes_to_transformers():
 def test_what_fsdp_cannot_shard_is_refused(changes, acc, fragment):
     need_module("bitsandbytes")
     with pytest.raises(UserError, match=fragment) as err:
-        quantization.check(model_args(**changes), acc, "accelerate.yaml")
+        quantization.check(model_args(**changes), NO_MIXED, acc, "accelerate.yaml")
     assert "Fix:" in str(err.value)
 
 
 def test_a_right_setting_passes():
     need_module("bitsandbytes")
-    quantization.check(model_args(), FSDP2, "accelerate.yaml")
-    quantization.check(model_args(bnb_4bit_quant_storage="bfloat16", dtype="bfloat16"),
+    quantization.check(model_args(), NO_MIXED, FSDP2, "accelerate.yaml")
+    quantization.check(model_args(bnb_4bit_quant_storage="bfloat16", dtype="bfloat16"), NO_MIXED,
                        {**FSDP2, "mixed_precision": "bf16"}, "accelerate.yaml")
-    quantization.check(model_args(load_in_4bit=False), FSDP2, "x")  # no 4 bits: nothing to check
+    quantization.check(model_args(load_in_4bit=False), NO_MIXED, FSDP2, "x")  # no 4 bits: nothing to check
+    with pytest.raises(UserError, match="bnb_4bit_quant_storage float32 differs"):  # bf16 from the Trainer's flag
+        quantization.check(model_args(bnb_4bit_quant_storage="float32"), SimpleNamespace(bf16=True, fp16=False),
+                           FSDP2, "accelerate.yaml")
 
 
 def losses(run):
@@ -147,14 +160,15 @@ def test_the_planner_counts_llama_70b_in_4_bits_as_worked_out_by_hand():
                                 tokens=4096, activation_checkpointing=True, optimizer_bytes=8, runtime_bytes=0,
                                 **plan.four_bit(args))
     b = memory_budget.budget(m, setup)
-    # sharded over 2: bf16 rest, NF4 at half a byte, fp32 adapters; then the absmax scales, whole on each rank
-    assert b["weights"] == (rest * 2 + 68_451_041_280 // 2 + lora * 4) // 2 + 68_451_041_280 // 16 == 23_624_687_616
-    assert b["gradients"] == lora * 4 // 2 and b["optimizer_states"] == lora * 8 // 2
+    # sharded over 2: bf16 rest, NF4 at half a byte, bf16 adapters (TRL casts a 4-bit model's adapters to bf16, and
+    # accelerate does not upcast a 4-bit model's); then the absmax scales, whole on each rank
+    assert b["weights"] == (rest * 2 + 68_451_041_280 // 2 + lora * 2) // 2 + 68_451_041_280 // 16 == 23_559_151_616
+    assert b["gradients"] == lora * 2 // 2 and b["optimizer_states"] == lora * 4 // 2  # AdamW's moments in bf16 too
     assert b["dequantised_working_copy"] == 8192 * 28672 * 2  # the largest linear in bf16, once
     # FSDP gathers two layers' packed bytes and the root unit at the compute width, and one layer's adapter gradients
     lora_layer = lora // 80
     gathered = 2 * (layer + 2 * 8192 + lora_layer) + rest - 80 * 2 * 8192
-    assert b["communication_buffers"] == (gathered - 2 * layer) * 2 + 2 * layer // 2 + lora_layer * 4
+    assert b["communication_buffers"] == (gathered - 2 * layer) * 2 + 2 * layer // 2 + lora_layer * 2
     nested = memory_budget.budget(m, memory_budget.Setup(**{**vars(setup), "scale_bytes":
                                                             memory_budget.NF4_NESTED_SCALE_BYTES}))
     # nested quantization: a uint8 per 64 and an fp32 per 16384 instead of an fp32 per 64: 3.2 GB less per rank

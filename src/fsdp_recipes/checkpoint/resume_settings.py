@@ -33,7 +33,9 @@ OVERRIDABLE = (
     # on another number of processes with the per-device batch that keeps it (docs/checkpoints.md)
     "global_batch", "max_length", "seed", "dataset_name", "max_grad_norm",
 )
-FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer")
+FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer",
+         # QLoRA: the checkpoint's shards have the 4-bit layout (its storage dtype follows dtype and bf16, above)
+         "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
 LENGTH = ("max_steps", "num_train_epochs")
 
 
@@ -43,7 +45,8 @@ def current(cfg, world_size: int, kind_settings: tuple[str, ...] = ()) -> dict:
     `kind_settings`: the trainer kind's own (train/kinds/<kind>.py RESUME_SETTINGS), compared like OVERRIDABLE."""
     t = cfg.training
     values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
-              "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer}
+              "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer,
+              **{k: getattr(cfg.model, k, None) for k in ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")}}
     for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings):
         if name not in values:
             value = getattr(t, name, getattr(cfg.kind_args, name, None))  # a kind's own (reward_funcs) too

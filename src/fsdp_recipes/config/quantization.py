@@ -3,11 +3,12 @@
 
 The storage dtype is the pack's to set, never a default. bitsandbytes packs two 4-bit values per byte and keeps them
 in a tensor of `bnb_4bit_quant_storage` (uint8 unless told). FSDP shards and all-gathers that tensor like any other
-parameter and, under mixed precision, casts it to its compute dtype first: uint8 storage then crashes or trains with
-a loss of 0 or NaN (accelerate issue 3983), and float32 storage cast to bf16 rounds the packed bits away. Stored in the
-dtype FSDP itself gives the parameters (the mixed-precision dtype, else the model's), the cast is a no-op, the packed
-bytes shard along dim 0 and gather back bit for bit: on 2 CPU processes the sharded model's loss equals the unsharded
-one (tests/test_qlora.py).
+parameter and, under mixed precision, casts it to its compute dtype first: float32 storage cast to bf16 rounds the
+packed bits away; uint8 storage crashed or trained with a loss of 0 or NaN (accelerate issue 3983), and accelerate
+1.15 now leaves it out of the sharding instead, whole on every rank, which saves no memory (axolotl PR 2992's
+finding). Stored in the dtype FSDP itself gives the parameters (the mixed-precision dtype, else the model's), the
+cast is a no-op, the packed bytes shard along dim 0 and gather back bit for bit: on 2 CPU processes the sharded
+model's loss equals the unsharded one (tests/test_qlora.py).
 
 What cannot be sharded correctly is refused in one line before any rank starts: 8-bit weights (bitsandbytes' int8
 parameters carry their scales outside the tensor FSDP gathers), full fine-tuning of a 4-bit base (no gradient to
@@ -18,20 +19,26 @@ left to `auto`.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 from fsdp_recipes.errors import UserError
 
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def fsdp_param_dtype(acc: dict, model_dtype: str | None) -> str | None:
-    """The dtype FSDP keeps the parameters in as it gathers them: the accelerate config's mixed precision (FSDP2's
-    MixedPrecisionPolicy param_dtype) where it sets one, else the model's own dtype."""
-    mixed = str(acc.get("mixed_precision") or "no").lower()
+def storage_dtype(model_dtype: str | None, training, acc_mixed_precision: str | None, fsdp: bool) -> str | None:
+    """The dtype FSDP keeps the parameters in as it gathers them, which the 4-bit storage must have: the mixed
+    precision the Trainer gives accelerate (TrainingArguments' bf16 / fp16 win over the accelerate config, as in
+    transformers' Trainer; FSDP2's MixedPrecisionPolicy param_dtype follows it), else the model's own dtype. Without
+    FSDP nothing casts the parameters: the model's dtype."""
+    if not fsdp:
+        return model_dtype
+    mixed = "bf16" if getattr(training, "bf16", False) else "fp16" if getattr(training, "fp16", False) else \
+        str(acc_mixed_precision or "no").lower()
     return {"bf16": "bfloat16", "fp16": "float16"}.get(mixed, model_dtype)
 
 
-def check(model_args, acc: dict, path) -> None:
+def check(model_args, training, acc: dict, path) -> None:
     """The 4-bit settings, before any rank starts: refuse what FSDP cannot shard correctly."""
     if getattr(model_args, "load_in_8bit", False):
         raise UserError(f"{path}: load_in_8bit cannot be sharded by FSDP (bitsandbytes' int8 weights keep their "
@@ -52,28 +59,32 @@ def check(model_args, acc: dict, path) -> None:
     if model_args.dtype not in DTYPES:
         raise UserError(f"load_in_4bit with dtype {model_args.dtype!r}: the 4-bit storage must be FSDP's own dtype, "
                         f"which needs the model's. Fix: dtype: bfloat16 on GPUs, float32 on CPU")
-    want = fsdp_param_dtype(acc, model_args.dtype) if fsdp else model_args.dtype
+    want = storage_dtype(model_args.dtype, training, acc.get("mixed_precision"), fsdp)
     given = model_args.bnb_4bit_quant_storage
     if given is not None and given != want:
+        why = ("accelerate leaves integer 4-bit weights unsharded, whole on every rank, so nothing is saved (older "
+               "versions corrupted them: accelerate issue 3983)" if given in ("uint8", "int8") else
+               "FSDP would cast the packed 4-bit bytes to it and corrupt them")
         raise UserError(f"bnb_4bit_quant_storage {given} differs from the dtype FSDP gathers the parameters in "
-                        f"({want}): FSDP would cast the packed 4-bit bytes and corrupt them (accelerate issue 3983). "
-                        f"Fix: leave bnb_4bit_quant_storage out (the pack sets {want}), or set it to {want}")
+                        f"({want}): {why}. Fix: leave bnb_4bit_quant_storage out (the pack sets {want}), or set it "
+                        f"to {want}")
 
 
-def settle_storage(model_args, acc_mixed_precision: str | None) -> None:
-    """In the ranks, before run_args.json records the settings: the storage FSDP's dtype. `acc_mixed_precision`:
-    accelerate's setting as the ranks see it (ACCELERATE_MIXED_PRECISION)."""
+def settle_storage(model_args, training) -> None:
+    """In the ranks, before run_args.json records the settings: the storage is FSDP's dtype (the launcher refused a
+    user's other choice), from the ranks' own view of accelerate (its environment)."""
     if getattr(model_args, "load_in_4bit", False):
-        model_args.bnb_4bit_quant_storage = fsdp_param_dtype({"mixed_precision": acc_mixed_precision},
-                                                             model_args.dtype)
+        fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1")
+        model_args.bnb_4bit_quant_storage = storage_dtype(model_args.dtype, training,
+                                                          os.environ.get("ACCELERATE_MIXED_PRECISION"), fsdp)
 
 
-def quantization_config(model_args, acc_mixed_precision: str | None):
+def quantization_config(model_args, training):
     """The BitsAndBytesConfig for from_pretrained (TRL's get_quantization_config), its storage set to FSDP's dtype;
     None without load_in_4bit."""
     if not getattr(model_args, "load_in_4bit", False):
         return None
     from trl import get_quantization_config
 
-    settle_storage(model_args, acc_mixed_precision)
+    settle_storage(model_args, training)
     return get_quantization_config(model_args)

@@ -242,7 +242,7 @@ def check_recipe(recipe: Recipe) -> RunConfig:
 
     warn(recipe, schedule_warnings(cfg.training))
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
-    quantization.check(cfg.model, acc, named)
+    quantization.check(cfg.model, cfg.training, acc, named)
     if cfg.pack.float8:
         float8.check_gpus()
     model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model)
@@ -503,7 +503,7 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
         # a requeued job start over, without a checkpoint, on top of the finished outputs.
         say(f"{signal.Signals(preempted_by).name} arrived after training completed: the final save was written and "
             f"checked, and the run report {report} is final; nothing to resume (the summary is skipped)")
-        return 0
+        return summary.exit_code(metrics)  # its gates and divergence still decide: 3 or 4 as after a summary
     if metrics.get("status") == "preempted" and not metrics.get("provisional"):
         say(f"preempted: a checkpoint was saved in {output_dir}; run the same command again to resume")
         return EXIT_PREEMPTED

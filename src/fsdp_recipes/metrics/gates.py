@@ -64,7 +64,8 @@ def evaluate(metrics: dict, pack: dict, losses: list[float], loss_falls: bool = 
     why = diverged(losses, pack.get("divergence_factor") or 0) if loss_falls else None
     out["diverged"] = why
     out["failed"] = failed
-    out["verdict"] = "fail" if failed else ("pass" if out["mfu"] or out["peak_memory"] else "no gates")
+    # a diverged run fails whatever its gates say (exit code 4 before a gate's 3: launch/summary.py)
+    out["verdict"] = "fail" if failed or why else ("pass" if out["mfu"] or out["peak_memory"] else "no gates")
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import resource
 import socket
 import sys
@@ -144,7 +145,11 @@ class RunReportCallback(TrainerCallback):
             if peak is not None:
                 self.cpu_peak = [s["cpu_peak"] for s in shards]
                 if self.is_main:
-                    cpu_peak.store(cache_dir(), self.cpu_peak)
+                    try:
+                        cpu_peak.store(cache_dir(), self.cpu_peak)
+                    except OSError as err:  # a read-only or full cache: this run's figure still stands
+                        print(f"[train] warning: could not keep the CPU's matmul rate in {cache_dir()} "
+                              f"({err.strerror or err}); the next run measures again", file=sys.stderr, flush=True)
             self.shards = {
                 "dtensor_params": shards[0]["dtensor_params"],
                 "global_numel": shards[0]["global_numel"],
@@ -258,7 +263,10 @@ class RunReportCallback(TrainerCallback):
         device = device_info()
         if device["type"] == "cuda":
             return None
-        bf16 = bool((self.resolved_args.get(f"{self.trainer}_config") or {}).get("bf16"))
+        # the compute dtype: the Trainer's bf16 (CPU autocast), accelerate's bf16 mixed precision, or a bf16 model
+        bf16 = bool((self.resolved_args.get(f"{self.trainer}_config") or {}).get("bf16")) or \
+            os.environ.get("ACCELERATE_MIXED_PRECISION") == "bf16" or \
+            (self.resolved_args.get("model_args") or {}).get("dtype") == "bfloat16"
         return cpu_peak.best_rate(cache_dir(), device["name"], "bfloat16" if bf16 else "float32",
                                            int(device["count_per_node"]))
 

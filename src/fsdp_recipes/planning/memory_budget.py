@@ -177,9 +177,10 @@ def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
 
 def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     """Bytes per GPU, by component."""
-    # trainable parameters' storage dtype: fp32 under mixed precision (accelerate upcasts them); TRL keeps a 4-bit
-    # model's adapters in bf16 (QLoRA paper; trl SFTTrainer), and AdamW's moments then have their dtype too
-    master = 4 if s.mixed_precision else (2 if s.quant_bytes else s.load_bytes)
+    # trainable parameters' storage dtype: fp32 under mixed precision (accelerate upcasts them), except a 4-bit
+    # model's adapters, which TRL keeps in bf16 (QLoRA paper; trl SFTTrainer) and accelerate then leaves alone
+    # (accelerate 1.15 utils/fsdp_utils.py skips the upcast for a quantized model); AdamW's moments follow them
+    master = 2 if s.quant_bytes else (4 if s.mixed_precision else s.load_bytes)
     frozen = m.params - m.trainable
     packed = m.quantized * s.quant_bytes if s.quant_bytes else 0  # QLoRA: the 4-bit base, sharded
     full = m.quantized if s.quant_bytes else 0

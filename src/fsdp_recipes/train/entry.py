@@ -101,7 +101,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         **(training.model_init_kwargs or {}),
     }
     # QLoRA: the 4-bit base stored in the dtype FSDP gathers in (config/quantization.py)
-    bnb = quantization.quantization_config(model_args, os.environ.get("ACCELERATE_MIXED_PRECISION"))
+    bnb = quantization.quantization_config(model_args, training)
     if bnb is not None:
         training.model_init_kwargs["quantization_config"] = bnb
     callbacks = pack_callbacks(cfg, peft_config, report, preemption, resume, settings)
@@ -333,7 +333,7 @@ def run(argv: list[str] | None = None) -> int:
         quiet_replica(cfg)
     quiet_console(cfg)
     peft_config = get_peft_config(cfg.model)
-    quantization.settle_storage(cfg.model, os.environ.get("ACCELERATE_MIXED_PRECISION"))  # recorded as it will run
+    quantization.settle_storage(cfg.model, cfg.training)  # recorded as it will run
     # what this run's checkpoints record and a later resume or rerun compares with (checkpoint/resume_settings.py)
     settings = resume_settings.current(cfg, int(os.environ.get("WORLD_SIZE", "1")), kind.RESUME_SETTINGS)
     resume, changed = checkpoint_to_resume(cfg, settings, say=(lambda line: print(f"[train] {line}", flush=True))

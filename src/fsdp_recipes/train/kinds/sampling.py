@@ -81,6 +81,12 @@ class RewardBatch:
         self.functions = functions
         self.unscored: dict[int, list[bool]] = {}
         self.warned = False
+        self.unscored_batches = 0  # batches in a row of this rank in which no completion was scored
+
+
+# A batch of this rank with no completion scored can be right (a reward for some prompts only, a group split across
+# ranks); ALL_UNSCORED_BATCHES in a row is a function that never applies (a wrong column, a wrong completion form).
+ALL_UNSCORED_BATCHES = 3
 
 
 def describe(value) -> str:
@@ -94,7 +100,8 @@ class CheckedReward:
     run in one line that names the function, what it returned and for how many of the rank's completions, at the
     step where it happens (the first, for a function that is always wrong): where TRL would raise from inside its
     reward code (a list of the wrong length, a string), go on with NaN (a non-number that torch converts), or train
-    on nothing (every completion None). A completion that no function scores is one warning line, once.
+    on nothing (every completion None, ALL_UNSCORED_BATCHES batches in a row). A completion that no function scores
+    is one warning line, once.
 
     A callable object, not a closure: picklable as the function is, and named as it is (TRL's reward_func_names, its
     logs' `rewards/<name>/mean`)."""
@@ -173,11 +180,13 @@ class CheckedReward:
             return
         alone = "the reward function" if batch.functions == 1 else f"every one of the {batch.functions} reward " \
                                                                      "functions"
-        if unscored == len(values):
-            raise UserError(f"{alone} returned None for all {unscored} completions ({at}; the last: {self.path}): no "
-                            "completion could be scored, so nothing would be learned. Fix: return a number for the "
-                            "completions a function applies to (check the columns it reads, e.g. `answer`, and the "
-                            "form of `completions`: chat turns for conversational prompts).")
+        batch.unscored_batches = batch.unscored_batches + 1 if unscored == len(values) else 0
+        if batch.unscored_batches >= ALL_UNSCORED_BATCHES:
+            raise UserError(f"{alone} returned None for all {unscored} completions of {ALL_UNSCORED_BATCHES} batches "
+                            f"in a row ({at}; the last: {self.path}): no completion could be scored, so nothing "
+                            "would be learned. Fix: return a number for the completions a function applies to (check "
+                            "the columns it reads, e.g. `answer`, and the form of `completions`: chat turns for "
+                            "conversational prompts).")
         if not batch.warned:
             batch.warned = True
             print(f"[train] warning: {alone} returned None for {unscored} of {len(values)} completions ({at}; the "
