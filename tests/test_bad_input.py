@@ -13,6 +13,7 @@ import subprocess
 import pytest
 import yaml
 
+import conftest
 from conftest import REPO, launch, pack_env
 
 
@@ -245,9 +246,10 @@ def test_a_gate_written_as_a_percentage_is_one_line(recipe, name, value, checks)
     (["--load_in_4bit", "true", "--use_peft", "false"], "4-bit weights cannot be trained"),
     (["--load_in_8bit", "true"], "load_in_8bit cannot be sharded by FSDP"),
 ])
-def test_a_4bit_setting_fsdp_cannot_shard_is_one_line(recipe, args, fragment, checks):
+def test_a_4bit_setting_fsdp_cannot_shard_is_one_line(recipe, args, fragment, checks, monkeypatch):
     """uint8 storage (accelerate issue 3983: a crash or a loss of 0 or NaN; accelerate 1.15 leaves it unsharded) and
     its kin (config/quantization.py), before any rank starts."""
+    monkeypatch.syspath_prepend(conftest.qlora_site())  # bitsandbytes lives outside the venv (the Makefile says why)
     assert_one_line_error(checks([str(recipe), *args]), fragment)
 
 # ---- issue 44 items 4 and 5: the model folder

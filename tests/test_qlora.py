@@ -7,10 +7,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import launch, need_module
+import conftest
+from conftest import launch
 from fsdp_recipes.config import quantization
 from fsdp_recipes.errors import UserError
 from recipe_variant import recipe_variant
+
+@pytest.fixture
+def bnb(monkeypatch):
+    """bitsandbytes on the path, for this test only (conftest.QLORA_SITE): its directory."""
+    site = conftest.qlora_site()
+    monkeypatch.syspath_prepend(site)
+    return site
+
 
 FSDP2 = {"distributed_type": "FSDP", "mixed_precision": "no", "fsdp_config": {"fsdp_version": 2}}
 
@@ -39,8 +48,7 @@ def test_the_storage_is_the_dtype_fsdp_gathers_in(training, acc_mixed, dtype, fs
     assert quantization.storage_dtype(dtype, training, acc_mixed, fsdp) == want
 
 
-def test_the_pack_sets_the_storage_it_passes_to_transformers(monkeypatch):
-    need_module("bitsandbytes")
+def test_the_pack_sets_the_storage_it_passes_to_transformers(monkeypatch, bnb):
     import torch
 
     args = model_args(dtype="bfloat16")
@@ -60,15 +68,22 @@ def test_the_pack_sets_the_storage_it_passes_to_transformers(monkeypatch):
     ({"bnb_4bit_quant_storage": "float32"}, {**FSDP2, "mixed_precision": "bf16"}, "corrupt them"),  # rounds bits
     ({}, {**FSDP2, "fsdp_config": {"fsdp_version": 1}}, "under FSDP1 is not checked"),
 ])
-def test_what_fsdp_cannot_shard_is_refused(changes, acc, fragment):
-    need_module("bitsandbytes")
+def test_what_fsdp_cannot_shard_is_refused(changes, acc, fragment, bnb):
     with pytest.raises(UserError, match=fragment) as err:
         quantization.check(model_args(**changes), NO_MIXED, acc, "accelerate.yaml")
     assert "Fix:" in str(err.value)
 
 
-def test_a_right_setting_passes():
-    need_module("bitsandbytes")
+def test_without_bitsandbytes_4_bits_are_one_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(UserError, match=r"load_in_4bit needs bitsandbytes, which is not installed. Fix: pip install"):
+        quantization.check(model_args(), NO_MIXED, FSDP2, "accelerate.yaml")
+
+
+def test_a_right_setting_passes(bnb):
     quantization.check(model_args(), NO_MIXED, FSDP2, "accelerate.yaml")
     quantization.check(model_args(bnb_4bit_quant_storage="bfloat16", dtype="bfloat16"), NO_MIXED,
                        {**FSDP2, "mixed_precision": "bf16"}, "accelerate.yaml")
@@ -84,19 +99,19 @@ def losses(run):
 
 
 @pytest.mark.slow
-def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(tmp_path, cache_dir):
-    need_module("bitsandbytes")
+def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(tmp_path, cache_dir, bnb):
     common = ["--load_in_4bit", "true", "--max_steps", "4", "--logging_steps", "1", "--eval_strategy", "no",
               "--save_merged_model", "false", "--warmup_steps", "0"]
     # LoRA on the linears only: the trained LM head of a tied model is the pack's own case (peft_fsdp.py), not QLoRA's
     two_recipe = recipe_variant(tmp_path, "two", drop=("lora_modules_to_save",))
     two = tmp_path / "two-run"
-    res = launch([str(two_recipe), *common, "--measure_memory", "true", "--output_dir", str(two)], cache_dir)
+    res = launch([str(two_recipe), *common, "--measure_memory", "true", "--output_dir", str(two)], cache_dir,
+                 PYTHONPATH=bnb)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     one_recipe = recipe_variant(tmp_path, "one", drop=("lora_modules_to_save",), accelerate={"num_processes": 1})
     one = tmp_path / "one-run"
     res = launch([str(one_recipe), *common, "--per_device_train_batch_size", "32",  # the same 32 rows per step
-                  "--output_dir", str(one)], cache_dir)
+                  "--output_dir", str(one)], cache_dir, PYTHONPATH=bnb)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
     a, b = losses(two), losses(one)
