@@ -149,15 +149,20 @@ def stand_in(calls):
     return generate
 
 
-def test_the_summary_scores_messages_data_by_its_last_assistant_turn(tmp_path, monkeypatch, capsys):
-    rows = [{"messages": [{"role": "system", "content": "Be brief."}, *chat(i)["messages"]]} for i in range(8)]
-    data = write_jsonl(tmp_path / "chat.jsonl", rows)
-    run = fake_run(tmp_path, data, eval_split_size=0.5)
+def summarised(tmp_path, monkeypatch, capsys, data, **fields):
+    """The summary of a finished run on `data` (fake_run), its generations a stand-in: (run, calls, its output)."""
+    run = fake_run(tmp_path, data, **fields)
     calls = []
     monkeypatch.setattr(summary, "generate", stand_in(calls))
     monkeypatch.setenv(summary.FORCE_ENV, "1")
     assert summary.main([str(run)]) == 0
-    out = capsys.readouterr().out
+    return run, calls, capsys.readouterr().out
+
+
+def test_the_summary_scores_messages_data_by_its_last_assistant_turn(tmp_path, monkeypatch, capsys):
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, *chat(i)["messages"]]} for i in range(8)]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    run, calls, out = summarised(tmp_path, monkeypatch, capsys, data, eval_split_size=0.5)
     assert "exact match on 4 eval prompts: base model 0/4 -> trained 4/4" in out
     assert calls[0][0][0] == {"role": "system", "content": "Be brief."} and len(calls[0][0]) == 2  # up to the answer
     written = json.loads((run / "sample_generations.json").read_text())
@@ -173,12 +178,7 @@ def test_the_summary_scores_plain_prompt_completion_and_never_calls_training_row
                                                                                            capsys):
     data = write_jsonl(tmp_path / "plain.jsonl",
                        [{"prompt": f"What is {i} + 1? ", "completion": f" {i + 1}"} for i in range(5)])
-    run = fake_run(tmp_path, data)
-    calls = []
-    monkeypatch.setattr(summary, "generate", stand_in(calls))
-    monkeypatch.setenv(summary.FORCE_ENV, "1")
-    assert summary.main([str(run)]) == 0
-    out = capsys.readouterr().out
+    run, calls, out = summarised(tmp_path, monkeypatch, capsys, data)
     assert "exact match on 5 training prompts (not held out): base model 0/5 -> trained 5/5" in out
     assert "the data has no eval split (test, validation, valid, eval, dev): these rows were trained on" in out
     assert "eval prompts" not in out
