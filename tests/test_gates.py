@@ -153,3 +153,21 @@ def test_promtool_checks_the_alert_rules_and_fires_the_mfu_alert_on_a_falling_se
                          capture_output=True, text=True, cwd=REPO / "monitoring")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "SUCCESS" in res.stdout
+
+
+@pytest.mark.slow
+def test_a_run_that_diverges_says_so_on_its_step_lines_and_exits_4(tmp_path, cache_dir):
+    """Issue 44's last class: the tiny recipe at a learning rate 1,000 times its own climbs from 5.6 to 15-95 and
+    completes (seen: 5.649 -> 22.62 in 8 steps, 2026-11-26); the weights are saved, the exit code says diverged."""
+    out = tmp_path / "run"
+    res = launch(["tiny-cpu-lora", "--learning_rate", "0.3", "--warmup_steps", "0", "--max_steps", "8",
+                  "--logging_steps", "1", "--eval_strategy", "no", "--save_merged_model", "false",
+                  "--output_dir", str(out)], cache_dir)
+    assert res.returncode == EXIT_DIVERGED, res.stdout[-3000:] + res.stderr[-3000:]
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: the run diverged: the training loss rose from")
+    assert "DIVERGING: the training loss rose from" in res.stdout and "DIVERGED    " in res.stdout
+    m = json.loads((out / "metrics.json").read_text())
+    first, last = m["first_train_loss"], m["final_train_loss"]
+    assert last > 2 * first and m["gates"]["diverged"] and m["gates"]["verdict"] == "fail"  # recomputed from the losses
+    assert m["status"] == "completed" and (out / "adapter_model.safetensors").is_file()  # nothing lost
