@@ -73,7 +73,7 @@ def test_a_sampling_kinds_loss_is_not_tested_for_divergence():
 
 
 def test_exit_codes_and_the_one_line():
-    from fsdp_recipes.launch.summary import exit_code, verdict_line
+    from fsdp_recipes.metrics.gates import exit_code, verdict_line
 
     failed = {**report(mfu=0.1), "gates": gates.evaluate(report(mfu=0.1), {"mfu_min": 0.4}, [2, 1])}
     assert exit_code(failed) == EXIT_GATE_FAILED == 3

@@ -50,6 +50,7 @@ from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import explain_failure, smoke, summary
 from fsdp_recipes.launch.rank_output import RankOutput
+from fsdp_recipes.metrics import gates
 from fsdp_recipes.train import failure_record, float8, run_checks, start_gate
 
 
@@ -503,7 +504,7 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
         # a requeued job start over, without a checkpoint, on top of the finished outputs.
         say(f"{signal.Signals(preempted_by).name} arrived after training completed: the final save was written and "
             f"checked, and the run report {report} is final; nothing to resume (the summary is skipped)")
-        return summary.exit_code(metrics)  # its gates and divergence still decide: 3 or 4 as after a summary
+        return gates.exit_code(metrics)  # its gates and divergence still decide: 3 or 4 as after a summary
     if metrics.get("status") == "preempted" and not metrics.get("provisional"):
         say(f"preempted: a checkpoint was saved in {output_dir}; run the same command again to resume")
         return EXIT_PREEMPTED

@@ -21,7 +21,7 @@ import os
 import sys
 from pathlib import Path
 
-from fsdp_recipes.errors import EXIT_DIVERGED, EXIT_GATE_FAILED, UserError, cli
+from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.train import kinds
 from fsdp_recipes.metrics.report import human_bytes
 from fsdp_recipes.assets.generation import generate
@@ -468,39 +468,10 @@ def main(argv: list[str] | None = None, recipe=None) -> int:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
         metrics = metrics_file.amend(args.run_dir, lambda m: {**m, "eval": eval_section(check)})
     print(render(args.run_dir, metrics, check, skipped))
-    code = exit_code(metrics)
+    code = gates.exit_code(metrics)
     if code:
-        print(f"error: {verdict_line(metrics['gates'])}", file=sys.stderr, flush=True)
+        print(f"error: {gates.verdict_line(metrics['gates'])}", file=sys.stderr, flush=True)
     return code
-
-
-def verdict_line(verdicts: dict) -> str:
-    """The one line of a completed run that exits 3 or 4."""
-    if verdicts.get("diverged"):
-        return (f"the run diverged: {verdicts['diverged']} (exit code {EXIT_DIVERGED}). Fix: lower learning_rate or "
-                "raise warmup_steps and train again; divergence_factor: 0 switches the test off")
-    failed = []
-    for name in verdicts["failed"]:
-        g = verdicts[name]
-        value = "n/a" if g["value"] is None else f"{100 * g['value']:.1f}%"
-        limit = f"mfu_min {100 * g['min']:g}%" if name == "mfu" else f"peak_memory_max_fraction {100 * g['max_fraction']:g}%"
-        failed.append(f"{name} {value} against {limit}")
-    return (f"the run trained and saved, but failed its gate(s): {'; '.join(failed)} (exit code {EXIT_GATE_FAILED}). "
-            "Fix: tune the run (bench/README.md: the GPU ladder), or change the gate in the recipe; gates_warn_only: true keeps "
-            "the exit code 0")
-
-
-def exit_code(metrics: dict) -> int:
-    """A completed run's code from its verdicts (metrics/gates.py): 4 diverged, 3 a failed gate the recipe enforces,
-    else 0, so that a job script tells "trained but unusable / too slow / too close to OOM" from a crash."""
-    verdicts = metrics.get("gates") or {}
-    if metrics.get("status") != "completed":
-        return 0
-    if verdicts.get("diverged"):
-        return EXIT_DIVERGED
-    if verdicts.get("failed") and verdicts.get("enforced", True):
-        return EXIT_GATE_FAILED
-    return 0
 
 
 if __name__ == "__main__":

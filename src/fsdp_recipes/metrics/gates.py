@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+from fsdp_recipes.errors import EXIT_DIVERGED, EXIT_GATE_FAILED
+
 
 def memory_fraction(peak_memory: dict) -> tuple[float | None, str]:
     """(share of capacity the run's peak used, what was compared), or (None, why) without the figures."""
@@ -69,19 +71,24 @@ def evaluate(metrics: dict, pack: dict, losses: list[float], loss_falls: bool = 
     return out
 
 
+# each gate: its label in the summary, its recipe field, the key of its limit, the comparison that passes it
+GATES = {"mfu": ("MFU", "mfu_min", "min", ">="),
+         "peak_memory": ("peak memory", "peak_memory_max_fraction", "max_fraction", "<=")}
+
+
+def percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
 def lines(gates: dict) -> list[str]:
     """The summary's lines for the verdicts (empty for a run with no gates, no warning and no divergence)."""
     out = []
-    for name, label in (("mfu", "MFU"), ("peak_memory", "peak memory")):
+    for name, (label, field, key, op) in GATES.items():
         g = gates.get(name)
         if not g:
             continue
-        if name == "mfu":
-            value = "n/a" if g["value"] is None else f"{100 * g['value']:.1f}%"
-            limit = f">= {100 * g['min']:g}% (mfu_min)"
-        else:
-            value = "n/a" if g["value"] is None else f"{100 * g['value']:.1f}% of capacity"
-            limit = f"<= {100 * g['max_fraction']:g}% (peak_memory_max_fraction; {g['of']})"
+        value = percent(g["value"]) + (" of capacity" if name == "peak_memory" and g["value"] is not None else "")
+        limit = f"{op} {100 * g[key]:g}% ({field}" + (f"; {g['of']})" if name == "peak_memory" else ")")
         out.append(f"gate        {label} {value}, gate {limit}: {'pass' if g['passed'] else 'FAIL'}")
     if gates.get("failed") and not gates.get("enforced", True):
         out.append("gate        failed, but the recipe says gates_warn_only: true, so the exit code stays 0")
@@ -91,3 +98,28 @@ def lines(gates: dict) -> list[str]:
         out.append(f"DIVERGED    {gates['diverged']}: the weights were saved, but do not use them; lower the "
                    "learning rate or raise warmup, then train again")
     return out
+
+
+def verdict_line(verdicts: dict) -> str:
+    """The one line of a completed run that exits 3 or 4."""
+    if verdicts.get("diverged"):
+        return (f"the run diverged: {verdicts['diverged']} (exit code {EXIT_DIVERGED}). Fix: lower learning_rate or "
+                "raise warmup_steps and train again; divergence_factor: 0 switches the test off")
+    failed = [f"{name} {percent(verdicts[name]['value'])} against {GATES[name][1]} "
+              f"{100 * verdicts[name][GATES[name][2]]:g}%" for name in verdicts["failed"]]
+    return (f"the run trained and saved, but failed its gate(s): {'; '.join(failed)} (exit code {EXIT_GATE_FAILED}). "
+            "Fix: tune the run (bench/README.md: the GPU ladder), or change the gate in the recipe; gates_warn_only: "
+            "true keeps the exit code 0")
+
+
+def exit_code(metrics: dict) -> int:
+    """A completed run's code from its verdicts: 4 diverged, 3 a failed gate the recipe enforces, else 0, so that a
+    job script tells "trained but unusable / too slow / too close to OOM" from a crash."""
+    verdicts = metrics.get("gates") or {}
+    if metrics.get("status") != "completed":
+        return 0
+    if verdicts.get("diverged"):
+        return EXIT_DIVERGED
+    if verdicts.get("failed") and verdicts.get("enforced", True):
+        return EXIT_GATE_FAILED
+    return 0
