@@ -20,6 +20,7 @@ from conftest import REPO, fsdp1_recipe, launch, pack_env
 from fsdp_recipes.checkpoint import markers as checkpoints
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS, SAVED_COPY, read_saved
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED
+from fsdp_recipes.metrics.run_report import COUNTERS_FILE
 
 # logging_steps 1: each logged loss is one step's loss. With longer intervals the first log after a resume
 # averages fewer steps than the uninterrupted run's (the Trainer does not checkpoint its running loss sum).
@@ -94,31 +95,31 @@ def assert_resumed_exactly(straight, resumed, first, steps: int = 16):
     assert done["train_time_s"] > first["train_time_s"]  # time continues from the checkpoint
 
 
-def smoke_preempted_then_resumed(args, out, cache_dir, save_step: int, max_steps: int) -> dict:
-    """A recipe's smoke run SIGTERMed once checkpoint-<save_step> is complete (exit 75, a `preempted` report between
-    that step and the end), then the same command again, which completes. Returns the preempted run's report."""
-    rc, log = signal_launch([*args, "--output_dir", str(out)], cache_dir,
-                            lambda: checkpoints.is_complete(out / f"checkpoint-{save_step}"), signal.SIGTERM,
-                            FSDP_RECIPES_SMOKE="1")
-    assert rc == EXIT_PREEMPTED, log[-3000:]
-    first = json.loads((out / "metrics.json").read_text())
-    assert first["status"] == "preempted" and save_step <= first["steps"] < max_steps, first
-    res = launch([*args, "--output_dir", str(out)], cache_dir, FSDP_RECIPES_SMOKE="1")
+def resumed_from_its_checkpoint(args, straight, out, cache_dir, step: int, **env) -> dict:
+    """The same command with `--resume_from_checkpoint <straight>/checkpoint-<step>` into a new output_dir: the
+    checkpoint the uninterrupted run saved on its way, resumed as a preempted run's own is (the signal, the save at
+    the step where the ranks stopped and the skipped half-written checkpoint: test_preempted_run_resumes_exactly and
+    the grace-period test). One launch instead of two: a preemption's checkpoint is the same Trainer save. Returns
+    the counters the checkpoint holds, which the resumed run continues from."""
+    ckpt = straight / f"checkpoint-{step}"
+    assert checkpoints.is_complete(ckpt), sorted(p.name for p in straight.iterdir())
+    res = launch([*args, "--output_dir", str(out), "--resume_from_checkpoint", str(ckpt)], cache_dir, **env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return first
+    done = json.loads((out / "metrics.json").read_text())
+    assert done["status"] == "completed" and done["resumed_from"] == str(ckpt), done
+    return json.loads((ckpt / COUNTERS_FILE).read_text())
 
 
 FULL = ["--use_peft", "false", "--learning_rate", "1e-3"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method, fsdp", [([], "fsdp1"), (FULL, "fsdp2"), (FULL, "fsdp1")],
-                         ids=["lora-fsdp1", "full-fsdp2", "full-fsdp1"])
+@pytest.mark.parametrize("method, fsdp", [(FULL, "fsdp2"), (FULL, "fsdp1")], ids=["full-fsdp2", "full-fsdp1"])
 def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
     """Resumed from the preemption's own checkpoint. Under FSDP2 the scheduler sends SIGTERM; under FSDP1 SIGUSR1,
     Slurm's `--signal=USR1@<grace>`, which the launcher and torchrun pass on to the ranks in the same way. (LoRA under
     FSDP2, the default's setting: the grace-period test below resumes it exactly from an earlier checkpoint, and
-    tests/test_slurm.py preempts, requeues and resumes it.)"""
+    tests/test_slurm.py preempts, requeues and resumes it; LoRA under FSDP1: the next test.)"""
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
     sig = signal.SIGTERM if fsdp == "fsdp2" else signal.SIGUSR1
     recipe = ARGS[0] if fsdp == "fsdp2" else str(fsdp1_recipe(tmp_path))  # FSDP1: the seeds' settings
@@ -156,13 +157,25 @@ def test_preempted_run_resumes_exactly(tmp_path, cache_dir, method, fsdp):
 
 
 @pytest.mark.slow
+def test_lora_under_fsdp1_resumes_exactly_from_a_checkpoint(tmp_path, cache_dir):
+    """LoRA under FSDP1 (the seeds' settings): an uninterrupted run, then the same command resumed from the checkpoint
+    it saved at step 5, to the same losses, adapter and counters. FSDP1's signal path: the full fine-tune above."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = [str(fsdp1_recipe(tmp_path)), *ARGS[1:], "--save_total_limit", "4"]  # checkpoint-5 kept
+    res = launch([*args, "--output_dir", str(straight)], cache_dir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first = resumed_from_its_checkpoint(args, straight, resumed, cache_dir, step=5)
+    assert_resumed_exactly(straight, resumed, first)
+
+
+@pytest.mark.slow
 def test_dpo_full_fine_tuning_preempted_resumes_exactly(tmp_path, cache_dir):
-    """DPO on the same lifecycle: qwen3-8b-full-dpo's smoke run (a tiny Qwen3, full fine-tuning, the reference model
-    a second copy sharded like the policy, synthetic preference pairs) run straight, then SIGTERMed and resumed with
-    the same command. This is also that recipe's smoke test (tests/test_smoke.py leaves it to this one). bf16 off:
-    the comparison is exact in float32."""
-    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    args = ["qwen3-8b-full-dpo", *ARGS[1:], "--bf16", "false"]
+    """DPO resumes exactly: qwen3-8b-full-dpo's smoke run (a tiny Qwen3, full fine-tuning, the reference model a
+    second copy sharded like the policy, synthetic preference pairs) run straight, then
+    the same command resumed from the checkpoint it saved at step 5. This is also that recipe's smoke test
+    (tests/test_smoke.py leaves it to this one). bf16 off: the comparison is exact in float32."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = ["qwen3-8b-full-dpo", *ARGS[1:], "--bf16", "false", "--save_total_limit", "4"]  # checkpoint-5 kept
     res = launch([*args, "--output_dir", str(straight)], cache_dir, FSDP_RECIPES_SMOKE="1")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = json.loads((straight / "metrics.json").read_text())
@@ -170,33 +183,30 @@ def test_dpo_full_fine_tuning_preempted_resumes_exactly(tmp_path, cache_dir):
     assert m["sharding_strategy"] == "FULL_SHARD" and m["param_shards"]["dtensor_params"] > 0
     assert m["dpo"]["rewards/margins"]["last"] is not None
 
-    first = smoke_preempted_then_resumed(args, preempted, cache_dir, save_step=5, max_steps=16)
-    done = json.loads((preempted / "metrics.json").read_text())
-    assert done["status"] == "completed" and done["resumed_from"] == str(checkpoints.latest_complete(preempted)
-                                                                          .with_name(f"checkpoint-{first['steps']}"))
-    assert_resumed_exactly(straight, preempted, first)
-    a, b = (json.loads((r / "metrics.json").read_text())["dpo"] for r in (straight, preempted))
+    first = resumed_from_its_checkpoint(args, straight, resumed, cache_dir, step=5, FSDP_RECIPES_SMOKE="1")
+    assert_resumed_exactly(straight, resumed, first)
+    a, b = (json.loads((r / "metrics.json").read_text())["dpo"] for r in (straight, resumed))
     assert b["rewards/margins"]["last"] == pytest.approx(a["rewards/margins"]["last"], rel=1e-3, abs=1e-5)
 
 
 @pytest.mark.slow
 def test_kto_preempted_resumes_exactly(tmp_path, cache_dir):
-    """KTO on the same lifecycle: llama-3.1-8b-lora-kto's smoke run (a tiny Llama, LoRA, the reference the policy
-    with its adapter disabled, the synthetic pairs read as alternating labelled rows) run straight, then SIGTERMed and
-    resumed with the same command. This is also that recipe's smoke test (tests/test_smoke.py leaves it to this
-    one)."""
-    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    """KTO resumes exactly: llama-3.1-8b-lora-kto's smoke run (a tiny Llama, LoRA, the reference the policy with its
+    adapter disabled, the synthetic pairs read as alternating labelled rows) run straight, then the same command
+    resumed from the checkpoint it saved at step 3. This is also that recipe's smoke test (tests/test_smoke.py leaves
+    it to this one)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     args = ["llama-3.1-8b-lora-kto", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "3",
             "--logging_steps", "1", "--save_merged_model", "false", "--per_device_train_batch_size", "2",
-            "--gradient_accumulation_steps", "1", "--learning_rate", "1e-3"]
+            "--gradient_accumulation_steps", "1", "--learning_rate", "1e-3", "--save_total_limit", "3"]
     res = launch([*args, "--output_dir", str(straight)], cache_dir, FSDP_RECIPES_SMOKE="1")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = json.loads((straight / "metrics.json").read_text())
     assert m["trainer"] == "kto" and m["sharding_strategy"] == "FULL_SHARD" and m["param_shards"]["dtensor_params"] > 0
     assert m["kto"]["kl"]["last"] is not None and m["final_save_check"]["lora_b_checked"] > 0
-    first = smoke_preempted_then_resumed(args, preempted, cache_dir, save_step=3, max_steps=8)
-    assert_resumed_exactly(straight, preempted, first, steps=8)
-    a, b = (json.loads((r / "metrics.json").read_text())["kto"] for r in (straight, preempted))
+    first = resumed_from_its_checkpoint(args, straight, resumed, cache_dir, step=3, FSDP_RECIPES_SMOKE="1")
+    assert_resumed_exactly(straight, resumed, first, steps=8)
+    a, b = (json.loads((r / "metrics.json").read_text())["kto"] for r in (straight, resumed))
     assert b["rewards/margins"]["last"] == pytest.approx(a["rewards/margins"]["last"], rel=1e-3, abs=1e-5)
 
 
@@ -305,17 +315,18 @@ def test_sampling_kinds_preempted_resume_exactly_with_the_same_samples(tmp_path,
     """GRPO and RLOO sample their training data: an exact resume needs each rank's generators restored from the
     checkpoint, so that the resumed run samples the completions the uninterrupted one did. llama-3.1-8b-lora-<kind>'s
     smoke run (a tiny Llama, LoRA, FSDP2, sampled with the policy's generate at temperature 1) run straight, then
-    SIGTERMed and resumed: the same reward, loss and sampled-token count at every step, the same adapter. This is also
-    that recipe's smoke test (tests/test_smoke.py leaves it to this one). One micro-batch per step keeps it short."""
-    straight, preempted = tmp_path / "straight", tmp_path / "preempted"
+    resumed from the checkpoint it saved at step 3: the same reward, loss and sampled-token count at every step, the
+    same adapter. This is also that recipe's smoke test (tests/test_smoke.py leaves it to this one). One micro-batch
+    per step keeps it short."""
+    straight, preempted = tmp_path / "straight", tmp_path / "resumed"
     args = [f"llama-3.1-8b-lora-{kind}", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "3",
             "--logging_steps", "1", "--gradient_accumulation_steps", "1", "--steps_per_generation", "1",
-            "--save_merged_model", "false"]
+            "--save_merged_model", "false", "--save_total_limit", "3"]
     res = launch([*args, "--output_dir", str(straight)], cache_dir, FSDP_RECIPES_SMOKE="1")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert f"[train] {kind}: 2 completions of at most 4 tokens per prompt" in res.stdout
 
-    smoke_preempted_then_resumed(args, preempted, cache_dir, save_step=3, max_steps=8)
+    resumed_from_its_checkpoint(args, straight, preempted, cache_dir, step=3, FSDP_RECIPES_SMOKE="1")
 
     def per_step(run):
         history = json.loads((run / "log_history.json").read_text())["log_history"]
