@@ -111,21 +111,24 @@ def check_not_half_written(folder: Path) -> None:
 
 
 @contextlib.contextmanager
-def memoized_tensor_name_map():
-    """gguf's `get_tensor_name_map`, memoized while transformers loads the file.
+def memoized_gguf_reads():
+    """gguf's `GGUFReader` and `get_tensor_name_map`, memoized while transformers loads the file.
 
-    Why: transformers 5.23's `get_gguf_hf_weights_map` recurses over every submodule (397 for this model) and builds
-    the same name map (a 2,000-entry table over 30 layers) at each one: 30 of the 60 s the load took on the 2-core
-    VM (cProfile). The map depends only on its arguments and the caller only reads it, so memoizing returns the same
-    result; transformers imports the function from `gguf` at call time, so setting it there reaches that call."""
+    Why (cProfile, gguf 0.19.0 and transformers 5.23 on the 2-core VM): the tokenizer, the config and the weights each
+    open the file with a new GGUFReader, and a reader parses the whole metadata (98,000 vocabulary and merge strings,
+    one numpy memmap slice each) when built: three parses, 10-15 s each. And `get_gguf_hf_weights_map` recurses over
+    every submodule (397 for this model) and builds the same 2,000-entry name map at each one: 30 of the 60 s the
+    load once took. Both depend only on their arguments and the callers only read them, so one shared result is the
+    same result; transformers imports both from `gguf` at call time, so setting them there reaches those calls."""
     import gguf
 
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    originals = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(originals[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(originals[1])
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = originals
 
 
 def load_from_gguf(gguf: Path):
@@ -135,8 +138,8 @@ def load_from_gguf(gguf: Path):
 
     transformers.utils.logging.disable_progress_bar()  # no per-tensor bar: say() reports each stage
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        with memoized_tensor_name_map():
+        with memoized_gguf_reads():
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
     except ImportError:
         check_gguf_package()
