@@ -107,8 +107,9 @@ def test_the_step_line_says_a_diverging_loss():
 
 
 def test_the_cpu_peak_is_measured_in_the_runs_dtype_and_only_rises(tmp_path, monkeypatch):
-    m = cpu_peak.measure("float32", size=128, min_products=3, min_seconds=0.0)
-    assert m["flops"] > 1e8 and m["products"] >= 3 and m["dtype"] == "float32"  # any CPU does 0.1 GFLOP/s
+    m = cpu_peak.measure("float32", size=128, min_products=5, min_seconds=0.3)
+    # any CPU does 0.1 GFLOP/s; one busy with other jobs (seen: 0.07, 8 processes on 2 cores) still 0.01
+    assert m["flops"] > 1e7 and m["products"] >= 5 and m["dtype"] == "float32"
     rates = iter([5e9, 7e9, 3e9, 2e9])  # what each launch's ranks measure, in turn: a busy machine measures low
     monkeypatch.setattr(cpu_peak, "measure", lambda dtype: {"flops": next(rates), "products": 5, "size": 1024,
                                                             "dtype": dtype, "threads": 1, "load_1min": 1.0})
@@ -123,22 +124,6 @@ def test_the_cpu_peak_is_measured_in_the_runs_dtype_and_only_rises(tmp_path, mon
     said = cpu_peak.describe(second)
     assert said.startswith("against the best 2-rank float32 matmul rate measured on this machine, 12.0 GFLOP/s")
     assert "this launch measured 5.0 over 2 run(s)" in said
-
-
-@pytest.mark.slow
-def test_an_mfu_floor_above_the_machine_fails_its_gate_with_exit_3_and_one_line(tmp_path, cache_dir):
-    """The default's CPU MFU is against the measured peak; a floor of 99% no CPU run reaches."""
-    out = tmp_path / "run"
-    res = launch(["tiny-cpu-lora", "--max_steps", "2", "--eval_strategy", "no", "--save_merged_model", "false",
-                  "--logging_steps", "1", "--mfu_min", "0.99", "--output_dir", str(out)], cache_dir)
-    assert res.returncode == EXIT_GATE_FAILED, res.stdout[-3000:] + res.stderr[-3000:]
-    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "failed its gate(s): mfu" in errors[0] and "mfu_min 99%" in errors[0]
-    m = json.loads((out / "metrics.json").read_text())
-    assert 0 < m["mfu"] < 0.99 and "against the best 2-rank float32 matmul rate" in m["peak_flops_source"]
-    assert m["gates"]["mfu"] == {"min": 0.99, "value": m["mfu"], "passed": False} and m["gates"]["enforced"]
-    assert "gate        MFU" in res.stdout and ": FAIL" in res.stdout
-    assert (out / "adapter_model.safetensors").is_file()  # trained and saved: nothing lost
 
 
 def test_promtool_checks_the_alert_rules_and_fires_the_mfu_alert_on_a_falling_series():
@@ -156,13 +141,16 @@ def test_promtool_checks_the_alert_rules_and_fires_the_mfu_alert_on_a_falling_se
 
 
 @pytest.mark.slow
-def test_a_run_that_diverges_says_so_on_its_step_lines_and_exits_4(tmp_path, cache_dir):
+def test_a_run_that_diverges_and_misses_its_mfu_floor_says_both_and_exits_4(tmp_path, cache_dir):
     """Issue 44's last class: the tiny recipe at a learning rate 1,000 times its own climbs from 5.6 to 15-95 and
-    completes (seen: 5.649 -> 22.62 in 8 steps, 2026-11-26); the weights are saved, the exit code says diverged."""
+    completes (seen: 5.649 -> 22.62 in 8 steps, 2026-11-26); the weights are saved, the exit code says diverged. The
+    same launch has an MFU floor of 99%, which no CPU run reaches against the measured matmul peak: its gate fails in
+    the report and the summary, and divergence, the graver verdict, is the exit code and the one line (the exit-3
+    line alone: test_exit_codes_and_the_one_line)."""
     out = tmp_path / "run"
     res = launch(["tiny-cpu-lora", "--learning_rate", "0.3", "--warmup_steps", "0", "--max_steps", "8",
                   "--logging_steps", "1", "--eval_strategy", "no", "--save_merged_model", "false",
-                  "--output_dir", str(out)], cache_dir)
+                  "--mfu_min", "0.99", "--output_dir", str(out)], cache_dir)
     assert res.returncode == EXIT_DIVERGED, res.stdout[-3000:] + res.stderr[-3000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: the run diverged: the training loss rose from")
@@ -171,3 +159,6 @@ def test_a_run_that_diverges_says_so_on_its_step_lines_and_exits_4(tmp_path, cac
     first, last = m["first_train_loss"], m["final_train_loss"]
     assert last > 2 * first and m["gates"]["diverged"] and m["gates"]["verdict"] == "fail"  # recomputed from the losses
     assert m["status"] == "completed" and (out / "adapter_model.safetensors").is_file()  # nothing lost
+    assert 0 < m["mfu"] < 0.99 and "against the best 2-rank float32 matmul rate" in m["peak_flops_source"]
+    assert m["gates"]["mfu"] == {"min": 0.99, "value": m["mfu"], "passed": False} and m["gates"]["enforced"]
+    assert "gate        MFU" in res.stdout and ": FAIL" in res.stdout
