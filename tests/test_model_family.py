@@ -178,7 +178,7 @@ def test_smoke_of_a_hub_id_uses_its_cached_config_else_refuses_the_stale_copy(qw
                     "id it is not in the hub cache ({home}/hub), and HF_HUB_OFFLINE is set. Fix: point "
                     "model_name_or_path at the model's folder"),
     ("someorg/qwen-tiny", "error: model not found: there is no folder someorg/qwen-tiny here"),
-])
+], ids=["dot-relative-path", "relative-path", "hub-id"])
 def test_a_model_that_is_not_there_is_one_line_before_any_process(model, says, no_hub, tmp_path, monkeypatch,
                                                                    capsys, cache_dir):
     """With the ranks started before the checks (the launcher's default): the line comes before they would start.
