@@ -41,6 +41,42 @@ def read_accelerate_config(path: str | Path) -> dict:
 
 
 
+WRAP_OPTION = "--fsdp_transformer_layer_cls_to_wrap"
+
+
+def take_wrap_override(overrides: list[str], acc: dict, path) -> tuple[list[str], dict, list[str]]:
+    """`--fsdp_transformer_layer_cls_to_wrap A[,B]` among a recipe's command-line overrides is an `accelerate launch`
+    option, not a recipe field: returns the overrides without it, the accelerate config with it (what the checks
+    read) and the option for `accelerate launch` (which lets it win over the config file); the last one given
+    counts. Unchanged where it is not given."""
+    rest, value = [], None
+    args = iter(overrides)
+    for arg in args:
+        if arg == WRAP_OPTION:
+            value = next(args, "")
+        elif arg.startswith(WRAP_OPTION + "="):
+            value = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if value is None:
+        return list(overrides), acc, []
+    classes = [c.strip() for c in value.split(",") if c.strip()]
+    if not classes or value.startswith("-"):
+        raise UserError(f"{WRAP_OPTION} needs a class name, e.g. {WRAP_OPTION} Qwen2DecoderLayer (several: "
+                        "A,B). Fix: add the model's decoder layer class, or leave the option out (the pack then "
+                        "wraps the model's own, its _no_split_modules).")
+    fsdp = acc.get("fsdp_config") or {}
+    if acc.get("distributed_type") != "FSDP" or fsdp.get("fsdp_auto_wrap_policy") != "TRANSFORMER_BASED_WRAP":
+        raise UserError(f"{WRAP_OPTION} applies to FSDP wrapping by layer class, and {path} does not wrap so "
+                        f"(distributed_type {acc.get('distributed_type')}, fsdp_auto_wrap_policy "
+                        f"{fsdp.get('fsdp_auto_wrap_policy')}). Fix: leave the option out, or set "
+                        "fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP there.")
+    joined = ",".join(classes)
+    acc = dict(acc, fsdp_config=dict(fsdp, fsdp_transformer_layer_cls_to_wrap=joined))
+    return rest, acc, [WRAP_OPTION, joined]
+
+
+
 def check_accelerate_keys(path: str | Path, raw: dict) -> None:
     """accelerate's own loader, and the keys in sections where accelerate ignores unknown ones silently."""
     from accelerate.commands.config.config_args import load_config_from_file

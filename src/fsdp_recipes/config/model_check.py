@@ -16,16 +16,86 @@ from pathlib import Path
 from fsdp_recipes.errors import UserError
 
 
-def model_config_source(model_name_or_path: str, recipe: Path | None) -> Path | None:
-    """Where the model's config.json is known without the hub: a local model directory, else the recipe's
-    shipped copy of the hub config (`model_config.json`) when it is for the same model."""
-    local = Path(model_name_or_path) / "config.json"
-    if local.is_file():
-        return local
+def model_config_source(model_name_or_path: str, recipe: Path | None, revision: str | None = None) -> Path | None:
+    """Where the model's config.json is known without the network: the model's own (a local folder's, or a hub id's
+    in the hub cache), else the recipe's shipped copy of the hub config (`model_config.json`) when it is for the
+    same model."""
+    own = model_config_json(model_name_or_path, revision)
+    if own is not None:
+        return own
     shipped = recipe / "model_config.json" if recipe else None
     if shipped and shipped.is_file() and json.loads(shipped.read_text()).get("_name_or_path") == model_name_or_path:
         return shipped
     return None
+
+
+def model_config_json(model_name_or_path: str, revision: str | None = None) -> Path | None:
+    """The model's own config.json, read without the network: a local folder's, else the hub cache's
+    (huggingface_hub's try_to_load_from_cache, the file from_pretrained would use offline)."""
+    local = Path(model_name_or_path) / "config.json"
+    if local.is_file():
+        return local
+    if not hub_shaped(model_name_or_path):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model_name_or_path, "config.json", revision=revision)
+    except ValueError:  # not a valid repo id: no cache entry either
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def hub_shaped(path: str) -> bool:
+    """Could be a hub id (`org/name` or `name`), there being no such local folder."""
+    return not looks_local(path) and path.count("/") <= 1
+
+
+# One HEAD request to the hub, before any rank starts: from_pretrained in a rank retries an unreachable hub with
+# backoff before it fails (issue 42: 24 retry lines and 47 s).
+HUB_TIMEOUT_S = 5
+
+
+def check_model_found(path: str, continues_from: str | None = None, revision: str | None = None) -> Path | None:
+    """The model exists where the ranks will look: a local folder with config.json (check_local_model), or a hub id
+    in the cache or on a hub that answers within HUB_TIMEOUT_S; then its config.json (fetched: a few KB the ranks
+    would fetch anyway), None for a local path. The launcher's, before the ranks start; never a retry."""
+    check_local_model(path, continues_from)
+    if not hub_shaped(path):
+        return None
+    if (cached := model_config_json(path, revision)) is not None:
+        return cached
+    from huggingface_hub import constants, hf_hub_download, hf_hub_url
+    from huggingface_hub.file_download import get_hf_file_metadata
+
+    where = f"there is no folder {path} here ({Path(path).absolute()}), and as a hub id it is not in the hub cache " \
+            f"({constants.HF_HUB_CACHE})"
+    fix = (f"Fix: point model_name_or_path at the model's folder (the one holding config.json), or download the "
+           f"model where there is network (`hf download {path}`) into this machine's hub cache")
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"model not found: {where}, and HF_HUB_OFFLINE is set. {fix}.")
+    try:
+        get_hf_file_metadata(hf_hub_url(path, "config.json", revision=revision), timeout=HUB_TIMEOUT_S)
+        return Path(hf_hub_download(path, "config.json", revision=revision, etag_timeout=HUB_TIMEOUT_S))
+    except Exception as err:  # noqa: BLE001 -- every way the hub can fail to serve it is one line
+        raise UserError(f"model not found: {where}, and {hub_failure(err, path, revision)}. {fix}.") from None
+
+
+def hub_failure(err: Exception, path: str, revision: str | None) -> str:
+    """What the hub's answer (or its absence) means, in words."""
+    from huggingface_hub import errors
+
+    if isinstance(err, errors.GatedRepoError):
+        return (f"{path} is gated on the hub: accept its terms on https://huggingface.co/{path} and log in here "
+                "(`hf auth login`, or HF_TOKEN)")
+    if isinstance(err, errors.RepositoryNotFoundError):
+        return f"the hub has no model {path} (or it is private: log in with `hf auth login`, or set HF_TOKEN)"
+    if isinstance(err, errors.RevisionNotFoundError):
+        return f"the hub's {path} has no revision {revision}"
+    if isinstance(err, errors.EntryNotFoundError):
+        return f"the hub's {path} has no config.json: not a transformers model"
+    first = next((x.strip() for x in str(err).splitlines() if x.strip()), "")
+    return f"the hub cannot be reached from here ({type(err).__name__}: {first}; waited {HUB_TIMEOUT_S} s at most)"
 
 
 def load_config(config_json: Path):
@@ -47,28 +117,99 @@ def meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
-def wrap_classes(acc: dict) -> list[str]:
+WRAP_KEY = "fsdp_transformer_layer_cls_to_wrap"
+
+
+def wraps_by_class(acc: dict) -> bool:
     fsdp = acc.get("fsdp_config") or {}
-    if acc.get("distributed_type") != "FSDP" or fsdp.get("fsdp_auto_wrap_policy") != "TRANSFORMER_BASED_WRAP":
+    return acc.get("distributed_type") == "FSDP" and fsdp.get("fsdp_auto_wrap_policy") == "TRANSFORMER_BASED_WRAP"
+
+
+def wrap_classes(acc: dict) -> list[str]:
+    if not wraps_by_class(acc):
         return []
-    return [c.strip() for c in str(fsdp.get("fsdp_transformer_layer_cls_to_wrap") or "").split(",") if c.strip()]
+    return [c.strip() for c in str(acc["fsdp_config"].get(WRAP_KEY) or "").split(",") if c.strip()]
 
 
-def check_recipe_fits_model(model, acc: dict, acc_path, model_args) -> None:
-    """The FSDP wrap class and the LoRA target modules / modules_to_save exist in `model`."""
+def fsdp_wrapped(model, acc: dict) -> dict[str, int] | None:
+    """Class name -> how many of `model`'s modules FSDP gives a unit of their own, decided by accelerate's own code as
+    the ranks will run it (without fsdp_transformer_layer_cls_to_wrap accelerate takes the model's
+    `_no_split_modules`); None where the config does not wrap by layer class. Raises accelerate's ValueError for a
+    class the model lacks."""
+    if not wraps_by_class(acc):
+        return None
+    import functools
+    from collections import Counter
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=int(acc["fsdp_config"].get("fsdp_version", 1)),
+                                            auto_wrap_policy="TRANSFORMER_BASED_WRAP",
+                                            transformer_cls_names_to_wrap=wrap_classes(acc) or None)
+    if plugin.fsdp_version == 2:  # as accelerate's fsdp2_prepare_model, and FSDP1's prepare below
+        policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    else:
+        plugin.set_auto_wrap_policy(model)
+        policy = functools.partial(plugin.auto_wrap_policy, recurse=False, nonwrapped_numel=0)
+    return dict(Counter(type(m).__name__ for m in model.modules() if policy(m)))
+
+
+def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False) -> tuple[str, bool] | None:
+    """The wrap classes exist in `model`; returns the line that says which classes FSDP wraps (and whether it is a
+    warning), None where the config does not wrap by layer class. `on_command_line`: the classes came from
+    --fsdp_transformer_layer_cls_to_wrap, not from `acc_path`."""
+    arch = type(model).__name__
+    classes = {type(m).__name__ for m in model.modules()}
+    own = sorted(getattr(model, "_no_split_modules", None) or [])  # a set in many models: in a stable order
+    present = [c for c in own if c in classes]
+    layer = ",".join(present) or "<its decoder layer class>"  # as accelerate reads it: split at commas, not stripped
+    named = wrap_classes(acc)
+    where = f"--{WRAP_KEY} on the command line" if on_command_line else f"{WRAP_KEY} in {acc_path}"
+    written = str((acc.get("fsdp_config") or {}).get(WRAP_KEY) or "")
+    if named and written != ",".join(named):
+        raise UserError(f"{where} is {written!r}: accelerate splits it at the commas and keeps the spaces, so it "
+                        f"would look for classes named {written.split(',')}. Fix: write it as {','.join(named)}.")
+    for cls in named:
+        if cls not in classes:
+            cli = f"--{WRAP_KEY} {layer}"
+            own_fix = f"the pack then wraps {arch}'s own layer classes ({layer}, its _no_split_modules)"
+            if on_command_line:
+                fix = f"pass {cli} instead" + (f", or leave the option out (where {acc_path} sets no {WRAP_KEY} "
+                                               f"either, {own_fix})" if present else "")
+            else:
+                fix = f"set it to {layer} (for one run: {cli} on the command line)" + (
+                    f", or remove the key: {own_fix}" if present else "")
+            raise UserError(f"{where} is {cls}, which {arch} does not have, so FSDP could not wrap its layers. "
+                            f"Fix: {fix}.")
+    if not wraps_by_class(acc):
+        return None
+    if not named and len(present) < len(own):  # accelerate would raise at its prepare, in every rank
+        raise UserError(f"{acc_path} sets no {WRAP_KEY}, so accelerate takes {arch}'s _no_split_modules "
+                        f"({', '.join(own)}), and {arch} has no {', '.join(c for c in own if c not in classes)} "
+                        f"module: FSDP could not wrap its layers. Fix: set {WRAP_KEY}: {layer} in {acc_path}.")
+    wrapped = fsdp_wrapped(model, acc)
+    if not wrapped:
+        return (f"FSDP wraps no layer of {arch} on its own: {arch} lists no _no_split_modules, so the whole model is "
+                f"one FSDP unit, gathered whole on every rank. Fix: set {WRAP_KEY} to its decoder layer class in "
+                f"{acc_path}", True)
+    each = " and each ".join(f"{cls} ({n} of them)" for cls, n in wrapped.items())
+    if named:
+        return f"FSDP wraps each {each} in {arch}, as {where} says", False
+    return (f"FSDP wraps each {each} in {arch}: its own layer classes (its _no_split_modules), which accelerate takes "
+            f"where {acc_path} sets no {WRAP_KEY}", False)
+
+
+def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_command_line: bool = False
+                            ) -> tuple[str, bool] | None:
+    """The FSDP wrap class and the LoRA target modules / modules_to_save exist in `model`. Returns
+    check_wrap_classes' line."""
     import torch
 
     arch = type(model).__name__
-    classes = {type(m).__name__ for m in model.modules()}
-    layer = ", ".join(sorted(getattr(model, "_no_split_modules", None) or ["?"]))
-    for cls in wrap_classes(acc):
-        if cls not in classes:
-            raise UserError(
-                f"{acc_path}: fsdp_transformer_layer_cls_to_wrap is {cls}, which {arch} does not have, so FSDP "
-                f"could not wrap its layers. Fix: set fsdp_transformer_layer_cls_to_wrap: {layer}."
-            )
+    wrap = check_wrap_classes(model, acc, acc_path, wrap_on_command_line)
     if not model_args.use_peft:
-        return
+        return wrap
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     targets = model_args.lora_target_modules
@@ -100,6 +241,7 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args) -> None:
     if missing:
         raise UserError(f"lora_modules_to_save {missing} match no module of {arch}. Fix: remove them or correct the names.")
     check_tied_modules_to_save(model, model_args.lora_modules_to_save or [])
+    return wrap
 
 
 def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
@@ -126,16 +268,19 @@ def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
                         "kept), or leave the embedding out, or train a model without tied embeddings.")
 
 
-def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, model_args) -> bool:
-    """Run the checks when the model's config is available offline; returns whether they ran."""
-    source = model_config_source(model_name_or_path, recipe)
-    if source is None:
-        return False
+def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, model_args,
+          wrap_on_command_line: bool = False) -> tuple[str, bool] | None:
+    """Run the checks when the model's config is available offline (its own, or the recipe's copy); returns the
+    line that says which layers FSDP wraps (check_wrap_classes), None where the checks did not run or FSDP does not
+    wrap by class."""
+    source = model_config_source(model_name_or_path, recipe, getattr(model_args, "model_revision", None))
+    if source is None or getattr(model_args, "trust_remote_code", False):  # its code, not transformers', builds it
+        return None
     model = meta_model(load_config(source))
-    check_recipe_fits_model(model, acc, acc_path, model_args)
+    wrap = check_recipe_fits_model(model, acc, acc_path, model_args, wrap_on_command_line)
     if source == Path(model_name_or_path) / "config.json":
         check_stored_tie(source.parent, model)
-    return True
+    return wrap
 
 
 def check_stored_tie(folder: Path, model) -> None:
@@ -210,8 +355,9 @@ def check_local_model(path: str, continues_from: str | None = None) -> None:
             f"Fix: run `make finetune RECIPE={continues_from}` first (or point model_name_or_path at another model)."
         )
     if looks_local(path) and not (Path(path) / "config.json").is_file():
+        missing = "has no config.json" if Path(path).exists() else f"does not exist ({Path(path).absolute()})"
         raise UserError(
-            f"model not found: {path} has no config.json. "
+            f"model not found: {path} {missing}. "
             "Fix: point model_name_or_path at a model directory or a hub id "
             "(the tiny default is built by `python -m fsdp_recipes.assets.tiny_assets`)."
         )

@@ -93,6 +93,7 @@ class Recipe:
     accelerate_path: Path  # the accelerate YAML the ranks launch with (make smoke: a scaled copy)
     accelerate: dict  # that YAML as written
     overrides: list[str]  # command-line fields, the user's last (they win)
+    launch_options: list[str] = dataclasses.field(default_factory=list)  # `accelerate launch` options given there
     cfg: RunConfig | None = None  # the resolved configuration, once the launcher's checks parsed it
     warnings: list[str] = dataclasses.field(default_factory=list)  # what the checks printed as warnings
 
@@ -110,8 +111,9 @@ class Recipe:
 
 
 def load(name_or_path: str | Path, overrides: list[str] = ()) -> Recipe:
-    """Find the recipe, read its trainer YAML and accelerate YAML (each once), check the trainer kind."""
-    from fsdp_recipes.config.accelerate_yaml import read_accelerate_config
+    """Find the recipe, read its trainer YAML and accelerate YAML (each once), check the trainer kind; an
+    --fsdp_transformer_layer_cls_to_wrap among the overrides goes into the accelerate config and launch_options."""
+    from fsdp_recipes.config.accelerate_yaml import read_accelerate_config, take_wrap_override
     from fsdp_recipes.config.yaml_keys import load_yaml
 
     folder = resolve(str(name_or_path))
@@ -119,7 +121,8 @@ def load(name_or_path: str | Path, overrides: list[str] = ()) -> Recipe:
     raw = load_yaml(path, "recipe config")
     kind = trainer_kind(raw, path, overrides)
     acc_path = folder / ACCELERATE_FILE
-    return Recipe(folder, kind, path, raw, acc_path, read_accelerate_config(acc_path), list(overrides))
+    overrides, acc, options = take_wrap_override(list(overrides), read_accelerate_config(acc_path), acc_path)
+    return Recipe(folder, kind, path, raw, acc_path, acc, overrides, options)
 
 
 def describe(recipe: Path) -> str:

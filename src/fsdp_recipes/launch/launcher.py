@@ -219,6 +219,23 @@ def check_launch(recipe: Recipe) -> None:
     if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
         hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
     accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
+    check_model_found(recipe)
+
+
+def check_model_found(recipe: Recipe) -> None:
+    """A mistyped model path, or a hub id neither cached nor reachable, is one line here, before the ranks start
+    (from_pretrained in a rank retries the hub for most of a minute before it fails). Not for a smoke run, which
+    trains a tiny model instead, nor for a model the pack builds in its cache during the checks (tiny_assets,
+    smollm2_assets)."""
+    from fsdp_recipes.paths import cache_dir, expand
+
+    model = recipe.field("model_name_or_path")
+    if smoke.active() or not isinstance(model, str):
+        return  # no model: the recipe's parse names the missing field
+    path = expand(model, "model_name_or_path")
+    if Path(path).absolute().is_relative_to(cache_dir().absolute()):
+        return
+    model_check.check_model_found(path, recipe.field("continues_from"), recipe.field("model_revision"))
 
 
 def warn(recipe: Recipe, lines: list[str]) -> None:
@@ -246,7 +263,12 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     quantization.check(cfg.model, cfg.training, acc, named)
     if cfg.pack.float8:
         float8.check_gpus()
-    model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model)
+    wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
+                             wrap_on_command_line=bool(recipe.launch_options))
+    if wrap and wrap[1]:  # which layers FSDP wraps, and why those
+        warn(recipe, [wrap[0]])
+    elif wrap:
+        say(wrap[0])
     from fsdp_recipes.train import loading
 
     if loading.is_local(cfg.script, cfg.mixture):
@@ -413,7 +435,8 @@ def rank_command(recipe: Recipe, extra: list[str], torchrun_logs: Path) -> list[
     torchrun writes each rank's output and error record under --log_dir, `torchrun_logs` (PET_REDIRECTS=3, in Ranks:
     to files only); the launcher relays the output, keeps it in output_dir/logs/rank<N>.log and reads the records
     (rank_output.py, explain_failure.py)."""
-    cmd = accelerate_cmd() + ["--config_file", str(recipe.accelerate_path), "--log_dir", str(torchrun_logs), *extra]
+    cmd = accelerate_cmd() + ["--config_file", str(recipe.accelerate_path), "--log_dir", str(torchrun_logs), *extra,
+                              *recipe.launch_options]  # --fsdp_transformer_layer_cls_to_wrap from the command line
     multi_node = int(recipe.accelerate.get("num_machines", 1)) > 1 or "--num_machines" in extra
     if not multi_node and "MASTER_PORT" not in os.environ:
         cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide

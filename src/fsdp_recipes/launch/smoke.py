@@ -4,9 +4,10 @@ architecture.
 `FSDP_RECIPES_SMOKE=1 recipes/<name>/launch.sh` (what `make smoke` runs) goes through the same launcher,
 checks, `accelerate launch`, SFTTrainer and saving as the real job, with these substitutions, each printed:
 
-- the model: the recipe's hub config (its shipped `model_config.json`) loaded with AutoConfig, kept as it
-  is -- architecture class, decoder layer class, GQA, rope scaling, biases, tied embeddings -- except for
-  fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
+- the model: the recipe's model's own config.json (a local folder's, or a hub id's in the hub cache), else, where
+  that model is not here, the recipe's copy of its hub config (`model_config.json`), loaded with AutoConfig and
+  kept as it is -- architecture class, decoder layer class, GQA, rope scaling, biases, tied embeddings -- except
+  for fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
   save_pretrained and loaded back through from_pretrained;
 - the data: the local synthetic chat dataset, or for a DPO recipe the synthetic preference pairs (tiny_assets);
 - attention: flash-attn becomes sdpa unless there are GPUs and the flash_attn package; `float8: true` is kept
@@ -78,15 +79,14 @@ def model_dir(recipe: Path) -> Path:
     return cache_dir() / "smoke" / recipe.name
 
 
-def build_model(recipe: Path, assets: dict) -> Path:
-    """recipes/<name>/model_config.json -> a tiny model of that architecture in the cache."""
+def build_model(recipe: Path, source: Path, assets: dict) -> Path:
+    """The model's config.json (`source`: model_source's) -> a tiny model of that architecture in the cache."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_recipes.config.model_check import load_config
 
-    source = recipe / "model_config.json"
     out = model_dir(recipe)
     stamp = out / "smoke_source.json"
     if stamp.is_file() and stamp.read_text() == source.read_text():
@@ -100,6 +100,41 @@ def build_model(recipe: Path, assets: dict) -> Path:
     tokenizer.save_pretrained(out)
     stamp.write_text(source.read_text())  # last: a half-built folder is rebuilt
     return out
+
+
+def model_source(recipe: Recipe) -> tuple[Path, str] | None:
+    """The config.json the tiny model is built from, and the [smoke] line's words for it: the recipe's model's own
+    (a local folder's, or a hub id's in the hub cache), else the recipe's `model_config.json` where the model is not
+    here and that copy is of it (or of the model another run or the pack's assets will make). None for a recipe
+    whose model is the tiny one already (tiny_assets)."""
+    from fsdp_recipes.config import model_check
+    from fsdp_recipes.paths import cache_dir, expand
+
+    model = expand(str(recipe.field("model_name_or_path")), "model_name_or_path")
+    shipped = recipe.folder / "model_config.json"
+    in_cache = Path(model).absolute().is_relative_to(cache_dir().absolute())  # the pack's assets
+    if in_cache and recipe.field("tiny_assets") and not shipped.is_file():
+        return None  # the tiny model already
+    own = model_check.model_config_json(model, recipe.field("model_revision"))
+    if own is not None:
+        arch = (json.loads(own.read_text()).get("architectures") or ["?"])[0]
+        return own, f"{model} ({arch}, its own config.json {own})"
+    if not shipped.is_file():
+        raise UserError(f"recipe {recipe.name}: its model {model} is not here (no folder with config.json, not in "
+                        f"the hub cache), and {shipped} does not exist, so there is no architecture to build a tiny "
+                        f"model of. Fix: `hf download {model} config.json` (a few KB), or save the model's "
+                        f"config.json as {shipped}.")
+    copy = json.loads(shipped.read_text())
+    made_later = recipe.field("continues_from") or in_cache  # another run's model, or the pack's to prepare
+    if copy.get("_name_or_path") != model and not made_later:  # a copied recipe pointed at another model
+        raise UserError(f"{shipped} is the config of {copy.get('_name_or_path')}, but the recipe trains {model}, "
+                        "which is not here (no folder with config.json, not in the hub cache): a smoke run would "
+                        f"test {copy.get('_name_or_path')}'s architecture. Fix: point model_name_or_path at the "
+                        f"model's folder, or `hf download {model} config.json` (a few KB), or save its config.json "
+                        f"as {shipped}.")
+    arch = (copy.get("architectures") or ["?"])[0]
+    of = "" if copy.get("_name_or_path") == model else f", the config of {copy.get('_name_or_path')}"
+    return shipped, f"{model} ({arch}, from {shipped}{of}: the model is not here)"
 
 
 def scale_accelerate(acc: dict, gpus: int = 0) -> dict:
@@ -143,15 +178,12 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
                   "--max_steps", str(STEPS), "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
                   "--output_dir", f"runs/smoke/{recipe.name}"]
     build = None
-    if (folder / "model_config.json").is_file():
-        build = functools.partial(build_model, folder, assets)  # called once the ranks are importing
-        hub = json.loads((folder / "model_config.json").read_text()).get("_name_or_path", "?")
-        say(f"model: {hub} -> a tiny {SHAPE['num_hidden_layers']}-layer model of the same architecture "
-            f"from recipes/{recipe.name}/model_config.json, in {model_dir(folder)}")
+    source = model_source(recipe)
+    if source is not None:
+        build = functools.partial(build_model, folder, source[0], assets)  # called once the ranks are importing
+        say(f"model: {source[1]} -> a tiny {SHAPE['num_hidden_layers']}-layer model of that architecture, in "
+            f"{model_dir(folder)}")
         smoke_args = ["--model_name_or_path", str(model_dir(folder)), *smoke_args]
-    elif not raw.get("tiny_assets"):
-        raise UserError(f"recipe {recipe.name} has no model_config.json to build a tiny model from. "
-                        "Fix: save the model's config.json there as model_config.json.")
     say(f"data: {raw.get('dataset_name')} -> {data} (local synthetic {recipe.trainer} data)")
     for field, value in kind.SMOKE_SETTINGS.items():  # GRPO: a reward the synthetic data can feed
         if raw.get(field) != value:

@@ -84,7 +84,8 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
         raise UserError(f"recipe {recipe.name}: the config of {model_args.model_name_or_path} is not available offline. "
                         "Fix: save the model's config.json as model_config.json in the recipe folder.")
     model = model_check.meta_model(model_check.load_config(source))
-    model_check.check_recipe_fits_model(model, acc, recipe / "accelerate.yaml", model_args)
+    model_check.check_recipe_fits_model(model, acc, recipe / "accelerate.yaml", model_args,
+                                        wrap_on_command_line=bool(loaded.launch_options))
     return recipe, acc, cfg, model
 
 
