@@ -220,6 +220,26 @@ def check_launch(recipe: Recipe) -> None:
         hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
     accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
     check_model_found(recipe)
+    check_data_found(recipe)
+
+
+def in_pack_cache(path: str) -> bool:
+    """Whether `path` lies in the pack's cache, where the checks build the tiny and SmolLM2 assets it names."""
+    from fsdp_recipes.paths import cache_dir
+
+    return Path(path).absolute().is_relative_to(cache_dir().absolute())
+
+
+def check_data_found(recipe: Recipe) -> None:
+    """A mistyped local dataset_name is one line now, not after the checks' imports (issue 42: data mistakes
+    within 5 s); a `datasets:` mixture and a hub id are checked with the recipe (check_recipe)."""
+    from fsdp_recipes.paths import expand
+    from fsdp_recipes.train import loading
+
+    name = recipe.field("dataset_name")
+    if isinstance(name, str) and model_check.looks_local(path := expand(name, "dataset_name")) \
+            and not in_pack_cache(path):
+        loading.check_found(path)
 
 
 def check_model_found(recipe: Recipe) -> None:
@@ -227,13 +247,13 @@ def check_model_found(recipe: Recipe) -> None:
     (from_pretrained in a rank retries the hub for most of a minute before it fails). Not for a smoke run, which
     trains a tiny model instead, nor for a model the pack builds in its cache during the checks (tiny_assets,
     smollm2_assets)."""
-    from fsdp_recipes.paths import cache_dir, expand
+    from fsdp_recipes.paths import expand
 
     model = recipe.field("model_name_or_path")
     if smoke.active() or not isinstance(model, str):
         return  # no model: the recipe's parse names the missing field
     path = expand(model, "model_name_or_path")
-    if Path(path).absolute().is_relative_to(cache_dir().absolute()):
+    if in_pack_cache(path):
         return
     model_check.check_model_found(path, recipe.field("continues_from"), recipe.field("model_revision"))
 
@@ -293,34 +313,63 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     return cfg
 
 
-def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack) -> str | None:
-    """Lock output_dir for this run (held until the launcher exits), apply --overwrite_output_dir, and decide what
+def first_node() -> bool:
+    return override(launch_args(), "machine_rank", "0") == "0"
+
+
+def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = None) -> str | None:
+    """Lock output_dir for this run, held until the launcher exits: before the ranks start where the recipe or
+    the command names it, so that a busy folder is one line at once (issue 42: lock mistakes within 5 s), else
+    (`output_dir`: TrainingArguments' default, once parsed) in claim_output_dir. The folder locked, or None. On a
+    multi-node job the first node's launcher locks."""
+    from fsdp_recipes.checkpoint import output_lock
+    from fsdp_recipes.paths import expand
+
+    out = output_dir or recipe.field("output_dir")
+    if not isinstance(out, str) or not out or not first_node():
+        return None
+    out = expand(out, "output_dir")
+    lock = output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides]))
+    if output_dir is None:  # before the checks: a folder that cannot be made is theirs to name (config/value_checks)
+        try:
+            lock.acquire()
+        except OSError:
+            return None
+        held.callback(lock.release)
+    else:
+        held.enter_context(lock)
+    if lock.note:
+        say(f"warning: {lock.note}")
+    return out
+
+
+def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | None = None) -> str | None:
+    """Lock output_dir for this run where lock_output_dir could not yet, apply --overwrite_output_dir, and decide what
     the command does with a run the folder holds already (checkpoint/previous_run.py): None to go on, or the
     "already complete" line. Then the checkpoint to resume: refused when incompatible, skipped (and moved aside)
     when unreadable. On a multi-node job the first node's launcher does this; the others only check the resume."""
-    from fsdp_recipes.checkpoint import output_lock, previous_run, resume_settings
+    from fsdp_recipes.checkpoint import previous_run, resume_settings
     from fsdp_recipes.train import kinds
 
-    out, first_node = cfg.training.output_dir, override(launch_args(), "machine_rank", "0") == "0"
+    out = cfg.training.output_dir
     now = resume_settings.current(cfg, job_processes(recipe.accelerate), kinds.load(cfg.trainer).RESUME_SETTINGS)
-    if first_node:  # the lock first: what the folder holds is read under it
-        lock = held.enter_context(output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides])))
-        if lock.note:
-            say(f"warning: {lock.note}")
+    if locked is None or Path(out).resolve() != Path(locked).resolve():  # the lock first: the folder is read under it
+        lock_output_dir(recipe, held, out)
+    first = first_node()
     previous = previous_run.read(Path(out))
     # a finished smoke run is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)
     replace = cfg.pack.overwrite_output_dir or (smoke.active() and previous is not None
                                                 and previous.status == "completed")
-    if replace and first_node and (removed := previous_run.clear(out, previous)):
+    if replace and first and (removed := previous_run.clear(out, previous)):
         say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
     if not replace:  # every node decides alike (read-only), so none starts ranks that would wait for the others
         resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
         if done := previous_run.decide(out, previous, now, cfg.pack.override_resumed_settings, resumes):
             return done
-    elif not first_node:
+    elif not first:
         return None  # the first node is emptying output_dir: there is nothing of the old run to resume
-    resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first_node)
-    if first_node:
+    resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
+    if first:
         superseded(out, resume)
     if changed.get("length"):
         (_, was), (name, now_len) = changed["length"]
@@ -368,12 +417,13 @@ def launch(argv: list[str], held: ExitStack) -> int:
     gpus, build_smoke_model = set_up(recipe)
     with unexpected_errors("reading the recipe"):
         check_launch(recipe)
+    locked = lock_output_dir(recipe, held)
     extra = place(recipe, gpus)
     torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))  # torchrun's --log_dir: rank_command
     cmd = rank_command(recipe, extra, torchrun_logs)
     started = time.time()
     ranks = start_ranks(recipe, cmd, torchrun_logs, "", gated=True) if overlap_checks() else None
-    cfg, code = check_while_ranks_import(recipe, held, ranks, torchrun_logs, build_smoke_model)
+    cfg, code = check_while_ranks_import(recipe, held, ranks, torchrun_logs, build_smoke_model, locked)
     if code is not None:
         return code
     output_dir = cfg.training.output_dir
@@ -461,7 +511,8 @@ def start_ranks(recipe: Recipe, cmd: list[str], torchrun_logs: Path, said: str, 
 
 
 def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | None, torchrun_logs: Path,
-                             build_smoke_model: Callable[[], None] | None) -> tuple[RunConfig | None, int | None]:
+                             build_smoke_model: Callable[[], None] | None,
+                             locked: str | None = None) -> tuple[RunConfig | None, int | None]:
     """Step 3 of the module docstring: the smoke run's model, the recipe's checks (check_recipe) and output_dir's
     (claim_output_dir), while the ranks import, or before they start (`ranks` None). Returns the parsed
     configuration and None; or None and the exit code where the launch ends here (a signal, a run that is complete
@@ -470,7 +521,7 @@ def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | Non
         if build_smoke_model is not None:
             build_smoke_model()
         cfg = check_recipe(recipe)
-        done = claim_output_dir(recipe, cfg, held)
+        done = claim_output_dir(recipe, cfg, held, locked)
     except BaseException as err:
         if ranks is not None:
             ranks.abort()

@@ -57,6 +57,15 @@ def load_local(path: Path, config_name: str | None = None):
         raise data_checks.explain_load_failure(path, err) from None
 
 
+def check_found(name: str) -> Path:
+    """A local dataset_name that names nothing is one line (the launcher asks before the ranks start too)."""
+    path = Path(name)
+    if not path.exists():
+        raise UserError(f"dataset not found: {path}. Fix: check dataset_name, or build the tiny default's data with "
+                        "`python -m fsdp_recipes.assets.tiny_assets`.")
+    return path
+
+
 def load_raw(script_args, dataset_args, pack=None, text_field: str = "text", seed: int = 42):
     """The dataset as a DatasetDict, each split converted to the layout TRL takes (pack.dataset_format, else the
     format detected from its columns and first row); NOTES says what was found."""
@@ -69,12 +78,7 @@ def load_raw(script_args, dataset_args, pack=None, text_field: str = "text", see
     if not name:
         raise UserError("no dataset configured. Fix: set dataset_name (a file, directory or hub id) in the recipe.")
     if looks_local(name):
-        path = Path(name)
-        if not path.exists():
-            raise UserError(
-                f"dataset not found: {path}. Fix: check dataset_name, or build the tiny default's data with "
-                "`python -m fsdp_recipes.assets.tiny_assets`."
-            )
+        path = check_found(name)
         ds = load_local(path, script_args.dataset_config)
     else:
         ds = datasets.load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
