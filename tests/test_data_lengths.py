@@ -166,6 +166,25 @@ def test_the_launcher_prints_the_table_and_one_warning(tmp_path, cache_dir, monk
                       "rows whole (--max_length 115, or max_length: 115 in the recipe)"]
 
 
+def test_rank_0_measures_where_the_launcher_cannot(tmp_path, cache_dir, tok):
+    """A hub model (or hub data): the launcher has no tokenizer before the ranks start, so rank 0 prints the table
+    and the warning as [train] lines, with the tokenizer the trainer loaded (train/entry.py build_trainer)."""
+    import types
+
+    from fsdp_recipes.config.run_config import parse_args
+
+    data = write_jsonl(tmp_path / "qa" / "train.jsonl", [qa()] * 3 + [qa("9" * 100)])
+    recipe = ["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), "--dataset_name", str(data)]
+    assert data_lengths.measured_by_launcher(parse_args(recipe))
+    cfg = parse_args([*recipe, "--model_name_or_path", "some-org/some-model"])
+    assert not data_lengths.measured_by_launcher(cfg)
+    splits = (datasets.Dataset.from_list([qa()] * 3 + [qa("9" * 100)]), None)
+    lines = data_lengths.in_rank(cfg, splits, types.SimpleNamespace(processing_class=tok))
+    assert lines[0] == "token lengths under some-model's tokenizer and chat template, median / p95 / max:"
+    assert lines[-1] == ("warning: max_length 64 cuts the answers of 1 of the 4 `train` rows (25%). Fix: max_length "
+                         "115 keeps 99% of rows whole (--max_length 115, or max_length: 115 in the recipe)")
+
+
 # ----------------------------------------------------------------------------------------------- make data
 
 def preview(args, capsys):

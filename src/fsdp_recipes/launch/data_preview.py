@@ -191,7 +191,7 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
     n = min(examples, len(train))
     if tokenizer is None:
         say(f"no tokenizer: {cfg.model.model_name_or_path} is a hub id whose files are not on this machine, so no "
-            "token lengths and no tokens. Fix: download it once (huggingface-cli download <id>), or name a local "
+            "token lengths and no tokens. Fix: download it once (hf download <id>), or name a local "
             "model folder")
         for i in range(n):
             at = located(where, cfg.script.dataset_train_split, i, len(train))

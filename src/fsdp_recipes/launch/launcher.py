@@ -262,8 +262,8 @@ def check_recipe(recipe: Recipe) -> RunConfig:
         warn(recipe, loading.WARNINGS)
         from fsdp_recipes.train import data_lengths
 
-        # the model's tokenizer (a hub id's where it is cached), with the chat template the trainer will use
-        tokenizer, template = data_lengths.load_tokenizer(cfg)
+        # a local model's tokenizer, with the chat template the trainer will use (a hub model's: rank 0 measures)
+        tokenizer, template = data_lengths.load_tokenizer(cfg, cached=False)
         # the rows: errors with the file and line; rows that teach nothing are one counted warning
         warn(recipe, kind.check_data(cfg, splits, tokenizer))
         if tokenizer is not None:  # token lengths, and what max_length cuts: a table, and one warning where it cuts

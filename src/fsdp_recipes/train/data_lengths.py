@@ -151,22 +151,33 @@ def chat_template(tokenizer, training) -> str | None:
                         "false.") from None
 
 
-def load_tokenizer(cfg):
+def load_tokenizer(cfg, cached: bool = True):
     """The recipe's tokenizer with the chat template the trainer uses, and that template (chat_template): from the
-    model's folder, or a hub id's files already on this machine; (None, None) when neither."""
+    model's folder or, with `cached`, a hub id's files already on this machine; (None, None) when neither."""
+    from transformers import AutoTokenizer
+
     from fsdp_recipes.config.model_check import looks_local
 
     model = cfg.model.model_name_or_path
-    from transformers import AutoTokenizer
-
     if looks_local(model):
         tokenizer = AutoTokenizer.from_pretrained(model)
+    elif not cached:
+        return None, None
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
         except (OSError, ValueError):
             return None, None
     return tokenizer, chat_template(tokenizer, cfg.training)
+
+
+def measured_by_launcher(cfg) -> bool:
+    """Whether the launcher measures the lengths before the ranks start: local data and a local model. Else rank 0
+    does, once the trainer has its tokenizer (in_rank)."""
+    from fsdp_recipes.config.model_check import looks_local
+    from fsdp_recipes.train.loading import is_local
+
+    return is_local(cfg.script, cfg.mixture) and looks_local(cfg.model.model_name_or_path)
 
 
 # ----------------------------------------------------------------------------------------------- measuring
@@ -510,3 +521,13 @@ def report(measured: list[Lengths], cfg, tokenizer, where: str) -> tuple[list[st
     check_learnable(measured, t, where)
     warning = cut_warning(measured, t)
     return table(measured, t, tokenizer_name(tokenizer, cfg.model.model_name_or_path)), [warning] if warning else []
+
+
+def in_rank(cfg, splits, trainer) -> list[str]:
+    """The table and the warning for rank 0 to print where the launcher could not measure (a hub dataset, or a hub
+    model, whose tokenizer only the ranks download): with the trainer's own tokenizer and training template."""
+    processing = trainer.processing_class
+    tokenizer = getattr(processing, "tokenizer", processing)  # a processor's tokenizer
+    measured = measure_splits(cfg, splits, tokenizer, getattr(trainer, "chat_template", None))
+    table, warnings = report(measured, cfg, tokenizer, cfg.script.dataset_name or "mixture")
+    return table + [f"warning: {w}" for w in warnings]
