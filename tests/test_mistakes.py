@@ -241,18 +241,23 @@ def test_the_battery_covers_every_class_of_mistake():
 
 
 def test_truncation_is_one_counted_warning(recipe, tmp_path, cache_dir):
+    """Answers that max_length cuts are one warning line with the rows counted and the fix (train/data_lengths.py);
+    the launcher prints it (tests/test_data_lengths.py)."""
+    import datasets
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.train.data_checks import check_lengths
-    import datasets
+    from fsdp_recipes.train import data_lengths
 
-    # the tiny tokenizer is character-level: a 40-word prompt is ~200 tokens, a 100-digit answer ~100
-    ds = datasets.Dataset.from_list([qa(q="long " * 40), qa(), qa(), qa(a="9" * 100)])
+    # the tiny tokenizer splits digits: "What is 1 + 1?" is a 13-token chat prompt, a 60-digit question a 65-token
+    # one, an answer of n digits n + 2 tokens (a space, the digits, </s>)
+    ds = datasets.Dataset.from_list([qa(q="1" * 60), qa(), qa(), qa(a="9" * 100)])
     tok = AutoTokenizer.from_pretrained(cache_dir / "tiny-mistral")
-    warnings = check_lengths(ds, tok, 64, "train", "data.jsonl")
-    assert warnings == ["1 of 4 rows of the `train` split have a prompt of max_length (64) tokens or more: TRL drops "
-                        "them", "1 of 4 rows of the `train` split are longer than max_length (64) tokens: truncated"]
-    assert check_lengths(ds.select([1, 2]), tok, 64, "train", "data.jsonl") == []
+    t = data_lengths.Truncation(64)
+    assert data_lengths.cut_warning([data_lengths.measure(ds, tok, "train", t)], t) == (
+        "max_length 64 cuts the answers of 2 of the 4 `train` rows (50%); 1 of them loses the whole answer (the "
+        "prompt alone fills max_length). Fix: max_length 115 keeps 99% of rows whole (--max_length 115, or "
+        "max_length: 115 in the recipe)")
+    assert data_lengths.cut_warning([data_lengths.measure(ds.select([1, 2]), tok, "train", t)], t) is None
 
 
 # ------------------------------------------------------------------ real launches: what only the ranks find

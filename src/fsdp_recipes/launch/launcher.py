@@ -302,13 +302,18 @@ def check_recipe(recipe: Recipe) -> RunConfig:
         for line in loading.NOTES:  # the format found and how it maps; the eval split, or that there is none
             say(line)
         warn(recipe, loading.WARNINGS)
-        tokenizer = None
-        if model_check.looks_local(cfg.model.model_name_or_path):
-            from transformers import AutoTokenizer
+        from fsdp_recipes.train import data_lengths
 
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
-        # the rows: errors with the file and line; rows that will be skipped or truncated are one counted warning
+        # a local model's tokenizer, with the chat template the trainer will use (a hub model's: rank 0 measures)
+        tokenizer, template = data_lengths.load_tokenizer(cfg, cached=False)
+        # the rows: errors with the file and line; rows that teach nothing are one counted warning
         warn(recipe, kind.check_data(cfg, splits, tokenizer))
+        if tokenizer is not None:  # token lengths, and what max_length cuts: a table, and one warning where it cuts
+            measured = data_lengths.measure_splits(cfg, splits, tokenizer, template)
+            table, cut = data_lengths.report(measured, cfg, tokenizer, cfg.script.dataset_name or "mixture")
+            for line in table:
+                say(line)
+            warn(recipe, cut)
     recipe.cfg = cfg
     return cfg
 

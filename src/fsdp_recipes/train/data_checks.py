@@ -1,8 +1,8 @@
 """The dataset's rows, checked in the launcher before any rank loads them: one line with the file and the line.
 
 Gap it fills: `datasets` reports a malformed JSON line as a DatasetGenerationError without the line, and TRL
-takes an empty split, a role it does not know, a non-string content or rows that truncation empties, and fails (or
-trains on nothing) inside every rank. Run by the launcher only (launcher.check_recipe); the ranks load the same
+takes an empty split, a role it does not know or a non-string content, and fails (or trains on nothing) inside every
+rank. What max_length cuts is train/data_lengths.py's. Run by the launcher only (launcher.check_recipe); the ranks load the same
 files after it passed.
 """
 
@@ -15,7 +15,6 @@ from fsdp_recipes.errors import UserError
 
 ROLES = {"system", "user", "assistant", "tool"}
 CONVERSATION_COLUMNS = ("messages", "prompt", "completion")
-LENGTH_SAMPLE = 200  # rows tokenized to count truncation: enough to see a systematic problem, well under a second
 
 
 # (where, split) -> (file, the file's row index of each row of the split): rows of a split carved off another
@@ -139,12 +138,18 @@ def check_rows(ds, where: str, split: str) -> list[str]:
     if len(ds) == 0:
         raise UserError(f"the `{split}` split of the dataset {where} is empty. Fix: point dataset_name at data with "
                         "rows (or the split at another file).")
-    if not conversational(ds):
+    chat = conversational(ds)
+    if not chat:
+        check_text_rows(ds, where, split)
         return []
     cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
     without_assistant = 0
     for i, row in enumerate(ds.select_columns(cols)):
-        turns = [t for c in cols for t in (row[c] or [])]
+        for c in cols:
+            if not isinstance(row[c], list):
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not a list of chat turns as "
+                                f"in the other rows. Fix: give the row its {c} turns, or remove the row.")
+        turns = [t for c in cols for t in row[c]]
         for turn in turns:
             role = turn.get("role") if isinstance(turn, dict) else None
             if role not in ROLES:
@@ -165,51 +170,20 @@ def check_rows(ds, where: str, split: str) -> list[str]:
     return []
 
 
-def token_ids(encoded) -> list:
-    """Token ids from what apply_chat_template / a tokenizer returns (transformers 5: a BatchEncoding)."""
-    return encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+def kind_of(value) -> str:
+    return "missing" if value is None else type(value).__name__
 
 
-def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str) -> list[str]:
-    """Tokenize up to LENGTH_SAMPLE rows as TRL will: rows whose prompt fills max_length lose their whole
-    completion (TRL drops them as fully masked), longer rows are truncated. Raises when every sampled row is
-    dropped; returns the warnings."""
-    if max_length is None or len(ds) == 0:
-        return []
-    sample = ds.select(range(min(len(ds), LENGTH_SAMPLE)))
-    dropped = truncated = 0
-    for row in sample:
-        if "prompt" in row and "completion" in row:
-            if isinstance(row["prompt"], list):
-                prompt = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=True)
-                full = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True)
-            else:
-                prompt = tokenizer(row["prompt"])["input_ids"]
-                full = tokenizer(row["prompt"] + row["completion"])["input_ids"]
-            prompt, full = token_ids(prompt), token_ids(full)
-            if len(prompt) >= max_length:
-                dropped += 1
-                continue
-        elif "messages" in row:
-            full = tokenizer.apply_chat_template(row["messages"], tokenize=True)
-            full = token_ids(full)
-        else:
-            continue
-        truncated += len(full) > max_length
-    n = len(sample)
-    of = f"of {n} rows" + (f" (the first {n} of {len(ds)})" if n < len(ds) else "")
-    if dropped == n:
-        raise UserError(f"every row {of} of the `{split}` split of {where} has a prompt of max_length {max_length} "
-                        "tokens or more, so truncation leaves no completion to learn. Fix: raise max_length, or "
-                        "shorten the prompts.")
-    warnings = []
-    if dropped:
-        warnings.append(f"{dropped} {of} of the `{split}` split have a prompt of max_length ({max_length}) tokens or "
-                        "more: TRL drops them")
-    if truncated:
-        warnings.append(f"{truncated} {of} of the `{split}` split are longer than max_length ({max_length}) "
-                        "tokens: truncated")
-    return warnings
+def check_text_rows(ds, where: str, split: str) -> None:
+    """Plain-text prompt + completion rows: both are text in every row (a row without one is a null here)."""
+    cols = [c for c in ("prompt", "completion") if c in ds.column_names]
+    if len(cols) < 2:
+        return
+    for i, row in enumerate(ds.select_columns(cols)):
+        for c in cols:
+            if not isinstance(row[c], str):
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not text as in the other "
+                                f"rows. Fix: give the row its {c}, or remove the row.")
 
 
 def check_chat_template(tokenizer, model: str, where: str) -> None:

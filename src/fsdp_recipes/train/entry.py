@@ -120,6 +120,11 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
     )
     trainer.token_counter, trainer.run_report = report.tokens, report
     add_pack_hooks(trainer, cfg, report)
+    from fsdp_recipes.train import data_lengths
+
+    if dist.rank() == 0 and not data_lengths.measured_by_launcher(cfg):  # what max_length cuts, never silently
+        for line in data_lengths.in_rank(cfg, (train_ds, eval_ds), trainer):
+            print(f"[train] {line}", flush=True)
     return trainer
 
 

@@ -32,6 +32,7 @@ SFT_FORMATS = ({"messages"}, {"prompt", "completion"}, {"text"})
 # split, the eval rows that are training rows too. Reset by every load_splits.
 NOTES: list[str] = []
 WARNINGS: list[str] = []
+IF_ANY = "if any"  # load_splits' want_eval for `make data`: the eval split where there is one, no error without
 
 
 def local_files(path: Path) -> list[Path]:
@@ -236,8 +237,9 @@ def shared_rows(train, evaluation) -> int:
 def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, seed: int = 42,
                 text_field: str = "text"):
     """(train, eval or None), with one-line errors for missing splits; `check(split, where)` is the trainer kind's
-    column check (SFT's check_columns, DPO's). `pack`: the recipe's PackArguments (dataset_format,
-    eval_split_size); `seed`: the run's, which chooses the held-out rows."""
+    column check (SFT's check_columns, DPO's). `want_eval`: True needs an eval split, False returns None for it,
+    IF_ANY the one there is. `pack`: the recipe's PackArguments (dataset_format, eval_split_size); `seed`: the
+    run's, which chooses the held-out rows."""
     NOTES.clear()
     WARNINGS.clear()
     data_checks.ROW_ORIGIN.clear()
@@ -251,7 +253,7 @@ def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, se
     check(ds[train_split], where)
     train, evaluation, how = held_out(ds, script_args, pack, seed, where)
     if evaluation is None:
-        if want_eval:
+        if want_eval and want_eval != IF_ANY:
             raise UserError(
                 f"eval is on but dataset {where} has no `{test_split}` split (it has {splits}; also looked for "
                 f"{', '.join(n for n in EVAL_NAMES if n != test_split)}). Fix: set dataset_test_split, "

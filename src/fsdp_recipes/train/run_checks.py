@@ -20,21 +20,20 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
     float8.check_config(cfg.pack.float8, cfg.model.use_peft)
     value_checks.check_values(cfg)
+    check_data_settings(cfg)
+    kinds.load(cfg.trainer).check_config(cfg)
+
+
+def check_data_settings(cfg: RunConfig) -> None:
+    """The recipe's data fields, before any row is read (also `make data`'s, launch/data_preview.py)."""
     data_formats.parse_spec(cfg.pack.dataset_format)  # a misspelt format or column mapping: one line now
     if cfg.pack.eval_split_size < 0 or (cfg.pack.eval_split_size >= 1 and cfg.pack.eval_split_size % 1):
         raise UserError(f"eval_split_size is {cfg.pack.eval_split_size:g}: give a share of the training rows below 1 "
                         "(0.1 holds out 10%) or a whole number of rows. Fix: correct it, or 0 for none.")
-    kinds.load(cfg.trainer).check_config(cfg)
 
 
-def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None, raw: dict | None = None,
-                    world_size: int | None = None) -> RunConfig:
-    """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
-    of them, so before the model check), and run the checks that need no process group. `nodes`: of the job
-    (min_gpus is shared among them); by default read from torchrun's environment. `raw`: the recipe YAML when the
-    caller has read it already (the launcher's Recipe). `world_size`: the job's processes, where the caller is not
-    one of its ranks (the launcher): the trainer config's own checks see the layout the ranks will see."""
-    cfg = parse_args(argv, raw, world_size)
+def prepare_assets(cfg: RunConfig, quiet: bool = False) -> None:
+    """The tiny assets, or the default's SmolLM2 (made once into the cache), when the recipe uses them."""
     if cfg.pack.tiny_assets:
         from fsdp_recipes.assets.tiny_assets import ensure_assets
 
@@ -45,6 +44,17 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
         # The model only when the recipe trains the prepared folder: with a hub id
         # (--model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct) from_pretrained fetches it as usual.
         smollm2.ensure_assets(model=smollm2.is_prepared_path(cfg.model.model_name_or_path), quiet=quiet)
+
+
+def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = None, raw: dict | None = None,
+                    world_size: int | None = None) -> RunConfig:
+    """Parse the recipe and overrides, build the tiny assets when the recipe uses them (the tiny model is one
+    of them, so before the model check), and run the checks that need no process group. `nodes`: of the job
+    (min_gpus is shared among them); by default read from torchrun's environment. `raw`: the recipe YAML when the
+    caller has read it already (the launcher's Recipe). `world_size`: the job's processes, where the caller is not
+    one of its ranks (the launcher): the trainer config's own checks see the layout the ranks will see."""
+    cfg = parse_args(argv, raw, world_size)
+    prepare_assets(cfg, quiet)
     if cfg.pack.addition_preferences:  # DPO on the default's task: pairs from the SFT model's own answers
         from fsdp_recipes.assets import addition_preferences
 

@@ -122,26 +122,6 @@ def check_rows(ds, where: str, split: str) -> None:
                             "remove the row, or give it a different rejected answer.")
 
 
-def check_lengths(ds, tokenizer, max_length: int | None, split: str, where: str) -> list[str]:
-    """Pairs whose prompt fills max_length keep no completion tokens: none usable is an error, some a warning."""
-    if max_length is None or "prompt" not in ds.column_names:
-        return []
-    sample = ds.select(range(min(len(ds), data_checks.LENGTH_SAMPLE)))
-    full_prompt = 0
-    for row in sample:
-        prompt = row["prompt"]
-        ids = (tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-               if isinstance(prompt, list) else tokenizer(prompt)["input_ids"])
-        full_prompt += len(data_checks.token_ids(ids)) >= max_length
-    of = f"of {len(sample)} pairs" + (f" (the first {len(sample)} of {len(ds)})" if len(sample) < len(ds) else "")
-    if full_prompt == len(sample):
-        raise UserError(f"no usable pair: every pair {of} of the `{split}` split of {where} has a prompt of "
-                        f"max_length {max_length} tokens or more, so truncation leaves no answer to compare. Fix: "
-                        "raise max_length, or shorten the prompts.")
-    return [f"{full_prompt} {of} of the `{split}` split have a prompt of max_length ({max_length}) tokens or more: "
-            "their answers are cut away"] if full_prompt else []
-
-
 BETA_FREE = ("sft",)  # DPO loss types that beta neither scales nor divides (trl 1.16 DPOTrainer._compute_loss)
 
 
@@ -189,7 +169,5 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
     for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
         if ds is None:
             continue
-        check_rows(ds, where, split)
-        if tokenizer is not None:
-            warned += check_lengths(ds, tokenizer, cfg.training.max_length, split, where)
+        check_rows(ds, where, split)  # what max_length cuts: train/data_lengths.py, in the launcher
     return warned

@@ -158,8 +158,6 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
                                 "completion, label).")
         else:
             warned += check_labelled_rows(written, where, split)
-        if tokenizer is not None:
-            if data_checks.conversational(ds):
-                data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
-            warned += dpo.check_lengths(ds, tokenizer, cfg.training.max_length, split, where)
-    return warned
+        if tokenizer is not None and data_checks.conversational(ds):
+            data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
+    return warned  # what max_length cuts: train/data_lengths.py, in the launcher

@@ -1,0 +1,366 @@
+"""Token lengths (train/data_lengths.py) and `make data` (launch/data_preview.py): the statistics worked out by hand
+on rows whose tokens are known under the tiny recipe's tokenizer, the max_length that keeps 99% of rows whole, the
+one warning where max_length cuts answers, the launcher's table, and the preview's output. In this process, nothing
+trains; one test runs `make data` itself.
+
+Under the tiny tokenizer (assets/tiny_assets.py: digits are single tokens; the chat template renders
+`<s>[INST] {user} [/INST] {assistant}</s>`) the question "What is 1 + 1?" is a 13-token prompt
+(<s> [INST] Ġ What Ġis Ġ 1 Ġ+ Ġ 1 ? Ġ [/INST]) and an answer of n digits is n + 2 tokens (Ġ, the digits, </s>).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import datasets
+import pytest
+from conftest import REPO, RanksWouldStart, launcher_until_ranks
+from recipe_variant import recipe_variant
+from test_bad_input import assert_one_line_error
+
+from fsdp_recipes.train import data_lengths
+from fsdp_recipes.train.data_lengths import Truncation
+
+PROMPT = 13  # tokens of the chat prompt "What is 1 + 1?"
+SOURCE = "tiny-mistral's tokenizer and chat template"
+
+
+def qa(a="2", q="What is 1 + 1?"):
+    return {"prompt": [{"role": "user", "content": q}], "completion": [{"role": "assistant", "content": a}]}
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(cache_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cache_dir / "tiny-mistral")
+
+
+def measure(rows, tok, t=Truncation(64), **kw):
+    return data_lengths.measure(datasets.Dataset.from_list(rows), tok, "train", t, **kw)
+
+
+def test_lengths_worked_out_by_hand(tok):
+    # answers of 1, 2, 4, 40 and 100 digits: 3, 4, 6, 42 and 102 tokens after the same 13-token prompt
+    m = measure([qa("2"), qa("22"), qa("2222"), qa("9" * 40), qa("9" * 100)], tok)
+    assert m.prompt == [PROMPT] * 5
+    assert m.answers == {"answer": [3, 4, 6, 42, 102]}
+    assert m.whole == [16, 17, 19, 55, 115]
+    # nearest rank of 5 rows: the median is the 3rd, p95 and p99 the 5th
+    assert (data_lengths.spread(m.answers["answer"]), data_lengths.spread(m.whole)) == ("6 / 102 / 102",
+                                                                                        "19 / 115 / 115")
+    assert m.cut(Truncation(64)) == (1, 0, 0)  # the 115-token row
+    assert m.cut(Truncation(16)) == (4, 0, 0)  # all but the 16-token row
+    assert m.cut(Truncation(13)) == (5, 5, 0)  # the prompt alone fills max_length: nothing of any answer is left
+    assert m.cut(Truncation(None)) == (0, 0, 0)
+    assert data_lengths.table([m], Truncation(64), SOURCE) == [
+        f"token lengths under {SOURCE}, median / p95 / max:",
+        "  split  rows  prompt        answer         whole           cut at max_length 64",
+        "  train  5     13 / 13 / 13  6 / 102 / 102  19 / 115 / 115  1 (20%)"]
+    assert data_lengths.table([m], Truncation(128), SOURCE)[-1] == "max_length 128 cuts no answer; 115 keeps 99% " \
+                                                                   "of rows whole"
+
+
+def test_the_max_length_that_keeps_99_percent_of_rows_whole(tok):
+    # 98 rows of 16 tokens, one of 55, one of 115: the 99th of 100 in order is 55
+    m = measure([qa()] * 98 + [qa("9" * 40), qa("9" * 100)], tok)
+    assert m.keeps() == 55 and data_lengths.percentile(m.whole, 99) == 55
+    assert data_lengths.percentile(list(range(1, 101)), 95) == 95
+    assert data_lengths.cut_warning([m], Truncation(32)) == (
+        "max_length 32 cuts the answers of 2 of the 100 `train` rows (2%). Fix: max_length 55 keeps 99% of rows "
+        "whole (--max_length 55, or max_length: 55 in the recipe)")
+    # max_length 64 keeps 99% whole already; the one row it cuts is still named, and the fix keeps every row
+    assert data_lengths.cut_warning([m], Truncation(64)) == (
+        "max_length 64 cuts the answers of 1 of the 100 `train` rows (1%). Fix: max_length 115 keeps every row "
+        "whole (--max_length 115, or max_length: 115 in the recipe)")
+    assert data_lengths.cut_warning([m], Truncation(115)) is None
+
+
+def test_a_split_of_more_rows_is_measured_on_a_seeded_sample(tok):
+    rows = [qa("9" * n) for n in range(1, 11)]
+    m = measure(rows, tok, sample=4)
+    assert (m.rows, m.sampled) == (10, 4) and m.index == sorted(m.index)
+    assert measure(rows, tok, sample=4).index == m.index  # the same rows every time
+    assert m.whole == [PROMPT + n + 2 for n in (i + 1 for i in m.index)]
+    table = data_lengths.table([m], Truncation(64), SOURCE)
+    assert "(rows: a seeded sample of a larger split)" in table[0] and table[2].split()[1:4] == ["4", "of", "10"]
+
+
+def test_every_sft_layout_and_pairs(tok):
+    # messages: the prompt is everything before the last assistant turn (13 + " 22</s>" 4 + "[INST] ... [/INST]" 12)
+    turns = qa("22")["prompt"] + qa("22")["completion"] + qa("2")["prompt"] + qa("2")["completion"]
+    m = measure([{"messages": turns}], tok)
+    assert (m.prompt, m.answers, m.whole, m.first_trained) == ([29], {"answer": [3]}, [32], [0])
+    # assistant_only_loss: the loss starts at the first answer, so max_length 13 leaves nothing to learn, 20 does
+    only = measure([{"messages": turns}], tok, Truncation(13, assistant_only_loss=True))
+    assert only.first_trained == [PROMPT] and only.cut(Truncation(13, assistant_only_loss=True)) == (1, 1, 0)
+    assert only.cut(Truncation(20, assistant_only_loss=True)) == (1, 0, 0)
+    # a text field: no prompt; TRL adds </s>
+    m = measure([{"text": "999"}, {"text": "12345"}], tok)
+    assert (m.has_prompt, m.answers, m.whole) == (False, {"answer": [4, 6]}, [4, 6])
+    assert data_lengths.table([m], Truncation(64), SOURCE)[1].split() == ["split", "rows", "answer", "whole", "cut",
+                                                                          "at", "max_length", "64"]
+    # text prompt + completion (</s> added to the completion), and a preference pair
+    m = measure([{"prompt": "123", "completion": "45"}], tok)
+    assert (m.prompt, m.answers, m.whole) == ([3], {"answer": [3]}, [6])
+    m = measure([{"prompt": "123", "chosen": "4", "rejected": "56"}], tok)
+    assert (m.prompt, m.answers, m.whole) == ([3], {"chosen": [2], "rejected": [3]}, [6])
+    assert "cuts the chosen or rejected answers of 1 of the 1" in data_lengths.cut_warning([m], Truncation(5))
+
+
+def test_keep_end_and_packing(tok):
+    m = measure([qa("2"), qa("22"), qa("2222"), qa("9" * 40), qa("9" * 100)], tok)
+    keep_end = Truncation(50, keep_end=True)
+    assert m.cut(keep_end) == (1, 0, 1)  # the 102-token answer is cut; the 55-token row loses its prompt's start
+    assert data_lengths.table([m], keep_end, SOURCE)[-1] == ("truncation_mode keep_end: 1 row(s) longer than "
+                                                              "max_length 50 lose the start of their prompt instead")
+    wrapped = Truncation(16, packing="wrapped")
+    assert m.cut(wrapped) == (0, 0, 0) and data_lengths.cut_warning([m], wrapped) is None
+    assert "nothing is cut" in data_lengths.table([m], wrapped, SOURCE)[-1]
+    assert m.cut(Truncation(16, packing="bfd")) == (4, 0, 0)  # bfd truncates as it packs
+
+
+def test_truncation_follows_the_trainer_config(tmp_path):
+    from trl import SFTConfig
+
+    cfg = SFTConfig(output_dir=str(tmp_path), max_length=32, packing=True, packing_strategy="wrapped",
+                    assistant_only_loss=True, truncation_mode="keep_end", use_cpu=True, report_to="none")
+    assert Truncation.of(cfg) == Truncation(32, False, "wrapped", None, True, "text")
+
+
+def test_no_answer_left_anywhere_is_one_line(tok):
+    m = measure([qa(q="1" * 60)] * 3, tok)  # a 65-token prompt
+    with pytest.raises(data_lengths.UserError) as err:
+        data_lengths.check_learnable([m], Truncation(64), "data.jsonl")
+    assert str(err.value) == (
+        "every row of the `train` split of data.jsonl has a prompt of max_length 64 tokens or more, so truncation "
+        "leaves no completion to learn. Fix: max_length 68 keeps 99% of rows whole (--max_length 68, or max_length: "
+        "68 in the recipe), or shorten the prompts.")
+    data_lengths.check_learnable([m], Truncation(128), "data.jsonl")
+
+
+def test_the_launcher_prints_the_table_and_one_warning(tmp_path, cache_dir, monkeypatch, capsys):
+    data = tmp_path / "qa"
+    write_jsonl(data / "train.jsonl", [qa()] * 6 + [qa("9" * 100)] * 2 + [qa(q="1" * 60)])
+    write_jsonl(data / "test.jsonl", [qa()] * 3)
+    folder = recipe_variant(tmp_path, dataset_name=str(data), output_dir=str(tmp_path / "run"))
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([str(folder)], monkeypatch, capsys)
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index(f"[launch] token lengths under {SOURCE}, median / p95 / max:")
+    assert lines[at + 1].split() == ["[launch]", "split", "rows", "prompt", "answer", "whole", "cut", "at",
+                                     "max_length", "64"]
+    assert lines[at + 2].split() == ["[launch]", "train", "9", "13", "/", "65", "/", "65", "3", "/", "102", "/", "102",
+                                     "16", "/", "115", "/", "115", "3", "(33%)"]
+    assert lines[at + 3].split()[:2] == ["[launch]", "test"]
+    warned = [line for line in lines if "cuts the answers" in line]
+    assert warned == ["[launch] warning: max_length 64 cuts the answers of 3 of the 9 `train` rows (33%); 1 of them "
+                      "loses the whole answer (the prompt alone fills max_length). Fix: max_length 115 keeps 99% of "
+                      "rows whole (--max_length 115, or max_length: 115 in the recipe)"]
+
+
+def test_rank_0_measures_where_the_launcher_cannot(tmp_path, cache_dir, tok):
+    """A hub model (or hub data): the launcher has no tokenizer before the ranks start, so rank 0 prints the table
+    and the warning as [train] lines, with the tokenizer the trainer loaded (train/entry.py build_trainer)."""
+    import types
+
+    from fsdp_recipes.config.run_config import parse_args
+
+    data = write_jsonl(tmp_path / "qa" / "train.jsonl", [qa()] * 3 + [qa("9" * 100)])
+    recipe = ["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), "--dataset_name", str(data)]
+    assert data_lengths.measured_by_launcher(parse_args(recipe))
+    cfg = parse_args([*recipe, "--model_name_or_path", "some-org/some-model"])
+    assert not data_lengths.measured_by_launcher(cfg)
+    splits = (datasets.Dataset.from_list([qa()] * 3 + [qa("9" * 100)]), None)
+    lines = data_lengths.in_rank(cfg, splits, types.SimpleNamespace(processing_class=tok))
+    assert lines[0] == "token lengths under some-model's tokenizer and chat template, median / p95 / max:"
+    assert lines[-1] == ("warning: max_length 64 cuts the answers of 1 of the 4 `train` rows (25%). Fix: max_length "
+                         "115 keeps 99% of rows whole (--max_length 115, or max_length: 115 in the recipe)")
+
+
+# ----------------------------------------------------------------------------------------------- make data
+
+def preview(args, capsys):
+    from fsdp_recipes.launch import data_preview
+
+    try:
+        code = data_preview.main([str(a) for a in args])
+    except SystemExit as stop:
+        code = stop.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def test_make_data_on_the_tiny_recipe(cache_dir, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    res = preview(["tiny-cpu-lora"], capsys)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    lines = res.stdout.splitlines()
+    data = cache_dir / "tiny-arith"
+    assert lines[:4] == [
+        f"[data] recipe tiny-cpu-lora (recipes/tiny-cpu-lora), trainer sft, data {data}",
+        f"[data] data {data}: prompt/completion (prompt, completion) (as TRL takes it) (detected; declare it with "
+        "`dataset_format: prompt_completion`)",
+        "[data] train split: `train`, 4000 rows",
+        "[data] eval split: the `test` split (64 rows)"]
+    assert f"[data] token lengths under {SOURCE}, median / p95 / max (rows: a seeded sample of a larger split):" \
+           in lines
+    assert "[data] max_length 64 cuts no answer; 17 keeps 99% of rows whole" in lines
+    assert ("[data] 3 example(s), rendered and tokenized as the trainer will; the loss counts the completion, the "
+            "tokens it skips are «between guillemets»") in lines
+    first = lines.index(f"[data] example 1 of 3 (train row 1, {data / 'train.jsonl'}:1): 17 tokens, 4 trained")
+    assert lines[first + 1:first + 3] == ["    «<s>[INST] What is 6 + 6? [/INST]» 12</s>",
+                                          "    trained tokens: ' ' '1' '2' '</s>'"]
+    assert lines[-1].startswith("[data] read, checked and tokenized in ")
+
+
+def test_make_data_on_a_users_alpaca_file(tmp_path, cache_dir, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    rows = [{"instruction": "What is 1 + 1?", "input": "", "output": "2"}] * 8 + \
+           [{"instruction": "What is 1 + 1?", "input": "", "output": "9" * 100}] * 2
+    path = write_jsonl(tmp_path / "mine.jsonl", rows)
+    res = preview(["tiny-cpu-lora", "--dataset_name", path, "--eval_split_size", "2", "--examples", "3"], capsys)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    lines = res.stdout.splitlines()
+    assert (f"[data] data {path}: Alpaca (instruction, output, input) -> chat prompt + completion (detected; declare "
+            "it with `dataset_format: alpaca`)") in lines
+    assert "[data] train split: `train`, 8 rows" in lines
+    assert "[data] eval split: 2 of the 10 rows of `train` held out (eval_split_size 2, seed 42)" in lines
+    cut = [line for line in lines if line.startswith("[data] warning: max_length 64 cuts the answers of")]
+    assert len(cut) == 1 and "Fix: max_length 115 keeps" in cut[0], lines
+    # the third example is the longest training row, cut where max_length ends it
+    longest = next(line for line in lines if "the longest of the 8 measured" in line)
+    assert longest.endswith(": 115 tokens, 51 trained, 51 cut by max_length 64"), longest
+    text = lines[lines.index(longest) + 1]
+    assert text.startswith("    «<s>[INST] What is 1 + 1? [/INST]» 9999") and "|max_length 64 cuts here| «" in text
+
+
+def test_make_data_bad_input_is_one_line(tmp_path, cache_dir, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert_one_line_error(preview(["tiny-cpu-lora", "--dataset_name", tmp_path / "none.jsonl"], capsys),
+                          "dataset not found")
+    bad = write_jsonl(tmp_path / "bad.jsonl", [qa(), {"question": "q"}])
+    assert_one_line_error(preview(["tiny-cpu-lora", "--dataset_name", bad], capsys),
+                          f"{bad}:2: `prompt` is missing, not a list of chat turns")
+    assert_one_line_error(preview(["tiny-cpu-lora", "--examples", "many"], capsys), "--examples 'many'")
+    assert_one_line_error(preview(["no-such-recipe"], capsys), "unknown recipe")
+
+
+@pytest.mark.slow
+def test_make_data_runs_from_the_makefile(cache_dir):
+    venv = os.path.dirname(os.path.dirname(sys.executable))
+    # -o: the venv is there already (a stale stamp must not reinstall it); as from a shell, not as a sub-make
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env["FSDP_RECIPES_CACHE"] = str(cache_dir)
+    res = subprocess.run(["make", "--no-print-directory", "data", "RECIPE=tiny-cpu-lora", f"VENV={venv}",
+                          "-o", f"{venv}/.installed", "ARGS=--examples 1 --max_length 16"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "[data] warning: max_length 16 cuts the answers of" in res.stdout
+    assert "[data] example 1 of 1 (train row 1" in res.stdout
+
+
+# ----------------------------------------------------------------------------------------------- as TRL does
+
+MARKED = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST] {{ message['content'] }}"
+          " [/INST]{% elif message['role'] == 'assistant' %} {% generation %}{{ message['content'] }}{{ eos_token }}"
+          "{% endgeneration %}{% endif %}{% endfor %}")  # the tiny template, its answers marked for assistant_only_loss
+
+
+@pytest.mark.parametrize("layout", ["chat prompt/completion", "messages", "text", "text prompt/completion",
+                                    "assistant_only_loss", "completion_only_loss off"])
+def test_lengths_and_masks_are_trls_own(layout, cache_dir, tmp_path):
+    """Against TRL's own preparation of the same rows (SFTTrainer._prepare_dataset, called without a model and
+    without max_length): each row's whole length and where its loss starts (measure), and the trained tokens
+    (example)."""
+    import types
+
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    tok = AutoTokenizer.from_pretrained(cache_dir / "tiny-mistral")
+    pairs = [("What is 1 + 1?", "2"), ("What is 12 + 30?", "42"), ("What is 7 + 8?", "15")]
+    chat = [qa(a, q) for q, a in pairs]
+    settings = {}
+    rows = {"chat prompt/completion": chat, "completion_only_loss off": chat,
+            "messages": [{"messages": chat[0]["prompt"] + chat[0]["completion"] + r["prompt"] + r["completion"]}
+                         for r in chat],
+            "text": [{"text": f"{q} {a}"} for q, a in pairs],
+            "text prompt/completion": [{"prompt": q, "completion": f" {a}"} for q, a in pairs]}
+    if layout == "assistant_only_loss":
+        template = tmp_path / "marked.jinja"
+        template.write_text(MARKED)
+        rows[layout] = rows["messages"]
+        settings = {"assistant_only_loss": True, "chat_template_path": str(template)}
+    if layout == "completion_only_loss off":
+        settings = {"completion_only_loss": False}
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_length=None, use_cpu=True, report_to="none", **settings)
+    chat_template = data_lengths.chat_template(tok, args)
+    ds = datasets.Dataset.from_list(rows[layout])
+    trainer = types.SimpleNamespace(_tokenizer=tok, chat_template=chat_template, _is_vlm=False,
+                                    completion_only_loss=settings.get("completion_only_loss", "prompt" in ds[0]))
+    prepared = SFTTrainer._prepare_dataset(trainer, ds, tok, args, False, None, "train")
+    labels = [[label != -100 for label in row] for row in prepared["labels"]]
+    t = Truncation.of(args)
+    m = data_lengths.measure(ds, tok, "train", t, chat_template)
+    assert m.whole == [len(ids) for ids in prepared["input_ids"]]
+    if layout == "assistant_only_loss":  # measured where the generation prompt ends; this template's markers
+        # start one token later, after the space (data_lengths.Lengths.first_trained)
+        assert m.first_trained == [PROMPT] * 3 and [mask.index(True) for mask in labels] == [PROMPT + 1] * 3
+    else:
+        assert m.first_trained == [mask.index(True) for mask in labels]
+    for row, ids, mask in zip(ds, prepared["input_ids"], labels):
+        (seq,) = data_lengths.example(row, tok, t, chat_template)
+        assert (seq.ids, seq.trained) == (ids, mask)
+
+
+def test_pair_lengths_are_dpos_own(cache_dir, tmp_path):
+    """Preference pairs, chat and text, against TRL's DPOTrainer._prepare_dataset: prompt, chosen and rejected."""
+    import types
+
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(cache_dir / "tiny-mistral")
+    chat = [{**qa(q=f"What is {i} + 9?"), "chosen": qa(str(i + 9))["completion"],
+             "rejected": qa(str(i))["completion"]} for i in (2, 30, 7)]
+    for row in chat:
+        del row["completion"]
+    text = [{"prompt": f"{i} + 9 =", "chosen": f" {i + 9}", "rejected": f" {i}"} for i in (2, 30, 7)]
+    args = DPOConfig(output_dir=str(tmp_path), max_length=None, use_cpu=True, report_to="none")
+    for rows in (chat, text):
+        ds = datasets.Dataset.from_list(rows)
+        prepared = DPOTrainer._prepare_dataset(types.SimpleNamespace(_tokenizer=tok, _is_vlm=False), ds, tok, args,
+                                               "train")
+        m = data_lengths.measure(ds, tok, "train", Truncation.of(args))
+        assert m.prompt == [len(ids) for ids in prepared["prompt_ids"]]
+        assert m.answers == {name: [len(ids) for ids in prepared[f"{name}_ids"]] for name in ("chosen", "rejected")}
+
+
+def test_make_data_on_preference_pairs(tmp_path, cache_dir, capsys, monkeypatch):
+    """DPO: prompt, chosen and rejected columns, each answer's sequence shown; KTO reads the same pairs unpaired,
+    two rows each, which no line of the file holds as such (so none is named)."""
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+    monkeypatch.chdir(REPO)
+    pairs = ensure_assets(quiet=True)["preferences"]
+    dpo = recipe_variant(tmp_path, "tiny-dpo", trainer="dpo", dataset_name=str(pairs))
+    lines = preview([dpo, "--examples", "1"], capsys).stdout.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("[data] token lengths"))
+    assert lines[at + 1].split()[1:] == ["split", "rows", "prompt", "chosen", "rejected", "whole", "cut", "at",
+                                         "max_length", "64"]
+    shown = [line for line in lines if line.startswith("[data] example 1 of 1")]
+    assert [line.split("), ")[-1].split(":")[0] for line in shown] == ["chosen", "rejected"], shown
+    assert f"{pairs / 'train.jsonl'}:1)" in shown[0]
+    kto = recipe_variant(tmp_path, "tiny-kto", trainer="kto", dataset_name=str(pairs))
+    lines = preview([kto, "--examples", "2"], capsys).stdout.splitlines()
+    shown = [line for line in lines if line.startswith("[data] example ")]
+    assert [line.split(": ")[0] for line in shown] == ["[data] example 1 of 2 (train row 1), label true",
+                                                       "[data] example 2 of 2 (train row 2), label false"], shown
