@@ -219,8 +219,6 @@ def check_launch(recipe: Recipe) -> None:
     if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
         hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
     accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
-    check_model_found(recipe)
-    check_data_found(recipe)
 
 
 def in_pack_cache(path: str) -> bool:
@@ -422,8 +420,11 @@ def launch(argv: list[str], held: ExitStack) -> int:
     gpus, build_smoke_model = set_up(recipe)
     with unexpected_errors("reading the recipe"):
         check_launch(recipe)
-    locked = lock_output_dir(recipe, held)
     extra = place(recipe, gpus)
+    with unexpected_errors("reading the recipe"):
+        check_model_found(recipe)
+        check_data_found(recipe)
+    locked = lock_output_dir(recipe, held)
     torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))  # torchrun's --log_dir: rank_command
     cmd = rank_command(recipe, extra, torchrun_logs)
     started = time.time()
