@@ -325,35 +325,28 @@ def test_held_out_loss_is_the_mean_log_likelihood_of_the_tokens_sft_trains_on(ca
     assert short[0][1] == parts[0][1] - 1 and short[0][2] is True  # cut on the right: its last token not scored
 
 
-def test_every_stage_is_scored_on_the_same_rows_with_a_real_model(tmp_path, cache_dir):
-    """learning_check end to end on the tiny model as both the base and the "trained" model (no weights written):
-    the tiny assets' preference pairs (the chosen answer the reference; each stage's preference margins), 4 eval
-    rows; the same model twice has the same loss and answers, so the paired test sees no discordant row."""
-    import dataclasses
-
-    from trl import DatasetMixtureConfig, ScriptArguments
-
+def test_a_stage_is_scored_with_one_load_of_a_real_model(cache_dir, monkeypatch):
+    """summary.score_stage on the tiny model: the loss of the references, greedy answers to every prompt where every
+    reference is short, and the preference margins, from one load; a reference over 16 tokens turns the exact match
+    off and leaves SAMPLE_ROWS prompts answered (up to SAMPLE_TOKENS tokens), to read."""
+    from fsdp_recipes.assets import generation
     from fsdp_recipes.assets.tiny_assets import ensure_assets
-    from fsdp_recipes.config.run_config import PackArguments
+    from fsdp_recipes.metrics.answer_loss import held_out_loss
 
-    assets = ensure_assets(quiet=True)
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "merged").symlink_to(assets["model"])
-    args = {"script_args": dataclasses.asdict(ScriptArguments(dataset_name=str(assets["preferences"]))),
-            "dataset_mixture": dataclasses.asdict(DatasetMixtureConfig()),
-            "pack_args": dataclasses.asdict(PackArguments()), "sft_config": {"seed": 42},
-            "model_args": {"model_name_or_path": str(assets["model"])}}
-    check = summary.learning_check(run, args, 4)
-    assert (check["n"], check["rows"], check["held_out"], check["exact_match"]) == (4, 4, True, True)
-    base, trained = check["stages"]
-    assert base["loss"] == trained["loss"] > 0 and base["perplexity"] == pytest.approx(math.exp(base["loss"]))
-    assert base["correct"] == trained["correct"] == check["base_correct"] == check["trained_correct"]
-    assert check["changes"] == [{"from": "base", "to": "sft", "right_only_before": 0, "right_only_after": 0,
-                                 "mcnemar_exact_p": 1.0, "verdict": "no change"}]
-    assert check["loss"]["rows"] == 4 and check["loss"]["tokens"] >= 8  # an answer and its EOS at least, each
-    assert len(check["examples"]) == 4 and all(ex["base"] == ex["trained"] for ex in check["examples"])
-    assert check["preference"]["pairs"] == 4 and base["mean_logp_margin"] == trained["mean_logp_margin"]
+    model_dir = str(ensure_assets(quiet=True)["model"])
+    loads = []
+    monkeypatch.setattr(generation, "load", lambda d, t=None, real=generation.load: loads.append(d) or real(d, t))
+    items = [([{"role": "user", "content": f"What is {i} + 2?"}], str(i + 2)) for i in range(3)]
+    pairs = [(p, a, "16") for p, a in items]
+    got = summary.score_stage(model_dir, items, pairs)
+    assert loads == [model_dir]
+    assert got["loss"] == held_out_loss(*generation.load(model_dir), items)
+    assert len(got["answers"]) == 3 and got["long_answers"] == 0
+    assert got["margins"] == pytest.approx(summary.preference_margins(model_dir, pairs), abs=1e-5)
+    monkeypatch.setattr(summary, "SAMPLE_ROWS", 2)
+    monkeypatch.setattr(summary, "SAMPLE_TOKENS", 3)  # a random model's 64 tokens are seconds, and prove nothing more
+    long = summary.score_stage(model_dir, items + [(items[0][0], " ".join(["7 + 8 is 15"] * 8))], [])
+    assert long["long_answers"] == 1 and len(long["answers"]) == 2 and "margins" not in long
 
 
 def test_the_summary_ends_with_how_to_serve_the_run(tmp_path, monkeypatch, capsys):
