@@ -241,6 +241,27 @@ def test_a_chain_of_stages_reads_base_sft_then_the_stage_each_step_judged_on_the
         "(p < 0.05)"]
 
 
+def test_preference_rates_carry_their_intervals_too(tmp_path):
+    """The KTO run's held-out pairs (docs/training.md): the chosen answer preferred by base 57, sft 93, kto 94 of
+    100; kto's margin above sft's (the implicit reward) on 37. Wilson 95% by hand: 47.2-66.3%, 86.3-96.6%,
+    87.5-97.2%, 28.2-46.8%."""
+    check = fabricated_check({"base": [False] * 100, "sft": [True] * 100, "kto": [True] * 100},
+                             {"base": 2.7, "sft": 0.05, "kto": 0.05})
+    base = [1.0] * 57 + [-1.0] * 43  # mean +0.14
+    sft = [1.0] * 93 + [-1.0] * 7  # mean +0.86
+    kto = [1.1] * 36 + [0.9] * 57 + [0.5] + [-1.0] * 6  # 94 above 0; above sft's on 36 + 1; mean +0.854
+    summary.add_preference(check, [base, sft, kto])
+    run = fake_run(tmp_path)
+    lines = summary.render(run, json.loads((run / "metrics.json").read_text()), check).splitlines()
+    assert next(line for line in lines if line.startswith("preference on")) == (
+        "preference on 100 eval pairs, log p(chosen) > log p(rejected): base 57/100 (47.2-66.3%) margin +0.14 -> sft "
+        "93/100 (86.3-96.6%) margin +0.86 -> kto 94/100 (87.5-97.2%) margin +0.85; implicit-reward accuracy 37/100 "
+        "(28.2-46.8%)")
+    assert check["preference"]["reward_wilson95"] == [0.2818, 0.4678]
+    assert [s["preference_wilson95"] for s in check["stages"]] == [[0.4722, 0.6627], [0.8625, 0.9657],
+                                                                   [0.8752, 0.9722]]
+
+
 def test_long_answers_are_not_scored_by_exact_match_and_say_why():
     check = fabricated_check({"base": [False] * 4, "sft": [False] * 4}, {"base": 2.0, "sft": 1.0})
     check.update(exact_match=False, base_correct=None, trained_correct=None, changes=[],

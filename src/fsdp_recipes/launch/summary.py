@@ -280,6 +280,23 @@ def score_stage(model_dir: str, items: list[tuple[list[dict] | str | None, str]]
     return out
 
 
+def add_preference(check: dict, margins_per_stage: list[list[float]]) -> None:
+    """Each stage's preference for the chosen answer of the eval pairs (its log p(chosen) - log p(rejected) above 0),
+    with its Wilson 95% interval, and DPO's implicit-reward accuracy of the last stage against the one before it."""
+    for stage, m in zip(check["stages"], margins_per_stage):
+        preferred = sum(x > 0 for x in m)
+        stage.update(preference_accuracy=preferred / len(m), preferred=preferred,
+                     preference_wilson95=intervals.share(preferred, len(m))["wilson95"],
+                     mean_logp_margin=sum(m) / len(m))
+    # DPO's implicit reward r = beta * (log pi - log pi_ref), pi_ref the model the run started from: the chosen
+    # answer's reward above the rejected one's (beta > 0 leaves the sign alone)
+    reward = [t - r for t, r in zip(margins_per_stage[-1], margins_per_stage[-2])]
+    right = sum(x > 0 for x in reward)
+    check["preference"] = {"pairs": len(reward), "reward_accuracy": right / len(reward), "reward_correct": right,
+                           "reward_wilson95": intervals.share(right, len(reward))["wilson95"],
+                           "mean_reward_margin_over_beta": sum(reward) / len(reward)}
+
+
 def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=None) -> dict | None:
     """Every stage's model (base, then each run it went through: SFT, DPO) on the eval split's first `n` rows: the
     held-out loss of the reference answers (of the text, for a text field), the exact match of its greedy answers
@@ -334,15 +351,7 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
     elif not refs:
         check["exact_match_note"] = f"text rows (`{text_field}`) have no prompt to answer: the loss is the measure"
     if preference:
-        per_stage = [s["margins"] for s in scores]
-        for stage, m in zip(check["stages"], per_stage):
-            stage["preference_accuracy"] = sum(x > 0 for x in m) / len(m)
-            stage["mean_logp_margin"] = sum(m) / len(m)
-        # DPO's implicit reward r = beta * (log pi - log pi_ref), pi_ref the model the run started from: the chosen
-        # answer's reward above the rejected one's (beta > 0 leaves the sign alone)
-        reward = [t - r for t, r in zip(per_stage[-1], per_stage[-2])]
-        check["preference"] = {"pairs": len(preference), "reward_accuracy": sum(x > 0 for x in reward) / len(reward),
-                               "mean_reward_margin_over_beta": sum(reward) / len(reward)}
+        add_preference(check, [s["margins"] for s in scores])
     return check
 
 
@@ -473,9 +482,10 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
                      "answers are not held out")
     if check and check.get("preference"):
         pref = check["preference"]
-        lines.append(f"preference on {pref['pairs']} eval pairs, log p(chosen) > log p(rejected): " + " -> ".join(
-            f"{s['stage']} {100 * s['preference_accuracy']:.0f}% (margin {s['mean_logp_margin']:+.2f})"
-            for s in check["stages"]) + f"; implicit-reward accuracy {100 * pref['reward_accuracy']:.0f}%")
+        n = pref["pairs"]
+        lines.append(f"preference on {n} eval pairs, log p(chosen) > log p(rejected): " + " -> ".join(
+            f"{s['stage']} {intervals.rate_text(s['preferred'], n)} margin {s['mean_logp_margin']:+.2f}"
+            for s in check["stages"]) + f"; implicit-reward accuracy {intervals.rate_text(pref['reward_correct'], n)}")
     if check:
         for ex in check["examples"][:SHOWN_SAMPLES]:
             lines.append(
