@@ -17,12 +17,10 @@ MAX_TOKENS = 2048  # of one scored row; a longer row is cut on the right, and co
 BATCH_TOKENS = 4096  # tokens (padded) per forward: bounds the logits' memory (4096 x vocabulary x 4 bytes)
 
 
-def token_ids(tok, x) -> list[int]:
-    """Token ids of a chat (the template, tokenised) or a text (the tokenizer's special tokens added, as TRL)."""
-    if isinstance(x, list):
-        out = tok.apply_chat_template(x, tokenize=True)
-    else:
-        out = tok(x)
+def token_ids(tok, x, **chat) -> list[int]:
+    """Token ids of a chat (the template, tokenised; `chat`: apply_chat_template's options) or a text (the
+    tokenizer's special tokens added, as TRL adds them)."""
+    out = tok.apply_chat_template(x, tokenize=True, **chat) if isinstance(x, list) else tok(x)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
@@ -35,8 +33,7 @@ def sequence(tok, prompt, answer: str) -> tuple[list[int], int]:
     if prompt is None:  # language modelling: every token but the first is predicted
         return token_ids(tok, answer if answer.endswith(eos) else answer + eos), 1
     if isinstance(prompt, list):
-        head = tok.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True)
-        head = list(head["input_ids"] if hasattr(head, "keys") else head)
+        head = token_ids(tok, prompt, add_generation_prompt=True)
         full = token_ids(tok, prompt + [{"role": "assistant", "content": answer}])
     else:
         head = token_ids(tok, prompt)
