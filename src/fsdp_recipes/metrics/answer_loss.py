@@ -30,14 +30,15 @@ def sequence(tok, prompt, answer: str) -> tuple[list[int], int]:
     from trl.data_utils import common_prefix_length
 
     eos = tok.eos_token or ""
+    ended = answer if answer.endswith(eos) else answer + eos  # a text answer ends with EOS, as TRL appends it
     if prompt is None:  # language modelling: every token but the first is predicted
-        return token_ids(tok, answer if answer.endswith(eos) else answer + eos), 1
+        return token_ids(tok, ended), 1
     if isinstance(prompt, list):
         head = token_ids(tok, prompt, add_generation_prompt=True)
         full = token_ids(tok, prompt + [{"role": "assistant", "content": answer}])
     else:
         head = token_ids(tok, prompt)
-        full = token_ids(tok, prompt + (answer if answer.endswith(eos) else answer + eos))
+        full = token_ids(tok, prompt + ended)
     return full, common_prefix_length(head, full)
 
 
