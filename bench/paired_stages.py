@@ -6,37 +6,18 @@
 Wilson's score interval (95%) for each stage's share correct; for two stages, the exact McNemar test: of the rows
 where exactly one of the two is right (b: only the earlier, c: only the later), a two-sided binomial test of b
 against c with p = 1/2. A change between stages is one only where that p-value is small; the counts say how many
-answers each side fixed.
+answers each side fixed. The statistics are the package's (fsdp_recipes/metrics/intervals.py), which the end-of-run
+summary reports with; this script pairs stages across runs' sample_generations.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
-Z95 = 1.959964
-
-
-def wilson(correct: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval for a proportion (Wilson 1927; as in statsmodels' proportion_confint, method wilson)."""
-    if n == 0:
-        return (0.0, 1.0)
-    p = correct / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, centre - half), min(1.0, centre + half))
-
-
-def mcnemar_exact(b: int, c: int) -> float:
-    """Two-sided exact McNemar p-value: twice the smaller binomial tail of b + c trials at p = 1/2, at most 1."""
-    n = b + c
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n
-    return min(1.0, 2 * tail)
+from fsdp_recipes.metrics.intervals import paired, wilson
 
 
 def stage_answers(runs: list[dict]) -> tuple[list[str], dict[str, list[bool]]]:
@@ -66,10 +47,10 @@ def report(runs: list[dict]) -> dict:
         result["stages"].append({"stage": name, "correct": sum(right), "wilson95": [round(lo, 4), round(hi, 4)]})
     names = list(stages)
     for before, after in zip(names, names[1:]):
-        b = sum(x and not y for x, y in zip(stages[before], stages[after]))
-        c = sum(y and not x for x, y in zip(stages[before], stages[after]))
-        result["paired"].append({"from": before, "to": after, "only_before": b, "only_after": c,
-                                 "mcnemar_exact_p": round(mcnemar_exact(b, c), 4)})
+        change = paired(stages[before], stages[after])
+        result["paired"].append({"from": before, "to": after, "only_before": change["right_only_before"],
+                                 "only_after": change["right_only_after"],
+                                 "mcnemar_exact_p": round(change["mcnemar_exact_p"], 4)})
     return result
 
 

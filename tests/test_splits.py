@@ -141,19 +141,27 @@ def fake_run(tmp_path, dataset, **pack):
 
 
 def stand_in(calls):
-    """summary.generate without a model: the trained model answers the sum, the base model 'no'."""
-    def generate(model, prompts):
-        calls.append(prompts)
-        asked = [p if isinstance(p, str) else p[-1]["content"] for p in prompts]
-        return ["no" if model == "base-model" else str(int(q.split()[2]) + 1) for q in asked]
-    return generate
+    """summary.score_stage without a model: the trained model answers the sum and has loss 0.5, the base model
+    answers 'no' and has loss 2.0; `calls` gets the (prompt, reference) items each stage was given."""
+    import math
+
+    def score(model, items, pairs):
+        calls.append(items)
+        base = model == "base-model"
+        asked = [p if isinstance(p, str) else p[-1]["content"] for p, _ in items if p is not None]
+        loss = 2.0 if base else 0.5
+        return {"loss": {"loss": loss, "perplexity": math.exp(loss), "rows": len(items), "tokens": 3 * len(items),
+                         "rows_cut": 0, "max_tokens": 2048},
+                "answers": ["no" if base else str(int(q.split()[2].rstrip("?")) + 1) for q in asked],
+                "long_answers": 0}
+    return score
 
 
 def summarised(tmp_path, monkeypatch, capsys, data, **fields):
-    """The summary of a finished run on `data` (fake_run), its generations a stand-in: (run, calls, its output)."""
+    """The summary of a finished run on `data` (fake_run), its scores a stand-in: (run, calls, its output)."""
     run = fake_run(tmp_path, data, **fields)
     calls = []
-    monkeypatch.setattr(summary, "generate", stand_in(calls))
+    monkeypatch.setattr(summary, "score_stage", stand_in(calls))
     monkeypatch.setenv(summary.FORCE_ENV, "1")
     assert summary.main([str(run)]) == 0
     return run, calls, capsys.readouterr().out
@@ -163,8 +171,13 @@ def test_the_summary_scores_messages_data_by_its_last_assistant_turn(tmp_path, m
     rows = [{"messages": [{"role": "system", "content": "Be brief."}, *chat(i)["messages"]]} for i in range(8)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
     run, calls, out = summarised(tmp_path, monkeypatch, capsys, data, eval_split_size=0.5)
-    assert "exact match on 4 eval prompts: base model 0/4 -> trained 4/4" in out
-    assert calls[0][0][0] == {"role": "system", "content": "Be brief."} and len(calls[0][0]) == 2  # up to the answer
+    assert ("exact match on 4 eval prompts: base model 0/4 (0.0-49.0%) -> trained 4/4 (51.0-100.0%): no change "
+            "(p=0.12; 0 right only before, 4 only after)") in out  # 4 of 4 discordant rows one way: 2 x 1/16
+    assert "held-out loss on 4 eval rows (12 answer tokens): base model 2.000 (perplexity 7.39) -> trained 0.500 " \
+           "(perplexity 1.65)" in out
+    prompt, reference = calls[0][0]
+    assert prompt[0] == {"role": "system", "content": "Be brief."} and len(prompt) == 2  # up to the answer
+    assert prompt[1]["content"] == f"What is {int(reference) - 1} + 1?"
     written = json.loads((run / "sample_generations.json").read_text())
     assert written["held_out"] is True and written["split"].startswith("4 of the 8 rows of `train` held out")
     train_rows = [json.loads(line)["messages"][1]["content"] for line in data.read_text().splitlines()]
@@ -172,6 +185,47 @@ def test_the_summary_scores_messages_data_by_its_last_assistant_turn(tmp_path, m
     assert len(held) == 4 and held <= set(train_rows)
     ev = json.loads((run / "metrics.json").read_text())["eval"]
     assert (ev["prompts"], ev["trained_correct"], ev["eval_rows_in_train"]) == (4, 4, 0)
+    assert ev["held_out_loss"]["base"] == 2.0 and ev["held_out_loss"]["trained"] == 0.5
+
+
+def test_the_reference_is_the_last_assistant_turn_of_a_longer_conversation(tmp_path, monkeypatch, capsys):
+    """A conversation of several exchanges, ending on a user turn: the prompt is every turn before the last
+    assistant turn, the reference that turn's content."""
+    turns = lambda i: [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},  # noqa: E731
+                       {"role": "user", "content": f"What is {i} + 1?"}, {"role": "assistant", "content": str(i + 1)},
+                       {"role": "user", "content": "Thanks"}]
+    write_jsonl(tmp_path / "long" / "train.jsonl", [{"messages": turns(i)} for i in range(4)])
+    write_jsonl(tmp_path / "long" / "test.jsonl", [{"messages": turns(i)} for i in (7, 8)])
+    run, calls, out = summarised(tmp_path, monkeypatch, capsys, tmp_path / "long")
+    assert calls[0] == [(turns(i)[:3], str(i + 1)) for i in (7, 8)]
+    assert "exact match on 2 eval prompts: base model 0/2" in out
+
+
+SFT_FORMATS = {  # a row of each SFT format the pack reads, whose reference answer is "5" to "What is 4 + 1?"
+    "messages": {"messages": [{"role": "user", "content": "What is 4 + 1?"}, {"role": "assistant", "content": "5"}]},
+    "sharegpt": {"conversations": [{"from": "human", "value": "What is 4 + 1?"}, {"from": "gpt", "value": "5"}]},
+    "alpaca": {"instruction": "What is 4 + 1?", "input": "", "output": "5"},
+    "prompt_completion (chat)": {"prompt": [{"role": "user", "content": "What is 4 + 1?"}],
+                                 "completion": [{"role": "assistant", "content": "5"}]},
+    "prompt_completion (text)": {"prompt": "What is 4 + 1?", "completion": " 5"},
+    "prompt_response": {"prompt": "What is 4 + 1?", "response": " 5"},
+}
+
+
+@pytest.mark.parametrize("fmt", list(SFT_FORMATS))
+def test_every_sft_format_is_scored_after_its_conversion(tmp_path, monkeypatch, capsys, fmt):
+    folder = tmp_path / "data"
+    write_jsonl(folder / "train.jsonl", [SFT_FORMATS[fmt]] * 3)
+    write_jsonl(folder / "test.jsonl", [SFT_FORMATS[fmt]] * 2)
+    run, calls, out = summarised(tmp_path, monkeypatch, capsys, folder)
+    assert len(calls) == 2  # the base and the trained model, each on the eval split's 2 rows
+    prompt, reference = calls[0][0]
+    asked = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    assert asked == "What is 4 + 1?" and reference.strip() == "5"
+    assert "exact match on 2 eval prompts: base model 0/2 (0.0-65.8%) -> trained 2/2 (34.2-100.0%)" in out
+    assert "held-out loss on 2 eval rows" in out
+    written = json.loads((run / "sample_generations.json").read_text())
+    assert [(ex["expected"], ex["trained"]) for ex in written["examples"]] == [("5", "5")] * 2
 
 
 def test_the_summary_scores_plain_prompt_completion_and_never_calls_training_rows_held_out(tmp_path, monkeypatch,
@@ -179,23 +233,29 @@ def test_the_summary_scores_plain_prompt_completion_and_never_calls_training_row
     data = write_jsonl(tmp_path / "plain.jsonl",
                        [{"prompt": f"What is {i} + 1? ", "completion": f" {i + 1}"} for i in range(5)])
     run, calls, out = summarised(tmp_path, monkeypatch, capsys, data)
-    assert "exact match on 5 training prompts (not held out): base model 0/5 -> trained 5/5" in out
+    assert "exact match on 5 training prompts (not held out): base model 0/5 (0.0-43.4%) -> trained 5/5" in out
+    assert "loss on 5 training rows (not held out) (15 answer tokens): base model 2.000" in out
+    assert "held-out loss" not in out
     assert "the data has no eval split (test, validation, valid, eval, dev): these rows were trained on" in out
     assert "eval prompts" not in out
-    assert calls[0][0] == "What is 0 + 1? "  # a text prompt, generated from as it is
+    assert calls[0][0] == ("What is 0 + 1? ", " 1")  # a text prompt, generated from as it is; the completion unstripped
     ev = json.loads((run / "metrics.json").read_text())["eval"]
     assert ev["held_out"] is False and ev["split"].startswith("training rows, not held out")
     assert json.loads((run / "sample_generations.json").read_text())["examples"][0]["expected"] == "1"
 
 
-def test_text_data_has_nothing_to_score_and_says_so(tmp_path, monkeypatch, capsys):
-    run = fake_run(tmp_path, write_jsonl(tmp_path / "t.jsonl", [{"text": "a b"}] * 3))
-    monkeypatch.setattr(summary, "generate", lambda *a: pytest.fail("generated for data without prompts"))
-    monkeypatch.setenv(summary.FORCE_ENV, "1")
-    assert summary.main([str(run)]) == 0
-    assert ("generations skipped: the data (text) has no prompt with an expected answer to score"
-            in capsys.readouterr().out)
-    assert not (run / "sample_generations.json").exists()
+def test_text_data_is_scored_by_its_loss_alone(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "t"
+    write_jsonl(data / "train.jsonl", [{"text": "a b"}] * 3)
+    write_jsonl(data / "test.jsonl", [{"text": "c d"}] * 2)
+    run, calls, out = summarised(tmp_path, monkeypatch, capsys, data)
+    assert calls == [[(None, "c d")] * 2] * 2  # each model: the eval texts, no prompt
+    assert "held-out loss on 2 eval rows (6 tokens): base model 2.000 (perplexity 7.39) -> trained 0.500" in out
+    assert "exact match not scored: text rows (`text`) have no prompt to answer: the loss is the measure" in out
+    written = json.loads((run / "sample_generations.json").read_text())
+    assert written["examples"] == [] and written["exact_match"] is False
+    ev = json.loads((run / "metrics.json").read_text())["eval"]
+    assert ev["base_correct"] is None and ev["held_out_loss"]["trained_perplexity"] == pytest.approx(1.6487, abs=1e-4)
 
 
 @pytest.mark.parametrize("size", ["-0.1", "2.5"])

@@ -1,6 +1,7 @@
 """The end-of-run summary prints what a terminal shows cleanly, and generates samples only where that is cheap."""
 
 import json
+import math
 
 import pytest
 
@@ -163,25 +164,116 @@ def test_the_launcher_tells_the_summary_its_node(monkeypatch):
     assert launcher.summary_args("runs/x") == ["runs/x", "--machine-rank", "0"]
 
 
+def fabricated_check(correct: dict[str, list[bool]], loss: dict[str, float], held_out: bool = True) -> dict:
+    """What learning_check returns for stages whose answers were right or wrong as `correct` says (the first
+    stage is the base model), with these held-out losses: the paired counts and intervals as it computes them."""
+    from fsdp_recipes.metrics import intervals
+
+    names = list(correct)
+    n = len(correct[names[0]])
+    right = list(correct.values())
+    examples = [{"prompt": f"What is {i} + 1?", "expected": str(i + 1), "base": str(i + 1) if right[0][i] else "no",
+                 "trained": str(i + 1) if right[-1][i] else "no"} for i in range(n)]
+    return {
+        "n": n, "rows": n, "held_out": held_out, "split": "the `test` split (100 rows)", "eval_rows_in_train": 0,
+        "exact_match": True, "base_correct": sum(right[0]), "trained_correct": sum(right[-1]),
+        "base_model": "base", "trained_model": "merged",
+        "loss": {"rows": n, "tokens": 3 * n, "rows_cut": 0, "max_tokens": 2048},
+        "stages": [{"stage": name, "model": name, **intervals.share(sum(r), n), "loss": loss[name],
+                    "perplexity": math.exp(loss[name])} for name, r in correct.items()],
+        "changes": [{"from": a, "to": b, **intervals.paired(correct[a], correct[b])} for a, b in zip(names, names[1:])],
+        "examples": examples,
+    }
+
+
 def test_the_exact_match_goes_into_metrics_json_and_the_console(tmp_path, monkeypatch, capsys):
     """The counts the summary prints are the ones metrics.json's `eval` section keeps, next to the report's own
     fields; every answer goes to sample_generations.json."""
     run = fake_run(tmp_path)
-    examples = [{"prompt": f"What is {i} + 1?", "expected": str(i + 1), "base": "no", "trained": str(i + 1)}
-                for i in range(100)]
-    check = {"n": 100, "base_correct": 0, "trained_correct": 100, "base_model": "base", "trained_model": "merged",
-             "examples": examples}
+    check = fabricated_check({"base": [False] * 100, "sft": [True] * 100}, {"base": 2.5, "sft": 0.25})
     monkeypatch.setattr(summary, "model_size", lambda _: (1000, 4000))  # small: generate
     monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args, n, cfg=None: check)
     assert summary.main([str(run)]) == 0
     out = capsys.readouterr().out
-    assert "exact match on 100 eval prompts: base model 0/100 -> trained 100/100" in out
+    # Wilson 95% for 0/100 and 100/100: 0-3.70% and 96.30-100% (Newcombe's closed form, z = 1.96: z^2/(n + z^2));
+    # exact McNemar for 100 rows right only after: 2 / 2^100
+    assert ("exact match on 100 eval prompts: base model 0/100 (0.0-3.7%) -> trained 100/100 (96.3-100.0%): better "
+            "(p<0.001; 0 right only before, 100 only after)") in out
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["status"] == "completed" and metrics["world_size"] == 16  # the report's fields are kept
     ev = metrics["eval"]
     assert (ev["prompts"], ev["base_correct"], ev["trained_correct"]) == (100, 0, 100)
-    assert ev["samples"] == examples[:summary.SHOWN_SAMPLES]
-    assert json.loads((run / "sample_generations.json").read_text())["examples"] == examples
+    assert [s["wilson95"] for s in ev["stages"]] == [[0.0, 0.037], [0.963, 1.0]]
+    assert ev["changes"][0]["verdict"] == "better" and ev["changes"][0]["mcnemar_exact_p"] == 2 / 2 ** 100
+    assert (ev["held_out_loss"]["base"], ev["held_out_loss"]["trained"]) == (2.5, 0.25)
+    assert ev["samples"] == check["examples"][:summary.SHOWN_SAMPLES]
+    assert json.loads((run / "sample_generations.json").read_text())["examples"] == check["examples"]
+
+
+def test_93_to_92_of_the_same_100_reads_no_change():
+    """93 -> 92 right of 100, the trained model right on 3 the base model missed and wrong on 4 it got: 7
+    discordant rows, 4 against 3, exact McNemar p = 2 x P(X <= 3 | X ~ Bin(7, 1/2)) = 2 x 64/128 = 1. Wilson 95%:
+    93/100 86.25-96.57%, 92/100 85.00-95.89% (Newcombe 1998's closed form, by hand)."""
+    base = [True] * 89 + [True] * 4 + [False] * 3 + [False] * 4
+    trained = [True] * 89 + [False] * 4 + [True] * 3 + [False] * 4
+    check = fabricated_check({"base": base, "sft": trained}, {"base": 0.31, "sft": 0.3})
+    assert summary.eval_lines(check) == [
+        "held-out loss on 100 eval rows (300 answer tokens): base model 0.310 (perplexity 1.36) -> trained 0.300 "
+        "(perplexity 1.35)",
+        "exact match on 100 eval prompts: base model 93/100 (86.3-96.6%) -> trained 92/100 (85.0-95.9%): no change "
+        "(p=1.00; 4 right only before, 3 only after)",
+        "            95% Wilson intervals; a change: exact McNemar test on the prompts only one side got right "
+        "(p < 0.05)"]
+
+
+def test_a_chain_of_stages_reads_base_sft_then_the_stage_each_step_judged_on_the_same_prompts():
+    """DPO, GRPO, KTO, RLOO after SFT: base -> sft -> <kind>. 10 prompts: the base model right on none, SFT on 7
+    (7 right only after: p = 2/2^7 = 0.0156), DPO on 6 of those 7 (1 right only before: p = 1)."""
+    check = fabricated_check({"base": [False] * 10, "sft": [True] * 7 + [False] * 3,
+                              "dpo": [True] * 6 + [False] * 4}, {"base": 3.0, "sft": 0.5, "dpo": 0.6})
+    assert summary.eval_lines(check) == [
+        "held-out loss on 10 eval rows (30 answer tokens): base 3.000 (perplexity 20.1) -> sft 0.500 (perplexity "
+        "1.65) -> dpo 0.600 (perplexity 1.82)",
+        "exact match on 10 eval prompts: base 0/10 (0.0-27.8%) -> sft 7/10 (39.7-89.2%) -> dpo 6/10 (31.3-83.2%)",
+        "            on the same prompts: base -> sft better (p=0.016; 0 right only before, 7 only after); sft -> dpo "
+        "no change (p=1.00; 1 right only before, 0 only after)",
+        "            95% Wilson intervals; a change: exact McNemar test on the prompts only one side got right "
+        "(p < 0.05)"]
+
+
+def test_preference_rates_carry_their_intervals_too(tmp_path):
+    """The KTO run's held-out pairs (docs/training.md): the chosen answer preferred by base 57, sft 93, kto 94 of
+    100; kto's margin above sft's (the implicit reward) on 37. Wilson 95% by hand: 47.2-66.3%, 86.3-96.6%,
+    87.5-97.2%, 28.2-46.8%."""
+    check = fabricated_check({"base": [False] * 100, "sft": [True] * 100, "kto": [True] * 100},
+                             {"base": 2.7, "sft": 0.05, "kto": 0.05})
+    base = [1.0] * 57 + [-1.0] * 43  # mean +0.14
+    sft = [1.0] * 93 + [-1.0] * 7  # mean +0.86
+    kto = [1.1] * 36 + [0.9] * 57 + [0.5] + [-1.0] * 6  # 94 above 0; above sft's on 36 + 1; mean +0.854
+    summary.add_preference(check, [base, sft, kto])
+    run = fake_run(tmp_path)
+    lines = summary.render(run, json.loads((run / "metrics.json").read_text()), check).splitlines()
+    assert next(line for line in lines if line.startswith("preference on")) == (
+        "preference on 100 eval pairs, log p(chosen) > log p(rejected): base 57/100 (47.2-66.3%) margin +0.14 -> sft "
+        "93/100 (86.3-96.6%) margin +0.86 -> kto 94/100 (87.5-97.2%) margin +0.85; implicit-reward accuracy 37/100 "
+        "(28.2-46.8%)")
+    assert check["preference"]["reward_wilson95"] == [0.2818, 0.4678]
+    assert [s["preference_wilson95"] for s in check["stages"]] == [[0.4722, 0.6627], [0.8625, 0.9657],
+                                                                   [0.8752, 0.9722]]
+
+
+def test_long_answers_are_not_scored_by_exact_match_and_say_why():
+    check = fabricated_check({"base": [False] * 4, "sft": [False] * 4}, {"base": 2.0, "sft": 1.0})
+    check.update(exact_match=False, base_correct=None, trained_correct=None, changes=[],
+                 exact_match_note="3 of the 4 reference answers are over 16 tokens (exact match is for short "
+                                  "answers; the loss is the measure)")
+    for stage in check["stages"]:
+        stage.update(correct=None)
+    lines = summary.eval_lines(check)
+    assert lines[0].startswith("held-out loss on 4 eval rows (12 answer tokens): base model 2.000")
+    assert lines[1:] == ["exact match not scored: 3 of the 4 reference answers are over 16 tokens (exact match is for "
+                         "short answers; the loss is the measure)"]
+    assert summary.eval_section(check)["base_correct"] is None
 
 
 def test_preference_margins_are_the_answers_log_probabilities(cache_dir):
@@ -209,6 +301,73 @@ def test_preference_margins_are_the_answers_log_probabilities(cache_dir):
 
     expected = [alone(p, c) - alone(p, r) for p, c, r in pairs]
     assert summary.preference_margins(model_dir, pairs) == pytest.approx(expected, abs=1e-4)
+
+
+def test_held_out_loss_is_the_mean_log_likelihood_of_the_tokens_sft_trains_on(cache_dir):
+    """metrics/answer_loss.held_out_loss against each row scored on its own, unpadded, on the tiny model: a chat
+    prompt's answer tokens (after the rendered prompt: the answer and the template's EOS), a text prompt's completion
+    with the EOS TRL appends, and a text row's every token after the first; the loss is their mean negative
+    log-likelihood per token, the perplexity its exponential. Batched in a few tokens or many, the same."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.metrics import answer_loss
+
+    model_dir = str(ensure_assets(quiet=True)["model"])
+    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    items = [(chat, "5"), ("What is 9 + 9?", " 18"), (None, "What is 1 + 1? 2")]
+
+    def alone(ids: list[int], start: int):  # (summed log p of tokens start.. of the row, how many)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+        return sum(float(logp[t - 1, ids[t]]) for t in range(start, len(ids))), len(ids) - start
+
+    eos = tok.eos_token
+    head = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    full = tok.apply_chat_template(chat + [{"role": "assistant", "content": "5"}], tokenize=False)
+    assert full.startswith(head) and full.endswith(eos)
+    ids = lambda text, special=True: tok(text, add_special_tokens=special)["input_ids"]  # noqa: E731
+    parts = [alone(ids(full, False), len(ids(head, False))),  # the template writes its own BOS
+             alone(ids("What is 9 + 9? 18" + eos), len(ids("What is 9 + 9?"))),  # special tokens as TRL adds them
+             alone(ids("What is 1 + 1? 2" + eos), 1)]
+    total, tokens = sum(s for s, _ in parts), sum(n for _, n in parts)
+    got = answer_loss.held_out_loss(model, tok, items)
+    assert got["tokens"] == tokens and (got["rows"], got["rows_cut"]) == (3, 0)
+    assert got["loss"] == pytest.approx(-total / tokens, abs=1e-4)
+    assert got["perplexity"] == pytest.approx(math.exp(-total / tokens), rel=1e-4)
+    rows = [answer_loss.sequence(tok, p, a) for p, a in items]
+    one_by_one = answer_loss.token_logps(model, tok, rows, batch_tokens=1)  # a batch per row
+    together = answer_loss.token_logps(model, tok, rows)
+    assert [n for _, n, _ in one_by_one] == [n for _, n, _ in together] == [n for _, n in parts]
+    assert [s for s, _, _ in one_by_one] == pytest.approx([s for s, _, _ in together], abs=1e-4)
+    short = answer_loss.token_logps(model, tok, rows[:1], max_tokens=len(rows[0][0]) - 1)
+    assert short[0][1] == parts[0][1] - 1 and short[0][2] is True  # cut on the right: its last token not scored
+
+
+def test_a_stage_is_scored_with_one_load_of_a_real_model(cache_dir, monkeypatch):
+    """summary.score_stage on the tiny model: the loss of the references, greedy answers to every prompt where every
+    reference is short, and the preference margins, from one load; a reference over 16 tokens turns the exact match
+    off and leaves SAMPLE_ROWS prompts answered (up to SAMPLE_TOKENS tokens), to read."""
+    from fsdp_recipes.assets import generation
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.metrics.answer_loss import held_out_loss
+
+    model_dir = str(ensure_assets(quiet=True)["model"])
+    loads = []
+    monkeypatch.setattr(generation, "load", lambda d, t=None, real=generation.load: loads.append(d) or real(d, t))
+    items = [([{"role": "user", "content": f"What is {i} + 2?"}], str(i + 2)) for i in range(3)]
+    pairs = [(p, a, "16") for p, a in items]
+    got = summary.score_stage(model_dir, items, pairs)
+    assert loads == [model_dir]
+    assert got["loss"] == held_out_loss(*generation.load(model_dir), items)
+    assert len(got["answers"]) == 3 and got["long_answers"] == 0
+    assert got["margins"] == pytest.approx(summary.preference_margins(model_dir, pairs), abs=1e-5)
+    monkeypatch.setattr(summary, "SAMPLE_ROWS", 2)
+    monkeypatch.setattr(summary, "SAMPLE_TOKENS", 3)  # a random model's 64 tokens are seconds, and prove nothing more
+    long = summary.score_stage(model_dir, items + [(items[0][0], " ".join(["7 + 8 is 15"] * 8))], [])
+    assert long["long_answers"] == 1 and len(long["answers"]) == 2 and "margins" not in long
 
 
 def test_the_summary_ends_with_how_to_serve_the_run(tmp_path, monkeypatch, capsys):

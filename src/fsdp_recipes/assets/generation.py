@@ -4,12 +4,11 @@ exact match and the DPO demo's on-policy preference pairs (addition_preferences.
 
 from __future__ import annotations
 
+ANSWER_TOKENS = 8  # generated per answer unless the caller asks for more (the summary: for longer answers)
 
-def generate(model_dir: str, prompts: list[list[dict] | str], tokenizer_dir: str | None = None,
-             batch_size: int = 128) -> list[str]:
-    """Greedy answers to chat prompts (rendered with the chat template) or plain-text ones (as they are), in batches
-    of `batch_size` with left padding; plain transformers, CPU or GPU; the model is loaded once."""
-    import torch
+
+def load(model_dir: str, tokenizer_dir: str | None = None):
+    """(model in eval mode, tokenizer padding on the left) from a saved model folder; plain transformers."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -18,7 +17,16 @@ def generate(model_dir: str, prompts: list[list[dict] | str], tokenizer_dir: str
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.eval()
-    answers = []
+    return model, tok
+
+
+def answers(model, tok, prompts: list[list[dict] | str], batch_size: int = 128,
+            max_new_tokens: int = ANSWER_TOKENS) -> list[str]:
+    """Greedy answers of a loaded model (load) to chat prompts (rendered with the chat template) or plain-text ones
+    (as they are), in batches of `batch_size` with left padding, stripped."""
+    import torch
+
+    out_texts = []
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i:i + batch_size]
         # a plain-text prompt is the model's input as it is, with the tokenizer's special tokens as TRL adds them
@@ -27,6 +35,14 @@ def generate(model_dir: str, prompts: list[list[dict] | str], tokenizer_dir: str
                                      for p in batch]
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=plain)
         with torch.no_grad():
-            out = model.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-        answers += [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]
-    return answers
+            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        out_texts += [tok.decode(o[enc["input_ids"].shape[1]:], skip_special_tokens=True).strip() for o in out]
+    return out_texts
+
+
+def generate(model_dir: str, prompts: list[list[dict] | str], tokenizer_dir: str | None = None,
+             batch_size: int = 128, max_new_tokens: int = ANSWER_TOKENS) -> list[str]:
+    """Greedy answers to chat prompts or plain-text ones (answers), the model loaded once (load)."""
+    model, tok = load(model_dir, tokenizer_dir)
+    return answers(model, tok, prompts, batch_size, max_new_tokens)

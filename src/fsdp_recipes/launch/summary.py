@@ -2,8 +2,11 @@
 
     python -m fsdp_recipes.launch.summary runs/tiny-cpu-lora [--generate | --no-generate]
 
-Loads the base model and the trained model with plain transformers (no FSDP, no accelerate) and generates
-answers to the eval split's prompts, so the summary doubles as a check that the saved model reloads.
+Loads the base model and the trained model (and any stage between: base -> sft -> dpo) with plain transformers (no
+FSDP, no accelerate) and scores each on the same rows of the eval split: the held-out loss and perplexity of the
+reference answers, and where the answers are short the exact match of its greedy answers, with 95% Wilson intervals
+and an exact McNemar test between consecutive stages (metrics/intervals.py). The summary doubles as a check that
+the saved model reloads.
 
 That holds two whole models in host memory, so the generations run only where that is cheap: on the first node of
 a job (the launcher runs this on every node), and for a model under 1B parameters (counted from the safetensors
@@ -24,8 +27,7 @@ from pathlib import Path
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.train import kinds
 from fsdp_recipes.metrics.report import human_bytes
-from fsdp_recipes.assets.generation import generate
-from fsdp_recipes.metrics import gates, metrics_file
+from fsdp_recipes.metrics import gates, intervals, metrics_file
 
 
 def run_settings(run_args: dict, cfg=None):
@@ -48,9 +50,10 @@ def run_settings(run_args: dict, cfg=None):
 
 
 def scored_rows(run_args: dict, limit: int, cfg=None):
-    """(rows, held_out, shared): the first `limit` rows of the run's eval split, found or carved off as the run did
-    (train/loading.py held_out, the same seed), and a description of it; without an eval split the first training
-    rows and held_out None (they are not called held out); shared: how many of the rows are training rows too."""
+    """(rows, held_out, shared, text field): the first `limit` rows of the run's eval split, found or carved off as
+    the run did (train/loading.py held_out, the same seed), and a description of it; without an eval split the first
+    training rows and held_out None (they are not called held out); shared: how many of the rows are training rows
+    too; the text field a language-modelling row holds its text in."""
     import copy
 
     from fsdp_recipes.train.loading import held_out, load_raw, shared_rows
@@ -60,7 +63,7 @@ def scored_rows(run_args: dict, limit: int, cfg=None):
     train, evaluation, how = held_out(ds, copy.copy(script), pack, seed, script.dataset_name or "mixture")
     rows = train if evaluation is None else evaluation
     rows = rows.select(range(min(limit, len(rows))))
-    return rows, how, (shared_rows(train, rows) if evaluation is not None else 0)
+    return rows, how, (shared_rows(train, rows) if evaluation is not None else 0), text_field
 
 
 def eval_rows(run_args: dict, limit: int, cfg=None):
@@ -72,30 +75,47 @@ def answer(turns) -> str:
     return turns[-1]["content"] if isinstance(turns, list) else str(turns)
 
 
+def explicit_prompts(rows):
+    """Preference pairs whose prompt is inside the answers (the implicit-prompt layout) with the prompt taken out as
+    TRL's DPOTrainer takes it (trl.data_utils.maybe_extract_prompt); other rows as they are."""
+    if "prompt" in rows.column_names or not {"chosen", "rejected"} <= set(rows.column_names) or not len(rows):
+        return rows
+    from trl.data_utils import maybe_extract_prompt
+
+    return rows.map(maybe_extract_prompt)
+
+
 def chat_rows(rows, columns: set[str]) -> bool:
     """Whether the rows hold these columns and chat prompts (the summary generates from chat prompts only)."""
     return columns <= set(rows.column_names) and len(rows) > 0 and isinstance(rows[0]["prompt"], list)
 
 
 def prompts_of(rows) -> list[tuple[list[dict] | str, str]]:
-    """(prompt, expected answer): from prompt-completion rows, chat or plain text (a text prompt is generated from as
-    it is, without the chat template); from `messages` (the turns before the last assistant turn, which is the
-    expected answer); from preference pairs (the chosen answer) or labelled answers (those labelled desirable);
+    """(prompt, reference answer) of every row that has both, as it is written (the exact match strips both sides):
+    from prompt-completion rows, chat or plain text (a text prompt is generated from as it is, without the chat
+    template); from `messages` (ShareGPT's converted too; the turns before the last assistant turn, which is the
+    reference); from preference pairs (the chosen answer) or labelled answers (those labelled desirable);
     [] for other layouts (a text field has no prompt to answer)."""
     if "messages" in rows.column_names and "prompt" not in rows.column_names:
         out = []
         for r in rows:
             turns = r["messages"] or []
             last = max((i for i, t in enumerate(turns) if t.get("role") == "assistant"), default=None)
-            if last:  # an assistant turn after at least one turn to answer
+            if last and isinstance(turns[last].get("content"), str):  # an answer after at least one turn to answer
                 out.append((turns[:last], turns[last]["content"]))
         return out
     key = next((k for k in ("completion", "chosen") if k in rows.column_names), None)
     if key is None or "prompt" not in rows.column_names or not len(rows):
         return []
     labelled = "label" in rows.column_names  # unpaired preference rows: an undesirable answer is not the expected one
-    return [(r["prompt"], answer(r[key]).strip() if isinstance(r["prompt"], str) else answer(r[key]))
-            for r in rows if not labelled or r["label"] is True]
+    return [(r["prompt"], answer(r[key])) for r in rows if not labelled or r["label"] is True]
+
+
+def texts_of(rows, text_field: str) -> list[str]:
+    """The texts of language-modelling rows (a text field, no prompt): scored by their loss only."""
+    if text_field not in rows.column_names or "prompt" in rows.column_names:
+        return []
+    return [r[text_field] for r in rows if isinstance(r[text_field], str) and r[text_field]]
 
 
 def pairs_of(rows) -> list[tuple[list[dict], str, str]]:
@@ -107,7 +127,7 @@ def pairs_of(rows) -> list[tuple[list[dict], str, str]]:
 
 def load_prompts(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str]]:
     """prompts_of the run's eval split's first `limit` rows."""
-    return prompts_of(eval_rows(run_args, limit, cfg))
+    return prompts_of(explicit_prompts(eval_rows(run_args, limit, cfg)))
 
 
 def stages(run_dir: Path, run_args: dict, trained: Path) -> list[tuple[str, str]]:
@@ -190,7 +210,7 @@ def skip_generations(run_dir: Path, trained: Path, machine_rank: str, force: boo
     return None
 
 
-EVAL_PROMPTS = 128  # at most this many eval prompts are generated for, twice (base and trained model)
+EVAL_PROMPTS = 128  # at most this many eval rows are scored, by every stage (base and trained model, ...)
 PROMPTS_ENV = "FSDP_RECIPES_SUMMARY_PROMPTS"  # fewer (or more) eval prompts than EVAL_PROMPTS
 SHOWN_SAMPLES = 3
 
@@ -212,111 +232,156 @@ def settings() -> tuple[int, str]:
     return eval_prompts(), generation_setting()
 
 
-def answer_logps(model, tok, prompt: list[dict], answers: list[str], batch_size: int = 16) -> list[float]:
-    """log p(answer | chat prompt) of each answer, summed over its tokens. The answer's tokens are those after the
-    longest common prefix of the prompt's and the full conversation's token ids (TRL's way: a template need not
-    render the prompt as a prefix of the whole); padding on the right, logsumexp instead of a full log_softmax."""
-    import torch
-    from trl.data_utils import common_prefix_length
-
-    def ids(x):
-        return list(x["input_ids"] if hasattr(x, "keys") else x)
-
-    rows, starts = [], []
-    for p, a in zip(prompt, answers):
-        head = ids(tok.apply_chat_template(p, tokenize=True, add_generation_prompt=True))
-        full = ids(tok.apply_chat_template(p + [{"role": "assistant", "content": a}], tokenize=True))
-        rows.append(full)
-        starts.append(common_prefix_length(head, full))
-    out = []
-    for i in range(0, len(rows), batch_size):
-        chunk, first = rows[i:i + batch_size], starts[i:i + batch_size]
-        width = max(len(r) for r in chunk)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in chunk])
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk])
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
-        targets = input_ids[:, 1:]
-        token_logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-        position = torch.arange(targets.shape[1]).unsqueeze(0)  # target t is token t + 1 of the row
-        answer = (position >= torch.tensor(first).unsqueeze(1) - 1) & mask[:, 1:].bool()
-        out += (token_logps * answer).sum(-1).tolist()
-    return out
+SHORT_ANSWER_TOKENS = 16  # exact match is scored where every reference answer is at most this many tokens
+SAMPLE_TOKENS = 64  # where some are longer: generated per answer, to read (not scored) ...
+SAMPLE_ROWS = 16  # ... for this many prompts
 
 
-def preference_margins(model_dir: str, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
+def margins(model, tok, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
     """log p(chosen) - log p(rejected) of each pair's answer after its chat prompt (the quantity DPO's implicit
-    reward is built from); plain transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    reward is built from), summed over the answer's tokens (metrics/answer_loss.py)."""
+    from fsdp_recipes.metrics.answer_loss import answer_logps
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    model.eval()
     prompts = [p for p, _, _ in pairs]
     chosen = answer_logps(model, tok, prompts, [c for _, c, _ in pairs])
     rejected = answer_logps(model, tok, prompts, [r for _, _, r in pairs])
     return [c - r for c, r in zip(chosen, rejected)]
 
 
+def preference_margins(model_dir: str, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
+    """margins of a saved model; plain transformers."""
+    from fsdp_recipes.assets.generation import load
+
+    return margins(*load(model_dir), pairs)
+
+
+def score_stage(model_dir: str, items: list[tuple[list[dict] | str | None, str]],
+                pairs: list[tuple[list[dict], str, str]]) -> dict:
+    """One model's scores on the scored rows, the model loaded once with plain transformers: `loss`, the held-out
+    loss of the reference answers (prompt None: of the text; metrics/answer_loss.py); `answers`, its greedy answers
+    to the prompts, all of them where every reference is at most SHORT_ANSWER_TOKENS tokens (`long_answers` 0),
+    else the first SAMPLE_ROWS up to SAMPLE_TOKENS tokens each; `margins` on preference pairs."""
+    from fsdp_recipes.assets import generation
+    from fsdp_recipes.metrics.answer_loss import held_out_loss
+
+    model, tok = generation.load(model_dir)
+    out = {"loss": held_out_loss(model, tok, items), "answers": [], "long_answers": 0}
+    prompted = [(p, a) for p, a in items if p is not None]
+    if prompted:
+        lengths = [len(tok(a.strip(), add_special_tokens=False)["input_ids"]) for _, a in prompted]
+        out["long_answers"] = sum(n > SHORT_ANSWER_TOKENS for n in lengths)
+        if out["long_answers"]:
+            prompts, cap = [p for p, _ in prompted[:SAMPLE_ROWS]], SAMPLE_TOKENS
+        else:  # room to see the answer end: a model that goes on past the expected answer does not match it
+            prompts, cap = [p for p, _ in prompted], max(generation.ANSWER_TOKENS, max(lengths) + 2)
+        out["answers"] = generation.answers(model, tok, prompts, max_new_tokens=cap)
+    if pairs:
+        out["margins"] = margins(model, tok, pairs)
+    return out
+
+
+def add_preference(check: dict, margins_per_stage: list[list[float]]) -> None:
+    """Each stage's preference for the chosen answer of the eval pairs (its log p(chosen) - log p(rejected) above 0),
+    with its Wilson 95% interval, and DPO's implicit-reward accuracy of the last stage against the one before it."""
+    for stage, m in zip(check["stages"], margins_per_stage):
+        preferred = sum(x > 0 for x in m)
+        stage.update(preference_accuracy=preferred / len(m), preferred=preferred,
+                     preference_wilson95=intervals.share(preferred, len(m))["wilson95"],
+                     mean_logp_margin=sum(m) / len(m))
+    # DPO's implicit reward r = beta * (log pi - log pi_ref), pi_ref the model the run started from: the chosen
+    # answer's reward above the rejected one's (beta > 0 leaves the sign alone)
+    reward = [t - r for t, r in zip(margins_per_stage[-1], margins_per_stage[-2])]
+    right = sum(x > 0 for x in reward)
+    check["preference"] = {"pairs": len(reward), "reward_accuracy": right / len(reward), "reward_correct": right,
+                           "reward_wilson95": intervals.share(right, len(reward))["wilson95"],
+                           "mean_reward_margin_over_beta": sum(reward) / len(reward)}
+
+
 def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=None) -> dict | None:
-    """Exact-match accuracy of every stage's model (base, then each run it went through: SFT, DPO) on the eval
-    split's first `n` prompts; for preference data also each model's preference for the chosen answer."""
+    """Every stage's model (base, then each run it went through: SFT, DPO) on the eval split's first `n` rows: the
+    held-out loss of the reference answers (of the text, for a text field), the exact match of its greedy answers
+    where the answers are short, with 95% intervals and a paired test between consecutive stages; for preference
+    data also each model's preference for the chosen answer."""
     trained = trained_model_dir(run_dir)
     if trained is None:
         return None
-    rows, held, shared = scored_rows(run_args, n, cfg)  # loaded once: the prompts and, on preference data, the pairs
-    pairs = prompts_of(rows)
-    if not pairs:
-        return {"n": 0, "note": f"skipped: the data ({', '.join(rows.column_names)}) has no prompt with an expected "
-                                "answer to score (chat `messages`, or prompt + completion)"}
-    prompts = [p for p, _ in pairs]
-    expected = [a for _, a in pairs]
+    rows, held, shared, text_field = scored_rows(run_args, n, cfg)  # loaded once: the prompts and any pairs
+    rows = explicit_prompts(rows)
+    refs = prompts_of(rows)
+    items = refs or [(None, t) for t in texts_of(rows, text_field)]
+    if not items:
+        return {"n": 0, "rows": 0,
+                "note": f"skipped: the data ({', '.join(rows.column_names)}) has no prompt with an expected answer "
+                        f"and no `{text_field}` text to score (chat `messages`, prompt + completion, or a text field)"}
+    preference = pairs_of(rows)
     chain = stages(run_dir, run_args, trained)
-    answers = [generate(model, prompts) for _, model in chain]
-    score = lambda outs: sum(o == e for o, e in zip(outs, expected))  # noqa: E731
+    scores = [score_stage(model, items, preference) for _, model in chain]
+    expected = [a.strip() for _, a in refs]
+    long = max(s["long_answers"] for s in scores)  # every stage generated for every prompt, or none scored
+    right = [[o == e for o, e in zip(s["answers"], expected)] for s in scores] if refs and not long else None
     check = {
-        "n": len(pairs),
+        "n": len(refs),
+        "rows": len(items),
         "held_out": held is not None,
         "split": held or "training rows, not held out: the data has no eval split (eval_split_size holds rows out)",
         "eval_rows_in_train": shared,
-        "base_correct": score(answers[0]),
-        "trained_correct": score(answers[-1]),
+        "exact_match": right is not None,
+        "base_correct": sum(right[0]) if right else None,
+        "trained_correct": sum(right[-1]) if right else None,
         "base_model": chain[0][1],
         "trained_model": str(trained),
-        "stages": [{"stage": name, "model": model, "correct": score(outs)} for (name, model), outs in
-                   zip(chain, answers)],
+        "loss": {k: scores[-1]["loss"][k] for k in ("rows", "tokens", "rows_cut", "max_tokens")},
+        "stages": [{"stage": name, "model": model,
+                    **(intervals.share(sum(r), len(r)) if right else {"correct": None}),
+                    "loss": s["loss"]["loss"], "perplexity": s["loss"]["perplexity"]}
+                   for (name, model), s, r in zip(chain, scores, right or [None] * len(chain))],
+        "changes": [{"from": a, "to": b, **intervals.paired(ra, rb)}
+                    for (a, _), (b, _), ra, rb in zip(chain, chain[1:], right, right[1:])] if right else [],
         "examples": [
-            {"prompt": p if isinstance(p, str) else p[-1]["content"], "expected": e, "base": outs[0],
-             "trained": outs[-1]}
-            for p, e, *outs in zip(prompts, expected, *answers)
+            {"prompt": p if isinstance(p, str) else p[-1]["content"], "expected": e,
+             "base": outs[0], "trained": outs[-1], **({"stage_answers": list(outs)} if len(chain) > 2 else {})}
+            for (p, _), e, *outs in zip(refs, expected, *(s["answers"] for s in scores))
         ],
     }
-    preference = pairs_of(rows)
+    if refs and long:
+        check["exact_match_note"] = (
+            f"{long} of the {len(refs)} reference answers are over {SHORT_ANSWER_TOKENS} tokens (exact match is for "
+            f"short answers; the loss is the measure); sample_generations.json has the first {SAMPLE_ROWS} prompts "
+            f"answered, up to {SAMPLE_TOKENS} tokens each")
+    elif not refs:
+        check["exact_match_note"] = f"text rows (`{text_field}`) have no prompt to answer: the loss is the measure"
     if preference:
-        margins = [preference_margins(model, preference) for _, model in chain]
-        for stage, m in zip(check["stages"], margins):
-            stage["preference_accuracy"] = sum(x > 0 for x in m) / len(m)
-            stage["mean_logp_margin"] = sum(m) / len(m)
-        # DPO's implicit reward r = beta * (log pi - log pi_ref), pi_ref the model the run started from: the chosen
-        # answer's reward above the rejected one's (beta > 0 leaves the sign alone)
-        reward = [t - r for t, r in zip(margins[-1], margins[-2])]
-        check["preference"] = {"pairs": len(preference), "reward_accuracy": sum(x > 0 for x in reward) / len(reward),
-                               "mean_reward_margin_over_beta": sum(reward) / len(reward)}
+        add_preference(check, [s["margins"] for s in scores])
     return check
 
 
 def eval_section(check: dict) -> dict:
-    """metrics.json's `eval`: the exact-match counts and where they came from; every answer is in
-    sample_generations.json."""
+    """metrics.json's `eval`: the held-out loss, the exact-match counts with their intervals, the paired changes,
+    and where they came from; every answer is in sample_generations.json."""
+    chain = check.get("stages") or []
+    loss = check.get("loss") or {}
     return {
-        "metric": "exact match of the greedy answer (stripped) with the expected completion",
+        "metric": "exact match of the greedy answer with the reference answer, both stripped (null where the "
+                  "answers are long: exact_match_note)",
         "prompts": check["n"],
         "split": check.get("split", "the eval split's first prompts"),
         "held_out": check.get("held_out", True),
         "eval_rows_in_train": check.get("eval_rows_in_train", 0),
         "base_correct": check["base_correct"],
         "trained_correct": check["trained_correct"],
+        "exact_match_note": check.get("exact_match_note"),
+        "interval": "Wilson score interval, 95% (each stage's wilson95; metrics/intervals.py)",
+        "paired_test": "exact McNemar, two-sided, on the prompts only one of two consecutive stages got right; "
+                       f"a change where p < {intervals.ALPHA}",
+        "changes": check.get("changes"),
+        "held_out_loss": {
+            "what": "mean negative log-likelihood per scored token (nats) of the reference answers (the tokens SFT "
+                    "trains on; a text row's every token); perplexity = exp(loss)",
+            **loss,
+            **({"base": chain[0].get("loss"), "trained": chain[-1].get("loss"),
+                "base_perplexity": chain[0].get("perplexity"), "trained_perplexity": chain[-1].get("perplexity")}
+               if chain else {}),
+        },
         "base_model": check["base_model"],
         "trained_model": check["trained_model"],
         "stages": check.get("stages"),
@@ -325,6 +390,41 @@ def eval_section(check: dict) -> dict:
         "samples": check["examples"][:SHOWN_SAMPLES],
         "all_answers": "sample_generations.json",
     }
+
+
+def eval_lines(check: dict) -> list[str]:
+    """The summary's lines for the scores: the held-out loss of every stage, the exact match with 95% intervals and
+    the paired verdict (SFT: base model -> trained; a chain: base -> sft -> dpo, then each step's verdict)."""
+    held = check.get("held_out", True)
+    chain = check["stages"]
+    names = ["base model", "trained"] if len(chain) == 2 else [s["stage"] for s in chain]
+    lines = []
+    loss = check.get("loss")
+    if loss and all(s.get("loss") is not None for s in chain):
+        rows = f"{loss['rows']} eval rows" if held else f"{loss['rows']} training rows (not held out)"
+        cut = f"; {loss['rows_cut']} rows cut at {loss['max_tokens']} tokens" if loss.get("rows_cut") else ""
+        scored = "answer tokens" if check["n"] else "tokens"
+        per_stage = " -> ".join(f"{name} {s['loss']:.3f}" + (f" (perplexity {s['perplexity']:.3g})" if s.get(
+            "perplexity") is not None else "") for name, s in zip(names, chain))
+        label = "held-out loss" if held else "loss"
+        lines.append(f"{label} on {rows} ({loss['tokens']:,} {scored}{cut}): {per_stage}")
+    n = check["n"]
+    what = "eval prompts" if held else "training prompts (not held out)"
+    if check.get("exact_match", True) and n:
+        rates = " -> ".join(f"{name} {intervals.rate_text(s['correct'], n)}" for name, s in zip(names, chain))
+        changes = check.get("changes") or []
+        if len(chain) == 2 and changes:
+            lines.append(f"exact match on {n} {what}: {rates}: {intervals.change_text(changes[0])}")
+        else:
+            lines.append(f"exact match on {n} {what}: {rates}")
+            if changes:
+                lines.append("            on the same prompts: " + "; ".join(
+                    f"{c['from']} -> {c['to']} {intervals.change_text(c)}" for c in changes))
+        lines.append(f"            95% Wilson intervals; a change: exact McNemar test on the prompts only one side "
+                     f"got right (p < {intervals.ALPHA})")
+    elif check.get("exact_match_note"):
+        lines.append(f"exact match not scored: {check['exact_match_note']}")
+    return lines
 
 
 def shown(text: str) -> str:
@@ -371,28 +471,21 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
         )
     files = [p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir()) if not p.name.startswith(".")]
     lines.append(f"files       {run_dir}/: {', '.join(files)}")
-    # held-out rows are "eval prompts"; without an eval split the rows scored are training rows, and say so
-    what = "eval prompts" if check is None or check.get("held_out", True) else "training prompts (not held out)"
-    if check and len(check.get("stages") or []) > 2:  # base -> SFT -> DPO
-        n = check["n"]
-        lines.append(f"exact match on {n} {what}: " + " -> ".join(
-            f"{s['stage']} {s['correct']}/{n}" for s in check["stages"]))
-    elif check:
-        lines.append(
-            f"exact match on {check['n']} {what}: base model {check['base_correct']}/{check['n']} -> "
-            f"trained {check['trained_correct']}/{check['n']}"
-        )
+    if check:
+        lines += eval_lines(check)
     if check and not check.get("held_out", True):
         lines.append("            the data has no eval split (test, validation, valid, eval, dev): these rows were "
                      "trained on; eval_split_size: 0.1 holds 10% out")
     elif check and check.get("eval_rows_in_train"):
-        lines.append(f"            {check['eval_rows_in_train']} of these {check['n']} eval rows also appear in the "
-                     "training data: their answers are not held out")
+        shared, scored = check["eval_rows_in_train"], check.get("rows", check["n"])
+        lines.append(f"            {shared} of these {scored} eval rows also appear in the training data: their "
+                     "answers are not held out")
     if check and check.get("preference"):
         pref = check["preference"]
-        lines.append(f"preference on {pref['pairs']} eval pairs, log p(chosen) > log p(rejected): " + " -> ".join(
-            f"{s['stage']} {100 * s['preference_accuracy']:.0f}% (margin {s['mean_logp_margin']:+.2f})"
-            for s in check["stages"]) + f"; implicit-reward accuracy {100 * pref['reward_accuracy']:.0f}%")
+        n = pref["pairs"]
+        lines.append(f"preference on {n} eval pairs, log p(chosen) > log p(rejected): " + " -> ".join(
+            f"{s['stage']} {intervals.rate_text(s['preferred'], n)} margin {s['mean_logp_margin']:+.2f}"
+            for s in check["stages"]) + f"; implicit-reward accuracy {intervals.rate_text(pref['reward_correct'], n)}")
     if check:
         for ex in check["examples"][:SHOWN_SAMPLES]:
             lines.append(
@@ -462,7 +555,7 @@ def main(argv: list[str] | None = None, recipe=None) -> int:
             skipped = skip_generations(args.run_dir, trained, args.machine_rank, args.generate or setting == "1")
         if skipped is None:
             check = learning_check(args.run_dir, run_args, prompts, recipe.cfg if recipe is not None else None)
-            if check and not check.get("n"):  # nothing to score: the line says why
+            if check and not check.get("rows"):  # nothing to score: the line says why
                 skipped, check = check.get("note"), None
     if check:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
