@@ -25,6 +25,14 @@ FLOAT8_SITE = BIN.parent / "float8-site"
 QLORA_SITE = BIN.parent / "qlora-site"  # bitsandbytes, outside the venv's site-packages (the Makefile says why)
 
 
+# One OpenMP/MKL thread in every process of the suite (pytest's workers, the launcher and its summary, the planner,
+# one-process launches; torchrun already gives each of several ranks 1): `make test` runs two workers on 2 cores, and
+# torch's default of a thread per core then oversubscribes them; its spinning threads lose most of their time to each
+# other (greedy generation on the tiny model under the suite's load: 24.8 s with 2 threads, 1.6 s with 1, issue 42's
+# eval work, 2026-11-27). Set before any test imports torch; a variable the caller set wins.
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 # Every process a test starts inherits this variable (pack_env copies os.environ, and so does a bare Popen). The
 # launcher starts `accelerate launch` in a session of its own, so a process group or a parent's children list misses
 # ranks whose launcher is gone; the tag finds them all. A daemon meant to outlive one test (the Slurm cluster's)
