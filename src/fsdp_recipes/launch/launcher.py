@@ -230,13 +230,17 @@ def in_pack_cache(path: str) -> bool:
 
 def check_data_found(recipe: Recipe) -> None:
     """A mistyped local dataset_name is one line now, not after the checks' imports (issue 42: data mistakes
-    within 5 s); a `datasets:` mixture and a hub id are checked with the recipe (check_recipe)."""
+    within 5 s); a `datasets:` mixture and a hub id are checked with the recipe (check_recipe), as is data the
+    checks build: the tiny and SmolLM2 assets in the pack's cache, and DPO's pairs from the SFT model's answers
+    (addition_preferences), written where dataset_name says."""
     from fsdp_recipes.paths import expand
     from fsdp_recipes.train import loading
 
     name = recipe.field("dataset_name")
-    if isinstance(name, str) and model_check.looks_local(path := expand(name, "dataset_name")) \
-            and not in_pack_cache(path):
+    builds = str(recipe.field("addition_preferences", False)).lower() in ("true", "yes", "t", "y", "1")  # argparse's
+    if builds or not isinstance(name, str):
+        return
+    if model_check.looks_local(path := expand(name, "dataset_name")) and not in_pack_cache(path):
         loading.check_found(path)
 
 
