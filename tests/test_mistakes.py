@@ -410,3 +410,17 @@ def test_data_and_lock_mistakes_are_answered_before_the_heavy_imports(case, tmp_
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and fragment in errors[0], res.stdout[-2000:] + res.stderr[-2000:]
     assert "heavy imports: []" in res.stdout and "starting 2 process(es)" not in res.stdout
+
+
+def test_data_the_checks_build_is_left_to_them(tmp_path, cache_dir):
+    """DPO's demo writes its pairs where dataset_name says, from the SFT model's answers, during the checks: a folder
+    that does not exist yet is no mistake before them (found by test_default_recipe's SFT -> DPO chain); the same
+    folder for a recipe that builds nothing is."""
+    from fsdp_recipes.config import recipes
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.launch import launcher
+
+    pairs = ["--dataset_name", str(tmp_path / "pairs")]
+    launcher.check_data_found(recipes.load("smollm2-135m-dpo", pairs))  # builds them: no error
+    with pytest.raises(UserError, match="dataset not found"):
+        launcher.check_data_found(recipes.load("smollm2-135m-dpo", [*pairs, "--addition_preferences", "false"]))
