@@ -1,21 +1,25 @@
 """The architecture matrix (`make arch-matrix`): LoRA and full fine-tuning of a tiny random model of each decoder family
-in scripts/arch_families.py, under FSDP2 on 2 CPU processes, through the pack's own rank path.
+in scripts/arch_families.py, under FSDP2 on 2 CPU processes, through the pack's own paths.
 
 One `accelerate launch` for the whole matrix: its two ranks import torch, transformers and TRL once and loop over the
-families and methods in process. Each case is the pack's rank lifecycle (`train/entry.py` `train_once`: parse and
-checks, TRL's SFTTrainer with the pack's callbacks, the final save and its check), on the recipe tiny-cpu-lora's FSDP2
-settings without a wrap class (accelerate then wraps the model's own `_no_split_modules`). Then, on rank 0 with plain
+cases in process. A case is what a launch of the pack does: the launcher's checks of the recipe against the model
+(config/model_check.py, on a meta-device copy), then the rank lifecycle (`train/entry.py` `train_once`: TRL's
+SFTTrainer with the pack's callbacks, the final save and its checks), on the recipe tiny-cpu-lora's FSDP2 settings
+without a wrap class (accelerate then wraps the model's own `_no_split_modules`). Then, on rank 0, with plain
 transformers and PEFT:
 
 - full: `from_pretrained(output_dir)` computes the logits the trained, sharded model computed in memory;
 - LoRA: `PeftModel.from_pretrained(base, output_dir)` does, and `from_pretrained(output_dir/merged)` (the pack's
-  merge) computes the same logits as base + adapter;
-- either way the trained logits differ from the base model's (a save of the untrained model fails), and a tied head
-  is still the input embedding after the reload.
+  merge) computes the logits of base + adapter;
+- either way the logits moved from the base model's (a save of the untrained model fails), and a tied head is still
+  the input embedding after the reload.
+
+A case that fails on both ranks is a result and the matrix goes on. One that fails on one rank can leave the other
+waiting in a collective: that launch ends, and a new one takes the cases after it.
 
     python scripts/arch_matrix.py [--families llama,gemma2] [--methods lora,full] [--out runs/arch-matrix]
 
-Results: <out>/results.json and a table; exit 1 when a case that is not refused failed.
+Results: <out>/results.json and a table; exit 1 when a case failed (refused ones do not count).
 """
 
 from __future__ import annotations
@@ -34,88 +38,135 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # arch_families beside
 import arch_families  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-METHODS = ("lora", "full")
-# |a - b| <= ATOL + RTOL * |b|, elementwise over the logits (float32): reloads and merges reorder float32 sums
+# |a - b| <= ATOL + RTOL * |b|, elementwise over the float32 logits: a reload gives the same bits, a merge reorders
+# the sums (measured: at most 6e-7 apart)
 ATOL, RTOL = 1e-4, 1e-4
-# trained against base: at least this much apart somewhere, else the save may be the untrained model
-MIN_CHANGE = 1e-3
+MIN_CHANGE = 1e-3  # trained against base: at least this far apart somewhere, else the save may be the untrained model
 CASE_TIMEOUT_S = 180  # a case takes 2-25 s on 2 busy cores
 AGREE_TIMEOUT_S = 20  # a rank that failed alone waits this long for the other (agree)
+# the accelerate YAML's fsdp_config keys a family may set, and the variables `accelerate launch` passes them in
+FSDP_ENV = {"fsdp_cpu_ram_efficient_loading": "FSDP_CPU_RAM_EFFICIENT_LOADING",
+            "fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP"}
 
 
-def recipe(out: Path, steps: int) -> dict:
-    """The matrix's trainer YAML: tiny-cpu-lora's training in a few steps, LoRA on every linear layer (PEFT's
+def recipe(out: Path, family, steps: int) -> dict:
+    """The family's trainer YAML: tiny-cpu-lora's training in a few steps, LoRA on every linear layer (PEFT's
     all-linear: the families name their projections differently), no LM head trained, and the pack's load checks."""
     return {
-        "recipe_name": "arch-matrix", "min_gpus": 0, "save_merged_model": True, "verify_loaded_weights": True,
-        "model_name_or_path": str(out / "models" / "llama"), "dtype": "float32", "attn_implementation": "sdpa",
-        "use_peft": True, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_modules": "all-linear",
-        "dataset_name": str(out / "data"), "dataset_train_split": "train", "dataset_test_split": "test",
-        "output_dir": str(out / "runs"), "max_steps": steps, "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 1, "learning_rate": 1e-3, "lr_scheduler_type": "constant", "warmup_steps": 0,
-        "max_length": 64, "packing": False, "bf16": False, "logging_steps": 1, "eval_strategy": "no",
-        "save_strategy": "no", "report_to": "none", "seed": 0, "dataloader_num_workers": 0,
-        # a rank left waiting in a collective by the other's failure gives up in 2 minutes, not torch's 30
-        "ddp_timeout": 120,
+        "recipe_name": f"arch-matrix-{family.name}", "min_gpus": 0, "save_merged_model": True,
+        "verify_loaded_weights": True, "model_name_or_path": str(out / "models" / family.name), "dtype": "float32",
+        "attn_implementation": family.attn, "use_peft": True, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "lora_target_modules": "all-linear", "dataset_name": str(out / "data"), "dataset_train_split": "train",
+        "dataset_test_split": "test", "output_dir": str(out / "runs" / family.name), "max_steps": steps,
+        "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "learning_rate": 1e-3,
+        "lr_scheduler_type": "constant", "warmup_steps": 0, "max_length": 64, "packing": False, "bf16": False,
+        "logging_steps": 1, "eval_strategy": "no", "save_strategy": "no", "report_to": "none", "seed": 0,
+        "dataloader_num_workers": 0,
     }
 
 
-def accelerate_config() -> dict:
-    """tiny-cpu-lora's accelerate YAML (FSDP2, 2 processes, no mixed precision) without the wrap class."""
+def write_recipes(out: Path, families, steps: int) -> None:
+    """A recipe folder per family, as a user would copy one: its trainer YAML, and tiny-cpu-lora's accelerate YAML
+    with the family's fsdp_config settings. The launch itself runs the shared accelerate YAML; each case puts its
+    family's settings where `accelerate launch` would (case_settings)."""
+    import yaml
+
+    (out / "accelerate.yaml").write_text(yaml.safe_dump(accelerate_config()))
+    for family in families:
+        folder = out / "recipes" / family.name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "sft.yaml").write_text(yaml.safe_dump(recipe(out, family, steps)))
+        (folder / "accelerate.yaml").write_text(yaml.safe_dump(accelerate_config(family.fsdp)))
+
+
+def accelerate_config(fsdp: dict | None = None) -> dict:
+    """tiny-cpu-lora's accelerate YAML (FSDP2, 2 processes, no mixed precision) without the wrap class, and `fsdp`."""
     import yaml
 
     acc = yaml.safe_load((REPO / "recipes" / "tiny-cpu-lora" / "accelerate.yaml").read_text())
     acc["fsdp_config"].pop("fsdp_transformer_layer_cls_to_wrap")
+    acc["fsdp_config"].update(fsdp or {})
     return acc
 
 
+def cases(args) -> list[tuple]:
+    """(family, method) in the table's order."""
+    return [(f, m) for f in arch_families.by_name(names(args.families)) for m in args.methods.split(",")]
+
+
+def names(text: str) -> list[str]:
+    return [n for n in text.split(",") if n]
+
+
 def launch(args) -> int:
-    """Write the YAMLs, run the one launch (its output to <out>/launch.log, the matrix's own lines shown), print the
-    table."""
-    import yaml
-
-    from fsdp_recipes.launch.launcher import accelerate_cmd
-
+    """Write the YAMLs, run the launches (each one's output in <out>/launch<n>.log, the matrix's own lines shown),
+    print the table."""
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    (out / "accelerate.yaml").write_text(yaml.safe_dump(accelerate_config()))
-    (out / "sft.yaml").write_text(yaml.safe_dump(recipe(out, args.steps)))
+    write_recipes(out, arch_families.by_name(names(args.families)), args.steps)
+    start, results = time.time(), []
+    for family, method in cases(args):
+        if method in family.refused:  # upstream's limitation, named: listed, not run
+            results.append(row(family, method, "refused", 0.0, arch_families.refusal_line(family, method)))
+    for attempt in range(1, len(cases(args)) + 1):
+        todo = [f"{f.name}:{m}" for f, m in cases(args) if (f.name, m) not in {(r["family"], r["method"])
+                                                                                 for r in results}]
+        if not todo:
+            break
+        code = run_launch(out, todo, attempt)
+        new = collect(out, attempt, code)
+        results += new
+        if not new:  # the launch ended before its first case: another would too
+            results += [row(arch_families.by_name([c.split(":")[0]])[0], c.split(":")[1], "fail", 0.0,
+                            f"not run: launch {attempt} ended (exit code {code}) before any case; "
+                            f"{out / f'launch{attempt}.log'} says why") for c in todo]
+    order = {(f.name, m): i for i, (f, m) in enumerate(cases(args))}
+    results.sort(key=lambda r: order[(r["family"], r["method"])])
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    print(table(results, time.time() - start))
+    return 1 if any(r["outcome"] == "fail" for r in results) else 0
+
+
+def row(family, method: str, outcome: str, seconds: float, reason: str) -> dict:
+    return {"family": family.name, "method": method, "outcome": outcome, "seconds": seconds, "reason": reason}
+
+
+def run_launch(out: Path, todo: list[str], attempt: int) -> int:
+    from fsdp_recipes.launch.launcher import accelerate_cmd
+
     cmd = accelerate_cmd() + ["--config_file", str(out / "accelerate.yaml"), __file__, "--worker",
-                              "--out", str(out), "--families", args.families, "--methods", args.methods]
+                              "--out", str(out), "--cases", ",".join(todo), "--attempt", str(attempt)]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}  # a CPU matrix, on any machine
-    start = time.time()
-    with open(out / "launch.log", "w") as log:
+    with open(out / f"launch{attempt}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             log.write(line)
             if line.startswith("[arch-matrix]"):
                 print(line, end="", flush=True)
-    code = proc.wait()
-    results = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else []
-    results += not_run(results, args, out, code)
-    print(table(results, time.time() - start))
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    return 1 if code or any(r["outcome"] == "fail" for r in results) else 0
+    return proc.wait()
 
 
-def not_run(results: list[dict], args, out: Path, code: int) -> list[dict]:
-    """The cases the launch did not finish, as failures: the one a rank failed alone (its error file says so) and
-    the ones after it."""
-    done = {(r["family"], r["method"]) for r in results}
-    stopped = {(e["family"], e["method"]): e["reason"] for e in map(json.loads, map(Path.read_text,
-                                                                                   out.glob("error.rank*.json")))}
-    why = f"not run: the launch ended (exit code {code}) before this case; {out / 'launch.log'} says why"
-    return [{"family": f.name, "method": m, "outcome": "fail", "seconds": 0.0,
-             "reason": stopped.get((f.name, m), why) + ("" if (f.name, m) not in stopped else
-                                                        " (the other rank was left waiting: the launch was ended)")}
-            for f in arch_families.by_name([f for f in args.families.split(",") if f])
-            for m in args.methods.split(",") if (f.name, m) not in done]
+def collect(out: Path, attempt: int, code: int) -> list[dict]:
+    """This launch's results, and the case a rank failed alone, if that ended it (its error file says so)."""
+    done = out / f"results{attempt}.json"
+    results = json.loads(done.read_text()) if done.is_file() else []
+    for error in sorted(out.glob("error.rank*.json")):
+        case = json.loads(error.read_text())
+        error.unlink()
+        if code and (case["family"], case["method"]) not in {(r["family"], r["method"]) for r in results}:
+            print(f"[arch-matrix] {case['family']} {case['method']}: fail, on rank {case['rank']} alone; the "
+                  "launch was ended and the next takes the cases after it", flush=True)
+            results.append({**case, "outcome": "fail", "seconds": 0.0,
+                            "reason": f"{case['reason']} (rank {case['rank']} alone: launch {attempt} was ended)"})
+            break
+    return results
 
 
 def table(results: list[dict], seconds: float) -> str:
-    lines = [f"{'family':<12} {'method':<6} {'outcome':<8} {'s':>5}  reason",
-             *(f"{r['family']:<12} {r['method']:<6} {r['outcome']:<8} {r['seconds']:>5.1f}  {r.get('reason', '')}"
+    width = max([len(r["family"]) for r in results] + [6])
+    lines = [f"{'family':<{width}} {'method':<6} {'outcome':<8} {'s':>5}  reason",
+             *(f"{r['family']:<{width}} {r['method']:<6} {r['outcome']:<8} {r['seconds']:>5.1f}  {r['reason']}"
                for r in results)]
     counts = {o: sum(r["outcome"] == o for r in results) for o in ("pass", "fail", "refused")}
     lines.append(f"arch-matrix: {counts['pass']} passed, {counts['fail']} failed, {counts['refused']} refused "
@@ -127,12 +178,12 @@ def table(results: list[dict], seconds: float) -> str:
 
 def one_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:400]
 
 
 def agree(case: dict, out: Path, fn, *args):
     """Run `fn` on this rank; every rank learns the first failure on any rank (a collective: every rank calls it).
-    Returns (value, None) or (None, 'rank N: <error>').
+    Returns (value, None) or (None, 'rank N: <error>'); a UserError (the pack's one line) comes back as it is.
 
     A rank that failed alone may have left the other waiting in a collective of the pack's, which never pairs with
     this one: it writes its error where the driver finds it, then gives the exchange AGREE_TIMEOUT_S before it ends
@@ -140,16 +191,18 @@ def agree(case: dict, out: Path, fn, *args):
     import faulthandler
 
     from fsdp_recipes.dist import gather_objects, rank
+    from fsdp_recipes.errors import UserError
 
     try:
         value, error = fn(*args), None
     except Exception as err:  # noqa: BLE001 -- a failed case is a result, the matrix goes on
-        value, error = None, one_line(err)
-        traceback.print_exc()  # into launch.log
-        (out / f"error.rank{rank()}.json").write_text(json.dumps({**case, "reason": f"rank {rank()}: {error}"}))
+        value, error = None, f"error: {err}" if isinstance(err, UserError) else f"rank {rank()}: {one_line(err)}"
+        traceback.print_exc()  # into the launch's log
+        (out / f"error.rank{rank()}.json").write_text(json.dumps({**case, "rank": rank(), "reason": error}))
         faulthandler.dump_traceback_later(AGREE_TIMEOUT_S, exit=True)
-    errors = [f"rank {r}: {e}" for r, e in enumerate(gather_objects(error)) if e]
+    errors = [e for e in gather_objects(error) if e]
     faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)  # the exchange went through: the case's watchdog
+    (out / f"error.rank{rank()}.json").unlink(missing_ok=True)
     return (None, errors[0]) if errors else (value, None)
 
 
@@ -160,46 +213,68 @@ def sample_batch(tokenizer, data: Path, rows: int = 4) -> dict:
                                          return_dict=True, return_tensors="pt")
 
 
+def case_settings(family, method: str, out: Path, launched_env: dict) -> list[str]:
+    """The case's overrides of its family's recipe; and the family's FSDP settings put where `accelerate launch` puts
+    them for the ranks (its FSDP_* variables), over the launch's own."""
+    import yaml
+
+    fsdp = yaml.safe_load((out / "recipes" / family.name / "accelerate.yaml").read_text())["fsdp_config"]
+    for key, var in FSDP_ENV.items():
+        value = fsdp.get(key, launched_env.get(var))
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = str(value).lower() if isinstance(value, bool) else str(value)
+    return ["--use_peft", str(method == "lora").lower(), "--output_dir", str(case_dir(out, family, method)),
+            *family.args]
+
+
+def launcher_checks(family, out: Path, overrides: list[str]) -> None:
+    """The launcher's own checks before any rank starts (launch/launcher.py check_recipe): the recipe as the ranks
+    will parse it, the recipe against the model's architecture on a meta-device copy, the data's rows. On rank 0:
+    a UserError is the pack's one line, refusing the case as it would refuse the launch."""
+    from fsdp_recipes.config import recipes
+    from fsdp_recipes.dist import rank
+    from fsdp_recipes.launch import launcher
+
+    if rank() == 0:
+        launcher.check_recipe(recipes.load(out / "recipes" / family.name, overrides))
+
+
 def fresh_accelerate_state() -> None:
-    """Each case's Trainer builds its Accelerator from this launch's FSDP settings: forget the last case's state (its
-    plugin, gradient state) but keep the process group (PartialState), as accelerate's own tests do between cases."""
+    """Each case's Trainer builds its Accelerator from the FSDP settings then in the environment: forget the last
+    case's (its plugin, gradient state) but keep the process group (PartialState), as accelerate's own tests do."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=False)
     GradientState._reset_state()
 
 
-def train(family, method: str, out: Path, batch: dict):
+def train(family, out: Path, overrides: list[str], batch: dict):
     """The pack's rank lifecycle on this case; returns the trained model's logits on `batch`, computed sharded."""
     import torch
 
     from fsdp_recipes.train import entry
 
     fresh_accelerate_state()
-    argv = ["--config", str(out / "sft.yaml"), "--model_name_or_path", str(out / "models" / family.name),
-            "--output_dir", str(case_dir(out, family, method)), "--use_peft", str(method == "lora").lower(),
-            "--attn_implementation", family.attn, "--recipe_name", f"arch-matrix-{family.name}-{method}"]
-    code, trainer = entry.train_once(argv)
+    code, trainer = entry.train_once(["--config", str(out / "recipes" / family.name / "sft.yaml"), *overrides])
     if code or trainer is None:
         raise RuntimeError(f"the run ended with exit code {code}")
     trainer.model.eval()
     with torch.no_grad():  # a collective under FSDP2: every rank runs the same forward
-        logits = trainer.model(**batch).logits.detach().clone()
-    return logits
+        return trainer.model(**batch).logits.detach().clone()
 
 
 def case_dir(out: Path, family, method: str) -> Path:
-    return out / "runs" / f"{family.name}-{method}"
+    return out / "runs" / family.name / method
 
 
 def close(a, b, what: str) -> float:
     """The largest difference; raises when any logit is outside the stated tolerance."""
-    import torch
-
     diff = (a - b).abs()
     if not bool((diff <= ATOL + RTOL * b.abs()).all()):
         raise AssertionError(f"{what}: logits differ by up to {diff.max().item():.3g} (tolerance {ATOL:g} + {RTOL:g}|x|)")
-    return float(diff.max()) if torch.numel(diff) else 0.0
+    return float(diff.max())
 
 
 def reload_checks(family, method: str, out: Path, batch: dict, trained) -> str:
@@ -221,31 +296,34 @@ def reload_checks(family, method: str, out: Path, batch: dict, trained) -> str:
 
     run = case_dir(out, family, method)
     base = logits(load(out / "models" / family.name))
-    notes = []
     if method == "full":
         reloaded = logits(load(run))
-        notes.append(f"reload {close(reloaded, trained, 'from_pretrained against the trained model'):.1g}")
+        notes = [f"reload {close(reloaded, trained, 'from_pretrained against the trained model'):.1g}"]
     else:
         reloaded = logits(PeftModel.from_pretrained(load(out / "models" / family.name), run).eval())
-        notes.append(f"adapter {close(reloaded, trained, 'base + adapter against the trained model'):.1g}")
-        merged = logits(load(run / "merged"))
-        notes.append(f"merged {close(merged, reloaded, 'the merged model against base + adapter'):.1g}")
+        notes = [f"adapter {close(reloaded, trained, 'base + adapter against the trained model'):.1g}",
+                 f"merged {close(logits(load(run / 'merged')), reloaded, 'the merged model against base + adapter'):.1g}"]
     change = float((reloaded - base).abs().max())
     if change < MIN_CHANGE:
         raise AssertionError(f"the saved model's logits are the base model's (max change {change:.2g}): not trained")
-    return ", ".join(notes) + f"; trained vs base {change:.2g}"
+    return ", ".join(notes) + f"; trained vs base {change:.2g}" + (f"; {family.note}" if family.note else "")
 
 
-def run_case(family, method: str, out: Path, batch: dict) -> dict:
+def run_case(family, method: str, out: Path, batch: dict, launched_env: dict) -> dict:
     from fsdp_recipes.dist import rank
 
     start, case = time.time(), {"family": family.name, "method": method}
-    trained, error = agree(case, out, train, family, method, out, batch)
+    overrides = case_settings(family, method, out, launched_env)
+    _, refused = agree(case, out, launcher_checks, family, out, overrides)
+    if refused:  # the pack's one line, before any training, as a launch would stop
+        return row(family, method, "refused" if refused.startswith("error: ") else "fail",
+                   round(time.time() - start, 1), refused)
+    trained, error = agree(case, out, train, family, out, overrides, batch)
+    checked = None
     if error is None:
         checked, error = agree(case, out, lambda: reload_checks(family, method, out, batch, trained)
                                if rank() == 0 else "")
-    return {**case, "outcome": "fail" if error else "pass", "seconds": round(time.time() - start, 1),
-            "reason": error or checked}
+    return row(family, method, "fail" if error else "pass", round(time.time() - start, 1), error or checked)
 
 
 def write_data(out: Path) -> None:
@@ -257,7 +335,7 @@ def write_data(out: Path) -> None:
 
 
 def build_models(out: Path, families) -> dict:
-    """This rank's share of the families' models; {family: why its model could not be built}."""
+    """This rank's share of the families' models (once per matrix); {family: why its model could not be built}."""
     from transformers import AutoTokenizer
 
     from fsdp_recipes.assets import tiny_assets
@@ -265,10 +343,10 @@ def build_models(out: Path, families) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets.ensure_assets(quiet=True)["model"])
     errors = {}
     for family in families:
-        if family.refused is None:
+        if not (out / "models" / family.name / "config.json").is_file():
             try:
                 arch_families.build_model(family, tokenizer, out / "models" / family.name)
-            except Exception as err:  # noqa: BLE001 -- a family whose model cannot be built is its case's failure
+            except Exception as err:  # noqa: BLE001 -- a family whose model cannot be built is its cases' failure
                 errors[family.name] = f"building the model: {one_line(err)}"
     return errors
 
@@ -283,50 +361,56 @@ def rank_main(args) -> int:
     from fsdp_recipes.dist import barrier, gather_objects, rank
     from fsdp_recipes.patches import cpu_fsdp
 
+    launched_env = {var: os.environ.get(var) for var in FSDP_ENV.values()}
     cpu_fsdp.enable()  # before the process group: gloo on CPU, FSDP kept (patches/cpu_fsdp.py)
     state = PartialState()  # the process group, shared by every case's Trainer
-    out, families = Path(args.out), arch_families.by_name([f for f in args.families.split(",") if f])
-    if rank() == 0:
+    out = Path(args.out)
+    todo = [(arch_families.by_name([c.split(":")[0]])[0], c.split(":")[1]) for c in names(args.cases)]
+    families = list({f.name: f for f, _ in todo}.values())
+    if rank() == 0 and not (out / "data" / "test.jsonl").is_file():
         write_data(out)
     barrier()
     shares = gather_objects(build_models(out, families[rank()::state.num_processes]))  # the ranks build in parallel
-    built = {name: why for share in shares for name, why in share.items()}
-    # Everything imported and built so far stays: the collections that accelerate's free_memory runs after every
-    # case (and the Trainer's) then skip it, 1.5 s each on 2 busy cores
+    unbuilt = {name: why for share in shares for name, why in share.items()}
+    # What is imported and built so far stays: the collections that accelerate's free_memory runs after every case
+    # (and the Trainer's) then skip it, 1.5 s each on 2 busy cores
     gc.freeze()
-    batch = sample_batch(AutoTokenizer.from_pretrained(out / "models" / next(
-        f.name for f in families if f.refused is None and f.name not in built)), out / "data")
+    batch = sample_batch(AutoTokenizer.from_pretrained(tiny_assets_model()), out / "data")
     results = []
-    for family in families:
-        for method in args.methods.split(","):
-            if family.refused or family.name in built:
-                why = arch_families.refusal_line(family) if family.refused else built[family.name]
-                result = {"family": family.name, "method": method, "seconds": 0.0,
-                          "outcome": "refused" if family.refused else "fail", "reason": why}
-            else:
-                barrier()
-                # a case that hangs ends the launch with every thread's stack in the log
-                faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
-                result = run_case(family, method, out, batch)
-                faulthandler.cancel_dump_traceback_later()
-            results.append(result)
-            if rank() == 0:
-                print(f"[arch-matrix] {result['family']} {result['method']}: {result['outcome']} "
-                      f"({result['seconds']} s) {result['reason']}", flush=True)
-                (out / "results.json").write_text(json.dumps(results, indent=1))
+    for family, method in todo:
+        barrier()
+        if family.name in unbuilt:
+            result = row(family, method, "fail", 0.0, unbuilt[family.name])
+        else:
+            faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)  # a hung case ends the launch, stacks logged
+            result = run_case(family, method, out, batch, launched_env)
+            faulthandler.cancel_dump_traceback_later()
+        results.append(result)
+        if rank() == 0:
+            print(f"[arch-matrix] {result['family']} {result['method']}: {result['outcome']} ({result['seconds']} s) "
+                  f"{result['reason']}", flush=True)
+            (out / f"results{args.attempt}.json").write_text(json.dumps(results, indent=1))
     return 0
+
+
+def tiny_assets_model() -> Path:
+    from fsdp_recipes.assets import tiny_assets
+
+    return tiny_assets.ensure_assets(quiet=True)["model"]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/arch-matrix")
     ap.add_argument("--families", default="", help="comma-separated names (default: all)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default="lora,full")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank of the launch
+    ap.add_argument("--cases", default="", help=argparse.SUPPRESS)  # the rank's cases: family:method,...
+    ap.add_argument("--attempt", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
-        arch_families.by_name([f for f in args.families.split(",") if f])
+        arch_families.by_name(names(args.families))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
