@@ -102,7 +102,7 @@ FAMILIES = (
     # PEFT 0.21 refuses out_proj and conv1d in Mamba models; the mixer multiplies by dt_proj.weight, as Jamba's
     Family("mamba", "mamba", dict(), attn="eager", args=("--lora_target_modules", "in_proj", "x_proj"),
            note="LoRA on in_proj, x_proj (PEFT refuses out_proj)"),
-    Family("phi", "phi", dict(partial_rotary_factor=0.5, tie_word_embeddings=False)),  # Phi-2: partial rotary, dense
+    Family("phi", "phi", dict(tie_word_embeddings=False)),  # Phi-2: rotary on half of each head (its default), dense
     Family("lfm2", "lfm2", dict(tie_word_embeddings=True)),  # short convolutions and attention layers
     # TRL 1.16's SFT loss cannot run Llama 4 (the pack refuses it in one line): listed to show that line
     Family("llama4-text", "llama4_text", dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128)),
