@@ -148,19 +148,26 @@ def run_launch(out: Path, todo: list[str], attempt: int) -> int:
 
 
 def collect(out: Path, attempt: int, code: int) -> list[dict]:
-    """This launch's results, and the case a rank failed alone, if that ended it (its error file says so)."""
-    done = out / f"results{attempt}.json"
+    """This launch's results, and the case it ended in, if it ended in one: named by a rank that failed there alone
+    (its error file), else by the case rank 0 had started (a hang its watchdog ended, a crash)."""
+    done, current = out / f"results{attempt}.json", out / f"current{attempt}.json"
     results = json.loads(done.read_text()) if done.is_file() else []
-    for error in sorted(out.glob("error.rank*.json")):
-        case = json.loads(error.read_text())
+    finished = {(r["family"], r["method"]) for r in results}
+    errors = [json.loads(e.read_text()) for e in sorted(out.glob("error.rank*.json"))]
+    for error in out.glob("error.rank*.json"):
         error.unlink()
-        if code and (case["family"], case["method"]) not in {(r["family"], r["method"]) for r in results}:
-            print(f"[arch-matrix] {case['family']} {case['method']}: fail, on rank {case['rank']} alone; the "
-                  "launch was ended and the next takes the cases after it", flush=True)
-            results.append({**case, "outcome": "fail", "seconds": 0.0,
-                            "reason": f"{case['reason']} (rank {case['rank']} alone: launch {attempt} was ended)"})
-            break
-    return results
+    ended = [e for e in errors if (e["family"], e["method"]) not in finished]
+    if code and ended:
+        case = ended[0]
+        reason = f"{case['reason']} (rank {case['rank']} alone: launch {attempt} was ended)"
+    elif code and current.is_file() and tuple(json.loads(current.read_text()).values()) not in finished:
+        case = json.loads(current.read_text())
+        reason = f"launch {attempt} ended in this case (exit code {code}): {out / f'launch{attempt}.log'} says why"
+    else:
+        return results
+    print(f"[arch-matrix] {case['family']} {case['method']}: fail; the next launch takes the cases after it", flush=True)
+    return [*results, {"family": case["family"], "method": case["method"], "outcome": "fail", "seconds": 0.0,
+                       "reason": reason}]
 
 
 def table(results: list[dict], seconds: float) -> str:
@@ -379,6 +386,8 @@ def rank_main(args) -> int:
     results = []
     for family, method in todo:
         barrier()
+        if rank() == 0:  # which case a launch that ends here ended in (collect)
+            (out / f"current{args.attempt}.json").write_text(json.dumps({"family": family.name, "method": method}))
         if family.name in unbuilt:
             result = row(family, method, "fail", 0.0, unbuilt[family.name])
         else:

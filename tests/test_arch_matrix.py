@@ -181,3 +181,25 @@ def test_sft_refuses_trls_load_balancing_loss_where_the_config_has_no_num_expert
     sft.check_config(sft_cfg(granite, coef=0.0))  # the fix
     sft.check_config(sft_cfg(config_folder(tmp_path, "qwen3-moe")))  # names num_experts: TRL's loss works
     sft.check_config(sft_cfg(tmp_path / "hub/id"))  # no config.json here: nothing to check offline
+
+
+def test_a_launch_that_hung_in_a_case_fails_that_case_and_goes_on(tmp_path, monkeypatch):
+    """No rank raised (a hang that the case's watchdog ended): the case rank 0 had started is the one that failed."""
+    monkeypatch.setattr(families, "FAMILIES", (families.Family("a", "llama"),))
+    launched = []
+
+    def run_launch(out_dir, todo, attempt):
+        launched.append(todo)
+        if attempt == 1:
+            (out_dir / "current1.json").write_text(json.dumps({"family": "a", "method": "lora"}))
+            return 1
+        (out_dir / "results2.json").write_text(json.dumps([{"family": "a", "method": "full", "outcome": "pass",
+                                                           "seconds": 1.0, "reason": "ok"}]))
+        return 0
+
+    monkeypatch.setattr(matrix, "run_launch", run_launch)
+    assert matrix.main(["--out", str(tmp_path / "m"), "--families", "a"]) == 1
+    assert launched == [["a:lora", "a:full"], ["a:full"]]
+    results = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert results[0]["reason"].startswith("launch 1 ended in this case (exit code 1): ")
+    assert [r["outcome"] for r in results] == ["fail", "pass"]
