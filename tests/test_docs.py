@@ -76,6 +76,7 @@ RUN_BY = {
     "make test-fast": RunBy((".ci/run",), ("make test",), expands='-m pytest -q -m "not slow"'),
     "make venv": RunBy((".ci/run",), ("make venv",)),
     "make test-serve": RunBy((".ci/run",), ("make test-serve",), expands="-m pytest -v -m serve"),
+    "make arch-matrix": RunBy((".ci/run",), ("make arch-matrix",), expands="scripts/arch_matrix.py"),
     # Every recipe, mistral-small-lora among them, through `make smoke` itself.
     "make smoke RECIPE=mistral-small-lora": RunBy(
         ("tests/test_smoke.py",),

@@ -113,10 +113,15 @@ def test_the_cpu_peak_is_measured_in_the_runs_dtype_and_only_rises(tmp_path, mon
     rates = iter([5e9, 7e9, 3e9, 2e9])  # what each launch's ranks measure, in turn: a busy machine measures low
     monkeypatch.setattr(cpu_peak, "measure", lambda dtype: {"flops": next(rates), "products": 5, "size": 1024,
                                                             "dtype": dtype, "threads": 1, "load_1min": 1.0})
-    first = [cpu_peak.best_rate(tmp_path, "Test CPU", "float32", 2) for _ in range(2)]  # 2 ranks: 5 and 7
+
+    def rank_rate():  # each call stands for another rank's process, which has measured nothing yet
+        monkeypatch.setattr(cpu_peak, "_MEASURED", {})
+        return cpu_peak.best_rate(tmp_path, "Test CPU", "float32", 2)
+
+    first = [rank_rate() for _ in range(2)]  # 2 ranks: 5 and 7
     assert [r["flops"] for r in first] == [5e9, 7e9] and first[0]["runs"] == 1
     cpu_peak.store(tmp_path, first)  # keeps the ranks' median, 6
-    second = [cpu_peak.best_rate(tmp_path, "Test CPU", "float32", 2) for _ in range(2)]  # busy: 3 and 2
+    second = [rank_rate() for _ in range(2)]  # busy: 3 and 2
     assert [r["flops"] for r in second] == [6e9, 6e9] and [r["measured_now"] for r in second] == [3e9, 2e9]
     cpu_peak.store(tmp_path, second)
     table = json.loads((tmp_path / cpu_peak.CACHE_FILE).read_text())
@@ -124,6 +129,9 @@ def test_the_cpu_peak_is_measured_in_the_runs_dtype_and_only_rises(tmp_path, mon
     said = cpu_peak.describe(second)
     assert said.startswith("against the best 2-rank float32 matmul rate measured on this machine, 12.0 GFLOP/s")
     assert "this launch measured 5.0 over 2 run(s)" in said
+    # a process that trains several runs (scripts/arch_matrix.py) measures once: its second run reuses the rate
+    again = cpu_peak.best_rate(tmp_path, "Test CPU", "float32", 2)
+    assert again["measured_now"] == 2e9 and next(rates, None) is None
 
 
 def test_promtool_checks_the_alert_rules_and_fires_the_mfu_alert_on_a_falling_series():

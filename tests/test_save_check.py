@@ -272,3 +272,66 @@ def test_the_final_save_reports_what_its_files_were_compared_with(tmp_path, caps
                                        "compared_with": LIVE}
     assert ("[train] final save verified: 12 tensors complete and unsharded; the files equal the weights in "
             "memory") in capsys.readouterr().out
+
+
+def tiny_moe(tmp_path):
+    """A random Qwen3-MoE (4 experts) saved by save_pretrained, which writes its fused experts one per expert."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def test_a_moe_save_is_checked_under_the_names_its_files_use(tmp_path):
+    """In memory one tensor per layer holds every expert's gate and up projections; the files hold one per expert and
+    projection. By the model's names every Qwen3-MoE and Mixtral full fine-tune failed its final-save check
+    (scripts/arch_matrix.py); under the save's own layout it passes, and a wrong value still fails."""
+    from fsdp_recipes.checkpoint.save_check import checkpoint_layout
+
+    model = tiny_moe(tmp_path)
+    files = open_saved(tmp_path)
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in files and "model.layers.0.mlp.experts.gate_up_proj" not in files
+    state = dict(model.state_dict())
+    with pytest.raises(IncompleteSave, match="tensors missing from the files"):
+        compare(dict(state), files, check_lora_b=False)
+    layout = lambda sd: checkpoint_layout(model, sd)  # noqa: E731
+    assert compare(dict(state), files, check_lora_b=False, layout=layout)["tensors"] == len(files)
+    state["model.layers.0.mlp.experts.down_proj"] = state["model.layers.0.mlp.experts.down_proj"] + 1
+    with pytest.raises(IncompleteSave, match=r"experts\.0\.down_proj\.weight: saved values differ"):
+        compare(state, files, check_lora_b=False, layout=layout)
+
+
+def test_a_ranks_shard_of_fused_experts_is_compared_with_its_experts_files(tmp_path):
+    """Rank 1 of 2 holds experts 2 and 3 of the fused tensor (FSDP2 shards dim 0): only their files are compared."""
+    from fsdp_recipes.checkpoint.save_check import converted_mismatches, safetensors_index, shard_mismatches
+
+    model = tiny_moe(tmp_path)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    fused = model.state_dict()[name]
+    region = (slice(2, 4), slice(0, fused.shape[1]), slice(0, fused.shape[2]))
+    where = safetensors_index(tmp_path)
+    assert converted_mismatches(model, name, fused, fused[2:4], region, where) == []
+    wrong = fused[2:4].clone()
+    wrong[0, 0, 0] += 1  # expert 2's gate projection (the first half of dim 1)
+    assert converted_mismatches(model, name, fused, wrong, region, where) == [
+        f"model.layers.0.mlp.experts.2.gate_proj.weight ({name} in memory) differs"]
+    assert converted_mismatches(model, name, fused, fused[0:2], region, where) != []  # the wrong experts' values
+    state = dict(model.named_parameters())
+    assert shard_mismatches(state, tmp_path, model=model) == []
+    assert f"{name} missing" in shard_mismatches(state, tmp_path)  # by the model's names alone
+
+
+def test_the_replica_model_names_experts_as_the_files_do(tmp_path):
+    """Every rank but 0 starts from an empty model (train/replica_model.py), which loading no weights left with no
+    conversion on record: its shard check would look for the fused name the files do not have."""
+    from fsdp_recipes.checkpoint.save_check import checkpoint_layout
+    from fsdp_recipes.train.replica_model import empty_model
+
+    tiny_moe(tmp_path)
+    replica = empty_model(str(tmp_path), {"dtype": "float32"})
+    names = checkpoint_layout(replica, {"model.layers.0.mlp.experts.down_proj": torch.zeros(4, 32, 8)})
+    assert sorted(names) == [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4)]

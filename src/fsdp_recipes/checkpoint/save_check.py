@@ -112,15 +112,17 @@ def read_saved(directory: Path) -> dict[str, torch.Tensor]:
 
 
 def compare(expected: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], check_lora_b: bool,
-            model_shapes: dict[str, tuple] | None = None) -> dict:
+            model_shapes: dict[str, tuple] | None = None, layout=None) -> dict:
     """Raise IncompleteSave on any missing/extra key, shape or value difference, or an untrained LoRA B.
     `model_shapes`: the model's own (global) shape of each key, where known. The files are compared with what the
-    save gathered; this checks the gather too, so a gather that kept only a shard (accelerate PR 4206) fails."""
+    save gathered; this checks the gather too, so a gather that kept only a shard (accelerate PR 4206) fails.
+    `layout`: `expected` under the names the files use (checkpoint_layout), after its shapes are checked."""
     problems = []
     shaped = [key for key in (model_shapes or {}) if key in expected]
     for key in shaped:
         if tuple(expected[key].shape) != tuple(model_shapes[key]):
             problems.append(f"{key}: gathered shape {tuple(expected[key].shape)}, the model's {tuple(model_shapes[key])}")
+    expected = layout(expected) if layout is not None else expected
     missing, extra = sorted(set(expected) - set(saved)), sorted(set(saved) - set(expected))
     if missing:
         problems.append(f"{len(missing)} tensors missing from the files (e.g. {missing[0]})")
@@ -209,8 +211,23 @@ def verify_final_save(trainer, output_dir: str, full: dict | None = None, gather
     # Warmup schedules start at learning rate 0: the first step leaves LoRA B at zero by design.
     steps, args = trainer.state.global_step, trainer.args
     trained = args.learning_rate > 0 and (steps >= 2 or (steps == 1 and not args.warmup_steps))
-    shapes = model_shapes(trainer.accelerator.unwrap_model(trainer.model))
-    return compare(expected, open_saved(Path(output_dir)), check_lora_b=trained, model_shapes=shapes)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    layout = None if hasattr(model, "peft_config") else (lambda state: checkpoint_layout(model, state))
+    return compare(expected, open_saved(Path(output_dir)), check_lora_b=trained, model_shapes=model_shapes(model),
+                   layout=layout)
+
+
+def checkpoint_layout(model, state: dict) -> dict:
+    """`state` (the model's names) under the names and shapes save_pretrained writes, with the function it uses.
+
+    Why: transformers 5 converts some checkpoints' weights at load and reverts the conversion at save: a
+    mixture-of-experts layer's experts, one fused tensor in memory (model.layers.0.mlp.experts.gate_up_proj), are
+    written one tensor per expert and projection (...experts.0.gate_proj.weight, ...). Compared by the model's names,
+    the save of every Qwen3-MoE and Mixtral full fine-tune failed its check (scripts/arch_matrix.py found it). A model
+    without conversions comes back as it is."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, state)
 
 
 def _local_slice(param):
@@ -225,12 +242,16 @@ def _local_slice(param):
     return param.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-def shard_mismatches(state: dict, directory: Path, pattern: str = "model*.safetensors") -> list[str]:
-    """This rank's part of every tensor against the same region of the safetensors files in `directory`."""
+def shard_mismatches(state: dict, directory: Path, pattern: str = "model*.safetensors", model=None) -> list[str]:
+    """This rank's part of every tensor against the same region of the safetensors files in `directory`. `model`:
+    the model whose save wrote some tensors under other names (checkpoint_layout), where the files may do so."""
     where = safetensors_index(directory, pattern)
     problems = []
     for name, tensor in state.items():
         local, region = _local_slice(tensor)
+        if name not in where and model is not None:
+            problems.extend(converted_mismatches(model, name, tensor, local, region, where))
+            continue
         if name not in where:
             problems.append(f"{name} missing")
             continue
@@ -241,6 +262,23 @@ def shard_mismatches(state: dict, directory: Path, pattern: str = "model*.safete
         expected = written[region] if region is not None else written[:]
         if tuple(expected.shape) != tuple(local.shape) or not torch.equal(local.detach().cpu(), expected.to(local.dtype)):
             problems.append(f"{name} differs")
+    return problems
+
+
+def converted_mismatches(model, name: str, tensor, local, region, where: dict) -> list[str]:
+    """This rank's part of a tensor that the save wrote under other names (a MoE layer's fused experts, one tensor per
+    expert in the files): the part placed in a zero tensor of the full shape, and a mask of it, both through the save's
+    conversion (checkpoint_layout); each file tensor compared where the mask is set. Allocates the one full tensor,
+    never gathers it."""
+    full, mask = torch.zeros(tuple(tensor.shape), dtype=local.dtype), torch.zeros(tuple(tensor.shape), dtype=torch.bool)
+    full[region or ...], mask[region or ...] = local.detach().cpu(), True
+    values, masks = checkpoint_layout(model, {name: full}), checkpoint_layout(model, {name: mask})
+    problems = [f"{key} missing" for key in values if key not in where]
+    for key in [k for k in values if k in where]:
+        written = where[key].get_tensor(key)
+        if tuple(written.shape) != tuple(values[key].shape) or \
+                not torch.equal(written[masks[key]], values[key][masks[key]].to(written.dtype)):
+            problems.append(f"{key} ({name} in memory) differs")
     return problems
 
 
@@ -259,7 +297,8 @@ def verify_live_shards(model, output_dir: str | Path) -> int:
     peft = hasattr(model, "peft_config")
     state = {adapter_key(name) if peft else name: param for name, param in model.named_parameters()
              if param.requires_grad or not peft}  # named_parameters lists a tied LM head once, as save_pretrained
-    problems = shard_mismatches(state, Path(output_dir), "adapter_model.safetensors" if peft else "model*.safetensors")
+    problems = shard_mismatches(state, Path(output_dir), "adapter_model.safetensors" if peft else "model*.safetensors",
+                                model=None if peft else model)
     bad = int(all_reduce([len(problems)], "sum")[0])
     if bad:
         raise IncompleteSave(f"final save failed its check against the weights in memory on {bad} tensor shard(s)"

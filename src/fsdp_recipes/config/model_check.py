@@ -278,9 +278,28 @@ def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, mod
         return None
     model = meta_model(load_config(source))
     wrap = check_recipe_fits_model(model, acc, acc_path, model_args, wrap_on_command_line)
+    check_buffers_under_ram_efficient_loading(model, acc, acc_path)
     if source == Path(model_name_or_path) / "config.json":
         check_stored_tie(source.parent, model)
     return wrap
+
+
+def check_buffers_under_ram_efficient_loading(model, acc: dict, acc_path) -> None:
+    """FSDP2 with fsdp_cpu_ram_efficient_loading and a model whose state dict holds a buffer (DeepSeek-V3's and
+    GLM-4.5's routers keep `e_score_correction_bias` as one): accelerate 1.15 broadcasts every state-dict entry as a
+    sharded parameter, and every rank failed at setup with "'Tensor' object has no attribute 'device_mesh'"
+    (accelerate issue 3898; scripts/arch_matrix.py found it)."""
+    fsdp = acc.get("fsdp_config") or {}
+    if acc.get("distributed_type") != "FSDP" or str(fsdp.get("fsdp_version")) != "2" or \
+            str(fsdp.get("fsdp_cpu_ram_efficient_loading")).lower() != "true":
+        return
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = [name for name in model.state_dict() if name not in parameters]
+    if buffers:
+        raise UserError(f"{acc_path}: fsdp_cpu_ram_efficient_loading fails under FSDP2 for {type(model).__name__}, "
+                        f"whose weights include {len(buffers)} buffer(s) ({buffers[0]}): accelerate 1.15 loads every "
+                        "entry as a sharded parameter (accelerate issue 3898). Fix: set "
+                        f"fsdp_cpu_ram_efficient_loading: false in {acc_path}.")
 
 
 def check_stored_tie(folder: Path, model) -> None:

@@ -314,6 +314,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(argv: list[str] | None = None) -> int:
+    code, trainer = train_once(argv)
+    if trainer is not None and hasattr(trainer, "end"):  # transformers >= 5.18: ends trackers and the process group
+        trainer.end()
+    return code
+
+
+def train_once(argv: list[str] | None = None) -> tuple[int, object]:
+    """One run on this rank, up to its report: (exit code, the trainer of a completed run, else None). It leaves
+    the process group up, so that one process can train several runs in turn (scripts/arch_matrix.py); `run` ends it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
     import_training_stack()
@@ -368,12 +377,12 @@ def run(argv: list[str] | None = None) -> int:
                 f"[train] preempted: checkpoint saved at step {trainer.state.global_step}; "
                 f"relaunch the same command to resume (exit code {EXIT_PREEMPTED})"
             )
-            return EXIT_PREEMPTED
+            return EXIT_PREEMPTED, None
         kind.check_learned(trainer.state.log_history, cfg.training)  # GRPO: rewards that never varied taught nothing
         save_final(trainer, cfg, peft_config, report)
     except KeyboardInterrupt as err:
         report.finalize("interrupted", error=str(err) or "KeyboardInterrupt")
-        return EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED, None
     except BaseException as err:  # UserError included: the report records why the run stopped
         # Only once this run has trained: a failure before its first optimizer step (a mistake in the command
         # that resumes an output_dir) leaves the previous run's report as it was.
@@ -382,9 +391,7 @@ def run(argv: list[str] | None = None) -> int:
         raise
     if report.finalize("completed") is not None:
         trainer.accelerator.print(f"[train] run report written to {cfg.training.output_dir}/metrics.json")
-    if hasattr(trainer, "end"):  # transformers >= 5.18: ends trackers and the process group
-        trainer.end()
-    return 0
+    return 0, trainer
 
 
 def exit_without_teardown(code: int) -> None:

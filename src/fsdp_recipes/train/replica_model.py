@@ -61,6 +61,10 @@ def empty_model(path: str, init_kwargs: dict):
     finally:
         logging.set_verbosity(level)
     model.config._name_or_path = path  # TRL's tokenizer lookup, and what a saved config records
+    # Loaded from no weights, the model recorded that no weight conversion was used: without the record, transformers
+    # takes the architecture's own (as for a model built from its config), so that this rank names a mixture of
+    # experts' tensors as the files do when it checks its shards against them (checkpoint/save_check.py)
+    model.__dict__.pop("_weight_conversions", None)
     return unallocated_parameters(model)
 
 

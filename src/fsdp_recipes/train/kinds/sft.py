@@ -29,8 +29,35 @@ def extra_forwards(training) -> dict[str, float]:
     return {}
 
 
+# Families whose every step fails in TRL 1.16's SFT loss: it runs through TRL's fused LM head (trl add_fused_lm_head),
+# which reads the backbone output's last_hidden_state, and Llama 4's output has none (AttributeError; TRL's fault,
+# scripts/arch_matrix.py found it). Config model_type -> the family's name.
+FUSED_LOSS_CANNOT = {"llama4": "Llama 4", "llama4_text": "Llama 4"}
+
+
 def check_config(cfg) -> None:
-    """Nothing beyond the shared checks (run_checks.check_before_launch)."""
+    """What TRL's SFTTrainer cannot train in these releases, from the model's config.json where it is known offline
+    (a local folder)."""
+    from fsdp_recipes.config import model_check
+    from fsdp_recipes.errors import UserError
+
+    source = model_check.model_config_source(cfg.model.model_name_or_path, None)
+    if source is None:
+        return
+    text = model_check.load_config(source).get_text_config()
+    where, kind = cfg.model.model_name_or_path, type(text).__name__
+    if text.model_type in FUSED_LOSS_CANNOT:
+        raise UserError(f"{where} is a {FUSED_LOSS_CANNOT[text.model_type]} model ({kind}), which TRL 1.16's "
+                        "SFTTrainer cannot train: its loss reads the backbone's last_hidden_state, which Llama 4's "
+                        "output does not have (every step fails). Fix: none in these releases; train another family.")
+    coef = cfg.training.router_aux_loss_coef
+    coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef  # as SFTTrainer resolves it
+    if hasattr(text, "output_router_logits") and coef and not hasattr(text, "num_experts"):
+        raise UserError(f"{where}: TRL 1.16's SFTTrainer adds the load-balancing loss of this mixture of experts "
+                        f"(router_aux_loss_coef {coef:g}) and asks its config for num_experts, which {kind} does not "
+                        "have (it counts them as num_local_experts): the first step would fail. Fix: "
+                        "router_aux_loss_coef: 0.0 in the recipe (no load-balancing loss), or train LoRA without "
+                        "the router.")
 
 
 def load_datasets(cfg, want_eval: bool | None = None):
