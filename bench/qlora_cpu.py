@@ -175,13 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     import trl
 
-    from fsdp_recipes.config.hardware import cpu_bf16_flags
+    from bench.speed_vs_trl import cpu
 
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
     result = {"benchmark": "qlora_cpu", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "host": platform.node(), "cpu": {"model": cpu, "cores": os.cpu_count(),
-                                               "bf16_flags": cpu_bf16_flags(info)},
+              "host": platform.node(), "cpu": cpu(),
               "host_ram_bytes": psutil.virtual_memory().total,
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                            "peft": peft.__version__, "accelerate": accelerate.__version__,
