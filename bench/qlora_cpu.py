@@ -133,8 +133,8 @@ def summarize(runs: list[dict]) -> dict:
                     "trained_wilson95": [round(lo, 4), round(hi, 4)],
                     "final_loss": [round(r["final_loss"], 4) for r in mine]}
         if arm == "4bit" and first.get("four_bit"):
-            lo, hi = wilson(first["four_bit"]["adapted_correct"], first["held_out"])
-            out[arm]["adapted_4bit_correct"] = [r["four_bit"]["adapted_correct"] for r in mine]
+            lo, hi = wilson(first["four_bit"]["adapted"]["correct"], first["held_out"])
+            out[arm]["adapted_4bit_correct"] = [r["four_bit"]["adapted"]["correct"] for r in mine]
             out[arm]["adapted_4bit_wilson95"] = [round(lo, 4), round(hi, 4)]
             out[arm]["merged_same_answers_as_4bit"] = [r["four_bit"]["merged_same_answers"] for r in mine]
     pairs = sorted({r["pair"] for r in runs})
