@@ -84,13 +84,16 @@ wheel: $(STAMP) ## build dist/fsdp_recipes-<version>-py3-none-any.whl: what anot
 	@rm -rf build
 	@echo "[wheel] $$(ls dist/fsdp_recipes-*.whl): pip install it into any environment with Python >= 3.10; it keeps what is there inside pyproject.toml's ranges"
 
+# A 4-bit recipe (load_in_4bit in its YAML or ARGS) gets $(QLORA_SITE) on its PYTHONPATH; the others never import it.
+WITH_BNB = $(if $(or $(shell grep -ls '^load_in_4bit: true' recipes/$(RECIPE)/*.yaml 2>/dev/null),$(findstring load_in_4bit,$(ARGS))),PYTHONPATH="$(abspath $(QLORA_SITE))$${PYTHONPATH:+:$$PYTHONPATH}")
+
 finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML
 	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" bash recipes/$(RECIPE)/launch.sh $(ARGS)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
 	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 bash recipes/$(RECIPE)/launch.sh $(ARGS)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100 [ARGS="--fit --comms --time --max_length 8192 ..."]: will it fit? launches nothing
 	@$(PY) -m fsdp_recipes.planning.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU) $(ARGS)

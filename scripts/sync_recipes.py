@@ -9,9 +9,10 @@ copy-pasted between recipes. So the shared parts are generated here and a test f
 - accelerate.yaml: a shared config from accelerate_configs/ plus the recipe's `set` overrides;
 - launch.sh: the same thin wrapper for every recipe (LAUNCH_SH below);
 - for a recipe with `config_from`, its trainer YAML (sft.yaml, dpo.yaml): the other recipe's with the `config_set`
-  fields replaced, line by line, so its comments survive; with `model_config_from`, model_config.json: that recipe's copy;
+  fields replaced, line by line, so its comments survive (fields it lacks follow at its end, after `config_note`); with `model_config_from`, model_config.json: that recipe's copy;
 - in README.md, the memory budget between the `<!-- plan -->` markers: `make plan`'s table for the
-  recipe's own hardware, so the published estimate is the one the planner computes today.
+  recipe's own hardware (with its `plan_args`, if any), so the published estimate is the one the planner computes
+  today.
 """
 
 from __future__ import annotations
@@ -95,7 +96,8 @@ def render_config(name: str, spec: dict) -> str:
             key = match.group(1)
             lines[i] = f"{key}: {flow(todo.pop(key))}"
     if todo:
-        lines += ["", "# Set by this recipe"] + [f"{k}: {flow(v)}" for k, v in todo.items()]
+        note = [f"# {line}" for line in spec.get("config_note", [])]
+        lines += ["", "# Set by this recipe", *note] + [f"{k}: {flow(v)}" for k, v in todo.items()]
     check_inherited_comments(name, source, lines, " ".join(spec["title"]))
     title = [f"# {name}: {line}" if i == 0 else f"# {line}" for i, line in enumerate(spec["title"])]
     header = title + [
@@ -118,10 +120,10 @@ def check_inherited_comments(name: str, source: str, lines: list[str], title: st
                                  f"its config_set, or word the comment in {source} without the model's size.")
 
 
-def plan_section(name: str, gpu: str) -> str:
+def plan_section(name: str, gpu: str, overrides: list[str]) -> str:
     from fsdp_recipes.planning.plan import budget_markdown
 
-    return budget_markdown(name, RECIPES, gpu)
+    return budget_markdown(name, RECIPES, gpu, overrides)
 
 
 def copy_section(name: str) -> str:
@@ -153,9 +155,9 @@ def replace_section(current: str, marker: str, body: str) -> str:
     return f"{head}{begin}\n{body}{end}{tail}"
 
 
-def render_readme(name: str, current: str, gpu: str = "H100") -> str:
-    if "<!-- plan -->" in current:  # only the GPU recipes have a budget
-        current = replace_section(current, "plan", plan_section(name, gpu))
+def render_readme(name: str, current: str, gpu: str = "H100", plan_args: list[str] = ()) -> str:
+    if "<!-- plan -->" in current:  # the GPU recipes have a budget, and a CPU recipe as placed on GPUs
+        current = replace_section(current, "plan", plan_section(name, gpu, list(plan_args)))
     return replace_section(current, "copy", copy_section(name))
 
 
@@ -193,7 +195,8 @@ def main() -> int:
         readme = RECIPES / name / "README.md"
         if not readme.exists():
             continue
-        text = render_readme(name, readme.read_text(), manifest[name].get("gpu", "H100"))
+        spec = manifest[name]
+        text = render_readme(name, readme.read_text(), spec.get("gpu", "H100"), spec.get("plan_args", []))
         if text != readme.read_text():
             if args.check:
                 stale.append(str(readme.relative_to(ROOT)))

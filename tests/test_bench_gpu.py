@@ -16,7 +16,7 @@ import pytest
 
 from bench import gpu as bench_gpu
 from bench import suite as bench
-from conftest import torchao_site
+from conftest import qlora_site, torchao_site
 from fsdp_recipes.records import file_stamp
 
 RUNG_IDS = ["0", "1", "2", "3", "4", "5a", "5b", "5c"]
@@ -412,3 +412,64 @@ def test_the_plans_ladders_keep_carried_rungs_that_they_name(keep_carried, monke
     else:
         assert first["status"] == "skipped" and first["reason"].startswith("time budget")
     assert lad["rungs"][1]["status"] == "skipped"
+
+
+# ---- the 4-bit step of the GPU plan (bench/qlora_gpu.py, scripts/device_run.sh qlora) ------------------------------
+
+# The dry run's tiny Llama layer (launch/smoke.py's shape): hidden 64, 4 heads of 16 (q 64), 2 key/value heads (k, v
+# 32), intermediate 128. Its seven linears: q, o 64 x 64 = 4,096 each; k, v 64 x 32 = 2,048 each; gate, up, down
+# 64 x 128 = 8,192 each -> 36,864 weights, 18,432 bytes of NF4. LoRA r 16 of the 70B recipe on all seven: r x (in +
+# out): q, o 16 x 128 = 2,048; k, v 16 x 96 = 1,536; gate, up, down 16 x 192 = 3,072 -> 16,384 adapter weights.
+TINY_LAYER_4BIT = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128
+TINY_LAYER_LORA = 16 * (2 * (64 + 64) + 2 * (64 + 32) + 3 * (64 + 128))
+
+
+def test_the_qlora_steps_dry_run_counts_one_layer_as_the_plan_does(tmp_path, cache_dir, monkeypatch):
+    """The plan's `qlora` step on CPU: the 70B recipe's layer probe at 1 and 2 layers with tiny shapes, in 4 bits
+    with LoRA, one training step each; one layer's counted bytes against the planner's; the launch of the default in
+    4 bits named, not started (tests/test_qlora.py launches that path on CPU). In this process: a few seconds."""
+    monkeypatch.syspath_prepend(qlora_site())
+    from bench import qlora_gpu
+
+    result, path = qlora_gpu.run(["--dry-run", "--results", str(tmp_path)])
+    saved = json.loads(path.read_text())
+    assert saved["dry_run"] is True and saved["device"]["type"] == "cpu"
+    layers = saved["layers"]
+    assert [p["layers"] for p in layers["probes"]] == [1, 2] and all(p["loss"] > 0 for p in layers["probes"])
+    per = layers["per_layer"]
+    assert (TINY_LAYER_4BIT, TINY_LAYER_LORA) == (36_864, 16_384)
+    # NF4 at half a byte per weight, bf16 adapters (2 bytes): counted as the planner counts them
+    assert per["counted_bytes"]["packed_4bit"] == TINY_LAYER_4BIT // 2
+    assert per["counted_bytes"]["trainable"] == TINY_LAYER_LORA * 2 == per["planned_bytes"]["gradients"]
+    assert per["planned_bytes"]["optimizer_states"] == TINY_LAYER_LORA * 4  # AdamW's two bf16 moments
+    assert per["measured_peak_bytes"] is None and per["peak_vs_planned"] is None  # CPU: no device memory
+    default = saved["default_4bit"]
+    assert default["status"].startswith("not launched: dry run") and "smollm2-135m-qlora" in default["command"]
+
+
+def test_the_qlora_steps_launch_verdicts(tmp_path):
+    """Part 2's verdicts from a run's files, hand-written: a CUDA run with bf16 storage and a plain merged model
+    passes; a uint8 storage, a merged model still quantized and a missing final save fail."""
+    from bench.qlora_gpu import judge_default
+
+    out = tmp_path / "run"
+    (out / "merged").mkdir(parents=True)
+    metrics = {"status": "completed", "device": {"type": "cuda", "name": "H100"}, "mfu": 0.1, "world_size": 1,
+               "peak_memory": {"device_allocated_bytes": 1, "device_reserved_bytes": 2, "device_total_bytes": 3},
+               "gates": {"verdict": "pass"}, "final_save_check": {"tensors": 210}}
+    run_args = {"model_args": {"load_in_4bit": True, "bnb_4bit_quant_storage": "bfloat16"},
+                "sft_config": {"bf16": True}, "patches_applied": []}
+    (out / "metrics.json").write_text(json.dumps(metrics))
+    (out / "run_args.json").write_text(json.dumps(run_args))
+    (out / "merged" / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    judged = judge_default(out, 0)
+    assert {it["result"] for it in judged["items"]} == {"pass"}, judged["items"]
+    assert "error" in judged["memory_truth"]  # no command recorded here: the figure says why, the verdicts stand
+
+    run_args["model_args"]["bnb_4bit_quant_storage"] = "uint8"
+    (out / "run_args.json").write_text(json.dumps(run_args))
+    (out / "merged" / "config.json").write_text(json.dumps({"quantization_config": {"load_in_4bit": True}}))
+    (out / "metrics.json").write_text(json.dumps({**metrics, "final_save_check": None}))
+    failed = {it["item"] for it in judge_default(out, 0)["items"] if it["result"] == "FAIL"}
+    assert failed == {"default in 4 bits: bf16 storage under bf16", "default in 4 bits: final save checked",
+                      "default in 4 bits: merged/ is a plain model (the dequantised base + adapter)"}

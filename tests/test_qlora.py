@@ -2,6 +2,7 @@
 refused before any rank starts, and a 2-process run whose storage is sharded and whose losses equal one process's."""
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -98,20 +99,39 @@ def losses(run):
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
-@pytest.mark.slow
-def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(tmp_path, cache_dir, bnb):
-    common = ["--load_in_4bit", "true", "--max_steps", "4", "--logging_steps", "1", "--eval_strategy", "no",
-              "--save_merged_model", "false", "--warmup_steps", "0"]
-    # LoRA on the linears only: the trained LM head of a tied model is the pack's own case (peft_fsdp.py), not QLoRA's
-    two_recipe = recipe_variant(tmp_path, "two", drop=("lora_modules_to_save",))
-    two = tmp_path / "two-run"
-    res = launch([str(two_recipe), *common, "--measure_memory", "true", "--output_dir", str(two)], cache_dir,
-                 PYTHONPATH=bnb)
+def with_bnb(site: str) -> str:
+    """PYTHONPATH for a launch: bitsandbytes' directory before whatever the suite runs with."""
+    return os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
+
+
+COMMON = ["--load_in_4bit", "true", "--max_steps", "4", "--logging_steps", "1", "--eval_strategy", "no",
+          "--warmup_steps", "0"]
+# the 2-process run also checkpoints at steps 2 and 4 and writes merged/: the resume and merged-model tests read it
+SAVES = ["--save_strategy", "steps", "--save_steps", "2", "--save_merged_model", "true", "--measure_memory", "true"]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory, cache_dir):
+    """tiny-cpu-lora in 4 bits on 2 processes (FSDP2, float32 storage), 4 steps, checkpoints at 2 and 4, merged/:
+    (its folder, its recipe). LoRA on the linears only: the trained LM head of a tied model is the pack's own case
+    (peft_fsdp.py), not QLoRA's."""
+    tmp = tmp_path_factory.mktemp("qlora")
+    recipe = recipe_variant(tmp, "two", drop=("lora_modules_to_save",))
+    out = tmp / "two-run"
+    res = launch([str(recipe), *COMMON, *SAVES, "--output_dir", str(out)], cache_dir,
+                 PYTHONPATH=with_bnb(conftest.qlora_site()))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out, recipe
+
+
+@pytest.mark.slow
+def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(two, tmp_path, cache_dir, bnb):
+    two, _ = two
     one_recipe = recipe_variant(tmp_path, "one", drop=("lora_modules_to_save",), accelerate={"num_processes": 1})
     one = tmp_path / "one-run"
-    res = launch([str(one_recipe), *common, "--per_device_train_batch_size", "32",  # the same 32 rows per step
-                  "--output_dir", str(one)], cache_dir, PYTHONPATH=bnb)
+    res = launch([str(one_recipe), *COMMON, "--save_merged_model", "false",
+                  "--per_device_train_batch_size", "32",  # the same 32 rows per step
+                  "--output_dir", str(one)], cache_dir, PYTHONPATH=with_bnb(bnb))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
     a, b = losses(two), losses(one)
@@ -144,6 +164,119 @@ def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(
     # TRL keeps a 4-bit model's adapters in bf16 (no mixed precision here): their gradients and AdamW moments too
     assert probe["gradients"] == planned["gradients"] == shape.trainable * 2 // 2
     assert probe["optimizer_states"] == planned["optimizer_states"] == shape.trainable * 4 // 2
+
+
+@pytest.mark.slow
+def test_a_4bit_run_resumed_from_its_checkpoint_repeats_its_losses_and_adapter(two, tmp_path, cache_dir, bnb):
+    """The one launch that resumes: the same command from the 2-process run's checkpoint-2 into another folder. The
+    4-bit base is quantized again from the same weights (deterministic), the adapter, AdamW's moments, the schedule
+    and the RNG come from the checkpoint: steps 3 and 4 repeat the first run's losses, and the final adapter its
+    weights, bit for bit (measured: both equal to the last digit on the 2-core VM)."""
+    import torch
+    from safetensors.torch import load_file
+
+    two, recipe = two
+    resumed = tmp_path / "resumed"
+    res = launch([str(recipe), *COMMON, *SAVES, "--resume_from_checkpoint", str(two / "checkpoint-2"),
+                  "--output_dir", str(resumed)], cache_dir, PYTHONPATH=with_bnb(bnb))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    m = json.loads((resumed / "metrics.json").read_text())
+    assert m["status"] == "completed" and m["steps"] == 4 and m["resumed_from"] == str(two / "checkpoint-2")
+    a, b = losses(two), losses(resumed)
+    for step in (3, 4):  # steps 1 and 2 are the checkpoint's own log history
+        assert b[step] == a[step], (step, a, b)  # the same world size, threads and order: exactly
+    wa, wb = load_file(two / "adapter_model.safetensors"), load_file(resumed / "adapter_model.safetensors")
+    assert wa.keys() == wb.keys() and len(wa) > 0
+    assert all(torch.equal(wa[key], wb[key]) for key in wa)
+    assert m["final_save_check"]["tensors"] == len(wa)
+    assert json.loads((resumed / "run_args.json").read_text())["model_args"]["load_in_4bit"] is True
+
+
+@pytest.mark.slow
+def test_the_merged_model_is_the_dequantised_base_plus_the_adapter_and_answers_as_the_4bit_model(two, bnb):
+    """save_merged of a 4-bit run: the 4-bit base dequantised to the compute dtype (float32 here) with the adapter
+    merged in, a plain model (no quantization_config) whose logits equal the 4-bit base + adapter's to float32
+    rounding, and whose greedy answers are the same; merging into the original weights instead gives another model."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fsdp_recipes.config import quantization
+    from fsdp_recipes.launch.summary import load_prompts
+
+    two, _ = two
+    run_args = json.loads((two / "run_args.json").read_text())
+    args = run_args["model_args"]
+    config = json.loads((two / "merged" / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    merged = AutoModelForCausalLM.from_pretrained(two / "merged").eval()
+    adapted = PeftModel.from_pretrained(quantization.load_4bit(args["model_name_or_path"], args), str(two)).eval()
+    assert type(adapted.base_model.model.model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
+    tok = AutoTokenizer.from_pretrained(two)
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p, _ in
+             load_prompts(run_args, 8)]  # the summary's held-out prompts
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        lm, la = merged(**enc).logits, adapted(**enc).logits
+    # float32 throughout: x (W + s B A)^T against x W^T + s (x A^T) B^T, the same numbers summed in another order
+    assert (lm - la).abs().max().item() <= 1e-4 * la.abs().max().item(), (lm - la).abs().max().item()
+    with torch.no_grad():
+        gm = merged.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+        ga = adapted.generate(**enc, max_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert torch.equal(gm, ga)
+
+    # the merged weights are the dequantised 4-bit ones plus the adapter's change, not the original ones plus it
+    base = AutoModelForCausalLM.from_pretrained(args["model_name_or_path"], dtype=torch.float32)
+    dequantised = quantization.load_4bit(args["model_name_or_path"], args, dequantise=True)
+    name = "model.layers.0.mlp.down_proj.weight"
+    w_merged, w_deq, w_orig = (m.state_dict()[name] for m in (merged, dequantised, base))
+    delta = adapted.base_model.model.model.layers[0].mlp.down_proj.get_delta_weight("default")
+    assert torch.allclose(w_merged, w_deq + delta, atol=1e-6)
+    assert (w_merged - (w_orig + delta)).abs().max() > 100 * 1e-6  # NF4's rounding, kept
+
+
+@pytest.mark.slow
+def test_make_gguf_writes_the_merged_model_of_a_4bit_run(two, tmp_path, monkeypatch):
+    """The merged model is a plain float32 model: `make gguf` writes it, and the file holds its weights. The tiny
+    model's 268-token tokenizer has no llama.cpp pre-tokenizer name (test_gguf.py: refused), so it gets SmolLM2's
+    here; the real model's export is tests/test_default_recipe.py's."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    from fsdp_recipes.serving import gguf_export
+
+    two, _ = two
+    monkeypatch.setitem(gguf_export.PRE_TOKENIZERS, ("mistral", 268), "smollm")
+    out = tmp_path / "model.f32.gguf"
+    assert gguf_export.main([str(two), "--type", "f32", "--out", str(out)]) == 0
+    weights = load_file(two / "merged" / "model.safetensors")
+    written = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    down = written["blk.0.ffn_down.weight"]  # not permuted: the file's values are the merged ones
+    got = torch.from_numpy(down.data.copy()).reshape(weights["model.layers.0.mlp.down_proj.weight"].shape)
+    assert torch.equal(got, weights["model.layers.0.mlp.down_proj.weight"])
+    assert len(written) == len(weights)  # every tensor once (a tied head is written as the embedding)
+
+
+@pytest.mark.slow
+def test_the_summary_scores_the_4bit_base_and_the_merged_model_alike(two, bnb):
+    """The end-of-run summary of a 4-bit run: the base scored as it trained (in 4 bits), the merged model, and the
+    4-bit base + adapter, whose answers the merged model's equal, and whose exact match is the merged model's."""
+    from fsdp_recipes.launch import summary
+
+    two, _ = two
+    run_args = json.loads((two / "run_args.json").read_text())
+    check = summary.learning_check(two, run_args, 16)
+    assert check["n"] == 16 and check["trained_model"] == str(two / "merged")
+    four = check["four_bit"]
+    assert four["merged_same_answers"] == four["answers_compared"] == 16
+    assert four["adapted"]["correct"] == check["trained_correct"] and four["adapted"]["n"] == 16
+    assert four["adapted_loss"] == pytest.approx(check["stages"][-1]["loss"], rel=1e-3)  # float32 rounding apart
+    assert all(e["trained_4bit"] == e["trained"] for e in check["examples"])
+    text = summary.render(two, json.loads((two / "metrics.json").read_text()), check)
+    assert f"the 4-bit base + adapter {four['adapted']['correct']}/16 (" in text and "answer on 16/16" in text
+    assert summary.eval_section(check)["four_bit"] == four
 
 
 # Llama 3.1 70B's published shape (meta-llama/Llama-3.1-70B config.json): 80 layers, hidden 8192, intermediate 28672,

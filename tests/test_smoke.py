@@ -8,8 +8,9 @@ import subprocess
 import pytest
 import yaml
 
-from conftest import REPO, RanksWouldStart, launcher_checks, launcher_until_ranks, pack_env
+from conftest import REPO, RanksWouldStart, launcher_checks, launcher_until_ranks, pack_env, qlora_site
 from fsdp_recipes.config import recipes
+from fsdp_recipes.config.model_check import load_config
 
 RECIPES = recipes.available(REPO / "recipes")
 
@@ -50,7 +51,17 @@ def expected_layout(acc: dict) -> tuple[int, str]:
 # accelerate YAML and SFT-run chain in smollm2-135m-dpo's and -grpo's real runs (tests/test_default_recipe.py), and
 # the demos themselves were measured in full (bench/README.md "KTO and RLOO on the default"); a real-model launch
 # each would add about 150 s to the suite's longest file.
+# QLoRA: each 4-bit recipe's smoke run would be that of a bf16 LoRA recipe launched elsewhere in 4 bits. Its accelerate
+# YAML, scaled, is that recipe's (below: llama-3.1-8b-lora's, launched in tests/test_default_recipe.py;
+# mistral-7b-full's and smollm2-135m-lora's), its tiny model is its twin's (the tiny model keeps the architecture
+# only: Llama 3.1 70B's and 8B's are one model, Mistral Large's is mistral-large-hsdp's, launched here), and its
+# trainer YAML differs from its twin's only in the fields named in TWINS. The 4-bit path itself launches in
+# tests/test_qlora.py: 2 CPU processes, FSDP2, float32 storage, checkpoints, an exact resume and the merged model.
+# The bf16 storage these GPU recipes get is checked in process only (the storage rule, tests/test_qlora.py) and was
+# smoke-run by hand (the recipes' READMEs); on CUDA, the GPU plan's launch step smokes every recipe.
 COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lora-2xh200": "mistral-small-lora",
+                     "llama-3.1-70b-qlora-2xh100": "llama-3.1-8b-lora", "llama-3.1-70b-qlora-4x24gb": "llama-3.1-8b-lora",
+                     "mistral-large-qlora-4xh100": "mistral-7b-full", "smollm2-135m-qlora": "smollm2-135m-lora",
                      "llama-3.1-8b-lora": "llama-3.1-8b-lora",
                      "smollm2-135m-dpo": "smollm2-135m-dpo", "qwen3-8b-full-dpo": "qwen3-8b-full-dpo",
                      "llama-3.1-8b-lora-dpo": "llama-3.1-8b-lora-dpo",
@@ -58,6 +69,20 @@ COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lo
                      "smollm2-135m-rloo": "smollm2-135m-rloo", "llama-3.1-8b-lora-rloo": "llama-3.1-8b-lora-rloo",
                      "smollm2-135m-kto": "smollm2-135m-kto", "llama-3.1-8b-lora-kto": "llama-3.1-8b-lora-kto"}
 SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora" and name not in COVERED_ELSEWHERE]
+# recipe -> (the recipe whose trainer YAML and tiny model it shares, the fields in which its trainer YAML differs),
+# where that is not COVERED_ELSEWHERE's own launch
+BATCH = {"recipe_name", "min_gpus", "output_dir", "per_device_train_batch_size", "per_device_eval_batch_size",
+         "gradient_accumulation_steps"}
+FOUR_BIT = {"load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant"}
+TWINS = {"mistral-small-lora-2xh200": ("mistral-small-lora", BATCH),
+         "llama-3.1-70b-qlora-2xh100": ("llama-3.1-8b-lora",
+                                        BATCH | FOUR_BIT | {"model_name_or_path", "save_merged_model", "learning_rate"}),
+         "llama-3.1-70b-qlora-4x24gb": ("llama-3.1-8b-lora", BATCH | FOUR_BIT | {
+             "model_name_or_path", "save_merged_model", "learning_rate", "max_length"}),
+         "mistral-large-qlora-4xh100": ("mistral-large-hsdp", {"recipe_name", "min_gpus", "output_dir",
+                                                              "gradient_accumulation_steps"} | FOUR_BIT),
+         "smollm2-135m-qlora": ("smollm2-135m-lora", {"recipe_name", "output_dir", "load_in_4bit",
+                                                      "bnb_4bit_quant_type"})}
 
 
 def test_the_tiny_recipes_smoke_run_would_be_its_own_run():
@@ -104,6 +129,8 @@ def test_smoke_checks_of_the_recipes_another_launch_covers(name, cache_dir, tmp_
     from fsdp_recipes.launch import smoke as smoke_module
 
     monkeypatch.setenv("FSDP_RECIPES_SMOKE", "1")
+    if name in TWINS and FOUR_BIT & TWINS[name][1]:  # the launcher checks that bitsandbytes is there
+        monkeypatch.syspath_prepend(qlora_site())
     with pytest.raises(RanksWouldStart) as started:
         launcher_until_ranks([name, "--output_dir", str(tmp_path / "run")], monkeypatch, capsys)
     cmd = started.value.cmd
@@ -121,12 +148,22 @@ def test_smoke_checks_of_the_recipes_another_launch_covers(name, cache_dir, tmp_
             assert {k: scaled[k] for k in other_acc} == other_acc
         return
     assert scaled == smoke_module.scale_accelerate(other_acc)  # the same processes, FSDP settings and all
-    mine, theirs = (yaml.safe_load(recipes.config_file(REPO / "recipes" / n).read_text()) for n in (name, other))
-    assert mine.keys() == theirs.keys()
+    twin, fields = TWINS[name]
+    mine, theirs = (yaml.safe_load(recipes.config_file(REPO / "recipes" / n).read_text()) for n in (name, twin))
+    assert mine.keys() - FOUR_BIT == theirs.keys()
     # min_gpus and output_dir: the smoke run sets its own
-    differ = {k for k in mine if mine[k] != theirs[k]}
-    assert differ == {"recipe_name", "min_gpus", "output_dir", "per_device_train_batch_size",
-                      "per_device_eval_batch_size", "gradient_accumulation_steps"}, differ
+    differ = {k for k in mine if mine[k] != theirs.get(k)}
+    assert differ == fields, differ
+    # the tiny model the smoke run builds is the twin's: shrinking leaves the architecture only
+    from transformers import AutoTokenizer
+
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"])
+    mine_tiny, twin_tiny = (smoke_module.shrink(load_config(REPO / "recipes" / n / "model_config.json"),
+                                                tokenizer).to_dict() for n in (name, twin))
+    assert {k: v for k, v in mine_tiny.items() if k != "_name_or_path"} == {
+        k: v for k, v in twin_tiny.items() if k != "_name_or_path"}
 
 
 def copy_recipe(name: str, tmp_path):

@@ -174,7 +174,8 @@ def test_merging_a_tied_model_keeps_a_trained_head(tmp_path):
     adapted.save_pretrained(tmp_path / "adapter")
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
                             ).save_pretrained(tmp_path / "adapter")
-    save_merged(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "merged"), "float32")
+    save_merged(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "merged"),
+                types.SimpleNamespace(dtype="float32"))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert torch.equal(merged.lm_head.weight, head)
     assert torch.equal(merged.model.embed_tokens.weight, base.model.embed_tokens.weight)

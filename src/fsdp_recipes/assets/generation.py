@@ -7,14 +7,22 @@ from __future__ import annotations
 ANSWER_TOKENS = 8  # generated per answer unless the caller asks for more (the summary: for longer answers)
 
 
+def load_tokenizer(folder: str):
+    """A saved tokenizer, padding on the left (for generation)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.padding_side = "left"
+    return tok
+
+
 def load(model_dir: str, tokenizer_dir: str | None = None):
     """(model in eval mode, tokenizer padding on the left) from a saved model folder; plain transformers."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     transformers.utils.logging.disable_progress_bar()  # loading bars would split the summary from the run's log
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir or model_dir)
-    tok.padding_side = "left"
+    tok = load_tokenizer(tokenizer_dir or model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     model.eval()
     return model, tok
@@ -33,7 +41,8 @@ def answers(model, tok, prompts: list[list[dict] | str], batch_size: int = 128,
         plain = all(isinstance(p, str) for p in batch)
         texts = batch if plain else [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
                                      for p in batch]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=plain)
+        # to the model's device: a 4-bit model is on the GPU where there is one (bitsandbytes' default device map)
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=plain).to(model.device)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id)

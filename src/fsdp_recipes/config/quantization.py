@@ -14,12 +14,18 @@ What cannot be sharded correctly is refused in one line before any rank starts: 
 parameters carry their scales outside the tensor FSDP gathers), full fine-tuning of a 4-bit base (no gradient to
 give packed weights), a storage dtype other than FSDP's, FSDP1 (not checked by this pack: FSDP2 is), a model dtype
 left to `auto`.
+
+The merged model of a 4-bit run (`save_merged_model`) is the dequantised 4-bit base + the adapter, in the compute
+dtype (load_4bit below): the adapter learned to correct the NF4 weights, not the original ones, so that merged model
+answers as the trained 4-bit model does (the logits agree to float rounding; tests/test_qlora.py, bench/README.md
+"QLoRA on the default"), where a merge into the original weights would be another model.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from types import SimpleNamespace
 
 from fsdp_recipes.errors import UserError
 
@@ -88,3 +94,31 @@ def quantization_config(model_args, training):
 
     settle_storage(model_args, training)
     return get_quantization_config(model_args)
+
+
+def recorded(model_args) -> SimpleNamespace | None:
+    """A run's 4-bit settings (ModelConfig, or run_args.json's `model_args` dict) as get_quantization_config reads
+    them; None for a run without load_in_4bit."""
+    fields = model_args if isinstance(model_args, dict) else vars(model_args)
+    if not fields.get("load_in_4bit"):
+        return None
+    return SimpleNamespace(load_in_4bit=True, load_in_8bit=False, dtype=fields.get("dtype"),
+                           bnb_4bit_quant_type=fields.get("bnb_4bit_quant_type") or "nf4",
+                           use_bnb_nested_quant=bool(fields.get("use_bnb_nested_quant")),
+                           bnb_4bit_quant_storage=fields.get("bnb_4bit_quant_storage"))
+
+
+def load_4bit(model_path: str, model_args, dequantise: bool = False):
+    """The base a 4-bit run trained on, loaded again with its BitsAndBytesConfig: the same NF4 values (quantizing the
+    same weights is deterministic; the storage dtype only holds the packed bytes). `dequantise`: every 4-bit linear
+    turned back into a plain one in the compute dtype (transformers' dequantize(), which also drops the config's
+    quantization_config): the 4-bit model's own weights in full precision, plain from_pretrained from then on."""
+    import transformers
+    from trl import get_quantization_config
+    from transformers import AutoModelForCausalLM
+
+    transformers.utils.logging.disable_progress_bar()  # as generation.generate: no bars inside the summary
+    settings = recorded(model_args)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=settings.dtype,
+                                                 quantization_config=get_quantization_config(settings))
+    return model.dequantize() if dequantise else model

@@ -24,6 +24,7 @@ import os
 import sys
 from pathlib import Path
 
+from fsdp_recipes.config import quantization
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.train import kinds
 from fsdp_recipes.metrics.report import human_bytes
@@ -256,15 +257,16 @@ def preference_margins(model_dir: str, pairs: list[tuple[list[dict], str, str]])
 
 
 def score_stage(model_dir: str, items: list[tuple[list[dict] | str | None, str]],
-                pairs: list[tuple[list[dict], str, str]]) -> dict:
+                pairs: list[tuple[list[dict], str, str]], loaded=None) -> dict:
     """One model's scores on the scored rows, the model loaded once with plain transformers: `loss`, the held-out
     loss of the reference answers (prompt None: of the text; metrics/answer_loss.py); `answers`, its greedy answers
     to the prompts, all of them where every reference is at most SHORT_ANSWER_TOKENS tokens (`long_answers` 0),
-    else the first SAMPLE_ROWS up to SAMPLE_TOKENS tokens each; `margins` on preference pairs."""
+    else the first SAMPLE_ROWS up to SAMPLE_TOKENS tokens each; `margins` on preference pairs. `loaded`: (model,
+    tokenizer) loaded already (a 4-bit one: four_bit_scores) instead of `model_dir`'s."""
     from fsdp_recipes.assets import generation
     from fsdp_recipes.metrics.answer_loss import held_out_loss
 
-    model, tok = generation.load(model_dir)
+    model, tok = loaded or generation.load(model_dir)
     out = {"loss": held_out_loss(model, tok, items), "answers": [], "long_answers": 0}
     prompted = [(p, a) for p, a in items if p is not None]
     if prompted:
@@ -278,6 +280,33 @@ def score_stage(model_dir: str, items: list[tuple[list[dict] | str | None, str]]
     if pairs:
         out["margins"] = margins(model, tok, pairs)
     return out
+
+
+def four_bit_scores(base: str, run_dir: Path, model_args: dict, items, pairs) -> tuple[dict, dict]:
+    """A 4-bit run's base as it trained on it (loaded in 4 bits with the run's settings) and that base with the run's
+    adapter: their score_stage scores. One load serves both (the adapter goes on the same model)."""
+    from peft import PeftModel
+
+    from fsdp_recipes.assets import generation
+
+    model = quantization.load_4bit(base, model_args).eval()
+    tok = generation.load_tokenizer(base)
+    base_scores = score_stage(base, items, pairs, loaded=(model, tok))
+    adapted = PeftModel.from_pretrained(model, str(run_dir)).eval()
+    return base_scores, score_stage(base, items, pairs, loaded=(adapted, generation.load_tokenizer(str(run_dir))))
+
+
+def add_four_bit(check: dict, adapted: dict, right_adapted: list[bool] | None) -> None:
+    """A 4-bit run: the 4-bit base + adapter's exact match, and on how many prompts the merged model (the dequantised
+    base + adapter, scored as `trained`) gives the same answer; its answers in the examples."""
+    merged = [e["trained"] for e in check["examples"]]
+    check["four_bit"] = {"base": "loaded in 4 bits with the run's BitsAndBytesConfig, the model it trained on",
+                         "adapted": intervals.share(sum(right_adapted), len(right_adapted)) if right_adapted else None,
+                         "adapted_loss": adapted["loss"]["loss"],
+                         "merged_same_answers": sum(a == m for a, m in zip(adapted["answers"], merged)),
+                         "answers_compared": min(len(merged), len(adapted["answers"]))}
+    for example, a in zip(check["examples"], adapted["answers"]):
+        example["trained_4bit"] = a
 
 
 def add_preference(check: dict, margins_per_stage: list[list[float]]) -> None:
@@ -315,7 +344,12 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
                         f"and no `{text_field}` text to score (chat `messages`, prompt + completion, or a text field)"}
     preference = pairs_of(rows)
     chain = stages(run_dir, run_args, trained)
-    scores = [score_stage(model, items, preference) for _, model in chain]
+    four_bit = len(chain) == 2 and quantization.recorded(run_args["model_args"]) is not None  # a 4-bit run, its base
+    if four_bit:  # the base as it trained, in 4 bits; the 4-bit model + adapter beside the merged one
+        base_scores, adapted = four_bit_scores(chain[0][1], run_dir, run_args["model_args"], items, preference)
+        scores = [base_scores, score_stage(chain[1][1], items, preference)]
+    else:
+        scores = [score_stage(model, items, preference) for _, model in chain]
     expected = [a.strip() for _, a in refs]
     long = max(s["long_answers"] for s in scores)  # every stage generated for every prompt, or none scored
     right = [[o == e for o, e in zip(s["answers"], expected)] for s in scores] if refs and not long else None
@@ -350,6 +384,8 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
             f"answered, up to {SAMPLE_TOKENS} tokens each")
     elif not refs:
         check["exact_match_note"] = f"text rows (`{text_field}`) have no prompt to answer: the loss is the measure"
+    if four_bit:
+        add_four_bit(check, adapted, [o == e for o, e in zip(adapted["answers"], expected)] if right else None)
     if preference:
         add_preference(check, [s["margins"] for s in scores])
     return check
@@ -384,6 +420,7 @@ def eval_section(check: dict) -> dict:
         },
         "base_model": check["base_model"],
         "trained_model": check["trained_model"],
+        "four_bit": check.get("four_bit"),
         "stages": check.get("stages"),
         "preference": check.get("preference"),
         "loaded_with": "transformers AutoModelForCausalLM.from_pretrained, no FSDP",
@@ -424,6 +461,12 @@ def eval_lines(check: dict) -> list[str]:
                      f"got right (p < {intervals.ALPHA})")
     elif check.get("exact_match_note"):
         lines.append(f"exact match not scored: {check['exact_match_note']}")
+    if check.get("four_bit"):
+        q = check["four_bit"]
+        adapted = f"{intervals.rate_text(q['adapted']['correct'], n)}; " if q.get("adapted") else ""
+        lines.append(f"4 bits      the base scored in 4 bits, as it trained; the 4-bit base + adapter {adapted}the "
+                     f"merged model (dequantised base + adapter) gives its answer on {q['merged_same_answers']}/"
+                     f"{q['answers_compared']}")
     return lines
 
 

@@ -63,8 +63,9 @@ def token_logps(model, tok, rows: list[tuple[list[int], int]], max_tokens: int =
         width = max(len(ids) for ids, _ in chunk)
         input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in chunk])
         mask = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in chunk])
-        with torch.no_grad():
-            logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1].float()
+        with torch.no_grad():  # on the model's device (a 4-bit model is on the GPU where there is one), back here
+            logits = model(input_ids=input_ids.to(model.device),
+                           attention_mask=mask.to(model.device)).logits[:, :-1].float().cpu()
         targets = input_ids[:, 1:]
         logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
         position = torch.arange(targets.shape[1]).unsqueeze(0)  # target t is token t + 1 of the row

@@ -299,15 +299,18 @@ def gate_lines(pack, total_gib: float, capacity_gib: float) -> list[str]:
                                              "; a failed gate exits 3")]
 
 
-def budget_markdown(name: str, recipes_root: Path, gpu: str = "H100") -> str:
+def budget_markdown(name: str, recipes_root: Path, gpu: str = "H100", overrides: list[str] | tuple = ()) -> str:
     """The README table for a recipe's own hardware: its accelerate.yaml's GPUs and nodes, on `gpu` (its `gpu:` in
-    accelerate_configs/recipes.yaml). scripts/sync_recipes.py puts it between markers."""
+    accelerate_configs/recipes.yaml), with `overrides` (its `plan_args:`, shown as make plan's ARGS).
+    scripts/sync_recipes.py puts it between markers."""
     recipe = recipes_root / name
     acc = yaml_keys.load_yaml(recipe / "accelerate.yaml")
     nodes = int(acc.get("num_machines", 1))
     gpus = max(int(acc.get("num_processes", 1)) // nodes, 1)
-    report, fits, _ = plan(name, gpus, nodes, gpu, recipes_root)
+    report, fits, _ = plan(name, gpus, nodes, gpu, recipes_root, overrides)
     cmd = f"make plan RECIPE={name} GPUS={gpus} NODES={nodes} GPU={gpu}"
+    if overrides:
+        cmd += f' ARGS="{" ".join(map(str, overrides))}"'
     return f"```\n$ {cmd}\n{report}\n```\n"
 
 

@@ -66,12 +66,16 @@ def make_trainer_class(kind: str = kinds.DEFAULT):
     return Reporting
 
 
-def save_merged(base_path: str, adapter_dir: str, out_dir: str, dtype) -> None:
-    """Rank 0: reload base + saved adapter with plain transformers/peft (no FSDP), merge, save."""
+def save_merged(base_path: str, adapter_dir: str, out_dir: str, model_args) -> None:
+    """Rank 0: reload base + saved adapter with plain transformers/peft (no FSDP), merge, save. A 4-bit run's base is
+    the 4-bit one dequantised to the compute dtype (config/quantization.py says why), not the original weights."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype)
+    if quantization.recorded(model_args):
+        base = quantization.load_4bit(base_path, model_args, dequantise=True)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=model_args.dtype)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     merged.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
@@ -249,7 +253,7 @@ def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
         trainer.accelerator.wait_for_everyone()
         if trainer.accelerator.is_main_process:
             save_merged(model_args.model_name_or_path, training.output_dir,
-                        os.path.join(training.output_dir, "merged"), model_args.dtype)
+                        os.path.join(training.output_dir, "merged"), model_args)
     trainer.accelerator.wait_for_everyone()
 
 
