@@ -164,7 +164,9 @@ s_grpo_default() {
 s_qlora() {
   local args=()
   if [ "$DRY" = 1 ]; then  # make venv keeps bitsandbytes outside the venv (the Makefile says why)
-    args=(--dry-run); export PYTHONPATH="$(dirname "$PY")/../qlora-site${PYTHONPATH:+:$PYTHONPATH}"
+    args=(--dry-run)
+    local site; site="$(dirname "$PY")/../qlora-site"
+    export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   # its own deadline 10 s inside the step's: the JSON is written before `timeout` would end it
   "$PY" -m bench.qlora_gpu "${args[@]}" --deadline-s $((STEP_BUDGET - 10)) --results "$WORK/qlora" \
