@@ -77,7 +77,7 @@ def no_process_outlives_its_test():
 
 # `make test` runs the suite on two pytest-xdist workers (--dist loadfile). A scope (a file, or one test of a file
 # in SPLIT_BY_TEST) runs whole on one worker: a file's tests may share module fixtures (launches, the Slurm cluster),
-# but those in SPLIT_BY_TEST share none, and their long tests (test_preemption.py's 25 launches) would otherwise hold
+# but those in SPLIT_BY_TEST share none, and their long tests (test_preemption.py's 20 launches) would otherwise hold
 # one worker while the other idles. The workers take scopes in collection order, so the longest go first and the
 # two end together (longest processing time first): seconds per test from a measured run, tests/durations.json
 # (scripts/test_durations.py writes it from pytest's --junitxml; a test not in it counts UNMEASURED_S). A stale file
