@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from conftest import REPO, SHORT_TINY_RUN, pack_env, publishing_shared_run
+from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
 from fsdp_recipes.errors import EXIT_PREEMPTED
 from fsdp_recipes.train import start_gate
 
@@ -141,7 +142,9 @@ def test_ranks_wait_at_the_gate_and_run_once_the_checks_pass(tmp_path, cache_dir
     with publishing_shared_run(SHORT_TINY_RUN, cache_dir, own=tmp_path / "run") as out:
         run = SlowCheckLaunch([*SHORT_TINY_RUN, "--output_dir", str(out)], cache_dir, slow_s=20)
         run.wait_for_ranks_at_the_gate()
-        assert run.proc.poll() is None and not out.exists(), "a rank wrote before the checks passed"
+        assert run.proc.poll() is None, "".join(run.out + run.err)
+        # the launcher locks the folder before it starts the ranks (issue 42: a busy folder is one line at once)
+        assert [p.name for p in out.iterdir()] == [LOCK_FILE], "a rank wrote before the checks passed"
         assert not any("[train]" in line for line in run.out), run.out  # their output is held back
         run.release()
         assert run.finish() == 0, "".join(run.out[-40:] + run.err[-40:])
@@ -153,13 +156,13 @@ def test_ranks_wait_at_the_gate_and_run_once_the_checks_pass(tmp_path, cache_dir
 @pytest.mark.slow
 def test_a_failed_check_kills_the_waiting_ranks_and_is_one_line(tmp_path, cache_dir):
     out = tmp_path / "run"
-    run = SlowCheckLaunch(["tiny-cpu-lora", "--dataset_name", str(tmp_path / "missing.jsonl"), "--output_dir",
-                           str(out)], cache_dir, slow_s=15)
+    # a value only the parsed config can check: a missing dataset or a busy folder is refused before any rank starts
+    run = SlowCheckLaunch(["tiny-cpu-lora", "--learning_rate", "-1", "--output_dir", str(out)], cache_dir, slow_s=15)
     run.wait_for_ranks_at_the_gate()
     run.release()
     assert run.finish(timeout=120) == 2
     errors = [line for line in run.err if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: dataset not found"), run.err
+    assert len(errors) == 1 and errors[0].startswith("error: learning_rate is -1"), run.err
     assert run.started and not run.leftovers(), run.leftovers()
     assert not out.exists()
 

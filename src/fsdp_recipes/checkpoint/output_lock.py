@@ -28,8 +28,10 @@ class OutputLock:
         self.command = command
         self.fd: int | None = None
         self.note: str | None = None  # a line for the user: a dead run's lock taken over, or no lock possible
+        self.made_the_folder = False
 
     def acquire(self) -> OutputLock:
+        self.made_the_folder = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -59,12 +61,27 @@ class OutputLock:
     def release(self) -> None:
         if self.fd is None:
             return
-        try:
-            self._write({**self._holder(self.fd), "released_at": _now()})
-        except OSError:  # a full disk: the lock itself still goes with the descriptor
-            pass
+        if not self._remove_the_empty_folder_it_made():
+            try:
+                self._write({**self._holder(self.fd), "released_at": _now()})
+            except OSError:  # a full disk: the lock itself still goes with the descriptor
+                pass
         os.close(self.fd)  # closing drops the flock
         self.fd = None
+
+    def _remove_the_empty_folder_it_made(self) -> bool:
+        """A run refused or stopped before it wrote anything leaves no empty folder behind (while the lock is
+        still held, so no other run can have started in it)."""
+        if not self.made_the_folder:
+            return False
+        try:
+            if [p.name for p in self.path.parent.iterdir()] != [LOCK_FILE]:
+                return False
+            self.path.unlink()
+            self.path.parent.rmdir()
+        except OSError:
+            return False
+        return True
 
     def __enter__(self) -> OutputLock:
         return self.acquire()
