@@ -424,3 +424,40 @@ def test_data_the_checks_build_is_left_to_them(tmp_path, cache_dir):
     launcher.check_data_found(recipes.load("smollm2-135m-dpo", pairs))  # builds them: no error
     with pytest.raises(UserError, match="dataset not found"):
         launcher.check_data_found(recipes.load("smollm2-135m-dpo", [*pairs, "--addition_preferences", "false"]))
+
+
+def test_a_mistyped_key_is_answered_before_the_heavy_imports_once_a_launch_parsed_the_kind(tmp_path, monkeypatch):
+    """Issue 42: YAML mistakes within seconds. The first parse in an empty cache (the launcher's checks, in process
+    here) names the typo itself and remembers the kind's keys; the next launch names a mistyped YAML key or flag
+    before it imports torch, transformers, TRL or datasets. Keys remembered under another fingerprint (another TRL,
+    an edited kind module) are not used."""
+    from fsdp_recipes.config import run_config, yaml_keys
+    from fsdp_recipes.errors import UserError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("FSDP_RECIPES_CACHE", str(cache))
+    recipe = tmp_path / "recipe"
+    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", recipe)
+    text = (recipe / "sft.yaml").read_text()
+    assert "\nlearning_rate:" in text
+    (recipe / "sft.yaml").write_text(text.replace("\nlearning_rate:", "\nlearnin_rate:"))
+    with pytest.raises(UserError, match="unknown config key `learnin_rate`.*did you mean `learning_rate`"):
+        run_config.parse_args(["--config", str(recipe / "sft.yaml")], world_size=2)
+    assert not yaml_keys.check_remembered_keys("sft", {"learnin_rate": 1}, "x", [], tmp_path / "elsewhere")
+
+    env = {**os.environ, "FSDP_RECIPES_CACHE": str(cache)}
+    for args, fragment in (([], "unknown config key `learnin_rate`"), (["--lerning_rate", "1"], "`--lerning_rate`")):
+        if args:
+            (recipe / "sft.yaml").write_text(text)
+        res = subprocess.run([sys.executable, "-c", ANSWERED_BEFORE_IMPORTS, str(recipe), "--output_dir",
+                              str(tmp_path / "run"), *args], cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=120)
+        errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+        assert res.returncode == 2 and len(errors) == 1 and fragment in errors[0], res.stdout + res.stderr
+        assert "heavy imports: []" in res.stdout and "starting 2 process(es)" not in res.stdout
+
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda p: "0.0.1" if p == "trl" else real(p))
+    assert not yaml_keys.check_remembered_keys("sft", {"learnin_rate": 1}, "x", [], cache)  # another TRL

@@ -17,7 +17,7 @@ from fsdp_recipes.config import yaml_keys
 from fsdp_recipes.config.argv import given, override
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
-from fsdp_recipes.paths import expand
+from fsdp_recipes.paths import cache_dir, expand
 
 if TYPE_CHECKING:  # TRL is imported lazily: the launcher's light path must not pay for it
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
@@ -253,6 +253,7 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
     raw = dict(raw or {})
     kind = trainer_kind(raw, path, argv)
     types = dataclass_types(kind, world_size)
+    yaml_keys.remember_keys(kind, types, cache_dir())
     yaml_keys.check_known_keys(raw, types, path)
     yaml_keys.check_known_flags(argv, types)
     env = raw.pop("env", None) or {}

@@ -228,6 +228,14 @@ def in_pack_cache(path: str) -> bool:
     return Path(path).absolute().is_relative_to(cache_dir().absolute())
 
 
+def check_keys_early(recipe: Recipe) -> None:
+    """A mistyped key or flag is one line before the config classes' imports, where an earlier launch remembered
+    the kind's keys (config/yaml_keys.py); otherwise the checks name it, the ranks started."""
+    from fsdp_recipes.paths import cache_dir
+
+    yaml_keys.check_remembered_keys(recipe.trainer, recipe.raw, recipe.config_path, recipe.overrides, cache_dir())
+
+
 def check_data_found(recipe: Recipe) -> None:
     """A mistyped local dataset_name is one line now, not after the checks' imports (issue 42: data mistakes
     within 5 s); a `datasets:` mixture and a hub id are checked with the recipe (check_recipe), as is data the
@@ -426,6 +434,7 @@ def launch(argv: list[str], held: ExitStack) -> int:
         check_launch(recipe)
     extra = place(recipe, gpus)
     with unexpected_errors("reading the recipe"):
+        check_keys_early(recipe)
         check_model_found(recipe)
         check_data_found(recipe)
     locked = lock_output_dir(recipe, held)
