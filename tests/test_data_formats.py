@@ -6,7 +6,7 @@ launcher's checks run in this process (`checks`, `launcher_until_ranks`) on copi
 import json
 
 import pytest
-from conftest import RanksWouldStart, launcher_until_ranks
+from conftest import REPO, RanksWouldStart, launcher_until_ranks
 from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 from trl import DatasetMixtureConfig, ScriptArguments
@@ -160,3 +160,26 @@ def test_an_alpaca_answer_reaches_grpo_rewards_as_text(tmp_path):
 
     train, _ = load(write_jsonl(tmp_path / "alpaca.jsonl", [alpaca(i) for i in range(3)]))
     assert sampling.with_answer(train)["answer"] == ["1", "2", "3"]
+
+
+def test_every_row_the_readme_shows_is_detected_as_its_format_and_converts(tmp_path):
+    """README's one row per format (issue 42 item 7): each, as a JSON Lines file loaded by datasets, is detected as
+    the format named beside it and converts to a layout TRL takes, so the front door cannot drift from the code."""
+    import re
+
+    from datasets import load_dataset
+
+    from fsdp_recipes.train import data_formats
+
+    text = (REPO / "README.md").read_text()
+    block = text[text.index("```text\nmessages "):]
+    rows = re.findall(r"^(\w+)\s+(\{.*\})", block[:block.index("\n```\n", 8)], flags=re.M)
+    assert [name for name, _ in rows] == list(data_formats.NAMES)
+    for name, row in rows:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text((row + "\n") * 3)
+        ds = load_dataset("json", data_files=str(path), split="train")
+        spec = data_formats.resolve(ds, str(path), None)
+        assert spec is not None and spec.name == name, (name, spec)
+        out = data_formats.convert(ds, spec, str(path), lambda i: f"{path}:{i + 1}")
+        assert len(out) == 3 and set(out.column_names) & {"messages", "prompt", "text"}, (name, out.column_names)
