@@ -50,6 +50,26 @@ def test_an_eval_split_is_found_by_its_usual_names(tmp_path, file, split):
     assert data_checks.row_at(str(tmp_path), split, 1) == f"{tmp_path / file}.jsonl:2"
 
 
+@pytest.mark.parametrize("suffix, opener", [(".jsonl.gz", "gzip"), (".json.bz2", "bz2"), (".csv.xz", "lzma")])
+def test_a_compressed_file_is_read_as_datasets_reads_it(tmp_path, suffix, opener):
+    """A file as packages ship data (HumanEval.jsonl.gz): datasets decompresses it by its extension; the pack once
+    refused it as `not a .json, .jsonl, .parquet or .csv file`."""
+    import importlib
+
+    rows = [{"prompt": f"What is {i} + 1?", "completion": str(i + 1)} for i in range(8)]
+    text = ("prompt,completion\n" + "".join(f"{r['prompt']},{r['completion']}\n" for r in rows)
+            if suffix.startswith(".csv") else "".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / f"qa{suffix}"
+    with importlib.import_module(opener).open(path, "wt") as f:
+        f.write(text)
+    train, ev, _ = load(path, eval_split_size=2)
+    assert (len(train), len(ev)) == (6, 2)
+    assert {str(r["completion"]) for r in [*train, *ev]} == {str(i + 1) for i in range(8)}
+    (tmp_path / "qa.jsonl.rar").write_text("")
+    with pytest.raises(UserError, match="cannot read .*qa.jsonl.rar: use a .json, .jsonl, .parquet or .csv file"):
+        load(tmp_path / "qa.jsonl.rar")
+
+
 def test_a_split_named_otherwise_is_still_one_line(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", [chat(i) for i in range(6)])
     write_jsonl(tmp_path / "validation.jsonl", [chat(i) for i in range(10, 13)])

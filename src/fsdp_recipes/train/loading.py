@@ -23,6 +23,7 @@ from fsdp_recipes.paths import expand
 from fsdp_recipes.train import data_checks, data_formats
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses these itself (fsspec, by the file's extension)
 EVAL_NAMES = ("test", "validation", "valid", "eval", "dev")  # the names an eval split goes by, searched in order
 
 # The dataset layouts TRL's SFTTrainer accepts (language modeling or prompt-completion, plain or chat).
@@ -43,16 +44,25 @@ def local_files(path: Path) -> list[Path]:
                   and not any(part.startswith(".") for part in p.relative_to(path).parts))
 
 
+def file_builder(path: Path) -> str | None:
+    """datasets' builder for a data file: by its extension, under a compression's (`qa.jsonl.gz`: json)."""
+    suffixes = path.suffixes[-2:]
+    if len(suffixes) == 2 and suffixes[1] in COMPRESSIONS:
+        return FILE_BUILDERS.get(suffixes[0])
+    return FILE_BUILDERS.get(path.suffix)
+
+
 def load_local(path: Path, config_name: str | None = None):
     import datasets
 
-    if path.is_file() and FILE_BUILDERS.get(path.suffix) is None:
-        raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file.")
+    if path.is_file() and file_builder(path) is None:
+        raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file (or a .json, .jsonl or "
+                        f".csv file compressed: .gz, .bz2, .xz, .zst).")
     for f in local_files(path):
         data_checks.check_file_bytes(f)  # a byte that is not UTF-8, a file of blank lines: one line, file and line
     try:
         if path.is_file():
-            return datasets.load_dataset(FILE_BUILDERS[path.suffix], data_files=str(path))
+            return datasets.load_dataset(file_builder(path), data_files=str(path))
         return datasets.load_dataset(str(path), name=config_name)
     except Exception as err:  # datasets names neither the file nor the line of a bad JSON line
         raise data_checks.explain_load_failure(path, err) from None
