@@ -106,6 +106,15 @@ def test_the_step_line_says_a_diverging_loss():
     assert "DIVERGING" not in printed[1] and "DIVERGING: the training loss rose from 2 to 4.4" in printed[2]
 
 
+@pytest.mark.parametrize("seconds_256, size", [(0.001, 1024), (0.003, 1024), (0.02, 512), (0.05, 256), (2.0, 256)])
+def test_the_cpu_peak_products_shrink_where_one_would_take_over_a_fifth_of_a_second(seconds_256, size, monkeypatch):
+    """A 256 product's time x (n/256)^3 projects the n product's: emulated bf16 (1.2 s per 1024 product on the AMD VM)
+    measures at 256 or 512, float32 (28 ms) at 1024."""
+    ticks = iter([0.0, seconds_256])
+    monkeypatch.setattr(cpu_peak.time, "perf_counter", lambda: next(ticks))
+    assert cpu_peak.product_size("float32") == size
+
+
 def test_the_cpu_peak_is_measured_in_the_runs_dtype_and_only_rises(tmp_path, monkeypatch):
     m = cpu_peak.measure("float32", size=128, min_products=5, min_seconds=0.3)
     # any CPU does 0.1 GFLOP/s; one busy with other jobs (seen: 0.07, 8 processes on 2 cores) still 0.01

@@ -8,6 +8,10 @@ torch version in $FSDP_RECIPES_CACHE/cpu_matmul_peak.json as the best rate any l
 measures low, so every launch measures again (0.5 s) and the figure only rises towards the machine's real rate. MFU
 against it says how close training comes to what this CPU's matmul kernels do, the question a GPU's datasheet peak
 answers.
+
+The products are 1024 x 1024 where one takes at most 0.2 s, else 512 or 256 (the size is reported): bf16 on a CPU
+with neither AVX-512 BF16 nor AMX is emulated at ~1.8 GFLOP/s (2-core AMD EPYC VM), 1.2 s per 1024 product, and six
+of them held every rank of a bf16 launch (every GPU recipe's smoke run) for 7-15 s before its first step.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import time
 from pathlib import Path
 
 SIZE = 1024  # n x n x n: 2.1 GFLOP per product, large enough for the kernels' steady rate, ~20-200 ms on one core
+SIZES = (1024, 512, 256)  # the largest whose product takes at most MAX_PRODUCT_S, judged by a 256 product
+MAX_PRODUCT_S = 0.2
 MIN_PRODUCTS = 5
 MIN_SECONDS = 0.5
 CACHE_FILE = "cpu_matmul_peak.json"
@@ -31,11 +37,25 @@ def key(cpu_name: str, dtype: str, threads: int, ranks_on_node: int) -> str:
     return f"{cpu_name} | {dtype} | {threads} thread(s) per rank | {ranks_on_node} rank(s) | torch {torch.__version__}"
 
 
-def measure(dtype: str, size: int = SIZE, min_products: int = MIN_PRODUCTS, min_seconds: float = MIN_SECONDS) -> dict:
-    """Median FLOP/s of size^3 matmuls in `dtype` ("bfloat16" or "float32") on this process's threads: at least
-    `min_products` products and `min_seconds`, after one warm-up product."""
+def product_size(dtype: str) -> int:
+    """The largest of SIZES whose product, projected from a timed 256 product (n^3), takes at most MAX_PRODUCT_S."""
     import torch
 
+    a = torch.randn(SIZES[-1], SIZES[-1]).to(getattr(torch, dtype))
+    torch.mm(a, a)
+    t0 = time.perf_counter()
+    torch.mm(a, a)
+    seconds = time.perf_counter() - t0
+    return next((n for n in SIZES if seconds * (n / SIZES[-1]) ** 3 <= MAX_PRODUCT_S), SIZES[-1])
+
+
+def measure(dtype: str, size: int | None = None, min_products: int = MIN_PRODUCTS,
+            min_seconds: float = MIN_SECONDS) -> dict:
+    """Median FLOP/s of size^3 matmuls in `dtype` ("bfloat16" or "float32") on this process's threads: at least
+    `min_products` products and `min_seconds`, after one warm-up product. `size`: product_size's by default."""
+    import torch
+
+    size = size or product_size(dtype)
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=gen).to(getattr(torch, dtype))  # random, never zeros (faster than real data)
     b = torch.randn(size, size, generator=gen).to(getattr(torch, dtype))
