@@ -438,12 +438,13 @@ def launch(argv: list[str], held: ExitStack) -> int:
     """The steps of the module docstring, in order. The exit code, or a UserError's one line."""
     t0 = time.time()
     recipe = load_recipe(argv)
+    with unexpected_errors("reading the recipe"):
+        check_keys_early(recipe)
     gpus, build_smoke_model = set_up(recipe)
     with unexpected_errors("reading the recipe"):
         check_launch(recipe)
     extra = place(recipe, gpus)
     with unexpected_errors("reading the recipe"):
-        check_keys_early(recipe)
         check_model_found(recipe)
         check_data_found(recipe)
     locked = lock_output_dir(recipe, held)
