@@ -74,6 +74,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(FLOAT8_SITE) "$(TORCHAO_SPEC)" $(PIP_LOGGED)
 	@echo "[venv] installing $(BNB_SPEC) into $(QLORA_SITE), for the QLoRA tests"
 	@$(PY) -m pip install --disable-pip-version-check --no-deps --upgrade --target $(QLORA_SITE) "$(BNB_SPEC)" $(PIP_LOGGED)
+	@echo "[venv] remembering each trainer kind's fields in the pack's cache: the launcher names a mistyped key at once"
+	@$(PY) -c "from fsdp_recipes.config.run_config import remember_every_kind; remember_every_kind()" $(PIP_LOGGED)
 	@touch $@
 	@echo "[venv] ready: $$($(PY) -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
 

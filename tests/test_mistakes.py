@@ -426,11 +426,12 @@ def test_data_the_checks_build_is_left_to_them(tmp_path, cache_dir):
         launcher.check_data_found(recipes.load("smollm2-135m-dpo", [*pairs, "--addition_preferences", "false"]))
 
 
-def test_a_mistyped_key_is_answered_before_the_heavy_imports_once_a_launch_parsed_the_kind(tmp_path, monkeypatch):
+def test_a_mistyped_key_or_value_is_answered_before_the_heavy_imports_once_a_launch_parsed_the_kind(tmp_path,
+                                                                                                    monkeypatch):
     """Issue 42: YAML mistakes within seconds. The first parse in an empty cache (the launcher's checks, in process
-    here) names the typo itself and remembers the kind's keys; the next launch names a mistyped YAML key or flag
-    before it imports torch, transformers, TRL or datasets. Keys remembered under another fingerprint (another TRL,
-    an edited kind module) are not used."""
+    here) names the typo itself and remembers the kind's fields; the next launch names a mistyped YAML key or flag, a
+    word where a number goes and a value out of range before it imports torch, transformers, TRL or datasets. Fields
+    remembered under another fingerprint (another TRL, an edited kind module) are not used."""
     from fsdp_recipes.config import run_config, yaml_keys
     from fsdp_recipes.errors import UserError
 
@@ -443,12 +444,19 @@ def test_a_mistyped_key_is_answered_before_the_heavy_imports_once_a_launch_parse
     (recipe / "sft.yaml").write_text(text.replace("\nlearning_rate:", "\nlearnin_rate:"))
     with pytest.raises(UserError, match="unknown config key `learnin_rate`.*did you mean `learning_rate`"):
         run_config.parse_args(["--config", str(recipe / "sft.yaml")], world_size=2)
-    assert not yaml_keys.check_remembered_keys("sft", {"learnin_rate": 1}, "x", [], tmp_path / "elsewhere")
+    assert yaml_keys.remembered_values("sft", {"learnin_rate": 1}, "x", [], tmp_path / "elsewhere") is None
 
     env = {**os.environ, "FSDP_RECIPES_CACHE": str(cache)}
-    for args, fragment in (([], "unknown config key `learnin_rate`"), (["--lerning_rate", "1"], "`--lerning_rate`")):
-        if args:
-            (recipe / "sft.yaml").write_text(text)
+    cases = [(text.replace("\nlearning_rate:", "\nlearnin_rate:"), [], "unknown config key `learnin_rate`"),
+             (text, ["--lerning_rate", "1"], "`--lerning_rate`"),
+             (text, ["--learning_rate", "abc"], "--learning_rate: invalid float value: 'abc'"),
+             (text.replace("\nlearning_rate:", "\nlearning_rate: abc #"), [], "--learning_rate: invalid float value"),
+             (text, ["--learning_rate", "-1"], "learning_rate is -1.0; it must be positive"),
+             (text, ["--per_device_train_batch_size=0"], "per_device_train_batch_size is 0; it must be at least 1"),
+             (text, ["--max_steps", "0"], "max_steps is 0: nothing would be trained"),
+             (text, ["--bf16", "maybe"], "--bf16: invalid bool value: 'maybe'")]
+    for yaml_text, args, fragment in cases:
+        (recipe / "sft.yaml").write_text(yaml_text)
         res = subprocess.run([sys.executable, "-c", ANSWERED_BEFORE_IMPORTS, str(recipe), "--output_dir",
                               str(tmp_path / "run"), *args], cwd=REPO, env=env, capture_output=True, text=True,
                              timeout=120)
@@ -460,4 +468,4 @@ def test_a_mistyped_key_is_answered_before_the_heavy_imports_once_a_launch_parse
 
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda p: "0.0.1" if p == "trl" else real(p))
-    assert not yaml_keys.check_remembered_keys("sft", {"learnin_rate": 1}, "x", [], cache)  # another TRL
+    assert yaml_keys.remembered_values("sft", {"learnin_rate": 1}, "x", [], cache) is None  # another TRL

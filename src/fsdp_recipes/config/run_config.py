@@ -195,6 +195,13 @@ def check_step_counts(raw: dict, argv: list[str]) -> None:
                             f"below 1). Fix: set {name} above 0, or {strategy} to \"no\".")
 
 
+def remember_every_kind() -> None:
+    """`make venv`'s last step: every trainer kind's fields remembered for the launcher's early checks
+    (config/yaml_keys.py), so that the first launch after the install names a mistyped key or value at once too."""
+    for kind in TRAINERS:
+        yaml_keys.remember_keys(kind, dataclass_types(kind), cache_dir())
+
+
 def dataclass_types(trainer: str = DEFAULT_TRAINER, world_size: int | None = None):
     import trl
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments

@@ -2,10 +2,12 @@
 (with the closest known one), so a typo is one line rather than a traceback from every rank.
 
 The config classes are TRL's and transformers': importing them takes the launcher 8-10 s on a 2-core VM, and the
-ranks start meanwhile. So the known keys of each trainer kind are remembered in the pack's cache once a launch has
-parsed them, under a fingerprint of what defines them (the installed trl, transformers, peft and accelerate, and the
-pack's own config and kind modules): the next launch names a typo before it imports any of them or starts a rank.
-A fingerprint without a remembered set (the first launch, an upgrade, an edited kind) leaves the check to the parser.
+ranks start meanwhile. So the fields of each trainer kind (name, int/float/bool type, plain default) are remembered
+in the pack's cache once a launch has parsed them, under a fingerprint of what defines them (the installed trl,
+transformers, peft and accelerate, and the pack's own config and kind modules): the next launch names a typo or a
+value that is no number before it imports any of them or starts a rank, and config/value_checks.py's ranges run on
+those values there. A fingerprint with nothing remembered (the first launch, an upgrade, an edited kind) leaves it
+all to the parser.
 """
 
 from __future__ import annotations
@@ -83,28 +85,89 @@ def _keys_file(kind: str, cache: Path) -> Path:
     return cache / "known-keys" / f"{kind}-{hashlib.sha256(chr(10).join(parts).encode()).hexdigest()[:20]}.json"
 
 
+SCALARS = {"bool": bool, "int": int, "float": float}
+
+
+def _scalar(annotation) -> str | None:
+    """"int", "float" or "bool" for a field annotated so (or `X | None`); None for anything else."""
+    import types
+    import typing
+
+    if isinstance(annotation, type):
+        return annotation.__name__ if annotation in (bool, int, float) else None
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _scalar(inner[0]) if len(inner) == 1 else None
+    return None
+
+
 def remember_keys(kind: str, dataclass_types, cache: Path) -> None:
-    """After a parse: the kind's known keys, for the next launch's early check. A cache that cannot be written
-    costs only that speed."""
+    """After a parse: the kind's fields (name -> [int/float/bool or None, the default where it is a plain value]),
+    for the next launch's early checks. A cache that cannot be written costs only that speed."""
     path = _keys_file(kind, cache)
     if path.exists():
         return
+    fields = {}
+    for dc in dataclass_types:
+        for f in dataclasses.fields(dc):
+            plain = f.default is None or isinstance(f.default, (bool, int, float, str))
+            fields[f.name] = [_scalar(f.type), f.default] if plain else [_scalar(f.type)]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(sorted(known_fields(dataclass_types))))
+        tmp.write_text(json.dumps(fields, sort_keys=True))
         tmp.replace(path)
     except OSError:
         pass
 
 
-def check_remembered_keys(kind: str, config: dict, path: str | Path, argv: list[str], cache: Path) -> bool:
-    """The recipe's keys and flags against the known keys a launch remembered under the same fingerprint, before
-    any heavy import. False where none is remembered (the parser checks them later)."""
+def _as(kind: str | None, value, flag: str):
+    """A YAML or command-line value converted as the parser's argparse types do, or its one-line error."""
+    if kind is None or not isinstance(value, str):
+        return value
+    if kind == "bool":
+        if value.lower() in ("yes", "true", "t", "y", "1"):
+            return True
+        if value.lower() in ("no", "false", "f", "n", "0"):
+            return False
+    else:
+        try:
+            return SCALARS[kind](value)
+        except ValueError:
+            pass
+    raise UserError(f"--{flag}: invalid {kind} value: '{value}'. Fix: correct that value in the recipe YAML or on "
+                    "the command line.")
+
+
+def remembered_values(kind: str, config: dict, path: str | Path, argv: list[str], cache: Path):
+    """The recipe's settings as the parser would resolve its plain fields (the kind's defaults, the YAML, then the
+    command line), with every key, flag and int/float/bool value checked against the fields a launch remembered
+    under the same fingerprint, before any heavy import: a namespace, or None where none is remembered (the parser
+    checks them later)."""
+    import types
+
     try:
-        known = set(json.loads(_keys_file(kind, cache).read_text()))
-    except (OSError, ValueError, TypeError):
-        return False
+        fields = json.loads(_keys_file(kind, cache).read_text())
+        assert isinstance(fields, dict)
+    except (OSError, ValueError, TypeError, AssertionError):
+        return None
+    known = set(fields)
     check_known_keys(config, (), path, known)
     check_known_flags(argv, (), known)
-    return True
+    values = {name: spec[1] for name, spec in fields.items() if len(spec) > 1}
+    values.update(config)
+    i = 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        if not arg.startswith("--"):
+            continue
+        key, eq, value = arg[2:].partition("=")
+        if key.startswith("no_") and key not in known:
+            values[key[3:]] = False
+        elif eq:
+            values[key] = value
+        elif i < len(argv) and not argv[i].startswith("--"):
+            values[key], i = argv[i], i + 1
+        else:
+            values[key] = True  # a bare boolean flag
+    return types.SimpleNamespace(**{k: _as(fields.get(k, [None])[0], v, k) for k, v in values.items()})

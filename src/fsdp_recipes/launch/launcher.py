@@ -229,11 +229,20 @@ def in_pack_cache(path: str) -> bool:
 
 
 def check_keys_early(recipe: Recipe) -> None:
-    """A mistyped key or flag is one line before the config classes' imports, where an earlier launch remembered
-    the kind's keys (config/yaml_keys.py); otherwise the checks name it, the ranks started."""
+    """A mistyped key or flag, a word where a number goes and a value out of its range (config/value_checks.py) are
+    one line before the config classes' imports, where an earlier launch remembered the kind's fields
+    (config/yaml_keys.py); otherwise the checks name them, the ranks started."""
+    from fsdp_recipes.config import value_checks
     from fsdp_recipes.paths import cache_dir
 
-    yaml_keys.check_remembered_keys(recipe.trainer, recipe.raw, recipe.config_path, recipe.overrides, cache_dir())
+    values = yaml_keys.remembered_values(recipe.trainer, recipe.raw, recipe.config_path, recipe.overrides,
+                                         cache_dir())
+    if values is None:
+        return
+    try:
+        value_checks.check_training_values(values, str(getattr(values, "eval_strategy", "no")) != "no")
+    except (TypeError, AttributeError):  # a field that is no plain value here (a kind without it): the parser's turn
+        pass
 
 
 def check_data_found(recipe: Recipe) -> None:
@@ -429,12 +438,13 @@ def launch(argv: list[str], held: ExitStack) -> int:
     """The steps of the module docstring, in order. The exit code, or a UserError's one line."""
     t0 = time.time()
     recipe = load_recipe(argv)
+    with unexpected_errors("reading the recipe"):
+        check_keys_early(recipe)
     gpus, build_smoke_model = set_up(recipe)
     with unexpected_errors("reading the recipe"):
         check_launch(recipe)
     extra = place(recipe, gpus)
     with unexpected_errors("reading the recipe"):
-        check_keys_early(recipe)
         check_model_found(recipe)
         check_data_found(recipe)
     locked = lock_output_dir(recipe, held)
