@@ -156,13 +156,14 @@ def test_ranks_wait_at_the_gate_and_run_once_the_checks_pass(tmp_path, cache_dir
 @pytest.mark.slow
 def test_a_failed_check_kills_the_waiting_ranks_and_is_one_line(tmp_path, cache_dir):
     out = tmp_path / "run"
-    # a value only the parsed config can check: a missing dataset or a busy folder is refused before any rank starts
-    run = SlowCheckLaunch(["tiny-cpu-lora", "--learning_rate", "-1", "--output_dir", str(out)], cache_dir, slow_s=15)
+    # a value only the built configs can check (the LoRA settings): a missing dataset, a busy folder and a value the
+    # remembered fields can check (config/yaml_keys.py) are refused before any rank starts
+    run = SlowCheckLaunch(["tiny-cpu-lora", "--lora_r", "0", "--output_dir", str(out)], cache_dir, slow_s=15)
     run.wait_for_ranks_at_the_gate()
     run.release()
     assert run.finish(timeout=120) == 2
     errors = [line for line in run.err if line.strip()]
-    assert len(errors) == 1 and errors[0].startswith("error: learning_rate is -1"), run.err
+    assert len(errors) == 1 and errors[0].startswith("error: lora_r is 0"), run.err
     assert run.started and not run.leftovers(), run.leftovers()
     assert not out.exists()
 
