@@ -261,8 +261,9 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
     kind = trainer_kind(raw, path, argv)
     types = dataclass_types(kind, world_size)
     yaml_keys.remember_keys(kind, types, cache_dir())
-    yaml_keys.check_known_keys(raw, types, path)
-    yaml_keys.check_known_flags(argv, types)
+    known = yaml_keys.known_fields(types)
+    yaml_keys.check_known_keys(raw, known, path)
+    yaml_keys.check_known_flags(argv, known)
     env = raw.pop("env", None) or {}
     if not isinstance(env, dict):
         raise UserError(f"`env` in {path} must be a mapping of NAME: value lines. Fix: indent the variables under it.")

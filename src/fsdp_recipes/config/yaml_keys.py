@@ -49,19 +49,17 @@ def _suggest(key: str, known: set[str]) -> str:
     return f"did you mean `{close[0]}`?" if close else "remove it, or see `--help` for the valid keys"
 
 
-
-def check_known_keys(config: dict, dataclass_types, path: str | Path, known: set[str] | None = None) -> None:
-    """Every key must be a field of one of the parser's dataclasses (or TRL's `env`); `known`: those fields, where
-    the caller has them without the classes (remembered_keys)."""
-    known = (known if known is not None else known_fields(dataclass_types)) | {"env"}
+def check_known_keys(config: dict, known: set[str], path: str | Path) -> None:
+    """Every key must be a known field (`known`: the parser's dataclasses' field names, known_fields) or TRL's `env`."""
+    known = known | {"env"}
     for key in config:
         if key not in known:
             raise UserError(f"unknown config key `{key}` in {path}. Fix: {_suggest(key, known)}")
 
 
-def check_known_flags(argv: list[str], dataclass_types, known: set[str] | None = None) -> None:
+def check_known_flags(argv: list[str], known: set[str]) -> None:
     """Command-line overrides must name fields too (`--no_<bool field>` included, as HfArgumentParser allows)."""
-    known = (known if known is not None else known_fields(dataclass_types)) | {"config", "help", "h"}
+    known = known | {"config", "help", "h"}
     for arg in argv:
         if not arg.startswith("--"):
             continue
@@ -152,8 +150,8 @@ def remembered_values(kind: str, config: dict, path: str | Path, argv: list[str]
     except (OSError, ValueError, TypeError, AssertionError):
         return None
     known = set(fields)
-    check_known_keys(config, (), path, known)
-    check_known_flags(argv, (), known)
+    check_known_keys(config, known, path)
+    check_known_flags(argv, known)
     values = {name: spec[1] for name, spec in fields.items() if len(spec) > 1}
     values.update(config)
     i = 0
