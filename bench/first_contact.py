@@ -140,12 +140,15 @@ def random_smollm2(work: Path, tiny: bool = False) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.config import recipes
     from fsdp_recipes.config.model_check import load_config
     from fsdp_recipes.launch import smoke
 
     recipe = REPO / "recipes" / DEFAULT
     if tiny:
-        return smoke.build_model(recipe, ensure_assets(quiet=True))
+        source = smoke.model_source(recipes.load(recipe))
+        assert source is not None, f"{recipe.name}: make smoke builds no model of it (its model is the tiny one)"
+        return smoke.build_model(recipe, source[0], ensure_assets(quiet=True))
     out = work / "smollm2-135m-random"
     if (out / "config.json").exists():
         return out

@@ -93,3 +93,16 @@ def test_an_fsdp1_lora_recipe_is_not_smoked_on_one_gpu_but_is_on_two():
     assert refused_here("mistral-small-lora", 2) is None
     assert refused_here("llama-3.1-8b-lora", 1) is None  # FSDP2
     assert refused_here("mistral-7b-full", 1) is None  # no LoRA
+
+
+def test_the_default_on_the_tiny_model_is_the_smoke_runs_model_of_it(cache_dir, tmp_path):
+    """The GPU plan's first step ran no recipe in CI's dry run: random_smollm2 still called make smoke's model builder
+    with its old arguments. The tiny model is the default's architecture, built where make smoke builds it."""
+    import json
+
+    from bench.first_contact import random_smollm2
+
+    out = random_smollm2(tmp_path, tiny=True)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]  # SmolLM2-135M's
+    assert config["num_hidden_layers"] == 2 and out.is_relative_to(cache_dir)
