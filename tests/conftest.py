@@ -11,12 +11,15 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
+
+import forked_launcher
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's bin: python, accelerate
@@ -56,6 +59,11 @@ def tagged_processes() -> list[psutil.Process]:
 def kill_test_processes() -> list[str]:
     """SIGKILL every process a test started that is still running; their command lines, for the report."""
     procs = tagged_processes()
+    for pid in list(forked_launcher.FORKED):  # forked launchers carry the fork server's environment, untagged
+        forked_launcher.FORKED.discard(pid)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                procs.append(psutil.Process(pid))
     names = []
     for proc in procs:
         try:
@@ -174,6 +182,7 @@ def cache_dir(tmp_path_factory) -> Path:
     """A fresh $FSDP_RECIPES_CACHE with the tiny assets built once for the whole session."""
     root = tmp_path_factory.mktemp("cache")
     os.environ["FSDP_RECIPES_CACHE"] = str(root)
+    forked_launcher.start()  # the fork server imports while the assets are built
     from fsdp_recipes.assets.tiny_assets import ensure_assets
 
     ensure_assets(root, quiet=True)
@@ -210,8 +219,19 @@ def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env
 
 
 def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    """`python -m fsdp_recipes.launch.launcher ...`, what every recipe's launch.sh runs."""
-    return run([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cache, cwd=cwd, timeout=timeout, **env)
+    """`python -m fsdp_recipes.launch.launcher ...`, what every recipe's launch.sh runs: forked from a process that
+    has imported its libraries already where the environment allows, else a fresh process (tests/forked_launcher.py)."""
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", *map(str, args)]
+    with tempfile.TemporaryDirectory(prefix="launch-") as folder:
+        proc = forked_launcher.Launch(cmd[3:], pack_env(cache, **env), cwd, Path(folder))
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_test_processes()
+            out, err = proc.output()
+            pytest.fail(f"timed out after {timeout}s: {shlex.join(cmd)}\n--- its last output ---\n"
+                        f"{out[-2000:]}\n{err[-3000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 # ---- launches shared between tests and files: one run per pytest run, on whichever worker asks first

@@ -8,14 +8,16 @@ token counters as a run that was never interrupted.
 
 import json
 import os
+import shutil
 import signal
-import subprocess
-import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
+import forked_launcher
 from conftest import REPO, fsdp1_recipe, launch, pack_env
 from fsdp_recipes.checkpoint import markers as checkpoints
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS, SAVED_COPY, read_saved
@@ -31,17 +33,18 @@ ARGS = ["tiny-cpu-lora", "--max_steps", "16", "--save_strategy", "steps", "--sav
 
 def signal_launch(args, cache_dir, ready, sig, settle=0.0, **env):
     """Start the launcher, wait until `ready()` holds, send `sig` to it, and wait for it to end."""
-    cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir, **env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    folder = Path(tempfile.mkdtemp(prefix="launch-"))
+    proc = forked_launcher.Launch(args, pack_env(cache_dir, **env), REPO, folder,
+                                  merge_stderr=True)  # forked where the environment allows (conftest.launch)
     deadline = time.time() + 300
     while not ready():
-        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]
+        assert proc.poll() is None and time.time() < deadline, proc.output()[0][-3000:]
         time.sleep(0.2)
     time.sleep(settle)  # a few steps in
     proc.send_signal(sig)  # to the launcher, as a scheduler would
     signalled = time.time()
     out, _ = proc.communicate(timeout=300)
+    shutil.rmtree(folder)
     signal_launch.seconds_after_signal = time.time() - signalled
     return proc.returncode, out
 
