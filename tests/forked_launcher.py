@@ -66,6 +66,9 @@ def start() -> multiprocessing.context.BaseContext:
         saved = dict(os.environ)
         os.environ.pop("FSDP_RECIPES_TEST_PROCESS", None)
         os.environ["FSDP_RECIPES_FORK_SERVER"] = "1"
+        # Python 3.11's fork server ignores the sys.path it is given: the preload finds this module by PYTHONPATH
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                 saved.get("PYTHONPATH")]))
         try:
             forkserver.ensure_running()
         finally:
@@ -73,6 +76,12 @@ def start() -> multiprocessing.context.BaseContext:
             os.environ.update(saved)
         _context = ctx
     return _context
+
+
+def preloaded() -> None:
+    """In a fork: exit 0 where the server's preload imported the launcher's libraries (tests/test_harness.py)."""
+    sys.exit(0 if {"trl.trainer.sft_config", "peft", "datasets", "fsdp_recipes.launch.launcher"} <= sys.modules.keys()
+             else 3)
 
 
 def _run(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str | None) -> None:

@@ -18,3 +18,14 @@ def test_a_detached_grandchild_is_found_and_killed():
     assert found, "the detached sleep should carry the test tag"
     assert any("sleep 300" in cmd for cmd in kill_test_processes())
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in found)
+
+
+def test_the_fork_server_has_imported_the_launchers_libraries():
+    """tests/forked_launcher.py: a fork of the server finds TRL's configs, PEFT, datasets and the launcher imported
+    (a preload that fails is silent in multiprocessing: Python 3.11's server once ignored the tests' sys.path)."""
+    import forked_launcher
+
+    proc = forked_launcher.start().Process(target=forked_launcher.preloaded)
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0, proc.exitcode
