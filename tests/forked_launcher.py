@@ -20,6 +20,7 @@ import contextlib
 import io
 import multiprocessing
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -45,11 +46,24 @@ _context = None
 FORKED: set[int] = set()  # the launches' pids, for conftest.kill_test_processes
 
 
+PROBES = Path(__file__).parent / "probes"  # tests/probes/sitecustomize.py: hooks keyed by environment variables
+
+
+def added_paths(env: dict) -> list[str]:
+    """The PYTHONPATH entries `env` has and this worker's environment has not."""
+    have = set(os.environ.get("PYTHONPATH", "").split(os.pathsep))
+    return [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in have]
+
+
 def fork_safe(env: dict) -> bool:
-    """Whether `env` differs from this worker's environment only in FORK_SAFE variables."""
+    """Whether `env` differs from this worker's environment only in FORK_SAFE variables, and on PYTHONPATH only by
+    tests/probes (the fork runs its sitecustomize as Python's start would; a library's folder there could differ
+    from what the server imported, and its availability is cached by transformers and PEFT when imported)."""
     if os.environ.get("FSDP_RECIPES_TEST_FRESH_LAUNCHER") == "1":
         return False
     changed = {k for k in env.keys() | os.environ.keys() if env.get(k) != os.environ.get(k)}
+    if "PYTHONPATH" in changed and all(Path(p) == PROBES for p in added_paths(env)):
+        changed.discard("PYTHONPATH")
     return all(k in FORK_SAFE_VARIABLES or k.startswith(FORK_SAFE_PREFIXES) for k in changed)
 
 
@@ -93,9 +107,14 @@ def _run(argv: list[str], env: dict, cwd: str, stdout: str, stderr: str | None) 
     os.dup2(err, 2)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    added = added_paths(env)  # before the environment is the launch's: tests/probes at most (fork_safe)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    for path in added:
+        sys.path.insert(0, path)
+        if (Path(path) / "sitecustomize.py").is_file():
+            runpy.run_path(str(Path(path) / "sitecustomize.py"), run_name="sitecustomize")
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):  # as a fresh process has them
         signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
     from fsdp_recipes.launch import launcher

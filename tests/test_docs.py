@@ -77,11 +77,12 @@ RUN_BY = {
     "make venv": RunBy((".ci/run",), ("make venv",)),
     "make test-serve": RunBy((".ci/run",), ("make test-serve",), expands="-m pytest -v -m serve"),
     "make arch-matrix": RunBy((".ci/run",), ("make arch-matrix",), expands="scripts/arch_matrix.py"),
-    # Every recipe, mistral-small-lora among them, through `make smoke` itself.
+    # Every recipe's smoke run; mistral-small-lora's through `make smoke` itself, the others through the launcher
+    # with FSDP_RECIPES_SMOKE=1, which is what it runs.
     "make smoke RECIPE=mistral-small-lora": RunBy(
         ("tests/test_smoke.py",),
         ('["make", "--no-print-directory", "smoke", f"RECIPE={recipe}"', '@pytest.mark.parametrize("name", SMOKED)',
-         "res = smoke(name, cache_dir, out)")),
+         "res = smoke(name, cache_dir, out)", 'THROUGH_MAKE = {"mistral-small-lora", "nope"}')),
     # The data preview on a user's Alpaca file, in process (the module `make data` runs).
     'make data RECIPE=tiny-cpu-lora ARGS="--dataset_name mine.jsonl --eval_split_size 2"': RunBy(
         ("tests/test_data_lengths.py",), ('preview(["tiny-cpu-lora", "--dataset_name", path, "--eval_split_size", "2"',),
