@@ -153,6 +153,7 @@ class Launch:
             elif not self._proc.is_alive():
                 self._proc.join()
                 self.returncode = self._proc.exitcode
+                FORKED.discard(self.pid)  # reaped: the pid may be another process's from now on
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
