@@ -204,10 +204,9 @@ def pack_env(cache: Path, **extra) -> dict:
     return env
 
 
-def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    """Run a pack command as a user would; on timeout, kill everything it started and say what was running."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=pack_env(cache, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def finished(proc, cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """`proc` (a Popen, or a forked_launcher.Launch) run to its end; on timeout, kill everything the test started and
+    say what was running."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -218,20 +217,18 @@ def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
+    """Run a pack command as a user would."""
+    return finished(subprocess.Popen(cmd, cwd=cwd, env=pack_env(cache, **env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True), cmd, timeout)
+
+
 def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
     """`python -m fsdp_recipes.launch.launcher ...`, what every recipe's launch.sh runs: forked from a process that
     has imported its libraries already where the environment allows, else a fresh process (tests/forked_launcher.py)."""
     cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", *map(str, args)]
     with tempfile.TemporaryDirectory(prefix="launch-") as folder:
-        proc = forked_launcher.Launch(cmd[3:], pack_env(cache, **env), cwd, Path(folder))
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_test_processes()
-            out, err = proc.output()
-            pytest.fail(f"timed out after {timeout}s: {shlex.join(cmd)}\n--- its last output ---\n"
-                        f"{out[-2000:]}\n{err[-3000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        return finished(forked_launcher.Launch(cmd[3:], pack_env(cache, **env), cwd, Path(folder)), cmd, timeout)
 
 
 # ---- launches shared between tests and files: one run per pytest run, on whichever worker asks first
