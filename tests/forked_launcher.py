@@ -7,8 +7,9 @@ each launch is a fresh fork of it: its own process, pid, signals, environment, w
 running `fsdp_recipes.launch.launcher` as `python -m` would. `accelerate launch` and the ranks start as always.
 
 What a fork cannot give, a fresh `python -m fsdp_recipes.launch.launcher` (conftest.launch falls back to it) does:
-- an environment variable that a library reads when imported (PYTHONPATH's probes, HF_*, OMP_*, ...): the fork
-  server imported them under the worker's environment (FORK_SAFE_VARIABLES says which may differ);
+- an environment variable that a library reads when imported (a library's folder on PYTHONPATH, HF_*, OMP_*, ...):
+  the fork server imported them under the worker's environment (fork_safe says what may differ; tests/probes on
+  PYTHONPATH may: the fork runs its sitecustomize);
 - the launcher's own import-time output (a library's warning at import), which went to the server's stderr:
   tests/test_default_recipe.py runs the copied recipe's launch.sh in a fresh environment and checks that console.
 FSDP_RECIPES_TEST_FRESH_LAUNCHER=1 makes every launch a fresh process (to compare, or to rule the fork out).
@@ -44,8 +45,6 @@ FORK_SAFE_VARIABLES = {"PATH", "PYTHONUNBUFFERED", "MASTER_PORT", "MASTER_ADDR",
                        "PYTORCH_CUDA_ALLOC_CONF", "CI"}
 _context = None
 FORKED: set[int] = set()  # the launches' pids, for conftest.kill_test_processes
-
-
 PROBES = Path(__file__).parent / "probes"  # tests/probes/sitecustomize.py: hooks keyed by environment variables
 
 
