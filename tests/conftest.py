@@ -360,6 +360,9 @@ def checks(monkeypatch, capsys, cache_dir):
     return lambda args: launcher_checks([str(a) for a in args], monkeypatch, capsys)
 
 
+CHECKS_ROOT = tempfile.TemporaryDirectory(prefix="launcher-checks-")  # removed when the worker exits
+
+
 def launcher_until_ranks(args: list[str], monkeypatch, capsys,
                          checks_first: bool = True) -> subprocess.CompletedProcess:
     """launcher_checks, for a command whose checks pass: raises RanksWouldStart (its .cmd the `accelerate launch`
@@ -374,6 +377,8 @@ def launcher_until_ranks(args: list[str], monkeypatch, capsys,
         raise RanksWouldStart(cmd)
 
     monkeypatch.chdir(REPO)  # where launch() runs it
+    if "--output_dir" not in args:  # not the recipe's runs/<name>: the launcher locks it, and another worker may too
+        args = [*args, "--output_dir", str(Path(tempfile.mkdtemp(dir=CHECKS_ROOT.name)) / "run")]
     monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0" if checks_first else "1")  # check first, then start
     monkeypatch.setattr(launcher, "Ranks", ranks_would_start)
     saved = dict(os.environ)  # main sets PET_* and others with setdefault: they must not reach later tests
