@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
@@ -19,9 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-import forked_launcher
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests" / "probes"))
+import fork_server  # noqa: E402  (tests/probes/fork_server.py: the suite's launches forked from preloaded servers)
 BIN = Path(sys.executable).parent  # the venv's bin: python, accelerate
 # torchao, for the float8 tests only: `make venv` installs it here, outside site-packages (the Makefile says why)
 FLOAT8_SITE = BIN.parent / "float8-site"
@@ -59,11 +60,8 @@ def tagged_processes() -> list[psutil.Process]:
 def kill_test_processes() -> list[str]:
     """SIGKILL every process a test started that is still running; their command lines, for the report."""
     procs = tagged_processes()
-    for pid in list(forked_launcher.FORKED):  # forked launchers carry the fork server's environment, untagged
-        forked_launcher.FORKED.discard(pid)
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                procs.append(psutil.Process(pid))
+    with contextlib.suppress(KeyError, ValueError, psutil.NoSuchProcess):  # the forks carry the server's environment
+        procs += psutil.Process(int(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_PID"])).children()
     names = []
     for proc in procs:
         try:
@@ -182,7 +180,11 @@ def cache_dir(tmp_path_factory) -> Path:
     """A fresh $FSDP_RECIPES_CACHE with the tiny assets built once for the whole session."""
     root = tmp_path_factory.mktemp("cache")
     os.environ["FSDP_RECIPES_CACHE"] = str(root)
-    forked_launcher.start()  # the fork server imports while the assets are built
+    # this worker's fork server imports while the assets are built; every later process of the suite is served by it
+    folder = tempfile.mkdtemp(prefix="fsdp-recipes-fork-server-")
+    atexit.register(shutil.rmtree, folder, True)
+    log = tmp_path_factory.getbasetemp() / f"fork-server-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"
+    os.environ.update(fork_server.start(folder, str(log)))
     from fsdp_recipes.assets.tiny_assets import ensure_assets
 
     ensure_assets(root, quiet=True)
@@ -205,7 +207,7 @@ def pack_env(cache: Path, **extra) -> dict:
 
 
 def finished(proc, cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
-    """`proc` (a Popen, or a forked_launcher.Launch) run to its end; on timeout, kill everything the test started and
+    """`proc` run to its end; on timeout, kill everything the test started and
     say what was running."""
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -224,11 +226,8 @@ def run(cmd: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env
 
 
 def launch(args: list[str], cache: Path, cwd: Path = REPO, timeout: int = 600, **env) -> subprocess.CompletedProcess:
-    """`python -m fsdp_recipes.launch.launcher ...`, what every recipe's launch.sh runs: forked from a process that
-    has imported its libraries already where the environment allows, else a fresh process (tests/forked_launcher.py)."""
-    cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", *map(str, args)]
-    with tempfile.TemporaryDirectory(prefix="launch-") as folder:
-        return finished(forked_launcher.Launch(cmd[3:], pack_env(cache, **env), cwd, Path(folder)), cmd, timeout)
+    """`python -m fsdp_recipes.launch.launcher ...`, what every recipe's launch.sh runs."""
+    return run([sys.executable, "-m", "fsdp_recipes.launch.launcher", *map(str, args)], cache, cwd, timeout, **env)
 
 
 # ---- launches shared between tests and files: one run per pytest run, on whichever worker asks first

@@ -1,11 +1,15 @@
-"""The test harness itself: no process a test starts outlives it, even one that left its parent's session."""
+"""The test harness itself: no process a test starts outlives it, even one that left its parent's session; the
+fork server (tests/probes/fork_server.py) answers as a fresh process would."""
 
+import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import psutil
 
-from conftest import kill_test_processes, tagged_processes
+from conftest import REPO, kill_test_processes, pack_env, run, tagged_processes
 
 
 def test_a_detached_grandchild_is_found_and_killed():
@@ -20,12 +24,46 @@ def test_a_detached_grandchild_is_found_and_killed():
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in found)
 
 
-def test_the_fork_server_has_imported_the_launchers_libraries():
-    """tests/forked_launcher.py: a fork of the server finds TRL's configs, PEFT, datasets and the launcher imported
-    (a preload that fails is silent in multiprocessing: Python 3.11's server once ignored the tests' sys.path)."""
-    import forked_launcher
+def served_by_the_fork_server() -> Path:
+    """This worker's fork server, once it has imported (tests/probes/fork_server.py): its log."""
+    address, log = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER"]), Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_LOG"])
+    deadline = time.time() + 180
+    while not address.exists():
+        assert time.time() < deadline, "the fork server did not start: " + log.read_text()
+        time.sleep(0.5)
+    return log
 
-    proc = forked_launcher.start().Process(target=forked_launcher.preloaded)
-    proc.start()
-    proc.join(60)
-    assert proc.exitcode == 0, proc.exitcode
+
+def test_a_served_command_is_a_fork_and_answers_as_a_fresh_process(cache_dir):
+    """The launcher's command line becomes a stand-in for a fork of the preloaded server: same pid to its parent,
+    same output and exit code as the same command in a fresh interpreter."""
+    log = served_by_the_fork_server()
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", "no-such-recipe"]
+    forked = subprocess.Popen(cmd, cwd=REPO, env=pack_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    out, err = forked.communicate(timeout=120)
+    fresh = run(cmd, cache_dir, FSDP_RECIPES_TEST_FORK_SERVER="")
+    assert f"for stand-in {forked.pid}: -m fsdp_recipes.launch.launcher" in log.read_text()
+    assert forked.returncode == fresh.returncode == 2, (err, fresh.stderr)
+    assert (out, err) == (fresh.stdout, fresh.stderr)
+    assert "no-such-recipe" in err
+
+
+def test_a_killed_stand_in_takes_its_fork_and_everything_it_started_along(cache_dir, tmp_path):
+    """SIGKILL to the launcher's stand-in while its checks run and the ranks wait at the gate: the fork, the
+    `accelerate launch` and rank stand-ins and their forks all end (a test's cleanup finds only stand-ins by tag)."""
+    server = psutil.Process(int(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_PID"]))
+    served_by_the_fork_server()
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--output_dir",
+                             str(tmp_path / "run")], cwd=REPO, env=pack_env(cache_dir, SLOW_CHECK_S="120"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while len(server.children()) < 4:  # the launcher, `accelerate launch` and two ranks, forked
+        assert proc.poll() is None and time.time() < deadline, server.children()
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 20
+    while (left := [p for p in server.children() if p.status() != psutil.STATUS_ZOMBIE]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, [" ".join(p.cmdline()) for p in left]

@@ -8,8 +8,9 @@ token counters as a run that was never interrupted.
 
 import json
 import os
-import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import forked_launcher
 from conftest import REPO, fsdp1_recipe, launch, pack_env
 from fsdp_recipes.checkpoint import markers as checkpoints
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS, SAVED_COPY, read_saved
@@ -33,18 +33,21 @@ ARGS = ["tiny-cpu-lora", "--max_steps", "16", "--save_strategy", "steps", "--sav
 
 def signal_launch(args, cache_dir, ready, sig, settle=0.0, **env):
     """Start the launcher, wait until `ready()` holds, send `sig` to it, and wait for it to end."""
-    folder = Path(tempfile.mkdtemp(prefix="launch-"))
-    proc = forked_launcher.Launch(args, pack_env(cache_dir, **env), REPO, folder,
-                                  merge_stderr=True)  # forked where the environment allows (conftest.launch)
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch.launcher", *map(str, args)], cwd=REPO,
+                            env=pack_env(cache_dir, **env), stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 300
     while not ready():
-        assert proc.poll() is None and time.time() < deadline, proc.output()[0][-3000:]
+        if proc.poll() is not None or time.time() > deadline:
+            log.seek(0)
+            pytest.fail(log.read()[-3000:])
         time.sleep(0.2)
     time.sleep(settle)  # a few steps in
     proc.send_signal(sig)  # to the launcher, as a scheduler would
     signalled = time.time()
-    out, _ = proc.communicate(timeout=300)
-    shutil.rmtree(folder)
+    proc.wait(timeout=300)
+    log.seek(0)
+    out = log.read()
     signal_launch.seconds_after_signal = time.time() - signalled
     return proc.returncode, out
 

@@ -8,6 +8,12 @@ the call FSDP2's reduce path makes.
 import atexit
 import os
 
+if os.environ.get("FSDP_RECIPES_TEST_FORK_SERVER"):
+    # first: a process the fork server serves becomes a stand-in for its fork here, before any hook imports torch
+    import fork_server
+
+    fork_server.delegate()
+
 if os.environ.get("REDUCE_SCATTER_COUNT_FILE"):
     import torch.distributed as dist
 

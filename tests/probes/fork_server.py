@@ -1,0 +1,336 @@
+"""The suite's Python processes started as forks of a server that has imported their libraries already.
+
+A launch is four Python processes that each import torch, transformers, TRL and PEFT before doing anything: the
+launcher, `accelerate launch` and two ranks, ~10 CPU-seconds each on the 2-core VM; the suite makes about 100
+launches, and py-spy found 33.5 of 42.6 sampled seconds of a short launch's ranks in imports. Each pytest worker
+starts one server (`start`) that imports them once. Every process of the suite runs tests/probes/sitecustomize.py
+(tests/probes is on the suite's PYTHONPATH), which calls `delegate()` first: a process that would run one of
+SERVED hands its command, environment, working directory and standard streams to the server and stays as a small
+stand-in. The server forks; the fork sets up what a fresh interpreter would have (streams, environment, cwd,
+signal defaults, sys.argv, sys.path[0], the probes' hooks, fresh random seeds) and runs the module as `python -m`
+would. The stand-in keeps its pid, so what started it (a test, the launcher, torchrun) sees the same process:
+signals sent to it are passed on, and it ends with the fork's exit code or signal. A fork whose stand-in is gone
+(SIGKILL) kills itself; a stand-in dies with its parent (as the ranks' own die_with_parent has them do).
+
+A fresh process is started instead (the stand-in simply goes on) when the environment differs from the server's in
+a variable a library may read when imported (any not in FORK_SAFE), when the interpreter gets options other than
+`-u`, or with FSDP_RECIPES_TEST_FORK_SERVER unset or empty, which tests that check what only a fresh process shows
+do: a library's import-time output (it went to the server's log), die_with_parent against a real parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+ADDRESS = "FSDP_RECIPES_TEST_FORK_SERVER"  # the server's socket; unset or empty: every process starts fresh
+SERVED_MODULES = {"fsdp_recipes.launch.launcher", "fsdp_recipes.train.entry", "accelerate.commands.launch"}
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+# Variables that may differ from the server's environment: read when used, not when a library is imported. The
+# probes' hooks (sitecustomize.py) are read again in the fork. Anything else differing starts a fresh process.
+FORK_SAFE_PREFIXES = ("FSDP_RECIPES_", "PET_", "SLOW_", "FAKE_", "ACCELERATE_", "FSDP_", "TORCHELASTIC_",
+                      "SAFETENSORS_READ_")
+FORK_SAFE = {"PATH", "PYTHONUNBUFFERED", "MASTER_PORT", "MASTER_ADDR", "TOKENIZERS_PARALLELISM",
+             "PYTORCH_CUDA_ALLOC_CONF", "CI", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+             "OMP_NUM_THREADS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "REDUCE_SCATTER_COUNT_FILE",
+             "ABORT_AT_EXIT_RANK", "NAN_LOSS_AT_STEP", "OLDPWD", "PWD", "SHLVL", "_", "PYTEST_CURRENT_TEST",
+             "TORCHINDUCTOR_CACHE_DIR"}  # torch sets it in os.environ when imported, and reads it when compiling
+IN_FORK = False  # set in a fork: its own sitecustomize run must not delegate again
+
+
+# ---- the stand-in (stdlib only: it runs in every process of the suite at start-up)
+
+def served(orig_argv: list[str]) -> dict | None:
+    """What a fork would run for this command line (`python [-u] -m <SERVED module> ...` or `python <venv>/bin/
+    accelerate launch ...`), else None."""
+    argv, unbuffered = list(orig_argv[1:]), False
+    while argv[:1] == ["-u"]:
+        argv, unbuffered = argv[1:], True
+    if len(argv) >= 2 and argv[0] == "-m" and argv[1] in SERVED_MODULES:
+        return {"module": argv[1], "argv": argv[2:], "unbuffered": unbuffered}
+    if len(argv) >= 2 and os.path.basename(argv[0]) == "accelerate" and argv[1] == "launch" and \
+            os.path.dirname(os.path.abspath(argv[0])) == os.path.dirname(sys.executable):
+        return {"script": os.path.abspath(argv[0]), "argv": argv[1:], "unbuffered": unbuffered}
+    return None
+
+
+def _read_line(conn: socket.socket) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(64)
+        if not chunk:
+            raise ConnectionError("fork server closed the connection")
+        data += chunk
+    return data.decode().strip()
+
+
+def delegate() -> None:
+    """In a process starting up: have the server fork what it would run, pass signals on, exit as it exits. Returns
+    (the process goes on to start fresh) where no server is set or it says the environment is not fork-safe."""
+    address = os.environ.get(ADDRESS)
+    what = None if IN_FORK or not address else served(sys.orig_argv)
+    if what is None:
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # held until the fork's pid is known
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(address)
+        request = json.dumps(dict(what, env=dict(os.environ), cwd=os.getcwd(), orig_argv=sys.orig_argv)).encode()
+        socket.send_fds(conn, [struct.pack("!I", len(request))], [0, 1, 2])
+        conn.sendall(request)
+        reply = _read_line(conn)
+    except OSError:
+        reply = "fresh"
+    if reply == "fresh":
+        conn.close()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        return
+    pid = int(reply.split()[1])
+    _die_with_parent()
+    for sig in FORWARDED:
+        signal.signal(sig, lambda s, _frame: os.kill(pid, s))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    try:
+        status = int(_read_line(conn).split()[1])
+    except (OSError, ValueError):
+        os._exit(1)
+    code = os.waitstatus_to_exitcode(status)
+    if code < 0:  # killed by a signal: so is the stand-in, as seen from its parent
+        signal.signal(-code, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def _die_with_parent(sig: int = signal.SIGKILL) -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+# ---- the server
+
+PRELOAD = [
+    "datasets", "peft", "transformers", "trl", "accelerate", "accelerate.commands.launch", "torch.distributed.run",
+    "torch.distributed.fsdp", "torch.distributed.checkpoint", "safetensors.torch",
+    "fsdp_recipes.launch.launcher", "fsdp_recipes.train.entry", "fsdp_recipes.train.run_checks",
+    "fsdp_recipes.train.loading", "fsdp_recipes.train.data_lengths", "fsdp_recipes.train.console",
+    "fsdp_recipes.train.preemption", "fsdp_recipes.checkpoint.markers", "fsdp_recipes.checkpoint.load_check",
+    "fsdp_recipes.checkpoint.resume_check", "fsdp_recipes.checkpoint.resume_settings",
+    "fsdp_recipes.checkpoint.save_check", "fsdp_recipes.checkpoint.sharded_save", "fsdp_recipes.metrics.run_report",
+    "fsdp_recipes.metrics.memory_probe", "fsdp_recipes.metrics.rss_watch", "fsdp_recipes.patches.optim_resume",
+    "fsdp_recipes.patches.peft_fsdp", "fsdp_recipes.dist",
+    "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.mistral.modeling_mistral",
+]
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    from fsdp_recipes.train import entry, kinds
+
+    entry.import_training_stack()
+    for name in kinds.names():
+        kinds.load(name)
+    trl_trainers = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "KTOTrainer", "RLOOTrainer")
+    __import__("trl", fromlist=list(trl_trainers))
+    for name in SERVED_MODULES:  # run afresh as __main__ in each fork, as `python -m` would (runpy warns otherwise)
+        sys.modules.pop(name, None)
+
+
+def _paths(value: str | None) -> list[str]:
+    return list(dict.fromkeys(os.path.realpath(p) for p in (value or "").split(os.pathsep) if p))
+
+
+def fork_safe(env: dict, own: dict) -> list[str]:
+    """The variables that differ from the server's environment and are not FORK_SAFE (empty: the fork may run)."""
+    changed = {k for k in env.keys() | own.keys() if env.get(k) != own.get(k)}
+    if _paths(env.get("PYTHONPATH")) == _paths(own.get("PYTHONPATH")):  # the same folders, once each, in order
+        changed.discard("PYTHONPATH")
+    return sorted(k for k in changed if k not in FORK_SAFE and not k.startswith(FORK_SAFE_PREFIXES))
+
+
+def serve(address: str) -> None:
+    """Until the pytest worker that started it exits: accept stand-ins, fork, report each fork's exit status."""
+    _die_with_parent(signal.SIGTERM)  # the pytest worker gone: end, and take the forks along
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    own = dict(os.environ)  # before the imports: torch sets TORCHINDUCTOR_CACHE_DIR in it
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address + ".tmp")
+    listener.listen(64)
+    os.rename(address + ".tmp", address)  # connectable once it exists: clients before that start fresh
+    forks: dict[int, socket.socket] = {}
+    try:
+        _loop(listener, own, forks)
+    finally:
+        for pid in forks:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _loop(listener: socket.socket, own: dict, forks: dict) -> None:
+    import select
+
+    while True:
+        if select.select([listener], [], [], 0.2)[0]:
+            conn, _ = listener.accept()
+            _answer(conn, own, listener, forks)
+        while forks:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = forks.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(f"exit {status}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+
+
+def _answer(conn: socket.socket, own: dict, listener: socket.socket, forks: dict) -> None:
+    try:
+        header, fds, _, _ = socket.recv_fds(conn, 4, 3)
+        while len(header) < 4:
+            header += conn.recv(4 - len(header))
+        size, body = struct.unpack("!I", header)[0], b""
+        while len(body) < size:
+            body += conn.recv(size - len(body))
+        request = json.loads(body)
+    except (OSError, ValueError, struct.error):
+        conn.close()
+        return
+    unsafe = fork_safe(request["env"], own)
+    if unsafe or len(fds) != 3:
+        print(f"fresh: {' '.join(request['orig_argv'][1:4])}: differs in {unsafe}", flush=True)
+        conn.sendall(b"fresh\n")
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            listener.close()
+            for other in forks.values():
+                other.close()
+            _run(request, fds, conn)
+        finally:
+            os._exit(70)
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(f"pid {pid}\n".encode())
+    peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    print(f"fork {pid} for stand-in {peer}: {' '.join(request['orig_argv'][1:4])}", flush=True)
+    forks[pid] = conn
+
+
+def _run(request: dict, fds: list[int], conn: socket.socket) -> None:
+    """In the fork: what a fresh interpreter would have, then the module or script as `python` would run it."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    global IN_FORK
+    IN_FORK = True
+    for target, fd in enumerate(fds):  # the stand-in's stdin, stdout, stderr; sys.std* objects stay (loggers hold them)
+        os.dup2(fd, target)
+        os.close(fd)
+    if request["unbuffered"] or request["env"].get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    for sig in FORWARDED:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # the stand-in killed (SIGKILL, or dead with its parent): so is this fork
+    threading.Thread(target=lambda: (conn.recv(1), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    _fresh_state(request)
+    code, interrupted = 0, False
+    try:
+        if "module" in request:
+            sys.argv = ["-m", *request["argv"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [request["script"], *request["argv"]]
+            runpy.run_path(request["script"], run_name="__main__")
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        interrupted = True
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    if interrupted:  # as Python ends on an uncaught KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code & 0xFF)
+
+
+def _fresh_state(request: dict) -> None:
+    """What differs between a fork and a fresh interpreter and could change a run: sys.path[0], sys.orig_argv,
+    the probes' hooks (read from this environment), OpenMP's thread count, random generators seeded at import."""
+    sys.orig_argv = request["orig_argv"]
+    sys.path[0] = request["cwd"] if "module" in request else os.path.dirname(request["script"])
+    probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize.py")
+    if os.path.isfile(probes):
+        import runpy
+
+        runpy.run_path(probes, run_name="sitecustomize")
+    if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    fingerprint = sys.modules.get("datasets.fingerprint")
+    if fingerprint is not None and hasattr(fingerprint, "fingerprint_rng"):
+        fingerprint.fingerprint_rng.seed()
+
+
+# ---- the pytest worker's side
+
+def start(folder: str, log: str) -> dict:
+    """Start this worker's server (it imports in the background), its socket in `folder`, what it says in `log`
+    (a line per process: forked, or fresh and why); the variables every process of the suite needs to be served
+    by it. Processes started before its socket exists start fresh."""
+    import subprocess
+
+    address = os.path.join(folder, "fork-server.sock")
+    env = {k: v for k, v in os.environ.items() if k != "FSDP_RECIPES_TEST_PROCESS"}  # it outlives each test
+    probes = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([probes] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != probes])
+    variables = {"PYTHONPATH": path, ADDRESS: address}
+    env.update(variables)
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, __file__, address], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    variables.update(FSDP_RECIPES_TEST_FORK_SERVER_PID=str(proc.pid), FSDP_RECIPES_TEST_FORK_SERVER_LOG=log)
+    return variables
+
+
+if __name__ == "__main__":  # the forks run this file's functions as the module `fork_server`, which the probes import
+    import fork_server
+
+    fork_server.serve(sys.argv[1])
