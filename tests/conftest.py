@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import fcntl
 import hashlib
 import json
@@ -60,8 +61,9 @@ def tagged_processes() -> list[psutil.Process]:
 def kill_test_processes() -> list[str]:
     """SIGKILL every process a test started that is still running; their command lines, for the report."""
     procs = tagged_processes()
-    with contextlib.suppress(KeyError, ValueError, psutil.NoSuchProcess):  # the forks carry the server's environment
-        procs += psutil.Process(int(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_PID"])).children()
+    for server in fork_server.SERVERS:  # the forks carry their server's environment, untagged
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs += psutil.Process(server).children()
     names = []
     for proc in procs:
         try:
@@ -166,6 +168,16 @@ def qlora_site() -> str:
     if not (QLORA_SITE / "bitsandbytes").is_dir():
         skip_or_fail(f"no bitsandbytes in {QLORA_SITE}: `make venv` installs it there")
     return str(QLORA_SITE)
+
+
+@functools.cache
+def library_server(site: str) -> dict:
+    """The environment that puts `site` (qlora_site(), torchao_site()) on a launch's path, with a fork server of
+    its own that has imported from it (tests/probes/fork_server.py), started once per pytest worker."""
+    folder = tempfile.mkdtemp(prefix="fsdp-recipes-fork-server-")
+    atexit.register(shutil.rmtree, folder, True)
+    log = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_LOG"]).with_name(f"fork-server-{Path(site).name}.log")
+    return fork_server.start(folder, str(log), library=site)
 
 
 def torchao_site() -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from bench import gpu as bench_gpu
 from bench import suite as bench
-from conftest import qlora_site, torchao_site
+from conftest import library_server, qlora_site, torchao_site
 from fsdp_recipes.records import file_stamp
 
 RUNG_IDS = ["0", "1", "2", "3", "4", "5a", "5b", "5c"]
@@ -30,7 +30,8 @@ def dry(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("bench-gpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(site)
-        mp.setenv("PYTHONPATH", site)
+        for name, value in library_server(site).items():  # PYTHONPATH with site, and a fork server importing from it
+            mp.setenv(name, value)
         result, text, path = bench_gpu.run(["--dry-run", "--results", str(out), "--inject-failure", "5b"])
     return result, text, path
 

@@ -155,10 +155,10 @@ def test_float8_full_finetune_trains_checkpoints_resumes_and_saves_a_plain_model
     args = [sys.executable, "-m", "fsdp_recipes.launch.launcher", "tiny-cpu-lora", "--use_peft", "false", "--float8", "true",
             "--learning_rate", "1e-3", "--eval_strategy", "no", "--save_strategy", "steps", "--save_steps", "2",
             "--logging_steps", "1", "--save_merged_model", "false", "--output_dir", str(out)]
-    first = run([*args, "--max_steps", "4"], cache_dir, PYTHONPATH=torchao_site)
+    first = run([*args, "--max_steps", "4"], cache_dir, **conftest.library_server(torchao_site))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "[train] float8: 28 of 29 linear layers converted" in first.stdout
-    second = run([*args, "--max_steps", "6"], cache_dir, PYTHONPATH=torchao_site)
+    second = run([*args, "--max_steps", "6"], cache_dir, **conftest.library_server(torchao_site))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resuming from" in second.stdout and "checkpoint-4" in second.stdout
 
@@ -256,7 +256,7 @@ def test_float8_under_accelerates_regional_compile(torchao_site, float8_fast_eno
     res = run([sys.executable, "-m", "fsdp_recipes.launch.launcher", str(recipe), "--use_peft", "false", "--float8", "true",
                "--packing", "true", "--activation_checkpointing", "true", "--max_steps", "3", "--eval_strategy", "no",
                "--logging_steps", "1", "--save_merged_model", "false", "--output_dir", str(out)],
-              cache_dir, PYTHONPATH=torchao_site)
+              cache_dir, **conftest.library_server(torchao_site))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[train] float8: 28 of 29 linear layers converted" in res.stdout
     run_args = json.loads((out / "run_args.json").read_text())

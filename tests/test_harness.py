@@ -26,7 +26,8 @@ def test_a_detached_grandchild_is_found_and_killed():
 
 def served_by_the_fork_server() -> Path:
     """This worker's fork server, once it has imported (tests/probes/fork_server.py): its log."""
-    address, log = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER"]), Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_LOG"])
+    address = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER"])
+    log = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_LOG"])
     deadline = time.time() + 180
     while not address.exists():
         assert time.time() < deadline, "the fork server did not start: " + log.read_text()

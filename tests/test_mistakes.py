@@ -20,6 +20,7 @@ import time
 import pytest
 import yaml
 
+import fork_server
 from conftest import REPO, launch, launcher_checks, pack_env, tagged_processes
 from test_bad_input import fake_checkpoint
 
@@ -324,7 +325,8 @@ def test_rank_failures_are_one_line_and_lose_nothing(tmp_path, cache_dir):
 def test_ranks_do_not_outlive_a_killed_launcher(tmp_path, cache_dir):
     out = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch.launcher",
-                             *launch_args(out, "--max_steps", "100000")], cwd=REPO, env=pack_env(cache_dir),
+                             *launch_args(out, "--max_steps", "100000")], cwd=REPO,
+                            env=pack_env(cache_dir, **fork_server.FRESH),  # the ranks' die_with_parent, not a fork's
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     while not (out / "run_args.json").exists():  # training has started

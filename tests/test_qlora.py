@@ -2,7 +2,6 @@
 refused before any rank starts, and a 2-process run whose storage is sharded and whose losses equal one process's."""
 
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -99,11 +98,6 @@ def losses(run):
     return {h["step"]: h["loss"] for h in history if "loss" in h}
 
 
-def with_bnb(site: str) -> str:
-    """PYTHONPATH for a launch: bitsandbytes' directory before whatever the suite runs with."""
-    return os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)
-
-
 COMMON = ["--load_in_4bit", "true", "--max_steps", "4", "--logging_steps", "1", "--eval_strategy", "no",
           "--warmup_steps", "0"]
 # the 2-process run also checkpoints at steps 2 and 4 and writes merged/: the resume and merged-model tests read it
@@ -119,7 +113,7 @@ def two(tmp_path_factory, cache_dir):
     recipe = recipe_variant(tmp, "two", drop=("lora_modules_to_save",))
     out = tmp / "two-run"
     res = launch([str(recipe), *COMMON, *SAVES, "--output_dir", str(out)], cache_dir,
-                 PYTHONPATH=with_bnb(conftest.qlora_site()))
+                 **conftest.library_server(conftest.qlora_site()))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return out, recipe
 
@@ -131,7 +125,7 @@ def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(
     one = tmp_path / "one-run"
     res = launch([str(one_recipe), *COMMON, "--save_merged_model", "false",
                   "--per_device_train_batch_size", "32",  # the same 32 rows per step
-                  "--output_dir", str(one)], cache_dir, PYTHONPATH=with_bnb(bnb))
+                  "--output_dir", str(one)], cache_dir, **conftest.library_server(bnb))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
     a, b = losses(two), losses(one)
@@ -178,7 +172,7 @@ def test_a_4bit_run_resumed_from_its_checkpoint_repeats_its_losses_and_adapter(t
     two, recipe = two
     resumed = tmp_path / "resumed"
     res = launch([str(recipe), *COMMON, *SAVES, "--resume_from_checkpoint", str(two / "checkpoint-2"),
-                  "--output_dir", str(resumed)], cache_dir, PYTHONPATH=with_bnb(bnb))
+                  "--output_dir", str(resumed)], cache_dir, **conftest.library_server(bnb))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = json.loads((resumed / "metrics.json").read_text())
     assert m["status"] == "completed" and m["steps"] == 4 and m["resumed_from"] == str(two / "checkpoint-2")

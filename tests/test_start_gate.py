@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+import fork_server
 from conftest import REPO, SHORT_TINY_RUN, pack_env, publishing_shared_run
 from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
 from fsdp_recipes.errors import EXIT_PREEMPTED
@@ -72,12 +73,13 @@ def test_a_rank_does_not_wait_for_a_launcher_that_is_gone():
 
 class SlowCheckLaunch:
     """The launcher with its recipe checks made SLOW_CHECK_S longer (tests/probes), its output read line by line,
-    and every process it started remembered."""
+    and every process it started remembered. Fresh processes, not the fork server's: the test watches the
+    launcher's process tree and the ranks' imports settle at the gate."""
 
     def __init__(self, args, cache_dir, slow_s=20):
         self.release_file = Path(cache_dir).parent / f"release-{uuid.uuid4().hex}"  # release(): the checks go on
         env = pack_env(cache_dir, PYTHONPATH=f"{PROBES}:{os.environ.get('PYTHONPATH', '')}", SLOW_CHECK_S=str(slow_s),
-                       SLOW_CHECK_RELEASE=str(self.release_file))
+                       SLOW_CHECK_RELEASE=str(self.release_file), **fork_server.FRESH)
         self.proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch.launcher", *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.out, self.err, self.started = [], [], set()

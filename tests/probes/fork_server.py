@@ -28,7 +28,9 @@ import struct
 import sys
 
 ADDRESS = "FSDP_RECIPES_TEST_FORK_SERVER"  # the server's socket; unset or empty: every process starts fresh
-SERVED_MODULES = {"fsdp_recipes.launch.launcher", "fsdp_recipes.train.entry", "accelerate.commands.launch"}
+SERVED_MODULES = {"fsdp_recipes.launch.launcher", "fsdp_recipes.train.entry", "accelerate.commands.launch",
+                  "bench.gpu_worker"}
+FRESH = {ADDRESS: ""}  # a test's environment for processes that must start fresh
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # Variables that may differ from the server's environment: read when used, not when a library is imported. The
 # probes' hooks (sitecustomize.py) are read again in the fork. Anything else differing starts a fresh process.
@@ -39,7 +41,9 @@ FORK_SAFE = {"PATH", "PYTHONUNBUFFERED", "MASTER_PORT", "MASTER_ADDR", "TOKENIZE
              "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
              "OMP_NUM_THREADS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "REDUCE_SCATTER_COUNT_FILE",
              "ABORT_AT_EXIT_RANK", "NAN_LOSS_AT_STEP", "OLDPWD", "PWD", "SHLVL", "_", "PYTEST_CURRENT_TEST",
-             "TORCHINDUCTOR_CACHE_DIR"}  # torch sets it in os.environ when imported, and reads it when compiling
+             "TORCHINDUCTOR_CACHE_DIR",  # torch sets it in os.environ when imported, and reads it when compiling
+             "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES"}  # read when a GPU is set up: the
+# suite runs on CPU (a server that had set up CUDA could not fork a process that uses it)
 IN_FORK = False  # set in a fork: its own sitecustomize run must not delegate again
 
 
@@ -80,7 +84,8 @@ def delegate() -> None:
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(address)
-        request = json.dumps(dict(what, env=dict(os.environ), cwd=os.getcwd(), orig_argv=sys.orig_argv)).encode()
+        request = json.dumps(dict(what, env=dict(os.environ), cwd=os.getcwd(), orig_argv=sys.orig_argv,
+                                  executable=sys.executable)).encode()
         socket.send_fds(conn, [struct.pack("!I", len(request))], [0, 1, 2])
         conn.sendall(request)
         reply = _read_line(conn)
@@ -132,6 +137,7 @@ PRELOAD = [
 
 def _preload() -> None:
     import importlib
+    import importlib.util
 
     for name in PRELOAD:
         importlib.import_module(name)
@@ -142,6 +148,9 @@ def _preload() -> None:
         kinds.load(name)
     trl_trainers = ("SFTTrainer", "DPOTrainer", "GRPOTrainer", "KTOTrainer", "RLOOTrainer")
     __import__("trl", fromlist=list(trl_trainers))
+    for name in ("torchao.float8", "bitsandbytes"):  # a library server's folder (conftest.library_server)
+        if importlib.util.find_spec(name.split(".")[0]) is not None:
+            importlib.import_module(name)
     for name in SERVED_MODULES:  # run afresh as __main__ in each fork, as `python -m` would (runpy warns otherwise)
         sys.modules.pop(name, None)
 
@@ -209,6 +218,8 @@ def _answer(conn: socket.socket, own: dict, listener: socket.socket, forks: dict
         conn.close()
         return
     unsafe = fork_safe(request["env"], own)
+    if request["executable"] != sys.executable:  # another environment's Python: its own packages
+        unsafe.append(request["executable"])
     if unsafe or len(fds) != 3:
         print(f"fresh: {' '.join(request['orig_argv'][1:4])}: differs in {unsafe}", flush=True)
         conn.sendall(b"fresh\n")
@@ -311,21 +322,28 @@ def _fresh_state(request: dict) -> None:
 
 # ---- the pytest worker's side
 
-def start(folder: str, log: str) -> dict:
-    """Start this worker's server (it imports in the background), its socket in `folder`, what it says in `log`
-    (a line per process: forked, or fresh and why); the variables every process of the suite needs to be served
-    by it. Processes started before its socket exists start fresh."""
+SERVERS: list[int] = []  # the servers this pytest worker started: conftest.kill_test_processes kills their forks
+
+
+def start(folder: str, log: str, library: str | None = None) -> dict:
+    """Start a server (it imports in the background), its socket in `folder`, what it says in `log` (a line per
+    process: forked, or fresh and why); the variables a process needs to be served by it. Processes started
+    before its socket exists start fresh. `library`: a folder of packages kept outside the venv (torchao,
+    bitsandbytes: the Makefile says why), put on the server's path after tests/probes, as the tests put it on
+    their launches' path; the server imports what it has."""
     import subprocess
 
     address = os.path.join(folder, "fork-server.sock")
     env = {k: v for k, v in os.environ.items() if k != "FSDP_RECIPES_TEST_PROCESS"}  # it outlives each test
     probes = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([probes] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != probes])
+    path = os.pathsep.join([probes, *([library] if library else []),
+                            *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != probes)])
     variables = {"PYTHONPATH": path, ADDRESS: address}
     env.update(variables)
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, __file__, address], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+    SERVERS.append(proc.pid)
     variables.update(FSDP_RECIPES_TEST_FORK_SERVER_PID=str(proc.pid), FSDP_RECIPES_TEST_FORK_SERVER_LOG=log)
     return variables
 
