@@ -35,12 +35,14 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 # Variables that may differ from the server's environment: read when used, not when a library is imported. The
 # probes' hooks (sitecustomize.py) are read again in the fork. Anything else differing starts a fresh process.
 FORK_SAFE_PREFIXES = ("FSDP_RECIPES_", "PET_", "SLOW_", "FAKE_", "ACCELERATE_", "FSDP_", "TORCHELASTIC_",
-                      "SAFETENSORS_READ_")
+                      "SAFETENSORS_READ_", "PARALLELISM_CONFIG_", "SLURM_", "SLURMD_", "NCCL_")
 FORK_SAFE = {"PATH", "PYTHONUNBUFFERED", "MASTER_PORT", "MASTER_ADDR", "TOKENIZERS_PARALLELISM",
              "PYTORCH_CUDA_ALLOC_CONF", "CI", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
              "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
              "OMP_NUM_THREADS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "REDUCE_SCATTER_COUNT_FILE",
              "ABORT_AT_EXIT_RANK", "NAN_LOSS_AT_STEP", "OLDPWD", "PWD", "SHLVL", "_", "PYTEST_CURRENT_TEST",
+             "HOSTNAME", "ENVIRONMENT",  # set by Slurm in a job
+             "RECIPE", "ARGS", "PYTHON", "COMMON", "RDZV_JOIN_TIMEOUT", "FSDP_LAUNCH_BASE",  # make's and slurm/'s
              "TORCHINDUCTOR_CACHE_DIR",  # torch sets it in os.environ when imported, and reads it when compiling
              "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES"}  # read when a GPU is set up: the
 # suite runs on CPU (a server that had set up CUDA could not fork a process that uses it)
