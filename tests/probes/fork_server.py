@@ -41,8 +41,10 @@ FORK_SAFE = {"PATH", "PYTHONUNBUFFERED", "MASTER_PORT", "MASTER_ADDR", "TOKENIZE
              "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
              "OMP_NUM_THREADS", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "REDUCE_SCATTER_COUNT_FILE",
              "ABORT_AT_EXIT_RANK", "NAN_LOSS_AT_STEP", "OLDPWD", "PWD", "SHLVL", "_", "PYTEST_CURRENT_TEST",
-             "HOSTNAME", "ENVIRONMENT",  # set by Slurm in a job
-             "RECIPE", "ARGS", "PYTHON", "COMMON", "RDZV_JOIN_TIMEOUT", "FSDP_LAUNCH_BASE",  # make's and slurm/'s
+             "HOSTNAME", "ENVIRONMENT", "SRUN_DEBUG", "ZE_AFFINITY_MASK",  # set by Slurm in a job
+             "TMPDIR",  # the fork forgets the server's tempfile.tempdir (_fresh_state)
+             "RECIPE", "ARGS", "PYTHON", "COMMON", "RDZV_JOIN_TIMEOUT", "FSDP_LAUNCH_BASE", "PROCS_PER_NODE",
+             "MAKEOVERRIDES",  # make's and slurm/'s own
              "TORCHINDUCTOR_CACHE_DIR",  # torch sets it in os.environ when imported, and reads it when compiling
              "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES"}  # read when a GPU is set up: the
 # suite runs on CPU (a server that had set up CUDA could not fork a process that uses it)
@@ -305,8 +307,12 @@ def _run(request: dict, fds: list[int], conn: socket.socket) -> None:
 
 def _fresh_state(request: dict) -> None:
     """What differs between a fork and a fresh interpreter and could change a run: sys.path[0], sys.orig_argv,
-    the probes' hooks (read from this environment), OpenMP's thread count, random generators seeded at import."""
+    tempfile's folder, the probes' hooks (read from this environment), OpenMP's thread count, random generators
+    seeded at import."""
+    import tempfile
+
     sys.orig_argv = request["orig_argv"]
+    tempfile.tempdir = None  # found again from this environment's TMPDIR when next asked
     sys.path[0] = request["cwd"] if "module" in request else os.path.dirname(request["script"])
     probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize.py")
     if os.path.isfile(probes):
