@@ -4,9 +4,9 @@ A launch is four Python processes that each import torch, transformers, TRL and 
 launcher, `accelerate launch` and two ranks, ~10 CPU-seconds each on the 2-core VM; the suite makes about 100
 launches, and py-spy found 33.5 of 42.6 sampled seconds of a short launch's ranks in imports. Each pytest worker
 starts one server (`start`) that imports them once. Every process of the suite runs tests/probes/sitecustomize.py
-(tests/probes is on the suite's PYTHONPATH), which calls `delegate()` first: a process that would run one of
-SERVED hands its command, environment, working directory and standard streams to the server and stays as a small
-stand-in. The server forks; the fork sets up what a fresh interpreter would have (streams, environment, cwd,
+(tests/probes is on the suite's PYTHONPATH), which calls `delegate()` first: a process that would run the pack's
+or bench/'s modules (`python -m`) or `accelerate launch` hands its command, environment, working directory and
+standard streams to the server and stays as a small stand-in. The server forks; the fork sets up what a fresh interpreter would have (streams, environment, cwd,
 signal defaults, sys.argv, sys.path[0], the probes' hooks, fresh random seeds) and runs the module as `python -m`
 would. The stand-in keeps its pid, so what started it (a test, the launcher, torchrun) sees the same process:
 signals sent to it are passed on, and it ends with the fork's exit code or signal. A fork whose stand-in is gone
@@ -28,8 +28,8 @@ import struct
 import sys
 
 ADDRESS = "FSDP_RECIPES_TEST_FORK_SERVER"  # the server's socket; unset or empty: every process starts fresh
-SERVED_MODULES = {"fsdp_recipes.launch.launcher", "fsdp_recipes.train.entry", "accelerate.commands.launch",
-                  "bench.gpu_worker"}
+SERVED_PACKAGES = ("fsdp_recipes.", "bench.")  # `python -m` of any of their modules: the launcher, the ranks, CLIs
+SERVED_MODULES = {"accelerate.commands.launch"}
 FRESH = {ADDRESS: ""}  # a test's environment for processes that must start fresh
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # Variables that may differ from the server's environment: read when used, not when a library is imported. The
@@ -54,12 +54,12 @@ IN_FORK = False  # set in a fork: its own sitecustomize run must not delegate ag
 # ---- the stand-in (stdlib only: it runs in every process of the suite at start-up)
 
 def served(orig_argv: list[str]) -> dict | None:
-    """What a fork would run for this command line (`python [-u] -m <SERVED module> ...` or `python <venv>/bin/
+    """What a fork would run for this command line (`python [-u] -m <a served module> ...` or `python <venv>/bin/
     accelerate launch ...`), else None."""
     argv, unbuffered = list(orig_argv[1:]), False
     while argv[:1] == ["-u"]:
         argv, unbuffered = argv[1:], True
-    if len(argv) >= 2 and argv[0] == "-m" and argv[1] in SERVED_MODULES:
+    if len(argv) >= 2 and argv[0] == "-m" and (argv[1] in SERVED_MODULES or argv[1].startswith(SERVED_PACKAGES)):
         return {"module": argv[1], "argv": argv[2:], "unbuffered": unbuffered}
     if len(argv) >= 2 and os.path.basename(argv[0]) == "accelerate" and argv[1] == "launch" and \
             os.path.dirname(os.path.abspath(argv[0])) == os.path.dirname(sys.executable):
@@ -155,8 +155,6 @@ def _preload() -> None:
     for name in ("torchao.float8", "bitsandbytes"):  # a library server's folder (conftest.library_server)
         if importlib.util.find_spec(name.split(".")[0]) is not None:
             importlib.import_module(name)
-    for name in SERVED_MODULES:  # run afresh as __main__ in each fork, as `python -m` would (runpy warns otherwise)
-        sys.modules.pop(name, None)
 
 
 def _paths(value: str | None) -> list[str]:
@@ -277,6 +275,7 @@ def _run(request: dict, fds: list[int], conn: socket.socket) -> None:
     code, interrupted = 0, False
     try:
         if "module" in request:
+            sys.modules.pop(request["module"], None)  # run afresh as __main__, as `python -m` does (runpy warns)
             sys.argv = ["-m", *request["argv"]]
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         else:
