@@ -164,7 +164,7 @@ test-serve: $(STAMP) serve-env ## the serving checks: the default trained, expor
 arch-matrix: $(STAMP) ## LoRA and full fine-tuning of tiny models of 26 decoder families under FSDP2 (2 CPU processes, ~2.5 min); ARGS="--families llama,gemma2"
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/arch_matrix.py $(ARGS)
 
-test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about a minute
+test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about 5 minutes
 	@$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 test-compat: ## fast suite + end-to-end, FSDP1, resume, smoke tests on the newest and the oldest versions allowed (GBs)

@@ -44,7 +44,7 @@ FORK_SAFE = {"PATH", "PYTHONUNBUFFERED", "MASTER_PORT", "MASTER_ADDR", "TOKENIZE
              "HOSTNAME", "ENVIRONMENT", "SRUN_DEBUG", "ZE_AFFINITY_MASK",  # set by Slurm in a job
              "TMPDIR",  # the fork forgets the server's tempfile.tempdir (_fresh_state)
              "RECIPE", "ARGS", "PYTHON", "COMMON", "RDZV_JOIN_TIMEOUT", "FSDP_LAUNCH_BASE", "PROCS_PER_NODE",
-             "MAKEOVERRIDES",  # make's and slurm/'s own
+             "MAKEOVERRIDES", "GPU", "GPUS", "NODES", "VENV", "RUN", "RUNS", "TYPE", "K8S_ARGS",  # make's and slurm/'s
              "TORCHINDUCTOR_CACHE_DIR",  # torch sets it in os.environ when imported, and reads it when compiling
              "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES"}  # read when a GPU is set up: the
 # suite runs on CPU (a server that had set up CUDA could not fork a process that uses it)
