@@ -85,8 +85,8 @@ def delegate() -> None:
     if what is None:
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # held until the fork's pid is known
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.connect(address)
         request = json.dumps(dict(what, env=dict(os.environ), cwd=os.getcwd(), orig_argv=sys.orig_argv,
                                   executable=sys.executable)).encode()
@@ -100,7 +100,7 @@ def delegate() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         return
     pid = int(reply.split()[1])
-    _die_with_parent()
+    _die_with_parent()  # as the ranks' own die_with_parent (the parent thread: all the pack's Popen calls are in main)
     for sig in FORWARDED:
         signal.signal(sig, lambda s, _frame: os.kill(pid, s))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
@@ -157,6 +157,13 @@ def _preload() -> None:
             importlib.import_module(name)
 
 
+def _torch_logs_reset():
+    """torch's own set-up of its loggers from TORCH_LOGS, run when torch is imported and callable again (private:
+    checked on torch 2.13.0); None where it is gone, and a TORCH_LOGS that differs starts a fresh process."""
+    internal = sys.modules.get("torch._logging._internal")
+    return getattr(internal, "_init_logs", None)
+
+
 def _paths(value: str | None) -> list[str]:
     return list(dict.fromkeys(os.path.realpath(p) for p in (value or "").split(os.pathsep) if p))
 
@@ -164,6 +171,8 @@ def _paths(value: str | None) -> list[str]:
 def fork_safe(env: dict, own: dict) -> list[str]:
     """The variables that differ from the server's environment and are not FORK_SAFE (empty: the fork may run)."""
     changed = {k for k in env.keys() | own.keys() if env.get(k) != own.get(k)}
+    if _torch_logs_reset() is not None:  # the fork sets torch's logging up again from TORCH_LOGS (_fresh_state)
+        changed.discard("TORCH_LOGS")
     if _paths(env.get("PYTHONPATH")) == _paths(own.get("PYTHONPATH")):  # the same folders, once each, in order
         changed.discard("PYTHONPATH")
     return sorted(k for k in changed if k not in FORK_SAFE and not k.startswith(FORK_SAFE_PREFIXES))
@@ -306,8 +315,8 @@ def _run(request: dict, fds: list[int], conn: socket.socket) -> None:
 
 def _fresh_state(request: dict) -> None:
     """What differs between a fork and a fresh interpreter and could change a run: sys.path[0], sys.orig_argv,
-    tempfile's folder, the probes' hooks (read from this environment), OpenMP's thread count, random generators
-    seeded at import."""
+    tempfile's folder, the probes' hooks (read from this environment), torch's loggers (TORCH_LOGS), OpenMP's thread
+    count, random generators seeded at import."""
     import tempfile
 
     sys.orig_argv = request["orig_argv"]
@@ -318,6 +327,8 @@ def _fresh_state(request: dict) -> None:
         import runpy
 
         runpy.run_path(probes, run_name="sitecustomize")
+    if os.environ.get("TORCH_LOGS") and _torch_logs_reset() is not None:
+        _torch_logs_reset()()
     if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if "numpy" in sys.modules:
