@@ -6,15 +6,15 @@ launches, and py-spy found 33.5 of 42.6 sampled seconds of a short launch's rank
 starts one server (`start`) that imports them once. Every process of the suite runs tests/probes/sitecustomize.py
 (tests/probes is on the suite's PYTHONPATH), which calls `delegate()` first: a process that would run the pack's
 or bench/'s modules (`python -m`) or `accelerate launch` hands its command, environment, working directory and
-standard streams to the server and stays as a small stand-in. The server forks; the fork sets up what a fresh interpreter would have (streams, environment, cwd,
-signal defaults, sys.argv, sys.path[0], the probes' hooks, fresh random seeds) and runs the module as `python -m`
-would. The stand-in keeps its pid, so what started it (a test, the launcher, torchrun) sees the same process:
+standard streams to the server and stays as a small stand-in. The server forks; the fork sets up what a fresh
+interpreter would have (streams, environment, cwd, signal defaults, sys.argv, sys.path[0], the probes' hooks,
+torch's loggers, fresh random seeds: _fresh_state) and runs the module as `python -m` would. The stand-in keeps its pid, so what started it (a test, the launcher, torchrun) sees the same process:
 signals sent to it are passed on, and it ends with the fork's exit code or signal. A fork whose stand-in is gone
 (SIGKILL) kills itself; a stand-in dies with its parent (as the ranks' own die_with_parent has them do).
 
 A fresh process is started instead (the stand-in simply goes on) when the environment differs from the server's in
-a variable a library may read when imported (any not in FORK_SAFE), when the interpreter gets options other than
-`-u`, or with FSDP_RECIPES_TEST_FORK_SERVER unset or empty, which tests that check what only a fresh process shows
+a variable a library may read when imported (any not in FORK_SAFE), for another Python (another environment's
+packages), when the interpreter gets options other than `-u`, or with FSDP_RECIPES_TEST_FORK_SERVER unset or empty, which tests that check what only a fresh process shows
 do: a library's import-time output (it went to the server's log), die_with_parent against a real parent.
 """
 
