@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import fcntl
@@ -174,10 +173,8 @@ def qlora_site() -> str:
 def library_server(site: str) -> dict:
     """The environment that puts `site` (qlora_site(), torchao_site()) on a launch's path, with a fork server of
     its own that has imported from it (tests/probes/fork_server.py), started once per pytest worker."""
-    folder = tempfile.mkdtemp(prefix="fsdp-recipes-fork-server-")
-    atexit.register(shutil.rmtree, folder, True)
     log = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_LOG"]).with_name(f"fork-server-{Path(site).name}.log")
-    return fork_server.start(folder, str(log), library=site)
+    return fork_server.start(str(log), library=site)
 
 
 def torchao_site() -> str:
@@ -193,10 +190,8 @@ def cache_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("cache")
     os.environ["FSDP_RECIPES_CACHE"] = str(root)
     # this worker's fork server imports while the assets are built; every later process of the suite is served by it
-    folder = tempfile.mkdtemp(prefix="fsdp-recipes-fork-server-")
-    atexit.register(shutil.rmtree, folder, True)
     log = tmp_path_factory.getbasetemp() / f"fork-server-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"
-    os.environ.update(fork_server.start(folder, str(log)))
+    os.environ.update(fork_server.start(str(log)))
     from fsdp_recipes.assets.tiny_assets import ensure_assets
 
     ensure_assets(root, quiet=True)
@@ -219,8 +214,7 @@ def pack_env(cache: Path, **extra) -> dict:
 
 
 def finished(proc, cmd: list[str], timeout: int) -> subprocess.CompletedProcess:
-    """`proc` run to its end; on timeout, kill everything the test started and
-    say what was running."""
+    """`proc` run to its end; on timeout, kill everything the test started and say what was running."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -343,14 +343,20 @@ def _fresh_state(request: dict) -> None:
 SERVERS: list[int] = []  # the servers this pytest worker started: conftest.kill_test_processes kills their forks
 
 
-def start(folder: str, log: str, library: str | None = None) -> dict:
-    """Start a server (it imports in the background), its socket in `folder`, what it says in `log` (a line per
+def start(log: str, library: str | None = None) -> dict:
+    """Start a server (it imports in the background), its socket in a folder of its own under the temporary folder
+    (removed when this process exits; a socket's path is limited to 108 bytes), what it says in `log` (a line per
     process: forked, or fresh and why); the variables a process needs to be served by it. Processes started
     before its socket exists start fresh. `library`: a folder of packages kept outside the venv (torchao,
     bitsandbytes: the Makefile says why), put on the server's path after tests/probes, as the tests put it on
     their launches' path; the server imports what it has."""
+    import atexit
+    import shutil
     import subprocess
+    import tempfile
 
+    folder = tempfile.mkdtemp(prefix="fsdp-recipes-fork-server-")
+    atexit.register(shutil.rmtree, folder, True)
     address = os.path.join(folder, "fork-server.sock")
     env = {k: v for k, v in os.environ.items() if k != "FSDP_RECIPES_TEST_PROCESS"}  # it outlives each test
     probes = os.path.dirname(os.path.abspath(__file__))
