@@ -74,6 +74,23 @@ def kill_test_processes() -> list[str]:
     return names
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """The CPU-seconds of this worker and the children it reaped (fresh processes) during each test, beside the fork
+    servers' per-fork figures: scripts/test_cpu.py adds them up per test and per file."""
+    import resource
+
+    def cpu() -> float:
+        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    before = cpu()
+    yield
+    log = item.config._tmp_path_factory.getbasetemp() / f"cpu-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"
+    with open(log, "a") as f:
+        f.write(f"{cpu() - before:.2f} CPU-s, {item.nodeid}\n")
+
+
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test():
     yield

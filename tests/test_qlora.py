@@ -93,6 +93,23 @@ def test_a_right_setting_passes(bnb):
                            FSDP2, "accelerate.yaml")
 
 
+def test_4bit_layers_compute_alike_on_a_cpu_with_avx512_bf16(bnb, cache_dir, monkeypatch):
+    """bitsandbytes 0.50 repacks a 4-bit layer's weight for its AVX-512 BF16 CPU kernel at the first forward in eval
+    mode, and asserts that the layer's width is a multiple of 32: the tiny model's 688-wide MLP crashed there on an
+    AMD EPYC (Zen 4) VM. Told it has that CPU (whatever this one has), a 4-bit model the pack loads evaluates and
+    generates as on any other CPU."""
+    import torch
+    from bitsandbytes.nn import modules
+
+    monkeypatch.setattr(modules, "has_avx512bf16", lambda: True)  # read when each Linear4bit is built
+    model = quantization.load_4bit(str(cache_dir / "tiny-mistral"), model_args())
+    four_bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    assert len(four_bit) == 28 and {m.out_features % 32 for m in four_bit} == {0, 688 % 32}
+    with torch.no_grad():
+        out = model.eval().generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    assert out.shape == (1, 5)
+
+
 def losses(run):
     history = json.loads((run / "log_history.json").read_text())["log_history"]
     return {h["step"]: h["loss"] for h in history if "loss" in h}

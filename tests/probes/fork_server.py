@@ -48,6 +48,7 @@ FORK_SAFE = {"PATH", "PYTHONUNBUFFERED", "MASTER_PORT", "MASTER_ADDR", "TOKENIZE
              "TORCHINDUCTOR_CACHE_DIR",  # torch sets it in os.environ when imported, and reads it when compiling
              "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES"}  # read when a GPU is set up: the
 # suite runs on CPU (a server that had set up CUDA could not fork a process that uses it)
+_TESTS: dict[int, str] = {}  # the server's forks: the test that started each (PYTEST_CURRENT_TEST)
 IN_FORK = False  # set in a fork: its own sitecustomize run must not delegate again
 
 
@@ -204,9 +205,11 @@ def _loop(listener: socket.socket, own: dict, forks: dict) -> None:
             conn, _ = listener.accept()
             _answer(conn, own, listener, forks)
         while forks:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
+            # the fork's CPU with its reaped children's, for scripts/test_cpu.py: which test spends the suite's time
+            print(f"exit {pid}: {usage.ru_utime + usage.ru_stime:.2f} CPU-s, {_TESTS.pop(pid, '?')}", flush=True)
             conn = forks.pop(pid, None)
             if conn is not None:
                 try:
@@ -255,6 +258,7 @@ def _answer(conn: socket.socket, own: dict, listener: socket.socket, forks: dict
     peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
     print(f"fork {pid} for stand-in {peer}: {' '.join(request['orig_argv'][1:4])}", flush=True)
     forks[pid] = conn
+    _TESTS[pid] = request["env"].get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]
 
 
 def _run(request: dict, fds: list[int], conn: socket.socket) -> None:

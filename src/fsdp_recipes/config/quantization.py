@@ -121,4 +121,19 @@ def load_4bit(model_path: str, model_args, dequantise: bool = False):
     settings = recorded(model_args)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=settings.dtype,
                                                  quantization_config=get_quantization_config(settings))
-    return model.dequantize() if dequantise else model
+    return model.dequantize() if dequantise else same_kernels_on_every_cpu(model)
+
+
+def same_kernels_on_every_cpu(model):
+    """Every bitsandbytes 4-bit layer of `model` computes as on a CPU without AVX-512 BF16 (dequantise, then matmul).
+
+    Where the CPU has AVX-512 BF16, bitsandbytes 0.50 (checked on 0.50.2) rewrites a Linear4bit's weight in place into
+    a kernel's packed layout at its first forward in eval mode without gradients (an evaluation, a generation), and
+    that rewrite asserts `out_features % 32 == 0` (functional._convert_weight_packed_for_cpu): the tiny test model's
+    688-wide MLP crashed there, on an AMD EPYC (Zen 4) VM and not on one without AVX-512 BF16. In a training rank it
+    would also rewrite a parameter FSDP shards and gathers. Turned off, every CPU computes the same numbers the same
+    way; a GPU never takes that path."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+    return model

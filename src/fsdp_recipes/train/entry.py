@@ -122,6 +122,8 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         callbacks=callbacks,
         **kind.trainer_kwargs(cfg),  # GRPO: the reward functions
     )
+    if bnb is not None:
+        quantization.same_kernels_on_every_cpu(trainer.model)
     trainer.token_counter, trainer.run_report = report.tokens, report
     add_pack_hooks(trainer, cfg, report)
     from fsdp_recipes.train import data_lengths
