@@ -191,7 +191,7 @@ def library_server(site: str) -> dict:
     """The environment that puts `site` (qlora_site(), torchao_site()) on a launch's path, with a fork server of
     its own that has imported from it (tests/probes/fork_server.py), started once per pytest worker."""
     log = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_LOG"]).with_name(f"fork-server-{Path(site).name}.log")
-    return fork_server.start(str(log), library=site)
+    return fork_server.start(str(log), library=site, wait=True)  # only a test that needs the library waits
 
 
 def torchao_site() -> str:
@@ -208,10 +208,12 @@ def cache_dir(tmp_path_factory) -> Path:
     os.environ["FSDP_RECIPES_CACHE"] = str(root)
     # this worker's fork server imports while the assets are built; every later process of the suite is served by it
     log = tmp_path_factory.getbasetemp() / f"fork-server-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.log"
-    os.environ.update(fork_server.start(str(log)))
+    served = fork_server.start(str(log))
+    os.environ.update(served)
     from fsdp_recipes.assets.tiny_assets import ensure_assets
 
     ensure_assets(root, quiet=True)
+    fork_server.serving(served)  # the worker's first launch forked too
     return root
 
 

@@ -2,6 +2,7 @@
 starts, one line each; the shipped rewards score what they say; `make plan` counts the sampling's memory. The runs
 themselves: tests/test_default_recipe.py (the real model, after SFT) and tests/test_preemption.py (exact resume)."""
 
+import os
 import shutil
 import sys
 from types import SimpleNamespace
@@ -346,7 +347,7 @@ def test_the_once_refused_layout_trains_and_unscored_completions_are_said_once(t
         "    return [None] + number_only(completions[1:])\n")
     folder = grpo_recipe(tmp_path, num_generations=8, per_device_train_batch_size=4, max_steps=2, logging_steps=1,
                          warmup_steps=0, save_strategy="no", save_merged_model=False, reward_funcs=["my_rewards.score"])
-    res = launch([str(folder)], cache_dir, PYTHONPATH=f"{tmp_path}:{REPO / 'src'}")
+    res = launch([str(folder)], cache_dir, PYTHONPATH=f"{tmp_path}:{os.environ['PYTHONPATH']}")  # the reward's folder
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "[train] step 2/2" in res.stdout and "completed" in res.stdout
     said = [line for line in res.stdout.splitlines() if "returned None for 1 of 4 completions (at step 1" in line]

@@ -1,6 +1,7 @@
 """The test harness itself: no process a test starts outlives it, even one that left its parent's session; the
 fork server (tests/probes/fork_server.py) answers as a fresh process would."""
 
+import json
 import os
 import subprocess
 import sys
@@ -68,3 +69,41 @@ def test_a_killed_stand_in_takes_its_fork_and_everything_it_started_along(cache_
     while (left := [p for p in server.children() if p.status() != psutil.STATUS_ZOMBIE]) and time.time() < deadline:
         time.sleep(0.2)
     assert not left, [" ".join(p.cmdline()) for p in left]
+
+
+CHAINED_SITE = '''
+import json, os, sys
+_here = os.path.dirname(os.path.abspath(__file__))
+for _folder in sys.path:  # the probes' sitecustomize first, which this one shadows (as bench/compare.py's does)
+    _other = os.path.join(_folder or os.getcwd(), "sitecustomize.py")
+    if os.path.isfile(_other) and os.path.dirname(os.path.abspath(_other)) != _here:
+        exec(compile(open(_other).read(), _other, "exec"), {"__name__": "sitecustomize", "__file__": _other})
+        break
+folders = [os.path.realpath(p) for p in sys.path if p]
+with open(os.path.join(_here, f"ran-{os.getpid()}.json"), "w") as f:
+    json.dump(folders.index(os.path.realpath(_here)) < folders.index(os.path.realpath(os.environ["FSDP_RECIPES_TEST_PROBES"])), f)
+'''
+
+
+def test_added_path_folders_are_served_unless_they_hold_an_imported_module(cache_dir, tmp_path):
+    """A folder put before tests/probes on PYTHONPATH with a sitecustomize of its own that runs the probes' first
+    (bench/compare.py's collective counter): the command is forked, and that sitecustomize runs in the fork, with the
+    folder before the probes on the path as in a fresh process. A folder that holds a module the server imported
+    (here `trl`) would not be the one a fork runs: that command starts fresh."""
+    log = served_by_the_fork_server()
+    probes = REPO / "tests" / "probes"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(CHAINED_SITE)
+    cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", "no-such-recipe"]
+    res = run(cmd, cache_dir, PYTHONPATH=f"{site}:{os.environ['PYTHONPATH']}", FSDP_RECIPES_TEST_PROBES=str(probes))
+    assert res.returncode == 2 and "no-such-recipe" in res.stderr
+    forks = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("fork ")]
+    ran = {p.name: json.loads(p.read_text()) for p in site.glob("ran-*.json")}
+    assert ran == {f"ran-{forks[-1]}.json": True}, (ran, forks[-1:])  # the fork's, its folder first
+
+    shadow = tmp_path / "shadow"
+    (shadow / "trl").mkdir(parents=True)
+    res = run(cmd, cache_dir, PYTHONPATH=f"{os.environ['PYTHONPATH']}:{shadow}", FSDP_RECIPES_TEST_PROBES=str(probes))
+    assert res.returncode == 2
+    assert "fresh: -m fsdp_recipes.launch.launcher no-such-recipe: differs in ['PYTHONPATH']" in log.read_text()

@@ -13,7 +13,8 @@ signals sent to it are passed on, and it ends with the fork's exit code or signa
 (SIGKILL) kills itself; a stand-in dies with its parent (as the ranks' own die_with_parent has them do).
 
 A fresh process is started instead (the stand-in simply goes on) when the environment differs from the server's in
-a variable a library may read when imported (any not in FORK_SAFE), for another Python (another environment's
+a variable a library may read when imported (any not in FORK_SAFE; torch's TORCH_LOGS and LOGLEVEL the fork applies
+again; PYTHONPATH may add folders, unless one holds a module the server imported), for another Python (another environment's
 packages), when the interpreter gets options other than `-u`, or with FSDP_RECIPES_TEST_FORK_SERVER unset or empty, which tests that check what only a fresh process shows
 do: a library's import-time output (it went to the server's log), die_with_parent against a real parent.
 """
@@ -43,12 +44,14 @@ FORK_SAFE = {"PATH", "PYTHONUNBUFFERED", "MASTER_PORT", "MASTER_ADDR", "TOKENIZE
              "ABORT_AT_EXIT_RANK", "NAN_LOSS_AT_STEP", "OLDPWD", "PWD", "SHLVL", "_", "PYTEST_CURRENT_TEST",
              "HOSTNAME", "ENVIRONMENT", "SRUN_DEBUG", "ZE_AFFINITY_MASK",  # set by Slurm in a job
              "TMPDIR",  # the fork forgets the server's tempfile.tempdir (_fresh_state)
+             "COMPARE_PROBE",  # read by bench/compare.py's sitecustomize, which the fork runs (_fresh_state)
              "RECIPE", "ARGS", "PYTHON", "COMMON", "RDZV_JOIN_TIMEOUT", "FSDP_LAUNCH_BASE", "PROCS_PER_NODE",
              "MAKEOVERRIDES", "GPU", "GPUS", "NODES", "VENV", "RUN", "RUNS", "TYPE", "K8S_ARGS",  # make's and slurm/'s
              "TORCHINDUCTOR_CACHE_DIR",  # torch sets it in os.environ when imported, and reads it when compiling
              "CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES"}  # read when a GPU is set up: the
 # suite runs on CPU (a server that had set up CUDA could not fork a process that uses it)
 _TESTS: dict[int, str] = {}  # the server's forks: the test that started each (PYTEST_CURRENT_TEST)
+OWN_PATH: list[str] = []  # the server's PYTHONPATH folders: a fork puts the request's in their place
 IN_FORK = False  # set in a fork: its own sitecustomize run must not delegate again
 
 
@@ -165,16 +168,64 @@ def _torch_logs_reset():
     return getattr(internal, "_init_logs", None)
 
 
+LOGLEVEL_MARK = 31  # a level no library sets: the loggers that read LOGLEVEL while the server imported have it
+
+
+def _elastic_loggers_level():
+    """The level a fresh import gives torch's elastic loggers (torch.distributed.elastic.utils.logging's
+    _setup_logger: LOGLEVEL, else its get_log_level(); checked on torch 2.13.0); None where that is gone, and a
+    LOGLEVEL that differs then starts a fresh process."""
+    elastic = sys.modules.get("torch.distributed.elastic.utils.logging")
+    get_log_level = getattr(elastic, "get_log_level", None)
+    return None if get_log_level is None else os.environ.get("LOGLEVEL", get_log_level())
+
+
+def _elastic_loggers_reset() -> None:
+    """In the fork: the loggers the server's imports set from LOGLEVEL (they carry LOGLEVEL_MARK) at this process's
+    LOGLEVEL, as torchrun's launch config (printed at INFO) shows in a fresh process."""
+    import logging
+
+    level = _elastic_loggers_level()
+    for logger in list(logging.root.manager.loggerDict.values()) if level is not None else []:
+        if isinstance(logger, logging.Logger) and logger.level == LOGLEVEL_MARK:
+            logger.setLevel(level)
+
+
 def _paths(value: str | None) -> list[str]:
     return list(dict.fromkeys(os.path.realpath(p) for p in (value or "").split(os.pathsep) if p))
 
 
+def added_folders(env: dict, own: dict) -> list[str] | None:
+    """The folders the request's PYTHONPATH adds to the server's, which it keeps in their order; None where it drops
+    or reorders one of the server's."""
+    mine, theirs = _paths(own.get("PYTHONPATH")), _paths(env.get("PYTHONPATH"))
+    return [p for p in theirs if p not in mine] if [p for p in theirs if p in mine] == mine else None
+
+
+def shadowed(folder: str) -> list[str]:
+    """The modules this process has imported that `folder` holds another file for: a fork would run the imported one
+    where a fresh process imports the folder's."""
+    names = []
+    for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+        name = entry[:-3] if entry.endswith(".py") else entry if os.path.isdir(os.path.join(folder, entry)) else ""
+        module = sys.modules.get(name) if name != "sitecustomize" else None  # sitecustomize: run in the fork
+        where = os.path.realpath(getattr(module, "__file__", None) or "")
+        if module is not None and not where.startswith(os.path.realpath(folder) + os.sep):
+            names.append(name)
+    return names
+
+
 def fork_safe(env: dict, own: dict) -> list[str]:
-    """The variables that differ from the server's environment and are not FORK_SAFE (empty: the fork may run)."""
+    """The variables that differ from the server's environment and are not FORK_SAFE (empty: the fork may run). A
+    PYTHONPATH that adds folders is fork-safe unless one holds a module imported here already: the fork puts them on
+    its path where a fresh process has them, and runs the first sitecustomize found there (_fresh_state)."""
     changed = {k for k in env.keys() | own.keys() if env.get(k) != own.get(k)}
     if _torch_logs_reset() is not None:  # the fork sets torch's logging up again from TORCH_LOGS (_fresh_state)
         changed.discard("TORCH_LOGS")
-    if _paths(env.get("PYTHONPATH")) == _paths(own.get("PYTHONPATH")):  # the same folders, once each, in order
+    if _elastic_loggers_level() is not None:  # and torch's elastic loggers from LOGLEVEL
+        changed.discard("LOGLEVEL")
+    added = added_folders(env, own)
+    if added is not None and not any(shadowed(p) for p in added):
         changed.discard("PYTHONPATH")
     return sorted(k for k in changed if k not in FORK_SAFE and not k.startswith(FORK_SAFE_PREFIXES))
 
@@ -184,7 +235,16 @@ def serve(address: str) -> None:
     _die_with_parent(signal.SIGTERM)  # the pytest worker gone: end, and take the forks along
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     own = dict(os.environ)  # before the imports: torch sets TORCHINDUCTOR_CACHE_DIR in it
-    _preload()
+    OWN_PATH.extend(_paths(own.get("PYTHONPATH")))
+    import logging
+
+    logging.addLevelName(LOGLEVEL_MARK, "FORK_SERVER_LOGLEVEL")
+    os.environ["LOGLEVEL"] = "FORK_SERVER_LOGLEVEL"  # the level torch's elastic loggers take when imported: a mark
+    try:
+        _preload()
+    finally:
+        os.environ.pop("LOGLEVEL")
+        os.environ.update({k: v for k, v in own.items() if k == "LOGLEVEL"})
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(address + ".tmp")
     listener.listen(64)
@@ -326,13 +386,19 @@ def _fresh_state(request: dict) -> None:
     sys.orig_argv = request["orig_argv"]
     tempfile.tempdir = None  # found again from this environment's TMPDIR when next asked
     sys.path[0] = request["cwd"] if "module" in request else os.path.dirname(request["script"])
-    probes = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sitecustomize.py")
-    if os.path.isfile(probes):
+    # the request's PYTHONPATH folders where the server's were, right after sys.path[0] (as Python puts them)
+    rest = [p for p in sys.path[1:] if os.path.realpath(p) not in OWN_PATH]
+    requested = (request["env"].get("PYTHONPATH") or "").split(os.pathsep)
+    sys.path[1:] = [*dict.fromkeys(os.path.abspath(p) for p in requested if p), *rest]
+    # the sitecustomize a fresh process would import (the probes', or one before them that runs theirs: bench/)
+    first = next((f for f in (os.path.join(p, "sitecustomize.py") for p in sys.path[1:]) if os.path.isfile(f)), None)
+    if first is not None:
         import runpy
 
-        runpy.run_path(probes, run_name="sitecustomize")
+        runpy.run_path(first, run_name="sitecustomize")
     if os.environ.get("TORCH_LOGS") and _torch_logs_reset() is not None:
         _torch_logs_reset()()
+    _elastic_loggers_reset()
     if "torch" in sys.modules and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     if "numpy" in sys.modules:
@@ -347,13 +413,14 @@ def _fresh_state(request: dict) -> None:
 SERVERS: list[int] = []  # the servers this pytest worker started: conftest.kill_test_processes kills their forks
 
 
-def start(log: str, library: str | None = None) -> dict:
+def start(log: str, library: str | None = None, wait: bool = False) -> dict:
     """Start a server (it imports in the background), its socket in a folder of its own under the temporary folder
     (removed when this process exits; a socket's path is limited to 108 bytes), what it says in `log` (a line per
     process: forked, or fresh and why); the variables a process needs to be served by it. Processes started
     before its socket exists start fresh. `library`: a folder of packages kept outside the venv (torchao,
     bitsandbytes: the Makefile says why), put on the server's path after tests/probes, as the tests put it on
-    their launches' path; the server imports what it has."""
+    their launches' path; the server imports what it has. `wait`: return once the server serves (its imports take
+    5-10 s), so that the first launch is forked too, not started fresh beside the server's imports."""
     import atexit
     import shutil
     import subprocess
@@ -373,7 +440,21 @@ def start(log: str, library: str | None = None) -> dict:
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     SERVERS.append(proc.pid)
     variables.update(FSDP_RECIPES_TEST_FORK_SERVER_PID=str(proc.pid), FSDP_RECIPES_TEST_FORK_SERVER_LOG=log)
+    if wait:
+        serving(variables, proc)
     return variables
+
+
+def serving(variables: dict, proc=None, timeout: float = 120) -> None:
+    """Wait until the server of `variables` (start's) serves, or has ended, or `timeout` passed (its processes then
+    start fresh: slower, never wrong)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(variables[ADDRESS]) and time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":  # the forks run this file's functions as the module `fork_server`, which the probes import
