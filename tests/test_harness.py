@@ -107,3 +107,19 @@ def test_added_path_folders_are_served_unless_they_hold_an_imported_module(cache
     res = run(cmd, cache_dir, PYTHONPATH=f"{os.environ['PYTHONPATH']}:{shadow}", FSDP_RECIPES_TEST_PROBES=str(probes))
     assert res.returncode == 2
     assert "fresh: -m fsdp_recipes.launch.launcher no-such-recipe: differs in ['PYTHONPATH']" in log.read_text()
+
+
+def test_test_cpu_adds_each_tests_forks_and_worker_seconds(tmp_path):
+    """scripts/test_cpu.py: a fork's line and the worker's line of the same test add up; per file too."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import test_cpu
+    finally:
+        sys.path.pop(0)
+    worker = tmp_path / "popen-gw0"
+    worker.mkdir()
+    (worker / "cpu-gw0.log").write_text("1.50 CPU-s, tests/test_a.py::test_x\n0.25 CPU-s, tests/test_b.py::test_y\n")
+    (worker / "fork-server-gw0.log").write_text(
+        "fork 11 for stand-in 10: -m fsdp_recipes.launch.launcher tiny-cpu-lora\n"
+        "exit 11: 2.00 CPU-s, tests/test_a.py::test_x\nfresh: -m x: differs in ['LOGLEVEL']\n")
+    assert test_cpu.per_test(tmp_path) == {"tests/test_a.py::test_x": 3.5, "tests/test_b.py::test_y": 0.25}
