@@ -143,6 +143,26 @@ def test_the_cpu_peak_is_measured_in_the_runs_dtype_and_only_rises(tmp_path, mon
     assert again["measured_now"] == 2e9 and next(rates, None) is None
 
 
+def test_a_settled_cpu_peak_is_taken_without_measuring_again(tmp_path, monkeypatch):
+    """Once SETTLED_RUNS launches measured under a key, the next takes their best without measuring (its ranks start
+    0.5-1 s sooner) and says so; a launch under another key (bf16) still measures."""
+    calls = []
+    rates = iter([3e9, 5e9, 4e9] + [2e9] * 20)
+    monkeypatch.setattr(cpu_peak, "measure", lambda dtype: calls.append(dtype) or {
+        "flops": next(rates), "products": 5, "size": 1024, "dtype": dtype, "threads": 1, "load_1min": 0.5})
+    for _ in range(cpu_peak.SETTLED_RUNS + 2):  # each launch a new process: nothing measured in it yet
+        monkeypatch.setattr(cpu_peak, "_MEASURED", {})
+        ranks = [cpu_peak.best_rate(tmp_path, "Test CPU", "float32", 2) for _ in range(2)]
+        cpu_peak.store(tmp_path, ranks)
+    assert calls == ["float32"] * cpu_peak.SETTLED_RUNS  # the last 2 launches measured nothing
+    assert [(r["flops"], r["measured_now"], r["runs"]) for r in ranks] == [(5e9, None, cpu_peak.SETTLED_RUNS)] * 2
+    table = json.loads((tmp_path / cpu_peak.CACHE_FILE).read_text())
+    assert [(v["flops"], v["runs"]) for v in table.values()] == [(5e9, cpu_peak.SETTLED_RUNS)]
+    assert cpu_peak.describe(ranks).endswith("products; the best of the 8 launches that measured it; this one did "
+                                             "not (metrics/cpu_peak.py))")
+    assert cpu_peak.best_rate(tmp_path, "Test CPU", "bfloat16", 2)["measured_now"] == 2e9 and calls[-1] == "bfloat16"
+
+
 def test_promtool_checks_the_alert_rules_and_fires_the_mfu_alert_on_a_falling_series():
     promtool = shutil.which("promtool")
     if promtool is None:
