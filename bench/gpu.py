@@ -116,6 +116,7 @@ import time
 from pathlib import Path
 
 from bench.gpu_worker import WARMUP_FILE
+from bench.ladder_goals import GOAL_MFU_1B_1GPU, GOAL_SPEEDUP, ladder_title, method_of
 from fsdp_recipes.train import float8
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,8 +138,6 @@ SIZES = {
 }
 # Lognormal conversation lengths at max_length 4096; scaled linearly for other lengths.
 LENGTHS = dict(median=800, sigma=0.9, min=16, max=4096)
-GOAL_SPEEDUP = 1.5
-GOAL_MFU_1B_1GPU = 0.45
 METHODS = ("full", "lora")
 # The LoRA ladder's adapters: this recipe's lora_* settings (the pack's 8B LoRA recipe), read from its sft.yaml.
 LORA_RECIPE = REPO / "recipes" / "llama-3.1-8b-lora"
@@ -276,11 +275,6 @@ def resolve(settings: dict, sizes: dict, device: dict) -> dict:
         flash = device["type"] == "cuda" and importlib.util.find_spec("flash_attn") is not None
         s["attn"] = "flash_attention_2" if flash else "sdpa"
     return s
-
-
-def method_of(lad: dict) -> str:
-    """A ladder's method; files written before `--methods` existed hold full fine-tuning only."""
-    return lad.get("method", "full")
 
 
 def why_skip(rung: dict, s: dict, device: dict) -> str | None:
@@ -576,14 +570,6 @@ def goals(lad: dict, dry_run: bool) -> dict:
         m = tuned["figures"]["mfu"]
         out["mfu"] = f"{'met' if m >= GOAL_MFU_1B_1GPU else 'not met'}: {100 * m:.1f}% (goal >= 45%)"
     return out
-
-
-def ladder_title(lad: dict) -> str:
-    """'1b full fine-tuning (1,107,363,840 parameters)', '8b LoRA (8,063,455,232 parameters, 43,646,976 trained)'."""
-    n = lad["parameters"]
-    if method_of(lad) == "full":
-        return f"{lad['size']} full fine-tuning ({n['total']:,} parameters)"
-    return f"{lad['size']} LoRA ({n['total']:,} parameters, {n['trainable']:,} trained)"
 
 
 def table(result: dict) -> str:

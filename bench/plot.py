@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.gpu import GOAL_SPEEDUP, ladder_title
+from bench.ladder_goals import GOAL_SPEEDUP, ladder_title
 from bench.overhead import summarize
 
 # Phases of bench_first_step.phases() grouped by what they are, in critical-path order (the names' first words).
