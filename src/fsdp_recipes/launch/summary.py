@@ -22,11 +22,12 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from fsdp_recipes.config import quantization
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.train import kinds
+from fsdp_recipes.train import console, kinds
 from fsdp_recipes.metrics.report import human_bytes
 from fsdp_recipes.metrics import gates, intervals, metrics_file
 
@@ -292,7 +293,10 @@ def four_bit_scores(base: str, run_dir: Path, model_args: dict, items, pairs) ->
     model = quantization.load_4bit(base, model_args).eval()
     tok = generation.load_tokenizer(base)
     base_scores = score_stage(base, items, pairs, loaded=(model, tok))
-    adapted = PeftModel.from_pretrained(model, str(run_dir)).eval()
+    with warnings.catch_warnings():  # peft's read of a property transformers deprecated: off the console, as in
+        for category, pattern in console.LOG_ONLY_WARNINGS:  # the ranks (train/console.py)
+            warnings.filterwarnings("ignore", message=pattern, category=category)
+        adapted = PeftModel.from_pretrained(model, str(run_dir)).eval()
     return base_scores, score_stage(base, items, pairs, loaded=(adapted, generation.load_tokenizer(str(run_dir))))
 
 
