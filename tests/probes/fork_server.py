@@ -445,21 +445,24 @@ def start(log: str, library: str | None = None, wait: bool = False) -> dict:
         proc = subprocess.Popen([sys.executable, __file__, address], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     SERVERS.append(proc.pid)
+    _STARTED[proc.pid] = proc
     variables.update(FSDP_RECIPES_TEST_FORK_SERVER_PID=str(proc.pid), FSDP_RECIPES_TEST_FORK_SERVER_LOG=log)
     if wait:
-        serving(variables, proc)
+        serving(variables)
     return variables
 
 
-def serving(variables: dict, proc=None, timeout: float = 120) -> None:
-    """Wait until the server of `variables` (start's) serves, or has ended, or `timeout` passed (its processes then
-    start fresh: slower, never wrong)."""
+_STARTED: dict = {}  # pid -> the Popen of each server this process started
+
+
+def serving(variables: dict, timeout: float = 120) -> None:
+    """Wait until the server of `variables` (start's) serves, or has ended (its log says why), or `timeout` passed:
+    its processes then start fresh, slower and never wrong."""
     import time
 
+    proc = _STARTED[int(variables["FSDP_RECIPES_TEST_FORK_SERVER_PID"])]
     deadline = time.monotonic() + timeout
-    while not os.path.exists(variables[ADDRESS]) and time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            return
+    while not os.path.exists(variables[ADDRESS]) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
 
 
