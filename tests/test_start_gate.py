@@ -201,6 +201,33 @@ def test_a_rank_crashing_after_a_completed_run_is_reported_as_such(tmp_path, cac
     assert json.loads((out / "metrics.json").read_text())["status"] == "completed"
 
 
+def test_a_finished_runs_trainer_lives_until_the_process_exits(monkeypatch):
+    """entry.run keeps the trainer of a finished run referenced: freeing its DDP reducer (and so the gloo process
+    group, which joins gloo's threads) once hung a rank after a completed run; the exit frees nothing (below)."""
+    import weakref
+
+    from fsdp_recipes.train import entry
+
+    class Trainer:
+        ended = False
+
+        def end(self):
+            self.ended = True
+
+    refs = []
+
+    def train_once(argv):  # the run's trainer, referenced only by what run() does with it
+        trainer = Trainer()
+        refs.append(weakref.ref(trainer))
+        return 0, trainer
+
+    monkeypatch.setattr(entry, "train_once", train_once)
+    monkeypatch.setattr(entry, "ENDED", [])
+    assert entry.run([]) == 0
+    (ref,) = refs
+    assert ref() is not None and ref().ended and entry.ENDED == [ref()]
+
+
 def test_a_rank_exits_after_its_atexit_handlers_without_interpreter_teardown():
     """entry's exit: what atexit holds still runs (logging, trackers, the probes above); the finalization that
     frees the leftovers, where the teardown crash happens, does not."""

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fsdp_recipes.config import quantization
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.train import console, kinds
+from fsdp_recipes.train import kinds
 from fsdp_recipes.metrics.report import human_bytes
 from fsdp_recipes.metrics import gates, intervals, metrics_file
 
@@ -289,6 +289,7 @@ def four_bit_scores(base: str, run_dir: Path, model_args: dict, items, pairs) ->
     from peft import PeftModel
 
     from fsdp_recipes.assets import generation
+    from fsdp_recipes.train import console  # it imports transformers: the launcher's checks run before that
 
     model = quantization.load_4bit(base, model_args).eval()
     tok = generation.load_tokenizer(base)

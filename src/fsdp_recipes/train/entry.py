@@ -319,10 +319,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if failure_record.STATE["phase"] == "setup" else 1
 
 
+ENDED: list = []  # the trainers of runs that are over, freed by the process's exit, never by Python
+
+
 def run(argv: list[str] | None = None) -> int:
     code, trainer = train_once(argv)
     if trainer is not None and hasattr(trainer, "end"):  # transformers >= 5.18: ends trackers and the process group
         trainer.end()
+    # Kept to the exit (exit_without_teardown): freeing a DDP model's reducer frees the gloo process group, whose
+    # destructor joins gloo's worker threads, and once one never returned: a completed DDP run's rank hung there
+    # (bench/compare.py's ddp launch, 2026-11-27, torch 2.13.0): the teardown exit_without_teardown skips, met early
+    ENDED.append(trainer)
     return code
 
 
