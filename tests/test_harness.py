@@ -10,6 +10,8 @@ from pathlib import Path
 
 import psutil
 
+import fork_server
+from bench.compare import PROBE
 from conftest import REPO, kill_test_processes, pack_env, run, tagged_processes
 
 
@@ -27,12 +29,9 @@ def test_a_detached_grandchild_is_found_and_killed():
 
 def served_by_the_fork_server() -> Path:
     """This worker's fork server, once it has imported (tests/probes/fork_server.py): its log."""
-    address = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER"])
     log = Path(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_LOG"])
-    deadline = time.time() + 180
-    while not address.exists():
-        assert time.time() < deadline, "the fork server did not start: " + log.read_text()
-        time.sleep(0.5)
+    fork_server.serving(os.environ, timeout=180)
+    assert Path(os.environ[fork_server.ADDRESS]).exists(), "the fork server did not start: " + log.read_text()
     return log
 
 
@@ -71,17 +70,13 @@ def test_a_killed_stand_in_takes_its_fork_and_everything_it_started_along(cache_
     assert not left, [" ".join(p.cmdline()) for p in left]
 
 
-CHAINED_SITE = '''
-import json, os, sys
-_here = os.path.dirname(os.path.abspath(__file__))
-for _folder in sys.path:  # the probes' sitecustomize first, which this one shadows (as bench/compare.py's does)
-    _other = os.path.join(_folder or os.getcwd(), "sitecustomize.py")
-    if os.path.isfile(_other) and os.path.dirname(os.path.abspath(_other)) != _here:
-        exec(compile(open(_other).read(), _other, "exec"), {"__name__": "sitecustomize", "__file__": _other})
-        break
+# bench/compare.py's sitecustomize (it runs the one it shadows first; its counter is off without COMPARE_PROBE), then
+# a line saying which process ran it and whether its folder came before the probes' on the path
+CHAINED_SITE = PROBE + '''
+import json
 folders = [os.path.realpath(p) for p in sys.path if p]
 with open(os.path.join(_here, f"ran-{os.getpid()}.json"), "w") as f:
-    json.dump(folders.index(os.path.realpath(_here)) < folders.index(os.path.realpath(os.environ["FSDP_RECIPES_TEST_PROBES"])), f)
+    json.dump(folders.index(os.path.realpath(_here)) < folders.index(os.environ["FSDP_RECIPES_TEST_PROBES"]), f)
 '''
 
 
@@ -96,7 +91,7 @@ def test_added_path_folders_are_served_unless_they_hold_an_imported_module(cache
     site.mkdir()
     (site / "sitecustomize.py").write_text(CHAINED_SITE)
     cmd = [sys.executable, "-m", "fsdp_recipes.launch.launcher", "no-such-recipe"]
-    res = run(cmd, cache_dir, PYTHONPATH=f"{site}:{os.environ['PYTHONPATH']}", FSDP_RECIPES_TEST_PROBES=str(probes))
+    res = run(cmd, cache_dir, PYTHONPATH=f"{site}:{os.environ['PYTHONPATH']}", FSDP_RECIPES_TEST_PROBES=str(probes.resolve()))
     assert res.returncode == 2 and "no-such-recipe" in res.stderr
     forks = [line.split()[1] for line in log.read_text().splitlines() if line.startswith("fork ")]
     ran = {p.name: json.loads(p.read_text()) for p in site.glob("ran-*.json")}
@@ -104,7 +99,7 @@ def test_added_path_folders_are_served_unless_they_hold_an_imported_module(cache
 
     shadow = tmp_path / "shadow"
     (shadow / "trl").mkdir(parents=True)
-    res = run(cmd, cache_dir, PYTHONPATH=f"{os.environ['PYTHONPATH']}:{shadow}", FSDP_RECIPES_TEST_PROBES=str(probes))
+    res = run(cmd, cache_dir, PYTHONPATH=f"{os.environ['PYTHONPATH']}:{shadow}", FSDP_RECIPES_TEST_PROBES=str(probes.resolve()))
     assert res.returncode == 2
     assert "fresh: -m fsdp_recipes.launch.launcher no-such-recipe: differs in ['PYTHONPATH']" in log.read_text()
 

@@ -4,19 +4,21 @@ A launch is four Python processes that each import torch, transformers, TRL and 
 launcher, `accelerate launch` and two ranks, ~10 CPU-seconds each on the 2-core VM; the suite makes about 100
 launches, and py-spy found 33.5 of 42.6 sampled seconds of a short launch's ranks in imports. Each pytest worker
 starts one server (`start`) that imports them once. Every process of the suite runs tests/probes/sitecustomize.py
-(tests/probes is on the suite's PYTHONPATH), which calls `delegate()` first: a process that would run the pack's
-or bench/'s modules (`python -m`) or `accelerate launch` hands its command, environment, working directory and
-standard streams to the server and stays as a small stand-in. The server forks; the fork sets up what a fresh
-interpreter would have (streams, environment, cwd, signal defaults, sys.argv, sys.path[0], the probes' hooks,
-torch's loggers, fresh random seeds: _fresh_state) and runs the module as `python -m` would. The stand-in keeps its pid, so what started it (a test, the launcher, torchrun) sees the same process:
-signals sent to it are passed on, and it ends with the fork's exit code or signal. A fork whose stand-in is gone
-(SIGKILL) kills itself; a stand-in dies with its parent (as the ranks' own die_with_parent has them do).
+(tests/probes is on the suite's PYTHONPATH), which calls `delegate()` first: a process that would run the pack's or
+bench/'s modules (`python -m`) or `accelerate launch` hands its command, environment, working directory and standard
+streams to the server and stays as a small stand-in. The server forks; the fork sets up what a fresh interpreter
+would have (streams, environment, cwd, signal defaults, sys.argv, sys.path[0], the probes' hooks, torch's loggers,
+fresh random seeds: _fresh_state) and runs the module as `python -m` would. The stand-in keeps its pid, so what
+started it (a test, the launcher, torchrun) sees the same process: signals sent to it are passed on, and it ends with
+the fork's exit code or signal. A fork whose stand-in is gone (SIGKILL) kills itself; a stand-in dies with its parent
+(as the ranks' own die_with_parent has them do).
 
-A fresh process is started instead (the stand-in simply goes on) when the environment differs from the server's in
-a variable a library may read when imported (any not in FORK_SAFE; torch's TORCH_LOGS and LOGLEVEL the fork applies
-again; PYTHONPATH may add folders, unless one holds a module the server imported), for another Python (another environment's
-packages), when the interpreter gets options other than `-u`, or with FSDP_RECIPES_TEST_FORK_SERVER unset or empty, which tests that check what only a fresh process shows
-do: a library's import-time output (it went to the server's log), die_with_parent against a real parent.
+A fresh process is started instead (the stand-in simply goes on) when the environment differs from the server's in a
+variable a library may read when imported (any not in FORK_SAFE; torch's TORCH_LOGS and LOGLEVEL the fork applies
+again; PYTHONPATH may add folders, unless one holds a module the server imported), for another Python (another
+environment's packages), when the interpreter gets options other than `-u`, or with FSDP_RECIPES_TEST_FORK_SERVER
+unset or empty, which tests that check what only a fresh process shows do: a library's import-time output (it went to
+the server's log), die_with_parent against a real parent.
 """
 
 from __future__ import annotations
@@ -244,7 +246,8 @@ def serve(address: str) -> None:
         _preload()
     finally:
         os.environ.pop("LOGLEVEL")
-        os.environ.update({k: v for k, v in own.items() if k == "LOGLEVEL"})
+        if "LOGLEVEL" in own:
+            os.environ["LOGLEVEL"] = own["LOGLEVEL"]
     import gc
 
     # what the imports made, out of every later collection: each rank's gc.collect() at train start (accelerate's
@@ -416,7 +419,7 @@ def _fresh_state(request: dict) -> None:
 
 # ---- the pytest worker's side
 
-SERVERS: list[int] = []  # the servers this pytest worker started: conftest.kill_test_processes kills their forks
+SERVERS: dict = {}  # pid -> Popen of the servers this pytest worker started (conftest.kill_test_processes: forks)
 
 
 def start(log: str, library: str | None = None, wait: bool = False) -> dict:
@@ -444,15 +447,11 @@ def start(log: str, library: str | None = None, wait: bool = False) -> dict:
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, __file__, address], env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-    SERVERS.append(proc.pid)
-    _STARTED[proc.pid] = proc
+    SERVERS[proc.pid] = proc
     variables.update(FSDP_RECIPES_TEST_FORK_SERVER_PID=str(proc.pid), FSDP_RECIPES_TEST_FORK_SERVER_LOG=log)
     if wait:
         serving(variables)
     return variables
-
-
-_STARTED: dict = {}  # pid -> the Popen of each server this process started
 
 
 def serving(variables: dict, timeout: float = 120) -> None:
@@ -460,7 +459,7 @@ def serving(variables: dict, timeout: float = 120) -> None:
     its processes then start fresh, slower and never wrong."""
     import time
 
-    proc = _STARTED[int(variables["FSDP_RECIPES_TEST_FORK_SERVER_PID"])]
+    proc = SERVERS[int(variables["FSDP_RECIPES_TEST_FORK_SERVER_PID"])]
     deadline = time.monotonic() + timeout
     while not os.path.exists(variables[ADDRESS]) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
