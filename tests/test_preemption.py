@@ -267,9 +267,56 @@ def test_ctrl_c_writes_status_interrupted(tmp_path, cache_dir):
     rc, out_text = signal_launch(["tiny-cpu-lora", "--max_steps", "100000", "--eval_strategy", "no", "--output_dir",
                                   str(out)], cache_dir, (out / "run_args.json").exists, signal.SIGINT, settle=2)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["status"] == "interrupted", out_text[-3000:]
+    if metrics["status"] == "preempted":  # torchrun's race, once in ~10 suite runs (the next test): SIGTERM, saved
+        assert "interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM" in out_text, out_text[-3000:]
+    else:
+        assert metrics["status"] == "interrupted", out_text[-3000:]
     assert metrics["tokens"]["scope"] == "rank0_only" and metrics["tokens"]["non_padding"] > 0
     assert rc == EXIT_INTERRUPTED and "error:" not in out_text, out_text[-3000:]  # Ctrl-C is no failure
+
+
+def test_ctrl_c_that_torchrun_passed_on_as_sigterm_is_still_an_interruption(tmp_path, monkeypatch, capsys):
+    """Seen once in a whole suite run: torch 2.13.0's elastic agent handled the launcher's SIGINT inside its metrics
+    wrapper before that set `start` (torch/distributed/elastic/metrics/api.py), the UnboundLocalError replaced its
+    SignalException, and its clean-up stopped the ranks with SIGTERM: they saved a checkpoint and reported
+    `preempted`. In process: the ranks' part replaced by that report after the launcher's own Ctrl-C."""
+    from fsdp_recipes.launch import launcher
+
+    out = tmp_path / "run"
+    report = {"status": "preempted", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 8,
+              "error": "stopped by a signal (rank 0 saw: 15)"}
+
+    class CtrlCPassedOnAsSigterm:
+        log_failure = None
+        interrupted = True  # what Ranks._on_signal records for the launcher's SIGINT
+
+        def __init__(self, cmd, torchrun_logs, gated=True):
+            self.torchrun_logs = torchrun_logs
+
+        def release(self, log_dir):
+            (out / "checkpoint-8").mkdir(parents=True, exist_ok=True)
+            (out / "metrics.json").write_text(json.dumps(report))
+
+        def wait(self):
+            import shutil
+
+            shutil.rmtree(self.torchrun_logs, ignore_errors=True)
+            return 1, None  # torchrun's exit after the UnboundLocalError; no SIGTERM or SIGUSR1 reached the launcher
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(launcher, "Ranks", CtrlCPassedOnAsSigterm)
+    saved = dict(os.environ)
+    try:
+        rc = launcher.main(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "100"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    text = capsys.readouterr().out
+    assert rc == EXIT_INTERRUPTED, text[-2000:]
+    assert "interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint first " \
+           "(stopped by a signal (rank 0 saw: 15)); run the same command again to resume" in text
+    assert "preempted:" not in text
+    assert json.loads((out / "metrics.json").read_text()) == report  # what the ranks did, as they reported it
 
 
 def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_path, cache_dir, monkeypatch, capsys):

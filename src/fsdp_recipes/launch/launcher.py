@@ -609,6 +609,12 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
             f"checked, and the run report {report} is final; nothing to resume (the summary is skipped)")
         return gates.exit_code(metrics)  # its gates and divergence still decide: 3 or 4 as after a summary
     if metrics.get("status") == "preempted" and not metrics.get("provisional"):
+        if ranks.interrupted and preempted_by is None:
+            # torch 2.13.0's elastic agent: a SIGINT handled inside its metrics wrapper (metrics/api.py `prof`,
+            # before `start` is set) turns into an UnboundLocalError, and torchrun stops the ranks with SIGTERM
+            say(f"interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint "
+                f"first ({metrics.get('error')}); run the same command again to resume from it in {output_dir}")
+            return EXIT_INTERRUPTED
         say(f"preempted: a checkpoint was saved in {output_dir}; run the same command again to resume")
         return EXIT_PREEMPTED
     if preempted_by is not None and (metrics.get("provisional") or rc != 0):
