@@ -275,42 +275,51 @@ def test_ctrl_c_writes_status_interrupted(tmp_path, cache_dir):
     assert rc == EXIT_INTERRUPTED and "error:" not in out_text, out_text[-3000:]  # Ctrl-C is no failure
 
 
+def launcher_with_fake_ranks(argv, out: Path, report: dict, ended: tuple, monkeypatch, interrupted=False) -> int:
+    """`launcher.main(argv)` in process, the ranks' part replaced: once released they leave `report` as
+    out/metrics.json (and a complete checkpoint of its steps when it says preempted), and torchrun ends with `ended`
+    (exit code, the preemption signal passed on); `interrupted`: the launcher itself received Ctrl-C. The
+    environment the launcher sets (torchrun's PET_* and the like) is restored afterwards."""
+    import shutil
+
+    from fsdp_recipes.launch import launcher
+
+    class FakeRanks:
+        log_failure = None  # the logs were written
+
+        def __init__(self, cmd, torchrun_logs, gated=True):
+            self.torchrun_logs, self.interrupted = torchrun_logs, interrupted
+
+        def release(self, log_dir):
+            out.mkdir(parents=True, exist_ok=True)
+            if report["status"] == "preempted":
+                (out / f"checkpoint-{report['steps']}").mkdir()
+            (out / "metrics.json").write_text(json.dumps(report))
+
+        def wait(self):
+            shutil.rmtree(self.torchrun_logs, ignore_errors=True)
+            return ended
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(launcher, "Ranks", FakeRanks)
+    saved = dict(os.environ)
+    try:
+        return launcher.main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def test_ctrl_c_that_torchrun_passed_on_as_sigterm_is_still_an_interruption(tmp_path, monkeypatch, capsys):
     """Seen once in a whole suite run: torch 2.13.0's elastic agent handled the launcher's SIGINT inside its metrics
     wrapper before that set `start` (torch/distributed/elastic/metrics/api.py), the UnboundLocalError replaced its
     SignalException, and its clean-up stopped the ranks with SIGTERM: they saved a checkpoint and reported
-    `preempted`. In process: the ranks' part replaced by that report after the launcher's own Ctrl-C."""
-    from fsdp_recipes.launch import launcher
-
+    `preempted`. torchrun then exited 1, and no SIGTERM or SIGUSR1 had reached the launcher."""
     out = tmp_path / "run"
     report = {"status": "preempted", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 8,
               "error": "stopped by a signal (rank 0 saw: 15)"}
-
-    class CtrlCPassedOnAsSigterm:
-        log_failure = None
-        interrupted = True  # what Ranks._on_signal records for the launcher's SIGINT
-
-        def __init__(self, cmd, torchrun_logs, gated=True):
-            self.torchrun_logs = torchrun_logs
-
-        def release(self, log_dir):
-            (out / "checkpoint-8").mkdir(parents=True, exist_ok=True)
-            (out / "metrics.json").write_text(json.dumps(report))
-
-        def wait(self):
-            import shutil
-
-            shutil.rmtree(self.torchrun_logs, ignore_errors=True)
-            return 1, None  # torchrun's exit after the UnboundLocalError; no SIGTERM or SIGUSR1 reached the launcher
-
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(launcher, "Ranks", CtrlCPassedOnAsSigterm)
-    saved = dict(os.environ)
-    try:
-        rc = launcher.main(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "100"])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    rc = launcher_with_fake_ranks(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "100"], out, report,
+                                  (1, None), monkeypatch, interrupted=True)
     text = capsys.readouterr().out
     assert rc == EXIT_INTERRUPTED, text[-2000:]
     assert "interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint first " \
@@ -328,33 +337,11 @@ def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_pa
 
     out = tmp_path / "run"
     final = {"status": "completed", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 12}
-
-    class FinishedThenSignalled:
-        log_failure = None  # the logs were written
-
-        def __init__(self, cmd, torchrun_logs, gated=True):
-            self.torchrun_logs = torchrun_logs
-
-        def release(self, log_dir):
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "metrics.json").write_text(json.dumps(final))
-
-        def wait(self):
-            import shutil
-
-            shutil.rmtree(self.torchrun_logs, ignore_errors=True)
-            return 1, signal.SIGTERM  # torchrun's exit code after it handled SIGTERM, and the signal passed on
-
     summaries = []
-    monkeypatch.chdir(REPO)
-    monkeypatch.setattr(launcher, "Ranks", FinishedThenSignalled)
     monkeypatch.setattr(launcher.summary, "main", lambda argv: summaries.append(argv) or 0)
-    saved = dict(os.environ)
-    try:
-        rc = launcher.main(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "12"])
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    # torchrun's exit code after it handled SIGTERM, and the signal passed on
+    rc = launcher_with_fake_ranks(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "12"], out, final,
+                                  (1, signal.SIGTERM), monkeypatch)
     text = capsys.readouterr().out
     assert rc == 0, text[-2000:]
     assert "SIGTERM arrived after training completed" in text and "nothing to resume" in text
