@@ -61,3 +61,52 @@ def test_details_go_to_the_rank_log_file_or_stderr(tmp_path, monkeypatch, capsys
         assert (tmp_path / DETAILS_FILE).read_text() == "[train] step 4: {}\n" and err == ""
     else:
         assert err == "[train] step 4: {}\n" and not (tmp_path / DETAILS_FILE).exists()
+
+
+# bitsandbytes.functional.has_avx512bf16() answers True, as on a Zen 4 or a Sapphire Rapids CPU, whatever this one is
+AVX512_BF16_CPU = """
+import importlib.abc, importlib.util, sys
+
+class AVX512BF16(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "bitsandbytes.functional":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.has_avx512bf16 = lambda: True
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+sys.meta_path.insert(0, AVX512BF16())
+"""
+KERNEL_RECORD = "Failed to load CPU gemm_4bit_forward from kernels-community"  # bitsandbytes 0.50.2's words
+
+
+@pytest.mark.parametrize("process", ["none", "rank", "launcher"])
+def test_bitsandbytes_kernel_record_stays_off_the_console(process, tmp_path):
+    """peft imports bitsandbytes whenever it is installed; on a CPU with AVX-512 BF16 its CPU backend logs, at import,
+    that it could not fetch a hub kernel (library_logs.py). A rank keeps that in its log, the launcher drops it, and
+    without either the console shows it (the control: the faked CPU does reach that record here). The rank and the
+    launcher as they start: each stops at its first mistake (no such config or recipe), peft imported after."""
+    from conftest import qlora_site
+
+    start = {"none": "",
+             "rank": "from fsdp_recipes.train import entry\ntry:\n    entry.train_once(['--config', 'missing.yaml'])\n"
+                     "except BaseException:\n    pass\n",
+             "launcher": "from fsdp_recipes.launch import launcher\ntry:\n    launcher.main(['no-such-recipe'])\n"
+                         "except BaseException:\n    pass\n"}
+    script = AVX512_BF16_CPU + start[process] + "import peft\nprint('imported')\n"
+    env = dict(os.environ, PYTHONPATH=qlora_site(), **{ERROR_FILE_ENV: str(tmp_path / "error.json")})
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.endswith("imported\n"), res.stderr[-2000:]
+    details = tmp_path / DETAILS_FILE
+    assert (KERNEL_RECORD in res.stderr) == (process == "none"), res.stderr[-2000:]
+    assert (details.exists() and KERNEL_RECORD in details.read_text()) == (process == "rank")
+    if process == "rank":
+        assert f"WARNING bitsandbytes.backends.cpu.ops: {KERNEL_RECORD}" in details.read_text()

@@ -41,6 +41,7 @@ from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
+from fsdp_recipes import library_logs
 from fsdp_recipes.checkpoint import resume_choice
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, quantization, recipes, yaml_keys
 from fsdp_recipes.config.argv import override
@@ -430,6 +431,7 @@ def grace_seconds(recipe: Recipe) -> str:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
+    library_logs.divert(lambda text: None)  # each rank's log has the same records
     with ExitStack() as held:  # the output_dir's lock, from the checks to the summary
         return launch(list(sys.argv[1:] if argv is None else argv), held)
 

@@ -25,6 +25,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from fsdp_recipes import library_logs
 from fsdp_recipes.config import quantization
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.train import kinds
@@ -579,6 +580,7 @@ def serve_lines(run_dir: Path) -> list[str]:
 def main(argv: list[str] | None = None, recipe=None) -> int:
     """`recipe`: the launcher's loaded recipe (config/recipes.py), whose parsed settings the generations use;
     run from the command line, the run's run_args.json says them."""
+    library_logs.divert(lambda text: None)  # run alone: loading the 4-bit base imports bitsandbytes here
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path)
     gen = ap.add_mutually_exclusive_group()

@@ -17,7 +17,7 @@ import warnings
 from transformers import TrainerCallback
 
 from fsdp_recipes.metrics import gates
-from fsdp_recipes.train.failure_record import DETAILS_FILE, ERROR_FILE_ENV
+from fsdp_recipes.train.failure_record import details
 
 # Upstream warnings that tell the user nothing they can act on, matched by category and message: every other warning
 # still reaches the console. Each says whose it is.
@@ -28,21 +28,6 @@ LOG_ONLY_WARNINGS = [
     # names transformers 5.x deprecated
     (FutureWarning, r"`gradient_checkpointing_(en|dis)able` is deprecated"),
 ]
-
-
-def details(text: str) -> None:
-    """Append `text` to this rank's log only (stderr when not under the launcher)."""
-    text = text if text.endswith("\n") else text + "\n"
-    error_file = os.environ.get(ERROR_FILE_ENV)
-    if error_file:
-        try:
-            with open(os.path.join(os.path.dirname(error_file), DETAILS_FILE), "a") as f:
-                f.write(text)
-            return
-        except OSError:  # a full temporary disk must not stop training: then the console gets it
-            pass
-    sys.stderr.write(text)
-    sys.stderr.flush()
 
 
 def log_only(category: type[Warning], message: str) -> bool:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from fsdp_recipes import dist
+from fsdp_recipes import dist, library_logs
 from fsdp_recipes.checkpoint.resume_choice import checkpoint_to_resume
 from fsdp_recipes.config import quantization
 from fsdp_recipes.config.run_config import RunConfig
@@ -338,6 +338,7 @@ def train_once(argv: list[str] | None = None) -> tuple[int, object]:
     the process group up, so that one process can train several runs in turn (scripts/arch_matrix.py); `run` ends it."""
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
+    library_logs.divert(failure_record.details)  # before peft imports bitsandbytes
     import_training_stack()
     start_gate.wait()  # the launcher's checks passed (a no-op without the launcher)
     # idempotent: the launcher normally built the assets and ran these checks already

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import traceback
 
@@ -98,7 +99,6 @@ def die_with_parent(sig: int = 9) -> None:
     this for `accelerate launch` (a preexec function), and each rank for itself (its parent is torchrun). Safe to
     call anywhere; a no-op off Linux."""
     import ctypes
-    import sys
 
     if not sys.platform.startswith("linux"):
         return
@@ -109,3 +109,18 @@ def die_with_parent(sig: int = 9) -> None:
         return
     if os.getppid() != parent:  # the parent died before the call: the kernel will not send the signal now
         os.kill(os.getpid(), sig)
+
+
+def details(text: str) -> None:
+    """Append `text` to this rank's log only (stderr when not under the launcher)."""
+    text = text if text.endswith("\n") else text + "\n"
+    error_file = os.environ.get(ERROR_FILE_ENV)
+    if error_file:
+        try:
+            with open(os.path.join(os.path.dirname(error_file), DETAILS_FILE), "a") as f:
+                f.write(text)
+            return
+        except OSError:  # a full temporary disk must not stop training: then the console gets it
+            pass
+    sys.stderr.write(text)
+    sys.stderr.flush()

@@ -1,0 +1,43 @@
+"""Library log records (Python logging, not warnings: train/console.py has those) that tell a user nothing they can
+act on. Each process of the pack sends them to its log instead of the console: the ranks to their rank log
+(train/console.py), the launcher nowhere (every rank's log holds the same record). Installed before the library is
+imported, since the record below is written while its module imports; a filter on a logger that does not exist yet
+is kept by logging until the library asks for that logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable
+
+LOG_ONLY_RECORDS = [
+    # bitsandbytes 0.50 (checked on 0.50.2), which peft imports whenever it is installed: on a CPU with AVX-512 BF16
+    # its CPU backend tries at import to fetch a kernel from the hub (kernels-community), logs this when it cannot,
+    # and uses its own; the pack turns that packed-weight path off for every 4-bit layer (config/quantization.py).
+    # Its advice, `pip install kernels`, would make the import download from the hub.
+    ("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community"),
+]
+
+
+class Diverted(logging.Filter):
+    """Hands a matching record's text to `sink` and keeps it from every handler."""
+
+    def __init__(self, pattern: str, sink: Callable[[str], None]) -> None:
+        super().__init__()
+        self.pattern, self.sink = re.compile(pattern), sink
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.pattern.search(record.getMessage()):
+            self.sink(f"{record.levelname} {record.name}: {record.getMessage()}")
+            return False
+        return True
+
+
+def divert(sink: Callable[[str], None]) -> None:
+    """From now on LOG_ONLY_RECORDS go to `sink(text)` instead of the console; once per process (a second call
+    keeps the first sink)."""
+    for name, pattern in LOG_ONLY_RECORDS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, Diverted) for f in logger.filters):
+            logger.addFilter(Diverted(pattern, sink))
