@@ -274,6 +274,11 @@ def test_long_answers_are_not_scored_by_exact_match_and_say_why():
     assert lines[1:] == ["exact match not scored: 3 of the 4 reference answers are over 16 tokens (exact match is for "
                          "short answers; the loss is the measure)"]
     assert summary.eval_section(check)["base_correct"] is None
+    # a 4-bit run (QLoRA of a user's model on HumanEval, 2026-11-27: the line had lost its 4-bit score): the loss
+    check["four_bit"] = {"adapted": None, "adapted_loss": 1.0004, "merged_same_answers": 4, "answers_compared": 4}
+    assert summary.eval_lines(check)[-1] == ("4 bits      the base scored in 4 bits, as it trained; the 4-bit base + "
+                                             "adapter held-out loss 1.000; the merged model (dequantised base + "
+                                             "adapter) gives its answer on 4/4")
 
 
 def test_preference_margins_are_the_answers_log_probabilities(cache_dir):

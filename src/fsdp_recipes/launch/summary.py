@@ -469,8 +469,10 @@ def eval_lines(check: dict) -> list[str]:
         lines.append(f"exact match not scored: {check['exact_match_note']}")
     if check.get("four_bit"):
         q = check["four_bit"]
-        adapted = f"{intervals.rate_text(q['adapted']['correct'], n)}; " if q.get("adapted") else ""
-        lines.append(f"4 bits      the base scored in 4 bits, as it trained; the 4-bit base + adapter {adapted}the "
+        # its exact match where answers are scored, else its held-out loss (long answers)
+        adapted = intervals.rate_text(q["adapted"]["correct"], n) if q.get("adapted") else \
+            f"held-out loss {q['adapted_loss']:.3f}"
+        lines.append(f"4 bits      the base scored in 4 bits, as it trained; the 4-bit base + adapter {adapted}; the "
                      f"merged model (dequantised base + adapter) gives its answer on {q['merged_same_answers']}/"
                      f"{q['answers_compared']}")
     return lines
