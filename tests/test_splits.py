@@ -282,3 +282,50 @@ def test_text_data_is_scored_by_its_loss_alone(tmp_path, monkeypatch, capsys):
 def test_an_eval_split_size_that_is_neither_a_share_nor_a_count_is_one_line(tmp_path, checks, size):
     res = checks([recipe_variant(tmp_path), "--eval_split_size", size])
     assert_one_line_error(res, f"eval_split_size is {float(size):g}: give a share of the training rows below 1")
+
+
+# ---- make serve-check asks the rows the summary scores (serving/engine_check.py)
+
+
+@pytest.fixture
+def tokenizer_folder(cache_dir):
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+
+    return ensure_assets(quiet=True)["model"]
+
+
+def test_serve_check_asks_the_rows_the_run_held_out(tmp_path, tokenizer_folder):
+    """A dataset with no eval split, 4 of its 8 rows carved off by the run: those 4 are asked, not the training
+    split (serve-check read the training split whole when the data had no `test` split)."""
+    from fsdp_recipes.serving import engine_check
+
+    rows = [chat(i) for i in range(8)]
+    run = fake_run(tmp_path, write_jsonl(tmp_path / "qa.jsonl", rows), eval_split_size=4)
+    questions, asked = engine_check.held_out(run, tokenizer_folder)
+    assert asked == "4 questions from 4 of the 8 rows of `train` held out (eval_split_size 4, seed 42)"
+    assert len(questions) == 4
+    for q in questions:  # each a row of the data, asked as its user turn, its answer expected
+        i = int(q["prompt"][-1]["content"].split()[2])
+        assert q["prompt"] == rows[i]["messages"][:1] and q["expected"] == str(i + 1)
+    trained, _, _ = load(tmp_path / "qa.jsonl", eval_split_size=4)  # what the ranks train on
+    assert not {q["prompt"][-1]["content"] for q in questions} & {r["messages"][0]["content"] for r in trained}
+
+
+def test_serve_check_refuses_text_prompts_and_long_answers_in_one_line(tmp_path, tokenizer_folder):
+    """Its engines answer chat prompts, 8 tokens each, scored by exact match: plain-text prompts, or answers that
+    cannot end within those tokens, would score 0 on every engine and pass."""
+    from fsdp_recipes.serving import engine_check
+
+    text = write_jsonl(tmp_path / "text" / "train.jsonl", [{"prompt": f"{i} + 1 =", "completion": str(i + 1)}
+                                                            for i in range(4)])
+    write_jsonl(tmp_path / "text" / "test.jsonl", [{"prompt": "7 + 1 =", "completion": "8"}])
+    with pytest.raises(UserError, match=r"asks chat questions, and the rows .* is scored on \(the `test` split.*\) "
+                                        r"hold plain-text prompts\. Fix: .*make gguf RUN="):
+        engine_check.held_out(fake_run(tmp_path / "a", text.parent), tokenizer_folder)
+    long = [{"messages": [{"role": "user", "content": f"Explain {i} + 1."},
+                          {"role": "assistant", "content": f"Adding one to {i} gives the next number, {i + 1}."}]}
+            for i in range(8)]
+    data = write_jsonl(tmp_path / "long.jsonl", long)
+    with pytest.raises(UserError, match=r"scores answers of up to 6 tokens by exact match \(8 generated each\), and "
+                                        r"the reference answers of .* run to \d\d+: every engine would score 0"):
+        engine_check.held_out(fake_run(tmp_path / "b", data, eval_split_size=4), tokenizer_folder)

@@ -31,20 +31,36 @@ from fsdp_recipes.serving.environments import engine_python
 TOLERANCE = 2  # exact-match answers out of the held-out questions
 
 
-def held_out(run: Path) -> list[dict]:
-    """The run's eval split (its train split when it has none), as the summary reads it: chat prompt, expected."""
-    from trl import DatasetMixtureConfig, ScriptArguments
+QUESTIONS = 128  # at most this many of the scored rows are asked, as the summary's EVAL_PROMPTS
 
-    from fsdp_recipes.train.loading import load_raw
 
-    run_args = json.loads((run / "run_args.json").read_text())
-    script = ScriptArguments(**run_args["script_args"])
-    ds = load_raw(script, DatasetMixtureConfig(**run_args["dataset_mixture"]))
-    rows = ds[script.dataset_test_split if script.dataset_test_split in ds else script.dataset_train_split]
-    if "prompt" not in rows.column_names or "completion" not in rows.column_names:
-        raise UserError(f"the eval data of {run} has no prompt-completion rows to ask. Fix: check a run trained on "
-                        "prompt-completion chat data (the default's).")
-    return [{"prompt": r["prompt"], "expected": r["completion"][-1]["content"]} for r in rows]
+def held_out(run: Path, folder: Path) -> tuple[list[dict], str]:
+    """The questions the run's summary scores (train/eval_rows.py: the first QUESTIONS rows of its eval split, found
+    or carved off as the run did; without one, its first training rows) as prompt and expected answer, and what
+    they are. The engines answer chat prompts with the model's chat template, greedily, ANSWER_TOKENS tokens each,
+    and are scored by exact match: text prompts, or answers too long to end within those tokens, are refused (every
+    engine would score 0 and the check could not fail)."""
+    from fsdp_recipes.assets.generation import ANSWER_TOKENS, load_tokenizer
+    from fsdp_recipes.train.eval_rows import explicit_prompts, prompts_of, scored_rows
+
+    rows, how, _, _ = scored_rows(json.loads((run / "run_args.json").read_text()), QUESTIONS)
+    source = how or "the training split (the run has no eval split)"
+    pairs = prompts_of(explicit_prompts(rows))
+    if not pairs or not all(isinstance(prompt, list) for prompt, _ in pairs):
+        raise UserError(f"serve-check asks chat questions, and the rows {run} is scored on ({source}) hold "
+                        f"{'plain-text prompts' if pairs else 'no prompt with a reference answer'}. Fix: check a run "
+                        f"trained on chat data with short answers (the default's); for this one, compare by hand "
+                        f"(make gguf RUN={run}, then llama-server -m <its gguf>)")
+    tok = load_tokenizer(str(folder))
+    longest = max(len(tok(a.strip(), add_special_tokens=False)["input_ids"]) for _, a in pairs)
+    if longest + 2 > ANSWER_TOKENS:  # room to see the answer end, as the summary leaves
+        raise UserError(f"serve-check scores answers of up to {ANSWER_TOKENS - 2} tokens by exact match "
+                        f"({ANSWER_TOKENS} generated each), and the reference answers of {run} ({source}) run to "
+                        f"{longest}: every engine would score 0. Fix: check a run whose answers are short (the "
+                        f"default's); for this one, compare by hand (make gguf RUN={run}, then llama-server -m <its "
+                        f"gguf>)")
+    asked = f"{len(pairs)} questions from {source}"
+    return [{"prompt": prompt, "expected": expected} for prompt, expected in pairs], asked
 
 
 def llamacpp_answers(gguf_file: Path, questions: list[dict]) -> tuple[list[str], float]:
@@ -72,7 +88,7 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
     for engine in engines:
         engine_python(engine)  # a missing environment is one line before minutes of answering
     folder = gguf_export.model_folder(run)
-    questions = held_out(run)
+    questions, asked = held_out(run, folder)
     expected = [q["expected"] for q in questions]
     start = time.time()
     reference = generate(str(folder), [q["prompt"] for q in questions])
@@ -81,7 +97,8 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
         return {**extra, "correct": sum(a == e for a, e in zip(answers, expected)), "seconds": round(seconds, 1),
                 "same_answer_as_transformers": sum(a == r for a, r in zip(answers, reference))}
 
-    result = {"run": str(run), "questions": len(questions), "metric": "exact match of the greedy answer (stripped)",
+    result = {"run": str(run), "questions": len(questions), "asked": asked,
+              "metric": "exact match of the greedy answer (stripped)",
               "transformers": scored(reference, time.time() - start, model=str(folder))}
     gated = []  # the results held to TOLERANCE
     if "llama.cpp" in engines:
@@ -172,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             parts.append(f"{key} {value}")
     off = [k for k in r["checked"] if abs(r[k]["correct"] - hf) > TOLERANCE]
     verdict = "passed" if r["passed"] else f"FAILED ({', '.join(off)}: more than {TOLERANCE} from transformers)"
-    print(f"[serve-check] exact match on {n} held-out questions: {', '.join(parts)}: {verdict}; "
+    print(f"[serve-check] exact match on {r['asked']}: {', '.join(parts)}: {verdict}; "
           f"{args.run}/engine_check.json")
     return 0 if r["passed"] else 1
 
