@@ -141,3 +141,19 @@ def test_a_server_that_dies_before_serving_is_one_line_with_its_error(tmp_path):
         with vllm_server.Server([sys.executable, "-c", crash], free_port(), log):
             pass
     assert time.time() - start < 30
+
+
+def test_the_verdict_needs_the_score_and_the_same_answers():
+    """An engine passes with its exact match within TOLERANCE of transformers' and at least 90% of its answers
+    transformers' own: a model that answers nothing right (0/100 everywhere) no longer passes on its score alone."""
+    def result(correct, same, hf=0):
+        return {"questions": 100, "transformers": {"correct": hf}, "checked": ["llama.cpp f16"],
+                "llama.cpp f16": {"correct": correct, "same_answer_as_transformers": same}}
+
+    assert engine_check.misses(result(0, 97)) == []  # the default after 2 steps: 0/100 everywhere, 97 identical
+    assert engine_check.misses(result(0, 89)) == [
+        "llama.cpp f16: 89/100 answers identical to transformers', under 90%"]
+    assert engine_check.misses(result(82, 89, hf=93)) == [  # a GGUF with the wrong rotary base (docs/serving.md)
+        "llama.cpp f16: exact match 82/100, more than 2 from transformers' 93/100",
+        "llama.cpp f16: 89/100 answers identical to transformers', under 90%"]
+    assert engine_check.misses(result(91, 90, hf=93)) == []
