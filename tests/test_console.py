@@ -110,3 +110,20 @@ def test_bitsandbytes_kernel_record_stays_off_the_console(process, tmp_path):
     assert (details.exists() and KERNEL_RECORD in details.read_text()) == (process == "rank")
     if process == "rank":
         assert f"WARNING bitsandbytes.backends.cpu.ops: {KERNEL_RECORD}" in details.read_text()
+
+
+def test_a_diverted_record_whose_sink_fails_still_reaches_the_console(caplog):
+    """logging does not guard filters: a sink that raises (a full disk under details) must not break the import
+    that logs, so the record then goes on as logging would send it."""
+    import logging
+
+    from fsdp_recipes.library_logs import Diverted
+
+    def full_disk(text):
+        raise OSError(28, "No space left on device")
+
+    logger = logging.getLogger("test_console.diverted")
+    logger.addFilter(Diverted("^Failed to load", full_disk))
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("Failed to load %s", "a kernel")
+    assert [r.getMessage() for r in caplog.records] == ["Failed to load a kernel"]

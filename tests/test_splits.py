@@ -296,24 +296,32 @@ def tokenizer_folder(cache_dir):
 
 def test_serve_check_asks_the_rows_the_run_held_out(tmp_path, tokenizer_folder):
     """A dataset with no eval split, 4 of its 8 rows carved off by the run: those 4 are asked, not the training
-    split (serve-check read the training split whole when the data had no `test` split)."""
+    split (serve-check read the training split whole when the data had no `test` split), each answer stripped as
+    the engines' answers are; as many as the run's summary asked (its metrics.json), 128 at most without one."""
     from fsdp_recipes.serving import engine_check
 
     rows = [chat(i) for i in range(8)]
+    for r in rows:
+        r["messages"][1]["content"] = f" {r['messages'][1]['content']}\n"  # "5" written as " 5\n"
     run = fake_run(tmp_path, write_jsonl(tmp_path / "qa.jsonl", rows), eval_split_size=4)
-    questions, asked = engine_check.held_out(run, tokenizer_folder)
+    questions, asked, tokens = engine_check.held_out(run, tokenizer_folder)
     assert asked == "4 questions from 4 of the 8 rows of `train` held out (eval_split_size 4, seed 42)"
-    assert len(questions) == 4
+    assert len(questions) == 4 and tokens == 8  # answers of 1 character: the engines' 8 tokens
     for q in questions:  # each a row of the data, asked as its user turn, its answer expected
         i = int(q["prompt"][-1]["content"].split()[2])
         assert q["prompt"] == rows[i]["messages"][:1] and q["expected"] == str(i + 1)
     trained, _, _ = load(tmp_path / "qa.jsonl", eval_split_size=4)  # what the ranks train on
     assert not {q["prompt"][-1]["content"] for q in questions} & {r["messages"][0]["content"] for r in trained}
 
+    metrics = json.loads((run / "metrics.json").read_text())
+    (run / "metrics.json").write_text(json.dumps({**metrics, "eval": {"prompts": 2}}))  # FSDP_RECIPES_SUMMARY_PROMPTS=2
+    two, asked, _ = engine_check.held_out(run, tokenizer_folder)
+    assert two == questions[:2] and asked.startswith("2 questions from 4 of the 8 rows")  # the first 2 held out
+
 
 def test_serve_check_refuses_text_prompts_and_long_answers_in_one_line(tmp_path, tokenizer_folder):
-    """Its engines answer chat prompts, 8 tokens each, scored by exact match: plain-text prompts, or answers that
-    cannot end within those tokens, would score 0 on every engine and pass."""
+    """Its engines answer chat prompts, scored by exact match: plain-text prompts, or answers over 16 tokens (which
+    the summary does not score either), are one line. Answers of 9-16 tokens get room to end: their length + 2."""
     from fsdp_recipes.serving import engine_check
 
     text = write_jsonl(tmp_path / "text" / "train.jsonl", [{"prompt": f"{i} + 1 =", "completion": str(i + 1)}
@@ -322,10 +330,14 @@ def test_serve_check_refuses_text_prompts_and_long_answers_in_one_line(tmp_path,
     with pytest.raises(UserError, match=r"asks chat questions, and the rows .* is scored on \(the `test` split.*\) "
                                         r"hold plain-text prompts\. Fix: .*make gguf RUN="):
         engine_check.held_out(fake_run(tmp_path / "a", text.parent), tokenizer_folder)
-    long = [{"messages": [{"role": "user", "content": f"Explain {i} + 1."},
-                          {"role": "assistant", "content": f"Adding one to {i} gives the next number, {i + 1}."}]}
-            for i in range(8)]
-    data = write_jsonl(tmp_path / "long.jsonl", long)
-    with pytest.raises(UserError, match=r"scores answers of up to 6 tokens by exact match \(8 generated each\), and "
-                                        r"the reference answers of .* run to \d\d+: every engine would score 0"):
-        engine_check.held_out(fake_run(tmp_path / "b", data, eval_split_size=4), tokenizer_folder)
+
+    def answered(answer: str) -> list[dict]:  # the tiny tokenizer: one token per character here
+        return [{"messages": [{"role": "user", "content": f"Spell {i}."}, {"role": "assistant", "content": answer}]}
+                for i in range(8)]
+
+    long = write_jsonl(tmp_path / "long.jsonl", answered("one two three four"))  # 18 tokens
+    with pytest.raises(UserError, match=r"scores answers of up to 16 tokens by exact match, as the summary does, "
+                                        r"and the reference answers of .* run to 18\. Fix: .*make gguf RUN="):
+        engine_check.held_out(fake_run(tmp_path / "b", long, eval_split_size=4), tokenizer_folder)
+    eleven = write_jsonl(tmp_path / "eleven.jsonl", answered("12345678901"))  # 11 tokens
+    assert engine_check.held_out(fake_run(tmp_path / "c", eleven, eval_split_size=4), tokenizer_folder)[2] == 13

@@ -279,6 +279,8 @@ def test_long_answers_are_not_scored_by_exact_match_and_say_why():
     assert summary.eval_lines(check)[-1] == ("4 bits      the base scored in 4 bits, as it trained; the 4-bit base + "
                                              "adapter held-out loss 1.000; the merged model (dequantised base + "
                                              "adapter) gives its answer on 4/4")
+    check["four_bit"] = {"adapted": None, "adapted_loss": None, "merged_same_answers": 0, "answers_compared": 0}
+    assert summary.eval_lines(check)[-1] == "4 bits      the base scored in 4 bits, as it trained"  # nothing scored
 
 
 def test_preference_margins_are_the_answers_log_probabilities(cache_dir):

@@ -28,10 +28,14 @@ class Diverted(logging.Filter):
         self.pattern, self.sink = re.compile(pattern), sink
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.pattern.search(record.getMessage()):
-            self.sink(f"{record.levelname} {record.name}: {record.getMessage()}")
+        try:  # logging does not guard filters: an error here would break the import that logs
+            message = record.getMessage()
+            if not self.pattern.search(message):
+                return True
+            self.sink(f"{record.levelname} {record.name}: {message}")
             return False
-        return True
+        except Exception:  # noqa: BLE001  the record then goes on as logging would send it
+            return True
 
 
 def divert(sink: Callable[[str], None]) -> None:

@@ -29,8 +29,8 @@ from fsdp_recipes import library_logs
 from fsdp_recipes.config import quantization
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.train import kinds
-from fsdp_recipes.train.eval_rows import (answer, chat_rows, eval_rows, explicit_prompts, prompts_of, scored_rows,
-                                           texts_of)
+from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, answer, chat_rows, eval_rows,
+                                           explicit_prompts, prompts_of, scored_rows, texts_of)
 from fsdp_recipes.metrics.report import human_bytes
 from fsdp_recipes.metrics import gates, intervals, metrics_file
 
@@ -127,7 +127,6 @@ def skip_generations(run_dir: Path, trained: Path, machine_rank: str, force: boo
     return None
 
 
-EVAL_PROMPTS = 128  # at most this many eval rows are scored, by every stage (base and trained model, ...)
 PROMPTS_ENV = "FSDP_RECIPES_SUMMARY_PROMPTS"  # fewer (or more) eval prompts than EVAL_PROMPTS
 SHOWN_SAMPLES = 3
 
@@ -149,7 +148,6 @@ def settings() -> tuple[int, str]:
     return eval_prompts(), generation_setting()
 
 
-SHORT_ANSWER_TOKENS = 16  # exact match is scored where every reference answer is at most this many tokens
 SAMPLE_TOKENS = 64  # where some are longer: generated per answer, to read (not scored) ...
 SAMPLE_ROWS = 16  # ... for this many prompts
 
@@ -383,12 +381,16 @@ def eval_lines(check: dict) -> list[str]:
         lines.append(f"exact match not scored: {check['exact_match_note']}")
     if check.get("four_bit"):
         q = check["four_bit"]
-        # its exact match where answers are scored, else its held-out loss (long answers)
-        adapted = intervals.rate_text(q["adapted"]["correct"], n) if q.get("adapted") else \
-            f"held-out loss {q['adapted_loss']:.3f}"
-        lines.append(f"4 bits      the base scored in 4 bits, as it trained; the 4-bit base + adapter {adapted}; the "
-                     f"merged model (dequantised base + adapter) gives its answer on {q['merged_same_answers']}/"
-                     f"{q['answers_compared']}")
+        # its exact match where answers are scored, else its held-out loss (long answers); no answers: text rows
+        parts = ["the base scored in 4 bits, as it trained"]
+        if q.get("adapted"):
+            parts.append(f"the 4-bit base + adapter {intervals.rate_text(q['adapted']['correct'], n)}")
+        elif q.get("adapted_loss") is not None:
+            parts.append(f"the 4-bit base + adapter held-out loss {q['adapted_loss']:.3f}")
+        if q.get("answers_compared"):
+            parts.append(f"the merged model (dequantised base + adapter) gives its answer on "
+                         f"{q['merged_same_answers']}/{q['answers_compared']}")
+        lines.append("4 bits      " + "; ".join(parts))
     return lines
 
 

@@ -35,45 +35,48 @@ TOLERANCE = 2  # exact-match answers out of the held-out questions
 IDENTICAL = 0.9
 
 
-QUESTIONS = 128  # at most this many of the scored rows are asked, as the summary's EVAL_PROMPTS
+def by_hand(run: Path) -> str:
+    return f"for this one, compare by hand (make gguf RUN={run}, then llama-server -m <its gguf>)"
 
 
-def held_out(run: Path, folder: Path) -> tuple[list[dict], str]:
-    """The questions the run's summary scores (train/eval_rows.py: the first QUESTIONS rows of its eval split, found
-    or carved off as the run did; without one, its first training rows) as prompt and expected answer, and what
-    they are. The engines answer chat prompts with the model's chat template, greedily, ANSWER_TOKENS tokens each,
-    and are scored by exact match: text prompts, or answers too long to end within those tokens, are refused (every
-    engine would score 0 and the check could not fail)."""
+def held_out(run: Path, folder: Path) -> tuple[list[dict], str, int]:
+    """The questions the run's summary scored (train/eval_rows.py: the first rows of its eval split, found or carved
+    off as the run did, as many as its summary asked; without one, its first training rows) as prompt and expected
+    answer (stripped, as the answers are), what they are, and how many tokens each engine generates: as the summary,
+    room to see the longest answer end. The engines answer chat prompts with the model's chat template and are scored
+    by exact match: text prompts, and answers over SHORT_ANSWER_TOKENS (the summary does not score those), are
+    refused."""
     from fsdp_recipes.assets.generation import ANSWER_TOKENS, load_tokenizer
-    from fsdp_recipes.train.eval_rows import explicit_prompts, prompts_of, scored_rows
+    from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, explicit_prompts, prompts_of,
+                                              scored_rows)
 
-    rows, how, _, _ = scored_rows(json.loads((run / "run_args.json").read_text()), QUESTIONS)
+    metrics = run / "metrics.json"
+    summarised = (json.loads(metrics.read_text()).get("eval") or {}) if metrics.is_file() else {}
+    rows, how, _, _ = scored_rows(json.loads((run / "run_args.json").read_text()),
+                                  summarised.get("prompts") or EVAL_PROMPTS)
     source = how or "the training split (the run has no eval split)"
-    pairs = prompts_of(explicit_prompts(rows))
+    pairs = [(prompt, expected.strip()) for prompt, expected in prompts_of(explicit_prompts(rows))]
     if not pairs or not all(isinstance(prompt, list) for prompt, _ in pairs):
         raise UserError(f"serve-check asks chat questions, and the rows {run} is scored on ({source}) hold "
                         f"{'plain-text prompts' if pairs else 'no prompt with a reference answer'}. Fix: check a run "
-                        f"trained on chat data with short answers (the default's); for this one, compare by hand "
-                        f"(make gguf RUN={run}, then llama-server -m <its gguf>)")
+                        f"trained on chat data with short answers (the default's); {by_hand(run)}")
     tok = load_tokenizer(str(folder))
-    longest = max(len(tok(a.strip(), add_special_tokens=False)["input_ids"]) for _, a in pairs)
-    if longest + 2 > ANSWER_TOKENS:  # room to see the answer end, as the summary leaves
-        raise UserError(f"serve-check scores answers of up to {ANSWER_TOKENS - 2} tokens by exact match "
-                        f"({ANSWER_TOKENS} generated each), and the reference answers of {run} ({source}) run to "
-                        f"{longest}: every engine would score 0. Fix: check a run whose answers are short (the "
-                        f"default's); for this one, compare by hand (make gguf RUN={run}, then llama-server -m <its "
-                        f"gguf>)")
-    asked = f"{len(pairs)} questions from {source}"
-    return [{"prompt": prompt, "expected": expected} for prompt, expected in pairs], asked
+    longest = max(len(tok(expected, add_special_tokens=False)["input_ids"]) for _, expected in pairs)
+    if longest > SHORT_ANSWER_TOKENS:
+        raise UserError(f"serve-check scores answers of up to {SHORT_ANSWER_TOKENS} tokens by exact match, as the "
+                        f"summary does, and the reference answers of {run} ({source}) run to {longest}. Fix: check a "
+                        f"run whose answers are short (the default's); {by_hand(run)}")
+    questions = [{"prompt": prompt, "expected": expected} for prompt, expected in pairs]
+    return questions, f"{len(pairs)} questions from {source}", max(ANSWER_TOKENS, longest + 2)
 
 
-def llamacpp_answers(gguf_file: Path, questions: list[dict]) -> tuple[list[str], float]:
+def llamacpp_answers(gguf_file: Path, questions: list[dict], tokens: int) -> tuple[list[str], float]:
     script = Path(__file__).with_name("llamacpp_answers.py")
     with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
         f.writelines(json.dumps({"prompt": q["prompt"]}) + "\n" for q in questions)
     start = time.time()
-    res = subprocess.run([str(engine_python("llama.cpp")), str(script), str(gguf_file), f.name], capture_output=True,
-                         text=True)
+    res = subprocess.run([str(engine_python("llama.cpp")), str(script), str(gguf_file), f.name, str(tokens)],
+                         capture_output=True, text=True)
     os.unlink(f.name)
     if res.returncode != 0:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
@@ -92,16 +95,16 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
     for engine in engines:
         engine_python(engine)  # a missing environment is one line before minutes of answering
     folder = gguf_export.model_folder(run)
-    questions, asked = held_out(run, folder)
+    questions, asked, tokens = held_out(run, folder)
     expected = [q["expected"] for q in questions]
     start = time.time()
-    reference = generate(str(folder), [q["prompt"] for q in questions])
+    reference = generate(str(folder), [q["prompt"] for q in questions], max_new_tokens=tokens)
 
     def scored(answers: list[str], seconds: float, **extra) -> dict:
         return {**extra, "correct": sum(a == e for a, e in zip(answers, expected)), "seconds": round(seconds, 1),
                 "same_answer_as_transformers": sum(a == r for a, r in zip(answers, reference))}
 
-    result = {"run": str(run), "questions": len(questions), "asked": asked,
+    result = {"run": str(run), "questions": len(questions), "asked": asked, "answer_tokens": tokens,
               "metric": "exact match of the greedy answer (stripped)",
               "transformers": scored(reference, time.time() - start, model=str(folder))}
     gated = []  # the results held to TOLERANCE
@@ -110,7 +113,7 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
             out = gguf_export.default_out(run, folder, qtype)
             if not out.is_file():
                 gguf_export.export(folder, out, qtype)
-            answers, seconds = llamacpp_answers(out, questions)
+            answers, seconds = llamacpp_answers(out, questions, tokens)
             result[f"llama.cpp {qtype}"] = scored(answers, seconds, file=str(out))
         gated.append("llama.cpp f16")
     if "vllm" in engines:
@@ -119,7 +122,7 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
             log = run / "logs" / f"vllm-{name.split()[-1].lower()}.log"  # vllm-merged.log, vllm-lora.log
             with vllm_server.Server(cmd, int(cmd[cmd.index("--port") + 1]), log) as url:
                 ready = time.time() - start
-                answers = vllm_server.answers(url, [q["prompt"] for q in questions])
+                answers = vllm_server.answers(url, [q["prompt"] for q in questions], max_tokens=tokens)
             result[f"vllm {name}"] = scored(answers, time.time() - start, start_up_seconds=round(ready, 1),
                                             command=" ".join(cmd[1:]), log=str(log))
             gated.append(f"vllm {name}")

@@ -9,9 +9,7 @@ cannot act on go to details. Run without the launcher, details go to stderr: not
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 import warnings
 
 from transformers import TrainerCallback

@@ -4,6 +4,9 @@ out, found or carved off as the run did (train/loading.py)."""
 
 from __future__ import annotations
 
+EVAL_PROMPTS = 128  # at most this many eval rows are scored, by every stage (base and trained model, ...)
+SHORT_ANSWER_TOKENS = 16  # exact match is scored where every reference answer is at most this many tokens
+
 
 def run_settings(run_args: dict, cfg=None):
     """(script, mixture, pack, seed, text field) of a run: the launcher's parsed recipe (config/recipes.py
