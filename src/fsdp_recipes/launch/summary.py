@@ -29,8 +29,9 @@ from fsdp_recipes import library_logs
 from fsdp_recipes.config import quantization
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.train import kinds
-from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, answer, chat_rows, eval_rows,
-                                           explicit_prompts, prompts_of, scored_rows, texts_of)
+from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, answer, answer_lengths, chat_rows,
+                                           eval_rows, exact_match_tokens, explicit_prompts, prompts_of, scored_rows,
+                                           texts_of)
 from fsdp_recipes.metrics.report import human_bytes
 from fsdp_recipes.metrics import gates, intervals, metrics_file
 
@@ -184,12 +185,12 @@ def score_stage(model_dir: str, items: list[tuple[list[dict] | str | None, str]]
     out = {"loss": held_out_loss(model, tok, items), "answers": [], "long_answers": 0}
     prompted = [(p, a) for p, a in items if p is not None]
     if prompted:
-        lengths = [len(tok(a.strip(), add_special_tokens=False)["input_ids"]) for _, a in prompted]
+        lengths = answer_lengths(tok, [a for _, a in prompted])
         out["long_answers"] = sum(n > SHORT_ANSWER_TOKENS for n in lengths)
         if out["long_answers"]:
             prompts, cap = [p for p, _ in prompted[:SAMPLE_ROWS]], SAMPLE_TOKENS
         else:  # room to see the answer end: a model that goes on past the expected answer does not match it
-            prompts, cap = [p for p, _ in prompted], max(generation.ANSWER_TOKENS, max(lengths) + 2)
+            prompts, cap = [p for p, _ in prompted], exact_match_tokens(lengths)
         out["answers"] = generation.answers(model, tok, prompts, max_new_tokens=cap)
     if pairs:
         out["margins"] = margins(model, tok, pairs)

@@ -46,9 +46,9 @@ def held_out(run: Path, folder: Path) -> tuple[list[dict], str, int]:
     room to see the longest answer end. The engines answer chat prompts with the model's chat template and are scored
     by exact match: text prompts, and answers over SHORT_ANSWER_TOKENS (the summary does not score those), are
     refused."""
-    from fsdp_recipes.assets.generation import ANSWER_TOKENS, load_tokenizer
-    from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, explicit_prompts, prompts_of,
-                                              scored_rows)
+    from fsdp_recipes.assets.generation import load_tokenizer
+    from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, answer_lengths, exact_match_tokens,
+                                              explicit_prompts, prompts_of, scored_rows)
 
     metrics = run / "metrics.json"
     summarised = (json.loads(metrics.read_text()).get("eval") or {}) if metrics.is_file() else {}
@@ -60,14 +60,14 @@ def held_out(run: Path, folder: Path) -> tuple[list[dict], str, int]:
         raise UserError(f"serve-check asks chat questions, and the rows {run} is scored on ({source}) hold "
                         f"{'plain-text prompts' if pairs else 'no prompt with a reference answer'}. Fix: check a run "
                         f"trained on chat data with short answers (the default's); {by_hand(run)}")
-    tok = load_tokenizer(str(folder))
-    longest = max(len(tok(expected, add_special_tokens=False)["input_ids"]) for _, expected in pairs)
+    lengths = answer_lengths(load_tokenizer(str(folder)), [expected for _, expected in pairs])
+    longest = max(lengths)
     if longest > SHORT_ANSWER_TOKENS:
         raise UserError(f"serve-check scores answers of up to {SHORT_ANSWER_TOKENS} tokens by exact match, as the "
                         f"summary does, and the reference answers of {run} ({source}) run to {longest}. Fix: check a "
                         f"run whose answers are short (the default's); {by_hand(run)}")
     questions = [{"prompt": prompt, "expected": expected} for prompt, expected in pairs]
-    return questions, f"{len(pairs)} questions from {source}", max(ANSWER_TOKENS, longest + 2)
+    return questions, f"{len(pairs)} questions from {source}", exact_match_tokens(lengths)
 
 
 def llamacpp_answers(gguf_file: Path, questions: list[dict], tokens: int) -> tuple[list[str], float]:

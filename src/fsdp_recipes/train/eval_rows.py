@@ -94,3 +94,16 @@ def texts_of(rows, text_field: str) -> list[str]:
     if text_field not in rows.column_names or "prompt" in rows.column_names:
         return []
     return [r[text_field] for r in rows if isinstance(r[text_field], str) and r[text_field]]
+
+
+def answer_lengths(tok, answers: list[str]) -> list[int]:
+    """Each reference answer's length in tokens, stripped as exact match compares it."""
+    return [len(tok(a.strip(), add_special_tokens=False)["input_ids"]) for a in answers]
+
+
+def exact_match_tokens(lengths: list[int]) -> int:
+    """Tokens to generate per answer where exact match is scored (every answer at most SHORT_ANSWER_TOKENS): the
+    usual ANSWER_TOKENS, or room to see the longest answer end (a model that goes on past it does not match)."""
+    from fsdp_recipes.assets.generation import ANSWER_TOKENS
+
+    return max(ANSWER_TOKENS, max(lengths) + 2)
