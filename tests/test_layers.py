@@ -1,8 +1,9 @@
 """The package's folders are layers, and imports only point down (docs/architecture.md).
 
-launch/ and the tools beside it (planning/, cluster/) sit on top; then train/; then checkpoint/, metrics/, config/
-and assets/; then patches/; then dist, records and paths; errors at the very bottom. A module may import its own
-folder and anything below it.
+cli/ on top; launch/ and the tools beside it (planning/, cluster/, serving/); then train/; then the rooms by
+concern that train/ and the tools use (speed/, evaluation/), then data/; then checkpoint/, metrics/, config/ and
+assets/; then patches/; then dist, records and paths; errors at the very bottom. A module may import its own folder
+and anything below it.
 """
 
 import ast
@@ -10,8 +11,11 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "src" / "fsdp_recipes"
 LAYER = {
-    "launch": 5, "planning": 5, "cluster": 5, "serving": 5,
-    "train": 4,
+    "cli": 8,
+    "launch": 7, "planning": 7, "cluster": 7, "serving": 7,
+    "train": 6,
+    "speed": 5, "evaluation": 5,
+    "data": 4,
     "checkpoint": 3, "metrics": 3, "config": 3, "assets": 3,
     "patches": 2,
     "dist": 1, "records": 1, "paths": 1, "rewards": 1, "library_logs": 1,

@@ -1,0 +1,1 @@
+"""The data room: formats (each one entry: detection, conversion, checks), loading, splits, lengths, preview."""
