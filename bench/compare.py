@@ -229,7 +229,7 @@ def planned(v: Variant, cfg, shape, tokens: int) -> dict:
 
     setup = memory_budget.Setup(shard=v.shard, world=v.processes, strategy=v.strategy, load_bytes=4, compute_bytes=4,
                                 mixed_precision=False, tokens=tokens, reference="none",
-                                activation_checkpointing=False, optimizer_bytes=8, runtime_bytes=0)
+                                checkpointed=False, optimizer_bytes=8, runtime_bytes=0)
     budget = memory_budget.budget(shape, setup)
     topology = comms.Topology(v.strategy, v.processes, 1, v.shard, v.fsdp_version or 2, v.reshard_after_forward)
     work = comms.Work(accumulation=1, micro_batch=1, max_length=tokens, gather_bytes=4, reduce_bytes=4)
@@ -246,7 +246,7 @@ def model_shape(source: Path, cfg_args: list[str]):
     from fsdp_recipes.planning.plan import load_recipe
 
     _, _, cfg, model = load_recipe(str(source), overrides=["--use_peft", "false", *cfg_args])
-    return cfg, memory_budget.shape_of(model, cfg.model)
+    return cfg, plan.model_shape(model, cfg.model)
 
 
 def mib(n: float) -> str:

@@ -169,7 +169,7 @@ def memory_truth(run_args: dict, metrics: dict, probe: dict | None, world: int, 
 
     cfg = parse_args(list(run_args["command"][1:]))
     config = model_check.load_config(Path(cfg.model.model_name_or_path) / "config.json")
-    shape = memory_budget.shape_of(model_check.meta_model(config), cfg.model)
+    shape = plan.model_shape(model_check.meta_model(config), cfg.model)
     from fsdp_recipes.config.yaml_keys import load_yaml
 
     fsdp = load_yaml(REPO / "recipes" / DEFAULT / "accelerate.yaml").get("fsdp_config") or {}

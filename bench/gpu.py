@@ -117,7 +117,7 @@ from pathlib import Path
 
 from bench.gpu_worker import WARMUP_FILE
 from bench.ladder_goals import GOAL_MFU_1B_1GPU, GOAL_SPEEDUP, ladder_title, method_of
-from fsdp_recipes.train import float8
+from fsdp_recipes.speed import float8
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
@@ -287,7 +287,7 @@ def why_skip(rung: dict, s: dict, device: dict) -> str | None:
             return "liger_kernel is not importable (pip install liger-kernel; scripts/device_wheels.sh carries it)"
     if rung["change"].get("float8"):  # on CPU it runs (torch's reference float8 matmul): plumbing only
         if s["method"] == "lora":
-            return "float8 is for full fine-tuning: the pack refuses it under LoRA (float8.check_config)"
+            return "float8 is for full fine-tuning: the pack refuses it under LoRA (speed/float8.py check_config)"
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not importable (pip install torchao; scripts/device_wheels.sh carries it)"
         if cuda and tuple(device["capability"]) < float8.MIN_CAPABILITY:
@@ -310,12 +310,12 @@ def memory_parts(size: str, s: dict, processes: int, max_length: int, tokens: in
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))
     lora = s["method"] == "lora"
-    shape = memory_budget.shape_of(model, SimpleNamespace(use_peft=lora, lora_modules_to_save=None,
+    shape = plan.model_shape(model, SimpleNamespace(use_peft=lora, lora_modules_to_save=None,
                                                           **(lora_settings() if lora else {})))
     tokens = tokens or s["batch"] * max_length
     setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
                                 load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
-                                activation_checkpointing=s["activation_checkpointing"] != "none", optimizer_bytes=8,
+                                checkpointed=s["activation_checkpointing"] != "none", optimizer_bytes=8,
                                 runtime_bytes=RUNTIME_BYTES, reshard_after_forward=s["reshard_after_forward"])
     parts = memory_budget.budget(shape, setup)
     if s["activation_checkpointing"] == "selective":
@@ -524,7 +524,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         rec["metrics_json"] = metrics
         apath = out_dir / "run_args.json"
         if s["float8"] and apath.is_file():  # evidence that the layers were converted, and how many
-            rec["float8_linear_layers"] = json.loads(apath.read_text()).get("float8_linear_layers")
+            rec["speed_options"] = json.loads(apath.read_text()).get("speed_options")
         ok = rc == 0 and metrics and metrics["status"] == "completed" and (metrics["tokens_per_second"] or 0) > 0
         if ok:
             rec["status"] = "measured"

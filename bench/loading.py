@@ -8,7 +8,7 @@ Builds a randomly initialised Mistral of about 400 MB (float32) beside the tiny 
 recipe's real launch path (accelerate launch, 2 processes, FSDP2) for two steps: with
 `fsdp_cpu_ram_efficient_loading: false`; with `true` and transformers' own loading on every rank
 (FSDP_RECIPES_EMPTY_REPLICAS=0, which reads the whole file on rank 1 too: transformers issue 43749); and with `true`
-as the pack runs it (rank 1 builds an empty model, train/replica_model.py). Both runs turn on `verify_loaded_weights`, so every
+as the pack runs it (rank 1 builds an empty model, speed/ram_efficient_loading.py). Both runs turn on `verify_loaded_weights`, so every
 rank's weights are checked against the file. The figure is each rank's peak RSS once the model is loaded and
 sharded, before the first step (`peak_memory.host_rss_at_train_start_bytes_per_rank` in metrics.json).
 The final-save part trains the same model for one step under FSDP2, in full and with LoRA, once per state-dict
@@ -75,7 +75,7 @@ def launch_variant(model_dir: Path, fsdp_config: dict, work: Path, name: str, ex
 
 def run_variant(model_dir: Path, efficient: bool, work: Path, empty_replicas: bool = True) -> dict:
     """empty_replicas=False: transformers' own loading on every rank (FSDP_RECIPES_EMPTY_REPLICAS=0), which reads the
-    whole file on every rank (train/replica_model.py)."""
+    whole file on every rank (speed/ram_efficient_loading.py)."""
     os.environ["FSDP_RECIPES_EMPTY_REPLICAS"] = "1" if empty_replicas else "0"
     m = launch_variant(model_dir, {"fsdp_cpu_ram_efficient_loading": efficient}, work,
                        f"loading-{efficient}-{empty_replicas}", ["--max_steps", "2", "--verify_loaded_weights", "true"])
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|")
     for r in rows:
         r0, r1 = r["rss_at_train_start_bytes_per_rank"]
-        replicas = "empty (replica_model.py)" if r["empty_replicas"] else "loaded by transformers"
+        replicas = "empty (speed/ram_efficient_loading.py)" if r["empty_replicas"] else "loaded by transformers"
         print(f"| {str(r['cpu_ram_efficient_loading']).lower()} | {replicas} | {mib(r0)} | {mib(r1)} | "
               f"{r['load_check']['parameters_checked']} parameters |")
     print("\nfinal save (FSDP2, 1 step), anonymous RSS (RssAnon) rise above its level at the "

@@ -165,11 +165,11 @@ def planned(cfg, config, layers: int, dry: bool) -> dict[str, int]:
     from fsdp_recipes.config.model_check import meta_model
     from fsdp_recipes.planning import memory_budget, plan
 
-    shape = memory_budget.shape_of(meta_model(shaped(config, layers, dry)), cfg.model)
+    shape = plan.model_shape(meta_model(shaped(config, layers, dry)), cfg.model)
     batch, length = DRY_TOKENS if dry else (cfg.training.per_device_train_batch_size, cfg.training.max_length)
     setup = memory_budget.Setup(shard=1, world=1, strategy="single", load_bytes=2, compute_bytes=2,
-                                mixed_precision=True, tokens=batch * length, activation_checkpointing=True,
-                                optimizer_bytes=8, runtime_bytes=0, **plan.four_bit(cfg.model))
+                                mixed_precision=True, tokens=batch * length, checkpointed=True,
+                                optimizer_bytes=8, runtime_bytes=0, **four_bit.planner_setup(cfg.model, None))
     return memory_budget.budget(shape, setup)
 
 

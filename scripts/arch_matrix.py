@@ -133,7 +133,7 @@ def row(family, method: str, outcome: str, seconds: float, reason: str) -> dict:
 
 
 def run_launch(out: Path, todo: list[str], attempt: int) -> int:
-    from fsdp_recipes.launch.launcher import accelerate_cmd
+    from fsdp_recipes.launch.ranks import accelerate_cmd
 
     cmd = accelerate_cmd() + ["--config_file", str(out / "accelerate.yaml"), __file__, "--worker",
                               "--out", str(out), "--cases", ",".join(todo), "--attempt", str(attempt)]
@@ -237,15 +237,15 @@ def case_settings(family, method: str, out: Path, launched_env: dict) -> list[st
 
 
 def launcher_checks(family, out: Path, overrides: list[str]) -> None:
-    """The launcher's own checks before any rank starts (launch/launcher.py check_recipe): the recipe as the ranks
+    """The launcher's own checks before any rank starts (launch/checks.py check_recipe): the recipe as the ranks
     will parse it, the recipe against the model's architecture on a meta-device copy, the data's rows. On rank 0:
     a UserError is the pack's one line, refusing the case as it would refuse the launch."""
     from fsdp_recipes.config import recipes
     from fsdp_recipes.dist import rank
-    from fsdp_recipes.launch import launcher
+    from fsdp_recipes.launch import checks
 
     if rank() == 0:
-        launcher.check_recipe(recipes.load(out / "recipes" / family.name, overrides))
+        checks.check_recipe(recipes.load(out / "recipes" / family.name, overrides))
 
 
 def fresh_accelerate_state() -> None:

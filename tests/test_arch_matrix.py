@@ -136,7 +136,7 @@ def meta_model(name: str):
 
 
 def test_ram_efficient_fsdp2_loading_of_a_model_with_buffers_is_refused_with_its_fix():
-    from fsdp_recipes.config.model_check import check_buffers_under_ram_efficient_loading
+    from fsdp_recipes.speed.ram_efficient_loading import check_model as check_buffers_under_ram_efficient_loading
 
     acc = matrix.accelerate_config()
     with pytest.raises(UserError) as err:

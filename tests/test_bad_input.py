@@ -248,7 +248,7 @@ def test_a_gate_written_as_a_percentage_is_one_line(recipe, name, value, checks)
 ])
 def test_a_4bit_setting_fsdp_cannot_shard_is_one_line(recipe, args, fragment, checks, monkeypatch):
     """uint8 storage (accelerate issue 3983: a crash or a loss of 0 or NaN; accelerate 1.15 leaves it unsharded) and
-    its kin (config/quantization.py), before any rank starts."""
+    its kin (speed/four_bit.py), before any rank starts."""
     monkeypatch.syspath_prepend(conftest.qlora_site())  # bitsandbytes lives outside the venv (the Makefile says why)
     assert_one_line_error(checks([str(recipe), *args]), fragment)
 

@@ -92,7 +92,7 @@ def test_dry_run_rungs_run_what_they_claim(dry):
     assert rungs["3"]["figures"]["compiled_graphs"] > 0 and rungs["0"]["figures"]["compiled_graphs"] == 0
     # float8 as the recipe setting: the entry point converted the tiny model's 8 decoder linears, not the LM head
     assert "--float8 true" in rungs["4"]["command"] and "--float8 false" in r0["command"]
-    assert rungs["4"]["float8_linear_layers"] == {"converted": 14, "linear": 15}
+    assert rungs["4"]["speed_options"]["float8"] == {"converted": 14, "linear": 15}
     assert rungs["5a"]["config"]["activation_checkpointing"] == "none"
     assert r0["metrics_json"]["sharding_strategy"] == "FULL_SHARD"
     assert rungs["5c"]["metrics_json"]["sharding_strategy"] == "SHARD_GRAD_OP"  # reshard_after_forward False

@@ -176,7 +176,7 @@ def test_plan_estimate_matches_what_the_run_held(run_dir, cache_dir):
     cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml")])
     training, model_args = cfg.training, cfg.model
     config = model_check.load_config(cache_dir / "tiny-mistral" / "config.json")
-    shape = memory_budget.shape_of(model_check.meta_model(config), model_args)
+    shape = plan.model_shape(model_check.meta_model(config), model_args)
     acc = {"distributed_type": "FSDP", "mixed_precision": "no"}
     errors = {}
     for rank, probe in enumerate(measured):

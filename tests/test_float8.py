@@ -81,7 +81,7 @@ def test_conversion_takes_the_decoder_linears_and_computes_in_float8(torchao_sit
     monkeypatch.syspath_prepend(torchao_site)
     from torchao.float8.float8_linear import Float8Linear
 
-    from fsdp_recipes.train import float8
+    from fsdp_recipes.speed import float8
 
     model = tiny_model()
     ids = torch.randint(6, 268, (2, 37))  # 74 tokens: not a multiple of 16, pad_inner_dim's case on CUDA
@@ -104,7 +104,7 @@ def test_layers_whose_dimensions_scaled_mm_refuses_are_left_alone(torchao_site, 
     import torch
 
     monkeypatch.syspath_prepend(torchao_site)
-    from fsdp_recipes.train import float8
+    from fsdp_recipes.speed import float8
 
     net = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.Linear(48, 40))  # 40: not a multiple of 16
     assert float8.convert(net) == (1, 2)
@@ -116,23 +116,31 @@ def test_float8_with_lora_is_refused_before_launch(cache_dir, monkeypatch, capsy
     assert_one_line_error(res, "float8: true is for full fine-tuning")
 
 
+def recipe_with(float8: bool, use_peft: bool):
+    """The parsed recipe as the float8 option reads it: its own setting and the model's use_peft."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(option=lambda name: SimpleNamespace(float8=float8), model=SimpleNamespace(use_peft=use_peft))
+
+
 def test_float8_without_torchao_names_the_install(monkeypatch):
     import importlib.util
 
     from fsdp_recipes.errors import UserError
-    from fsdp_recipes.train import float8
+    from fsdp_recipes.speed import float8
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(UserError, match=r"needs torchao.*Fix: `pip install -e \.\[gpu\]`"):
-        float8.check_config(True, use_peft=False)
-    float8.check_config(False, use_peft=True)  # off: nothing to check
+        float8.check_installed(recipe_with(float8=True, use_peft=False))
+    float8.check_installed(recipe_with(float8=False, use_peft=True))  # off: nothing to check
+    float8.check_config(recipe_with(float8=False, use_peft=True))
 
 
 def test_a_gpu_older_than_ada_is_refused(monkeypatch):
     import torch
 
     from fsdp_recipes.errors import UserError
-    from fsdp_recipes.train import float8
+    from fsdp_recipes.speed import float8
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
@@ -164,7 +172,7 @@ def test_float8_full_finetune_trains_checkpoints_resumes_and_saves_a_plain_model
 
     run_args = json.loads((out / "run_args.json").read_text())
     assert run_args["pack_args"]["float8"] is True
-    assert run_args["float8_linear_layers"] == {"converted": 28, "linear": 29}
+    assert run_args["speed_options"]["float8"] == {"converted": 28, "linear": 29}
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["status"] == "completed" and metrics["steps"] == 6 and metrics["resumed_from"]
     losses = [e["loss"] for e in json.loads((out / "log_history.json").read_text())["log_history"] if "loss" in e]
@@ -216,12 +224,12 @@ def fake_nvidia_smi(tmp_path, monkeypatch, output: str, rc: int = 0):
 
 def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir, tmp_path, monkeypatch, capsys):
     from fsdp_recipes.errors import UserError
-    from fsdp_recipes.train import float8
+    from fsdp_recipes.speed import float8
 
     fake_nvidia_smi(tmp_path, monkeypatch, "9.0\\n8.0\\n")
     assert float8.gpu_capabilities() == [(9, 0), (8, 0)]
     with pytest.raises(UserError, match=r"nvidia-smi reports 8\.0 here\. Fix: set float8: false"):
-        float8.check_gpus()
+        float8.check_launch(recipe_with(float8=True, use_peft=False), {}, "accelerate.yaml")
     monkeypatch.syspath_prepend(torchao_site)
     res = launcher_checks(["tiny-cpu-lora", "--use_peft", "false", "--float8", "true"], monkeypatch, capsys)
     assert_one_line_error(res, "nvidia-smi reports 8.0 here. Fix: set float8: false")  # the launcher's own check
@@ -231,7 +239,7 @@ def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir
 
 
 def test_an_nvidia_smi_that_cannot_say_leaves_the_check_to_the_ranks(tmp_path, monkeypatch):
-    from fsdp_recipes.train import float8
+    from fsdp_recipes.speed import float8
 
     fake_nvidia_smi(tmp_path, monkeypatch, "Field \"compute_cap\" is not a valid field to query.\\n", rc=2)
     assert float8.gpu_capabilities() is None

@@ -1,7 +1,7 @@
 """The package's folders are layers, and imports only point down (docs/architecture.md).
 
 cli/ on top; launch/ and the tools beside it (planning/, cluster/, serving/); then train/; then the rooms by
-concern that train/ and the tools use (speed/, evaluation/), then data/; then checkpoint/, metrics/, config/ and
+concern that train/ and the tools use (evaluation/), then speed/ and data/; then checkpoint/, metrics/, config/ and
 assets/; then patches/; then dist, records and paths; errors at the very bottom. A module may import its own folder
 and anything below it.
 """
@@ -14,8 +14,8 @@ LAYER = {
     "cli": 8,
     "launch": 7, "planning": 7, "cluster": 7, "serving": 7,
     "train": 6,
-    "speed": 5, "evaluation": 5,
-    "data": 4,
+    "evaluation": 5,
+    "speed": 4, "data": 4,
     "checkpoint": 3, "metrics": 3, "config": 3, "assets": 3,
     "patches": 2,
     "dist": 1, "records": 1, "paths": 1, "rewards": 1, "library_logs": 1,

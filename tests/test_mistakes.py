@@ -420,12 +420,12 @@ def test_data_the_checks_build_is_left_to_them(tmp_path, cache_dir):
     folder for a recipe that builds nothing is."""
     from fsdp_recipes.config import recipes
     from fsdp_recipes.errors import UserError
-    from fsdp_recipes.launch import launcher
+    from fsdp_recipes.launch import checks
 
     pairs = ["--dataset_name", str(tmp_path / "pairs")]
-    launcher.check_data_found(recipes.load("smollm2-135m-dpo", pairs))  # builds them: no error
+    checks.check_data_found(recipes.load("smollm2-135m-dpo", pairs))  # builds them: no error
     with pytest.raises(UserError, match="dataset not found"):
-        launcher.check_data_found(recipes.load("smollm2-135m-dpo", [*pairs, "--addition_preferences", "false"]))
+        checks.check_data_found(recipes.load("smollm2-135m-dpo", [*pairs, "--addition_preferences", "false"]))
 
 
 def test_a_mistyped_key_or_value_is_answered_before_the_heavy_imports_once_a_launch_parsed_the_kind(tmp_path,

@@ -71,7 +71,7 @@ def recipe_budget(name: str, gpus: int):
     _, acc, cfg, model = plan.load_recipe(name, REPO / "recipes")
     setup = plan.setups(acc, cfg.training, cfg.model, gpus=gpus, nodes=1)["FSDP"]
     assert (setup.strategy, setup.shard) == ("FSDP", gpus)  # FULL_SHARD over the node
-    shape = memory_budget.shape_of(model, cfg.model)
+    shape = plan.model_shape(model, cfg.model)
     return shape, memory_budget.budget(shape, setup)
 
 
@@ -148,7 +148,7 @@ def test_without_resharding_the_whole_models_gathered_copy_is_counted():
     assert plan.reshards_after_forward(acc) is False
     setup = plan.setups(acc, cfg.training, cfg.model, gpus=1, nodes=1)["FSDP"]
     setup = dataclasses.replace(setup, compute_bytes=2, mixed_precision=True)  # as placed on a GPU: bf16
-    shape = memory_budget.shape_of(model, cfg.model)
+    shape = plan.model_shape(model, cfg.model)
     assert shape.params == 134_515_008 + 30 * 162_816
     gathered = memory_budget.budget(shape, setup)["communication_buffers"]
     assert gathered == (134_515_008 + 30 * 162_816) * 2 + 162_816 * 4  # bf16 copies + one layer's fp32 LoRA grads

@@ -333,12 +333,12 @@ def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_pa
     the ranks' final report, torchrun exited non-zero for its own signal, and the launcher called the completed run
     preempted with "no complete checkpoint": a requeued job would have started over on top of its finished outputs.
     In process: the ranks' part replaced by a final `completed` report, then torchrun's exit after SIGTERM."""
-    from fsdp_recipes.launch import launcher
+    from fsdp_recipes.launch import ending, launcher
 
     out = tmp_path / "run"
     final = {"status": "completed", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 12}
     summaries = []
-    monkeypatch.setattr(launcher.summary, "main", lambda argv: summaries.append(argv) or 0)
+    monkeypatch.setattr(ending.summary, "main", lambda argv: summaries.append(argv) or 0)
     # torchrun's exit code after it handled SIGTERM, and the signal passed on
     rc = launcher_with_fake_ranks(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "12"], out, final,
                                   (1, signal.SIGTERM), monkeypatch)

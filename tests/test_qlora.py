@@ -1,4 +1,4 @@
-"""QLoRA under FSDP2 (config/quantization.py): the 4-bit storage in FSDP's own dtype, the settings FSDP cannot shard
+"""QLoRA under FSDP2 (speed/four_bit.py): the 4-bit storage in FSDP's own dtype, the settings FSDP cannot shard
 refused before any rank starts, and a 2-process run whose storage is sharded and whose losses equal one process's."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 import conftest
 from conftest import launch
-from fsdp_recipes.config import quantization
+from fsdp_recipes.speed import four_bit
 from fsdp_recipes.errors import UserError
 from recipe_variant import recipe_variant
 
@@ -45,7 +45,7 @@ NO_MIXED = SimpleNamespace(bf16=False, fp16=False)
     (SimpleNamespace(bf16=True, fp16=False), "bf16", "float32", False, "float32"),  # DDP: nothing casts parameters
 ])
 def test_the_storage_is_the_dtype_fsdp_gathers_in(training, acc_mixed, dtype, fsdp, want):
-    assert quantization.storage_dtype(dtype, training, acc_mixed, fsdp) == want
+    assert four_bit.storage_dtype(dtype, training, acc_mixed, fsdp) == want
 
 
 def test_the_pack_sets_the_storage_it_passes_to_transformers(monkeypatch, bnb):
@@ -54,10 +54,10 @@ def test_the_pack_sets_the_storage_it_passes_to_transformers(monkeypatch, bnb):
     args = model_args(dtype="bfloat16")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
-    config = quantization.quantization_config(args, NO_MIXED)
+    config = four_bit.quantization_config(args, NO_MIXED)
     assert config.load_in_4bit and config.bnb_4bit_quant_type == "nf4"
     assert config.bnb_4bit_quant_storage == torch.bfloat16 and args.bnb_4bit_quant_storage == "bfloat16"
-    assert quantization.quantization_config(model_args(load_in_4bit=False), NO_MIXED) is None
+    assert four_bit.quantization_config(model_args(load_in_4bit=False), NO_MIXED) is None
 
 
 @pytest.mark.parametrize("changes, acc, fragment", [
@@ -70,7 +70,7 @@ def test_the_pack_sets_the_storage_it_passes_to_transformers(monkeypatch, bnb):
 ])
 def test_what_fsdp_cannot_shard_is_refused(changes, acc, fragment, bnb):
     with pytest.raises(UserError, match=fragment) as err:
-        quantization.check(model_args(**changes), NO_MIXED, acc, "accelerate.yaml")
+        four_bit.check(model_args(**changes), NO_MIXED, acc, "accelerate.yaml")
     assert "Fix:" in str(err.value)
 
 
@@ -80,16 +80,16 @@ def test_without_bitsandbytes_4_bits_are_one_line(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(UserError, match=r"load_in_4bit needs bitsandbytes, which is not installed. Fix: pip install"):
-        quantization.check(model_args(), NO_MIXED, FSDP2, "accelerate.yaml")
+        four_bit.check(model_args(), NO_MIXED, FSDP2, "accelerate.yaml")
 
 
 def test_a_right_setting_passes(bnb):
-    quantization.check(model_args(), NO_MIXED, FSDP2, "accelerate.yaml")
-    quantization.check(model_args(bnb_4bit_quant_storage="bfloat16", dtype="bfloat16"), NO_MIXED,
+    four_bit.check(model_args(), NO_MIXED, FSDP2, "accelerate.yaml")
+    four_bit.check(model_args(bnb_4bit_quant_storage="bfloat16", dtype="bfloat16"), NO_MIXED,
                        {**FSDP2, "mixed_precision": "bf16"}, "accelerate.yaml")
-    quantization.check(model_args(load_in_4bit=False), NO_MIXED, FSDP2, "x")  # no 4 bits: nothing to check
+    four_bit.check(model_args(load_in_4bit=False), NO_MIXED, FSDP2, "x")  # no 4 bits: nothing to check
     with pytest.raises(UserError, match="bnb_4bit_quant_storage float32 differs"):  # bf16 from the Trainer's flag
-        quantization.check(model_args(bnb_4bit_quant_storage="float32"), SimpleNamespace(bf16=True, fp16=False),
+        four_bit.check(model_args(bnb_4bit_quant_storage="float32"), SimpleNamespace(bf16=True, fp16=False),
                            FSDP2, "accelerate.yaml")
 
 
@@ -102,7 +102,7 @@ def test_4bit_layers_compute_alike_on_a_cpu_with_avx512_bf16(bnb, cache_dir, mon
     from bitsandbytes.nn import modules
 
     monkeypatch.setattr(modules, "has_avx512bf16", lambda: True)  # read when each Linear4bit is built
-    model = quantization.load_4bit(str(cache_dir / "tiny-mistral"), model_args())
+    model = four_bit.load_4bit(str(cache_dir / "tiny-mistral"), model_args())
     four_bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
     assert len(four_bit) == 28 and {m.out_features % 32 for m in four_bit} == {0, 688 % 32}
     with torch.no_grad():
@@ -164,11 +164,11 @@ def test_qlora_on_two_processes_shards_the_4bit_storage_and_matches_one_process(
     from fsdp_recipes.planning import memory_budget, plan
 
     model_args = SimpleNamespace(**args)
-    shape = memory_budget.shape_of(meta_model(load_config(Path(args["model_name_or_path"]) / "config.json")),
+    shape = plan.model_shape(meta_model(load_config(Path(args["model_name_or_path"]) / "config.json")),
                                    model_args)
     setup = memory_budget.Setup(shard=2, world=2, strategy="FSDP", load_bytes=4, compute_bytes=4,
-                                mixed_precision=False, tokens=1, activation_checkpointing=False, optimizer_bytes=8,
-                                runtime_bytes=0, **plan.four_bit(model_args))
+                                mixed_precision=False, tokens=1, checkpointed=False, optimizer_bytes=8,
+                                runtime_bytes=0, **four_bit.planner_setup(model_args, None))
     planned = memory_budget.budget(shape, setup)
     probe = json.loads((two / "memory_probe.rank0.json").read_text())
     assert shape.quantized > 0 and probe["weights"] == planned["weights"] - round(shape.quantized * setup.scale_bytes)
@@ -212,7 +212,7 @@ def test_the_merged_model_is_the_dequantised_base_plus_the_adapter_and_answers_a
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.config import quantization
+    from fsdp_recipes.speed import four_bit
     from fsdp_recipes.launch.summary import load_prompts
 
     two, _ = two
@@ -221,7 +221,7 @@ def test_the_merged_model_is_the_dequantised_base_plus_the_adapter_and_answers_a
     config = json.loads((two / "merged" / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
     merged = AutoModelForCausalLM.from_pretrained(two / "merged").eval()
-    adapted = PeftModel.from_pretrained(quantization.load_4bit(args["model_name_or_path"], args), str(two)).eval()
+    adapted = PeftModel.from_pretrained(four_bit.load_4bit(args["model_name_or_path"], args), str(two)).eval()
     assert type(adapted.base_model.model.model.layers[0].mlp.down_proj.base_layer).__name__ == "Linear4bit"
     tok = AutoTokenizer.from_pretrained(two)
     tok.padding_side = "left"
@@ -239,7 +239,7 @@ def test_the_merged_model_is_the_dequantised_base_plus_the_adapter_and_answers_a
 
     # the merged weights are the dequantised 4-bit ones plus the adapter's change, not the original ones plus it
     base = AutoModelForCausalLM.from_pretrained(args["model_name_or_path"], dtype=torch.float32)
-    dequantised = quantization.load_4bit(args["model_name_or_path"], args, dequantise=True)
+    dequantised = four_bit.load_4bit(args["model_name_or_path"], args, dequantise=True)
     name = "model.layers.0.mlp.down_proj.weight"
     w_merged, w_deq, w_orig = (m.state_dict()[name] for m in (merged, dequantised, base))
     delta = adapted.base_model.model.model.layers[0].mlp.down_proj.get_delta_weight("default")
@@ -306,7 +306,7 @@ def test_the_planner_counts_llama_70b_in_4_bits_as_worked_out_by_hand():
 
     args = SimpleNamespace(use_peft=True, lora_r=16, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                            lora_dropout=0.0, lora_modules_to_save=None, load_in_4bit=True, use_bnb_nested_quant=False)
-    m = memory_budget.shape_of(meta_model(LlamaConfig(**LLAMA_70B)), args)
+    m = plan.model_shape(meta_model(LlamaConfig(**LLAMA_70B)), args)
     # one layer's linears: q and o 8192 x 8192, k and v 8192 x 1024, gate, up and down 8192 x 28672
     layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672
     assert layer == 855_638_016 and m.layer_quantized == layer and m.quantized == 80 * layer == 68_451_041_280
@@ -318,8 +318,8 @@ def test_the_planner_counts_llama_70b_in_4_bits_as_worked_out_by_hand():
     assert m.params - m.trainable - m.quantized == rest == 2_102_665_216
 
     setup = memory_budget.Setup(shard=2, world=2, strategy="FSDP", load_bytes=2, compute_bytes=2, mixed_precision=True,
-                                tokens=4096, activation_checkpointing=True, optimizer_bytes=8, runtime_bytes=0,
-                                **plan.four_bit(args))
+                                tokens=4096, checkpointed=True, optimizer_bytes=8, runtime_bytes=0,
+                                **four_bit.planner_setup(args, None))
     b = memory_budget.budget(m, setup)
     # sharded over 2: bf16 rest, NF4 at half a byte, bf16 adapters (TRL casts a 4-bit model's adapters to bf16, and
     # accelerate does not upcast a 4-bit model's); then the absmax scales, whole on each rank
@@ -331,6 +331,6 @@ def test_the_planner_counts_llama_70b_in_4_bits_as_worked_out_by_hand():
     gathered = 2 * (layer + 2 * 8192 + lora_layer) + rest - 80 * 2 * 8192
     assert b["communication_buffers"] == (gathered - 2 * layer) * 2 + 2 * layer // 2 + lora_layer * 2
     nested = memory_budget.budget(m, memory_budget.Setup(**{**vars(setup), "scale_bytes":
-                                                            memory_budget.NF4_NESTED_SCALE_BYTES}))
+                                                            four_bit.NF4_NESTED_SCALE_BYTES}))
     # nested quantization: a uint8 per 64 and an fp32 per 16384 instead of an fp32 per 64: 3.2 GB less per rank
     assert b["weights"] - nested["weights"] == 68_451_041_280 // 16 - (68_451_041_280 // 64 + 68_451_041_280 // 4096)

@@ -326,10 +326,10 @@ def test_a_ranks_shard_of_fused_experts_is_compared_with_its_experts_files(tmp_p
 
 
 def test_the_replica_model_names_experts_as_the_files_do(tmp_path):
-    """Every rank but 0 starts from an empty model (train/replica_model.py), which loading no weights left with no
+    """Every rank but 0 starts from an empty model (speed/ram_efficient_loading.py), which loading no weights left with no
     conversion on record: its shard check would look for the fused name the files do not have."""
     from fsdp_recipes.checkpoint.save_check import checkpoint_layout
-    from fsdp_recipes.train.replica_model import empty_model
+    from fsdp_recipes.speed.ram_efficient_loading import empty_model
 
     tiny_moe(tmp_path)
     replica = empty_model(str(tmp_path), {"dtype": "float32"})

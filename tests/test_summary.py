@@ -156,7 +156,7 @@ def test_generations_can_be_turned_off_whatever_the_size(tmp_path, monkeypatch, 
 
 
 def test_the_launcher_tells_the_summary_its_node(monkeypatch):
-    from fsdp_recipes.launch import launcher
+    from fsdp_recipes.launch import ending
 
     monkeypatch.setenv("FSDP_RECIPES_LAUNCH_ARGS", "--num_machines 2 --machine_rank 1 --main_process_ip n0")
     assert launcher.summary_args("runs/x") == ["runs/x", "--machine-rank", "1"]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 LOG_ONLY_RECORDS = [
     # bitsandbytes 0.50 (checked on 0.50.2), which peft imports whenever it is installed: on a CPU with AVX-512 BF16
     # its CPU backend tries at import to fetch a kernel from the hub (kernels-community), logs this when it cannot,
-    # and uses its own; the pack turns that packed-weight path off for every 4-bit layer (config/quantization.py).
+    # and uses its own; the pack turns that packed-weight path off for every 4-bit layer (speed/four_bit.py).
     # Its advice, `pip install kernels`, would make the import download from the hub.
     ("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community"),
 ]

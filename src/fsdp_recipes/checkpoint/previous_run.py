@@ -73,7 +73,7 @@ def decide(output_dir: str | Path, previous: Previous | None, now: dict, overrid
         more = f"; to train longer: a larger --max_steps (continues from {final.name})" if at_end else ""
         return (f"{done}: already complete with this command's settings; nothing to do. To train again: a new "
                 f"--output_dir, or --overwrite_output_dir true{more}")
-    fixed = [k for k in changed if k in resume_settings.FIXED]
+    fixed = [k for k in changed if resume_settings.is_fixed(k, now)]
     if longer and at_end and resumes and (not changed or override and not fixed):
         return None  # continue from its last checkpoint: checkpoint_to_resume checks and reports the rest
     if longer:

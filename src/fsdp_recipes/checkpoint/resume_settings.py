@@ -33,23 +33,25 @@ OVERRIDABLE = (
     # on another number of processes with the per-device batch that keeps it (docs/checkpoints.md)
     "global_batch", "max_length", "seed", "dataset_name", "max_grad_norm",
 )
-FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer",
-         # QLoRA: the checkpoint's shards have the 4-bit layout (its storage dtype follows dtype and bf16, above)
-         "load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
+FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer")
 LENGTH = ("max_steps", "num_train_epochs")
+OPTIONS_FIXED = "fixed_by_options"  # the settings' entry naming the speed options' fixed settings (speed/)
 
 
-def current(cfg, world_size: int, kind_settings: tuple[str, ...] = ()) -> dict:
+def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_settings: tuple[str, ...] = ()) -> dict:
     """This command's values of every compared setting, JSON-ready (saved into each checkpoint's identity). `cfg`:
     the parsed recipe (config/run_config.RunConfig, a layer beside this one).
-    `kind_settings`: the trainer kind's own (train/kinds/<kind>.py RESUME_SETTINGS), compared like OVERRIDABLE."""
+    `kind_settings`: the trainer kind's own (train/kinds/<kind>.py RESUME_SETTINGS), compared like OVERRIDABLE;
+    `option_settings`: the speed options' (speed.resume_settings(): 4-bit loading's layout), FIXED like the dtype."""
     t = cfg.training
     values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
               "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer,
-              **{k: getattr(cfg.model, k, None) for k in ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")}}
-    for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings):
+              OPTIONS_FIXED: list(option_settings)}
+    for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings, *option_settings):
         if name not in values:
-            value = getattr(t, name, getattr(cfg.kind_args, name, None))  # a kind's own (reward_funcs) too
+            # the trainer config's, the model's, a kind's own (reward_funcs), a speed option's own (float8)
+            value = next((getattr(source, name) for source in (t, cfg.model, cfg.kind_args, *cfg.option_args)
+                          if hasattr(source, name)), None)
             value = value.value if isinstance(value, Enum) else value  # lr_scheduler_type: SchedulerType.COSINE
             values[name] = value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else str(value)
     return values
@@ -64,7 +66,13 @@ def length(settings: dict) -> tuple[str, float]:
 
 def changes(saved: dict, now: dict) -> dict[str, list]:
     """{name: [saved, now]} for every compared setting that differs (the length excluded)."""
-    return {k: [saved[k], now.get(k)] for k in saved if k not in LENGTH and k in now and saved[k] != now[k]}
+    return {k: [saved[k], now.get(k)] for k in saved
+            if k not in LENGTH and k != OPTIONS_FIXED and k in now and saved[k] != now[k]}
+
+
+def is_fixed(name: str, now: dict) -> bool:
+    """A setting that can never change on resume: FIXED, or one a speed option fixes."""
+    return name in FIXED or name in (now.get(OPTIONS_FIXED) or ())
 
 
 def described(diff: dict[str, list]) -> str:
@@ -78,7 +86,7 @@ def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: b
         return {}
     fix = "Fix: resume with the checkpoint's values, or use a new --output_dir"
     diff = changes(saved, now)
-    fixed = {k: v for k, v in diff.items() if k in FIXED}
+    fixed = {k: v for k, v in diff.items() if is_fixed(k, now)}
     if fixed:
         raise UserError(f"cannot resume from {checkpoint} with {described(fixed)}: the checkpoint's optimizer state "
                         f"and weights belong to the old value, so it cannot change on resume. {fix}.")

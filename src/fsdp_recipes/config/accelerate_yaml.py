@@ -25,11 +25,6 @@ def read_accelerate_config(path: str | Path) -> dict:
     fsdp = raw.get("fsdp_config") or {}
     if raw.get("distributed_type") == "FSDP":
         version = int(fsdp.get("fsdp_version", 1))
-        if version == 1 and fsdp.get("fsdp_cpu_ram_efficient_loading") and not fsdp.get("fsdp_sync_module_states"):
-            raise UserError(
-                f"{path}: fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true "
-                "(the other ranks receive rank 0's weights by broadcast). Fix: set fsdp_sync_module_states: true."
-            )
         if version == 2:
             fsdp1_only = sorted(k for k in fsdp if k in FSDP1_ONLY_KEYS)
             if fsdp1_only:

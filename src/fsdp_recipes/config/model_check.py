@@ -8,9 +8,9 @@ the meta device (no memory, a second or two even for 123B) lets us name the prob
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError
@@ -269,37 +269,21 @@ def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
 
 
 def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, model_args,
-          wrap_on_command_line: bool = False) -> tuple[str, bool] | None:
+          wrap_on_command_line: bool = False, more: Callable | None = None) -> tuple[str, bool] | None:
     """Run the checks when the model's config is available offline (its own, or the recipe's copy); returns the
     line that says which layers FSDP wraps (check_wrap_classes), None where the checks did not run or FSDP does not
-    wrap by class."""
+    wrap by class. `more(model, acc, acc_path)`: the caller's own checks of the meta-device model (the speed
+    options', speed/)."""
     source = model_config_source(model_name_or_path, recipe, getattr(model_args, "model_revision", None))
     if source is None or getattr(model_args, "trust_remote_code", False):  # its code, not transformers', builds it
         return None
     model = meta_model(load_config(source))
     wrap = check_recipe_fits_model(model, acc, acc_path, model_args, wrap_on_command_line)
-    check_buffers_under_ram_efficient_loading(model, acc, acc_path)
+    if more is not None:
+        more(model, acc, acc_path)
     if source == Path(model_name_or_path) / "config.json":
         check_stored_tie(source.parent, model)
     return wrap
-
-
-def check_buffers_under_ram_efficient_loading(model, acc: dict, acc_path) -> None:
-    """FSDP2 with fsdp_cpu_ram_efficient_loading and a model whose state dict holds a buffer (DeepSeek-V3's and
-    GLM-4.5's routers keep `e_score_correction_bias` as one): accelerate 1.15 broadcasts every state-dict entry as a
-    sharded parameter, and every rank failed at setup with "'Tensor' object has no attribute 'device_mesh'"
-    (accelerate issue 3898; scripts/arch_matrix.py found it)."""
-    fsdp = acc.get("fsdp_config") or {}
-    if acc.get("distributed_type") != "FSDP" or str(fsdp.get("fsdp_version")) != "2" or \
-            str(fsdp.get("fsdp_cpu_ram_efficient_loading")).lower() != "true":
-        return
-    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    buffers = [name for name in model.state_dict() if name not in parameters]
-    if buffers:
-        raise UserError(f"{acc_path}: fsdp_cpu_ram_efficient_loading fails under FSDP2 for {type(model).__name__}, "
-                        f"whose weights include {len(buffers)} buffer(s) ({buffers[0]}): accelerate 1.15 loads every "
-                        "entry as a sharded parameter (accelerate issue 3898). Fix: set "
-                        f"fsdp_cpu_ram_efficient_loading: false in {acc_path}.")
 
 
 def check_stored_tie(folder: Path, model) -> None:
@@ -346,14 +330,6 @@ def check_stored_tie(folder: Path, model) -> None:
                     "and the ranks disagree on the model's shape (FSDP's setup fails). Fix: set "
                     f"tie_word_embeddings to false in {folder}/config.json (the stored weights are untied), or save "
                     "the model again with its head tied.")
-
-
-def check_attn_implementation(attn: str | None) -> None:
-    if attn and attn.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
-        raise UserError(
-            f"attn_implementation: {attn} needs the flash-attn package, which is not installed. "
-            "Fix: `pip install -e .[gpu]` on a CUDA machine, or use attn_implementation: sdpa."
-        )
 
 
 def looks_local(path: str) -> bool:

@@ -17,6 +17,7 @@ from fsdp_recipes.config import yaml_keys
 from fsdp_recipes.config.argv import given, override
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
+from fsdp_recipes.config.option_registry import OPTIONS, argument_classes
 from fsdp_recipes.paths import cache_dir, expand
 
 if TYPE_CHECKING:  # TRL is imported lazily: the launcher's light path must not pay for it
@@ -105,11 +106,6 @@ class PackArguments:
         metadata={"help": "Also write the run's gauges to this .prom file (in node_exporter's textfile-collector "
                           "directory) at every training log, as <output_dir>/metrics.prom is written."},
     )
-    float8: bool = field(
-        default=False,
-        metadata={"help": "torchao float8 training of the decoder's linear layers: full fine-tuning on a GPU of "
-                          "compute capability 8.9+ (H100, H200); on CPU it runs, no faster. See float8.py."},
-    )
     preemption_grace_s: int = field(
         default=120,
         metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
@@ -151,10 +147,16 @@ class RunConfig:
     mixture: DatasetMixtureConfig
     pack: PackArguments
     kind_args: Any = None  # the kind's own settings (config/kind_registry.py: SamplingArguments), or None
+    option_args: tuple = ()  # the speed options' own settings (config/option_registry.py), in its order
 
     @property
     def trainer(self) -> str:
         return self.pack.trainer
+
+    def option(self, name: str) -> Any:
+        """A speed option's own settings (its dataclass in config/option_registry.py)."""
+        wanted = OPTIONS[name]
+        return next(args for args in self.option_args if type(args) is wanted)
 
     def resolved(self, peft_config: Any = None) -> dict:
         """Every field as the run will use it, for run_args.json."""
@@ -166,6 +168,7 @@ class RunConfig:
             f"{self.trainer}_config": self.training.to_dict(),
             "lora_config": peft_config.to_dict() if peft_config is not None else None,
             **({f"{self.trainer}_args": dataclasses.asdict(self.kind_args)} if self.kind_args is not None else {}),
+            "speed_args": {k: v for args in self.option_args for k, v in dataclasses.asdict(args).items()},
         }
 
 
@@ -215,7 +218,7 @@ def dataclass_types(trainer: str = DEFAULT_TRAINER, world_size: int | None = Non
     # an older transformers release spells some TrainingArguments fields the old way: the new names are parsed
     # beside them
     renamed = new_training_field_names(config_class)
-    types = (ScriptArguments, config_class, ModelConfig, DatasetMixtureConfig, PackArguments)
+    types = (ScriptArguments, config_class, ModelConfig, DatasetMixtureConfig, PackArguments, *argument_classes())
     return types + ((registered.arguments,) if registered.arguments else ()) + ((renamed,) if renamed else ())
 
 
@@ -284,6 +287,7 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
         raise UserError(
             f"invalid configuration: {first.rstrip('.')}{layout}. Fix: correct that setting in the recipe YAML or ARGS."
         ) from None
+    option_args = tuple(rest.pop(0) for _ in argument_classes())
     kind_args = rest.pop(0) if TRAINERS[kind].arguments else None
     renamed = rest
     if renamed:  # see patches/versions.py: the recipe's field names on an older transformers
@@ -297,4 +301,4 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
     pack.prometheus_textfile = expand(pack.prometheus_textfile, "prometheus_textfile")
     if not model.model_name_or_path:
         raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
-    return RunConfig(script, training, model, mixture, pack, kind_args)
+    return RunConfig(script, training, model, mixture, pack, kind_args, option_args)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from fsdp_recipes.config.option_registry import OPTIONS
 from fsdp_recipes.errors import UserError
 
 
@@ -80,6 +81,8 @@ def _keys_file(kind: str, cache: Path) -> Path:
     pack = Path(__file__).resolve().parent.parent  # the pack's own fields: config/ and the kinds' argument classes
     for source in sorted([*pack.glob("config/*.py"), *pack.glob("train/kinds/*.py")]):
         parts.append(hashlib.sha256(source.read_bytes()).hexdigest())
+    # the speed options' own argument classes, as registered
+    parts.append(" ".join(f"{name}:{getattr(arguments, '__qualname__', None)}" for name, arguments in OPTIONS.items()))
     return cache / "known-keys" / f"{kind}-{hashlib.sha256(chr(10).join(parts).encode()).hexdigest()[:20]}.json"
 
 

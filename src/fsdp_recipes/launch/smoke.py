@@ -10,8 +10,9 @@ checks, `accelerate launch`, SFTTrainer and saving as the real job, with these s
   for fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
   save_pretrained and loaded back through from_pretrained;
 - the data: the local synthetic chat dataset, or for a DPO recipe the synthetic preference pairs (tiny_assets);
-- attention: flash-attn becomes sdpa unless there are GPUs and the flash_attn package; `float8: true` is kept
-  where torchao is installed (on CPU its float8 matmuls run, slowly) and turned off where it is not;
+- the speed options this machine cannot run (speed/, each option's `smoke`): flash-attn becomes sdpa unless there
+  are GPUs and the flash_attn package, Liger is off without them; `float8: true` is kept where torchao is installed
+  (on CPU its float8 matmuls run, slowly) and turned off where it is not;
 - the accelerate YAML: the recipe's own, with the processes scaled to 2 on one machine (an HSDP recipe
   keeps 2 replicas of 2 shards, 4 processes, so that both dimensions exist); where torch sees GPUs, one process per
   GPU (at most the recipe's count; HSDP from 4 GPUs, plain FSDP below) and no --use_cpu: the CUDA/NCCL path.
@@ -26,7 +27,6 @@ and final saving with the recipe's state-dict type. What it cannot show: memory 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from fsdp_recipes import speed
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import cache_dir
@@ -168,7 +169,7 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
     from fsdp_recipes.assets.tiny_assets import ensure_assets
     from fsdp_recipes.train import kinds
 
-    folder, raw, acc = recipe.folder, recipe.raw, recipe.accelerate  # the launcher checks acc's keys later
+    folder, acc = recipe.folder, recipe.accelerate  # the launcher checks acc's keys later
     assets = ensure_assets(quiet=True)
     kind = kinds.load(recipe.trainer)
     data = assets[kind.SMOKE_DATA]
@@ -184,21 +185,17 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
         say(f"model: {source[1]} -> a tiny {SHAPE['num_hidden_layers']}-layer model of that architecture, in "
             f"{model_dir(folder)}")
         smoke_args = ["--model_name_or_path", str(model_dir(folder)), *smoke_args]
-    say(f"data: {raw.get('dataset_name')} -> {data} (local synthetic {recipe.trainer} data)")
+    say(f"data: {recipe.field('dataset_name')} -> {data} (local synthetic {recipe.trainer} data)")
     for field, value in kind.SMOKE_SETTINGS.items():  # GRPO: a reward the synthetic data can feed
-        if raw.get(field) != value:
+        if recipe.field(field) != value:
             smoke_args += [f"--{field}", *(value if isinstance(value, list) else [str(value)])]
-            say(f"{field}: {raw.get(field)} -> {value}")
-    if raw.get("smollm2_assets") or raw.get("addition_preferences"):  # the tiny model answers no additions
+            say(f"{field}: {recipe.field(field)} -> {value}")
+    if recipe.field("smollm2_assets") or recipe.field("addition_preferences"):  # the tiny model answers no additions
         smoke_args += ["--smollm2_assets", "false", "--addition_preferences", "false"]
-    flash = str(raw.get("attn_implementation", "")).startswith("flash_attention")
-    if flash and not (gpus and importlib.util.find_spec("flash_attn")):
-        smoke_args += ["--attn_implementation", "sdpa"]
-        say("attention: flash-attn needs CUDA and the flash_attn package -> sdpa")
-    if raw.get("float8") and importlib.util.find_spec("torchao") is None:
-        # float8 itself runs on CPU (torch's reference float8 matmul) when torchao is there: then it is kept
-        smoke_args += ["--float8", "false"]
-        say("float8: torchao is not installed here -> off (pip install torchao to smoke-test that path too)")
+    options, notes = speed.smoke(recipe.field, gpus)  # what this machine cannot run: flash-attn, float8 without torchao, ...
+    smoke_args += options
+    for note in notes:
+        say(note)
     scaled = scale_accelerate(acc, gpus)
     where = f"{gpus} GPU(s)" if gpus else "CPU"
     path = cache_dir() / "smoke" / f"{recipe.name}.accelerate.yaml"

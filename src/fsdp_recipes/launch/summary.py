@@ -26,7 +26,7 @@ import warnings
 from pathlib import Path
 
 from fsdp_recipes import library_logs
-from fsdp_recipes.config import quantization
+from fsdp_recipes.speed.four_bit import load_4bit, recorded
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.train import kinds
 from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, answer, answer_lengths, chat_rows,
@@ -205,7 +205,7 @@ def four_bit_scores(base: str, run_dir: Path, model_args: dict, items, pairs) ->
     from fsdp_recipes.assets import generation
     from fsdp_recipes.train import console  # it imports transformers: the launcher's checks run before that
 
-    model = quantization.load_4bit(base, model_args).eval()
+    model = load_4bit(base, model_args).eval()
     tok = generation.load_tokenizer(base)
     base_scores = score_stage(base, items, pairs, loaded=(model, tok))
     with warnings.catch_warnings():  # peft's read of a property transformers deprecated: off the console, as in
@@ -263,7 +263,7 @@ def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=Non
                         f"and no `{text_field}` text to score (chat `messages`, prompt + completion, or a text field)"}
     preference = pairs_of(rows)
     chain = stages(run_dir, run_args, trained)
-    four_bit = len(chain) == 2 and quantization.recorded(run_args["model_args"]) is not None  # a 4-bit run, its base
+    four_bit = len(chain) == 2 and recorded(run_args["model_args"]) is not None  # a 4-bit run, its base
     if four_bit:  # the base as it trained, in 4 bits; the 4-bit model + adapter beside the merged one
         base_scores, adapted = four_bit_scores(chain[0][1], run_dir, run_args["model_args"], items, preference)
         scores = [base_scores, score_stage(chain[1][1], items, preference)]

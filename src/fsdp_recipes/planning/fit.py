@@ -76,8 +76,8 @@ def length(m: ModelShape, s: Setup, batch_size: int, usable: float, model_limit:
 
 
 def checkpointing(m: ModelShape, s: Setup, usable: float) -> str:
-    off = total(m, dataclasses.replace(s, activation_checkpointing=False))
-    on = total(m, dataclasses.replace(s, activation_checkpointing=True))
+    off = total(m, dataclasses.replace(s, checkpointed=False))
+    on = total(m, dataclasses.replace(s, checkpointed=True))
     if off <= usable:
         verdict = "not needed"
     elif on <= usable:

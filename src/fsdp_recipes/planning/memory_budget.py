@@ -48,7 +48,7 @@ colocate mode the engine's share of the GPU (vllm_gpu_memory_utilization x the G
 its KV cache). Both are counted on top of the training peak, an upper bound: sampling ends before the training
 forward starts, and vLLM's sleep mode releases its share while the policy trains.
 
-QLoRA (`load_in_4bit`, config/quantization.py): every linear layer of the decoder is stored as NF4, two values per
+QLoRA (`load_in_4bit`, speed/four_bit.py): every linear layer of the decoder is stored as NF4, two values per
 byte (0.5 bytes per parameter), in a tensor FSDP shards like any other; its scales are not part of that tensor and
 stay whole on every rank: one fp32 absmax per 64-value block (4/64 = 0.0625 bytes per parameter), or with nested
 quantization one uint8 per block plus one fp32 per 256 blocks (1/64 + 4/16384). Embeddings, norms and the LM head stay
@@ -102,7 +102,7 @@ class Setup:
     compute_bytes: int  # bytes per activation element (2 with bf16 mixed precision)
     mixed_precision: bool
     tokens: int  # tokens per micro-batch per GPU (worst case)
-    activation_checkpointing: bool
+    checkpointed: bool  # activation checkpointing (speed/activation_checkpointing.py)
     optimizer_bytes: int
     runtime_bytes: int
     reference: str = "none"  # DPO's reference model: "none" (SFT), "adapter" (LoRA: no copy), "copy" (full FT)
@@ -115,13 +115,9 @@ class Setup:
     scale_bytes: float = 0  # its scales per parameter, whole on every rank
 
 
-NF4_BYTES = 0.5
-NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per block of 64
-NF4_NESTED_SCALE_BYTES = 1 / 64 + 4 / (64 * 256)  # a uint8 per block, an fp32 per 256 blocks
-
-
-def shape_of(model, model_args) -> ModelShape:
-    """Parameter counts and widths of `model` (a meta-device copy), with the recipe's LoRA applied on paper."""
+def shape_of(model, model_args, **decided) -> ModelShape:
+    """Parameter counts and widths of `model` (a meta-device copy), with the recipe's LoRA applied on paper.
+    `decided`: the fields the speed options decide (speed.planner_shape: the 4-bit weights)."""
     import torch
 
     cfg = model.config
@@ -152,11 +148,6 @@ def shape_of(model, model_args) -> ModelShape:
         trainable = total
     params = total + (trainable if model_args.use_peft else 0)
     layer_params = base_layer + lora_layer
-    quantized = layer_quantized = largest = 0
-    if getattr(model_args, "load_in_4bit", False):
-        linears = [m.weight.numel() for m in layer0.modules() if isinstance(m, torch.nn.Linear)]
-        layer_quantized, largest = sum(linears), max(linears)
-        quantized = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
     return ModelShape(
         params=params, trainable=trainable, layers=len(layers), hidden=cfg.hidden_size,
         q_dim=cfg.num_attention_heads * head_dim, kv_dim=cfg.num_key_value_heads * head_dim,
@@ -164,7 +155,7 @@ def shape_of(model, model_args) -> ModelShape:
         layer_trainable=lora_layer if model_args.use_peft else base_layer,
         root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
         embedding=model.get_input_embeddings().weight.numel(), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-        quantized=quantized, layer_quantized=layer_quantized, largest_quantized=largest,
+        **decided,
     )
 
 
@@ -188,7 +179,7 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     gradients = m.trainable * master / s.shard
     optimizer = m.trainable * s.optimizer_bytes * (master / 4 if s.quant_bytes else 1) / s.shard
     per_layer = activations_per_token_per_layer(m, s)
-    if s.activation_checkpointing:
+    if s.checkpointed:
         activations = s.tokens * (m.layers * m.hidden * s.compute_bytes + per_layer)
     else:
         activations = s.tokens * m.layers * per_layer

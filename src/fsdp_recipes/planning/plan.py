@@ -28,7 +28,8 @@ from pathlib import Path
 
 from fsdp_recipes.config import accelerate_yaml, model_check, recipes, run_config, value_checks, yaml_keys
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.train import float8, kinds
+from fsdp_recipes import speed
+from fsdp_recipes.train import kinds
 from fsdp_recipes.planning import answers, comms, fabric, memory_budget
 from fsdp_recipes.planning.memory_budget import GIB
 
@@ -59,15 +60,14 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
     loaded = recipes.load(str(recipes_root / name) if recipes_root else name, [*overrides, "--use_cpu", "true"])
     recipe, acc = loaded.folder, loaded.accelerate
     accelerate_yaml.check_accelerate_keys(loaded.accelerate_path, acc)
+    speed.check_accelerate(acc, loaded.accelerate_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # use_cpu: the bf16 setting is validated against the named GPU below, not this machine
         world = world_size if world_size is not None else int(acc.get("num_processes", 1) or 1)
         cfg = run_config.parse_args(loaded.argv(), loaded.raw, world_size=world)
         # what run_checks.check_before_launch checks without this machine's GPUs or the model's files
-        model_check.check_attn_implementation(cfg.model.attn_implementation)
-        if cfg.model.use_peft:  # float8's torchao check is about the training machine, not this one
-            float8.check_config(cfg.pack.float8, cfg.model.use_peft)
+        speed.check_config(cfg, installed=False)  # the packages: the training machine's, not this one's
         value_checks.check_values(cfg)
     if cfg.pack.tiny_assets:  # as run_checks.parse_and_check does: the tiny model is built locally, offline
         from fsdp_recipes.assets.tiny_assets import ensure_assets
@@ -131,13 +131,10 @@ def reshards_after_forward(acc: dict) -> bool:
     return str(value).strip().upper() not in KEEPS_GATHERED
 
 
-def four_bit(model_args) -> dict:
-    """QLoRA's bytes per 4-bit parameter: the packed storage and its scales (memory_budget.py)."""
-    if not getattr(model_args, "load_in_4bit", False):
-        return {}
-    nested = getattr(model_args, "use_bnb_nested_quant", False)
-    return {"quant_bytes": memory_budget.NF4_BYTES,
-            "scale_bytes": memory_budget.NF4_NESTED_SCALE_BYTES if nested else memory_budget.NF4_SCALE_BYTES}
+def model_shape(model, model_args) -> memory_budget.ModelShape:
+    """The planner's ModelShape of a meta-device model: its counts with the recipe's LoRA, and what the speed options
+    decide (the 4-bit weights)."""
+    return memory_budget.shape_of(model, model_args, **speed.planner_shape(model, model_args))
 
 
 def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
@@ -151,9 +148,9 @@ def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = Fals
         world=gpus * nodes, load_bytes=load, compute_bytes=2 if mixed else load, mixed_precision=mixed,
         tokens=training.per_device_train_batch_size * kind.sequence_length(training) * kind.SEQUENCES_PER_ROW,
         reference=("adapter" if model_args.use_peft else "copy") if "reference" in kind.extra_forwards(training) else "none",
-        activation_checkpointing=bool(training.activation_checkpointing), optimizer_bytes=optim,
+        optimizer_bytes=optim,
         runtime_bytes=0 if on_cpu else 2 * GIB, reshard_after_forward=reshards_after_forward(acc),
-        **(generation or {}), **four_bit(model_args),
+        **(generation or {}), **speed.planner_setup(model_args, training),
     )
     out = {strategy: memory_budget.Setup(shard=shard, strategy=strategy, **common)}
     if strategy != "DDP":
@@ -224,7 +221,7 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
     if (training.bf16 or acc.get("mixed_precision") == "bf16" or model_args.dtype == "bfloat16") and not bf16_ok:
         raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "
                         "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")
-    m = memory_budget.shape_of(model, model_args)
+    m = model_shape(model, model_args)
     runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer,
                   generation=kinds.load(cfg.trainer).generation_setup(cfg, capacity))
     budgets = {k: memory_budget.budget(m, s) for k, s in runs.items()}

@@ -1,1 +1,195 @@
-"""The speed room: speed and memory options, one registered module each (speed/__init__.py: the interface)."""
+"""Speed and memory options: one module each, one registry, OPTIONS. Everything outside this folder asks the
+registry (the functions below run every option's hook in turn), never an option's settings by name.
+
+The options' names and their own argument dataclasses are the registry in config/option_registry.py (the recipe's
+parse needs the dataclasses before any training code loads). An option module provides (SpeedOption below checks it
+when OPTIONS is built from those names, at import):
+    FIELDS                          the recipe settings it owns (TRL's, transformers', accelerate's or its own):
+                                    named nowhere else in the package (tests/test_speed_options.py greps)
+    enabled(cfg)                    whether the recipe turns it on
+Optional, with the defaults of SpeedOption:
+    check_config(cfg)               before any process starts, again in every rank, and in `make plan`: no device,
+                                    no weights (a setting it cannot take with the others: one line)
+    check_installed(cfg)            the same places but `make plan` (which plans for another machine): the
+                                    packages it needs are installed here
+    check_accelerate(acc, path)     the accelerate YAML alone, in the launcher's first checks and `make plan`
+    check_launch(cfg, acc, path)    the launcher only, before the ranks work: the accelerate YAML, the devices
+                                    without importing torch (nvidia-smi)
+    check_model(model, acc, path)   the launcher, against a meta-device copy of the model
+    smoke(field, gpus)              `make smoke`: (overrides, note) where the option cannot run on this machine;
+                                    field(name, default) reads the recipe's setting (config/recipes.py Recipe)
+    settle(cfg)                     in the ranks, before run_args.json records the settings as they will run
+    model_init_kwargs(cfg)          what from_pretrained gets (TRL's model_init_kwargs)
+    load_model(path, init_kwargs)   a model object to give TRL instead of the path, or None (the path)
+    prepare_trainer(trainer, cfg)   what it does to the built trainer before train(): returns what the run report
+                                    records under the option's name (None: nothing), and prints its line
+    planner_setup(model_args, training)  `make plan`: fields of planning/memory_budget.py's Setup it decides
+    planner_shape(model, model_args)     `make plan`: fields of its ModelShape it decides (a meta-device model)
+    RESUME_SETTINGS                 settings a resume must keep equal to the checkpoint's (checkpoint/resume_settings)
+
+Adding an option: that module, its line in config/option_registry.py (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+
+from fsdp_recipes.config.option_registry import OPTIONS as REGISTERED
+
+NOT_MEMBERS = ("name", "module")
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def _no_fields(*args, **kwargs) -> dict:
+    return {}
+
+
+def _no_smoke(*args, **kwargs) -> tuple[list[str], str | None]:
+    return [], None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeedOption:
+    """What the launcher, the ranks, the planner and the smoke run ask of an option. Built from the option's module
+    by `from_module`: a missing required member fails there, when the registry is built, not in a run."""
+
+    name: str
+    FIELDS: tuple
+    enabled: Callable
+    check_config: Callable = _nothing
+    check_installed: Callable = _nothing
+    check_accelerate: Callable = _nothing
+    check_launch: Callable = _nothing
+    check_model: Callable = _nothing
+    smoke: Callable = _no_smoke
+    settle: Callable = _nothing
+    model_init_kwargs: Callable = _no_fields
+    load_model: Callable = _nothing
+    prepare_trainer: Callable = _nothing
+    planner_setup: Callable = _no_fields
+    planner_shape: Callable = _no_fields
+    RESUME_SETTINGS: tuple = ()
+    module: ModuleType | None = None
+
+    @classmethod
+    def from_module(cls, name: str, module: ModuleType) -> SpeedOption:
+        members = {}
+        required = required_members()
+        for f in dataclasses.fields(cls):
+            if f.name in NOT_MEMBERS:
+                continue
+            if hasattr(module, f.name):
+                members[f.name] = getattr(module, f.name)
+            elif f.name in required:
+                raise TypeError(f"speed option {name} ({module.__name__}) lacks {f.name}: every option provides "
+                                f"{', '.join(required)} (fsdp_recipes/speed/__init__.py)")
+        return cls(name=name, module=module, **members)
+
+
+def required_members() -> list[str]:
+    return [f.name for f in dataclasses.fields(SpeedOption) if f.name not in NOT_MEMBERS
+            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+
+
+OPTIONS: dict[str, SpeedOption] = {
+    name: SpeedOption.from_module(name, importlib.import_module(f"{__name__}.{name}")) for name in REGISTERED
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(OPTIONS)
+
+
+def active(cfg) -> list[SpeedOption]:
+    """The options the recipe turns on, in the registry's order."""
+    return [option for option in OPTIONS.values() if option.enabled(cfg)]
+
+
+def check_config(cfg, installed: bool = True) -> None:
+    """Every option's settings; with `installed`, also that what it needs is installed on this machine."""
+    for option in OPTIONS.values():
+        option.check_config(cfg)
+        if installed:
+            option.check_installed(cfg)
+
+
+def check_accelerate(acc: dict, path) -> None:
+    for option in OPTIONS.values():
+        option.check_accelerate(acc, path)
+
+
+def check_launch(cfg, acc: dict, path) -> None:
+    for option in OPTIONS.values():
+        option.check_launch(cfg, acc, path)
+
+
+def check_model(model, acc: dict, path) -> None:
+    for option in OPTIONS.values():
+        option.check_model(model, acc, path)
+
+
+def smoke(field, gpus: int) -> tuple[list[str], list[str]]:
+    """Every option's overrides for a smoke run on this machine, and the lines that say why. `field(name, default)`:
+    the recipe's setting as the run will see it (config/recipes.py Recipe.field)."""
+    overrides, notes = [], []
+    for option in OPTIONS.values():
+        more, note = option.smoke(field, gpus)
+        overrides += more
+        if note:
+            notes.append(note)
+    return overrides, notes
+
+
+def settle(cfg) -> None:
+    for option in OPTIONS.values():
+        option.settle(cfg)
+
+
+def model_init_kwargs(cfg) -> dict:
+    kwargs = {}
+    for option in OPTIONS.values():
+        kwargs.update(option.model_init_kwargs(cfg))
+    return kwargs
+
+
+def load_model(path: str, init_kwargs: dict):
+    """The model object an option builds in place of TRL's from_pretrained(path), else the path."""
+    for option in OPTIONS.values():
+        model = option.load_model(path, init_kwargs)
+        if model is not None:
+            return model
+    return path
+
+
+def prepare_trainer(trainer, cfg) -> dict:
+    """Each enabled option applied to the built trainer; what the run report records, by option."""
+    recorded = {}
+    for option in active(cfg):
+        record = option.prepare_trainer(trainer, cfg)
+        if record is not None:
+            recorded[option.name] = record
+    return recorded
+
+
+def planner_setup(model_args, training) -> dict:
+    fields = {}
+    for option in OPTIONS.values():
+        fields.update(option.planner_setup(model_args, training))
+    return fields
+
+
+def planner_shape(model, model_args) -> dict:
+    fields = {}
+    for option in OPTIONS.values():
+        fields.update(option.planner_shape(model, model_args))
+    return fields
+
+
+def resume_settings() -> tuple[str, ...]:
+    return tuple(name for option in OPTIONS.values() for name in option.RESUME_SETTINGS)

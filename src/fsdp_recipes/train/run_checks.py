@@ -9,16 +9,16 @@ from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.train import data_formats, float8, kinds
+from fsdp_recipes import speed
+from fsdp_recipes.train import data_formats, kinds
 
 
 def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     """Everything that can be checked without starting processes or loading weights."""
     hardware.check_gpus(cfg.pack.min_gpus, cfg.pack.recipe_name or "(unnamed)", nodes)
-    model_check.check_attn_implementation(cfg.model.attn_implementation)
+    speed.check_config(cfg)
     model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
-    float8.check_config(cfg.pack.float8, cfg.model.use_peft)
     value_checks.check_values(cfg)
     check_data_settings(cfg)
     kinds.load(cfg.trainer).check_config(cfg)

@@ -26,24 +26,34 @@ import subprocess
 from fsdp_recipes.errors import UserError
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper (torch._scaled_mm refuses older GPUs)
+FIELDS = ("float8",)  # its own setting (config/option_registry.py Float8Arguments)
 
 
-def check_config(float8: bool, use_peft: bool) -> None:
+def enabled(cfg) -> bool:
+    return bool(cfg.option("float8").float8)
+
+
+def check_config(cfg) -> None:
     """What can be checked without a device or a GPU query: in the launcher before any process starts, and again in
     each rank."""
-    if not float8:
+    if not enabled(cfg):
         return
-    if use_peft:
+    if cfg.model.use_peft:
         raise UserError("float8: true is for full fine-tuning, and this recipe trains LoRA adapters (use_peft: true). "
                         "Fix: set float8: false, or use_peft: false.")
-    if importlib.util.find_spec("torchao") is None:
+
+
+def check_installed(cfg) -> None:
+    if enabled(cfg) and importlib.util.find_spec("torchao") is None:
         raise UserError("float8: true needs torchao, which is not installed. "
                         "Fix: `pip install -e .[gpu]` (or `pip install torchao`), or set float8: false.")
 
 
-def check_gpus() -> None:
+def check_launch(cfg, acc: dict, path) -> None:
     """In the launcher only, before any rank starts: the GPUs' capability from nvidia-smi (no torch import). The
     ranks check again with torch (check_device), so they need not run nvidia-smi each."""
+    if not enabled(cfg):
+        return
     old = [c for c in gpu_capabilities() or [] if c < MIN_CAPABILITY]
     if old:
         raise UserError(f"float8: true needs NVIDIA GPUs of compute capability 8.9 or newer (H100, H200, L4, L40S); "
@@ -77,6 +87,23 @@ def check_device() -> None:
         if cap < MIN_CAPABILITY:
             raise UserError(f"float8: true needs an NVIDIA GPU of compute capability 8.9 or newer (H100, H200, L4, "
                             f"L40S); this {torch.cuda.get_device_name()} has {cap[0]}.{cap[1]}. Fix: set float8: false.")
+
+
+def smoke(field, gpus: int) -> tuple[list[str], str | None]:
+    """float8 itself runs on CPU (torch's reference float8 matmul) when torchao is there: then it is kept."""
+    if str(field("float8", False)).lower() in ("true", "1") and importlib.util.find_spec("torchao") is None:
+        return ["--float8", "false"], "float8: torchao is not installed here -> off (pip install torchao to " \
+                                      "smoke-test that path too)"
+    return [], None
+
+
+def prepare_trainer(trainer, cfg) -> dict:
+    """Before train() hands the model to accelerate, which wraps it with FSDP: the run report's record."""
+    check_device()
+    converted, linears = convert(trainer.model)
+    trainer.accelerator.print(f"[train] float8: {converted} of {linears} linear layers converted "
+                              f"(the LM head and layers with a dimension not a multiple of 16 are not)")
+    return {"converted": converted, "linear": linears}
 
 
 def convertible(module, fqn: str) -> bool:

@@ -1,5 +1,5 @@
-"""The model every rank but 0 starts from under `fsdp_cpu_ram_efficient_loading`: the architecture on the meta device,
-no weight read.
+"""`fsdp_cpu_ram_efficient_loading: true` in a recipe's accelerate YAML: only each node's first rank reads the weights.
+The model every other rank starts from is the architecture on the meta device, no weight read.
 
 Gap it fills: transformers 5.x reads every weight of the checkpoint on every rank even with RAM-efficient loading
 (transformers issue 43749, reported on 5.0, open; measured on 5.23 by tests/test_default_recipe.py: rank 1 read all
@@ -18,6 +18,49 @@ function is replaced. TRL receives the model object instead of the path; with
 from __future__ import annotations
 
 import os
+
+from fsdp_recipes.errors import UserError
+
+FIELDS = ("fsdp_cpu_ram_efficient_loading",)  # accelerate's FSDP setting (the recipe's accelerate.yaml)
+
+
+def enabled(cfg) -> bool:
+    """In the ranks, from accelerate's environment (the launcher and the planner read the YAML itself)."""
+    return os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "").lower() in ("true", "1")
+
+
+def check_accelerate(acc: dict, path) -> None:
+    """FSDP1 with RAM-efficient loading needs the broadcast of rank 0's weights (the accelerate YAML alone)."""
+    fsdp = acc.get("fsdp_config") or {}
+    if acc.get("distributed_type") == "FSDP" and int(fsdp.get("fsdp_version", 1)) == 1 and \
+            fsdp.get("fsdp_cpu_ram_efficient_loading") and not fsdp.get("fsdp_sync_module_states"):
+        raise UserError(
+            f"{path}: fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true "
+            "(the other ranks receive rank 0's weights by broadcast). Fix: set fsdp_sync_module_states: true."
+        )
+
+
+def check_model(model, acc: dict, acc_path) -> None:
+    """FSDP2 with fsdp_cpu_ram_efficient_loading and a model whose state dict holds a buffer (DeepSeek-V3's and
+    GLM-4.5's routers keep `e_score_correction_bias` as one): accelerate 1.15 broadcasts every state-dict entry as a
+    sharded parameter, and every rank failed at setup with "'Tensor' object has no attribute 'device_mesh'"
+    (accelerate issue 3898; scripts/arch_matrix.py found it)."""
+    fsdp = acc.get("fsdp_config") or {}
+    if acc.get("distributed_type") != "FSDP" or str(fsdp.get("fsdp_version")) != "2" or \
+            str(fsdp.get("fsdp_cpu_ram_efficient_loading")).lower() != "true":
+        return
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    buffers = [name for name in model.state_dict() if name not in parameters]
+    if buffers:
+        raise UserError(f"{acc_path}: fsdp_cpu_ram_efficient_loading fails under FSDP2 for {type(model).__name__}, "
+                        f"whose weights include {len(buffers)} buffer(s) ({buffers[0]}): accelerate 1.15 loads every "
+                        "entry as a sharded parameter (accelerate issue 3898). Fix: set "
+                        f"fsdp_cpu_ram_efficient_loading: false in {acc_path}.")
+
+
+def load_model(path: str, init_kwargs: dict):
+    """The empty model on a rank where it applies, else None (TRL loads the path)."""
+    return empty_model(path, init_kwargs) if applies(init_kwargs) else None
 
 
 def applies(init_kwargs: dict) -> bool:

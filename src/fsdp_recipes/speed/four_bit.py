@@ -30,6 +30,17 @@ from types import SimpleNamespace
 from fsdp_recipes.errors import UserError
 
 DTYPES = ("bfloat16", "float16", "float32")
+# ModelConfig's (TRL) 4-bit settings; load_in_8bit only to refuse it
+FIELDS = ("load_in_4bit", "load_in_8bit", "bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")
+# the checkpoint's shards have the 4-bit layout (its storage dtype follows dtype and bf16, which a resume keeps too)
+RESUME_SETTINGS = ("load_in_4bit", "bnb_4bit_quant_type", "use_bnb_nested_quant")
+NF4_BYTES = 0.5
+NF4_SCALE_BYTES = 4 / 64  # one fp32 absmax per block of 64
+NF4_NESTED_SCALE_BYTES = 1 / 64 + 4 / (64 * 256)  # a uint8 per block, an fp32 per 256 blocks
+
+
+def enabled(cfg) -> bool:
+    return bool(getattr(cfg.model, "load_in_4bit", False))
 
 
 def storage_dtype(model_dtype: str | None, training, acc_mixed_precision: str | None, fsdp: bool) -> str | None:
@@ -42,6 +53,10 @@ def storage_dtype(model_dtype: str | None, training, acc_mixed_precision: str | 
     mixed = "bf16" if getattr(training, "bf16", False) else "fp16" if getattr(training, "fp16", False) else \
         str(acc_mixed_precision or "no").lower()
     return {"bf16": "bfloat16", "fp16": "float16"}.get(mixed, model_dtype)
+
+
+def check_launch(cfg, acc: dict, path) -> None:
+    check(cfg.model, cfg.training, acc, path)
 
 
 def check(model_args, training, acc: dict, path) -> None:
@@ -76,6 +91,10 @@ def check(model_args, training, acc: dict, path) -> None:
                         f"to {want}")
 
 
+def settle(cfg) -> None:
+    settle_storage(cfg.model, cfg.training)
+
+
 def settle_storage(model_args, training) -> None:
     """In the ranks, before run_args.json records the settings: the storage is FSDP's dtype (the launcher refused a
     user's other choice), from the ranks' own view of accelerate (its environment)."""
@@ -83,6 +102,11 @@ def settle_storage(model_args, training) -> None:
         fsdp = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1")
         model_args.bnb_4bit_quant_storage = storage_dtype(model_args.dtype, training,
                                                           os.environ.get("ACCELERATE_MIXED_PRECISION"), fsdp)
+
+
+def model_init_kwargs(cfg) -> dict:
+    bnb = quantization_config(cfg.model, cfg.training)
+    return {} if bnb is None else {"quantization_config": bnb}
 
 
 def quantization_config(model_args, training):
@@ -94,6 +118,30 @@ def quantization_config(model_args, training):
 
     settle_storage(model_args, training)
     return get_quantization_config(model_args)
+
+
+def prepare_trainer(trainer, cfg) -> None:
+    same_kernels_on_every_cpu(trainer.model)
+
+
+def planner_setup(model_args, training) -> dict:
+    """QLoRA's bytes per 4-bit parameter: the packed storage and its scales (planning/memory_budget.py)."""
+    if not getattr(model_args, "load_in_4bit", False):
+        return {}
+    nested = getattr(model_args, "use_bnb_nested_quant", False)
+    return {"quant_bytes": NF4_BYTES, "scale_bytes": NF4_NESTED_SCALE_BYTES if nested else NF4_SCALE_BYTES}
+
+
+def planner_shape(model, model_args) -> dict:
+    """The decoder's linear weights that are stored in 4 bits: in all, in one layer, and the largest one."""
+    if not getattr(model_args, "load_in_4bit", False):
+        return {}
+    import torch
+
+    layers = model.model.layers
+    linears = [m.weight.numel() for m in layers[0].modules() if isinstance(m, torch.nn.Linear)]
+    quantized = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    return {"quantized": quantized, "layer_quantized": sum(linears), "largest_quantized": max(linears)}
 
 
 def recorded(model_args) -> SimpleNamespace | None:

@@ -1,0 +1,39 @@
+"""The registry of speed and memory options: each option's name and its own argument dataclass (settings TRL's and
+transformers' configs lack), or None where every setting it reads is one of theirs (attn_implementation,
+load_in_4bit, use_liger_kernel, ...). Here, in the config layer, because the recipe's parse needs the dataclasses
+before any training code loads, as config/kind_registry.py does for the trainer kinds; what each option does is its
+module in speed/ (checked against its interface when speed/ builds its registry from these names).
+
+Adding an option: a line in OPTIONS, its module in speed/ (docs/architecture.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Float8Arguments:
+    """speed/float8.py's setting, parsed from the same recipe YAML."""
+
+    float8: bool = field(
+        default=False,
+        metadata={"help": "torchao float8 training of the decoder's linear layers: full fine-tuning on a GPU of "
+                          "compute capability 8.9+ (H100, H200); on CPU it runs, no faster (speed/float8.py)."},
+    )
+
+
+# In the order their hooks run: how the model loads first, then what wraps or converts it.
+OPTIONS: dict[str, type | None] = {
+    "four_bit": None,
+    "attention": None,
+    "ram_efficient_loading": None,
+    "activation_checkpointing": None,
+    "liger": None,
+    "compile": None,
+    "float8": Float8Arguments,
+}
+
+
+def argument_classes() -> tuple[type, ...]:
+    """The options' own dataclasses, parsed with the recipe (config/run_config.py) into RunConfig.options."""
+    return tuple(arguments for arguments in OPTIONS.values() if arguments is not None)

@@ -1,0 +1,141 @@
+"""The launcher's checks of a recipe: those that need no heavy import first (keys, the model and data found, the
+topology), then the recipe as the ranks will parse it, the model, the dataset and its rows, while the ranks import."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# import the same in parallel.
+from fsdp_recipes import speed
+from fsdp_recipes.config import accelerate_yaml, hardware, model_check, value_checks, yaml_keys
+from fsdp_recipes.config.recipes import Recipe
+from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.launch import smoke
+from fsdp_recipes.config.job import job_machines, job_processes
+from fsdp_recipes.launch.lines import say
+from fsdp_recipes.paths import cache_dir, expand
+from fsdp_recipes.train import run_checks
+
+
+def check_launch(recipe: Recipe) -> None:
+    """What can be checked without importing torch: the pack's FSDP rules (read with the YAML), the GPU count
+    (torch counts them here only when nvidia-smi / CUDA_VISIBLE_DEVICES show too few; else check_recipe does),
+    the topology."""
+    acc = recipe.accelerate
+    machines = job_machines(acc)
+    # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
+    # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
+    min_gpus = int(recipe.field("min_gpus", 0))
+    per_node = hardware.gpus_per_node(min_gpus, machines)
+    if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
+        hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
+    accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
+    speed.check_accelerate(acc, recipe.accelerate_path)
+
+
+def in_pack_cache(path: str) -> bool:
+    """Whether `path` lies in the pack's cache, where the checks build the tiny and SmolLM2 assets it names."""
+    return Path(path).absolute().is_relative_to(cache_dir().absolute())
+
+
+def check_keys_early(recipe: Recipe) -> None:
+    """A mistyped key or flag, a word where a number goes and a value out of its range (config/value_checks.py) are
+    one line before the config classes' imports, where an earlier launch remembered the kind's fields
+    (config/yaml_keys.py); otherwise the checks name them, the ranks started."""
+    values = yaml_keys.remembered_values(recipe.trainer, recipe.raw, recipe.config_path, recipe.overrides,
+                                         cache_dir())
+    if values is None:
+        return
+    try:
+        value_checks.check_training_values(values, str(getattr(values, "eval_strategy", "no")) != "no")
+    except (TypeError, AttributeError):  # a field that is no plain value here (a kind without it): the parser's turn
+        pass
+
+
+def check_data_found(recipe: Recipe) -> None:
+    """A mistyped local dataset_name is one line now, not after the checks' imports (issue 42: data mistakes
+    within 5 s); a `datasets:` mixture and a hub id are checked with the recipe (check_recipe), as is data the
+    checks build: the tiny and SmolLM2 assets in the pack's cache, and DPO's pairs from the SFT model's answers
+    (addition_preferences), written where dataset_name says."""
+    from fsdp_recipes.paths import expand
+    from fsdp_recipes.train import loading
+
+    name = recipe.field("dataset_name")
+    builds = str(recipe.field("addition_preferences", False)).lower() in ("true", "yes", "t", "y", "1")  # argparse's
+    if builds or not isinstance(name, str):
+        return
+    if model_check.looks_local(path := expand(name, "dataset_name")) and not in_pack_cache(path):
+        loading.check_found(path)
+
+
+def check_model_found(recipe: Recipe) -> None:
+    """A mistyped model path, or a hub id neither cached nor reachable, is one line here, before the ranks start
+    (from_pretrained in a rank retries the hub for most of a minute before it fails). Not for a smoke run, which
+    trains a tiny model instead, nor for a model the pack builds in its cache during the checks (tiny_assets,
+    smollm2_assets)."""
+    model = recipe.field("model_name_or_path")
+    if smoke.active() or not isinstance(model, str):
+        return  # no model: the recipe's parse names the missing field
+    path = expand(model, "model_name_or_path")
+    if in_pack_cache(path):
+        return
+    model_check.check_model_found(path, recipe.field("continues_from"), recipe.field("model_revision"))
+
+
+def warn(recipe: Recipe, lines: list[str]) -> None:
+    for line in lines:
+        recipe.warnings.append(line)
+        say(f"warning: {line}")
+
+
+def check_recipe(recipe: Recipe) -> RunConfig:
+    """accelerate's reading of its config; the recipe as the ranks will parse it, the model, the dataset and the
+    checkpoint to resume. Sets recipe.cfg."""
+    from fsdp_recipes.train import kinds
+
+    acc = recipe.accelerate
+    named = recipe.folder / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
+    accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
+    with warnings.catch_warnings():  # the training processes parse again and show these warnings there
+        warnings.simplefilter("ignore")
+        cfg = run_checks.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw,
+                                         world_size=job_processes(acc))
+    warn(recipe, value_checks.schedule_warnings(cfg.training))
+    accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
+    speed.check_launch(cfg, acc, named)  # a 4-bit base FSDP can shard, float8's GPUs (nvidia-smi)
+    wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
+                             wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model)
+    if wrap and wrap[1]:  # which layers FSDP wraps, and why those
+        warn(recipe, [wrap[0]])
+    elif wrap:
+        say(wrap[0])
+    from fsdp_recipes.train import loading
+
+    if loading.is_local(cfg.script, cfg.mixture):
+        import datasets
+
+        kind = kinds.load(cfg.trainer)
+        datasets.disable_progress_bars()  # a check, not work to watch: keep its error the only line
+        # datasets logs a bad JSON file at error level with its traceback; loading.py names the line instead
+        datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+        splits = kind.load_datasets(cfg)
+        for line in loading.NOTES:  # the format found and how it maps; the eval split, or that there is none
+            say(line)
+        warn(recipe, loading.WARNINGS)
+        from fsdp_recipes.train import data_lengths
+
+        # a local model's tokenizer, with the chat template the trainer will use (a hub model's: rank 0 measures)
+        tokenizer, template = data_lengths.load_tokenizer(cfg, cached=False)
+        # the rows: errors with the file and line; rows that teach nothing are one counted warning
+        warn(recipe, kind.check_data(cfg, splits, tokenizer))
+        if tokenizer is not None:  # token lengths, and what max_length cuts: a table, and one warning where it cuts
+            measured = data_lengths.measure_splits(cfg, splits, tokenizer, template)
+            table, cut = data_lengths.report(measured, cfg, tokenizer, cfg.script.dataset_name or "mixture")
+            for line in table:
+                say(line)
+            warn(recipe, cut)
+    recipe.cfg = cfg
+    return cfg
+

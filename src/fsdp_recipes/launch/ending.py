@@ -1,0 +1,118 @@
+"""How a launch ended: preempted, interrupted, failed (one line, explain_failure.py) or completed (the summary)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# import the same in parallel.
+from fsdp_recipes.config.job import machine_rank
+from fsdp_recipes.config.recipes import Recipe
+from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
+from fsdp_recipes.launch import explain_failure, summary
+from fsdp_recipes.metrics import gates
+from fsdp_recipes.launch.lines import say, unexpected_errors
+from fsdp_recipes.launch.ranks import Ranks
+
+
+def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
+    """The ranks were stopped before the preemption checkpoint was complete: say so, in the report too."""
+    from fsdp_recipes.checkpoint import markers as checkpoints
+    from fsdp_recipes.metrics import metrics_file
+
+    latest = checkpoints.latest_complete(output_dir)
+    note = (f"preempted, but the ranks did not finish within the grace period ({grace_s} s) and were stopped; "
+            f"an incomplete checkpoint is skipped on resume, so the same command resumes from "
+            f"{latest or 'the beginning (no complete checkpoint)'}. Fix: raise preemption_grace_s (and the "
+            f"scheduler's grace) above the checkpoint save time")
+    if fresh:
+        metrics_file.amend(report.parent, lambda m: {
+            **m, "status": "preempted", "error": f"{m.get('error') or ''} -- {note}".lstrip(" -"), "provisional": False})
+    return note
+
+
+def read_report(output_dir: str, started: float) -> tuple[Path, bool, dict]:
+    """The run report: its path, whether this run wrote it (not a previous run's), and what it says (this run's)."""
+    report = Path(output_dir) / "metrics.json"
+    fresh = report.exists() and report.stat().st_mtime >= started  # not a previous run's report
+    metrics = json.loads(report.read_text()) if fresh else {}
+    return report, fresh, metrics
+
+
+def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None, output_dir: str,
+                 started: float) -> int | None:
+    """The exit code of a run that was preempted, interrupted or failed (a failure raises its one line), with what to
+    do next; None for a completed run, whose summary follows."""
+    report, fresh, metrics = read_report(output_dir, started)
+    completed = metrics.get("status") == "completed" and not metrics.get("provisional")
+    if preempted_by is not None and completed:
+        # The signal came after the ranks' final report (on a fast GPU a short run ends within a second of it):
+        # torchrun then exits non-zero for its own signal, yet the run is complete. Calling it preempted would make
+        # a requeued job start over, without a checkpoint, on top of the finished outputs.
+        say(f"{signal.Signals(preempted_by).name} arrived after training completed: the final save was written and "
+            f"checked, and the run report {report} is final; nothing to resume (the summary is skipped)")
+        return gates.exit_code(metrics)  # its gates and divergence still decide: 3 or 4 as after a summary
+    if metrics.get("status") == "preempted" and not metrics.get("provisional"):
+        if ranks.interrupted and preempted_by is None:
+            # torch 2.13.0's elastic agent: a SIGINT handled inside its metrics wrapper (metrics/api.py `prof`,
+            # before `start` is set) turns into an UnboundLocalError, and torchrun stops the ranks with SIGTERM
+            say(f"interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint "
+                f"first ({metrics.get('error')}); run the same command again to resume from it in {output_dir}")
+            return EXIT_INTERRUPTED
+        say(f"preempted: a checkpoint was saved in {output_dir}; run the same command again to resume")
+        return EXIT_PREEMPTED
+    if preempted_by is not None and (metrics.get("provisional") or rc != 0):
+        say(grace_ran_out(output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh))
+        return EXIT_PREEMPTED
+    if rc != 0 and completed:
+        # Seen twice in CI before ranks skipped interpreter teardown (entry.exit_without_teardown): a rank aborted
+        # there ("terminate called without an active exception") after the run had finished. Should a rank still
+        # die after its report is final, the exit code stays non-zero and the user learns that nothing is missing.
+        say(f"training completed and its run report {report} says so (final save written and checked), but a rank "
+            f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
+        return rc
+    if rc != 0 and (ranks.interrupted or metrics.get("status") == "interrupted"):
+        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; run the same command again to resume "
+            f"from the newest complete checkpoint in {output_dir}, if there is one")
+        return EXIT_INTERRUPTED
+    if rc != 0:
+        raise failed(recipe, ranks, rc, output_dir, report, fresh)
+    return None
+
+
+def failed(recipe: Recipe, ranks: Ranks, rc: int, output_dir: str, report: Path, fresh: bool) -> UserError:
+    """A failed run as one line (explain_failure.py), also recorded in this run's report."""
+    from fsdp_recipes.checkpoint import markers as checkpoints
+
+    log_dir = Path(output_dir) / "logs"
+    last_good = checkpoints.latest_complete(output_dir)
+    line, code = explain_failure.describe(ranks.records, rc, log_dir, recipe.name, last_good and str(last_good),
+                                          traceback_file=ranks.traceback_file, output_dir=output_dir)
+    if fresh:
+        try:
+            explain_failure.mark_report_failed(report, line, ranks.records[0] if ranks.records else None)
+        except OSError as err:  # the disk that stopped the run: the line below is the report
+            say(f"warning: {report} could not record the failure ({err.strerror or err})")
+    return UserError(line, exit_code=code)
+
+
+def summarise(recipe: Recipe, output_dir: str) -> int:
+    """Step 5 of the module docstring, for a completed run (fsdp_recipes.launch.summary)."""
+    report = Path(output_dir) / "metrics.json"
+    with unexpected_errors("summarising the finished run"):
+        try:
+            return summary.main(summary_args(output_dir), recipe=recipe)
+        except OSError as err:  # a full disk or a quota, met while writing the generations or the eval section
+            raise UserError(f"training completed and {report} says so, but the summary could not write to "
+                            f"{output_dir} ({err.strerror or err}). Fix: free space there, then `python -m "
+                            f"fsdp_recipes.launch.summary {output_dir}` makes the summary again", exit_code=1) from None
+
+
+def summary_args(output_dir: str) -> list[str]:
+    """The summary runs on every node's launcher; its generations load two whole models, so only the first node
+    (machine rank 0) may run them (summary.py decides, by size too)."""
+    return [output_dir, "--machine-rank", machine_rank()]
+

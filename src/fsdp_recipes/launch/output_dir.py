@@ -1,0 +1,96 @@
+"""The run's output_dir: locked for this run, and what the command does with a run it holds already (continue,
+resume, refuse, replace: checkpoint/previous_run.py), before any rank starts."""
+
+from __future__ import annotations
+
+import shlex
+from contextlib import ExitStack
+from pathlib import Path
+
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# import the same in parallel.
+from fsdp_recipes.checkpoint import resume_choice
+from fsdp_recipes.config.recipes import Recipe
+from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.launch import smoke
+from fsdp_recipes.config.job import first_node, job_processes
+from fsdp_recipes.launch.lines import say
+
+
+def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = None) -> str | None:
+    """Lock output_dir for this run, held until the launcher exits: before the ranks start where the recipe or
+    the command names it, so that a busy folder is one line at once (issue 42: lock mistakes within 5 s), else
+    (`output_dir`: TrainingArguments' default, once parsed) in claim_output_dir. The folder locked, or None. On a
+    multi-node job the first node's launcher locks."""
+    from fsdp_recipes.checkpoint import output_lock
+    from fsdp_recipes.paths import expand
+
+    out = output_dir or recipe.field("output_dir")
+    if not isinstance(out, str) or not out or not first_node():
+        return None
+    out = expand(out, "output_dir")
+    lock = output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides]))
+    if output_dir is None:  # before the checks: a folder that cannot be made is theirs to name (config/value_checks)
+        try:
+            lock.acquire()
+        except OSError:
+            return None
+        held.callback(lock.release)
+    else:
+        held.enter_context(lock)
+    if lock.note:
+        say(f"warning: {lock.note}")
+    return out
+
+
+def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | None = None) -> str | None:
+    """Lock output_dir for this run where lock_output_dir could not yet, apply --overwrite_output_dir, and decide what
+    the command does with a run the folder holds already (checkpoint/previous_run.py): None to go on, or the
+    "already complete" line. Then the checkpoint to resume: refused when incompatible, skipped (and moved aside)
+    when unreadable. On a multi-node job the first node's launcher does this; the others only check the resume."""
+    from fsdp_recipes.checkpoint import previous_run, resume_settings
+    from fsdp_recipes.train import kinds
+
+    out = cfg.training.output_dir
+    now = resume_settings.current(cfg, job_processes(recipe.accelerate), kinds.load(cfg.trainer).RESUME_SETTINGS)
+    if locked is None or Path(out).resolve() != Path(locked).resolve():  # the lock first: the folder is read under it
+        lock_output_dir(recipe, held, out)
+    first = first_node()
+    previous = previous_run.read(Path(out))
+    # a finished smoke run is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)
+    replace = cfg.pack.overwrite_output_dir or (smoke.active() and previous is not None
+                                                and previous.status == "completed")
+    if replace and first and (removed := previous_run.clear(out, previous)):
+        say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
+    if not replace:  # every node decides alike (read-only), so none starts ranks that would wait for the others
+        resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
+        if done := previous_run.decide(out, previous, now, cfg.pack.override_resumed_settings, resumes):
+            return done
+    elif not first:
+        return None  # the first node is emptying output_dir: there is nothing of the old run to resume
+    resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
+    if first:
+        superseded(out, resume)
+    if changed.get("length"):
+        (_, was), (name, now_len) = changed["length"]
+        say(f"continuing {resume} to {name} {now_len} (it was trained toward {was}): the learning-rate schedule is "
+            f"the new length's from its step on")
+    if changed.get("changed"):
+        say(f"override_resumed_settings: resuming {resume} with {resume_settings.described(changed['changed'])}; the "
+            f"new values apply from step {changed['step'] + 1} (run_args.json: resumed_with_changes)")
+    return None
+
+
+def superseded(output_dir: str, resume: str | None) -> None:
+    """Complete checkpoints of this output_dir past the step this run starts from (auto_resume false, or an older
+    resume_from_checkpoint) are moved aside: the Trainer would save into those folders while their old
+    completion marker still stood, and a kill mid-save would leave a mixed folder that looked complete."""
+    from fsdp_recipes.checkpoint import markers
+    from fsdp_recipes.checkpoint.resume_check import checkpoint_step
+
+    start = checkpoint_step(resume) if resume else 0
+    for ckpt in markers.checkpoint_dirs(output_dir):
+        if markers.is_complete(ckpt) and markers.step_of(ckpt) > start:
+            moved = markers.move_aside(ckpt, "superseded")
+            say(f"{ckpt.name} is past step {start}, where this run starts: moved to {moved.name} (kept, not resumed)")
+
