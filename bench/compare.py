@@ -242,7 +242,7 @@ def planned(v: Variant, cfg, shape, tokens: int) -> dict:
 
 def model_shape(source: Path, cfg_args: list[str]):
     """The planner's ModelShape of the recipe's model, full fine-tuning (a meta-device copy, as make plan builds)."""
-    from fsdp_recipes.planning import memory_budget
+    from fsdp_recipes.planning import plan
     from fsdp_recipes.planning.plan import load_recipe
 
     _, _, cfg, model = load_recipe(str(source), overrides=["--use_peft", "false", *cfg_args])

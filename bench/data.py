@@ -6,7 +6,7 @@ Data: N conversational prompt-completion examples from `tiny_assets.make_example
 generator, seed 1), tokenized with the tiny tokenizer and its chat template. Two paths on the same rows:
 
 - pack: the rows written as train.jsonl; `run_config.parse_args` on the default recipe's sft.yaml with this
-  dataset, then `entry.build_trainer` as the entry point calls it: `loading.load_for`
+  dataset, then `trainer_for` (train/build.py) as the entry point builds it: `loading.load_for`
   (datasets.load_dataset of the JSONL) and SFTTrainer's preparation with the recipe's settings (max_length 64).
 - TRL default: `datasets.Dataset.from_list(rows)` and `SFTTrainer(model, args=SFTConfig(output_dir, packing=...))`,
   everything else TRL's default (max_length 1024) but bf16, off on CPU.
@@ -74,22 +74,19 @@ class Clocks:
 
 
 def pack_path(data_dir: Path, work: Path, packing: bool) -> dict:
-    from trl import SFTTrainer, get_peft_config
+    from trl import SFTTrainer
 
-    from fsdp_recipes.metrics.run_report import RunReportCallback
-    from fsdp_recipes.train import entry, loading, run_checks
-    from fsdp_recipes.train.preemption import PreemptionCallback
+    from fsdp_recipes.train import loading, run_checks
+    from fsdp_recipes.train.build import run_report_for, trainer_for
 
     argv = ["--config", str(RECIPE_SFT), "--dataset_name", str(data_dir), "--eval_strategy", "no",
             "--packing", str(packing).lower(), "--output_dir", str(work / "out"), "--save_merged_model", "false"]
     cfg = run_checks.parse_and_check(argv, quiet=True)
-    peft_config = get_peft_config(cfg.model)
-    report = RunReportCallback(cfg.training.output_dir, {}, cfg.pack.recipe_name, trainer=cfg.trainer)
     clocks = Clocks()
     clocks.wrap(loading, "load_for", "load")  # what the SFT kind loads its splits with
     clocks.wrap(SFTTrainer, "_prepare_dataset", "prepare")
     try:
-        trainer = entry.build_trainer(cfg, peft_config, report, PreemptionCallback())
+        trainer = trainer_for(cfg, run_report_for(cfg))
     finally:
         clocks.restore()
     return {**clocks.seconds, "rows_out": len(trainer.train_dataset), "max_length": cfg.training.max_length}

@@ -41,7 +41,7 @@ Layouts: one GPU (FSDP2 with world size 1) and, where the machine has more than 
 
 Rungs, each its own `accelerate launch` (FSDP2, a YAML generated from accelerate_configs/fsdp2_1node.yaml with
 num_processes, reshard_after_forward and mixed precision set) of bench_gpu_worker.py, which drives the entry
-point's trainer (run_config.parse_args and entry.build_trainer, as bench_overhead.py does: TRL's SFTTrainer,
+point's trainer (run_config.parse_args and train/build.py trainer_for, as bench_overhead.py does: TRL's SFTTrainer,
 its fused LM head and metrics, the pack's run report, completion-marker and preemption callbacks):
 
   0   baseline: TRL SFTTrainer defaults: padded batches of 8 (per_device_train_batch_size's default), no packing,
@@ -305,7 +305,7 @@ def memory_parts(size: str, s: dict, processes: int, max_length: int, tokens: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.planning import memory_budget
+    from fsdp_recipes.planning import memory_budget, plan
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))

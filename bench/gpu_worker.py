@@ -3,7 +3,7 @@
     accelerate launch --config_file <rung>.yaml -m bench.gpu_worker \
         --warmup 4 -- <the entry point's flags>
 
-The entry point's trainer (run_config.parse_args + entry.build_trainer, as bench_overhead.py drives it), with the warm-up
+The entry point's trainer (run_config.parse_args + train/build.py trainer_for, as bench_overhead.py drives it), with the warm-up
 steps excluded from the run report's clock and token counters. Every rung's change is a recipe setting: float8 is
 the entry point's `--float8` (float8.py), regional compilation the rung's accelerate YAML (`dynamo_config`). Its
 figures are the run's own metrics.json, which bench_gpu.py reads.
@@ -28,17 +28,13 @@ def worker(argv: list[str]) -> int:
     wargs = ap.parse_args(argv[:split])
 
     from fsdp_recipes.config.run_config import parse_args
-    from fsdp_recipes.patches import cpu_fsdp
+    from fsdp_recipes.train.build import run_report_for, set_up_process, trainer_for
 
-    cpu_fsdp.enable()  # a no-op with a GPU
+    set_up_process()  # a no-op with a GPU
     import torch
     from transformers import TrainerCallback
-    from trl import get_peft_config
 
-    from fsdp_recipes.metrics.run_report import RunReportCallback
     from fsdp_recipes.records import write_json_atomic
-    from fsdp_recipes.train import entry
-    from fsdp_recipes.train.preemption import PreemptionCallback
 
     cfg = parse_args(argv[split + 1:])
     training = cfg.training
@@ -48,8 +44,7 @@ def worker(argv: list[str]) -> int:
         # inside every compiled layer, within the activation-checkpoint region dynamo must trace whole. Inductor
         # fuses RoPE itself, so the compiled rungs keep Liger's RMSNorm and SwiGLU and leave RoPE to the compiler.
         training.liger_kernel_config = {**(training.liger_kernel_config or {}), "rope": False}
-    peft_config = get_peft_config(cfg.model)
-    report = RunReportCallback(training.output_dir, cfg.resolved(peft_config), "bench-gpu")
+    report = run_report_for(cfg, "bench-gpu")
     report.resolved_args["bench_worker"] = {**vars(wargs), "accelerate_dynamo": {
         k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_DYNAMO_")}}
 
@@ -84,7 +79,7 @@ def worker(argv: list[str]) -> int:
             sync()
 
     try:
-        trainer = entry.build_trainer(cfg, peft_config, report, PreemptionCallback())
+        trainer = trainer_for(cfg, report)
         trainer.callback_handler.callbacks.insert(0, ExcludeWarmup())
         trainer.train()
     except BaseException as err:

@@ -26,7 +26,7 @@ step follows a bare step and every bare step a pack step, so cache and allocator
   decoder layer and then the root, with reshard_after_forward (what that YAML asks for).
 
 Pack side: `run_config.parse_args` on the default recipe's sft.yaml plus overrides (this model, this data,
-`use_peft false`, batch, length, steps), then `entry.build_trainer` exactly as the entry point calls it:
+`use_peft false`, batch, length, steps), then `trainer_for` (train/build.py), the trainer the entry point builds:
 TRL SFTTrainer (its loss through TRL's fused LM head, its entropy and token-accuracy metrics), the pack's
 RunReportCallback with its token counter, CompletionMarkerCallback and PreemptionCallback (one all-reduce per step
 under 2 processes), the Trainer's logging every `logging_steps`. Bare side: forward with labels, backward, clip,
@@ -176,23 +176,18 @@ class BareLoop:
 
 
 def run_paired(argv: list[str], bare: BareLoop) -> dict[str, list[tuple[tuple, tuple]]]:
-    """The entry point's trainer (entry.build_trainer) for max_steps, with one bare step after each of its steps.
+    """The entry point's trainer (train/build.py trainer_for) for max_steps, with one bare step after each of its steps.
 
     Returns each side's step spans as (start, end) clock readings: the pack's from the end of the previous bare step
     (or the start of training) to its own step end, so that the Trainer's loop, batch fetch, forward, backward,
     optimizer, logging and the pack's callbacks all fall in it; the bare step's from there to its own end."""
     from transformers import TrainerCallback
-    from trl import get_peft_config
 
-    from fsdp_recipes.metrics.run_report import RunReportCallback
-    from fsdp_recipes.train import entry
-    from fsdp_recipes.train.preemption import PreemptionCallback
+    from fsdp_recipes.train.build import run_report_for, trainer_for
 
     cfg = parse_args(argv)
-    training = cfg.training
-    peft_config = get_peft_config(cfg.model)
-    report = RunReportCallback(training.output_dir, cfg.resolved(peft_config), cfg.pack.recipe_name)
-    trainer = entry.build_trainer(cfg, peft_config, report, PreemptionCallback())
+    report = run_report_for(cfg)
+    trainer = trainer_for(cfg, report)
     spans = {"pack": [], "bare": []}
     last = []
 
@@ -229,9 +224,9 @@ def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmu
     """`reps` paired runs in this process (or these ranks); rank 0 writes every step time to `out`."""
     import gc
 
-    from fsdp_recipes.patches import cpu_fsdp
+    from fsdp_recipes.train.build import set_up_process
 
-    fsdp = cpu_fsdp.enable()  # a no-op outside `accelerate launch` with an FSDP config (the 1-process layout)
+    fsdp = set_up_process()  # a no-op outside `accelerate launch` with an FSDP config (the 1-process layout)
     import torch
     import torch.distributed as dist
 

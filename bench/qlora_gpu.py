@@ -164,6 +164,7 @@ def planned(cfg, config, layers: int, dry: bool) -> dict[str, int]:
     """The planner's budget for the probe: one GPU, no FSDP, bf16 compute, the probe's micro-batch."""
     from fsdp_recipes.config.model_check import meta_model
     from fsdp_recipes.planning import memory_budget, plan
+    from fsdp_recipes.speed import four_bit
 
     shape = plan.model_shape(meta_model(shaped(config, layers, dry)), cfg.model)
     batch, length = DRY_TOKENS if dry else (cfg.training.per_device_train_batch_size, cfg.training.max_length)

@@ -98,7 +98,7 @@ RUN_BY = {
     # What the launcher starts: launcher.py builds exactly this command, and test_end_to_end runs the launcher.
     "accelerate launch --config_file recipes/tiny-cpu-lora/accelerate.yaml -m fsdp_recipes.train.entry "
     "--config recipes/tiny-cpu-lora/sft.yaml": RunBy(
-        ("src/fsdp_recipes/launch/launcher.py", "tests/test_end_to_end.py", "src/fsdp_recipes/config/recipes.py"),
+        ("src/fsdp_recipes/launch/ranks.py", "tests/test_end_to_end.py", "src/fsdp_recipes/config/recipes.py"),
         ('["--config_file", str(recipe.accelerate_path)',
          '["-m", "fsdp_recipes.train.entry", *recipe.argv()]',
          'return ["--config", str(self.config_path), *self.overrides]',

@@ -103,8 +103,8 @@ def test_4bit_layers_compute_alike_on_a_cpu_with_avx512_bf16(bnb, cache_dir, mon
 
     monkeypatch.setattr(modules, "has_avx512bf16", lambda: True)  # read when each Linear4bit is built
     model = four_bit.load_4bit(str(cache_dir / "tiny-mistral"), model_args())
-    four_bit = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
-    assert len(four_bit) == 28 and {m.out_features % 32 for m in four_bit} == {0, 688 % 32}
+    layers = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
+    assert len(layers) == 28 and {m.out_features % 32 for m in layers} == {0, 688 % 32}
     with torch.no_grad():
         out = model.eval().generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
     assert out.shape == (1, 5)

@@ -255,7 +255,7 @@ def test_the_final_save_reports_what_its_files_were_compared_with(tmp_path, caps
     from transformers import MistralConfig, MistralForCausalLM
 
     from fsdp_recipes.checkpoint.save_check import LIVE
-    from fsdp_recipes.train.entry import save_final
+    from fsdp_recipes.train.final_save import save_final
 
     model = MistralForCausalLM(MistralConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))

@@ -159,9 +159,9 @@ def test_the_launcher_tells_the_summary_its_node(monkeypatch):
     from fsdp_recipes.launch import ending
 
     monkeypatch.setenv("FSDP_RECIPES_LAUNCH_ARGS", "--num_machines 2 --machine_rank 1 --main_process_ip n0")
-    assert launcher.summary_args("runs/x") == ["runs/x", "--machine-rank", "1"]
+    assert ending.summary_args("runs/x") == ["runs/x", "--machine-rank", "1"]
     monkeypatch.delenv("FSDP_RECIPES_LAUNCH_ARGS")
-    assert launcher.summary_args("runs/x") == ["runs/x", "--machine-rank", "0"]
+    assert ending.summary_args("runs/x") == ["runs/x", "--machine-rank", "0"]
 
 
 def fabricated_check(correct: dict[str, list[bool]], loss: dict[str, float], held_out: bool = True) -> dict:

@@ -161,7 +161,7 @@ def test_merging_a_tied_model_keeps_a_trained_head(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    from fsdp_recipes.train.entry import save_merged
+    from fsdp_recipes.train.final_save import save_merged
 
     base = tied_llama()
     base.save_pretrained(tmp_path / "base")

@@ -1,5 +1,12 @@
 """The trainer a rank trains with: the kind's TRL trainer (train/kinds/) with the pack's hooks, callbacks and speed
 options, its model loaded by TRL with from_pretrained (or built by a speed option, speed/).
+
+For a program that drives training itself (bench/, a notebook), in a process accelerate launched:
+    set_up_process()                      # before any accelerate state: FSDP on CPU over gloo where asked
+    cfg = run_config.parse_args(argv)
+    report = run_report_for(cfg)          # metrics.json and run_args.json, as a launched run writes them
+    trainer = trainer_for(cfg, report)    # what the entry point builds
+    trainer.train()
 """
 
 from __future__ import annotations
@@ -8,6 +15,7 @@ from fsdp_recipes import dist, speed
 from fsdp_recipes.checkpoint.load_check import LoadCheckCallback, TiedEmbeddingsCheck
 from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
 from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.patches import cpu_fsdp
 from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_load
 from fsdp_recipes.patches.peft_fsdp import (
     RestoreOutputEmbeddings,
@@ -158,3 +166,27 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
                                                  report.tokens))
 
 
+def set_up_process() -> bool:
+    """Before any accelerate state exists: accelerate's FSDP path on CPU over gloo, where the launch asked for FSDP
+    and there is no GPU (patches/cpu_fsdp.py). Whether it applied."""
+    return cpu_fsdp.enable()
+
+
+def run_report_for(cfg: RunConfig, report_name: str | None = None):
+    """The run report (metrics.json, run_args.json) of a run of `cfg`, named `report_name` (the recipe's name)."""
+    from trl import get_peft_config
+
+    from fsdp_recipes.metrics.run_report import RunReportCallback
+
+    return RunReportCallback(cfg.training.output_dir, cfg.resolved(get_peft_config(cfg.model)),
+                             report_name or cfg.pack.recipe_name, trainer=cfg.trainer)
+
+
+def trainer_for(cfg: RunConfig, report):
+    """The trainer the entry point builds for `cfg`, reporting to `report` (run_report_for), with the preemption
+    callback."""
+    from trl import get_peft_config
+
+    from fsdp_recipes.train.preemption import PreemptionCallback
+
+    return build_trainer(cfg, get_peft_config(cfg.model), report, PreemptionCallback())
