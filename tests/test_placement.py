@@ -187,3 +187,14 @@ def test_the_launcher_hands_the_cpu_precision_to_the_ranks_before_the_users_sett
     assert cmd[cmd.index("--config") + 2:] == ["--bf16", "true", "--use_cpu", "true", "--output_dir",
                                                str(tmp_path / "run"), "--cpu_bf16", "auto"]
     assert "recipe tiny-cpu-lora: bf16 autocast on this CPU (avx512_bf16)" in capsys.readouterr().out
+
+
+def test_placements_default_batch_is_the_trainers():
+    """Placement rescales the per-device batch before the recipe is parsed: for a recipe that sets none it must assume
+    the default TrainingArguments will use, not a copy that drifts from it."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    default = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}["per_device_train_batch_size"]
+    assert placement.TRAINER_DEFAULT_BATCH == default

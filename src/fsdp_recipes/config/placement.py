@@ -65,6 +65,11 @@ def runs_on_cpu(raw: dict, acc: dict, gpus: int, overrides: list[str]) -> bool:
     return gpus == 0 or bool(acc.get("use_cpu")) or truthy(override(overrides, "use_cpu", raw.get("use_cpu")))
 
 
+# TrainingArguments' own default per_device_train_batch_size, which placement needs before the recipe is parsed (the
+# launcher's light path imports no transformers); tests/test_placement.py holds it against transformers'.
+TRAINER_DEFAULT_BATCH = 8
+
+
 def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], launch_args: list[str],
           bf16_ok: bool = True) -> Placement:
     """`raw`: the recipe YAML as written; `overrides`: the user's; `gpus`: gpus_here(); `bf16_ok`: the GPUs compute
@@ -93,7 +98,8 @@ def place(recipe: str, raw: dict, acc: dict, gpus: int, overrides: list[str], la
     if placed.processes == processes and not to_bf16:
         return Placement()
     changed = []
-    batch = int(override(overrides, "per_device_train_batch_size", raw.get("per_device_train_batch_size", 8)))
+    batch = int(override(overrides, "per_device_train_batch_size",
+                         raw.get("per_device_train_batch_size", TRAINER_DEFAULT_BATCH)))
     if placed.processes != processes and not given(overrides, "per_device_train_batch_size"):
         if batch * processes % placed.processes == 0:
             per_device = batch * processes // placed.processes
