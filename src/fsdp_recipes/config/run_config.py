@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config import yaml_keys
 from fsdp_recipes.config.argv import given, override
+from fsdp_recipes.config.preemption import GRACE_S
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
 from fsdp_recipes.paths import cache_dir, expand
@@ -111,7 +112,7 @@ class PackArguments:
                           "compute capability 8.9+ (H100, H200); on CPU it runs, no faster. See float8.py."},
     )
     preemption_grace_s: int = field(
-        default=120,
+        default=GRACE_S,
         metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
     )
     # Acceptance gates (metrics/gates.py), judged at the end of every run from its own report; docs/run-report.md.

@@ -45,8 +45,9 @@ from fsdp_recipes import library_logs
 from fsdp_recipes.checkpoint import resume_choice
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, placement, quantization, recipes, yaml_keys
 from fsdp_recipes.config.argv import override
+from fsdp_recipes.config.preemption import grace_seconds
 from fsdp_recipes.config.recipes import Recipe
-from fsdp_recipes.config.run_config import PackArguments, RunConfig
+from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import explain_failure, smoke, summary
@@ -420,15 +421,6 @@ def superseded(output_dir: str, resume: str | None) -> None:
             say(f"{ckpt.name} is past step {start}, where this run starts: moved to {moved.name} (kept, not resumed)")
 
 
-def grace_seconds(recipe: Recipe) -> str:
-    """preemption_grace_s before the recipe is parsed (torchrun reads it at start); the parse checks it later."""
-    value = recipe.field("preemption_grace_s")
-    try:
-        return str(int(value))
-    except (TypeError, ValueError):
-        return str(PackArguments.preemption_grace_s)
-
-
 @cli
 def main(argv: list[str] | None = None) -> int:
     library_logs.divert(lambda text: None)  # each rank's log has the same records
@@ -524,7 +516,7 @@ def rank_command(recipe: Recipe, extra: list[str], torchrun_logs: Path) -> list[
     cmd += ["-m", "fsdp_recipes.train.entry", *recipe.argv()]
     # torchrun forwards these signals to every rank and then allows the grace period before killing them.
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", grace_seconds(recipe))
+    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", str(grace_seconds(recipe)))
     return cmd
 
 
