@@ -10,18 +10,15 @@ launcher's summary). The ranks' argument default, the launcher and every cluster
 from __future__ import annotations
 
 import signal
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from fsdp_recipes.config.recipes import Recipe
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what the ranks treat as preemption (SIGINT is the user's Ctrl-C)
 GRACE_S = 120  # preemption_grace_s's default: seconds the ranks get to save after the signal
 SHUTDOWN_MARGIN_S = 60  # on top of the grace, for a scheduler: torchrun's shutdown and the launcher's summary
 
 
-def grace_seconds(recipe: Recipe) -> int:
-    """preemption_grace_s before the recipe is parsed (torchrun reads it at start); the parse checks it later."""
+def grace_seconds(recipe) -> int:
+    """preemption_grace_s of a config/recipes.py `Recipe` (not imported: recipes.py reads run_config.py, which reads
+    GRACE_S here) before it is parsed: torchrun reads it at start; the parse checks it later."""
     value = recipe.field("preemption_grace_s")
     try:
         return int(value)
