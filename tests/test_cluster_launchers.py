@@ -5,6 +5,7 @@ real ones render what their schedulers need (the recipe's world size, the preemp
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def skypilot_module(**drop_or_change) -> types.ModuleType:
             "name": f"ft-{job.name}",
             "num_nodes": job.nodes,
             "resources": {"accelerators": f"H100:{job.gpus}", "cloud": job.options.cloud},
-            "envs": {"FSDP_RECIPES_LAUNCH_ARGS": f"--num_processes {job.world_size}",
+            "envs": {"FSDP_RECIPES_LAUNCH_ARGS": job.launch_args("$SKYPILOT_NODE_RANK", "$HEAD_IP"),
                      "PREEMPTION_SIGNAL": job.signal.name, "GRACE_S": job.grace_s},
             "run": f"bash {job.folder}/launch.sh",
         }
@@ -63,7 +64,8 @@ def skypilot():
 def recipe_with(root: Path, name: str, sft: str) -> Path:
     folder = root / name
     folder.mkdir(parents=True)
-    (folder / "accelerate.yaml").write_text("distributed_type: FSDP\nnum_processes: 8\nfsdp_config:\n  fsdp_version: 2\n")
+    (folder / "accelerate.yaml").write_text("distributed_type: FSDP\nnum_processes: 8\n"
+                                            "fsdp_config:\n  fsdp_version: 2\n")
     (folder / "sft.yaml").write_text(f"recipe_name: {name}\n{sft}")
     return folder
 
@@ -75,15 +77,18 @@ def test_an_added_launcher_renders_a_job_through_the_same_path(skypilot, tmp_pat
                          "--out", str(out)]) == 0
     task = yaml.safe_load((out / "task.yaml").read_text())
     assert task["num_nodes"] == 2 and task["resources"] == {"accelerators": "H100:8", "cloud": "gcp"}
-    assert task["envs"] == {"FSDP_RECIPES_LAUNCH_ARGS": "--num_processes 16", "PREEMPTION_SIGNAL": "SIGTERM",
-                            "GRACE_S": 330}  # the recipe's 300 s save + the launcher's own 30
+    assert task["envs"] == {
+        "FSDP_RECIPES_LAUNCH_ARGS": "--num_machines 2 --machine_rank $SKYPILOT_NODE_RANK --main_process_ip $HEAD_IP "
+                                    "--main_process_port 29500 --num_processes 16 --rdzv_backend c10d",
+        "PREEMPTION_SIGNAL": "SIGTERM", "GRACE_S": 330}  # the recipe's 300 s save + the launcher's own 30
     printed = capsys.readouterr().out.splitlines()
     assert printed[0] == (f"[job] long-save on skypilot: 2 node(s) x 8 GPU(s) = 16, preempted by SIGTERM with 330 s "
                           f"to save -> {out}/")
     assert printed[-1] == f"[job] submit: sky launch {out}/task.yaml"
     # The shared checks run before the launcher's render: a count the recipe cannot use writes nothing.
     with pytest.raises(SystemExit) as stop:
-        command.main(["--launcher", "skypilot", str(recipe), "--nodes", "1", "--gpus", "4", "--out", str(tmp_path / "x")])
+        command.main(["--launcher", "skypilot", str(recipe), "--nodes", "1", "--gpus", "4",
+                      "--out", str(tmp_path / "x")])
     assert stop.value.code == 2 and not (tmp_path / "x").exists()
 
 
@@ -151,3 +156,43 @@ def test_job_mistakes_are_one_line(args, message, tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.splitlines() == [message], out.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_an_hsdp_job_tells_each_node_the_replicas_for_its_node_count(tmp_path, skypilot):
+    recipe = recipe_with(tmp_path / "recipes", "hsdp", "min_gpus: 0\n")
+    (recipe / "accelerate.yaml").write_text("distributed_type: FSDP\nnum_machines: 2\nnum_processes: 16\nfsdp_config:\n"
+                                            "  fsdp_version: 2\nparallelism_config:\n"
+                                            "  parallelism_config_dp_replicate_size: 2\n"
+                                            "  parallelism_config_dp_shard_size: 8\n")
+    job = command.build(registry.load("skypilot"), str(recipe), 4, 8, command.parser(None).parse_args(
+        ["--launcher", "skypilot", str(recipe)]))
+    assert job.world_size == 32 and job.grace_s == 150  # preemption_grace_s's default 120 + 30
+    assert job.launch_args("3", "head") == ("--num_machines 4 --machine_rank 3 --main_process_ip head "
+                                            "--main_process_port 29500 --num_processes 32 --rdzv_backend c10d "
+                                            "--parallelism_config_dp_replicate_size 4")
+
+
+def test_submit_runs_the_launchers_command(tmp_path):
+    """--submit: the files written, then the scheduler's own command on them (a stand-in sbatch here)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text('#!/usr/bin/env bash\necho "sbatch got $*"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    out = tmp_path / "job"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    res = subprocess.run([sys.executable, "-m", "fsdp_recipes.cli", "job", "--launcher", "slurm", "tiny-cpu-lora",
+                          "--gpus", "2", "--out", str(out), "--submit"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1] == f"sbatch got {out}/job.sbatch"
+    assert "#SBATCH --gpus-per-node=2" in (out / "job.sbatch").read_text()
+
+
+def test_slurm_outside_the_repository_is_one_line(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "fsdp_recipes.cli", "job", "--launcher", "slurm",
+                          str(REPO / "recipes" / "tiny-cpu-lora"), "--gpus", "1", "--print"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [
+        "error: slurm/fsdp_1node.sbatch not found: a Slurm job is made from the repository's slurm/ scripts. Fix: run "
+        "from the fsdp-recipes repository root, or set FSDP_RECIPES_HOME=<repo>."]

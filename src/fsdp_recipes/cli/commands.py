@@ -29,9 +29,11 @@ class Command:
 
 COMMANDS = (
     Command("finetune", "fsdp_recipes.launch.launcher:main",
-            "RECIPE [--field value ...]: checks, accelerate launch, summary (what launch.sh runs)", aliases=("launch",)),
+            "RECIPE [--field value ...]: checks, accelerate launch, summary (what launch.sh runs)",
+            aliases=("launch",)),
     Command("smoke", "fsdp_recipes.launch.launcher:main",
-            "RECIPE: its own launch path on CPU with a tiny model of its architecture", env=(("FSDP_RECIPES_SMOKE", "1"),)),
+            "RECIPE: its own launch path on CPU with a tiny model of its architecture",
+            env=(("FSDP_RECIPES_SMOKE", "1"),)),
     Command("plan", "fsdp_recipes.planning.plan:main",
             "RECIPE --gpus 8 --nodes 1 --gpu H100 [--fit --comms --time]: will it fit? launches nothing"),
     Command("data", "fsdp_recipes.launch.data_preview:main",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-import signal
 from pathlib import Path
+from signal import Signals
 
 from fsdp_recipes.config import recipes
 from fsdp_recipes.config.preemption import grace_seconds
@@ -66,7 +66,7 @@ class Job:
     nodes: int
     gpus: int
     launcher: str
-    signal: signal.Signals
+    signal: Signals
     grace_s: int
     launch_extra: tuple[str, ...] = ()  # `accelerate launch` options this node count needs (the HSDP replicas)
     options: argparse.Namespace = dataclasses.field(default_factory=argparse.Namespace)  # the launcher's own flags
@@ -79,6 +79,20 @@ class Job:
     def world_size(self) -> int:
         return self.nodes * self.gpus
 
+    def launch_args(self, machine_rank: str = "0", main_process_ip: str = "localhost",
+                    main_process_port: str = "29500") -> str:
+        """FSDP_RECIPES_LAUNCH_ARGS for one node of this job: the extra `accelerate launch` options with which the
+        recipe's launch.sh learns its place (launch/launcher.py). A node's own values may be its scheduler's
+        variables ("$SKYPILOT_NODE_RANK"), expanded by the shell on the node; k8s/entrypoint.sh and
+        slurm/common.sh build the same options in the pod or the job step."""
+        if self.nodes == 1:
+            args = ["--num_processes", str(self.gpus)]
+        else:
+            args = ["--num_machines", str(self.nodes), "--machine_rank", machine_rank, "--main_process_ip",
+                    main_process_ip, "--main_process_port", main_process_port, "--num_processes",
+                    str(self.world_size), "--rdzv_backend", "c10d"]
+        return " ".join([*args, *self.launch_extra])
+
     @property
     def command(self) -> str:
         """The command that regenerates this job, for the files' headers."""
@@ -90,7 +104,8 @@ def check_topology(facts: RecipeFacts, nodes: int, gpus: int) -> tuple[str, ...]
     name, total = facts.name, nodes * gpus
     if nodes < 1 or gpus < 1:
         raise UserError(
-            f"NODES and GPUS must be at least 1 (got NODES={nodes} GPUS={gpus}). Fix: --nodes 1 --gpus 8 (make: NODES=1 GPUS=8)."
+            f"NODES and GPUS must be at least 1 (got NODES={nodes} GPUS={gpus}). "
+            "Fix: --nodes 1 --gpus 8 (make: NODES=1 GPUS=8)."
         )
     if facts.distributed_type == "NO" and total > 1:
         raise UserError(

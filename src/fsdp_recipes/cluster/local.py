@@ -39,7 +39,7 @@ def render(job: Job) -> dict[str, str]:
 # override the recipe's fields (./run.sh --max_steps 20). Preemption: kill -{job.signal.name[3:]} <the launcher's pid>
 # saves a checkpoint within {job.grace_s} s and exits 75; run this script again to resume from it.
 set -euo pipefail
-export FSDP_RECIPES_LAUNCH_ARGS="--num_processes {job.gpus}"
+export FSDP_RECIPES_LAUNCH_ARGS="{job.launch_args()}"
 exec bash {launch} "$@"
 """}
 

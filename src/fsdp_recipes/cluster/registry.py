@@ -10,7 +10,8 @@ provides (ClusterLauncher below checks it when the registry is built, at import,
     grace_seconds(grace_s)      the seconds it allows between that signal and its kill, for a recipe whose ranks
                                 save within grace_s (its preemption_grace_s)
     render(job)                 file name -> text: what is submitted (cluster/job.py Job: the recipe's facts,
-                                nodes x GPUs, the signal and grace above, the launcher's own options)
+                                nodes x GPUs, the signal and grace above, the launcher's own options, and
+                                launch_args(), each node's FSDP_RECIPES_LAUNCH_ARGS)
     submit_command(job, out)    the command that submits the files rendered into the folder `out`
     OUTPUT_DIR                  where the files go without --out (<OUTPUT_DIR>/<recipe>/)
 Optional, with the defaults of ClusterLauncher: add_arguments(parser) (its own flags, in job.options) and
