@@ -50,7 +50,7 @@ def parser(launcher: ClusterLauncher | None) -> argparse.ArgumentParser:
 
 def which_launcher(argv: list[str]) -> ClusterLauncher | None:
     """The --launcher named in argv (None when it is not given, for --help and argparse's own message)."""
-    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe = _Parser(prog=PROG, add_help=False, allow_abbrev=False)
     probe.add_argument("--launcher")
     name = probe.parse_known_args(argv)[0].launcher
     if name is None:
