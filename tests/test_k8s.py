@@ -1,4 +1,4 @@
-"""make k8s: the generated manifests validate offline, carry the preemption/resume settings, and bad input is one line.
+"""make k8s (`fsdp-recipes job --launcher k8s`): the generated manifests validate offline, carry the preemption/resume settings, and bad input is one line.
 
 Validators: kubernetes-validate --strict for core kinds (the PyTorchJob pod template is checked as a PodTemplate),
 the CRD OpenAPI schemas in ../shared/k8s-crds for PyTorchJob and TrainJob (skipped, with a message, without them),
@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from conftest import skip_or_fail
-from fsdp_recipes.cluster import k8s
+from fsdp_recipes.cluster import command, k8s
+from fsdp_recipes.config.preemption import SHUTDOWN_MARGIN_S
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -52,7 +53,7 @@ def make_recipe(root: Path, name: str, accelerate: str, sft: str = "min_gpus: 0\
 
 
 def generate(recipe: str | Path, out: Path, *args: str) -> dict[str, Path]:
-    assert k8s.main([str(recipe), "--out", str(out), *args]) == 0
+    assert command.main(["--launcher", "k8s", str(recipe), "--out", str(out), *args]) == 0
     return {p.name: p for p in out.iterdir()}
 
 
@@ -105,7 +106,7 @@ def test_pytorchjob_nodes_resume_and_restart(outputs):
         assert mounts["checkpoints"] == "/checkpoints" and claims["checkpoints"] == "fsdp-checkpoints"
         assert mounts["data"] == "/data" and claims["data"] == "fsdp-data"
         assert mounts["dshm"] == "/dev/shm"
-        assert pod["terminationGracePeriodSeconds"] == 120 + k8s.GRACE_MARGIN_S  # sft.yaml default grace
+        assert pod["terminationGracePeriodSeconds"] == 120 + SHUTDOWN_MARGIN_S  # sft.yaml default grace
         assert pod["priorityClassName"] == "fsdp-finetune-low"
         env = {e["name"]: e["value"] for e in container["env"]}
         assert env["FSDP_NNODES"] == "2" and env["FSDP_GPUS_PER_NODE"] == "8"
@@ -126,7 +127,7 @@ def test_hsdp_replicas_follow_the_node_count_and_grace_follows_the_recipe(output
     # 4 nodes x 8 GPUs with shard groups of 8: 4 replicas, not the 2 the recipe was written for.
     assert env["FSDP_K8S_LAUNCH_EXTRA"] == "--parallelism_config_dp_replicate_size 4"
     assert env["NCCL_SOCKET_IFNAME"] == "eth0"
-    assert pod["terminationGracePeriodSeconds"] == 300 + k8s.GRACE_MARGIN_S
+    assert pod["terminationGracePeriodSeconds"] == 300 + SHUTDOWN_MARGIN_S
     # min_gpus 16 is the recipe's total; each pod checks its own 8.
     cmd = pod["containers"][0]["command"]
     assert cmd[cmd.index("--min_gpus") + 1] == "8"
@@ -160,7 +161,7 @@ def test_runai_submit_script_passes_workers_gpus_and_claims(outputs, tmp_path):
     assert argv[argv.index("--workers") + 1] == "3" and argv[argv.index("-g") + 1] == "8"
     assert "claimname=fsdp-checkpoints,path=/checkpoints" in argv and "claimname=fsdp-data,path=/data" in argv
     assert argv[argv.index("--priority") + 1] == "train"
-    assert argv[argv.index("--termination-grace-period") + 1] == f"{300 + k8s.GRACE_MARGIN_S}s"
+    assert argv[argv.index("--termination-grace-period") + 1] == f"{300 + SHUTDOWN_MARGIN_S}s"
     assert "FSDP_K8S_LAUNCH_EXTRA=--parallelism_config_dp_replicate_size 4" in argv
     assert argv[argv.index("--command") + 2 :][:3] == ["bash", "k8s/entrypoint.sh", "hsdp-demo"]
     single = subprocess.run(
@@ -333,7 +334,7 @@ def odd_recipes(tmp_path_factory) -> Path:
 def test_bad_input_is_one_error_line(odd_recipes, tmp_path, args, message):
     args = [a.format(odd=odd_recipes) for a in args]
     out = subprocess.run(
-        [sys.executable, "-m", "fsdp_recipes.cluster.k8s", *args, "--out", str(tmp_path / "out")],
+        [sys.executable, "-m", "fsdp_recipes.cli", "job", "--launcher", "k8s", *args, "--out", str(tmp_path / "out")],
         cwd=REPO, capture_output=True, text=True,
     )
     assert out.returncode == 2

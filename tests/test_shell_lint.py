@@ -68,10 +68,10 @@ def test_every_shell_script_passes_shellcheck():
 
 
 def test_generated_runai_scripts_pass_shellcheck(tmp_path):
-    from fsdp_recipes.cluster import k8s
+    from fsdp_recipes.cluster import command
 
     for recipe, nodes in (("tiny-cpu-lora", "1"), ("mistral-small-lora", "2")):
-        k8s.main([recipe, "--nodes", nodes, "--gpus", "8", "--out", str(tmp_path / recipe)])
+        command.main(["--launcher", "k8s", recipe, "--nodes", nodes, "--gpus", "8", "--out", str(tmp_path / recipe)])
     out = run_shellcheck(sorted(tmp_path.glob("*/runai-submit.sh")))
     assert out.returncode == 0, out.stdout
 
@@ -81,3 +81,16 @@ def test_shellcheck_rejects_a_bad_script(tmp_path):
     bad.write_text('#!/usr/bin/env bash\nfor f in $(ls *.txt); do rm $f; done\n')  # SC2045, SC2086
     out = run_shellcheck([bad])
     assert out.returncode != 0 and "SC2086" in out.stdout
+
+
+def test_generated_slurm_and_local_scripts_pass_shellcheck(tmp_path):
+    from fsdp_recipes.cluster import command
+
+    for launcher, recipe, nodes in (("slurm", "tiny-cpu-lora", "1"), ("slurm", "mistral-small-lora", "2"),
+                                    ("local", "tiny-cpu-lora", "1")):
+        command.main(["--launcher", launcher, recipe, "--nodes", nodes, "--gpus", "8",
+                      "--out", str(tmp_path / f"{launcher}-{recipe}")])
+    scripts = sorted([*tmp_path.glob("*/job.sbatch"), *tmp_path.glob("*/run.sh")])
+    assert len(scripts) == 3
+    out = run_shellcheck(scripts)
+    assert out.returncode == 0, out.stdout

@@ -1,6 +1,6 @@
 """The job a launcher is one node of: the `accelerate launch` options a cluster wrapper passes
 (FSDP_RECIPES_LAUNCH_ARGS: "--num_machines 2 --machine_rank 1 --main_process_ip node1 ..."), its machines and
-processes, which node this is, the preemption grace period. Read here only: the launcher and the summary ask."""
+processes, which node this is (the grace period: config/preemption.py). Read here only: the launcher and the summary ask."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import os
 import shlex
 
 from fsdp_recipes.config.argv import override
-from fsdp_recipes.config.recipes import Recipe
-from fsdp_recipes.config.run_config import PackArguments
 
 
 def launch_args() -> list[str]:
@@ -30,13 +28,4 @@ def machine_rank() -> str:
 
 def first_node() -> bool:
     return machine_rank() == "0"
-
-
-def grace_seconds(recipe: Recipe) -> str:
-    """preemption_grace_s before the recipe is parsed (torchrun reads it at start); the parse checks it later."""
-    value = recipe.field("preemption_grace_s")
-    try:
-        return str(int(value))
-    except (TypeError, ValueError):
-        return str(PackArguments.preemption_grace_s)
 

@@ -1,8 +1,8 @@
 """Recipes: `recipes/<name>/` folders holding a trainer YAML (`sft.yaml`, `dpo.yaml`, `grpo.yaml`: the trainer
 kind's name), accelerate.yaml, launch.sh and README.md; and `Recipe`, one recipe loaded once.
 
-    python -m fsdp_recipes.config.recipes list          # name, trainer and one-line description of each recipe
-    python -m fsdp_recipes.config.recipes check NAME    # exit 2 with a clear line when NAME is not a recipe
+    fsdp-recipes recipes list          # name, trainer and one-line description of each recipe
+    fsdp-recipes recipes check NAME    # exit 2 with a clear line when NAME is not a recipe
 
 A recipe names its trainer with the `trainer` field (default `sft`) and keeps its settings in `<trainer>.yaml`.
 The launcher loads a recipe here once (`load`): the YAMLs as written, the command line's overrides, and later the
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["check"] and len(argv) == 2:
         resolve(argv[1])
         return 0
-    raise UserError("usage: python -m fsdp_recipes.config.recipes list | check NAME")
+    raise UserError("usage: fsdp-recipes recipes list | check NAME. Fix: fsdp-recipes recipes list")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config import yaml_keys
 from fsdp_recipes.config.argv import given, override
+from fsdp_recipes.config.preemption import GRACE_S
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
 from fsdp_recipes.config.option_registry import OPTIONS, argument_classes
@@ -107,7 +108,7 @@ class PackArguments:
                           "directory) at every training log, as <output_dir>/metrics.prom is written."},
     )
     preemption_grace_s: int = field(
-        default=120,
+        default=GRACE_S,
         metadata={"help": "Seconds the launcher lets ranks save and exit after SIGTERM/SIGUSR1 before killing them."},
     )
     # Acceptance gates (metrics/gates.py), judged at the end of every run from its own report; docs/run-report.md.

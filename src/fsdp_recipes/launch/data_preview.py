@@ -1,6 +1,6 @@
 """`make data RECIPE=<r> [ARGS=...]`: the recipe's data as the trainer will see it, in seconds, before anything runs.
 
-    python -m fsdp_recipes.launch.data_preview <recipe name or folder> [--examples N] [--field value ...]
+    fsdp-recipes data <recipe name or folder> [--examples N] [--field value ...]
 
 Prints, with no process group and no model weights loaded (the tokenizer only; the tiny assets and the default's
 SmolLM2 are prepared into the cache first where the recipe uses them, as `make finetune` does):
@@ -38,7 +38,7 @@ def say(msg: str) -> None:
 def parse(argv: list[str]) -> tuple[str, list[str], int]:
     """(recipe, the run's overrides, examples): --examples N is the preview's, everything else the run's."""
     if not argv or argv[0].startswith("-"):
-        raise UserError("usage: python -m fsdp_recipes.launch.data_preview <recipe name or folder> [--examples N] "
+        raise UserError("usage: fsdp-recipes data <recipe name or folder> [--examples N] "
                         "[--field value ...] (make data RECIPE=<name> ARGS=\"...\")")
     rest, examples, i = [], EXAMPLES, 1
     while i < len(argv):

@@ -20,7 +20,7 @@ from fsdp_recipes.errors import UserError
 from fsdp_recipes.launch import explain_failure
 from fsdp_recipes.launch.rank_output import RankOutput
 from fsdp_recipes.train import failure_record, start_gate
-from fsdp_recipes.config.job import grace_seconds
+from fsdp_recipes.config.preemption import grace_seconds
 
 
 def accelerate_cmd() -> list[str]:
@@ -157,7 +157,7 @@ def rank_command(recipe: Recipe, extra: list[str], torchrun_logs: Path) -> list[
     cmd += ["-m", "fsdp_recipes.train.entry", *recipe.argv()]
     # torchrun forwards these signals to every rank and then allows the grace period before killing them.
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
-    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", grace_seconds(recipe))
+    os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", str(grace_seconds(recipe)))
     return cmd
 
 

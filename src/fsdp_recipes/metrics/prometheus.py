@@ -3,7 +3,7 @@
 While a run trains, the run report rewrites these gauges at every training log with the figures of the interval
 since the previous log (status "running"); when it ends, with the whole run's figures from metrics.json.
 
-    python -m fsdp_recipes.metrics.prometheus runs/a runs/b --out /var/lib/node_exporter/textfile/fsdp_recipes.prom
+    fsdp-recipes prometheus runs/a runs/b --out /var/lib/node_exporter/textfile/fsdp_recipes.prom
 
 `write_textfile(metrics, path)` is the same for one run, from its metrics.json dict (the run report writes
 `<output_dir>/metrics.prom` with it). Standard library only, so the run report can import it on every rank.
@@ -121,7 +121,7 @@ def write_textfile(metrics: dict, path, run_dir=None) -> Path:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_recipes.metrics.prometheus", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="fsdp-recipes prometheus", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run output directories (each with metrics.json)")
     parser.add_argument("--out", type=Path, required=True, help="the .prom file to write")
     args = parser.parse_args(argv)

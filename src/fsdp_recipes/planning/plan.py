@@ -1,7 +1,7 @@
 """`make plan RECIPE=<name or folder> GPUS=8 NODES=1 GPU=H100 ARGS="..."`: will the recipe fit, and the questions
 that follow. A preflight that launches nothing.
 
-    python -m fsdp_recipes.planning.plan <recipe> --gpus 8 --nodes 1 --gpu H100 [--fit] [--comms] [--scale 1,4,64]
+    fsdp-recipes plan <recipe> --gpus 8 --nodes 1 --gpu H100 [--fit] [--comms] [--scale 1,4,64]
         [--time [--rows N] [--tokens-per-row T]] [--network ndr | --network-gbps G] [--mfu 0.4] [--<field> value ...]
 
 1. Reads the recipe as the run does: the launcher's recipe lookup (a name or a folder), and every argument the
@@ -325,7 +325,7 @@ def node_list(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     # allow_abbrev off: every word the planner does not know is the run's (`make finetune ARGS=...`), parsed by
     # run_config.parse_args as the run parses it, so a mistake there is the run's own one line.
-    ap = argparse.ArgumentParser(prog="make plan", description=__doc__, allow_abbrev=False,
+    ap = argparse.ArgumentParser(prog="fsdp-recipes plan", description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="Any other --field value overrides the recipe, as in make finetune ARGS=.")
     ap.add_argument("recipe", help="a recipe name under recipes/ or a recipe folder")

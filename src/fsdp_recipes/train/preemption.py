@@ -23,9 +23,8 @@ import signal
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.config.preemption import SIGNALS
 from fsdp_recipes.dist import all_reduce_async
-
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class PreemptionCallback(TrainerCallback):

@@ -1,0 +1,78 @@
+"""`fsdp-recipes <command>` (src/fsdp_recipes/cli/): a mistyped command or a missing argument is one line with the
+fix, a command runs its module's main, and the Makefile's targets go through it."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from fsdp_recipes.cli.commands import COMMANDS, Command
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_recipes.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, line", [
+    (["finetun", "tiny-cpu-lora"], "error: no command 'finetun'. Fix: fsdp-recipes finetune (`fsdp-recipes --help` "
+                                   "lists them)."),
+    (["serve_check"], "error: no command 'serve_check'. Fix: fsdp-recipes serve-check (`fsdp-recipes --help` lists "
+                      "them)."),
+    (["export"], "error: the following arguments are required: checkpoint, out. Fix: see `fsdp-recipes export "
+                 "--help`."),
+    (["plan"], "error: the following arguments are required: recipe. Fix: see `fsdp-recipes plan --help`."),
+    (["report", "runs/a", "--outt", "x"], "error: unrecognized arguments: --outt x. Fix: see `fsdp-recipes report "
+                                          "--help`."),
+    (["recipes", "check", "no-such-recipe"], None),  # the recipes module's own one line
+])
+def test_a_mistake_is_one_line_and_exit_2(args, line):
+    out = cli(*args)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Fix:" in lines[0], out.stderr
+    if line:
+        assert lines == [line]
+
+
+def test_a_command_runs_its_modules_main():
+    listed = cli("recipes", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert re.search(r"^  tiny-cpu-lora +sft +\S", listed.stdout, re.M), listed.stdout
+    assert cli("recipes", "check", "tiny-cpu-lora").returncode == 0
+
+
+def test_help_lists_every_command():
+    out = cli("--help")
+    assert out.returncode == 0
+    for command in COMMANDS:
+        assert re.search(rf"^  {re.escape(command.name)} +\S", out.stdout, re.M), command.name
+
+
+def test_every_command_names_a_main_that_exists():
+    for command in COMMANDS:
+        module, function = command.target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), command.target
+
+
+def test_a_row_with_a_bad_target_fails_when_written():
+    with pytest.raises(TypeError, match=r"command nope: target 'fsdp_recipes.nope' is not"):
+        Command("nope", "fsdp_recipes.nope", "nothing")
+
+
+def test_the_makefile_calls_the_cli():
+    """`make <target>` runs `python -m fsdp_recipes.cli <command>`, never a module of the pack directly."""
+    text = (REPO / "Makefile").read_text()
+    direct = re.findall(r"-m fsdp_recipes\.(?!cli\b)[\w.]+", text)
+    assert not direct, direct
+    res = subprocess.run(["make", "-n", "--no-print-directory", f"VENV={Path(sys.prefix)}", "-o",
+                          str(Path(sys.prefix) / ".installed"), "job", "LAUNCHER=slurm", "RECIPE=tiny-cpu-lora"],
+                         cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "-m fsdp_recipes.cli job --launcher slurm tiny-cpu-lora --nodes 1 --gpus 8" in res.stdout
