@@ -77,7 +77,8 @@ def pack_path(data_dir: Path, work: Path, packing: bool) -> dict:
     from trl import SFTTrainer, get_peft_config
 
     from fsdp_recipes.metrics.run_report import RunReportCallback
-    from fsdp_recipes.train import entry, loading, run_checks
+    from fsdp_recipes.data import loading
+    from fsdp_recipes.train import entry, run_checks
     from fsdp_recipes.train.preemption import PreemptionCallback
 
     argv = ["--config", str(RECIPE_SFT), "--dataset_name", str(data_dir), "--eval_strategy", "no",

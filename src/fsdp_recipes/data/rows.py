@@ -1,21 +1,15 @@
-"""The dataset's rows, checked in the launcher before any rank loads them: one line with the file and the line.
+"""Where a dataset's row is: its file and line, for every one-line error about a row (the format checks, the trainer
+kinds' checks, `make data`'s examples), also for rows of a split carved off another; and the rows as the file holds
+them.
 
-Gap it fills: `datasets` reports a malformed JSON line as a DatasetGenerationError without the line, and TRL
-takes an empty split, a role it does not know or a non-string content, and fails (or trains on nothing) inside every
-rank. What max_length cuts is train/data_lengths.py's. Run by the launcher only (launcher.check_recipe); the ranks load the same
-files after it passed.
+Gap it fills: `datasets` names neither the file nor the line of a row, and Arrow gives a column one type (a number
+among strings comes back as a string). The registries below are filled by data/loading.py, once per load.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from fsdp_recipes.errors import UserError
-
-ROLES = {"system", "user", "assistant", "tool"}
-CONVERSATION_COLUMNS = ("messages", "prompt", "completion")
-
 
 # (where, split) -> (file, the file's row index of each row of the split): rows of a split carved off another
 # (loading.held_out) are still named by their line in the file
@@ -24,29 +18,14 @@ ROW_ORIGIN: dict[tuple[str, str], tuple[Path, list[int]]] = {}
 SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
                   "test": ("test", "testing", "eval", "evaluation")}
 CONVERTED: set[tuple[str, str]] = set()  # (where, split) whose rows the pack converted from another format
+READ_AS: dict[tuple[str, str], str] = {}  # (where, split) -> the format its rows were read in (data/formats/)
 
 
-def check_file_bytes(path: Path) -> None:
-    """What `datasets` would read wrongly or refuse without naming the file: a byte that is not UTF-8 (pyarrow loads
-    it, and the row fails to decode when it is read, in a rank) and a file of blank lines only ("corresponds to no
-    data"). A byte-order mark, Windows line endings and blank lines are read as datasets reads them. Parquet is
-    binary: not scanned."""
-    if path.suffix not in (".json", ".jsonl", ".csv"):
-        return
-    with open(path, "rb") as f:
-        blank = True
-        for number, line in enumerate(f, 1):
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as err:
-                raise UserError(f"{path}:{number}: byte 0x{line[err.start]:02x} at column {err.start + 1} is not "
-                                "UTF-8 (the file was saved in another encoding, e.g. Latin-1 or Windows-1252). Fix: "
-                                f"save the file as UTF-8 (`iconv -f cp1252 -t utf-8`), or correct that line.") from None
-            if blank and text.lstrip("\ufeff").strip():
-                blank = False
-    if blank and path.stat().st_size:
-        raise UserError(f"the dataset file {path} holds only blank lines, no rows. Fix: put the rows in it, or remove "
-                        "it.")
+def clear() -> None:
+    """Forget the last load's rows (data/loading.py load_splits, before it loads)."""
+    ROW_ORIGIN.clear()
+    CONVERTED.clear()
+    READ_AS.clear()
 
 
 def line_of(path: Path, index: int) -> int:
@@ -60,35 +39,6 @@ def line_of(path: Path, index: int) -> int:
                 if row == index:
                     return number
     return index + 1
-
-
-def find_bad_json_line(path: Path) -> str | None:
-    """`file:line: problem` for the first line of a JSON Lines file that does not parse, else None."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as err:
-                return f"{path}:{number}: {err.msg} (column {err.colno})"
-    return None
-
-
-def explain_load_failure(path: Path, err: Exception) -> UserError:
-    """A load_dataset failure on local files, as one line: the bad JSON line when there is one."""
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl"))
-    for f in files:
-        if f.stat().st_size == 0:
-            return UserError(f"the dataset file {f} is empty. Fix: put the rows in it, or remove it.")
-    for f in files:
-        if f.suffix == ".jsonl" and (bad := find_bad_json_line(f)):
-            return UserError(f"malformed JSON line in the dataset: {bad}. Fix: correct or remove that line "
-                             "(one JSON object per line).")
-    cause = err.__cause__ or err
-    first = next((x.strip() for x in str(cause).splitlines() if x.strip()), type(cause).__name__)
-    return UserError(f"cannot read the dataset {path}: {type(cause).__name__}: {first}. Fix: check that the "
-                     "file is valid JSON Lines / JSON / Parquet / CSV.")
 
 
 def split_file(where: str, split: str) -> Path | None:
@@ -128,66 +78,3 @@ def written_rows(ds, where: str, split: str):
     return iter(rows)
 
 
-def conversational(ds) -> bool:
-    cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
-    return bool(cols) and len(ds) > 0 and isinstance(ds[0][cols[0]], list)
-
-
-def check_rows(ds, where: str, split: str) -> list[str]:
-    """Errors for an empty split and malformed conversations; warnings (returned) for rows that are skipped."""
-    if len(ds) == 0:
-        raise UserError(f"the `{split}` split of the dataset {where} is empty. Fix: point dataset_name at data with "
-                        "rows (or the split at another file).")
-    chat = conversational(ds)
-    if not chat:
-        check_text_rows(ds, where, split)
-        return []
-    cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
-    without_assistant = 0
-    for i, row in enumerate(ds.select_columns(cols)):
-        for c in cols:
-            if not isinstance(row[c], list):
-                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not a list of chat turns as "
-                                f"in the other rows. Fix: give the row its {c} turns, or remove the row.")
-        turns = [t for c in cols for t in row[c]]
-        for turn in turns:
-            role = turn.get("role") if isinstance(turn, dict) else None
-            if role not in ROLES:
-                raise UserError(f"{row_at(where, split, i)}: role {role!r} is not one of {sorted(ROLES)}. Fix: "
-                                "rename the role (chat templates know only these).")
-            content = turn.get("content")
-            if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
-                raise UserError(f"{row_at(where, split, i)}: a {role} turn's content is {type(content).__name__}, not "
-                                "text. Fix: make every content a string.")
-        if not any(t.get("role") == "assistant" for t in turns):
-            without_assistant += 1
-    if without_assistant == len(ds):
-        raise UserError(f"no row of the `{split}` split of {where} has an assistant turn, so there is nothing to "
-                        "learn. Fix: add the assistant's answers (role: assistant).")
-    if without_assistant:
-        return [f"{without_assistant} of {len(ds)} rows of the `{split}` split have no assistant turn; they teach "
-                "nothing"]
-    return []
-
-
-def kind_of(value) -> str:
-    return "missing" if value is None else type(value).__name__
-
-
-def check_text_rows(ds, where: str, split: str) -> None:
-    """Plain-text prompt + completion rows: both are text in every row (a row without one is a null here)."""
-    cols = [c for c in ("prompt", "completion") if c in ds.column_names]
-    if len(cols) < 2:
-        return
-    for i, row in enumerate(ds.select_columns(cols)):
-        for c in cols:
-            if not isinstance(row[c], str):
-                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not text as in the other "
-                                f"rows. Fix: give the row its {c}, or remove the row.")
-
-
-def check_chat_template(tokenizer, model: str, where: str) -> None:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise UserError(f"the dataset {where} is conversational but the tokenizer of {model} has no chat template. "
-                        "Fix: set chat_template_path, use a model whose tokenizer has one, or convert the data to a "
-                        "text field.")

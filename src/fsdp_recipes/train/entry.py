@@ -89,10 +89,10 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
 
     kind = kinds.load(cfg.trainer)
     train_ds, eval_ds = kind.load_datasets(cfg)
-    # an eval split found under another of its usual names (train/loading.py held_out): run_args.json says which
+    # an eval split found under another of its usual names (data/loading.py held_out): run_args.json says which
     if report is not None and "script_args" in report.resolved_args:  # bench/overhead.py reports no settings
         report.resolved_args["script_args"]["dataset_test_split"] = cfg.script.dataset_test_split
-    from fsdp_recipes.train import loading
+    from fsdp_recipes.data import loading
 
     if dist.rank() == 0 and not loading.is_local(cfg.script, cfg.mixture):  # the launcher read local data only
         for line in loading.NOTES + [f"warning: {w}" for w in loading.WARNINGS]:
@@ -126,10 +126,10 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         quantization.same_kernels_on_every_cpu(trainer.model)
     trainer.token_counter, trainer.run_report = report.tokens, report
     add_pack_hooks(trainer, cfg, report)
-    from fsdp_recipes.train import data_lengths
+    from fsdp_recipes.data import length_report
 
-    if dist.rank() == 0 and not data_lengths.measured_by_launcher(cfg):  # what max_length cuts, never silently
-        for line in data_lengths.in_rank(cfg, (train_ds, eval_ds), trainer):
+    if dist.rank() == 0 and not length_report.measured_by_launcher(cfg):  # what max_length cuts, never silently
+        for line in length_report.in_rank(cfg, (train_ds, eval_ds), trainer):
             print(f"[train] {line}", flush=True)
     return trainer
 
@@ -268,7 +268,8 @@ def import_training_stack() -> None:
 
     from fsdp_recipes.checkpoint import markers  # noqa: F401
     from fsdp_recipes.metrics import run_report  # noqa: F401
-    from fsdp_recipes.train import loading, preemption  # noqa: F401
+    from fsdp_recipes.data import loading  # noqa: F401
+    from fsdp_recipes.train import preemption  # noqa: F401
 
 
 def quiet_replica(cfg: RunConfig) -> None:

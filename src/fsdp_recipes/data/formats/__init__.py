@@ -1,210 +1,183 @@
-"""The dataset layouts the pack reads, declared (`dataset_format:`) or detected from the first row, and their
-conversion to the layouts TRL's trainers take: `messages`, `prompt` + `completion`, a text field, preference pairs
-and labelled answers.
+"""Dataset formats: one module each in this folder, and one registry, FORMATS, built from the modules at import.
+Everything outside this folder asks the registry and the format (`formats.load(name)`, `formats.detect`,
+`formats.layout_of`), never a format's name; adding a format is adding its module here (docs/architecture.md).
 
-    messages             {"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}
-    sharegpt             {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}
-                         -> messages (trl.data_utils.maybe_convert_to_chatml, then the roles: human -> user,
-                         gpt -> assistant, system -> system)
-    alpaca               {"instruction": ..., "input": ..., "output": ...} -> chat prompt + completion (the user turn
-                         is the instruction, then a blank line and the input when there is one)
-    prompt_completion    {"prompt": ..., "completion": ...} (text or chat turns)
-    prompt_response      {"prompt": ..., "response": ...} -> prompt + completion
-    text                 {"text": ...} (or the column dataset_text_field names)
-    preference           {"prompt": ..., "chosen": ..., "rejected": ...} (the prompt may be inside the answers)
-    unpaired_preference  {"prompt": ..., "completion": ..., "label": true}
-
-A declaration is the format's name, then optionally `slot=column` (the file's column for one of the format's
-columns) and, for the chat formats, `name=role` (the file's role name for a chat role):
-`dataset_format: alpaca instruction=question output=answer`, `dataset_format: sharegpt bot=assistant`.
-Each file is converted with datasets' `map`, once, where it is loaded (train/loading.py).
+A format module provides (DataFormat below checks it when FORMATS is built, at import; a missing member is a
+TypeError that names it):
+    LABEL                 what the launcher's line calls it ("ShareGPT")
+    COLUMNS               the columns that identify it, by their default names (a declaration may map each: slot=col)
+    HELP                  one row of it, as the docs and `dataset_format`'s error show it
+    ORDER                 where it stands in the lists users see; detection prefers, among the formats whose columns
+                          a row has, the one that claims the most of them, then the one listed first
+    convert(ds, spec, at, text_field)  the dataset in the layout TRL takes (datasets' map, one pass); a row that does
+                          not fit is one line naming `at(i)`, its file and line
+    check_rows(ds, where, split)  the rows as converted, in the launcher before any rank starts: errors with file
+                          and line (data/rows.py row_at); returns the warnings
+and, for a layout TRL takes as it is (no LAYOUT), how its rows are measured (data/lengths.py, `make data`,
+`make plan --time`):
+    ANSWERS               the answers of a row ("answer",), or ("chosen", "rejected") for a pair
+    plan_row(row, batch, t)  a row's texts queued in a data/tokenizing.py Batch: its prompt, its sequences, where its
+                          loss starts
+    sequences(row, tokens, t)  a row's training sequences, tokenized one by one, with the loss's mask (`make data`)
+    trained(t)            what the loss counts, in words
+Optional, with the defaults of DataFormat: OPTIONAL (more columns it reads), ROLE_NAMES (a chat format: the file's
+role names it maps, named in the launcher's line; a declaration may add name=role) and ALSO_MAPPED (mapped too, not
+named), LAYOUT (the registered layout its rows become) and BECOMES (that, in the launcher's words), fits(columns,
+first, text_field) (detection beyond the columns: `messages` must hold a list), default_columns(text_field) (a slot's
+column by default: the text field), HAS_PROMPT (False: a layout without a prompt) and describe_row(row) (`make
+data`'s words on one row: a label).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import importlib
+import pkgutil
+from collections.abc import Callable
+from types import ModuleType
 
-from fsdp_recipes.errors import UserError
+from fsdp_recipes.data import row_checks, rows
 
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant",
-                  "tool": "tool", "function": "tool", "observation": "tool"}
-DOCS = "docs/training.md#dataset-formats"
-
-
-@dataclass(frozen=True)
-class Format:
-    name: str
-    label: str
-    needs: tuple[str, ...]  # the columns that identify it, by their default names
-    optional: tuple[str, ...] = ()
-    chat: bool = False  # holds turns whose roles a declaration may map
-    becomes: str = ""  # what the pack converts it to; "" when TRL takes it as it is
+NOT_MEMBERS = ("name", "module")  # DataFormat's fields that the registry fills, not the module
+LAYOUT_MEMBERS = ("ANSWERS", "plan_row", "sequences", "trained")  # required of a layout TRL takes as it is
 
 
-# In detection order: the more specific layout first (labelled answers hold prompt + completion too).
-FORMATS = {f.name: f for f in (
-    Format("unpaired_preference", "labelled answers", ("prompt", "completion", "label")),
-    Format("preference", "preference pairs", ("chosen", "rejected"), ("prompt",)),
-    Format("messages", "OpenAI chat", ("messages",), chat=True),
-    Format("sharegpt", "ShareGPT", ("conversations",), chat=True, becomes="messages"),
-    Format("alpaca", "Alpaca", ("instruction", "output"), ("input", "system"), becomes="chat prompt + completion"),
-    Format("prompt_completion", "prompt/completion", ("prompt", "completion")),
-    Format("prompt_response", "prompt/response", ("prompt", "response"), becomes="prompt + completion"),
-    Format("text", "a text field", ("text",)),
-)}
-NAMES = ("messages", "sharegpt", "alpaca", "prompt_completion", "prompt_response", "text", "preference",
-         "unpaired_preference")  # as the docs list them
+def _no_columns(text_field: str) -> dict:
+    return {}
 
 
-@dataclass(frozen=True)
-class Spec:
-    """A parsed `dataset_format:`: the format, the file's column for each of its columns, the file's role names."""
+def _nothing(row: dict) -> str:
+    return ""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataFormat:
+    """What loading, the checks, the lengths, `make data` and `make plan` ask of a format. Built from the format's
+    module by `from_module`: a missing member fails there, when the registry is built, not while a file is read."""
 
     name: str
-    columns: dict = field(default_factory=dict)  # slot -> the file's column
-    roles: dict = field(default_factory=dict)  # the file's role name -> chat role
+    LABEL: str
+    COLUMNS: tuple
+    HELP: str
+    ORDER: int
+    convert: Callable
+    check_rows: Callable
+    OPTIONAL: tuple = ()
+    ROLE_NAMES: dict | None = None  # None: not a chat format
+    ALSO_MAPPED: dict = dataclasses.field(default_factory=dict)
+    LAYOUT: str = ""  # "": TRL takes it as it is
+    BECOMES: str = ""
+    fits: Callable | None = None
+    default_columns: Callable = _no_columns
+    ANSWERS: tuple | None = None
+    plan_row: Callable | None = None
+    sequences: Callable | None = None
+    trained: Callable | None = None
+    HAS_PROMPT: bool = True
+    describe_row: Callable = _nothing
+    module: ModuleType | None = None
+
+    @classmethod
+    def from_module(cls, name: str, module: ModuleType) -> DataFormat:
+        members = {f.name: getattr(module, f.name) for f in dataclasses.fields(cls)
+                   if f.name not in NOT_MEMBERS and hasattr(module, f.name)}
+        layout = members.get("LAYOUT", "")
+        required = required_members() + ([] if layout else list(LAYOUT_MEMBERS))
+        for member in required:
+            if member not in members:
+                also = "" if member in required_members() else \
+                    " (a layout TRL takes as it is; a format that becomes another names it in LAYOUT)"
+                raise TypeError(f"data format {name} ({module.__name__}) lacks {member}: every format provides "
+                                f"{', '.join(required)}{also} (fsdp_recipes/data/formats/__init__.py)")
+        return cls(name=name, module=module, **members)
+
+    @property
+    def slots(self) -> tuple[str, ...]:
+        return self.COLUMNS + self.OPTIONAL
+
+    @property
+    def chat(self) -> bool:
+        """A chat format: a declaration may map the file's role names to chat roles."""
+        return self.ROLE_NAMES is not None
+
+    def role_names(self) -> dict:
+        return {**(self.ROLE_NAMES or {}), **self.ALSO_MAPPED}
+
+    def matches(self, columns: set, first: dict | None, text_field: str) -> int:
+        """How many of the columns it claims, where a dataset of these columns (and first row) is in this format;
+        0 where it is not."""
+        defaults = self.default_columns(text_field)
+        if not {defaults.get(c, c) for c in self.COLUMNS} <= columns:
+            return 0
+        if self.fits is not None and not self.fits(columns, first, text_field):
+            return 0
+        return sum(defaults.get(c, c) in columns for c in self.slots)
 
 
-def parse_spec(text: str | None) -> Spec | None:
-    """`dataset_format:` as written -> Spec, or one line naming what is wrong."""
-    if text is None or not str(text).strip():
-        return None
-    words = str(text).replace(",", " ").split()
-    name, pairs = words[0], words[1:]
-    if name not in FORMATS:
-        raise UserError(f"dataset_format {name!r} is not one of {', '.join(NAMES)}. Fix: name one of those "
-                        f"(then optionally slot=column or name=role; {DOCS}), or remove it to detect the format.")
-    fmt, columns, roles = FORMATS[name], {}, {}
-    slots = fmt.needs + fmt.optional
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key or not value:
-            raise UserError(f"dataset_format {text!r}: {pair!r} is not slot=column or name=role. Fix: write e.g. "
-                            f"`{name} {slots[0]}=my_column`.")
-        if key in slots:
-            columns[key] = value
-        elif fmt.chat and value in ROLES:
-            roles[key] = value
-        else:
-            also = f", or a role name mapped to one of {', '.join(ROLES)}" if fmt.chat else ""
-            raise UserError(f"dataset_format {text!r}: {key!r} is not a column of the {name} format "
-                            f"({', '.join(slots)}){also}. Fix: use one of those on the left of `=`.")
-    return Spec(name, columns, roles)
+def required_members() -> list[str]:
+    return [f.name for f in dataclasses.fields(DataFormat) if f.name not in NOT_MEMBERS
+            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
 
-def detect(columns: list[str], first: dict | None, text_field: str = "text") -> Spec | None:
-    """The format a dataset's columns (and first row) fit, in FORMATS' order; None when none fits."""
+FORMATS: dict[str, DataFormat] = {}
+
+
+def register(fmt: DataFormat) -> DataFormat:
+    """A format into the registry, in its ORDER; its LAYOUT must be a registered layout TRL takes."""
+    if fmt.LAYOUT and (fmt.LAYOUT not in FORMATS or FORMATS[fmt.LAYOUT].LAYOUT):
+        raise TypeError(f"data format {fmt.name}: LAYOUT {fmt.LAYOUT!r} is not a registered layout TRL takes as it "
+                        f"is ({', '.join(n for n, f in FORMATS.items() if not f.LAYOUT)})")
+    listed = sorted([*(f for f in FORMATS.values() if f.name != fmt.name), fmt], key=lambda f: f.ORDER)
+    FORMATS.clear()
+    FORMATS.update((f.name, f) for f in listed)
+    return fmt
+
+
+def _build() -> None:
+    found = [DataFormat.from_module(m.name, importlib.import_module(f"{__name__}.{m.name}"))
+             for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    for fmt in sorted(found, key=lambda f: bool(f.LAYOUT)):  # the layouts first: the others name one
+        register(fmt)
+
+
+_build()
+
+
+def load(name: str) -> DataFormat:
+    return FORMATS[name]
+
+
+def names() -> tuple[str, ...]:
+    """The formats as the docs list them (ORDER)."""
+    return tuple(FORMATS)
+
+
+def detect(columns, first: dict | None, text_field: str = "text", layouts_only: bool = False) -> DataFormat | None:
+    """The format a dataset's columns (and first row) fit: of those that fit, the one that claims the most columns
+    (labelled answers hold prompt + completion too; a pair with a `messages` column is still a pair), then the one
+    listed first; None when none fits. `layouts_only`: the layouts TRL takes, for rows already converted."""
     cols = set(columns)
+    best, claimed = None, 0
     for fmt in FORMATS.values():
-        needs = {text_field if c == "text" else c for c in fmt.needs}
-        if needs <= cols:
-            if fmt.name == "messages" and first is not None and not isinstance(first.get("messages"), list):
-                continue
-            return Spec(fmt.name, {"text": text_field} if fmt.name == "text" and text_field != "text" else {})
-    return None
+        if layouts_only and fmt.LAYOUT:
+            continue
+        n = fmt.matches(cols, first, text_field)
+        if n > claimed:
+            best, claimed = fmt, n
+    return best
 
 
-def column(spec: Spec, slot: str) -> str:
-    return spec.columns.get(slot, slot)
+def layout(fmt: DataFormat) -> DataFormat:
+    """The layout TRL takes that a format's rows are in once converted."""
+    return FORMATS[fmt.LAYOUT] if fmt.LAYOUT else fmt
 
 
-def roles_of(spec: Spec) -> dict:
-    base = dict(SHAREGPT_ROLES) if spec.name == "sharegpt" else {}
-    return {**base, **spec.roles}
-
-
-def describe(spec: Spec, where: str, declared: bool, columns: list[str]) -> str:
-    """The one line the launcher prints: what it found, and how it maps."""
-    fmt = FORMATS[spec.name]
-    cols = [column(spec, c) for c in fmt.needs + fmt.optional if column(spec, c) in columns or c in fmt.needs]
-    how = f" -> {fmt.becomes}" if fmt.becomes else " (as TRL takes it)"
-    mapped = [f"{column(spec, c)} as {c}" for c in fmt.needs + fmt.optional if column(spec, c) != c]
-    roles = {k: v for k, v in roles_of(spec).items() if k in ("human", "gpt") or k in spec.roles}
-    if roles:
-        mapped.append("roles " + ", ".join(f"{k} -> {v}" for k, v in roles.items()))
-    source = "declared by dataset_format" if declared else f"detected; declare it with `dataset_format: {spec.name}`"
-    return (f"data {where}: {fmt.label} ({', '.join(cols)}){how}" + (f"; {'; '.join(mapped)}" if mapped else "")
-            + f" ({source})")
-
-
-def resolve(ds, where: str, declared: str | None, text_field: str = "text") -> Spec | None:
-    """The Spec for one loaded dataset: the declaration, checked against its columns, or the detected format."""
-    spec = parse_spec(declared)
-    cols = list(ds.column_names or [])
-    if spec is None:
-        first = ds[0] if len(ds) else None
-        return detect(cols, first, text_field)
-    fmt = FORMATS[spec.name]
-    missing = [column(spec, c) for c in fmt.needs if column(spec, c) not in cols]
-    if spec.name == "text" and "text" not in spec.columns:
-        missing = [] if text_field in cols else [text_field]
-    if missing:
-        raise UserError(f"dataset {where} is declared `dataset_format: {declared}` but has no column "
-                        f"{', '.join(f'`{m}`' for m in missing)} (it has {sorted(cols)}). Fix: map the column "
-                        f"(`{spec.name} {fmt.needs[0]}=<column>`), or remove dataset_format to detect the format.")
-    return spec
-
-
-def convert(ds, spec: Spec | None, where: str, at, text_field: str = "text"):
-    """The dataset in the layout TRL takes (datasets' map, one pass); `at(i)` names row i (file:line). Rows that do
-    not fit the format are one line with `at(i)`."""
-    if spec is None:
-        return ds
-    name = spec.name
-    if name in ("messages", "sharegpt"):
-        src = column(spec, "messages" if name == "messages" else "conversations")
-        roles = roles_of(spec)
-        if name == "messages" and not roles and src == "messages":
-            return ds
-
-        def chat(row, i):
-            turns = row[src]
-            if not isinstance(turns, list):
-                raise UserError(f"{at(i)}: `{src}` is {type(turns).__name__}, not a list of turns. Fix: give every "
-                                f"row its turns, or remove the row.")
-            if name == "sharegpt":
-                from trl.data_utils import maybe_convert_to_chatml
-
-                turns = maybe_convert_to_chatml({"conversations": [dict(t) if isinstance(t, dict) else t
-                                                                   for t in turns]})["messages"]
-            out = []
-            for t in turns:
-                role = t.get("role") if isinstance(t, dict) else None
-                if role not in roles and role not in ROLES:
-                    known = ", ".join(f"{k} -> {v}" for k, v in roles.items() if k != v) or "none"
-                    raise UserError(f"{at(i)}: role {role!r} is not a chat role ({', '.join(ROLES)}) nor one the "
-                                    f"pack maps ({known}). Fix: map it in the recipe, e.g. `dataset_format: {name} "
-                                    f"{role or 'bot'}=assistant`.")
-                out.append({**t, "role": roles.get(role, role)})
-            return {"messages": out}
-
-        return ds.map(chat, with_indices=True, remove_columns=[src])
-    if name == "alpaca":
-        ins, inp, outp, system = (column(spec, c) for c in ("instruction", "input", "output", "system"))
-
-        def alpaca(row, i):
-            for slot, col in (("instruction", ins), ("output", outp)):
-                value = row.get(col)
-                if not isinstance(value, str) or not value.strip():
-                    shown = "empty" if isinstance(value, str) else repr(value)
-                    raise UserError(f"{at(i)}: Alpaca's `{col}` is {shown}, not text. Fix: give the row its {slot}, "
-                                    "or remove it.")
-            extra = row.get(inp)
-            user = row[ins] + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")
-            head = [{"role": "system", "content": row[system]}] if isinstance(row.get(system), str) and row[system] \
-                else []
-            return {"prompt": head + [{"role": "user", "content": user}],
-                    "completion": [{"role": "assistant", "content": row[outp]}]}
-
-        drop = [c for c in (ins, inp, outp, system) if c in ds.column_names]
-        return ds.map(alpaca, with_indices=True, remove_columns=drop)
-    # the column layouts TRL takes: renamed where the file names them otherwise
-    fmt = FORMATS[name]
-    target = {"prompt_response": {"response": "completion"}, "text": {"text": text_field}}.get(name, {})
-    renames = {}
-    for slot in fmt.needs + fmt.optional:
-        src, dst = column(spec, slot), target.get(slot, slot)
-        if src != dst and src in ds.column_names:
-            renames[src] = dst
-    return ds.rename_columns(renames) if renames else ds
+def check_rows(ds, where: str, split: str, text_field: str = "text") -> list[str]:
+    """A split's rows, checked by the format they were read in (rows.READ_AS, which data/loading.py fills), else by
+    the layout they are in (a mixture's sources, joined); where none fits, that the split has rows. Errors with file
+    and line; returns the warnings."""
+    name = rows.READ_AS.get((where, split))
+    if name is not None:
+        return FORMATS[name].check_rows(ds, where, split)
+    fmt = detect(ds.column_names or [], ds[0] if len(ds) else None, text_field, layouts_only=True)
+    return (fmt.check_rows if fmt is not None else row_checks.not_empty)(ds, where, split)
