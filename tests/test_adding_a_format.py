@@ -25,7 +25,7 @@ def qa_module() -> ModuleType:
     module = ModuleType("fsdp_recipes.data.formats.qa_pairs")
     module.LABEL = "question/answer"
     module.COLUMNS = ("q", "a")
-    module.HELP = '{"q": ..., "a": ...} -> chat prompt + completion'
+    module.HELP = '{"q": ..., "a": ...}'
     module.ORDER = 90
     module.LAYOUT = "prompt_completion"
     module.BECOMES = "chat prompt + completion"

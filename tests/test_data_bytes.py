@@ -11,9 +11,9 @@ from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 from trl import DatasetMixtureConfig, ScriptArguments
 
-from fsdp_recipes.errors import UserError
 from fsdp_recipes.data import formats, loading
 from fsdp_recipes.data.rows import row_at
+from fsdp_recipes.errors import UserError
 from fsdp_recipes.train.kinds import dpo
 
 

@@ -1,6 +1,6 @@
-"""Data formats (data/formats/, data/declaration.py, data/loading.py): ShareGPT, Alpaca, prompt/response, messages, a text field
-and the preference layouts, declared with `dataset_format:` or detected, converted once with datasets' map; the
-launcher's one line saying what it found; a row that fits no format is one line with its file and line. The
+"""Data formats (data/formats/, data/declaration.py, data/loading.py): ShareGPT, Alpaca, prompt/response, messages, a
+text field and the preference layouts, declared with `dataset_format:` or detected, converted once with datasets' map;
+the launcher's one line saying what it found; a row that fits no format is one line with its file and line. The
 launcher's checks run in this process (`checks`, `launcher_until_ranks`) on copies of the tiny recipe."""
 
 import json
@@ -12,9 +12,9 @@ from test_bad_input import assert_one_line_error
 from trl import DatasetMixtureConfig, ScriptArguments
 
 from fsdp_recipes.config.run_config import PackArguments
-from fsdp_recipes.errors import UserError
 from fsdp_recipes.data import declaration, formats, loading
 from fsdp_recipes.data.spec import Spec
+from fsdp_recipes.errors import UserError
 from fsdp_recipes.train.kinds import dpo, kto
 
 

@@ -1,7 +1,7 @@
-"""Token lengths (data/lengths.py, data/length_report.py) and `make data` (launch/data_preview.py): the statistics worked out by hand
-on rows whose tokens are known under the tiny recipe's tokenizer, the max_length that keeps 99% of rows whole, the
-one warning where max_length cuts answers, the launcher's table, and the preview's output. In this process, nothing
-trains; one test runs `make data` itself.
+"""Token lengths (data/lengths.py, data/length_report.py) and `make data` (launch/data_preview.py): the statistics
+worked out by hand on rows whose tokens are known under the tiny recipe's tokenizer, the max_length that keeps 99% of
+rows whole, the one warning where max_length cuts answers, the launcher's table, and the preview's output. In this
+process, nothing trains; one test runs `make data` itself.
 
 Under the tiny tokenizer (assets/tiny_assets.py: digits are single tokens; the chat template renders
 `<s>[INST] {user} [/INST] {assistant}</s>`) the question "What is 1 + 1?" is a 13-token prompt

@@ -242,8 +242,8 @@ def test_the_battery_covers_every_class_of_mistake():
 
 
 def test_truncation_is_one_counted_warning(recipe, tmp_path, cache_dir):
-    """Answers that max_length cuts are one warning line with the rows counted and the fix (data/lengths.py, data/length_report.py);
-    the launcher prints it (tests/test_data_lengths.py)."""
+    """Answers that max_length cuts are one warning line with the rows counted and the fix (data/lengths.py,
+    data/length_report.py); the launcher prints it (tests/test_data_lengths.py)."""
     import datasets
     from transformers import AutoTokenizer
 

@@ -14,10 +14,10 @@ from test_bad_input import assert_one_line_error
 from trl import DatasetMixtureConfig, ScriptArguments
 
 from fsdp_recipes.config.run_config import PackArguments
-from fsdp_recipes.errors import UserError
-from fsdp_recipes.launch import summary
 from fsdp_recipes.data import formats, loading
 from fsdp_recipes.data.rows import row_at
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.launch import summary
 
 
 def write_jsonl(path, rows):

@@ -60,14 +60,10 @@ def resolve(ds, where: str, declared: str | None, text_field: str = "text") -> S
     missing = [spec.column(c) for c in fmt.COLUMNS if spec.column(c) not in cols]
     if missing:
         raise UserError(f"dataset {where} is declared `dataset_format: {declared}` but has no column "
-                        f"{', '.join(f'`{m}`' for m in missing)} (it has {sorted(cols)}). Fix: map the column "
+                        f"{', '.join(f'`{m}`' for m in missing)} (it has {sorted(cols)}; one {spec.name} row: "
+                        f"{fmt.HELP}). Fix: map the column "
                         f"(`{spec.name} {fmt.COLUMNS[0]}=<column>`), or remove dataset_format to detect the format.")
     return spec
-
-
-def roles_of(spec: Spec) -> dict:
-    """The file's role names the conversion maps: the format's own, then the declaration's."""
-    return {**formats.load(spec.name).role_names(), **spec.roles}
 
 
 def describe(spec: Spec, where: str, declared: bool, columns: list[str]) -> str:

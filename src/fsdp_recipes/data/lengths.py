@@ -20,7 +20,9 @@ trainers drop it); when every row is such a row the launcher stops with one line
 
 What a row's prompt and answers are is its layout's (data/formats/: the layout TRL takes that the data is in once
 converted: plan_row, sequences, trained); the sampling kinds' rows, prompts whose answers are generated in training,
-are measured as prompts alone. Tokenized as TRL 1.16 does (trl/trainer/sft_trainer.py and dpo_trainer.py `tokenize_fn`): chat rows are rendered with
+are measured as prompts alone.
+
+Tokenized as TRL 1.16 does (trl/trainer/sft_trainer.py and dpo_trainer.py `tokenize_fn`): chat rows are rendered with
 the chat template (the recipe's chat_template_path, or TRL's training template when assistant_only_loss needs
 generation markers) and tokenized without special tokens, text rows with them; text completions get the EOS token;
 the answer starts where the tokenized prompt and prompt + answer part (`common_prefix_length`). The rendering is per

@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 
 from fsdp_recipes.config.model_check import looks_local
-from fsdp_recipes.data import declaration, rows
+from fsdp_recipes.data import declaration, formats, rows
 from fsdp_recipes.data.files import check_file_bytes, check_found, explain_load_failure, file_builder, local_files
 from fsdp_recipes.data.spec import DOCS
 from fsdp_recipes.errors import UserError
@@ -148,13 +148,16 @@ def as_messages(ds):
 
 
 def check_columns(ds, where: str, text_field: str = "text") -> None:
+    """SFT's: the split (converted) is in a layout SFTTrainer takes; the error names the formats that become one."""
     cols = set(ds.column_names or [])
-    formats = [f if f != {"text"} else {text_field} for f in SFT_FORMATS]
-    if not any(f <= cols for f in formats):
+    layouts = [f if f != {"text"} else {text_field} for f in SFT_FORMATS]
+    if not any(f <= cols for f in layouts):
+        takes = [f for f in formats.FORMATS.values() if set(formats.layout(f).COLUMNS) in SFT_FORMATS]
+        named = ", ".join(f"{f.LABEL} ({' + '.join(f'`{f.default_columns(text_field).get(c, c)}`' for c in f.COLUMNS)})"
+                          for f in takes)
         raise UserError(
-            f"dataset {where} has columns {sorted(cols)}, but SFT needs `messages`, ShareGPT `conversations`, "
-            f"Alpaca `instruction` + `output`, `prompt` + `completion` (or `response`), or `{text_field}`. Fix: "
-            f"name your columns with `dataset_format:` (e.g. `prompt_completion prompt=question completion=answer`; "
+            f"dataset {where} has columns {sorted(cols)}, but SFT needs the columns of one of {named}. Fix: name "
+            f"your columns with `dataset_format:` (e.g. `prompt_completion prompt=question completion=answer`; "
             f"{DOCS}), or set dataset_text_field."
         )
 

@@ -9,7 +9,7 @@ nothing) inside every rank.
 
 from __future__ import annotations
 
-from fsdp_recipes.data import rows
+from fsdp_recipes.data.rows import row_at
 from fsdp_recipes.data.spec import ROLES
 from fsdp_recipes.errors import UserError
 
@@ -44,17 +44,17 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
     for i, row in enumerate(ds.select_columns(cols)):
         for c in cols:
             if not isinstance(row[c], list):
-                raise UserError(f"{rows.row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not a list of chat turns as "
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not a list of chat turns as "
                                 f"in the other rows. Fix: give the row its {c} turns, or remove the row.")
         turns = [t for c in cols for t in row[c]]
         for turn in turns:
             role = turn.get("role") if isinstance(turn, dict) else None
             if role not in ROLES:
-                raise UserError(f"{rows.row_at(where, split, i)}: role {role!r} is not one of {sorted(ROLES)}. Fix: "
+                raise UserError(f"{row_at(where, split, i)}: role {role!r} is not one of {sorted(ROLES)}. Fix: "
                                 "rename the role (chat templates know only these).")
             content = turn.get("content")
             if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
-                raise UserError(f"{rows.row_at(where, split, i)}: a {role} turn's content is {type(content).__name__}, not "
+                raise UserError(f"{row_at(where, split, i)}: a {role} turn's content is {type(content).__name__}, not "
                                 "text. Fix: make every content a string.")
         if not any(t.get("role") == "assistant" for t in turns):
             without_assistant += 1
@@ -79,7 +79,7 @@ def check_text_rows(ds, where: str, split: str) -> None:
     for i, row in enumerate(ds.select_columns(cols)):
         for c in cols:
             if not isinstance(row[c], str):
-                raise UserError(f"{rows.row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not text as in the other "
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not text as in the other "
                                 f"rows. Fix: give the row its {c}, or remove the row.")
 
 

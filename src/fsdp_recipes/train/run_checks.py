@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
-from fsdp_recipes.metrics import prometheus
-from fsdp_recipes.errors import UserError
 from fsdp_recipes.data import declaration
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.train import float8, kinds
 
 

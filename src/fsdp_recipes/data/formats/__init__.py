@@ -1,12 +1,12 @@
 """Dataset formats: one module each in this folder, and one registry, FORMATS, built from the modules at import.
 Everything outside this folder asks the registry and the format (`formats.load(name)`, `formats.detect`,
-`formats.layout_of`), never a format's name; adding a format is adding its module here (docs/architecture.md).
+`formats.check_rows`), never a format's name; adding a format is adding its module here (docs/architecture.md).
 
 A format module provides (DataFormat below checks it when FORMATS is built, at import; a missing member is a
 TypeError that names it):
     LABEL                 what the launcher's line calls it ("ShareGPT")
     COLUMNS               the columns that identify it, by their default names (a declaration may map each: slot=col)
-    HELP                  one row of it, as the docs and `dataset_format`'s error show it
+    HELP                  one row of it, as the docs show it and a declared column that is missing is told
     ORDER                 where it stands in the lists users see; detection prefers, among the formats whose columns
                           a row has, the one that claims the most of them, then the one listed first
     convert(ds, spec, at, text_field)  the dataset in the layout TRL takes (datasets' map, one pass); a row that does
@@ -21,11 +21,10 @@ and, for a layout TRL takes as it is (no LAYOUT), how its rows are measured (dat
     sequences(row, tokens, t)  a row's training sequences, tokenized one by one, with the loss's mask (`make data`)
     trained(t)            what the loss counts, in words
 Optional, with the defaults of DataFormat: OPTIONAL (more columns it reads), ROLE_NAMES (a chat format: the file's
-role names it maps, named in the launcher's line; a declaration may add name=role) and ALSO_MAPPED (mapped too, not
-named), LAYOUT (the registered layout its rows become) and BECOMES (that, in the launcher's words), fits(columns,
-first, text_field) (detection beyond the columns: `messages` must hold a list), default_columns(text_field) (a slot's
-column by default: the text field), HAS_PROMPT (False: a layout without a prompt) and describe_row(row) (`make
-data`'s words on one row: a label).
+role names it maps, named in the launcher's line; a declaration may add name=role), LAYOUT (the registered layout
+its rows become) and BECOMES (that, in the launcher's words), fits(columns, first, text_field) (detection beyond the
+columns: `messages` must hold a list), default_columns(text_field) (a slot's column by default: the text field),
+HAS_PROMPT (False: a layout without a prompt) and describe_row(row) (`make data`'s words on one row: a label).
 """
 
 from __future__ import annotations
@@ -64,7 +63,6 @@ class DataFormat:
     check_rows: Callable
     OPTIONAL: tuple = ()
     ROLE_NAMES: dict | None = None  # None: not a chat format
-    ALSO_MAPPED: dict = dataclasses.field(default_factory=dict)
     LAYOUT: str = ""  # "": TRL takes it as it is
     BECOMES: str = ""
     fits: Callable | None = None
@@ -99,9 +97,6 @@ class DataFormat:
     def chat(self) -> bool:
         """A chat format: a declaration may map the file's role names to chat roles."""
         return self.ROLE_NAMES is not None
-
-    def role_names(self) -> dict:
-        return {**(self.ROLE_NAMES or {}), **self.ALSO_MAPPED}
 
     def matches(self, columns: set, first: dict | None, text_field: str) -> int:
         """How many of the columns it claims, where a dataset of these columns (and first row) is in this format;

@@ -10,7 +10,7 @@ from fsdp_recipes.errors import UserError
 LABEL = "Alpaca"
 COLUMNS = ("instruction", "output")
 OPTIONAL = ("input", "system")
-HELP = '{"instruction": ..., "input": ..., "output": ...} -> chat prompt + completion'
+HELP = '{"instruction": ..., "input": ..., "output": ...}'
 ORDER = 30
 LAYOUT = "prompt_completion"
 BECOMES = "chat prompt + completion"

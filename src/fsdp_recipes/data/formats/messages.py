@@ -3,8 +3,8 @@ takes it (the file's role names mapped where a declaration names them: `messages
 
 from __future__ import annotations
 
-from fsdp_recipes.data.tokenizing import Planned, Sequence
 from fsdp_recipes.data import chat, row_checks
+from fsdp_recipes.data.tokenizing import Planned, Sequence
 
 LABEL = "OpenAI chat"
 COLUMNS = ("messages",)

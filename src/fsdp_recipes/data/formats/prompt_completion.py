@@ -3,9 +3,9 @@ column names mapped where a declaration names them). The layout Alpaca and promp
 
 from __future__ import annotations
 
-from fsdp_recipes.data.tokenizing import Planned, Sequence
 from fsdp_recipes.data import row_checks
 from fsdp_recipes.data.spec import renamed
+from fsdp_recipes.data.tokenizing import Planned, Sequence
 
 LABEL = "prompt/completion"
 COLUMNS = ("prompt", "completion")

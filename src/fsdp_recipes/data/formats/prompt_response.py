@@ -7,7 +7,7 @@ from fsdp_recipes.data.spec import renamed
 
 LABEL = "prompt/response"
 COLUMNS = ("prompt", "response")
-HELP = '{"prompt": ..., "response": ...} -> prompt + completion'
+HELP = '{"prompt": ..., "response": ...}'
 ORDER = 50
 LAYOUT = "prompt_completion"
 BECOMES = "prompt + completion"

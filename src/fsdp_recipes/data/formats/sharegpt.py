@@ -8,10 +8,10 @@ from fsdp_recipes.data import chat, row_checks
 
 LABEL = "ShareGPT"
 COLUMNS = ("conversations",)
-HELP = '{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]} -> messages'
+HELP = '{"conversations": [{"from": "human", "value": ...}, {"from": "gpt", "value": ...}]}'
 ORDER = 20
 ROLE_NAMES = {"human": "user", "gpt": "assistant"}  # named in the launcher's line
-ALSO_MAPPED = {"function": "tool", "observation": "tool"}
+ALSO_MAPPED = {"function": "tool", "observation": "tool"}  # mapped too, not named
 LAYOUT = "messages"
 BECOMES = "messages"
 check_rows = row_checks.turns_or_text  # the rows as converted: chat turns

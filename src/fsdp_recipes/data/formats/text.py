@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from fsdp_recipes.data.tokenizing import Planned, Sequence
 from fsdp_recipes.data import row_checks
 from fsdp_recipes.data.spec import renamed
+from fsdp_recipes.data.tokenizing import Planned, Sequence
 
 LABEL = "a text field"
 COLUMNS = ("text",)

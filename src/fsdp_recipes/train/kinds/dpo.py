@@ -17,8 +17,8 @@ preference format's, data/formats/preference.py).
 
 from __future__ import annotations
 
-from fsdp_recipes.errors import UserError
 from fsdp_recipes.data import formats, loading
+from fsdp_recipes.errors import UserError
 
 # DPOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `dpo` section
 REPORTED_LOGS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",

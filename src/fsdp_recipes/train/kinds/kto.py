@@ -18,8 +18,8 @@ forward without gradients (the mismatched pair) and two reference forwards (matc
 
 from __future__ import annotations
 
-from fsdp_recipes.errors import UserError
 from fsdp_recipes.data import formats, loading, row_checks, rows
+from fsdp_recipes.errors import UserError
 from fsdp_recipes.train.kinds import dpo
 
 # KTOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `kto` section
