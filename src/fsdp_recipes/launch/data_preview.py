@@ -25,12 +25,15 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
+from fsdp_recipes.assets import addition_preferences
 from fsdp_recipes.config import model_check, recipes, run_config, value_checks
 from fsdp_recipes.data import length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.data.rows import ROW_ORIGIN, row_at, split_file
 from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.train import kinds, run_checks
 
 EXAMPLES = 3
 SHOWN_TOKENS = 16  # trained tokens listed one by one per example
@@ -64,8 +67,6 @@ def parse(argv: list[str]) -> tuple[str, list[str], int]:
 def load_config(name: str, overrides: list[str]):
     """The recipe and its configuration as the run parses them, checked as far as the data needs: no GPU check
     (use_cpu, as `make plan` parses), the model's folder, the data fields; the assets it uses prepared."""
-    from fsdp_recipes.train import run_checks
-
     recipe = recipes.load(name, [*overrides, "--use_cpu", "true"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -76,10 +77,6 @@ def load_config(name: str, overrides: list[str]):
     run_checks.prepare_assets(cfg, quiet=True)
     model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     if cfg.pack.addition_preferences:  # the DPO demo's pairs: made by its first launch, with the SFT model
-        from fsdp_recipes.assets import addition_preferences
-
-        from pathlib import Path
-
         if not addition_preferences.is_current(Path(cfg.script.dataset_name), Path(cfg.model.model_name_or_path)):
             raise UserError(f"the pairs in {cfg.script.dataset_name} are made from the SFT model's own answers by "
                             f"the first launch of {recipe.name}, which loads the model; make data loads none. Fix: "
@@ -165,8 +162,6 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
     recipe, cfg = load_config(name, overrides)
     import datasets
     import transformers
-
-    from fsdp_recipes.train import kinds
 
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)

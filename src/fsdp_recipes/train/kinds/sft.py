@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from fsdp_recipes.config import model_check
 from fsdp_recipes.data import formats, loading, row_checks
+from fsdp_recipes.errors import UserError
 
 REPORTED_LOGS: tuple[str, ...] = ()  # the loss is in every run report already
 RESUME_SETTINGS: tuple[str, ...] = ("packing", "completion_only_loss")  # what a resume compares (checkpoint/resume_settings.py)
@@ -40,9 +42,6 @@ FUSED_LOSS_CANNOT = {"llama4": "Llama 4", "llama4_text": "Llama 4"}
 def check_config(cfg) -> None:
     """What TRL's SFTTrainer cannot train in these releases, from the model's config.json where it is known offline
     (a local folder)."""
-    from fsdp_recipes.config import model_check
-    from fsdp_recipes.errors import UserError
-
     source = model_check.model_config_source(cfg.model.model_name_or_path, None)
     if source is None:
         return
