@@ -76,7 +76,8 @@ class Clocks:
 def pack_path(data_dir: Path, work: Path, packing: bool) -> dict:
     from trl import SFTTrainer
 
-    from fsdp_recipes.train import loading, run_checks
+    from fsdp_recipes.data import loading
+    from fsdp_recipes.train import run_checks
     from fsdp_recipes.train.build import run_report_for, trainer_for
 
     argv = ["--config", str(RECIPE_SFT), "--dataset_name", str(data_dir), "--eval_strategy", "no",

@@ -73,7 +73,8 @@ def install_probe() -> None:
     import trl.trainer.sft_trainer as sft_mod
 
     import fsdp_recipes.train.entry  # noqa: F401
-    from fsdp_recipes.train import loading, start_gate
+    from fsdp_recipes.data import loading
+    from fsdp_recipes.train import start_gate
 
     marks["imports_done"] = time.time()
 

@@ -11,8 +11,9 @@ from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 from trl import DatasetMixtureConfig, ScriptArguments
 
+from fsdp_recipes.data import formats, loading
+from fsdp_recipes.data.rows import row_at
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.train import data_checks, loading
 from fsdp_recipes.train.kinds import dpo
 
 
@@ -38,7 +39,7 @@ def test_a_bom_windows_line_endings_and_blank_lines_read_as_datasets_reads_them(
     lines = [json.dumps(chat(0)), "", json.dumps(chat(1)), "   ", "", json.dumps(chat(2))]
     train = load(write(tmp_path / "d.jsonl", lines, bom, newline))
     assert [r["completion"][0]["content"] for r in train] == ["1", "2", "3"]
-    assert data_checks.row_at(str(tmp_path / "d.jsonl"), "train", 2) == f"{tmp_path / 'd.jsonl'}:6"
+    assert row_at(str(tmp_path / "d.jsonl"), "train", 2) == f"{tmp_path / 'd.jsonl'}:6"
 
 
 def test_preference_pairs_with_a_bom_are_checked_as_written(tmp_path):
@@ -48,7 +49,7 @@ def test_preference_pairs_with_a_bom_are_checked_as_written(tmp_path):
     ds = loading.load_splits(ScriptArguments(dataset_name=str(path)), DatasetMixtureConfig(), False,
                              dpo.check_columns)[0]
     with pytest.raises(UserError, match=f"{path}:3: `chosen` and `rejected` are the same answer"):
-        dpo.check_rows(ds, str(path), "train")
+        formats.check_rows(ds, str(path), "train")  # DPO's check_data: the preference format's checks
 
 
 def test_a_bad_row_after_blank_lines_is_named_by_its_editor_line(tmp_path, checks):

@@ -1,6 +1,6 @@
-"""Data formats (train/data_formats.py, train/loading.py): ShareGPT, Alpaca, prompt/response, messages, a text field
-and the preference layouts, declared with `dataset_format:` or detected, converted once with datasets' map; the
-launcher's one line saying what it found; a row that fits no format is one line with its file and line. The
+"""Data formats (data/formats/, data/declaration.py, data/loading.py): ShareGPT, Alpaca, prompt/response, messages, a
+text field and the preference layouts, declared with `dataset_format:` or detected, converted once with datasets' map;
+the launcher's one line saying what it found; a row that fits no format is one line with its file and line. The
 launcher's checks run in this process (`checks`, `launcher_until_ranks`) on copies of the tiny recipe."""
 
 import json
@@ -12,8 +12,9 @@ from test_bad_input import assert_one_line_error
 from trl import DatasetMixtureConfig, ScriptArguments
 
 from fsdp_recipes.config.run_config import PackArguments
+from fsdp_recipes.data import declaration, formats, loading
+from fsdp_recipes.data.spec import Spec
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.train import data_formats, loading
 from fsdp_recipes.train.kinds import dpo, kto
 
 
@@ -148,10 +149,10 @@ def test_the_launcher_says_what_it_found_and_how_it_maps(tmp_path, cache_dir, mo
 
 
 def test_parse_spec_round_trips_the_documented_examples():
-    assert data_formats.parse_spec("alpaca instruction=question output=answer") == data_formats.Spec(
+    assert declaration.parse_spec("alpaca instruction=question output=answer") == Spec(
         "alpaca", {"instruction": "question", "output": "answer"}, {})
-    assert data_formats.parse_spec("sharegpt bot=assistant") == data_formats.Spec("sharegpt", {}, {"bot": "assistant"})
-    assert data_formats.parse_spec(None) is None and data_formats.parse_spec(" ") is None
+    assert declaration.parse_spec("sharegpt bot=assistant") == Spec("sharegpt", {}, {"bot": "assistant"})
+    assert declaration.parse_spec(None) is None and declaration.parse_spec(" ") is None
 
 
 def test_an_alpaca_answer_reaches_grpo_rewards_as_text(tmp_path):
@@ -169,17 +170,16 @@ def test_every_row_the_readme_shows_is_detected_as_its_format_and_converts(tmp_p
 
     from datasets import load_dataset
 
-    from fsdp_recipes.train import data_formats
 
     text = (REPO / "README.md").read_text()
     block = text[text.index("```text\nmessages "):]
     rows = re.findall(r"^(\w+)\s+(\{.*\})", block[:block.index("\n```\n", 8)], flags=re.M)
-    assert [name for name, _ in rows] == list(data_formats.NAMES)
+    assert [name for name, _ in rows] == list(formats.names())
     for name, row in rows:
         path = tmp_path / f"{name}.jsonl"
         path.write_text((row + "\n") * 3)
         ds = load_dataset("json", data_files=str(path), split="train")
-        spec = data_formats.resolve(ds, str(path), None)
+        spec = declaration.resolve(ds, str(path), None)
         assert spec is not None and spec.name == name, (name, spec)
-        out = data_formats.convert(ds, spec, str(path), lambda i: f"{path}:{i + 1}")
+        out = declaration.convert(ds, spec, lambda i: f"{path}:{i + 1}")
         assert len(out) == 3 and set(out.column_names) & {"messages", "prompt", "text"}, (name, out.column_names)

@@ -1,7 +1,7 @@
-"""Token lengths (train/data_lengths.py) and `make data` (launch/data_preview.py): the statistics worked out by hand
-on rows whose tokens are known under the tiny recipe's tokenizer, the max_length that keeps 99% of rows whole, the
-one warning where max_length cuts answers, the launcher's table, and the preview's output. In this process, nothing
-trains; one test runs `make data` itself.
+"""Token lengths (data/lengths.py, data/length_report.py) and `make data` (launch/data_preview.py): the statistics
+worked out by hand on rows whose tokens are known under the tiny recipe's tokenizer, the max_length that keeps 99% of
+rows whole, the one warning where max_length cuts answers, the launcher's table, and the preview's output. In this
+process, nothing trains; one test runs `make data` itself.
 
 Under the tiny tokenizer (assets/tiny_assets.py: digits are single tokens; the chat template renders
 `<s>[INST] {user} [/INST] {assistant}</s>`) the question "What is 1 + 1?" is a 13-token prompt
@@ -19,8 +19,9 @@ from conftest import REPO, RanksWouldStart, launcher_until_ranks
 from recipe_variant import recipe_variant
 from test_bad_input import assert_one_line_error
 
-from fsdp_recipes.train import data_lengths
-from fsdp_recipes.train.data_lengths import Truncation
+from fsdp_recipes.data import length_report, lengths, recipe_tokenizer
+from fsdp_recipes.data.tokenizing import Truncation
+from fsdp_recipes.errors import UserError
 
 PROMPT = 13  # tokens of the chat prompt "What is 1 + 1?"
 SOURCE = "tiny-mistral's tokenizer and chat template"
@@ -44,7 +45,7 @@ def tok(cache_dir):
 
 
 def measure(rows, tok, t=Truncation(64), **kw):
-    return data_lengths.measure(datasets.Dataset.from_list(rows), tok, "train", t, **kw)
+    return lengths.measure(datasets.Dataset.from_list(rows), tok, "train", t, **kw)
 
 
 def test_lengths_worked_out_by_hand(tok):
@@ -54,33 +55,33 @@ def test_lengths_worked_out_by_hand(tok):
     assert m.answers == {"answer": [3, 4, 6, 42, 102]}
     assert m.whole == [16, 17, 19, 55, 115]
     # nearest rank of 5 rows: the median is the 3rd, p95 and p99 the 5th
-    assert (data_lengths.spread(m.answers["answer"]), data_lengths.spread(m.whole)) == ("6 / 102 / 102",
+    assert (lengths.spread(m.answers["answer"]), lengths.spread(m.whole)) == ("6 / 102 / 102",
                                                                                         "19 / 115 / 115")
     assert m.cut(Truncation(64)) == (1, 0, 0)  # the 115-token row
     assert m.cut(Truncation(16)) == (4, 0, 0)  # all but the 16-token row
     assert m.cut(Truncation(13)) == (5, 5, 0)  # the prompt alone fills max_length: nothing of any answer is left
     assert m.cut(Truncation(None)) == (0, 0, 0)
-    assert data_lengths.table([m], Truncation(64), SOURCE) == [
+    assert length_report.table([m], Truncation(64), SOURCE) == [
         f"token lengths under {SOURCE}, median / p95 / max:",
         "  split  rows  prompt        answer         whole           cut at max_length 64",
         "  train  5     13 / 13 / 13  6 / 102 / 102  19 / 115 / 115  1 (20%)"]
-    assert data_lengths.table([m], Truncation(128), SOURCE)[-1] == "max_length 128 cuts no answer; 115 keeps 99% " \
+    assert length_report.table([m], Truncation(128), SOURCE)[-1] == "max_length 128 cuts no answer; 115 keeps 99% " \
                                                                    "of rows whole"
 
 
 def test_the_max_length_that_keeps_99_percent_of_rows_whole(tok):
     # 98 rows of 16 tokens, one of 55, one of 115: the 99th of 100 in order is 55
     m = measure([qa()] * 98 + [qa("9" * 40), qa("9" * 100)], tok)
-    assert m.keeps() == 55 and data_lengths.percentile(m.whole, 99) == 55
-    assert data_lengths.percentile(list(range(1, 101)), 95) == 95
-    assert data_lengths.cut_warning([m], Truncation(32)) == (
+    assert m.keeps() == 55 and lengths.percentile(m.whole, 99) == 55
+    assert lengths.percentile(list(range(1, 101)), 95) == 95
+    assert length_report.cut_warning([m], Truncation(32)) == (
         "max_length 32 cuts the answers of 2 of the 100 `train` rows (2%). Fix: max_length 55 keeps 99% of rows "
         "whole (--max_length 55, or max_length: 55 in the recipe)")
     # max_length 64 keeps 99% whole already; the one row it cuts is still named, and the fix keeps every row
-    assert data_lengths.cut_warning([m], Truncation(64)) == (
+    assert length_report.cut_warning([m], Truncation(64)) == (
         "max_length 64 cuts the answers of 1 of the 100 `train` rows (1%). Fix: max_length 115 keeps every row "
         "whole (--max_length 115, or max_length: 115 in the recipe)")
-    assert data_lengths.cut_warning([m], Truncation(115)) is None
+    assert length_report.cut_warning([m], Truncation(115)) is None
 
 
 def test_a_split_of_more_rows_is_measured_on_a_seeded_sample(tok):
@@ -89,7 +90,7 @@ def test_a_split_of_more_rows_is_measured_on_a_seeded_sample(tok):
     assert (m.rows, m.sampled) == (10, 4) and m.index == sorted(m.index)
     assert measure(rows, tok, sample=4).index == m.index  # the same rows every time
     assert m.whole == [PROMPT + n + 2 for n in (i + 1 for i in m.index)]
-    table = data_lengths.table([m], Truncation(64), SOURCE)
+    table = length_report.table([m], Truncation(64), SOURCE)
     assert "(rows: a seeded sample of a larger split)" in table[0] and table[2].split()[1:4] == ["4", "of", "10"]
 
 
@@ -105,25 +106,25 @@ def test_every_sft_layout_and_pairs(tok):
     # a text field: no prompt; TRL adds </s>
     m = measure([{"text": "999"}, {"text": "12345"}], tok)
     assert (m.has_prompt, m.answers, m.whole) == (False, {"answer": [4, 6]}, [4, 6])
-    assert data_lengths.table([m], Truncation(64), SOURCE)[1].split() == ["split", "rows", "answer", "whole", "cut",
+    assert length_report.table([m], Truncation(64), SOURCE)[1].split() == ["split", "rows", "answer", "whole", "cut",
                                                                           "at", "max_length", "64"]
     # text prompt + completion (</s> added to the completion), and a preference pair
     m = measure([{"prompt": "123", "completion": "45"}], tok)
     assert (m.prompt, m.answers, m.whole) == ([3], {"answer": [3]}, [6])
     m = measure([{"prompt": "123", "chosen": "4", "rejected": "56"}], tok)
     assert (m.prompt, m.answers, m.whole) == ([3], {"chosen": [2], "rejected": [3]}, [6])
-    assert "cuts the chosen or rejected answers of 1 of the 1" in data_lengths.cut_warning([m], Truncation(5))
+    assert "cuts the chosen or rejected answers of 1 of the 1" in length_report.cut_warning([m], Truncation(5))
 
 
 def test_keep_end_and_packing(tok):
     m = measure([qa("2"), qa("22"), qa("2222"), qa("9" * 40), qa("9" * 100)], tok)
     keep_end = Truncation(50, keep_end=True)
     assert m.cut(keep_end) == (1, 0, 1)  # the 102-token answer is cut; the 55-token row loses its prompt's start
-    assert data_lengths.table([m], keep_end, SOURCE)[-1] == ("truncation_mode keep_end: 1 row(s) longer than "
+    assert length_report.table([m], keep_end, SOURCE)[-1] == ("truncation_mode keep_end: 1 row(s) longer than "
                                                               "max_length 50 lose the start of their prompt instead")
     wrapped = Truncation(16, packing="wrapped")
-    assert m.cut(wrapped) == (0, 0, 0) and data_lengths.cut_warning([m], wrapped) is None
-    assert "nothing is cut" in data_lengths.table([m], wrapped, SOURCE)[-1]
+    assert m.cut(wrapped) == (0, 0, 0) and length_report.cut_warning([m], wrapped) is None
+    assert "nothing is cut" in length_report.table([m], wrapped, SOURCE)[-1]
     assert m.cut(Truncation(16, packing="bfd")) == (4, 0, 0)  # bfd truncates as it packs
 
 
@@ -137,13 +138,13 @@ def test_truncation_follows_the_trainer_config(tmp_path):
 
 def test_no_answer_left_anywhere_is_one_line(tok):
     m = measure([qa(q="1" * 60)] * 3, tok)  # a 65-token prompt
-    with pytest.raises(data_lengths.UserError) as err:
-        data_lengths.check_learnable([m], Truncation(64), "data.jsonl")
+    with pytest.raises(UserError) as err:
+        length_report.check_learnable([m], Truncation(64), "data.jsonl")
     assert str(err.value) == (
         "every row of the `train` split of data.jsonl has a prompt of max_length 64 tokens or more, so truncation "
         "leaves no completion to learn. Fix: max_length 68 keeps 99% of rows whole (--max_length 68, or max_length: "
         "68 in the recipe), or shorten the prompts.")
-    data_lengths.check_learnable([m], Truncation(128), "data.jsonl")
+    length_report.check_learnable([m], Truncation(128), "data.jsonl")
 
 
 def test_the_launcher_prints_the_table_and_one_warning(tmp_path, cache_dir, monkeypatch, capsys):
@@ -175,11 +176,11 @@ def test_rank_0_measures_where_the_launcher_cannot(tmp_path, cache_dir, tok):
 
     data = write_jsonl(tmp_path / "qa" / "train.jsonl", [qa()] * 3 + [qa("9" * 100)])
     recipe = ["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), "--dataset_name", str(data)]
-    assert data_lengths.measured_by_launcher(parse_args(recipe))
+    assert length_report.measured_by_launcher(parse_args(recipe))
     cfg = parse_args([*recipe, "--model_name_or_path", "some-org/some-model"])
-    assert not data_lengths.measured_by_launcher(cfg)
+    assert not length_report.measured_by_launcher(cfg)
     splits = (datasets.Dataset.from_list([qa()] * 3 + [qa("9" * 100)]), None)
-    lines = data_lengths.in_rank(cfg, splits, types.SimpleNamespace(processing_class=tok))
+    lines = length_report.in_rank(cfg, splits, types.SimpleNamespace(processing_class=tok))
     assert lines[0] == "token lengths under some-model's tokenizer and chat template, median / p95 / max:"
     assert lines[-1] == ("warning: max_length 64 cuts the answers of 1 of the 4 `train` rows (25%). Fix: max_length "
                          "115 keeps 99% of rows whole (--max_length 115, or max_length: 115 in the recipe)")
@@ -302,22 +303,22 @@ def test_lengths_and_masks_are_trls_own(layout, cache_dir, tmp_path):
     if layout == "completion_only_loss off":
         settings = {"completion_only_loss": False}
     args = SFTConfig(output_dir=str(tmp_path / "out"), max_length=None, use_cpu=True, report_to="none", **settings)
-    chat_template = data_lengths.chat_template(tok, args)
+    chat_template = recipe_tokenizer.chat_template(tok, args)
     ds = datasets.Dataset.from_list(rows[layout])
     trainer = types.SimpleNamespace(_tokenizer=tok, chat_template=chat_template, _is_vlm=False,
                                     completion_only_loss=settings.get("completion_only_loss", "prompt" in ds[0]))
     prepared = SFTTrainer._prepare_dataset(trainer, ds, tok, args, False, None, "train")
     labels = [[label != -100 for label in row] for row in prepared["labels"]]
     t = Truncation.of(args)
-    m = data_lengths.measure(ds, tok, "train", t, chat_template)
+    m = lengths.measure(ds, tok, "train", t, chat_template)
     assert m.whole == [len(ids) for ids in prepared["input_ids"]]
     if layout == "assistant_only_loss":  # measured where the generation prompt ends; this template's markers
-        # start one token later, after the space (data_lengths.Lengths.first_trained)
+        # start one token later, after the space (data/lengths.py Lengths.first_trained)
         assert m.first_trained == [PROMPT] * 3 and [mask.index(True) for mask in labels] == [PROMPT + 1] * 3
     else:
         assert m.first_trained == [mask.index(True) for mask in labels]
     for row, ids, mask in zip(ds, prepared["input_ids"], labels):
-        (seq,) = data_lengths.example(row, tok, t, chat_template)
+        (seq,) = lengths.example(row, tok, t, chat_template)
         assert (seq.ids, seq.trained) == (ids, mask)
 
 
@@ -339,7 +340,7 @@ def test_pair_lengths_are_dpos_own(cache_dir, tmp_path):
         ds = datasets.Dataset.from_list(rows)
         prepared = DPOTrainer._prepare_dataset(types.SimpleNamespace(_tokenizer=tok, _is_vlm=False), ds, tok, args,
                                                "train")
-        m = data_lengths.measure(ds, tok, "train", Truncation.of(args))
+        m = lengths.measure(ds, tok, "train", Truncation.of(args))
         assert m.prompt == [len(ids) for ids in prepared["prompt_ids"]]
         assert m.answers == {name: [len(ids) for ids in prepared[f"{name}_ids"]] for name in ("chosen", "rejected")}
 

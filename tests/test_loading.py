@@ -6,7 +6,7 @@ import pytest
 from trl import DatasetMixtureConfig, ScriptArguments
 
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.train.loading import load_sft_datasets
+from fsdp_recipes.data.loading import load_sft_datasets
 
 ROWS = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a"}]}
         for i in range(6)]

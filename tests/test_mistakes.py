@@ -242,23 +242,23 @@ def test_the_battery_covers_every_class_of_mistake():
 
 
 def test_truncation_is_one_counted_warning(recipe, tmp_path, cache_dir):
-    """Answers that max_length cuts are one warning line with the rows counted and the fix (train/data_lengths.py);
-    the launcher prints it (tests/test_data_lengths.py)."""
+    """Answers that max_length cuts are one warning line with the rows counted and the fix (data/lengths.py,
+    data/length_report.py); the launcher prints it (tests/test_data_lengths.py)."""
     import datasets
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.train import data_lengths
+    from fsdp_recipes.data import length_report, lengths
 
     # the tiny tokenizer splits digits: "What is 1 + 1?" is a 13-token chat prompt, a 60-digit question a 65-token
     # one, an answer of n digits n + 2 tokens (a space, the digits, </s>)
     ds = datasets.Dataset.from_list([qa(q="1" * 60), qa(), qa(), qa(a="9" * 100)])
     tok = AutoTokenizer.from_pretrained(cache_dir / "tiny-mistral")
-    t = data_lengths.Truncation(64)
-    assert data_lengths.cut_warning([data_lengths.measure(ds, tok, "train", t)], t) == (
+    t = lengths.Truncation(64)
+    assert length_report.cut_warning([lengths.measure(ds, tok, "train", t)], t) == (
         "max_length 64 cuts the answers of 2 of the 4 `train` rows (50%); 1 of them loses the whole answer (the "
         "prompt alone fills max_length). Fix: max_length 115 keeps 99% of rows whole (--max_length 115, or "
         "max_length: 115 in the recipe)")
-    assert data_lengths.cut_warning([data_lengths.measure(ds.select([1, 2]), tok, "train", t)], t) is None
+    assert length_report.cut_warning([lengths.measure(ds.select([1, 2]), tok, "train", t)], t) is None
 
 
 # ------------------------------------------------------------------ real launches: what only the ranks find

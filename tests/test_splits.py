@@ -1,4 +1,4 @@
-"""Splits that tell the truth (train/loading.py held_out, launch/summary.py): an eval split found by its usual names
+"""Splits that tell the truth (data/loading.py held_out, launch/summary.py): an eval split found by its usual names
 or carved off with eval_split_size (seeded, in run_args.json), never a training row called held out, eval rows that
 are training rows too counted; the summary scores `messages` data and plain-text prompt/completion and writes
 sample_generations.json for them. In process: the loading, the launcher's checks and the summary with its
@@ -14,9 +14,10 @@ from test_bad_input import assert_one_line_error
 from trl import DatasetMixtureConfig, ScriptArguments
 
 from fsdp_recipes.config.run_config import PackArguments
+from fsdp_recipes.data import formats, loading
+from fsdp_recipes.data.rows import row_at
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.launch import summary
-from fsdp_recipes.train import data_checks, loading
 
 
 def write_jsonl(path, rows):
@@ -47,7 +48,7 @@ def test_an_eval_split_is_found_by_its_usual_names(tmp_path, file, split):
     named = "" if file == split else f"{file}.jsonl, "
     assert loading.NOTES[-1] == f"eval split: the `{split}` split ({named}3 rows)"
     assert loading.WARNINGS == []
-    assert data_checks.row_at(str(tmp_path), split, 1) == f"{tmp_path / file}.jsonl:2"
+    assert row_at(str(tmp_path), split, 1) == f"{tmp_path / file}.jsonl:2"
 
 
 @pytest.mark.parametrize("suffix, opener", [(".jsonl.gz", "gzip"), (".json.bz2", "bz2"), (".csv.xz", "lzma")])
@@ -102,7 +103,7 @@ def test_a_carved_off_row_is_still_named_by_its_line(tmp_path):
     for split, ds in (("train", train), ("test", ev)):
         if any(t["role"] == "robot" for r in ds for t in r["messages"]):
             with pytest.raises(UserError, match=f"{data}:10: role 'robot'"):
-                data_checks.check_rows(ds, str(data), split)
+                formats.check_rows(ds, str(data), split)
 
 
 def test_eval_split_size_is_recorded_in_run_args(cache_dir):

@@ -135,7 +135,7 @@ PRELOAD = [
     "torch.distributed.fsdp", "torch.distributed.checkpoint", "safetensors.torch",
     "fsdp_recipes.launch.launcher", "fsdp_recipes.train.entry", "fsdp_recipes.train.run_checks",
     "fsdp_recipes.train.build", "fsdp_recipes.train.final_save", "fsdp_recipes.speed",
-    "fsdp_recipes.train.loading", "fsdp_recipes.train.data_lengths", "fsdp_recipes.train.console",
+    "fsdp_recipes.data.loading", "fsdp_recipes.data.lengths", "fsdp_recipes.train.console",
     "fsdp_recipes.train.preemption", "fsdp_recipes.checkpoint.markers", "fsdp_recipes.checkpoint.load_check",
     "fsdp_recipes.checkpoint.resume_check", "fsdp_recipes.checkpoint.resume_settings",
     "fsdp_recipes.checkpoint.save_check", "fsdp_recipes.checkpoint.sharded_save", "fsdp_recipes.metrics.run_report",

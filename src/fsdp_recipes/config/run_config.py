@@ -42,12 +42,13 @@ class PackArguments:
     )
     dataset_format: str | None = field(
         default=None,
-        metadata={"help": "The data's layout, when the pack should not detect it from the columns and first row: "
-                          "messages, sharegpt, alpaca, prompt_completion, prompt_response, text, preference or "
-                          "unpaired_preference, then optionally slot=column (the file's column for one of the "
-                          "format's) and, for messages and sharegpt, name=role (the file's role name for a chat "
-                          "role): `alpaca instruction=question output=answer`, `sharegpt bot=assistant` "
-                          "(train/data_formats.py; docs/training.md)."},
+        # the names are the format registry's (data/formats/, a layer above this one): listed by the one-line error
+        # a name outside it gets (train/run_checks.py), not here, so that a new format is its module alone
+        metadata={"help": "The data's layout, when the pack should not detect it from the columns and first row: a "
+                          "format's name (data/formats/: one module each; docs/training.md#dataset-formats lists "
+                          "them), then optionally slot=column (the file's column for one of the format's) and, for a "
+                          "chat format, name=role (the file's role name for a chat role): `alpaca "
+                          "instruction=question output=answer`, `sharegpt bot=assistant`."},
     )
     eval_split_size: float = field(
         default=0.0,

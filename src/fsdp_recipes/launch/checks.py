@@ -12,6 +12,7 @@ from fsdp_recipes import speed
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, value_checks, yaml_keys
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.data import files, length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.launch import smoke
 from fsdp_recipes.config.job import job_machines, job_processes
 from fsdp_recipes.launch.lines import say
@@ -60,14 +61,12 @@ def check_data_found(recipe: Recipe) -> None:
     checks build: the tiny and SmolLM2 assets in the pack's cache, and DPO's pairs from the SFT model's answers
     (addition_preferences), written where dataset_name says."""
     from fsdp_recipes.paths import expand
-    from fsdp_recipes.train import loading
-
     name = recipe.field("dataset_name")
     builds = str(recipe.field("addition_preferences", False)).lower() in ("true", "yes", "t", "y", "1")  # argparse's
     if builds or not isinstance(name, str):
         return
     if model_check.looks_local(path := expand(name, "dataset_name")) and not in_pack_cache(path):
-        loading.check_found(path)
+        files.check_found(path)
 
 
 def check_model_found(recipe: Recipe) -> None:
@@ -111,8 +110,6 @@ def check_recipe(recipe: Recipe) -> RunConfig:
         warn(recipe, [wrap[0]])
     elif wrap:
         say(wrap[0])
-    from fsdp_recipes.train import loading
-
     if loading.is_local(cfg.script, cfg.mixture):
         import datasets
 
@@ -124,15 +121,13 @@ def check_recipe(recipe: Recipe) -> RunConfig:
         for line in loading.NOTES:  # the format found and how it maps; the eval split, or that there is none
             say(line)
         warn(recipe, loading.WARNINGS)
-        from fsdp_recipes.train import data_lengths
-
         # a local model's tokenizer, with the chat template the trainer will use (a hub model's: rank 0 measures)
-        tokenizer, template = data_lengths.load_tokenizer(cfg, cached=False)
+        tokenizer, template = recipe_tokenizer.load_tokenizer(cfg, cached=False)
         # the rows: errors with the file and line; rows that teach nothing are one counted warning
         warn(recipe, kind.check_data(cfg, splits, tokenizer))
         if tokenizer is not None:  # token lengths, and what max_length cuts: a table, and one warning where it cuts
-            measured = data_lengths.measure_splits(cfg, splits, tokenizer, template)
-            table, cut = data_lengths.report(measured, cfg, tokenizer, cfg.script.dataset_name or "mixture")
+            measured = lengths.measure_splits(cfg, splits, tokenizer, template)
+            table, cut = length_report.report(measured, cfg, tokenizer, cfg.script.dataset_name or "mixture")
             for line in table:
                 say(line)
             warn(recipe, cut)

@@ -4,13 +4,16 @@
 
 Prints, with no process group and no model weights loaded (the tokenizer only; the tiny assets and the default's
 SmolLM2 are prepared into the cache first where the recipe uses them, as `make finetune` does):
-1. the format found or declared and how it maps, one line per file (train/data_formats.py);
-2. the splits: the training rows, and the eval split and where it came from (train/loading.py's rules), also
+1. the format found or declared and how it maps, one line per file (data/formats/, data/declaration.py);
+2. the splits: the training rows, and the eval split and where it came from (data/loading.py's rules), also
    where eval_strategy is "no";
-3. the token lengths and what max_length cuts (train/data_lengths.py): the table the launcher prints;
+3. the token lengths and what max_length cuts (data/lengths.py, data/length_report.py): the table the launcher
+   prints;
 4. N examples (3: the first two training rows and the longest one measured), rendered with the chat template and
    tokenized as TRL does, the tokens the loss skips «between guillemets» (dim on a terminal), the trained tokens as
-   they are, and where max_length cuts.
+   they are, and where max_length cuts; each row as its layout (data/formats/) says it is tokenized and trained.
+A launch-layer tool on the data room: it parses and checks the recipe as the launcher does (train/run_checks.py)
+and loads the data through the trainer kind (train/kinds/).
 ARGS are the run's overrides, as for `make finetune` (ARGS="--max_length 128 --dataset_name data/qa.jsonl"); a
 mistake in them, the recipe or the data is one `error:` line, the launcher's.
 """
@@ -22,9 +25,15 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
+from fsdp_recipes.assets import addition_preferences
 from fsdp_recipes.config import model_check, recipes, run_config, value_checks
+from fsdp_recipes.data import length_report, lengths, loading, recipe_tokenizer
+from fsdp_recipes.data.rows import ROW_ORIGIN, row_at, split_file
+from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.train import kinds, run_checks
 
 EXAMPLES = 3
 SHOWN_TOKENS = 16  # trained tokens listed one by one per example
@@ -58,8 +67,6 @@ def parse(argv: list[str]) -> tuple[str, list[str], int]:
 def load_config(name: str, overrides: list[str]):
     """The recipe and its configuration as the run parses them, checked as far as the data needs: no GPU check
     (use_cpu, as `make plan` parses), the model's folder, the data fields; the assets it uses prepared."""
-    from fsdp_recipes.train import run_checks
-
     recipe = recipes.load(name, [*overrides, "--use_cpu", "true"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -70,10 +77,6 @@ def load_config(name: str, overrides: list[str]):
     run_checks.prepare_assets(cfg, quiet=True)
     model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     if cfg.pack.addition_preferences:  # the DPO demo's pairs: made by its first launch, with the SFT model
-        from fsdp_recipes.assets import addition_preferences
-
-        from pathlib import Path
-
         if not addition_preferences.is_current(Path(cfg.script.dataset_name), Path(cfg.model.model_name_or_path)):
             raise UserError(f"the pairs in {cfg.script.dataset_name} are made from the SFT model's own answers by "
                             f"the first launch of {recipe.name}, which loads the model; make data loads none. Fix: "
@@ -110,10 +113,9 @@ def render(seq, tokenizer, max_length: int | None, color: bool) -> str:
 
 
 def show_example(k: int, n: int, label: str, row: dict, tokenizer, t, template, color: bool) -> None:
-    from fsdp_recipes.train import data_lengths
-
-    sequences = data_lengths.example(row, tokenizer, t, template)
-    extra = f", label {str(row['label']).lower()}" if "label" in row else ""
+    sequences = lengths.example(row, tokenizer, t, template)
+    layout = lengths.layout_of(list(row), row, t)
+    extra = layout.describe_row(row) if layout is not None else ""
     for seq in sequences:
         kept = seq.kept()
         trained = [tok for tok, on, keep in zip(seq.ids, seq.trained, kept) if on and keep]
@@ -132,17 +134,15 @@ def show_example(k: int, n: int, label: str, row: dict, tokenizer, t, template, 
 
 
 def located(where: str, split: str, i: int, rows: int) -> str:
-    """Where row i of the split is in its file (data_checks.row_at), or "" where the trainer kind made the rows
+    """Where row i of the split is in its file (data/rows.py row_at), or "" where the trainer kind made the rows
     from the file's otherwise (KTO unpairs each pair into two rows): a line would name another row."""
-    from fsdp_recipes.train import data_checks
-
-    file = data_checks.split_file(where, split)
+    file = split_file(where, split)
     if file is not None:
-        origin = data_checks.ROW_ORIGIN.get((where, split))
+        origin = ROW_ORIGIN.get((where, split))
         written = len(origin[1]) if origin else sum(1 for line in open(file, encoding="utf-8-sig") if line.strip())
         if written != rows:
             return ""
-    return data_checks.row_at(where, split, i)
+    return row_at(where, split, i)
 
 
 def chosen_rows(rows: int, measured, n: int) -> list[tuple[int, str]]:
@@ -162,8 +162,6 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
     recipe, cfg = load_config(name, overrides)
     import datasets
     import transformers
-
-    from fsdp_recipes.train import data_lengths, kinds, loading
 
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
@@ -185,7 +183,7 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
                         and cfg.training.eval_strategy == "no" else ""))
     for line in loading.WARNINGS:
         say(f"warning: {line}")
-    tokenizer, template = data_lengths.load_tokenizer(cfg)
+    tokenizer, template = recipe_tokenizer.load_tokenizer(cfg)
     for line in kind.check_data(cfg, splits, tokenizer):
         say(f"warning: {line}")
     n = min(examples, len(train))
@@ -199,17 +197,18 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
             print(f"    {json.dumps(train[i], ensure_ascii=False)}", flush=True)
         say(f"read and checked in {time.time() - t0:.1f}s; no process group, no model weights")
         return
-    measured = data_lengths.measure_splits(cfg, splits, tokenizer, template)
-    table, cut = data_lengths.report(measured, cfg, tokenizer, where)
+    measured = lengths.measure_splits(cfg, splits, tokenizer, template)
+    table, cut = length_report.report(measured, cfg, tokenizer, where)
     for line in table:
         say(line)
     for line in cut:
         say(f"warning: {line}")
-    t = data_lengths.Truncation.of(cfg.training)
+    t = Truncation.of(cfg.training)
     if n:
         legend = "dim" if color else "«between guillemets»"
-        say(f"{n} example(s), rendered and tokenized as the trainer will; the loss counts "
-            f"{data_lengths.what_is_trained(train.column_names, t)}, the tokens it skips are {legend}")
+        trained = lengths.what_is_trained(train.column_names, t, train[0])
+        say(f"{n} example(s), rendered and tokenized as the trainer will; the loss counts {trained}, the tokens it "
+            f"skips are {legend}")
     for k, (i, label) in enumerate(chosen_rows(len(train), measured, n), 1):
         at = located(where, cfg.script.dataset_train_split, i, len(train))
         show_example(k, n, f"{label}, {at}" if at else label, train[i], tokenizer, t, template, color)

@@ -20,7 +20,11 @@ import dataclasses
 import math
 import statistics
 
+from fsdp_recipes.config import model_check
+from fsdp_recipes.data import lengths
+from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.train import kinds
 
 
 SAMPLE = 1000  # rows tokenized for the mean length
@@ -66,15 +70,12 @@ def rows_seen(rows: int, epochs: float, max_steps: int, global_batch: int) -> in
 
 
 def local_stats(cfg, max_length: int) -> Data | None:
-    """Rows and mean tokens per row of the recipe's own local dataset, tokenized with its local model's tokenizer
-    (chat template for messages / prompt + completion, as SFTTrainer does); None when either is not local."""
-    from fsdp_recipes.config import model_check
-
+    """Rows and mean tokens per row of the recipe's own local dataset, tokenized with its local model's tokenizer as
+    the trainer tokenizes them (data/lengths.py, by the rows' layout: a pair counts both its sequences, as the
+    policy runs over both); None when the dataset is not local."""
     if not (cfg.script.dataset_name and model_check.looks_local(cfg.script.dataset_name)):
         return None
     import datasets
-
-    from fsdp_recipes.train import kinds
 
     datasets.disable_progress_bars()
     train, _ = kinds.load(cfg.trainer).load_datasets(cfg, want_eval=False)
@@ -87,28 +88,22 @@ def local_stats(cfg, max_length: int) -> Data | None:
     # a spread sample, not the first rows (a file sorted by length would mislead); seconds for the chat template
     step = max(1, len(train) // SAMPLE)
     sample = train.select(range(0, len(train), step)) if len(train) else train
-    text_field = getattr(cfg.training, "dataset_text_field", "text")  # an SFT field
-    lengths = [min(row_tokens(row, tok, text_field), max_length) for row in sample]
-    mean = statistics.fmean(lengths) if lengths else 0.0
+    measured = lengths.measure(sample, tok, "train", Truncation.of(cfg.training), sample=len(sample))
+    if measured is None:
+        raise UserError(f"the rows of {cfg.script.dataset_name} are in no layout the pack measures (messages, prompt "
+                        "+ completion, a text field, preference pairs). Fix: --tokens-per-row N.")
+    counts = [min(row_tokens(measured, i), max_length) for i in range(measured.sampled)]
+    mean = statistics.fmean(counts) if counts else 0.0
     of = "every row" if step == 1 else f"every {step}th row"
-    longest = max(lengths, default=0)
+    longest = max(counts, default=0)
     return Data(len(train), mean, f"{len(train):,} rows from {cfg.script.dataset_name}, {mean:,.1f} tokens per row on "
                                   f"average over {of} (max {longest:,}, cut at max_length {max_length:,})")
 
 
-def row_tokens(row: dict, tok, text_field: str) -> int:
-    def ids(x):
-        return x["input_ids"] if hasattr(x, "keys") else x
-
-    if "chosen" in row and "rejected" in row:  # a preference pair: the policy runs over both answers
-        prompt = row.get("prompt") or ([] if isinstance(row["chosen"], list) else "")
-        return sum(row_tokens({"prompt": prompt, "completion": row[k]}, tok, text_field) for k in ("chosen", "rejected"))
-    if "messages" in row:
-        return len(ids(tok.apply_chat_template(row["messages"], tokenize=True)))
-    if "prompt" in row and "completion" in row:
-        if isinstance(row["prompt"], list):
-            return len(ids(tok.apply_chat_template(row["prompt"] + row["completion"], tokenize=True)))
-        return len(tok(row["prompt"] + row["completion"])["input_ids"])
-    if text_field in row:
-        return len(tok(row[text_field])["input_ids"])
-    raise UserError(f"a row has none of messages, prompt + completion or {text_field}. Fix: --tokens-per-row N.")
+def row_tokens(measured: lengths.Lengths, i: int) -> int:
+    """Tokens the model runs over for measured row i: each of its sequences (prompt + answer; a pair has two), or
+    its prompt where the answers are generated."""
+    names = measured.answer_names
+    if not names:
+        return measured.prompt[i]
+    return sum(measured.prompt[i] + measured.answers[name][i] for name in names)

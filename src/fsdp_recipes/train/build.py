@@ -25,7 +25,8 @@ from fsdp_recipes.patches.peft_fsdp import (
     load_adapter_through_fsdp1_root,
     strip_fsdp1_wrapper_names,
 )
-from fsdp_recipes.train import console, data_lengths, failure_record, kinds, loading
+from fsdp_recipes.data import length_report, loading
+from fsdp_recipes.train import console, failure_record, kinds
 
 
 def make_trainer_class(kind: str = kinds.DEFAULT):
@@ -79,7 +80,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
 
     kind = kinds.load(cfg.trainer)
     train_ds, eval_ds = kind.load_datasets(cfg)
-    # an eval split found under another of its usual names (train/loading.py held_out): run_args.json says which
+    # an eval split found under another of its usual names (data/loading.py held_out): run_args.json says which
     if report is not None and "script_args" in report.resolved_args:  # bench/overhead.py reports no settings
         report.resolved_args["script_args"]["dataset_test_split"] = cfg.script.dataset_test_split
     if dist.rank() == 0 and not loading.is_local(cfg.script, cfg.mixture):  # the launcher read local data only
@@ -107,8 +108,8 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
     )
     trainer.token_counter, trainer.run_report = report.tokens, report
     add_pack_hooks(trainer, cfg, report)
-    if dist.rank() == 0 and not data_lengths.measured_by_launcher(cfg):  # what max_length cuts, never silently
-        for line in data_lengths.in_rank(cfg, (train_ds, eval_ds), trainer):
+    if dist.rank() == 0 and not length_report.measured_by_launcher(cfg):  # what max_length cuts, never silently
+        for line in length_report.in_rank(cfg, (train_ds, eval_ds), trainer):
             print(f"[train] {line}", flush=True)
     return trainer
 

@@ -31,7 +31,8 @@ def import_training_stack() -> None:
 
     from fsdp_recipes.checkpoint import markers  # noqa: F401
     from fsdp_recipes.metrics import run_report  # noqa: F401
-    from fsdp_recipes.train import loading, preemption  # noqa: F401
+    from fsdp_recipes.data import loading  # noqa: F401
+    from fsdp_recipes.train import preemption  # noqa: F401
 
 
 def quiet_replica(cfg: RunConfig) -> None:

@@ -1,6 +1,6 @@
 """Which rows a finished run is scored on, and their prompts and reference answers: read by the summary
 (launch/summary.py) and by the served-model check (serving/engine_check.py), so that both ask the rows the run held
-out, found or carved off as the run did (train/loading.py)."""
+out, found or carved off as the run did (data/loading.py)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ def run_settings(run_args: dict, cfg=None):
 
 def scored_rows(run_args: dict, limit: int, cfg=None):
     """(rows, held_out, shared, text field): the first `limit` rows of the run's eval split, found or carved off as
-    the run did (train/loading.py held_out, the same seed), and a description of it; without an eval split the first
+    the run did (data/loading.py held_out, the same seed), and a description of it; without an eval split the first
     training rows and held_out None (they are not called held out); shared: how many of the rows are training rows
     too; the text field a language-modelling row holds its text in."""
     import copy
 
-    from fsdp_recipes.train.loading import held_out, load_raw, shared_rows
+    from fsdp_recipes.data.loading import held_out, load_raw, shared_rows
 
     script, mixture, pack, seed, text_field = run_settings(run_args, cfg)
     ds = load_raw(script, mixture, pack, text_field, seed)

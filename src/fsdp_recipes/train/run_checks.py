@@ -10,7 +10,8 @@ from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.errors import UserError
 from fsdp_recipes import speed
-from fsdp_recipes.train import data_formats, kinds
+from fsdp_recipes.data import declaration
+from fsdp_recipes.train import kinds
 
 
 def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
@@ -26,7 +27,8 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
 
 def check_data_settings(cfg: RunConfig) -> None:
     """The recipe's data fields, before any row is read (also `make data`'s, launch/data_preview.py)."""
-    data_formats.parse_spec(cfg.pack.dataset_format)  # a misspelt format or column mapping: one line now
+    declaration.parse_spec(cfg.pack.dataset_format)  # a misspelt format or column mapping: one line now (the
+    # registry's names: config/run_config.py, a layer below data/, does not list them)
     if cfg.pack.eval_split_size < 0 or (cfg.pack.eval_split_size >= 1 and cfg.pack.eval_split_size % 1):
         raise UserError(f"eval_split_size is {cfg.pack.eval_split_size:g}: give a share of the training rows below 1 "
                         "(0.1 holds out 10%) or a whole number of rows. Fix: correct it, or 0 for none.")

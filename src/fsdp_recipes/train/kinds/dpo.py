@@ -11,13 +11,14 @@ The reference model:
   avoids. So the pack refuses it under FSDP with full fine-tuning (check_reference).
 
 Data: TRL's preference layouts, `prompt` / `chosen` / `rejected` (conversational or plain) or implicit-prompt
-`chosen` / `rejected`. check_data stops bad pairs in the launcher with the file and the line.
+`chosen` / `rejected`. check_data stops bad pairs in the launcher with the file and the line (the checks are the
+preference format's, data/formats/preference.py).
 """
 
 from __future__ import annotations
 
+from fsdp_recipes.data import formats, loading
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.train import data_checks
 
 # DPOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `dpo` section
 REPORTED_LOGS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -28,7 +29,6 @@ ROWS = "preference pairs (2 sequences each)"
 SMOKE_DATA = "preferences"  # tiny_assets' synthetic preference pairs, for make smoke
 describe_tokens = ("non-padding tokens of the chosen and rejected sequences (prompt included), one policy "
                    "forward and backward each, plus one reference forward (2N FLOPs per token, counted in MFU)")
-ROLES = {"system", "user", "assistant", "tool"}
 
 
 def trainer_class():
@@ -55,10 +55,8 @@ def extra_forwards(training) -> dict[str, float]:
 
 def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None) preference splits, with one-line errors for missing splits and columns."""
-    from fsdp_recipes.train.loading import load_for
-
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    return load_for(cfg, want_eval, check_columns)
+    return loading.load_for(cfg, want_eval, check_columns)
 
 
 def check_columns(ds, where: str) -> None:
@@ -67,59 +65,6 @@ def check_columns(ds, where: str) -> None:
         raise UserError(f"dataset {where} has columns {sorted(cols)}, but DPO needs `prompt`, `chosen` and "
                         "`rejected` (or `chosen` and `rejected` with the prompt inside them). Fix: rename the columns, "
                         "or use an SFT recipe for this data.")
-
-
-def _text(value, what: str, at: str) -> str:
-    """The text of a completion or prompt, plain or conversational; one line when it is neither."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value:
-        for turn in value:
-            role = turn.get("role") if isinstance(turn, dict) else None
-            if role not in ROLES:
-                raise UserError(f"{at}: a `{what}` turn has role {role!r}, not one of {sorted(ROLES)}. Fix: rename "
-                                "the role (chat templates know only these).")
-            if not isinstance(turn.get("content"), str):
-                raise UserError(f"{at}: the {role} turn of `{what}` has content of type "
-                                f"{type(turn.get('content')).__name__}, not text. Fix: make every content a string.")
-        return "\x00".join(f"{t['role']}:{t['content']}" for t in value)
-    if value is None or value == []:
-        raise UserError(f"{at}: `{what}` is missing or empty. Fix: give every pair a {what} answer, or remove "
-                        "the row.")
-    raise UserError(f"{at}: `{what}` is {type(value).__name__}, not text or a list of chat turns. Fix: make it a "
-                    "string or [{\"role\": ..., \"content\": ...}].")
-
-
-def as_written(ds, where: str, split: str):
-    """data_checks.written_rows: the rows as the file holds them (Arrow gives a column one type)."""
-    return data_checks.written_rows(ds, where, split)
-
-
-def check_rows(ds, where: str, split: str) -> None:
-    """Every pair: a chosen and a rejected answer that differ, a non-empty prompt where there is a prompt column,
-    text contents and known roles."""
-    if len(ds) == 0:
-        raise UserError(f"the `{split}` split of the dataset {where} has no preference pairs. Fix: point "
-                        "dataset_name at data with rows (or the split at another file).")
-    has_prompt = "prompt" in ds.column_names
-    for i, row in enumerate(as_written(ds, where, split)):
-        at = data_checks.row_at(where, split, i)
-        if has_prompt:
-            prompt = row.get("prompt")
-            if prompt is None or (isinstance(prompt, (str, list)) and not (prompt.strip() if isinstance(prompt, str)
-                                                                           else prompt)):
-                raise UserError(f"{at}: the prompt is empty. Fix: give the pair its prompt, or remove the row.")
-            _text(prompt, "prompt", at)
-        chosen, rejected = _text(row.get("chosen"), "chosen", at), _text(row.get("rejected"), "rejected", at)
-        kinds = {k: isinstance(row.get(k), list) for k in ("prompt", "chosen", "rejected") if k in row}
-        if len(set(kinds.values())) > 1:
-            chat = ", ".join(k for k, v in kinds.items() if v)
-            raise UserError(f"{at}: {chat} are chat turns but {', '.join(k for k, v in kinds.items() if not v)} "
-                            "plain text; TRL reads a pair as one or the other. Fix: make them all lists of chat "
-                            "turns (or all text), or drop `prompt` and keep it inside `chosen` and `rejected`.")
-        if chosen == rejected:
-            raise UserError(f"{at}: `chosen` and `rejected` are the same answer, so the pair prefers nothing. Fix: "
-                            "remove the row, or give it a different rejected answer.")
 
 
 BETA_FREE = ("sft",)  # DPO loss types that beta neither scales nor divides (trl 1.16 DPOTrainer._compute_loss)
@@ -169,5 +114,6 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
     for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
         if ds is None:
             continue
-        check_rows(ds, where, split)  # what max_length cuts: train/data_lengths.py, in the launcher
+        formats.check_rows(ds, where, split)  # pairs (data/formats/preference.py); what max_length cuts:
+        # data/lengths.py, in the launcher
     return warned

@@ -18,8 +18,8 @@ forward without gradients (the mismatched pair) and two reference forwards (matc
 
 from __future__ import annotations
 
+from fsdp_recipes.data import formats, loading, row_checks, rows
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.train import data_checks
 from fsdp_recipes.train.kinds import dpo
 
 # KTOTrainer's own logs (averaged over the logging interval) kept in metrics.json's `kto` section
@@ -66,10 +66,8 @@ def extra_forwards(training) -> dict[str, float]:
 
 def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None) labelled or paired splits, with one-line errors for missing splits and columns."""
-    from fsdp_recipes.train.loading import load_for
-
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    splits = load_for(cfg, want_eval, check_columns)
+    splits = loading.load_for(cfg, want_eval, check_columns)
     return tuple(unpaired(ds) if ds is not None and paired(ds) else ds for ds in splits)
 
 
@@ -100,28 +98,6 @@ def check_columns(ds, where: str) -> None:
                         "`chosen`, `rejected`). Fix: rename the columns, or use an SFT recipe for this data.")
 
 
-def check_labelled_rows(rows: list[dict], where: str, split: str) -> list[str]:
-    """Every row (as written: dpo.as_written): a prompt, an answer (text or chat turns, as DPO's), a true/false
-    label. One label only is a warning: KTO then learns only to raise (or only to lower) answers' likelihood against
-    the reference."""
-    if not rows:
-        raise UserError(f"the `{split}` split of the dataset {where} has no rows. Fix: point dataset_name at data "
-                        "with rows (or the split at another file).")
-    counts = {True: 0, False: 0}
-    for i, row in enumerate(rows):
-        at = data_checks.row_at(where, split, i)
-        label = row.get("label")
-        if not isinstance(label, bool):
-            raise UserError(f"{at}: `label` is {label!r}, not true or false. Fix: label each answer true (desirable) "
-                            "or false (undesirable).")
-        counts[label] += 1
-        dpo._text(row.get("prompt"), "prompt", at)
-        dpo._text(row.get("completion"), "completion", at)
-    one = [name for name, flag in (("desirable", True), ("undesirable", False)) if counts[flag] == 0]
-    return [f"the `{split}` split of {where} has no {one[0]} answers ({counts[True]} desirable, {counts[False]} "
-            "undesirable): KTO will only move the other kind"] if one else []
-
-
 def check_config(cfg) -> None:
     """Settings TRL would refuse inside every rank, refused before any starts (trl 1.16 KTOTrainer.__init__)."""
     t = cfg.training
@@ -148,16 +124,14 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
     for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
         if ds is None:
             continue
-        written = list(dpo.as_written(ds, where, split))
+        written = list(rows.written_rows(ds, where, split))
+        warned += formats.check_rows(ds, where, split)  # pairs or labelled answers, as the file holds them
         if written and "chosen" in written[0]:  # pairs, as written (unpaired on loading)
-            dpo.check_rows(ds, where, split)
             if len(written) < MIN_PAIRS:
                 raise UserError(f"the `{split}` split of {where} has {len(written)} preference pair(s): read as "
                                 f"labelled answers for KTO, its KL term needs {MIN_PAIRS} or more, so that no answer "
                                 "sits beside its own prompt. Fix: add pairs, or give labelled rows (prompt, "
                                 "completion, label).")
-        else:
-            warned += check_labelled_rows(written, where, split)
-        if tokenizer is not None and data_checks.conversational(ds):
-            data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
-    return warned  # what max_length cuts: train/data_lengths.py, in the launcher
+        if tokenizer is not None and row_checks.conversational(ds):
+            row_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
+    return warned  # what max_length cuts: data/lengths.py, in the launcher

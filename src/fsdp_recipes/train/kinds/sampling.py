@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from fsdp_recipes.data import loading, row_checks
 from fsdp_recipes.errors import UserError
 
 # the trainers' own logs (averaged over the logging interval) kept in metrics.json's `<kind>` section (trl 1.16:
@@ -368,10 +369,8 @@ def check_learned(log_history: list[dict], training) -> None:
 
 def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None): prompts and the columns the rewards read; a `completion` column becomes `answer`."""
-    from fsdp_recipes.train.loading import load_for
-
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
-    splits = load_for(cfg, want_eval, check_columns)
+    splits = loading.load_for(cfg, want_eval, check_columns)
     return tuple(None if ds is None else with_answer(ds) for ds in splits)
 
 
@@ -394,8 +393,6 @@ def check_columns(ds, where: str) -> None:
 
 def check_data(cfg, splits, tokenizer) -> list[str]:
     """Prompts present; every reward function's named arguments are columns of the data (or passed by TRL)."""
-    from fsdp_recipes.train import data_checks
-
     where = cfg.script.dataset_name
     for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
         if ds is None:
@@ -408,6 +405,6 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
         columns = set(with_answer(ds).column_names) - {"prompt", "completion", "completion_ids"}
         for path in cfg.kind_args.reward_funcs:
             check_reward_func(path, columns)
-        if tokenizer is not None and data_checks.conversational(ds):
-            data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
+        if tokenizer is not None and row_checks.conversational(ds):
+            row_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
     return []

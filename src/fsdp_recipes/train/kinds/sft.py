@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from fsdp_recipes.config import model_check
+from fsdp_recipes.data import formats, loading, row_checks
+from fsdp_recipes.errors import UserError
+
 REPORTED_LOGS: tuple[str, ...] = ()  # the loss is in every run report already
 RESUME_SETTINGS: tuple[str, ...] = ("packing", "completion_only_loss")  # what a resume compares (checkpoint/resume_settings.py)
 SEQUENCES_PER_ROW = 1  # make plan: sequences a dataset row puts through the model
@@ -38,9 +42,6 @@ FUSED_LOSS_CANNOT = {"llama4": "Llama 4", "llama4_text": "Llama 4"}
 def check_config(cfg) -> None:
     """What TRL's SFTTrainer cannot train in these releases, from the model's config.json where it is known offline
     (a local folder)."""
-    from fsdp_recipes.config import model_check
-    from fsdp_recipes.errors import UserError
-
     source = model_check.model_config_source(cfg.model.model_name_or_path, None)
     if source is None:
         return
@@ -61,22 +62,18 @@ def check_config(cfg) -> None:
 
 
 def load_datasets(cfg, want_eval: bool | None = None):
-    from fsdp_recipes.train.loading import check_columns, load_for
-
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
     text_field = cfg.training.dataset_text_field
-    return load_for(cfg, want_eval, lambda ds, where: check_columns(ds, where, text_field))
+    return loading.load_for(cfg, want_eval, lambda ds, where: loading.check_columns(ds, where, text_field))
 
 
 def check_data(cfg, splits, tokenizer) -> list[str]:
-    from fsdp_recipes.train import data_checks
-
     where, warned = cfg.script.dataset_name, []
     names = (cfg.script.dataset_train_split, cfg.script.dataset_test_split)
     for split, ds in zip(names, splits):
         if ds is None:
             continue
-        warned += data_checks.check_rows(ds, where, split)
-        if tokenizer is not None and data_checks.conversational(ds):
-            data_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
-    return warned  # what max_length cuts: train/data_lengths.py, in the launcher
+        warned += formats.check_rows(ds, where, split, cfg.training.dataset_text_field or "text")
+        if tokenizer is not None and row_checks.conversational(ds):
+            row_checks.check_chat_template(tokenizer, cfg.model.model_name_or_path, where)
+    return warned  # what max_length cuts: data/lengths.py, in the launcher

@@ -1,5 +1,5 @@
 """Dataset loading for the entry point: local JSON/JSONL/Parquet files and directories, hub ids, and `datasets:`
-mixtures; each converted from its format (train/data_formats.py) to the layout TRL takes; the eval split found or
+mixtures; each converted from its format (data/formats/) to the layout TRL takes; the eval split found or
 carved off.
 
 All roads go through `datasets.load_dataset`, the call a user with hub access makes (a mixture's sources one by one,
@@ -15,15 +15,17 @@ conversion and the split rules are ours:
 
 from __future__ import annotations
 
+import json
+import random
 from pathlib import Path
 
 from fsdp_recipes.config.model_check import looks_local
+from fsdp_recipes.data import declaration, formats, rows
+from fsdp_recipes.data.files import check_file_bytes, check_found, explain_load_failure, file_builder, local_files
+from fsdp_recipes.data.spec import DOCS
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import expand
-from fsdp_recipes.train import data_checks, data_formats
 
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses these itself (fsspec, by the file's extension)
 EVAL_NAMES = ("test", "validation", "valid", "eval", "dev")  # the names an eval split goes by, searched in order
 
 # The dataset layouts TRL's SFTTrainer accepts (language modeling or prompt-completion, plain or chat).
@@ -36,22 +38,6 @@ WARNINGS: list[str] = []
 IF_ANY = "if any"  # load_splits' want_eval for `make data`: the eval split where there is one, no error without
 
 
-def local_files(path: Path) -> list[Path]:
-    """The data files datasets reads from a local file or folder (those of the builders above)."""
-    if path.is_file():
-        return [path]
-    return sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS and p.is_file()
-                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
-
-
-def file_builder(path: Path) -> str | None:
-    """datasets' builder for a data file: by its extension, under a compression's (`qa.jsonl.gz`: json)."""
-    suffixes = path.suffixes[-2:]
-    if len(suffixes) == 2 and suffixes[1] in COMPRESSIONS:
-        return FILE_BUILDERS.get(suffixes[0])
-    return FILE_BUILDERS.get(path.suffix)
-
-
 def load_local(path: Path, config_name: str | None = None):
     import datasets
 
@@ -59,22 +45,13 @@ def load_local(path: Path, config_name: str | None = None):
         raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file (or a .json, .jsonl or "
                         f".csv file compressed: .gz, .bz2, .xz, .zst).")
     for f in local_files(path):
-        data_checks.check_file_bytes(f)  # a byte that is not UTF-8, a file of blank lines: one line, file and line
+        check_file_bytes(f)  # a byte that is not UTF-8, a file of blank lines: one line, file and line
     try:
         if path.is_file():
             return datasets.load_dataset(file_builder(path), data_files=str(path))
         return datasets.load_dataset(str(path), name=config_name)
     except Exception as err:  # datasets names neither the file nor the line of a bad JSON line
-        raise data_checks.explain_load_failure(path, err) from None
-
-
-def check_found(name: str) -> Path:
-    """A local dataset_name that names nothing is one line (the launcher asks before the ranks start too)."""
-    path = Path(name)
-    if not path.exists():
-        raise UserError(f"dataset not found: {path}. Fix: check dataset_name, or build the tiny default's data with "
-                        "`python -m fsdp_recipes.assets.tiny_assets`.")
-    return path
+        raise explain_load_failure(path, err) from None
 
 
 def load_raw(script_args, dataset_args, pack=None, text_field: str = "text", seed: int = 42):
@@ -101,15 +78,16 @@ def load_raw(script_args, dataset_args, pack=None, text_field: str = "text", see
 
 def convert(ds, where: str, split: str, declared: str | None, text_field: str, at=None):
     """One split (or mixture source) converted from its format, and its format's line in NOTES (once per source)."""
-    spec = data_formats.resolve(ds, where, declared, text_field)
+    spec = declaration.resolve(ds, where, declared, text_field)
     if spec is not None:
-        line = data_formats.describe(spec, where, declared is not None, list(ds.column_names))
+        line = declaration.describe(spec, where, declared is not None, list(ds.column_names))
         if line not in NOTES:
             NOTES.append(line)
-    at = at or (lambda i: data_checks.row_at(where, split, i))
-    converted = data_formats.convert(ds, spec, where, at, text_field)
+        rows.READ_AS[(where, split)] = spec.name
+    at = at or (lambda i: rows.row_at(where, split, i))
+    converted = declaration.convert(ds, spec, at, text_field)
     if converted is not ds:
-        data_checks.CONVERTED.add((where, split))
+        rows.CONVERTED.add((where, split))
     return converted
 
 
@@ -127,13 +105,13 @@ def load_mixture(mixture, declared: str | None, text_field: str, seed: int):
         files = source.data_files
         local = [Path(f) for f in ([files] if isinstance(files, str) else (files or [])) if Path(f).is_file()]
         for f in local:
-            data_checks.check_file_bytes(f)
+            check_file_bytes(f)
         where = str(local[0]) if len(local) == 1 else source.path
         ds = datasets.load_dataset(path=source.path, name=source.name, data_dir=source.data_dir,
                                    data_files=source.data_files, split=source.split)
         if source.columns is not None:
             ds = ds.select_columns(source.columns)
-        at = (lambda i, f=local[0]: f"{f}:{data_checks.line_of(f, i)}") if len(local) == 1 else None
+        at = (lambda i, f=local[0]: f"{f}:{rows.line_of(f, i)}") if len(local) == 1 else None
         parts.append(convert(ds, where, source.split, declared, text_field, at))
     fractions = [source.fraction for source in mixture.datasets]
     if any(f is not None for f in fractions):
@@ -170,21 +148,24 @@ def as_messages(ds):
 
 
 def check_columns(ds, where: str, text_field: str = "text") -> None:
+    """SFT's: the split (converted) is in a layout SFTTrainer takes; the error names the formats that become one."""
     cols = set(ds.column_names or [])
-    formats = [f if f != {"text"} else {text_field} for f in SFT_FORMATS]
-    if not any(f <= cols for f in formats):
+    layouts = [f if f != {"text"} else {text_field} for f in SFT_FORMATS]
+    if not any(f <= cols for f in layouts):
+        takes = [f for f in formats.FORMATS.values() if set(formats.layout(f).COLUMNS) in SFT_FORMATS]
+        named = ", ".join(f"{f.LABEL} ({' + '.join(f'`{f.default_columns(text_field).get(c, c)}`' for c in f.COLUMNS)})"
+                          for f in takes)
         raise UserError(
-            f"dataset {where} has columns {sorted(cols)}, but SFT needs `messages`, ShareGPT `conversations`, "
-            f"Alpaca `instruction` + `output`, `prompt` + `completion` (or `response`), or `{text_field}`. Fix: "
-            f"name your columns with `dataset_format:` (e.g. `prompt_completion prompt=question completion=answer`; "
-            f"{data_formats.DOCS}), or set dataset_text_field."
+            f"dataset {where} has columns {sorted(cols)}, but SFT needs the columns of one of {named}. Fix: name "
+            f"your columns with `dataset_format:` (e.g. `prompt_completion prompt=question completion=answer`; "
+            f"{DOCS}), or set dataset_text_field."
         )
 
 
 def carve_size(size: float, n: int) -> int:
     """Rows eval_split_size holds out of n: a fraction below 1, else a number of rows; at least 1, at most n - 1."""
-    rows = round(size * n) if size < 1 else int(size)
-    return max(1, min(rows, n - 1))
+    held = round(size * n) if size < 1 else int(size)
+    return max(1, min(held, n - 1))
 
 
 def held_out(ds, script_args, pack, seed: int, where: str):
@@ -209,12 +190,10 @@ def held_out(ds, script_args, pack, seed: int, where: str):
         if size:
             WARNINGS.append(f"eval_split_size {size:g} is not used: the dataset {where} has its own `{test_name}` "
                             "split, which is held out instead")
-        file = data_checks.split_file(where, test_name)
+        file = rows.split_file(where, test_name)
         named = f"{file.name}, " if file is not None and file.stem != test_name else ""
         return train, ds[test_name], f"the `{test_name}` split ({named}{len(ds[test_name])} rows)"
     if size:
-        import random
-
         n = len(train)
         if n < 2:
             raise UserError(f"eval_split_size {size:g}: the `{train_name}` split of {where} has {n} row(s), too few "
@@ -223,12 +202,14 @@ def held_out(ds, script_args, pack, seed: int, where: str):
         chosen = sorted(random.Random(seed).sample(range(n), k))
         taken = set(chosen)
         rest = [i for i in range(n) if i not in taken]
-        file = data_checks.split_file(where, train_name)
+        file = rows.split_file(where, train_name)
         if file is not None:  # rows still named by their file's line
-            data_checks.ROW_ORIGIN[(where, train_name)] = (file, rest)
-            data_checks.ROW_ORIGIN[(where, test_name)] = (file, chosen)
-        if (where, train_name) in data_checks.CONVERTED:
-            data_checks.CONVERTED.add((where, test_name))
+            rows.ROW_ORIGIN[(where, train_name)] = (file, rest)
+            rows.ROW_ORIGIN[(where, test_name)] = (file, chosen)
+        if (where, train_name) in rows.CONVERTED:
+            rows.CONVERTED.add((where, test_name))
+        if (where, train_name) in rows.READ_AS:
+            rows.READ_AS[(where, test_name)] = rows.READ_AS[(where, train_name)]
         return (train.select(rest), train.select(chosen),
                 f"{k} of the {n} rows of `{train_name}` held out (eval_split_size {size:g}, seed {seed})")
     return train, None, None
@@ -236,8 +217,6 @@ def held_out(ds, script_args, pack, seed: int, where: str):
 
 def shared_rows(train, evaluation) -> int:
     """Eval rows that are also training rows, compared on the columns both have."""
-    import json
-
     cols = [c for c in evaluation.column_names if c in set(train.column_names)]
     key = lambda row: json.dumps(row, sort_keys=True, default=str)  # noqa: E731
     seen = {key(r) for r in train.select_columns(cols)}
@@ -252,8 +231,7 @@ def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, se
     run's, which chooses the held-out rows."""
     NOTES.clear()
     WARNINGS.clear()
-    data_checks.ROW_ORIGIN.clear()
-    data_checks.CONVERTED.clear()
+    rows.clear()
     ds = load_raw(script_args, dataset_args, pack, text_field, seed)
     where = script_args.dataset_name or "mixture"
     splits = list(ds.keys())

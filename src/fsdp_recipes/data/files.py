@@ -1,0 +1,93 @@
+"""The dataset's files, read as `datasets` will read them, before it does: what it would read wrongly or refuse
+without naming the file or the line, as one line with both.
+
+Gap it fills: `datasets` reports a malformed JSON line as a DatasetGenerationError without the line, and loads a
+byte that is not UTF-8 to fail later, in a rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fsdp_recipes.errors import UserError
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses these itself (fsspec, by the file's extension)
+
+
+def local_files(path: Path) -> list[Path]:
+    """The data files datasets reads from a local file or folder (those of the builders above)."""
+    if path.is_file():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.suffix in FILE_BUILDERS and p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+
+
+def file_builder(path: Path) -> str | None:
+    """datasets' builder for a data file: by its extension, under a compression's (`qa.jsonl.gz`: json)."""
+    suffixes = path.suffixes[-2:]
+    if len(suffixes) == 2 and suffixes[1] in COMPRESSIONS:
+        return FILE_BUILDERS.get(suffixes[0])
+    return FILE_BUILDERS.get(path.suffix)
+
+
+def check_found(name: str) -> Path:
+    """A local dataset_name that names nothing is one line (the launcher asks before the ranks start too)."""
+    path = Path(name)
+    if not path.exists():
+        raise UserError(f"dataset not found: {path}. Fix: check dataset_name, or build the tiny default's data with "
+                        "`python -m fsdp_recipes.assets.tiny_assets`.")
+    return path
+
+
+def check_file_bytes(path: Path) -> None:
+    """What `datasets` would read wrongly or refuse without naming the file: a byte that is not UTF-8 (pyarrow loads
+    it, and the row fails to decode when it is read, in a rank) and a file of blank lines only ("corresponds to no
+    data"). A byte-order mark, Windows line endings and blank lines are read as datasets reads them. Parquet is
+    binary: not scanned."""
+    if path.suffix not in (".json", ".jsonl", ".csv"):
+        return
+    with open(path, "rb") as f:
+        blank = True
+        for number, line in enumerate(f, 1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise UserError(f"{path}:{number}: byte 0x{line[err.start]:02x} at column {err.start + 1} is not "
+                                "UTF-8 (the file was saved in another encoding, e.g. Latin-1 or Windows-1252). Fix: "
+                                f"save the file as UTF-8 (`iconv -f cp1252 -t utf-8`), or correct that line.") from None
+            if blank and text.lstrip("\ufeff").strip():
+                blank = False
+    if blank and path.stat().st_size:
+        raise UserError(f"the dataset file {path} holds only blank lines, no rows. Fix: put the rows in it, or remove "
+                        "it.")
+
+
+def find_bad_json_line(path: Path) -> str | None:
+    """`file:line: problem` for the first line of a JSON Lines file that does not parse, else None."""
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                return f"{path}:{number}: {err.msg} (column {err.colno})"
+    return None
+
+
+def explain_load_failure(path: Path, err: Exception) -> UserError:
+    """A load_dataset failure on local files, as one line: the bad JSON line when there is one."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.suffix in (".json", ".jsonl"))
+    for f in files:
+        if f.stat().st_size == 0:
+            return UserError(f"the dataset file {f} is empty. Fix: put the rows in it, or remove it.")
+    for f in files:
+        if f.suffix == ".jsonl" and (bad := find_bad_json_line(f)):
+            return UserError(f"malformed JSON line in the dataset: {bad}. Fix: correct or remove that line "
+                             "(one JSON object per line).")
+    cause = err.__cause__ or err
+    first = next((x.strip() for x in str(cause).splitlines() if x.strip()), type(cause).__name__)
+    return UserError(f"cannot read the dataset {path}: {type(cause).__name__}: {first}. Fix: check that the "
+                     "file is valid JSON Lines / JSON / Parquet / CSV.")

@@ -1,0 +1,90 @@
+"""The checks of rows in the layouts TRL takes, which the formats (data/formats/) name as their `check_rows`: chat
+turns with chat roles and text contents, prompt + completion rows whose parts are text, a split with rows. Run by
+the launcher only (before any rank starts; the ranks load the same files after it passed): errors with the file and
+the line.
+
+Gap it fills: TRL takes an empty split, a role it does not know or a non-string content, and fails (or trains on
+nothing) inside every rank.
+"""
+
+from __future__ import annotations
+
+from fsdp_recipes.data.rows import row_at
+from fsdp_recipes.data.spec import ROLES
+from fsdp_recipes.errors import UserError
+
+CONVERSATION_COLUMNS = ("messages", "prompt", "completion")
+
+
+def not_empty(ds, where: str, split: str) -> list[str]:
+    """The check of a layout whose rows need nothing more: the split has rows."""
+    if len(ds) == 0:
+        raise UserError(f"the `{split}` split of the dataset {where} is empty. Fix: point dataset_name at data with "
+                        "rows (or the split at another file).")
+    return []
+
+
+def conversational(ds) -> bool:
+    cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
+    return bool(cols) and len(ds) > 0 and isinstance(ds[0][cols[0]], list)
+
+
+def turns_or_text(ds, where: str, split: str) -> list[str]:
+    """The check of chat and prompt + completion layouts: errors for an empty split and malformed conversations (or
+    text rows without their text); warnings (returned) for rows that are skipped."""
+    if len(ds) == 0:
+        raise UserError(f"the `{split}` split of the dataset {where} is empty. Fix: point dataset_name at data with "
+                        "rows (or the split at another file).")
+    chat = conversational(ds)
+    if not chat:
+        check_text_rows(ds, where, split)
+        return []
+    cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
+    without_assistant = 0
+    for i, row in enumerate(ds.select_columns(cols)):
+        for c in cols:
+            if not isinstance(row[c], list):
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not a list of chat turns as "
+                                f"in the other rows. Fix: give the row its {c} turns, or remove the row.")
+        turns = [t for c in cols for t in row[c]]
+        for turn in turns:
+            role = turn.get("role") if isinstance(turn, dict) else None
+            if role not in ROLES:
+                raise UserError(f"{row_at(where, split, i)}: role {role!r} is not one of {sorted(ROLES)}. Fix: "
+                                "rename the role (chat templates know only these).")
+            content = turn.get("content")
+            if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
+                raise UserError(f"{row_at(where, split, i)}: a {role} turn's content is {type(content).__name__}, not "
+                                "text. Fix: make every content a string.")
+        if not any(t.get("role") == "assistant" for t in turns):
+            without_assistant += 1
+    if without_assistant == len(ds):
+        raise UserError(f"no row of the `{split}` split of {where} has an assistant turn, so there is nothing to "
+                        "learn. Fix: add the assistant's answers (role: assistant).")
+    if without_assistant:
+        return [f"{without_assistant} of {len(ds)} rows of the `{split}` split have no assistant turn; they teach "
+                "nothing"]
+    return []
+
+
+def kind_of(value) -> str:
+    return "missing" if value is None else type(value).__name__
+
+
+def check_text_rows(ds, where: str, split: str) -> None:
+    """Plain-text prompt + completion rows: both are text in every row (a row without one is a null here)."""
+    cols = [c for c in ("prompt", "completion") if c in ds.column_names]
+    if len(cols) < 2:
+        return
+    for i, row in enumerate(ds.select_columns(cols)):
+        for c in cols:
+            if not isinstance(row[c], str):
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not text as in the other "
+                                f"rows. Fix: give the row its {c}, or remove the row.")
+
+
+def check_chat_template(tokenizer, model: str, where: str) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(f"the dataset {where} is conversational but the tokenizer of {model} has no chat template. "
+                        "Fix: set chat_template_path, use a model whose tokenizer has one, or convert the data to a "
+                        "text field.")
