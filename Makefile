@@ -108,7 +108,7 @@ k8s: $(STAMP) ## RECIPE NODES GPUS [K8S_ARGS]: Kubeflow PyTorchJob, TrainJob and
 
 report: $(STAMP) ## RUNS="runs/a runs/b" [ARGS="--out DIR"]: report.md, loss/throughput/memory PNGs in the runs' common parent
 	@if [ -z "$(RUNS)" ]; then echo 'error: make report needs RUNS="runs/a runs/b"' >&2; exit 2; fi
-	@$(PY) -m fsdp_recipes.metrics.report $(RUNS) $(ARGS)
+	@$(PY) -m fsdp_recipes.metrics.run_comparison $(RUNS) $(ARGS)
 
 tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)
 	@$(PY) -m fsdp_recipes.assets.tiny_assets

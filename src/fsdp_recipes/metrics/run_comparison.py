@@ -1,6 +1,6 @@
 """make report: compare runs from their run reports (metrics.json, run_args.json, log_history.json).
 
-    python -m fsdp_recipes.metrics.report runs/a runs/b [--out DIR]
+    python -m fsdp_recipes.metrics.run_comparison runs/a runs/b [--out DIR]
 
 Writes report.md (one table row per run, then the settings that differ between the runs), loss.png (train and
 eval loss against step, all runs on one axes), throughput.png and memory.png (bar charts). By default they go into
@@ -254,7 +254,7 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_recipes.metrics.report", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m fsdp_recipes.metrics.run_comparison", description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="*", type=Path, help="run output directories (each with metrics.json)")
     parser.add_argument("--out", type=Path, help="where to write (default: the runs' common parent directory)")
     args = parser.parse_args(argv)
