@@ -114,7 +114,8 @@ def settings() -> tuple[int, str]:
 
 def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=None) -> dict | None:
     """Every stage scored (evaluation/scoring.py); a 4-bit run's base loaded as it trained, in 4 bits with the run's
-    settings (config/quantization.py)."""
+    settings (config/quantization.py). How to load it is handed down from here: the scoring names no speed option
+    (4-bit loading is one), and evaluation/ does not import the room that holds them."""
     model_args = run_args.get("model_args") or {}
     four_bit = quantization.recorded(model_args) is not None
     return scoring.learning_check(run_dir, run_args, n, cfg,
