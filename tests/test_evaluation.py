@@ -123,6 +123,7 @@ def answer_length_metric() -> ModuleType:
 
     metric = ModuleType("answer_length")
     metric.NEEDS = ("generations",)
+    metric.INTERVAL = "none: a mean length, read beside the references'"
     metric.applies = lambda data: bool(data.refs)
 
     def score(check, scored):
@@ -174,6 +175,8 @@ def test_a_registered_metric_is_scored_and_printed_as_the_packs_own_are(tmp_path
         "answer length (characters): base model 2.00 -> trained 1.00; references 1.00"]
     ev = json.loads((run / "metrics.json").read_text())["eval"]
     assert [s["mean_answer_chars"] for s in ev["stages"]] == [2.0, 1.0]
+    assert list(ev["intervals"]) == ["held_out_loss", "exact_match", "answer_length"]  # those that applied
+    assert ev["intervals"]["answer_length"] == "none: a mean length, read beside the references'"
     assert json.loads((run / "sample_generations.json").read_text())["answer_length"] == {"reference": 1.0}
 
 
@@ -194,13 +197,13 @@ def test_a_metric_asks_each_stage_only_for_what_it_needs(monkeypatch):
     assert asked == ["log-probs", "generations", "preference rows"]
 
 
-@pytest.mark.parametrize("member", ["NEEDS", "applies", "score", "lines"])
+@pytest.mark.parametrize("member", ["NEEDS", "applies", "score", "INTERVAL", "lines"])
 def test_a_metric_missing_a_member_fails_when_it_is_registered(monkeypatch, member):
     monkeypatch.setattr(scores, "METRICS", dict(scores.METRICS))
     half = answer_length_metric()
     delattr(half, member)
     with pytest.raises(TypeError, match=f"evaluation metric answer_length \\(answer_length\\) lacks {member}: "
-                                        "every metric provides NEEDS, applies, score, lines"):
+                                        "every metric provides NEEDS, applies, score, INTERVAL, lines"):
         scores.register("answer_length", half)
     assert "answer_length" not in scores.METRICS
 
@@ -220,3 +223,4 @@ def test_every_registered_metric_provides_the_interface():
         assert metric.name == name and metric.module.__name__ == f"fsdp_recipes.evaluation.scores.{name}"
         assert set(metric.NEEDS) <= set(scores.NEEDS_KINDS) and set(scoring.NEEDED) == set(scores.NEEDS_KINDS)
         assert all(callable(f) for f in (metric.applies, metric.score, metric.lines))
+        assert isinstance(metric.INTERVAL, str) and metric.INTERVAL

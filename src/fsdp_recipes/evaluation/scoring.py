@@ -126,6 +126,7 @@ def learning_check(run_dir: Path, run_args: dict, n: int = eval_rows.EVAL_PROMPT
     scored = Scores(data, chain, raw, adapted)
     for metric in scores.applying(data):
         metric.score(check, scored)
+        check.setdefault("intervals", {})[metric.name] = metric.INTERVAL
     return check
 
 
@@ -161,6 +162,7 @@ def eval_section(check: dict) -> dict:
         "four_bit": check.get("four_bit"),
         "stages": check.get("stages"),
         "preference": check.get("preference"),
+        "intervals": check.get("intervals"),  # each metric's, in words
         "loaded_with": "transformers AutoModelForCausalLM.from_pretrained, no FSDP",
         "samples": check["examples"][:SHOWN_SAMPLES],
         "all_answers": "sample_generations.json",

@@ -14,6 +14,8 @@ A metric module provides (EvalMetric below checks it when the metric is register
                           intervals and the paired test between stages (evaluation/intervals.py), written into the
                           check that sample_generations.json keeps, each stage's into check["stages"][i] (which
                           metrics.json's `eval` keeps too)
+    INTERVAL              how sure its figures are, in words: the interval and the paired test it reports, or why
+                          it has none (metrics.json's `eval` keeps it under `intervals`)
     lines(check)          its lines in the summary, from the check alone ([] where it has nothing to say)
 
 The order of NAMES is the order of the summary's lines; the metrics on preference rows come after the line that says
@@ -42,6 +44,7 @@ class EvalMetric:
     NEEDS: tuple
     applies: Callable
     score: Callable
+    INTERVAL: str
     lines: Callable
     module: ModuleType | None = None
 
@@ -59,6 +62,9 @@ class EvalMetric:
         for member in ("applies", "score", "lines"):
             if not callable(getattr(module, member)):
                 raise TypeError(f"evaluation metric {name} ({module.__name__}): {member} is not a function")
+        if not isinstance(module.INTERVAL, str) or not module.INTERVAL:
+            raise TypeError(f"evaluation metric {name} ({module.__name__}): INTERVAL says in words how sure its "
+                            f"figures are (or why it has no interval)")
         return cls(name=name, module=module, **{member: getattr(module, member) for member in required})
 
     def on_pairs(self) -> bool:

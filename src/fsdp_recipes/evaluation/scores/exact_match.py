@@ -8,6 +8,8 @@ from fsdp_recipes.evaluation import eval_rows, intervals
 from fsdp_recipes.evaluation.stages import names
 
 NEEDS = ("generations",)
+INTERVAL = ("Wilson score interval, 95%, per stage (wilson95); exact McNemar test between consecutive stages, a change "
+            f"where p < {intervals.ALPHA}")
 
 
 def applies(data) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fsdp_recipes.evaluation import intervals
 
 NEEDS = ("generations", "log-probs")
+INTERVAL = "Wilson score interval, 95%, of the 4-bit base + adapter's exact match (adapted.wilson95)"
 
 
 def applies(data) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from fsdp_recipes.evaluation.stages import names
 
 NEEDS = ("log-probs",)
+INTERVAL = "none: a mean over every scored token, compared between stages as it is"
 
 
 def applies(data) -> bool:

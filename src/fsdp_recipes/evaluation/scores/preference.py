@@ -7,6 +7,7 @@ from __future__ import annotations
 from fsdp_recipes.evaluation import intervals
 
 NEEDS = ("preference rows",)
+INTERVAL = "Wilson score interval, 95%, of each stage's preference and of the implicit-reward accuracy"
 
 
 def applies(data) -> bool:
