@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from fsdp_recipes.assets.addition_preferences import TRAIN_QUESTIONS
-from fsdp_recipes.assets.generation import generate
+from fsdp_recipes.evaluation.generation import generate
 from fsdp_recipes.records import file_stamp, now_iso, write_json_atomic
 
 N = 400

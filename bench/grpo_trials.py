@@ -40,7 +40,7 @@ def exact(completions, answer, **kwargs):
 
 
 def score(model: str, questions: list[dict]) -> int:
-    from fsdp_recipes.assets.generation import generate
+    from fsdp_recipes.evaluation.generation import generate
 
     answers = generate(model, [r["prompt"] for r in questions])
     return sum(a == r["completion"][0]["content"] for a, r in zip(answers, questions))

@@ -6,7 +6,7 @@
 Wilson's score interval (95%) for each stage's share correct; for two stages, the exact McNemar test: of the rows
 where exactly one of the two is right (b: only the earlier, c: only the later), a two-sided binomial test of b
 against c with p = 1/2. A change between stages is one only where that p-value is small; the counts say how many
-answers each side fixed. The statistics are the package's (fsdp_recipes/metrics/intervals.py), which the end-of-run
+answers each side fixed. The statistics are the package's (fsdp_recipes/evaluation/intervals.py), which the end-of-run
 summary reports with; this script pairs stages across runs' sample_generations.json.
 """
 
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from fsdp_recipes.metrics.intervals import paired, wilson
+from fsdp_recipes.evaluation.intervals import paired, wilson
 
 
 def stage_answers(runs: list[dict]) -> tuple[list[str], dict[str, list[bool]]]:

@@ -62,7 +62,7 @@ def main() -> None:
     merged = args.out / "merged"
     trainer.model.merge_and_unload().save_pretrained(merged)
     trainer.processing_class.save_pretrained(merged)
-    from fsdp_recipes.assets.generation import generate
+    from fsdp_recipes.evaluation.generation import generate
 
     test = ds["test"]
     answers = generate(str(merged), list(test["prompt"]))

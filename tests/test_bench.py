@@ -316,7 +316,7 @@ def test_paired_stages_intervals_and_exact_mcnemar_by_hand():
     exact McNemar: 0 against 6 discordant rows is 2 x 0.5^6 = 0.03125, 4 against 5 is 1. The statistics are the
     package's (tests/test_intervals.py checks them against published values); the script pairs runs' stages."""
     from bench.paired_stages import report
-    from fsdp_recipes.metrics.intervals import mcnemar_exact, wilson
+    from fsdp_recipes.evaluation.intervals import mcnemar_exact, wilson
 
     lo, hi = wilson(93, 100)
     assert round(lo, 4) == 0.8625 and round(hi, 4) == 0.9657

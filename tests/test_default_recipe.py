@@ -244,10 +244,10 @@ def test_only_rank_0_read_the_weights_and_every_rank_kept_them_tied(run_dir, cac
 
 
 def test_eval_covers_the_held_out_questions(run_dir, cache_dir):
-    from fsdp_recipes.launch import summary
+    from fsdp_recipes.evaluation import eval_rows
 
     run_args = load(run_dir, "run_args.json")
-    questions = summary.load_prompts(run_args, summary.EVAL_PROMPTS)  # what a run without the setting answers
+    questions = eval_rows.load_prompts(run_args, eval_rows.EVAL_PROMPTS)  # what a run without the setting answers
     assert len(questions) == TEST_QUESTIONS
     train = {json.loads(line)["prompt"][-1]["content"]
              for line in (cache_dir / "two-digit-addition" / "train.jsonl").read_text().splitlines()}

@@ -1,11 +1,11 @@
-"""metrics/intervals.py against published and hand-worked values, not against itself: Wilson's score interval and the
+"""evaluation/intervals.py against published and hand-worked values, not against itself: Wilson's score interval and the
 exact McNemar test that the summary and bench/paired_stages.py report with."""
 
 import math
 
 import pytest
 
-from fsdp_recipes.metrics import intervals
+from fsdp_recipes.evaluation import intervals
 
 
 @pytest.mark.parametrize("correct, n, lo, hi", [

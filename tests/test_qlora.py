@@ -213,7 +213,7 @@ def test_the_merged_model_is_the_dequantised_base_plus_the_adapter_and_answers_a
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fsdp_recipes.speed import four_bit
-    from fsdp_recipes.launch.summary import load_prompts
+    from fsdp_recipes.evaluation.eval_rows import load_prompts
 
     two, _ = two
     run_args = json.loads((two / "run_args.json").read_text())
@@ -275,6 +275,7 @@ def test_the_summary_scores_the_4bit_base_and_the_merged_model_alike(two, bnb, r
     """The end-of-run summary of a 4-bit run: the base scored as it trained (in 4 bits), the merged model, and the
     4-bit base + adapter, whose answers the merged model's equal, and whose exact match is the merged model's. PEFT's
     deprecation warning when it wraps the 4-bit base stays off the summary's console (it reached it once)."""
+    from fsdp_recipes.evaluation import scoring
     from fsdp_recipes.launch import summary
 
     two, _ = two
@@ -289,7 +290,7 @@ def test_the_summary_scores_the_4bit_base_and_the_merged_model_alike(two, bnb, r
     assert all(e["trained_4bit"] == e["trained"] for e in check["examples"])
     text = summary.render(two, json.loads((two / "metrics.json").read_text()), check)
     assert f"the 4-bit base + adapter {four['adapted']['correct']}/16 (" in text and "answer on 16/16" in text
-    assert summary.eval_section(check)["four_bit"] == four
+    assert scoring.eval_section(check)["four_bit"] == four
 
 
 # Llama 3.1 70B's published shape (meta-llama/Llama-3.1-70B config.json): 80 layers, hidden 8192, intermediate 28672,

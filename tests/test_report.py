@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from conftest import need_module
-from fsdp_recipes.metrics import prometheus, report
+from fsdp_recipes.metrics import prometheus, run_comparison
 
 REPO = Path(__file__).resolve().parent.parent
 GIB, MIB = 1024**3, 1024**2
@@ -109,7 +109,7 @@ def table(markdown: str, first_cell: str = "run") -> dict[str, dict[str, str]]:
 
 
 def test_report_table_has_each_runs_figures(runs):
-    paths = report.write_report(runs)
+    paths = run_comparison.write_report(runs)
     assert [p.parent for p in paths] == [runs[0].parent] * 4  # the common parent of runs/ and runs/nightly/
     text = (runs[0].parent / "report.md").read_text()
     rows = table(text)
@@ -146,21 +146,21 @@ def test_report_names_the_settings_that_differ(tmp_path):
     runs = [make_run(root / "bf16", GPU_METRICS, None), make_run(root / "float8", GPU_METRICS, None)]
     for run, a in zip(runs, (args("runs/bf16", False, 1e-5, "1.16.0"), args("runs/float8", True, 1e-5, "1.17.0"))):
         (run / "run_args.json").write_text(json.dumps({**json.loads((run / "run_args.json").read_text()), **a}))
-    report.write_report(runs)
+    run_comparison.write_report(runs)
     text = (root / "report.md").read_text()
     assert table(text, "setting") == {
         "pack_args.float8": {"setting": "pack_args.float8", "bf16": "false", "float8": "true"},
         "versions.trl": {"setting": "versions.trl", "bf16": "1.16.0", "float8": "1.17.0"},
     }
     (runs[1] / "run_args.json").write_text((runs[0] / "run_args.json").read_text())
-    report.write_report(runs)
+    run_comparison.write_report(runs)
     assert "the runs' recorded settings (run_args.json) are the same" in (root / "report.md").read_text()
 
 
 def test_report_plots_are_real_pngs(runs, tmp_path):
     image = need_module("PIL.Image")  # Pillow comes with matplotlib
     out = tmp_path / "elsewhere"
-    report.main([*map(str, runs), "--out", str(out)])
+    run_comparison.main([*map(str, runs), "--out", str(out)])
     for name in ("loss.png", "throughput.png", "memory.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
@@ -175,7 +175,7 @@ def test_report_plots_are_real_pngs(runs, tmp_path):
 
 def test_report_single_run_goes_next_to_it(tmp_path):
     run = make_run(tmp_path / "runs" / "only", CPU_METRICS, None)  # no log_history.json: still a report
-    report.write_report([run])
+    run_comparison.write_report([run])
     assert (tmp_path / "runs" / "report.md").is_file() and (tmp_path / "runs" / "loss.png").is_file()
     assert not (run / "report.md").exists()
 
@@ -185,7 +185,7 @@ def cli(module: str, *args) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-@pytest.mark.parametrize("module", ["fsdp_recipes.metrics.report", "fsdp_recipes.metrics.prometheus"])
+@pytest.mark.parametrize("module", ["fsdp_recipes.metrics.run_comparison", "fsdp_recipes.metrics.prometheus"])
 def test_a_directory_without_metrics_is_one_error_line(runs, tmp_path, module):
     not_a_run = tmp_path / "runs" / "half-written"
     not_a_run.mkdir()
@@ -199,7 +199,7 @@ def test_a_directory_without_metrics_is_one_error_line(runs, tmp_path, module):
 
 def test_corrupt_metrics_is_one_error_line(runs):
     (runs[1] / "metrics.json").write_text('{"status": "comp')
-    out = cli("fsdp_recipes.metrics.report", *runs)
+    out = cli("fsdp_recipes.metrics.run_comparison", *runs)
     assert out.returncode == 2 and out.stderr.startswith(f"error: {runs[1] / 'metrics.json'} is not valid JSON")
     assert "Traceback" not in out.stderr
 

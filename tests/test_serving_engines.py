@@ -143,12 +143,12 @@ print(json.dumps(out))
 
 
 def test_the_adapter_rules_the_summary_follows_are_vllms_own():
-    """config/engine_rules.py's verdict on each adapter of test_vllm_serving.ADAPTERS, against vLLM's own loader
+    """evaluation/engine_rules.py's verdict on each adapter of test_vllm_serving.ADAPTERS, against vLLM's own loader
     checks (PEFTHelper.validate_legal at the --max-lora-rank the summary prints): served exactly where the summary
     prints a command. Needs only the vLLM environment, not the trained run."""
     from test_vllm_serving import ADAPTERS, adapter
 
-    from fsdp_recipes.config.engine_rules import VLLM_LORA_RANKS, vllm_lora_refusals, vllm_max_lora_rank
+    from fsdp_recipes.evaluation.engine_rules import VLLM_LORA_RANKS, vllm_lora_refusals, vllm_max_lora_rank
     from fsdp_recipes.serving.environments import engine_python
 
     cases = {name: (adapter(config), vllm_max_lora_rank(adapter(config)) or 1024) for name, (config, _) in

@@ -17,6 +17,7 @@ from fsdp_recipes.config.run_config import PackArguments
 from fsdp_recipes.data import formats, loading
 from fsdp_recipes.data.rows import row_at
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.evaluation import scoring
 from fsdp_recipes.launch import summary
 
 
@@ -162,7 +163,7 @@ def fake_run(tmp_path, dataset, **pack):
 
 
 def stand_in(calls):
-    """summary.score_stage without a model: the trained model answers the sum and has loss 0.5, the base model
+    """scoring.score_stage without a model: the trained model answers the sum and has loss 0.5, the base model
     answers 'no' and has loss 2.0; `calls` gets the (prompt, reference) items each stage was given."""
     import math
 
@@ -182,7 +183,7 @@ def summarised(tmp_path, monkeypatch, capsys, data, **fields):
     """The summary of a finished run on `data` (fake_run), its scores a stand-in: (run, calls, its output)."""
     run = fake_run(tmp_path, data, **fields)
     calls = []
-    monkeypatch.setattr(summary, "score_stage", stand_in(calls))
+    monkeypatch.setattr(scoring, "score_stage", stand_in(calls))
     monkeypatch.setenv(summary.FORCE_ENV, "1")
     assert summary.main([str(run)]) == 0
     return run, calls, capsys.readouterr().out

@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from fsdp_recipes.evaluation import scoring
+from fsdp_recipes.evaluation.scores import preference
 from fsdp_recipes.launch import summary
 from fsdp_recipes.launch.summary import shown
 
@@ -167,7 +169,7 @@ def test_the_launcher_tells_the_summary_its_node(monkeypatch):
 def fabricated_check(correct: dict[str, list[bool]], loss: dict[str, float], held_out: bool = True) -> dict:
     """What learning_check returns for stages whose answers were right or wrong as `correct` says (the first
     stage is the base model), with these held-out losses: the paired counts and intervals as it computes them."""
-    from fsdp_recipes.metrics import intervals
+    from fsdp_recipes.evaluation import intervals
 
     names = list(correct)
     n = len(correct[names[0]])
@@ -250,7 +252,7 @@ def test_preference_rates_carry_their_intervals_too(tmp_path):
     base = [1.0] * 57 + [-1.0] * 43  # mean +0.14
     sft = [1.0] * 93 + [-1.0] * 7  # mean +0.86
     kto = [1.1] * 36 + [0.9] * 57 + [0.5] + [-1.0] * 6  # 94 above 0; above sft's on 36 + 1; mean +0.854
-    summary.add_preference(check, [base, sft, kto])
+    preference.add_preference(check, [base, sft, kto])
     run = fake_run(tmp_path)
     lines = summary.render(run, json.loads((run / "metrics.json").read_text()), check).splitlines()
     assert next(line for line in lines if line.startswith("preference on")) == (
@@ -273,7 +275,7 @@ def test_long_answers_are_not_scored_by_exact_match_and_say_why():
     assert lines[0].startswith("held-out loss on 4 eval rows (12 answer tokens): base model 2.000")
     assert lines[1:] == ["exact match not scored: 3 of the 4 reference answers are over 16 tokens (exact match is for "
                          "short answers; the loss is the measure)"]
-    assert summary.eval_section(check)["base_correct"] is None
+    assert scoring.eval_section(check)["base_correct"] is None
     # a 4-bit run (QLoRA of a user's model on HumanEval, 2026-11-27: the line had lost its 4-bit score): the loss
     check["four_bit"] = {"adapted": None, "adapted_loss": 1.0004, "merged_same_answers": 4, "answers_compared": 4}
     assert summary.eval_lines(check)[-1] == ("4 bits      the base scored in 4 bits, as it trained; the 4-bit base + "
@@ -281,100 +283,6 @@ def test_long_answers_are_not_scored_by_exact_match_and_say_why():
                                              "adapter) gives its answer on 4/4")
     check["four_bit"] = {"adapted": None, "adapted_loss": None, "merged_same_answers": 0, "answers_compared": 0}
     assert summary.eval_lines(check)[-1] == "4 bits      the base scored in 4 bits, as it trained"  # nothing scored
-
-
-def test_preference_margins_are_the_answers_log_probabilities(cache_dir):
-    """summary.preference_margins against each sequence scored on its own, unpadded: log p(chosen) - log p(rejected),
-    summed over the answer's tokens (those after the rendered prompt), on the tiny model."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
-
-    model_dir = str(ensure_assets(quiet=True)["model"])
-    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    pairs = [([{"role": "user", "content": "What is 2 + 3?"}], "5", "16"),
-             ([{"role": "user", "content": "What is 9 + 9?"}], "18", "7")]
-
-    def alone(prompt, answer):
-        head = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        full = tok.apply_chat_template(prompt + [{"role": "assistant", "content": answer}], tokenize=False)
-        assert full.startswith(head)
-        ids = tok(full, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        n_head = len(tok(head, add_special_tokens=False)["input_ids"])
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-        return sum(float(logp[t - 1, ids[0, t]]) for t in range(n_head, ids.shape[1]))
-
-    expected = [alone(p, c) - alone(p, r) for p, c, r in pairs]
-    assert summary.preference_margins(model_dir, pairs) == pytest.approx(expected, abs=1e-4)
-
-
-def test_held_out_loss_is_the_mean_log_likelihood_of_the_tokens_sft_trains_on(cache_dir):
-    """metrics/answer_loss.held_out_loss against each row scored on its own, unpadded, on the tiny model: a chat
-    prompt's answer tokens (after the rendered prompt: the answer and the template's EOS), a text prompt's completion
-    with the EOS TRL appends, and a text row's every token after the first; the loss is their mean negative
-    log-likelihood per token, the perplexity its exponential. Batched in a few tokens or many, the same."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
-    from fsdp_recipes.metrics import answer_loss
-
-    model_dir = str(ensure_assets(quiet=True)["model"])
-    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    chat = [{"role": "user", "content": "What is 2 + 3?"}]
-    items = [(chat, "5"), ("What is 9 + 9?", " 18"), (None, "What is 1 + 1? 2")]
-
-    def alone(ids: list[int], start: int):  # (summed log p of tokens start.. of the row, how many)
-        with torch.no_grad():
-            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
-        return sum(float(logp[t - 1, ids[t]]) for t in range(start, len(ids))), len(ids) - start
-
-    eos = tok.eos_token
-    head = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    full = tok.apply_chat_template(chat + [{"role": "assistant", "content": "5"}], tokenize=False)
-    assert full.startswith(head) and full.endswith(eos)
-    ids = lambda text, special=True: tok(text, add_special_tokens=special)["input_ids"]  # noqa: E731
-    parts = [alone(ids(full, False), len(ids(head, False))),  # the template writes its own BOS
-             alone(ids("What is 9 + 9? 18" + eos), len(ids("What is 9 + 9?"))),  # special tokens as TRL adds them
-             alone(ids("What is 1 + 1? 2" + eos), 1)]
-    total, tokens = sum(s for s, _ in parts), sum(n for _, n in parts)
-    got = answer_loss.held_out_loss(model, tok, items)
-    assert got["tokens"] == tokens and (got["rows"], got["rows_cut"]) == (3, 0)
-    assert got["loss"] == pytest.approx(-total / tokens, abs=1e-4)
-    assert got["perplexity"] == pytest.approx(math.exp(-total / tokens), rel=1e-4)
-    rows = [answer_loss.sequence(tok, p, a) for p, a in items]
-    one_by_one = answer_loss.token_logps(model, tok, rows, batch_tokens=1)  # a batch per row
-    together = answer_loss.token_logps(model, tok, rows)
-    assert [n for _, n, _ in one_by_one] == [n for _, n, _ in together] == [n for _, n in parts]
-    assert [s for s, _, _ in one_by_one] == pytest.approx([s for s, _, _ in together], abs=1e-4)
-    short = answer_loss.token_logps(model, tok, rows[:1], max_tokens=len(rows[0][0]) - 1)
-    assert short[0][1] == parts[0][1] - 1 and short[0][2] is True  # cut on the right: its last token not scored
-
-
-def test_a_stage_is_scored_with_one_load_of_a_real_model(cache_dir, monkeypatch):
-    """summary.score_stage on the tiny model: the loss of the references, greedy answers to every prompt where every
-    reference is short, and the preference margins, from one load; a reference over 16 tokens turns the exact match
-    off and leaves SAMPLE_ROWS prompts answered (up to SAMPLE_TOKENS tokens), to read."""
-    from fsdp_recipes.assets import generation
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
-    from fsdp_recipes.metrics.answer_loss import held_out_loss
-
-    model_dir = str(ensure_assets(quiet=True)["model"])
-    loads = []
-    monkeypatch.setattr(generation, "load", lambda d, t=None, real=generation.load: loads.append(d) or real(d, t))
-    items = [([{"role": "user", "content": f"What is {i} + 2?"}], str(i + 2)) for i in range(3)]
-    pairs = [(p, a, "16") for p, a in items]
-    got = summary.score_stage(model_dir, items, pairs)
-    assert loads == [model_dir]
-    assert got["loss"] == held_out_loss(*generation.load(model_dir), items)
-    assert len(got["answers"]) == 3 and got["long_answers"] == 0
-    assert got["margins"] == pytest.approx(summary.preference_margins(model_dir, pairs), abs=1e-5)
-    monkeypatch.setattr(summary, "SAMPLE_ROWS", 2)
-    monkeypatch.setattr(summary, "SAMPLE_TOKENS", 3)  # a random model's 64 tokens are seconds, and prove nothing more
-    long = summary.score_stage(model_dir, items + [(items[0][0], " ".join(["7 + 8 is 15"] * 8))], [])
-    assert long["long_answers"] == 1 and len(long["answers"]) == 2 and "margins" not in long
 
 
 def test_the_summary_ends_with_how_to_serve_the_run(tmp_path, monkeypatch, capsys):
@@ -415,15 +323,3 @@ def test_the_summary_offers_no_adapter_command_vllm_would_refuse(tmp_path, monke
                          f"            vLLM, base + adapter: not offered: vLLM refuses this adapter ({why}); serve "
                          "the merged model above"]
     assert not any("--enable-lora" in line for line in serve)
-
-
-def test_labelled_answers_are_expected_only_where_labelled_desirable():
-    """KTO's unpaired rows hold wrong answers too: the summary's exact match must not expect one of those."""
-    from datasets import Dataset
-
-    from fsdp_recipes.launch.summary import prompts_of
-
-    q = [{"role": "user", "content": "What is 2 + 3?"}]
-    rows = Dataset.from_list([{"prompt": q, "completion": [{"role": "assistant", "content": "5"}], "label": True},
-                              {"prompt": q, "completion": [{"role": "assistant", "content": "6"}], "label": False}])
-    assert prompts_of(rows) == [(q, "5")]

@@ -157,11 +157,11 @@ def test_pairs_need_a_mistake(tmp_path, monkeypatch):
     from fsdp_recipes.errors import UserError
 
     monkeypatch.setenv(prefs.QUESTIONS_ENV, "4,2")
-    monkeypatch.setattr(prefs, "greedy_answers", lambda model, prompts: [
-        str(sum(map(int, p[-1]["content"][8:-1].split(" + ")))) for p in prompts])
+    always_right = lambda model, prompts, batch_size: [  # noqa: E731
+        str(sum(map(int, p[-1]["content"][8:-1].split(" + ")))) for p in prompts]
     (tmp_path / "model").mkdir()
     with pytest.raises(UserError, match="answered all 4 training questions right"):
-        prefs.write(tmp_path / "model", tmp_path / "pairs", say=lambda *a: None)
+        prefs.write(tmp_path / "model", tmp_path / "pairs", always_right, say=lambda *a: None)
     assert not (tmp_path / "pairs" / prefs.STAMP).exists()
 
 

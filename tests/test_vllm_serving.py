@@ -92,7 +92,7 @@ def adapter(config: dict) -> dict:
 
 @pytest.mark.parametrize("name", ADAPTERS)
 def test_vllms_rules_for_an_adapter(name):
-    from fsdp_recipes.config.engine_rules import vllm_lora_refusals
+    from fsdp_recipes.evaluation.engine_rules import vllm_lora_refusals
 
     config, refused = ADAPTERS[name]
     why = vllm_lora_refusals(adapter(config))

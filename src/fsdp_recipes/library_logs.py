@@ -1,8 +1,8 @@
-"""Library log records (Python logging, not warnings: train/console.py has those) that tell a user nothing they can
-act on. Each process of the pack sends them to its log instead of the console: the ranks to their rank log
-(train/console.py), the launcher nowhere (every rank's log holds the same record). Installed before the library is
-imported, since the record below is written while its module imports; a filter on a logger that does not exist yet
-is kept by logging until the library asks for that logger.
+"""Library log records and warnings that tell a user nothing they can act on. Each process of the pack sends them to
+its log instead of the console: the ranks to their rank log (train/console.py), the launcher nowhere (every rank's
+log holds the same record). The log filters are installed before the library is imported, since the record below
+is written while its module imports; a filter on a logger that does not exist yet is kept by logging until the
+library asks for that logger.
 """
 
 from __future__ import annotations
@@ -17,6 +17,17 @@ LOG_ONLY_RECORDS = [
     # and uses its own; the pack turns that packed-weight path off for every 4-bit layer (speed/four_bit.py).
     # Its advice, `pip install kernels`, would make the import download from the hub.
     ("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community"),
+]
+
+# Upstream warnings (the warnings module, not logging) of the same sort, matched by category and message: every other
+# warning still reaches the console. The ranks send them to their log (train/console.py); the summary's scoring,
+# which wraps the 4-bit base in the run's adapter, drops them (evaluation/scoring.py). Each says whose it is.
+LOG_ONLY_WARNINGS = [
+    # peft's PeftModel (0.21) reads the property transformers 5.x deprecated, once per adapter it wraps
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
+    # TRL's unwrap_model_for_generation (1.16) turns checkpointing off and on around every GRPO generation, by the
+    # names transformers 5.x deprecated
+    (FutureWarning, r"`gradient_checkpointing_(en|dis)able` is deprecated"),
 ]
 
 

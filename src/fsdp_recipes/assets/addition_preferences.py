@@ -1,6 +1,6 @@
-"""Preference pairs for DPO on the default's task, built from the SFT model's own answers (on-policy).
-
-    python -m fsdp_recipes.assets.addition_preferences --model runs/smollm2-135m-lora/merged --out DIR
+"""Preference pairs for DPO on the default's task, built from the SFT model's own answers (on-policy), which the
+caller's `generate` gives (evaluation/generation.py's, from train/run_checks.py: the evaluation room sits above this
+one).
 
 What DPO can teach here is to stop making the mistakes the SFT model makes, so the pairs are its mistakes:
 - train.jsonl: the model answers the first TRAIN_QUESTIONS questions of the *training* split
@@ -16,14 +16,13 @@ which model they came from; a new SFT model makes new pairs. Generation is plain
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.errors import UserError
 
 TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained on the first 768 of a shuffle
 QUESTIONS_ENV = "FSDP_RECIPES_PREFERENCE_QUESTIONS"  # fewer questions (the test suite's short run)
@@ -57,12 +56,6 @@ def is_current(out: Path, model: Path) -> bool:
     return stamp.is_file() and json.loads(stamp.read_text()) == source_of(model)
 
 
-def greedy_answers(model_dir: Path, prompts: list[list[dict]]) -> list[str]:
-    from fsdp_recipes.assets.generation import generate
-
-    return generate(str(model_dir), prompts, batch_size=BATCH)
-
-
 def questions(split: str, n: int | None = None) -> list[tuple[list[dict], int]]:
     """(chat prompt, the sum) for the first `n` questions of the default's data files (the same prompts, operand
     order included, that the SFT run trained on and its summary scored), written first when missing."""
@@ -82,8 +75,9 @@ def near_miss(total: int) -> str:
     return str(total + 10 if total < 100 else total - 10)
 
 
-def write(model: Path, out: Path, say=print) -> dict[str, int]:
-    """train.jsonl and test.jsonl from `model`'s answers; returns the counts. The stamp is written last."""
+def write(model: Path, out: Path, generate: Callable, say=print) -> dict[str, int]:
+    """train.jsonl and test.jsonl from `model`'s greedy answers (`generate(model folder, chat prompts, batch_size=)`:
+    evaluation/generation.py's); returns the counts. The stamp is written last."""
     import torch
 
     torch.manual_seed(0)
@@ -91,7 +85,7 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
     t0 = time.time()
     for split, n in zip(("train", "test"), question_counts()):
         qs = questions(split, n)
-        answers = greedy_answers(model, [p for p, _ in qs])
+        answers = generate(str(model), [p for p, _ in qs], batch_size=BATCH)
         rows, wrong = [], 0
         for (prompt, total), got in zip(qs, answers):
             if got != str(total):
@@ -115,8 +109,8 @@ def write(model: Path, out: Path, say=print) -> dict[str, int]:
     return counts
 
 
-def ensure(model: str, out: str, quiet: bool = False) -> Path:
-    """The pairs for `model` in `out`, made when missing or made from another model."""
+def ensure(model: str, out: str, generate: Callable, quiet: bool = False) -> Path:
+    """The pairs for `model` in `out`, made when missing or made from another model (write)."""
     model_dir, out_dir = Path(model), Path(out)
     if not (model_dir / "config.json").is_file():
         raise UserError(f"addition_preferences: {model_dir} is not a model folder (no config.json). Fix: run the SFT "
@@ -125,19 +119,6 @@ def ensure(model: str, out: str, quiet: bool = False) -> Path:
     if not is_current(out_dir, model_dir):
         say = (lambda *a: None) if quiet else (lambda *a: print("[addition-preferences]", *a, flush=True))
         say(f"answering the addition questions with {model_dir} to build preference pairs (once per model)")
-        write(model_dir, out_dir, say)
+        write(model_dir, out_dir, generate, say)
     return out_dir
 
-
-@cli
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, required=True, help="the SFT model (a merged folder)")
-    ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args(argv)
-    write(args.model, args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

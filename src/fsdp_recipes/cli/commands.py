@@ -41,7 +41,7 @@ COMMANDS = (
     Command("job", "fsdp_recipes.cluster.command:main",
             "--launcher local|slurm|k8s RECIPE --nodes N --gpus G: the job for a cluster, written or submitted"),
     Command("recipes", "fsdp_recipes.config.recipes:main", "list | check NAME: the recipes, or whether NAME is one"),
-    Command("report", "fsdp_recipes.metrics.report:main", "RUN [RUN ...] [--out DIR]: comparison table and plots"),
+    Command("report", "fsdp_recipes.metrics.run_comparison:main", "RUN [RUN ...] [--out DIR]: comparison table and plots"),
     Command("prometheus", "fsdp_recipes.metrics.prometheus:main", "RUN [RUN ...] --out FILE: the runs' gauges"),
     Command("summary", "fsdp_recipes.launch.summary:main", "RUN [--generate]: a finished run's end-of-run summary"),
     Command("export", "fsdp_recipes.checkpoint.export:main",

@@ -2,11 +2,12 @@
 
     python -m fsdp_recipes.launch.summary runs/tiny-cpu-lora [--generate | --no-generate]
 
-Loads the base model and the trained model (and any stage between: base -> sft -> dpo) with plain transformers (no
-FSDP, no accelerate) and scores each on the same rows of the eval split: the held-out loss and perplexity of the
-reference answers, and where the answers are short the exact match of its greedy answers, with 95% Wilson intervals
-and an exact McNemar test between consecutive stages (metrics/intervals.py). The summary doubles as a check that
-the saved model reloads.
+Prints what the evaluation room computes (evaluation/scoring.py): the base model and the trained model (and any stage
+between: base -> sft -> dpo), loaded with plain transformers (no FSDP, no accelerate), each scored on the same rows
+of the eval split by every metric that applies (evaluation/scores/): the held-out loss and perplexity of the
+reference answers, where the answers are short the exact match of its greedy answers, with 95% Wilson intervals
+and an exact McNemar test between consecutive stages, and on preference data the preference for the chosen answer.
+The summary doubles as a check that the saved model reloads.
 
 That holds two whole models in host memory, so the generations run only where that is cheap: on the first node of
 a job (the launcher runs this on every node), and for a model under 1B parameters (counted from the safetensors
@@ -22,48 +23,19 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 from fsdp_recipes import library_logs
 from fsdp_recipes.speed.four_bit import load_4bit, recorded
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.evaluation import scores, scoring
+from fsdp_recipes.evaluation.engine_rules import vllm_lora_refusals, vllm_max_lora_rank
+from fsdp_recipes.evaluation.eval_rows import EVAL_PROMPTS
+from fsdp_recipes.evaluation.scoring import SHOWN_SAMPLES
+from fsdp_recipes.evaluation.stages import trained_model_dir
+from fsdp_recipes.metrics import gates, metrics_file
+from fsdp_recipes.metrics.run_comparison import human_bytes
 from fsdp_recipes.train import kinds
-from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, answer, answer_lengths, chat_rows,
-                                           eval_rows, exact_match_tokens, explicit_prompts, prompts_of, scored_rows,
-                                           texts_of)
-from fsdp_recipes.metrics.report import human_bytes
-from fsdp_recipes.metrics import gates, intervals, metrics_file
-
-
-def pairs_of(rows) -> list[tuple[list[dict], str, str]]:
-    """(chat prompt, chosen, rejected) when the rows are preference pairs, else []."""
-    if not chat_rows(rows, {"prompt", "chosen", "rejected"}):
-        return []
-    return [(r["prompt"], answer(r["chosen"]), answer(r["rejected"])) for r in rows]
-
-
-def load_prompts(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str]]:
-    """prompts_of the run's eval split's first `limit` rows."""
-    return prompts_of(explicit_prompts(eval_rows(run_args, limit, cfg)))
-
-
-def stages(run_dir: Path, run_args: dict, trained: Path) -> list[tuple[str, str]]:
-    """(name, model folder) from the first base model to this run's trained model. A model that is another run's
-    output (its folder or `merged/` beside that run's run_args.json: the SFT model a DPO run continues from) is
-    named by that run's trainer, and its own base comes before it."""
-    chain = [(run_args.get("pack_args", {}).get("trainer", "trained"), str(trained))]
-    model = run_args["model_args"]["model_name_or_path"]
-    for _ in range(8):  # a chain of runs, each continuing from the one before
-        folder = Path(model)
-        source = folder.parent if folder.name == "merged" else folder
-        if not (source / "run_args.json").is_file():
-            break
-        before = json.loads((source / "run_args.json").read_text())
-        chain.append((before.get("pack_args", {}).get("trainer", "trained"), model))
-        model = before["model_args"]["model_name_or_path"]
-    chain.append(("base", model))
-    return chain[::-1]
 
 
 GENERATION_LIMIT = 1_000_000_000  # parameters: two such models in fp32 are ~8 GB of host memory
@@ -79,14 +51,6 @@ def generation_setting() -> str:
         raise UserError(f"{FORCE_ENV}={value!r} is not one of 0 (never), 1 (whatever the size), auto (by size). "
                         f"Fix: set one of those, or unset it.")
     return value
-
-
-def trained_model_dir(run_dir: Path) -> Path | None:
-    """The model directory the generations load: `merged/` of a LoRA run, else the run's own full model; None for a
-    LoRA run without a merged model (nothing loadable without peft here)."""
-    merged = run_dir / "merged"
-    trained = merged if (merged / "config.json").exists() else run_dir
-    return trained if (trained / "config.json").exists() else None
 
 
 def model_size(model_dir: Path) -> tuple[int, int] | None:
@@ -129,7 +93,6 @@ def skip_generations(run_dir: Path, trained: Path, machine_rank: str, force: boo
 
 
 PROMPTS_ENV = "FSDP_RECIPES_SUMMARY_PROMPTS"  # fewer (or more) eval prompts than EVAL_PROMPTS
-SHOWN_SAMPLES = 3
 
 
 def eval_prompts() -> int:
@@ -149,250 +112,33 @@ def settings() -> tuple[int, str]:
     return eval_prompts(), generation_setting()
 
 
-SAMPLE_TOKENS = 64  # where some are longer: generated per answer, to read (not scored) ...
-SAMPLE_ROWS = 16  # ... for this many prompts
-
-
-def margins(model, tok, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
-    """log p(chosen) - log p(rejected) of each pair's answer after its chat prompt (the quantity DPO's implicit
-    reward is built from), summed over the answer's tokens (metrics/answer_loss.py)."""
-    from fsdp_recipes.metrics.answer_loss import answer_logps
-
-    prompts = [p for p, _, _ in pairs]
-    chosen = answer_logps(model, tok, prompts, [c for _, c, _ in pairs])
-    rejected = answer_logps(model, tok, prompts, [r for _, _, r in pairs])
-    return [c - r for c, r in zip(chosen, rejected)]
-
-
-def preference_margins(model_dir: str, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
-    """margins of a saved model; plain transformers."""
-    from fsdp_recipes.assets.generation import load
-
-    return margins(*load(model_dir), pairs)
-
-
-def score_stage(model_dir: str, items: list[tuple[list[dict] | str | None, str]],
-                pairs: list[tuple[list[dict], str, str]], loaded=None) -> dict:
-    """One model's scores on the scored rows, the model loaded once with plain transformers: `loss`, the held-out
-    loss of the reference answers (prompt None: of the text; metrics/answer_loss.py); `answers`, its greedy answers
-    to the prompts, all of them where every reference is at most SHORT_ANSWER_TOKENS tokens (`long_answers` 0),
-    else the first SAMPLE_ROWS up to SAMPLE_TOKENS tokens each; `margins` on preference pairs. `loaded`: (model,
-    tokenizer) loaded already (a 4-bit one: four_bit_scores) instead of `model_dir`'s."""
-    from fsdp_recipes.assets import generation
-    from fsdp_recipes.metrics.answer_loss import held_out_loss
-
-    model, tok = loaded or generation.load(model_dir)
-    out = {"loss": held_out_loss(model, tok, items), "answers": [], "long_answers": 0}
-    prompted = [(p, a) for p, a in items if p is not None]
-    if prompted:
-        lengths = answer_lengths(tok, [a for _, a in prompted])
-        out["long_answers"] = sum(n > SHORT_ANSWER_TOKENS for n in lengths)
-        if out["long_answers"]:
-            prompts, cap = [p for p, _ in prompted[:SAMPLE_ROWS]], SAMPLE_TOKENS
-        else:  # room to see the answer end: a model that goes on past the expected answer does not match it
-            prompts, cap = [p for p, _ in prompted], exact_match_tokens(lengths)
-        out["answers"] = generation.answers(model, tok, prompts, max_new_tokens=cap)
-    if pairs:
-        out["margins"] = margins(model, tok, pairs)
-    return out
-
-
-def four_bit_scores(base: str, run_dir: Path, model_args: dict, items, pairs) -> tuple[dict, dict]:
-    """A 4-bit run's base as it trained on it (loaded in 4 bits with the run's settings) and that base with the run's
-    adapter: their score_stage scores. One load serves both (the adapter goes on the same model)."""
-    from peft import PeftModel
-
-    from fsdp_recipes.assets import generation
-    from fsdp_recipes.train import console  # it imports transformers: the launcher's checks run before that
-
-    model = load_4bit(base, model_args).eval()
-    tok = generation.load_tokenizer(base)
-    base_scores = score_stage(base, items, pairs, loaded=(model, tok))
-    with warnings.catch_warnings():  # peft's read of a property transformers deprecated: off the console, as in
-        for category, pattern in console.LOG_ONLY_WARNINGS:  # the ranks (train/console.py)
-            warnings.filterwarnings("ignore", message=pattern, category=category)
-        adapted = PeftModel.from_pretrained(model, str(run_dir)).eval()
-    return base_scores, score_stage(base, items, pairs, loaded=(adapted, generation.load_tokenizer(str(run_dir))))
-
-
-def add_four_bit(check: dict, adapted: dict, right_adapted: list[bool] | None) -> None:
-    """A 4-bit run: the 4-bit base + adapter's exact match, and on how many prompts the merged model (the dequantised
-    base + adapter, scored as `trained`) gives the same answer; its answers in the examples."""
-    merged = [e["trained"] for e in check["examples"]]
-    check["four_bit"] = {"base": "loaded in 4 bits with the run's BitsAndBytesConfig, the model it trained on",
-                         "adapted": intervals.share(sum(right_adapted), len(right_adapted)) if right_adapted else None,
-                         "adapted_loss": adapted["loss"]["loss"],
-                         "merged_same_answers": sum(a == m for a, m in zip(adapted["answers"], merged)),
-                         "answers_compared": min(len(merged), len(adapted["answers"]))}
-    for example, a in zip(check["examples"], adapted["answers"]):
-        example["trained_4bit"] = a
-
-
-def add_preference(check: dict, margins_per_stage: list[list[float]]) -> None:
-    """Each stage's preference for the chosen answer of the eval pairs (its log p(chosen) - log p(rejected) above 0),
-    with its Wilson 95% interval, and DPO's implicit-reward accuracy of the last stage against the one before it."""
-    for stage, m in zip(check["stages"], margins_per_stage):
-        preferred = sum(x > 0 for x in m)
-        stage.update(preference_accuracy=preferred / len(m), preferred=preferred,
-                     preference_wilson95=intervals.share(preferred, len(m))["wilson95"],
-                     mean_logp_margin=sum(m) / len(m))
-    # DPO's implicit reward r = beta * (log pi - log pi_ref), pi_ref the model the run started from: the chosen
-    # answer's reward above the rejected one's (beta > 0 leaves the sign alone)
-    reward = [t - r for t, r in zip(margins_per_stage[-1], margins_per_stage[-2])]
-    right = sum(x > 0 for x in reward)
-    check["preference"] = {"pairs": len(reward), "reward_accuracy": right / len(reward), "reward_correct": right,
-                           "reward_wilson95": intervals.share(right, len(reward))["wilson95"],
-                           "mean_reward_margin_over_beta": sum(reward) / len(reward)}
-
-
 def learning_check(run_dir: Path, run_args: dict, n: int = EVAL_PROMPTS, cfg=None) -> dict | None:
-    """Every stage's model (base, then each run it went through: SFT, DPO) on the eval split's first `n` rows: the
-    held-out loss of the reference answers (of the text, for a text field), the exact match of its greedy answers
-    where the answers are short, with 95% intervals and a paired test between consecutive stages; for preference
-    data also each model's preference for the chosen answer."""
-    trained = trained_model_dir(run_dir)
-    if trained is None:
-        return None
-    rows, held, shared, text_field = scored_rows(run_args, n, cfg)  # loaded once: the prompts and any pairs
-    rows = explicit_prompts(rows)
-    refs = prompts_of(rows)
-    items = refs or [(None, t) for t in texts_of(rows, text_field)]
-    if not items:
-        return {"n": 0, "rows": 0,
-                "note": f"skipped: the data ({', '.join(rows.column_names)}) has no prompt with an expected answer "
-                        f"and no `{text_field}` text to score (chat `messages`, prompt + completion, or a text field)"}
-    preference = pairs_of(rows)
-    chain = stages(run_dir, run_args, trained)
-    four_bit = len(chain) == 2 and recorded(run_args["model_args"]) is not None  # a 4-bit run, its base
-    if four_bit:  # the base as it trained, in 4 bits; the 4-bit model + adapter beside the merged one
-        base_scores, adapted = four_bit_scores(chain[0][1], run_dir, run_args["model_args"], items, preference)
-        scores = [base_scores, score_stage(chain[1][1], items, preference)]
-    else:
-        scores = [score_stage(model, items, preference) for _, model in chain]
-    expected = [a.strip() for _, a in refs]
-    long = max(s["long_answers"] for s in scores)  # every stage generated for every prompt, or none scored
-    right = [[o == e for o, e in zip(s["answers"], expected)] for s in scores] if refs and not long else None
-    check = {
-        "n": len(refs),
-        "rows": len(items),
-        "held_out": held is not None,
-        "split": held or "training rows, not held out: the data has no eval split (eval_split_size holds rows out)",
-        "eval_rows_in_train": shared,
-        "exact_match": right is not None,
-        "base_correct": sum(right[0]) if right else None,
-        "trained_correct": sum(right[-1]) if right else None,
-        "base_model": chain[0][1],
-        "trained_model": str(trained),
-        "loss": {k: scores[-1]["loss"][k] for k in ("rows", "tokens", "rows_cut", "max_tokens")},
-        "stages": [{"stage": name, "model": model,
-                    **(intervals.share(sum(r), len(r)) if right else {"correct": None}),
-                    "loss": s["loss"]["loss"], "perplexity": s["loss"]["perplexity"]}
-                   for (name, model), s, r in zip(chain, scores, right or [None] * len(chain))],
-        "changes": [{"from": a, "to": b, **intervals.paired(ra, rb)}
-                    for (a, _), (b, _), ra, rb in zip(chain, chain[1:], right, right[1:])] if right else [],
-        "examples": [
-            {"prompt": p if isinstance(p, str) else p[-1]["content"], "expected": e,
-             "base": outs[0], "trained": outs[-1], **({"stage_answers": list(outs)} if len(chain) > 2 else {})}
-            for (p, _), e, *outs in zip(refs, expected, *(s["answers"] for s in scores))
-        ],
-    }
-    if refs and long:
-        check["exact_match_note"] = (
-            f"{long} of the {len(refs)} reference answers are over {SHORT_ANSWER_TOKENS} tokens (exact match is for "
-            f"short answers; the loss is the measure); sample_generations.json has the first {SAMPLE_ROWS} prompts "
-            f"answered, up to {SAMPLE_TOKENS} tokens each")
-    elif not refs:
-        check["exact_match_note"] = f"text rows (`{text_field}`) have no prompt to answer: the loss is the measure"
-    if four_bit:
-        add_four_bit(check, adapted, [o == e for o, e in zip(adapted["answers"], expected)] if right else None)
-    if preference:
-        add_preference(check, [s["margins"] for s in scores])
-    return check
+    """Every stage scored (evaluation/scoring.py); a 4-bit run's base loaded as it trained, in 4 bits with the run's
+    settings (speed/four_bit.py). How to load it is handed down from here: the scoring names no speed option
+    (4-bit loading is one), and evaluation/ does not import the room that holds them."""
+    model_args = run_args.get("model_args") or {}
+    four_bit = recorded(model_args) is not None
+    return scoring.learning_check(run_dir, run_args, n, cfg,
+                                  (lambda base: load_4bit(base, model_args)) if four_bit else None)
 
 
-def eval_section(check: dict) -> dict:
-    """metrics.json's `eval`: the held-out loss, the exact-match counts with their intervals, the paired changes,
-    and where they came from; every answer is in sample_generations.json."""
-    chain = check.get("stages") or []
-    loss = check.get("loss") or {}
-    return {
-        "metric": "exact match of the greedy answer with the reference answer, both stripped (null where the "
-                  "answers are long: exact_match_note)",
-        "prompts": check["n"],
-        "split": check.get("split", "the eval split's first prompts"),
-        "held_out": check.get("held_out", True),
-        "eval_rows_in_train": check.get("eval_rows_in_train", 0),
-        "base_correct": check["base_correct"],
-        "trained_correct": check["trained_correct"],
-        "exact_match_note": check.get("exact_match_note"),
-        "interval": "Wilson score interval, 95% (each stage's wilson95; metrics/intervals.py)",
-        "paired_test": "exact McNemar, two-sided, on the prompts only one of two consecutive stages got right; "
-                       f"a change where p < {intervals.ALPHA}",
-        "changes": check.get("changes"),
-        "held_out_loss": {
-            "what": "mean negative log-likelihood per scored token (nats) of the reference answers (the tokens SFT "
-                    "trains on; a text row's every token); perplexity = exp(loss)",
-            **loss,
-            **({"base": chain[0].get("loss"), "trained": chain[-1].get("loss"),
-                "base_perplexity": chain[0].get("perplexity"), "trained_perplexity": chain[-1].get("perplexity")}
-               if chain else {}),
-        },
-        "base_model": check["base_model"],
-        "trained_model": check["trained_model"],
-        "four_bit": check.get("four_bit"),
-        "stages": check.get("stages"),
-        "preference": check.get("preference"),
-        "loaded_with": "transformers AutoModelForCausalLM.from_pretrained, no FSDP",
-        "samples": check["examples"][:SHOWN_SAMPLES],
-        "all_answers": "sample_generations.json",
-    }
+def eval_lines(check: dict, on_pairs: bool = False) -> list[str]:
+    """The lines of every metric (evaluation/scores/) in the summary's order: those on the reference answers (held-out
+    loss, exact match with its intervals and paired verdicts, the 4-bit model), or with `on_pairs` those on the
+    preference rows."""
+    return [line for m in scores.METRICS.values() if m.on_pairs() == on_pairs for line in m.lines(check)]
 
 
-def eval_lines(check: dict) -> list[str]:
-    """The summary's lines for the scores: the held-out loss of every stage, the exact match with 95% intervals and
-    the paired verdict (SFT: base model -> trained; a chain: base -> sft -> dpo, then each step's verdict)."""
-    held = check.get("held_out", True)
-    chain = check["stages"]
-    names = ["base model", "trained"] if len(chain) == 2 else [s["stage"] for s in chain]
-    lines = []
-    loss = check.get("loss")
-    if loss and all(s.get("loss") is not None for s in chain):
-        rows = f"{loss['rows']} eval rows" if held else f"{loss['rows']} training rows (not held out)"
-        cut = f"; {loss['rows_cut']} rows cut at {loss['max_tokens']} tokens" if loss.get("rows_cut") else ""
-        scored = "answer tokens" if check["n"] else "tokens"
-        per_stage = " -> ".join(f"{name} {s['loss']:.3f}" + (f" (perplexity {s['perplexity']:.3g})" if s.get(
-            "perplexity") is not None else "") for name, s in zip(names, chain))
-        label = "held-out loss" if held else "loss"
-        lines.append(f"{label} on {rows} ({loss['tokens']:,} {scored}{cut}): {per_stage}")
-    n = check["n"]
-    what = "eval prompts" if held else "training prompts (not held out)"
-    if check.get("exact_match", True) and n:
-        rates = " -> ".join(f"{name} {intervals.rate_text(s['correct'], n)}" for name, s in zip(names, chain))
-        changes = check.get("changes") or []
-        if len(chain) == 2 and changes:
-            lines.append(f"exact match on {n} {what}: {rates}: {intervals.change_text(changes[0])}")
-        else:
-            lines.append(f"exact match on {n} {what}: {rates}")
-            if changes:
-                lines.append("            on the same prompts: " + "; ".join(
-                    f"{c['from']} -> {c['to']} {intervals.change_text(c)}" for c in changes))
-        lines.append(f"            95% Wilson intervals; a change: exact McNemar test on the prompts only one side "
-                     f"got right (p < {intervals.ALPHA})")
-    elif check.get("exact_match_note"):
-        lines.append(f"exact match not scored: {check['exact_match_note']}")
-    if check.get("four_bit"):
-        q = check["four_bit"]
-        # its exact match where answers are scored, else its held-out loss (long answers); no answers: text rows
-        parts = ["the base scored in 4 bits, as it trained"]
-        if q.get("adapted"):
-            parts.append(f"the 4-bit base + adapter {intervals.rate_text(q['adapted']['correct'], n)}")
-        elif q.get("adapted_loss") is not None:
-            parts.append(f"the 4-bit base + adapter held-out loss {q['adapted_loss']:.3f}")
-        if q.get("answers_compared"):
-            parts.append(f"the merged model (dequantised base + adapter) gives its answer on "
-                         f"{q['merged_same_answers']}/{q['answers_compared']}")
-        lines.append("4 bits      " + "; ".join(parts))
-    return lines
+def rows_note(check: dict) -> list[str]:
+    """Where the scored rows were not all held out: the line that says so, after the scores on them."""
+    if not check.get("held_out", True):
+        return ["            the data has no eval split (test, validation, valid, eval, dev): these rows were "
+                "trained on; eval_split_size: 0.1 holds 10% out"]
+    if check.get("eval_rows_in_train"):
+        shared, scored = check["eval_rows_in_train"], check.get("rows", check["n"])
+        return [f"            {shared} of these {scored} eval rows also appear in the training data: their answers "
+                "are not held out"]
+    return []
 
 
 def shown(text: str) -> str:
@@ -440,26 +186,9 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
     files = [p.name + ("/" if p.is_dir() else "") for p in sorted(run_dir.iterdir()) if not p.name.startswith(".")]
     lines.append(f"files       {run_dir}/: {', '.join(files)}")
     if check:
-        lines += eval_lines(check)
-    if check and not check.get("held_out", True):
-        lines.append("            the data has no eval split (test, validation, valid, eval, dev): these rows were "
-                     "trained on; eval_split_size: 0.1 holds 10% out")
-    elif check and check.get("eval_rows_in_train"):
-        shared, scored = check["eval_rows_in_train"], check.get("rows", check["n"])
-        lines.append(f"            {shared} of these {scored} eval rows also appear in the training data: their "
-                     "answers are not held out")
-    if check and check.get("preference"):
-        pref = check["preference"]
-        n = pref["pairs"]
-        lines.append(f"preference on {n} eval pairs, log p(chosen) > log p(rejected): " + " -> ".join(
-            f"{s['stage']} {intervals.rate_text(s['preferred'], n)} margin {s['mean_logp_margin']:+.2f}"
-            for s in check["stages"]) + f"; implicit-reward accuracy {intervals.rate_text(pref['reward_correct'], n)}")
-    if check:
-        for ex in check["examples"][:SHOWN_SAMPLES]:
-            lines.append(
-                f"  {shown(ex['prompt'])}: expected {shown(ex['expected'])} | base {shown(ex['base'])} | "
-                f"trained {shown(ex['trained'])}"
-            )
+        lines += eval_lines(check) + rows_note(check) + eval_lines(check, on_pairs=True)
+        lines += [f"  {shown(ex['prompt'])}: expected {shown(ex['expected'])} | base {shown(ex['base'])} | "
+                  f"trained {shown(ex['trained'])}" for ex in check["examples"][:SHOWN_SAMPLES]]
     if skipped:
         lines.append(f"generations {skipped}")
     lines += serve_lines(run_dir)
@@ -472,14 +201,12 @@ def serve_lines(run_dir: Path) -> list[str]:
     model = trained_model_dir(run_dir)
     if model is None:
         return []
-    from fsdp_recipes.config.engine_rules import vllm_lora_refusals, vllm_max_lora_rank
-
     lines = [f"serve it    vLLM: vllm serve {model}"]
     adapter = run_dir / "adapter_config.json"
     if adapter.is_file():
         config = json.loads(adapter.read_text())
         base = config.get("base_model_name_or_path")
-        refused = vllm_lora_refusals(config)  # vLLM's own rules for an adapter (config/engine_rules.py)
+        refused = vllm_lora_refusals(config)  # vLLM's own rules for an adapter (evaluation/engine_rules.py)
         if refused:
             offer = "serve the merged model above" if model != run_dir else "serve the model above"
             lines.append(f"            vLLM, base + adapter: not offered: vLLM refuses this adapter "
@@ -528,7 +255,7 @@ def main(argv: list[str] | None = None, recipe=None) -> int:
                 skipped, check = check.get("note"), None
     if check:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
-        metrics = metrics_file.amend(args.run_dir, lambda m: {**m, "eval": eval_section(check)})
+        metrics = metrics_file.amend(args.run_dir, lambda m: {**m, "eval": scoring.eval_section(check)})
     print(render(args.run_dir, metrics, check, skipped))
     code = gates.exit_code(metrics)
     if code:

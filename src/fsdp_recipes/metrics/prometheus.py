@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.metrics.report import load_metrics
+from fsdp_recipes.metrics.run_comparison import load_metrics
 
 # (metric name, HELP text, the figure in metrics.json, why it can be null there)
 GAUGES = (

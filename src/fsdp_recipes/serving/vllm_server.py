@@ -23,12 +23,12 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from fsdp_recipes.config.engine_rules import VLLM_LORA_RANKS
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.evaluation.engine_rules import VLLM_LORA_RANKS
 from fsdp_recipes.serving.environments import engine_python
 
 SERVED_NAME = "run"  # what the requests ask for: the merged model, or the LoRA adapter on the base
-LORA_RANKS = VLLM_LORA_RANKS  # vLLM's allowed --max-lora-rank values (config/engine_rules.py)
+LORA_RANKS = VLLM_LORA_RANKS  # vLLM's allowed --max-lora-rank values (evaluation/engine_rules.py)
 START_TIMEOUT_S = 600  # measured: 20-51 s to healthy on the 2-core VM (51 s on its first start)
 KV_CACHE_GIB = "1"  # vLLM on CPU takes all free memory for its KV cache unless told; 1 GiB holds ~46,000 tokens here
 

@@ -14,18 +14,10 @@ import warnings
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.library_logs import LOG_ONLY_WARNINGS
 from fsdp_recipes.metrics import gates
 from fsdp_recipes.train.failure_record import details
 
-# Upstream warnings that tell the user nothing they can act on, matched by category and message: every other warning
-# still reaches the console. Each says whose it is.
-LOG_ONLY_WARNINGS = [
-    # peft's PeftModel (0.21) reads the property transformers 5.x deprecated, once per adapter it wraps
-    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
-    # TRL's unwrap_model_for_generation (1.16) turns checkpointing off and on around every GRPO generation, by the
-    # names transformers 5.x deprecated
-    (FutureWarning, r"`gradient_checkpointing_(en|dis)able` is deprecated"),
-]
 
 
 def log_only(category: type[Warning], message: str) -> bool:

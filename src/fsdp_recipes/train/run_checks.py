@@ -59,8 +59,9 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
     prepare_assets(cfg, quiet)
     if cfg.pack.addition_preferences:  # DPO on the default's task: pairs from the SFT model's own answers
         from fsdp_recipes.assets import addition_preferences
+        from fsdp_recipes.evaluation.generation import generate
 
         model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
-        addition_preferences.ensure(cfg.model.model_name_or_path, cfg.script.dataset_name, quiet=quiet)
+        addition_preferences.ensure(cfg.model.model_name_or_path, cfg.script.dataset_name, generate, quiet=quiet)
     check_before_launch(cfg, nodes=hardware.job_nodes() if nodes is None else nodes)
     return cfg

@@ -1,11 +1,15 @@
-"""Which rows a finished run is scored on, and their prompts and reference answers: read by the summary
-(launch/summary.py) and by the served-model check (serving/engine_check.py), so that both ask the rows the run held
-out, found or carved off as the run did (data/loading.py)."""
+"""Which rows a finished run is scored on, and their prompts, reference answers and preference pairs: read by the
+scoring (evaluation/scoring.py, the summary's) and by the served-model check (serving/engine_check.py), so that both
+ask the rows the run held out, found or carved off as the run did (data/loading.py)."""
 
 from __future__ import annotations
 
+from fsdp_recipes.evaluation.generation import ANSWER_TOKENS
+
 EVAL_PROMPTS = 128  # at most this many eval rows are scored, by every stage (base and trained model, ...)
 SHORT_ANSWER_TOKENS = 16  # exact match is scored where every reference answer is at most this many tokens
+SAMPLE_TOKENS = 64  # where some are longer: generated per answer, to read (not scored) ...
+SAMPLE_ROWS = 16  # ... for this many prompts
 
 
 def run_settings(run_args: dict, cfg=None):
@@ -68,6 +72,18 @@ def chat_rows(rows, columns: set[str]) -> bool:
     return columns <= set(rows.column_names) and len(rows) > 0 and isinstance(rows[0]["prompt"], list)
 
 
+def pairs_of(rows) -> list[tuple[list[dict], str, str]]:
+    """(chat prompt, chosen, rejected) when the rows are preference pairs, else []."""
+    if not chat_rows(rows, {"prompt", "chosen", "rejected"}):
+        return []
+    return [(r["prompt"], answer(r["chosen"]), answer(r["rejected"])) for r in rows]
+
+
+def load_prompts(run_args: dict, limit: int, cfg=None) -> list[tuple[list[dict], str]]:
+    """prompts_of the run's eval split's first `limit` rows."""
+    return prompts_of(explicit_prompts(eval_rows(run_args, limit, cfg)))
+
+
 def prompts_of(rows) -> list[tuple[list[dict] | str, str]]:
     """(prompt, reference answer) of every row that has both, as it is written (the exact match strips both sides):
     from prompt-completion rows, chat or plain text (a text prompt is generated from as it is, without the chat
@@ -104,6 +120,4 @@ def answer_lengths(tok, answers: list[str]) -> list[int]:
 def exact_match_tokens(lengths: list[int]) -> int:
     """Tokens to generate per answer where exact match is scored (every answer at most SHORT_ANSWER_TOKENS): the
     usual ANSWER_TOKENS, or room to see the longest answer end (a model that goes on past it does not match)."""
-    from fsdp_recipes.assets.generation import ANSWER_TOKENS
-
     return max(ANSWER_TOKENS, max(lengths) + 2)

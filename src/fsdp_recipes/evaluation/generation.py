@@ -1,5 +1,7 @@
 """Greedy answers from a saved model with plain transformers (no FSDP, no accelerate): the end-of-run summary's
-exact match and the DPO demo's on-policy preference pairs (addition_preferences.py) both answer this way.
+exact match (evaluation/scoring.py), `make serve-check`'s reference answers and the DPO demo's on-policy preference
+pairs (assets/addition_preferences.py, handed `generate` by its caller: assets/ sits below this room) all answer
+this way.
 """
 
 from __future__ import annotations

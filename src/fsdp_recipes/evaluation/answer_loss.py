@@ -4,9 +4,9 @@ nats per token, of the tokens SFT trains on in each scored row, and its exponent
 The tokens are TRL's (trl 1.16 SFTTrainer): for a chat prompt, the answer's tokens after the longest common prefix
 of the rendered prompt (with the generation prompt) and the rendered conversation, the template's end-of-turn
 marker included; for a plain-text prompt, the completion's tokens after the prompt's with the EOS token appended
-as TRL appends it; for a text row (language modelling), every token after the first, EOS appended. The summary
-(launch/summary.py) scores the reference answer this way: the completion, the last assistant turn of a `messages`
-row, the chosen answer of a preference pair.
+as TRL appends it; for a text row (language modelling), every token after the first, EOS appended. The summary's
+scores (evaluation/scoring.py, for evaluation/scores/held_out_loss.py and preference.py) take the reference answer
+this way: the completion, the last assistant turn of a `messages` row, the chosen answer of a preference pair.
 """
 
 from __future__ import annotations
@@ -80,6 +80,15 @@ def token_logps(model, tok, rows: list[tuple[list[int], int]], max_tokens: int =
 def answer_logps(model, tok, prompts: list[list[dict]], answers: list[str]) -> list[float]:
     """log p(answer | chat prompt) of each answer, summed over its tokens (those `sequence` scores)."""
     return [s for s, _, _ in token_logps(model, tok, [sequence(tok, p, a) for p, a in zip(prompts, answers)])]
+
+
+def margins(model, tok, pairs: list[tuple[list[dict], str, str]]) -> list[float]:
+    """log p(chosen) - log p(rejected) of each pair's answer after its chat prompt (the quantity DPO's implicit
+    reward is built from), summed over the answer's tokens."""
+    prompts = [p for p, _, _ in pairs]
+    chosen = answer_logps(model, tok, prompts, [c for _, c, _ in pairs])
+    rejected = answer_logps(model, tok, prompts, [r for _, _, r in pairs])
+    return [c - r for c, r in zip(chosen, rejected)]
 
 
 def held_out_loss(model, tok, items: list[tuple[list[dict] | str | None, str]]) -> dict:

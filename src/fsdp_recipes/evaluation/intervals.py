@@ -1,6 +1,6 @@
 """How sure a held-out score is: a 95% interval for a share answered right, and a paired test for the change between
-two models answering the same rows. The end-of-run summary (launch/summary.py) and bench/paired_stages.py use
-these; nothing here loads a model.
+two models answering the same rows (`changes`: each stage against the one before it). The summary's scores
+(evaluation/scores/) and bench/paired_stages.py use these; nothing here loads a model.
 
 Wilson's score interval (E. B. Wilson, "Probable inference, the law of succession, and statistical inference",
 JASA 22:209-212, 1927), in the closed form of R. G. Newcombe, "Two-sided confidence intervals for the single
@@ -66,6 +66,12 @@ def paired(before: list[bool], after: list[bool]) -> dict:
     p = mcnemar_exact(b, c)
     verdict = "no change" if p >= ALPHA else ("better" if c > b else "worse")
     return {"right_only_before": b, "right_only_after": c, "mcnemar_exact_p": p, "verdict": verdict}
+
+
+def changes(stages: list[str], right: list[list[bool]]) -> list[dict]:
+    """The paired test of each stage against the one before it (base -> sft -> dpo: two), on the same rows: `from`,
+    `to` and `paired`'s counts, p-value and verdict."""
+    return [{"from": a, "to": b, **paired(ra, rb)} for a, b, ra, rb in zip(stages, stages[1:], right, right[1:])]
 
 
 def p_text(p: float) -> str:

@@ -7,7 +7,7 @@ VLLM_LORA_RANKS and at least the adapter's largest rank (`r` and `rank_pattern`)
 classifier's (`classifier`, `score`): an adapter that trains the LM head or the embeddings is refused; no DoRA, LoRA
 bias, `bias` other than "none", an init that changes the base weights (PiSSA, OLoRA, CorDA, LoftQ), aLoRA, layer
 replication, BD-LoRA or QALoRA. tests/test_serving_engines.py checks these verdicts against vLLM's own code where its
-environment is made. Here, in the config layer, because the summary (launch/) and the serving tools (serving/) are
+environment is made. Here, in the evaluation room, because the summary (launch/) and the serving tools (serving/) are
 both on top and must not import each other.
 """
 
