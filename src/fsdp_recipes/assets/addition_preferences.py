@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fsdp_recipes.assets import smollm2
 from fsdp_recipes.errors import UserError
 
 TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained on the first 768 of a shuffle
@@ -59,8 +60,6 @@ def is_current(out: Path, model: Path) -> bool:
 def questions(split: str, n: int | None = None) -> list[tuple[list[dict], int]]:
     """(chat prompt, the sum) for the first `n` questions of the default's data files (the same prompts, operand
     order included, that the SFT run trained on and its summary scored), written first when missing."""
-    from fsdp_recipes.assets import smollm2
-
     data = smollm2.ensure_assets(model=False, quiet=True)["data"]
     rows = [json.loads(line) for line in (data / f"{split}.jsonl").read_text().splitlines()[:n]]
     return [(r["prompt"], int(r["completion"][-1]["content"])) for r in rows]

@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fsdp_recipes.assets import addition_data
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.paths import cache_dir
 
@@ -236,8 +237,6 @@ def ensure_model(root: Path | None = None, force: bool = False, quiet: bool = Fa
 
 def ensure_assets(root: Path | None = None, model: bool = True, quiet: bool = False) -> dict[str, Path]:
     """The addition data (always: cheap) and, when `model`, the prepared model."""
-    from fsdp_recipes.assets import addition_data
-
     root = Path(root) if root else cache_dir()
     data = root / DATA_DIRNAME
     if not (data / "test.jsonl").is_file():  # written in a temporary folder and renamed, as the model is

@@ -16,7 +16,7 @@ import torch
 from transformers import TrainerCallback
 
 from fsdp_recipes.checkpoint.save_check import safetensors_index
-from fsdp_recipes.dist import gathered_parameters, rank
+from fsdp_recipes.dist import gather_objects, gathered_parameters, rank
 from fsdp_recipes.patches.peft_fsdp import without_wrapper_names
 
 
@@ -94,8 +94,6 @@ class TiedEmbeddingsCheck(TrainerCallback):
         self.report = report
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        from fsdp_recipes.dist import gather_objects
-
         shared = gather_objects(embeddings_shared(model))
         if shared[0] is None:
             return

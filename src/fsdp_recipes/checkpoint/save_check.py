@@ -25,6 +25,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from fsdp_recipes.checkpoint.resume_check import adapter_key, trainable_tensors
+from fsdp_recipes.dist import all_reduce, barrier, fsdp1_units
+
 
 class IncompleteSave(RuntimeError):
     pass
@@ -192,8 +195,6 @@ def model_shapes(model) -> dict[str, tuple]:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import DTensor
 
-    from fsdp_recipes.checkpoint.resume_check import adapter_key
-
     peft = hasattr(model, "peft_config")
     flat = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
     shapes = {}
@@ -291,9 +292,6 @@ def verify_live_shards(model, output_dir: str | Path) -> int:
     Why: the rank-0 check (compare) compares the files with the very dict that was written, so a gather
     that returned wrong values would pass it. This compares with the weights in memory, without gathering them.
     Every rank reads the files rank 0 wrote: output_dir must be shared between nodes (shared_dir.py checks it)."""
-    from fsdp_recipes.checkpoint.resume_check import adapter_key
-    from fsdp_recipes.dist import all_reduce
-
     peft = hasattr(model, "peft_config")
     state = {adapter_key(name) if peft else name: param for name, param in model.named_parameters()
              if param.requires_grad or not peft}  # named_parameters lists a tied LM head once, as save_pretrained
@@ -312,8 +310,6 @@ def verify_against_memory(model, output_dir: str | Path, is_main: bool) -> str:
     needs; accelerate's `unwrap_model` would hide the root unit)."""
     from torch.distributed.tensor import DTensor
 
-    from fsdp_recipes.dist import barrier, fsdp1_units
-
     fsdp2 = any(isinstance(p, DTensor) for p in model.parameters())
     fsdp1 = not fsdp2 and bool(fsdp1_units(model))
     if not (fsdp1 or fsdp2):
@@ -324,7 +320,6 @@ def verify_against_memory(model, output_dir: str | Path, is_main: bool) -> str:
         return LIVE_SHARDS
     if not any(hasattr(m, "peft_config") for m in model.modules()):
         return SAVED_COPY
-    from fsdp_recipes.checkpoint.resume_check import trainable_tensors
 
     memory = trainable_tensors(model)  # the adapter, gathered one unit at a time (dist.gathered_parameters)
     if is_main:

@@ -20,13 +20,12 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS, IncompleteSave, shard_mismatches
+from fsdp_recipes.dist import all_reduce, gathered_parameters
 
 
 def save_full_model_distributed(trainer, output_dir: str) -> dict:
     """Full fine-tuning: distributed write + per-rank verification. A collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
-
-    from fsdp_recipes.dist import all_reduce
 
     model = trainer.accelerator.unwrap_model(trainer.model)
     state = {k: v for k, v in model.state_dict().items()}
@@ -54,8 +53,6 @@ def save_full_model_distributed(trainer, output_dir: str) -> dict:
 
 def trainable_state_dict(trainer) -> dict | None:
     """LoRA: gather only the trainable parameters, one at a time (a collective). Full tensors on rank 0."""
-    from fsdp_recipes.dist import gathered_parameters
-
     model = trainer.accelerator.unwrap_model(trainer.model)
     out = {}
     with gathered_parameters(model, trainable_only=True) as params:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from fsdp_recipes.dist import gather_objects, initialized
 from fsdp_recipes.errors import EXIT_USER_ERROR, UserError
 
 MARKER_PREFIX = ".shared-dir-check-"  # one file per run: the name holds the token, no stale file can match
@@ -82,8 +83,6 @@ def check_output_dir_shared(output_dir: str | Path, env: Mapping[str, str] = os.
     group exists. Rank 0 and the first rank of each node that cannot see the file raise UserError (one `error:`
     line in each of those nodes' logs); the other ranks exit with the same code, silently.
     `read(token)` and `hostname` replace the file read and this host's name (tests)."""
-    from fsdp_recipes.dist import gather_objects, initialized
-
     if not spans_nodes(env) or not initialized():
         return
     rank, local_rank = int(env.get("RANK", "0")), int(env.get("LOCAL_RANK", "0"))

@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fsdp_recipes.config.accelerate_yaml import read_accelerate_config, take_wrap_override
 from fsdp_recipes.config.argv import override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
+from fsdp_recipes.config.yaml_keys import load_yaml
 from fsdp_recipes.errors import UserError, cli
 
 if TYPE_CHECKING:
@@ -113,9 +115,6 @@ class Recipe:
 def load(name_or_path: str | Path, overrides: list[str] = ()) -> Recipe:
     """Find the recipe, read its trainer YAML and accelerate YAML (each once), check the trainer kind; an
     --fsdp_transformer_layer_cls_to_wrap among the overrides goes into the accelerate config and launch_options."""
-    from fsdp_recipes.config.accelerate_yaml import read_accelerate_config, take_wrap_override
-    from fsdp_recipes.config.yaml_keys import load_yaml
-
     folder = resolve(str(name_or_path))
     path = config_file(folder)
     raw = load_yaml(path, "recipe config")

@@ -15,10 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config import yaml_keys
 from fsdp_recipes.config.argv import given, override
-from fsdp_recipes.config.preemption import GRACE_S
-from fsdp_recipes.errors import UserError
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
 from fsdp_recipes.config.option_registry import OPTIONS, argument_classes
+from fsdp_recipes.config.preemption import GRACE_S
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.patches.versions import (
+    RENAMED_TRAINING_FIELDS,
+    apply_new_training_field_names,
+    new_training_field_names,
+)
 from fsdp_recipes.paths import cache_dir, expand
 
 if TYPE_CHECKING:  # TRL is imported lazily: the launcher's light path must not pay for it
@@ -211,8 +216,6 @@ def dataclass_types(trainer: str = DEFAULT_TRAINER, world_size: int | None = Non
     import trl
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
 
-    from fsdp_recipes.patches.versions import new_training_field_names
-
     registered = TRAINERS[trainer]
     config_class = getattr(trl, registered.config_class)
     if world_size is not None:
@@ -293,7 +296,6 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
     kind_args = rest.pop(0) if TRAINERS[kind].arguments else None
     renamed = rest
     if renamed:  # see patches/versions.py: the recipe's field names on an older transformers
-        from fsdp_recipes.patches.versions import RENAMED_TRAINING_FIELDS, apply_new_training_field_names
 
         named = {k for k in RENAMED_TRAINING_FIELDS if given(argv, k)} | (set(raw) & set(RENAMED_TRAINING_FIELDS))
         apply_new_training_field_names(renamed[0], training, named)

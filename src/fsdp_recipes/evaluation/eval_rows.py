@@ -4,6 +4,8 @@ ask the rows the run held out, found or carved off as the run did (data/loading.
 
 from __future__ import annotations
 
+from fsdp_recipes.config.run_config import PackArguments
+from fsdp_recipes.data.loading import held_out, load_raw, shared_rows
 from fsdp_recipes.evaluation.generation import ANSWER_TOKENS
 
 EVAL_PROMPTS = 128  # at most this many eval rows are scored, by every stage (base and trained model, ...)
@@ -18,8 +20,6 @@ def run_settings(run_args: dict, cfg=None):
     import dataclasses
 
     from trl import DatasetMixtureConfig, ScriptArguments
-
-    from fsdp_recipes.config.run_config import PackArguments
 
     if cfg is not None:
         return (cfg.script, cfg.mixture, cfg.pack, cfg.training.seed,
@@ -37,8 +37,6 @@ def scored_rows(run_args: dict, limit: int, cfg=None):
     training rows and held_out None (they are not called held out); shared: how many of the rows are training rows
     too; the text field a language-modelling row holds its text in."""
     import copy
-
-    from fsdp_recipes.data.loading import held_out, load_raw, shared_rows
 
     script, mixture, pack, seed, text_field = run_settings(run_args, cfg)
     ds = load_raw(script, mixture, pack, text_field, seed)

@@ -10,14 +10,14 @@ from pathlib import Path
 # import the same in parallel.
 from fsdp_recipes import speed
 from fsdp_recipes.config import accelerate_yaml, hardware, model_check, value_checks, yaml_keys
+from fsdp_recipes.config.job import job_machines, job_processes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.data import files, length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.launch import smoke
-from fsdp_recipes.config.job import job_machines, job_processes
 from fsdp_recipes.launch.lines import say
 from fsdp_recipes.paths import cache_dir, expand
-from fsdp_recipes.train import run_checks
+from fsdp_recipes.train import kinds, run_checks
 
 
 def check_launch(recipe: Recipe) -> None:
@@ -60,7 +60,6 @@ def check_data_found(recipe: Recipe) -> None:
     within 5 s); a `datasets:` mixture and a hub id are checked with the recipe (check_recipe), as is data the
     checks build: the tiny and SmolLM2 assets in the pack's cache, and DPO's pairs from the SFT model's answers
     (addition_preferences), written where dataset_name says."""
-    from fsdp_recipes.paths import expand
     name = recipe.field("dataset_name")
     builds = str(recipe.field("addition_preferences", False)).lower() in ("true", "yes", "t", "y", "1")  # argparse's
     if builds or not isinstance(name, str):
@@ -92,8 +91,6 @@ def warn(recipe: Recipe, lines: list[str]) -> None:
 def check_recipe(recipe: Recipe) -> RunConfig:
     """accelerate's reading of its config; the recipe as the ranks will parse it, the model, the dataset and the
     checkpoint to resume. Sets recipe.cfg."""
-    from fsdp_recipes.train import kinds
-
     acc = recipe.accelerate
     named = recipe.folder / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
     accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))

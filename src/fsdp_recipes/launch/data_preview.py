@@ -33,6 +33,7 @@ from fsdp_recipes.data import length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.data.rows import ROW_ORIGIN, row_at, split_file
 from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.launch.lines import unexpected_errors
 from fsdp_recipes.train import kinds, run_checks
 
 EXAMPLES = 3
@@ -217,8 +218,6 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    from fsdp_recipes.launch.launcher import unexpected_errors
-
     name, overrides, examples = parse(list(sys.argv[1:] if argv is None else argv))
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     with unexpected_errors("previewing the data"):

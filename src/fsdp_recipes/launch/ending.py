@@ -13,15 +13,14 @@ from fsdp_recipes.config.job import machine_rank
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
 from fsdp_recipes.launch import explain_failure, summary
-from fsdp_recipes.metrics import gates
 from fsdp_recipes.launch.lines import say, unexpected_errors
 from fsdp_recipes.launch.ranks import Ranks
+from fsdp_recipes.metrics import gates, metrics_file
 
 
 def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
     """The ranks were stopped before the preemption checkpoint was complete: say so, in the report too."""
     from fsdp_recipes.checkpoint import markers as checkpoints
-    from fsdp_recipes.metrics import metrics_file
 
     latest = checkpoints.latest_complete(output_dir)
     note = (f"preempted, but the ranks did not finish within the grace period ({grace_s} s) and were stopped; "

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 from fsdp_recipes.errors import EXIT_USER_ERROR
+from fsdp_recipes.metrics import metrics_file
 
 EXIT_TRAINING_FAILED = 1
 
@@ -127,8 +128,6 @@ def describe(records: list[dict], rc: int, log_dir: Path | None, recipe: str, la
 def mark_report_failed(report: Path, line: str, rec: dict | None) -> None:
     """A run report this run wrote says `failed`, with the first failing rank's reason (rank 0 may have written
     another: the collective that broke when that rank died)."""
-    from fsdp_recipes.metrics import metrics_file
-
     def failed(metrics: dict) -> dict | None:
         if metrics.get("status") == "completed":
             return None

@@ -9,12 +9,14 @@ from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
-from fsdp_recipes.checkpoint import resume_choice
+from fsdp_recipes.checkpoint import output_lock, resume_choice
+from fsdp_recipes.config.job import first_node, job_processes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.launch import smoke
-from fsdp_recipes.config.job import first_node, job_processes
 from fsdp_recipes.launch.lines import say
+from fsdp_recipes.paths import expand
+from fsdp_recipes.train import kinds
 
 
 def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = None) -> str | None:
@@ -22,9 +24,6 @@ def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = No
     the command names it, so that a busy folder is one line at once (issue 42: lock mistakes within 5 s), else
     (`output_dir`: TrainingArguments' default, once parsed) in claim_output_dir. The folder locked, or None. On a
     multi-node job the first node's launcher locks."""
-    from fsdp_recipes.checkpoint import output_lock
-    from fsdp_recipes.paths import expand
-
     out = output_dir or recipe.field("output_dir")
     if not isinstance(out, str) or not out or not first_node():
         return None
@@ -49,7 +48,6 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: st
     "already complete" line. Then the checkpoint to resume: refused when incompatible, skipped (and moved aside)
     when unreadable. On a multi-node job the first node's launcher does this; the others only check the resume."""
     from fsdp_recipes.checkpoint import previous_run, resume_settings
-    from fsdp_recipes.train import kinds
 
     out = cfg.training.output_dir
     now = resume_settings.current(cfg, job_processes(recipe.accelerate), kinds.load(cfg.trainer).RESUME_SETTINGS)

@@ -35,9 +35,13 @@ from pathlib import Path
 import yaml
 
 from fsdp_recipes import speed
+from fsdp_recipes.assets.tiny_assets import ensure_assets
+from fsdp_recipes.config import model_check
+from fsdp_recipes.config.model_check import load_config
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.paths import cache_dir, expand
+from fsdp_recipes.train import kinds
 
 ENV = "FSDP_RECIPES_SMOKE"
 STEPS = 3
@@ -86,8 +90,6 @@ def build_model(recipe: Path, source: Path, assets: dict) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.config.model_check import load_config
-
     out = model_dir(recipe)
     stamp = out / "smoke_source.json"
     if stamp.is_file() and stamp.read_text() == source.read_text():
@@ -108,9 +110,6 @@ def model_source(recipe: Recipe) -> tuple[Path, str] | None:
     (a local folder's, or a hub id's in the hub cache), else the recipe's `model_config.json` where the model is not
     here and that copy is of it (or of the model another run or the pack's assets will make). None for a recipe
     whose model is the tiny one already (tiny_assets)."""
-    from fsdp_recipes.config import model_check
-    from fsdp_recipes.paths import cache_dir, expand
-
     model = expand(str(recipe.field("model_name_or_path")), "model_name_or_path")
     shipped = recipe.folder / "model_config.json"
     in_cache = Path(model).absolute().is_relative_to(cache_dir().absolute())  # the pack's assets
@@ -166,9 +165,6 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
     machine's `gpus` (0: on CPU); prints each substitution; returns what builds the tiny model. The launcher calls
     the builder after it has started the ranks, so that building (transformers' import, a few seconds) overlaps
     their imports: they wait at the start gate until the checks pass anyway."""
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
-    from fsdp_recipes.train import kinds
-
     folder, acc = recipe.folder, recipe.accelerate  # the launcher checks acc's keys later
     assets = ensure_assets(quiet=True)
     kind = kinds.load(recipe.trainer)

@@ -9,7 +9,7 @@ from fsdp_recipes.config import accelerate_yaml
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.planning import comms, duration, fit
 from fsdp_recipes.planning.fabric import Fabric
-from fsdp_recipes.planning.memory_budget import GIB
+from fsdp_recipes.planning.memory_budget import GIB, budget
 
 NODE_GPUS = 8  # GPUs of an HGX/DGX board: the node size a topology answer uses when GPUS names fewer
 
@@ -143,8 +143,6 @@ def short(c: comms.Collective | None) -> str:
 def scale_section(p, f: Fabric, mfu: float, node_counts: list[int]) -> str:
     """The same recipe and per-GPU batch at each node count: one-dimensional FSDP over every GPU against HSDP
     (the recipe's own layout where it is DDP)."""
-    from fsdp_recipes.planning.memory_budget import budget
-
     if f.node is None:
         raise UserError(f"no interconnect figures for the {f.gpu}. Fix: another --gpu (see fabric.py).")
     layouts = ["DDP"] if p.own in ("DDP", "single") else ["FSDP", "HSDP"]

@@ -26,12 +26,13 @@ import sys
 import warnings
 from pathlib import Path
 
+from fsdp_recipes import speed
+from fsdp_recipes.assets.tiny_assets import ensure_assets
 from fsdp_recipes.config import accelerate_yaml, model_check, recipes, run_config, value_checks, yaml_keys
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes import speed
-from fsdp_recipes.train import kinds
 from fsdp_recipes.planning import answers, comms, fabric, memory_budget
 from fsdp_recipes.planning.memory_budget import GIB
+from fsdp_recipes.train import kinds
 
 # name -> (memory in GiB as the driver reports it, bf16 support); matched like flops.PEAK_BF16_DENSE_FLOPS.
 GPUS = {
@@ -70,7 +71,6 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
         speed.check_config(cfg, installed=False)  # the packages: the training machine's, not this one's
         value_checks.check_values(cfg)
     if cfg.pack.tiny_assets:  # as run_checks.parse_and_check does: the tiny model is built locally, offline
-        from fsdp_recipes.assets.tiny_assets import ensure_assets
 
         ensure_assets(quiet=True)
     model_args = cfg.model

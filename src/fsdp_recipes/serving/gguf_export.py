@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.serving import modelfile
 
 TYPES = ("f16", "bf16", "q8_0", "f32")
 # transformers architecture -> (gguf architecture name, q/k rows need Meta's interleaved rotary order)
@@ -227,7 +228,6 @@ def main(argv: list[str] | None = None) -> int:
     folder = model_folder(args.run)
     out = args.out or default_out(args.run, folder, args.type)
     done = export(folder, out, args.type)
-    from fsdp_recipes.serving import modelfile
 
     written = modelfile.write(out, folder)
     print(f"[gguf] {done['file']}: {done['architecture']}, {done['tensors']} tensors, {done['type']}, "

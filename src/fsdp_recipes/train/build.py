@@ -14,7 +14,13 @@ from __future__ import annotations
 from fsdp_recipes import dist, speed
 from fsdp_recipes.checkpoint.load_check import LoadCheckCallback, TiedEmbeddingsCheck
 from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback, identity
+from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
+from fsdp_recipes.checkpoint.resume_settings import ScheduleResync
+from fsdp_recipes.checkpoint.sharded_save import ReshardAfterEvaluate
 from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.data import length_report, loading
+from fsdp_recipes.metrics.memory_probe import MemoryProbeCallback
+from fsdp_recipes.metrics.run_report import RunReportCallback
 from fsdp_recipes.patches import cpu_fsdp
 from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_load
 from fsdp_recipes.patches.peft_fsdp import (
@@ -25,8 +31,8 @@ from fsdp_recipes.patches.peft_fsdp import (
     load_adapter_through_fsdp1_root,
     strip_fsdp1_wrapper_names,
 )
-from fsdp_recipes.data import length_report, loading
 from fsdp_recipes.train import console, failure_record, kinds
+from fsdp_recipes.train.preemption import PreemptionCallback
 
 
 def make_trainer_class(kind: str = kinds.DEFAULT):
@@ -138,8 +144,6 @@ def pack_callbacks(cfg: RunConfig, peft_config, report, preemption, resume, sett
     elif pack.verify_loaded_weights:
         callbacks.append(LoadCheckCallback(model_args.model_name_or_path, report))
     if resume:  # resume_check.py: the optimizer state (and a PEFT adapter) in memory must be the checkpoint's
-        from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
-        from fsdp_recipes.checkpoint.resume_settings import ScheduleResync
 
         callbacks.append(ResumeCheckCallback(resume, report, peft=peft_config is not None))
         callbacks.append(ScheduleResync(training.learning_rate, report))  # this run's schedule from the checkpoint on
@@ -157,12 +161,9 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
     if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
     if fsdp2_requested():  # an evaluation leaves the root's bf16 copies in place of its weights: sharded_save.py
-        from fsdp_recipes.checkpoint.sharded_save import ReshardAfterEvaluate
 
         trainer.add_callback(ReshardAfterEvaluate())
     if pack.measure_memory:
-        from fsdp_recipes.metrics.memory_probe import MemoryProbeCallback
-
         trainer.add_callback(MemoryProbeCallback(trainer.model, training.output_dir, trainer.accelerator.process_index,
                                                  report.tokens))
 
@@ -177,8 +178,6 @@ def run_report_for(cfg: RunConfig, report_name: str | None = None):
     """The run report (metrics.json, run_args.json) of a run of `cfg`, named `report_name` (the recipe's name)."""
     from trl import get_peft_config
 
-    from fsdp_recipes.metrics.run_report import RunReportCallback
-
     return RunReportCallback(cfg.training.output_dir, cfg.resolved(get_peft_config(cfg.model)),
                              report_name or cfg.pack.recipe_name, trainer=cfg.trainer)
 
@@ -187,7 +186,5 @@ def trainer_for(cfg: RunConfig, report):
     """The trainer the entry point builds for `cfg`, reporting to `report` (run_report_for), with the preemption
     callback."""
     from trl import get_peft_config
-
-    from fsdp_recipes.train.preemption import PreemptionCallback
 
     return build_trainer(cfg, get_peft_config(cfg.model), report, PreemptionCallback())

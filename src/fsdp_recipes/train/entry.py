@@ -15,6 +15,7 @@ import sys
 
 from fsdp_recipes import dist, library_logs, speed
 from fsdp_recipes.checkpoint.resume_choice import checkpoint_to_resume
+from fsdp_recipes.checkpoint.shared_dir import check_output_dir_shared
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, cli
 from fsdp_recipes.patches import cpu_fsdp, guard
@@ -30,8 +31,8 @@ def import_training_stack() -> None:
     from trl import DPOTrainer, SFTTrainer  # noqa: F401  (trl imports lazily: this pulls in transformers' Trainer)
 
     from fsdp_recipes.checkpoint import markers  # noqa: F401
-    from fsdp_recipes.metrics import run_report  # noqa: F401
     from fsdp_recipes.data import loading  # noqa: F401
+    from fsdp_recipes.metrics import run_report  # noqa: F401
     from fsdp_recipes.train import preemption  # noqa: F401
 
 
@@ -109,7 +110,6 @@ def train_once(argv: list[str] | None = None) -> tuple[int, object]:
     cfg = parse_and_check(argv, quiet=True)
     # Parsing built TrainingArguments, which started the process group (accelerate's PartialState). Before anything
     # reads output_dir: on a node that does not share it, auto_resume would pick another checkpoint.
-    from fsdp_recipes.checkpoint.shared_dir import check_output_dir_shared
 
     check_output_dir_shared(cfg.training.output_dir)
 

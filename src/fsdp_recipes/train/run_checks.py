@@ -5,12 +5,15 @@ the settings.
 
 from __future__ import annotations
 
+from fsdp_recipes import speed
+from fsdp_recipes.assets import addition_preferences, smollm2
+from fsdp_recipes.assets.tiny_assets import ensure_assets
 from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
-from fsdp_recipes.metrics import prometheus
-from fsdp_recipes.errors import UserError
-from fsdp_recipes import speed
 from fsdp_recipes.data import declaration
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.evaluation.generation import generate
+from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.train import kinds
 
 
@@ -37,12 +40,8 @@ def check_data_settings(cfg: RunConfig) -> None:
 def prepare_assets(cfg: RunConfig, quiet: bool = False) -> None:
     """The tiny assets, or the default's SmolLM2 (made once into the cache), when the recipe uses them."""
     if cfg.pack.tiny_assets:
-        from fsdp_recipes.assets.tiny_assets import ensure_assets
-
         ensure_assets(quiet=quiet)
     if cfg.pack.smollm2_assets:
-        from fsdp_recipes.assets import smollm2
-
         # The model only when the recipe trains the prepared folder: with a hub id
         # (--model_name_or_path HuggingFaceTB/SmolLM2-135M-Instruct) from_pretrained fetches it as usual.
         smollm2.ensure_assets(model=smollm2.is_prepared_path(cfg.model.model_name_or_path), quiet=quiet)
@@ -58,8 +57,6 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
     cfg = parse_args(argv, raw, world_size)
     prepare_assets(cfg, quiet)
     if cfg.pack.addition_preferences:  # DPO on the default's task: pairs from the SFT model's own answers
-        from fsdp_recipes.assets import addition_preferences
-        from fsdp_recipes.evaluation.generation import generate
 
         model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
         addition_preferences.ensure(cfg.model.model_name_or_path, cfg.script.dataset_name, generate, quiet=quiet)
