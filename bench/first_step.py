@@ -214,7 +214,7 @@ def phases(run: dict) -> dict[str, float]:
 
 
 IMPORT_ORDER = ("torch", "transformers", "datasets", "accelerate", "peft", "trl", "trl.trainer.sft_trainer",
-                "fsdp_recipes.train.entry", "fsdp_recipes.run_report")
+                "fsdp_recipes.train.entry", "fsdp_recipes.metrics.run_report")
 
 
 def slowest_imports() -> dict:

@@ -169,7 +169,7 @@ def test_the_launcher_prints_the_table_and_one_warning(tmp_path, cache_dir, monk
 
 def test_rank_0_measures_where_the_launcher_cannot(tmp_path, cache_dir, tok):
     """A hub model (or hub data): the launcher has no tokenizer before the ranks start, so rank 0 prints the table
-    and the warning as [train] lines, with the tokenizer the trainer loaded (train/entry.py build_trainer)."""
+    and the warning as [train] lines, with the tokenizer the trainer loaded (train/train/build.py build_trainer)."""
     import types
 
     from fsdp_recipes.config.run_config import parse_args

@@ -249,7 +249,7 @@ def test_what_the_files_are_compared_with_is_named(world_of_one, tmp_path):
 
 
 def test_the_final_save_reports_what_its_files_were_compared_with(tmp_path, capsys):
-    """entry.save_final without FSDP (no process group): the report and the log line name the comparison."""
+    """train/final_save.py save_final without FSDP (no process group): the report and the log line name the comparison."""
     from types import SimpleNamespace
 
     from transformers import MistralConfig, MistralForCausalLM

@@ -94,7 +94,7 @@ def test_training_stops_before_anything_reads_output_dir(monkeypatch, capsys):
     def blind(output_dir):
         raise UserError(shared_dir.message(output_dir, "gpu-b"))
 
-    monkeypatch.setattr(shared_dir, "check_output_dir_shared", blind)
+    monkeypatch.setattr(entry, "check_output_dir_shared", blind)  # the entry point holds it since its import
     with pytest.raises(SystemExit) as stopped:
         entry.main([])
     assert stopped.value.code == EXIT_USER_ERROR

@@ -7,6 +7,7 @@ for an option's settings named outside its room.
 
 import ast
 import dataclasses
+import re
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,12 @@ def test_an_option_lacking_a_required_member_fails_at_registration():
     incomplete.FIELDS = ("my_setting",)  # no enabled()
     with pytest.raises(TypeError, match=r"speed option mine \(my_option\) lacks enabled: every option provides "
                                         r"FIELDS, enabled"):
+        speed.SpeedOption.from_module("mine", incomplete)
+    incomplete.enabled = True  # not a function
+    with pytest.raises(TypeError, match=r"speed option mine \(my_option\): enabled must be a function"):
+        speed.SpeedOption.from_module("mine", incomplete)
+    incomplete.enabled, incomplete.FIELDS = (lambda cfg: False), "my_setting"  # a string, not a tuple of names
+    with pytest.raises(TypeError, match=r"FIELDS must be a tuple of setting names"):
         speed.SpeedOption.from_module("mine", incomplete)
 
 
@@ -83,8 +90,8 @@ def fused_norms(monkeypatch):
     def register(installed: bool = True) -> list:
         calls = []
         monkeypatch.setitem(option_registry.OPTIONS, "fused_norms", FusedNormArguments)
-        option = speed.SpeedOption.from_module("fused_norms", fused_norms_module(calls, installed))
-        monkeypatch.setitem(speed.OPTIONS, "fused_norms", option)
+        monkeypatch.setattr(speed, "OPTIONS", dict(speed.OPTIONS))  # the test's addition leaves with the test
+        speed.register("fused_norms", fused_norms_module(calls, installed))
         return calls
     return register
 
@@ -213,3 +220,30 @@ def test_each_option_module_documents_what_it_does():
     for option in speed.OPTIONS.values():
         assert option.module.__doc__ and len(option.module.__doc__.split()) > 15, option.name
         assert dataclasses.is_dataclass(option)
+
+
+def test_an_options_accelerate_rule_holds_wherever_a_recipe_is_read(tmp_path, cache_dir, monkeypatch, capsys):
+    """FSDP1 with fsdp_cpu_ram_efficient_loading and no fsdp_sync_module_states (speed/ram_efficient_loading.py's
+    check_accelerate) is one line in the launcher, `make plan` and a cluster job alike: it was the YAML reader's
+    rule before the option moved into the speed room, and each tool that reads a recipe asks the room now."""
+    import shutil
+
+    import yaml
+
+    from fsdp_recipes.cluster import command
+    from fsdp_recipes.planning import plan
+
+    recipe = tmp_path / "fsdp1-no-sync"
+    shutil.copytree(REPO / "recipes" / "mistral-small-lora", recipe)
+    acc = yaml.safe_load((recipe / "accelerate.yaml").read_text())
+    assert acc["fsdp_config"]["fsdp_version"] == 1 and acc["fsdp_config"]["fsdp_cpu_ram_efficient_loading"]
+    acc["fsdp_config"]["fsdp_sync_module_states"] = False
+    (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    rule = r"accelerate.yaml: fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states: true"
+    with pytest.raises(UserError, match=rule):
+        plan.load_recipe(str(recipe))
+    with pytest.raises(SystemExit) as stopped:  # fsdp-recipes job: its one line, exit 2
+        command.main(["--launcher", "slurm", str(recipe), "--nodes", "1", "--gpus", "8", "--print"])
+    assert stopped.value.code == 2 and re.search(rule, capsys.readouterr().err)
+    res = launcher_until_ranks([str(recipe)], monkeypatch, capsys)
+    assert res.returncode == 2 and res.stderr.strip().startswith(f"error: {recipe}/accelerate.yaml: ")

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from signal import Signals
 
+from fsdp_recipes import speed
 from fsdp_recipes.config import recipes
 from fsdp_recipes.config.preemption import grace_seconds
 from fsdp_recipes.errors import UserError
@@ -41,6 +42,7 @@ class RecipeFacts:
 def recipe_facts(folder: Path) -> RecipeFacts:
     loaded = recipes.load(folder)
     acc = loaded.accelerate
+    speed.check_accelerate(acc, loaded.accelerate_path)  # the YAML's rules a job would meet at launch
     fsdp = acc.get("fsdp_config") or {}
     par = acc.get("parallelism_config") or {}
     return RecipeFacts(

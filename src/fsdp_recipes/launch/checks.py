@@ -33,7 +33,6 @@ def check_launch(recipe: Recipe) -> None:
     if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
         hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
     accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
-    speed.check_accelerate(acc, recipe.accelerate_path)
 
 
 def in_pack_cache(path: str) -> bool:

@@ -27,6 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
+from fsdp_recipes import speed
 from fsdp_recipes.assets import addition_preferences
 from fsdp_recipes.config import model_check, recipes, run_config, value_checks
 from fsdp_recipes.data import length_report, lengths, loading, recipe_tokenizer
@@ -69,6 +70,7 @@ def load_config(name: str, overrides: list[str]):
     """The recipe and its configuration as the run parses them, checked as far as the data needs: no GPU check
     (use_cpu, as `make plan` parses), the model's folder, the data fields; the assets it uses prepared."""
     recipe = recipes.load(name, [*overrides, "--use_cpu", "true"])
+    speed.check_accelerate(recipe.accelerate, recipe.accelerate_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = run_config.parse_args(recipe.argv(), recipe.raw,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
-from fsdp_recipes import library_logs
+from fsdp_recipes import library_logs, speed
 from fsdp_recipes.config import hardware, placement, recipes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
@@ -90,11 +90,14 @@ def launch(argv: list[str], held: ExitStack) -> int:
 
 
 def load_recipe(argv: list[str]) -> Recipe:
-    """The recipe named first on the command line, loaded once (config/recipes.py), with the rest as overrides."""
+    """The recipe named first on the command line, loaded once (config/recipes.py), with the rest as overrides; the
+    speed options' rules of its accelerate YAML checked as it is read."""
     if not argv or argv[0].startswith("-"):
         raise UserError("usage: python -m fsdp_recipes.launch.launcher <recipe name or folder> [--field value ...]")
     with unexpected_errors("reading the recipe"):
-        return recipes.load(argv[0], argv[1:])
+        recipe = recipes.load(argv[0], argv[1:])
+        speed.check_accelerate(recipe.accelerate, recipe.accelerate_path)
+        return recipe
 
 
 def set_up(recipe: Recipe) -> tuple[int, Callable[[], None] | None]:

@@ -127,7 +127,7 @@ class RunReportCallback(TrainerCallback):
         self.load_check = None  # set by LoadCheckCallback when verify_loaded_weights is on
         self.resume_check = None  # set by ResumeCheckCallback after a resume
         self.tied_embeddings = None  # set by TiedEmbeddingsCheck for a model with tied embeddings
-        self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by entry.save_final
+        self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by train/final_save.py save_final
         self.rss_at_train_start = None
         self.cpu_peak = None  # per rank, on CPU: the measured matmul rate MFU divides by (metrics/cpu_peak.py)
         self.finalized = False

@@ -89,6 +89,12 @@ class SpeedOption:
             elif f.name in required:
                 raise TypeError(f"speed option {name} ({module.__name__}) lacks {f.name}: every option provides "
                                 f"{', '.join(required)} (fsdp_recipes/speed/__init__.py)")
+        for member, value in members.items():
+            settings = member.isupper()  # FIELDS, RESUME_SETTINGS: names of settings; the rest are hooks
+            if settings and not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+                raise TypeError(f"speed option {name} ({module.__name__}): {member} must be a tuple of setting names")
+            if not settings and not callable(value):
+                raise TypeError(f"speed option {name} ({module.__name__}): {member} must be a function")
         return cls(name=name, module=module, **members)
 
 
@@ -100,6 +106,13 @@ def required_members() -> list[str]:
 OPTIONS: dict[str, SpeedOption] = {
     name: SpeedOption.from_module(name, importlib.import_module(f"{__name__}.{name}")) for name in REGISTERED
 }
+
+
+def register(name: str, module: ModuleType) -> SpeedOption:
+    """An option whose module lives outside this folder (a site's own kernel), checked as the pack's own are; its
+    own settings, if any, need their dataclass in config/option_registry.py's OPTIONS too."""
+    OPTIONS[name] = SpeedOption.from_module(name, module)
+    return OPTIONS[name]
 
 
 def names() -> tuple[str, ...]:

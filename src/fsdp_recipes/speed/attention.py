@@ -35,4 +35,6 @@ def smoke(field, gpus: int) -> tuple[list[str], str | None]:
 
 
 def model_init_kwargs(cfg) -> dict:
-    return {"attn_implementation": cfg.model.attn_implementation}
+    """The recipe's kernel; none named, transformers' default (and whatever model_init_kwargs says)."""
+    attn = cfg.model.attn_implementation
+    return {"attn_implementation": attn} if attn else {}

@@ -96,8 +96,8 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         "revision": model_args.model_revision,
         "trust_remote_code": training.trust_remote_code,
         "dtype": model_args.dtype,
-        **speed.model_init_kwargs(cfg),  # the attention kernel, a 4-bit base's BitsAndBytesConfig
         **(training.model_init_kwargs or {}),
+        **speed.model_init_kwargs(cfg),  # the attention kernel, a 4-bit base's BitsAndBytesConfig: theirs win
     }
     callbacks = pack_callbacks(cfg, peft_config, report, preemption, resume, settings)
     # a directory or a hub id, which TRL loads with from_pretrained; or the model an option builds instead (RAM-
