@@ -34,6 +34,7 @@ from fsdp_recipes.evaluation.eval_rows import EVAL_PROMPTS
 from fsdp_recipes.evaluation.scoring import SHOWN_SAMPLES
 from fsdp_recipes.evaluation.stages import trained_model_dir
 from fsdp_recipes.metrics import gates, metrics_file
+from fsdp_recipes.metrics.figures import figure, percent
 from fsdp_recipes.metrics.run_comparison import human_bytes
 from fsdp_recipes.train import kinds
 
@@ -151,18 +152,19 @@ def shown(text: str) -> str:
 
 def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None = None) -> str:
     m = metrics
-    lines = [f"== {m.get('recipe') or run_dir.name}: {m['status']} in {m['wall_clock_s']:.0f}s =="]
+    lines = [f"== {m.get('recipe') or run_dir.name}: {m['status']} in {figure(m.get('wall_clock_s'), '.0f')}s =="]
     if m.get("first_train_loss") is not None:
-        ev = f", eval {m['final_eval_loss']:.3f}" if m.get("final_eval_loss") is not None else ""
-        lines.append(f"loss        {m['first_train_loss']:.3f} -> {m['final_train_loss']:.3f} (train){ev}")
+        ev = f", eval {figure(m['final_eval_loss'], '.3f')}" if m.get("final_eval_loss") is not None else ""
+        lines.append(f"loss        {figure(m['first_train_loss'], '.3f')} -> {figure(m.get('final_train_loss'), '.3f')} "
+                     f"(train){ev}")
     tps = m.get("tokens_per_second")
     lines.append(
-        f"throughput  {tps:,.0f} tokens/s ({m['tokens_per_second_per_device']:,.0f} per device), "
-        f"{m['steps']} steps, {m['tokens']['non_padding']:,} tokens" if tps else "throughput  n/a"
+        f"throughput  {figure(tps, ',.0f')} tokens/s ({figure(m.get('tokens_per_second_per_device'), ',.0f')} per "
+        f"device), {m['steps']} steps, {figure(m['tokens']['non_padding'], ',')} tokens" if tps else "throughput  n/a"
     )
     if m.get("trainer") in kinds.names():  # the kind's own lines (GRPO: what was sampled, and what it scored)
         lines += kinds.load(m["trainer"]).summary_lines(m)
-    mfu = f"{100 * m['mfu']:.1f}%" if m.get("mfu") is not None else f"n/a ({m.get('mfu_note')})"
+    mfu = percent(m["mfu"]) if m.get("mfu") is not None else f"n/a ({m.get('mfu_note')})"
     source = m.get("peak_flops_source")
     lines.append(f"MFU         {mfu}" + (f" {source}" if source and m.get("mfu") is not None else ""))
     pm = m["peak_memory"]

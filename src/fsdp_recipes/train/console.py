@@ -16,6 +16,7 @@ from transformers import TrainerCallback
 
 from fsdp_recipes.library_logs import LOG_ONLY_WARNINGS
 from fsdp_recipes.metrics import gates
+from fsdp_recipes.metrics.figures import figure, is_number
 from fsdp_recipes.train.failure_record import details
 
 
@@ -54,16 +55,16 @@ def progress_line(logs: dict, step: int, max_steps: int) -> str | None:
     log; None for the rest (the end-of-training totals: the launcher's summary says them)."""
     width = len(str(max_steps))
     if "loss" in logs:
-        parts = [f"[train] step {step:>{width}}/{max_steps}", f"loss {logs['loss']:.4g}"]
+        parts = [f"[train] step {step:>{width}}/{max_steps}", f"loss {figure(logs['loss'], '.4g')}"]
         if "learning_rate" in logs:
-            parts.append(f"lr {logs['learning_rate']:.2e}")
+            parts.append(f"lr {figure(logs['learning_rate'], '.2e')}")
         if "reward" in logs:  # GRPO: the sampled completions' mean reward
-            parts.append(f"reward {logs['reward']:.3f}")
+            parts.append(f"reward {figure(logs['reward'], '.3f')}")
         if "tokens_per_second" in logs:
-            parts.append(f"{logs['tokens_per_second']:,.0f} tokens/s")
+            parts.append(f"{figure(logs['tokens_per_second'], ',.0f')} tokens/s")
         return "  ".join(parts)
     if "eval_loss" in logs:
-        return f"[train] eval at step {step}/{max_steps}: loss {logs['eval_loss']:.4g}"
+        return f"[train] eval at step {step}/{max_steps}: loss {figure(logs['eval_loss'], '.4g')}"
     return None
 
 
@@ -86,7 +87,7 @@ class ProgressLines(TrainerCallback):
             return
         details(f"[train] step {state.global_step}: {json.dumps(logs, default=str)}")
         line = progress_line(logs, state.global_step, state.max_steps) if state.is_world_process_zero else None
-        if line and "loss" in logs:
+        if line and is_number(logs["loss"]):  # a loss the trainer could not compute (None) judges nothing
             self.losses.append(float(logs["loss"]))
             why = gates.diverged(self.losses, self.divergence_factor)
             if why:

@@ -31,6 +31,7 @@ import inspect
 
 from fsdp_recipes.data import loading, row_checks
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.metrics.figures import figure
 
 # the trainers' own logs (averaged over the logging interval) kept in metrics.json's `<kind>` section (trl 1.16:
 # GRPOTrainer and RLOOTrainer log these under the same names)
@@ -332,14 +333,11 @@ def summary_lines(m: dict) -> list[str]:
     if m.get("generated_tokens") is None:
         return []
     reward = (m.get(m.get("trainer") or "") or {}).get("reward") or {}
-
-    def number(value) -> str:  # None (never logged) or NaN (TRL's nanmean of an interval no function scored)
-        return "n/a" if not isinstance(value, (int, float)) else f"{value:.3f}"
-
-    rewards = (f"; reward {number(reward.get('first'))} -> {number(reward.get('last'))} (mean over the first and "
-               "last logged steps)" if reward.get("last") is not None else "")
-    return [f"sampled     {m['generated_tokens']:,} completion tokens "
-            f"({m.get('generated_tokens_per_second') or 0:,.1f}/s){rewards}"]
+    # None (never logged) or NaN (TRL's nanmean of an interval no function scored): metrics/figures.py
+    rewards = (f"; reward {figure(reward.get('first'), '.3f')} -> {figure(reward.get('last'), '.3f')} (mean over "
+               "the first and last logged steps)" if reward.get("last") is not None else "")
+    return [f"sampled     {figure(m['generated_tokens'], ',')} completion tokens "
+            f"({figure(m.get('generated_tokens_per_second') or 0, ',.1f')}/s){rewards}"]
 
 
 def check_learned(log_history: list[dict], training) -> None:
