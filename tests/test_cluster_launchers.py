@@ -103,7 +103,7 @@ def test_a_launcher_whose_signal_the_ranks_ignore_fails_at_registration():
     with pytest.raises(TypeError, match=r"preempts with <Signals.SIGHUP: 1>, which the ranks do not save on: use one "
                                         r"of SIGTERM, SIGUSR1"):
         registry.register("skypilot", skypilot_module(SIGNAL=signal.SIGHUP))
-    with pytest.raises(TypeError, match=r"render must be functions"):
+    with pytest.raises(TypeError, match=r"render must be a function"):
         registry.register("skypilot", skypilot_module(render="task.yaml"))
 
 

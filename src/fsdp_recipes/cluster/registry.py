@@ -29,10 +29,9 @@ from collections.abc import Callable
 from types import ModuleType
 
 from fsdp_recipes.config.preemption import SIGNALS
+from fsdp_recipes.registry import members_of
 
 NAMES = ("local", "slurm", "k8s")  # modules of this folder
-NOT_MEMBERS = ("name", "module")  # ClusterLauncher's fields that the registry fills, not the module
-FUNCTIONS = ("grace_seconds", "render", "submit_command", "add_arguments", "check")
 
 
 def _no_arguments(parser) -> None:
@@ -61,27 +60,12 @@ class ClusterLauncher:
 
     @classmethod
     def from_module(cls, name: str, module: ModuleType) -> ClusterLauncher:
-        required = required_members()
-        missing = [f for f in required if not hasattr(module, f)]
-        if missing:
-            raise TypeError(f"cluster launcher {name} ({module.__name__}) lacks {', '.join(missing)}: every launcher "
-                            f"provides {', '.join(required)} (fsdp_recipes/cluster/registry.py)")
-        members = {f.name: getattr(module, f.name) for f in dataclasses.fields(cls)
-                   if f.name not in NOT_MEMBERS and hasattr(module, f.name)}
+        members = members_of(cls, module, "cluster launcher", name, "fsdp_recipes/cluster/registry.py")
         if members["SIGNAL"] not in SIGNALS:
             raise TypeError(f"cluster launcher {name} ({module.__name__}) preempts with {members['SIGNAL']!r}, which "
                             f"the ranks do not save on: use one of {', '.join(s.name for s in SIGNALS)} "
                             f"(fsdp_recipes/config/preemption.py)")
-        not_functions = [m for m in FUNCTIONS if m in members and not callable(members[m])]
-        if not_functions:
-            raise TypeError(f"cluster launcher {name} ({module.__name__}): {', '.join(not_functions)} must be "
-                            f"functions (fsdp_recipes/cluster/registry.py)")
         return cls(name=name, module=module, **members)
-
-
-def required_members() -> list[str]:
-    return [f.name for f in dataclasses.fields(ClusterLauncher) if f.name not in NOT_MEMBERS
-            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
 
 LAUNCHERS: dict[str, ClusterLauncher] = {

@@ -38,8 +38,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from fsdp_recipes.config.option_registry import OPTIONS as REGISTERED
-
-NOT_MEMBERS = ("name", "module")
+from fsdp_recipes.registry import members_of
 
 
 def _nothing(*args, **kwargs) -> None:
@@ -79,28 +78,12 @@ class SpeedOption:
 
     @classmethod
     def from_module(cls, name: str, module: ModuleType) -> SpeedOption:
-        members = {}
-        required = required_members()
-        for f in dataclasses.fields(cls):
-            if f.name in NOT_MEMBERS:
-                continue
-            if hasattr(module, f.name):
-                members[f.name] = getattr(module, f.name)
-            elif f.name in required:
-                raise TypeError(f"speed option {name} ({module.__name__}) lacks {f.name}: every option provides "
-                                f"{', '.join(required)} (fsdp_recipes/speed/__init__.py)")
-        for member, value in members.items():
-            settings = member.isupper()  # FIELDS, RESUME_SETTINGS: names of settings; the rest are hooks
-            if settings and not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+        members = members_of(cls, module, "speed option", name, "fsdp_recipes/speed/__init__.py")
+        for member in ("FIELDS", "RESUME_SETTINGS"):
+            value = members.get(member, ())
+            if not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
                 raise TypeError(f"speed option {name} ({module.__name__}): {member} must be a tuple of setting names")
-            if not settings and not callable(value):
-                raise TypeError(f"speed option {name} ({module.__name__}): {member} must be a function")
         return cls(name=name, module=module, **members)
-
-
-def required_members() -> list[str]:
-    return [f.name for f in dataclasses.fields(SpeedOption) if f.name not in NOT_MEMBERS
-            and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
 
 OPTIONS: dict[str, SpeedOption] = {

@@ -31,6 +31,8 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
+from fsdp_recipes.registry import members_of
+
 NAMES = ("held_out_loss", "exact_match", "four_bit", "preference")
 NEEDS_KINDS = ("log-probs", "generations", "preference rows")  # what evaluation/scoring.py computes for a stage
 
@@ -50,22 +52,15 @@ class EvalMetric:
 
     @classmethod
     def from_module(cls, name: str, module: ModuleType) -> EvalMetric:
-        required = [f.name for f in dataclasses.fields(cls) if f.name not in ("name", "module")]
-        for member in required:
-            if not hasattr(module, member):
-                raise TypeError(f"evaluation metric {name} ({module.__name__}) lacks {member}: every metric provides "
-                                f"{', '.join(required)} (fsdp_recipes/evaluation/scores/__init__.py)")
+        members = members_of(cls, module, "evaluation metric", name, "fsdp_recipes/evaluation/scores/__init__.py")
         needs = module.NEEDS
         if not isinstance(needs, tuple) or not needs or not set(needs) <= set(NEEDS_KINDS):
             raise TypeError(f"evaluation metric {name} ({module.__name__}) NEEDS {needs!r}: a tuple of "
                             f"{', '.join(NEEDS_KINDS)}")
-        for member in ("applies", "score", "lines"):
-            if not callable(getattr(module, member)):
-                raise TypeError(f"evaluation metric {name} ({module.__name__}): {member} is not a function")
         if not isinstance(module.INTERVAL, str) or not module.INTERVAL:
             raise TypeError(f"evaluation metric {name} ({module.__name__}): INTERVAL says in words how sure its "
                             f"figures are (or why it has no interval)")
-        return cls(name=name, module=module, **{member: getattr(module, member) for member in required})
+        return cls(name=name, module=module, **members)
 
     def on_pairs(self) -> bool:
         """It scores the preference rows: its lines follow the note on the scored rows."""
