@@ -47,6 +47,8 @@ def test_an_eval_line_and_the_progress_callback_take_any_loss(odd, capsys):
     class State:
         global_step, max_steps, is_world_process_zero = 3, 10, True
 
+    lines.on_log(None, State(), None, logs={"eval_loss": ODD[odd], "eval_runtime": 1.0})  # an eval log: no loss
+    assert capsys.readouterr().out.startswith("[train] eval at step 3/10: loss ") and lines.losses == []
     lines.on_log(None, State(), None, logs={"loss": ODD[odd], "reward": None, "reward_std": None})
     out = capsys.readouterr().out
     assert out.startswith("[train] step  3/10  loss ")

@@ -87,7 +87,7 @@ class ProgressLines(TrainerCallback):
             return
         details(f"[train] step {state.global_step}: {json.dumps(logs, default=str)}")
         line = progress_line(logs, state.global_step, state.max_steps) if state.is_world_process_zero else None
-        if line and is_number(logs["loss"]):  # a loss the trainer could not compute (None) judges nothing
+        if line and is_number(logs.get("loss")):  # an eval log has none; a None loss judges nothing
             self.losses.append(float(logs["loss"]))
             why = gates.diverged(self.losses, self.divergence_factor)
             if why:
