@@ -18,6 +18,12 @@ def required_members(interface: type) -> list[str]:
             and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
 
 
+def register(registry: dict, interface: type, name: str, module: ModuleType):
+    """`module` checked as the room's own members are (`interface.from_module`) and added to `registry` by `name`."""
+    registry[name] = interface.from_module(name, module)
+    return registry[name]
+
+
 def members_of(interface: type, module: ModuleType, what: str, name: str, where: str) -> dict:
     """The interface's members that `module` defines, checked: `what` names the room's kind of member ("speed
     option") in the messages, `where` the file that defines the interface."""

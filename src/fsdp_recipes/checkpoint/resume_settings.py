@@ -49,7 +49,7 @@ def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_se
               OPTIONS_FIXED: list(option_settings)}
     for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings, *option_settings):
         if name not in values:
-            # the trainer config's, the model's, a kind's own (reward_funcs), a speed option's own (float8)
+            # the trainer config's, the model's, a kind's own (reward_funcs), a speed option's own (config/option_registry.py)
             value = next((getattr(source, name) for source in (t, cfg.model, cfg.kind_args, *getattr(cfg, "option_args", ()))
                           if hasattr(source, name)), None)
             value = value.value if isinstance(value, Enum) else value  # lr_scheduler_type: SchedulerType.COSINE

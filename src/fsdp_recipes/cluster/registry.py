@@ -29,6 +29,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from fsdp_recipes.config.preemption import SIGNALS
+from fsdp_recipes import registry as pack_registry
 from fsdp_recipes.registry import members_of
 
 NAMES = ("local", "slurm", "k8s")  # modules of this folder
@@ -75,9 +76,7 @@ LAUNCHERS: dict[str, ClusterLauncher] = {
 
 def register(name: str, module: ModuleType) -> ClusterLauncher:
     """Add a launcher that lives outside this folder (a site's own scheduler): checked as the built-in ones are."""
-    launcher = ClusterLauncher.from_module(name, module)
-    LAUNCHERS[name] = launcher
-    return launcher
+    return pack_registry.register(LAUNCHERS, ClusterLauncher, name, module)
 
 
 def load(name: str) -> ClusterLauncher:

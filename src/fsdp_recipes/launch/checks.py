@@ -99,7 +99,7 @@ def check_recipe(recipe: Recipe) -> RunConfig:
                                          world_size=job_processes(acc))
     warn(recipe, value_checks.schedule_warnings(cfg.training))
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
-    speed.check_launch(cfg, acc, named)  # a 4-bit base FSDP can shard, float8's GPUs (nvidia-smi)
+    speed.check_launch(cfg, acc, named)  # their accelerate rules, their GPUs (nvidia-smi)
     wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
                              wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model)
     if wrap and wrap[1]:  # which layers FSDP wraps, and why those

@@ -10,9 +10,8 @@ checks, `accelerate launch`, SFTTrainer and saving as the real job, with these s
   for fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
   save_pretrained and loaded back through from_pretrained;
 - the data: the local synthetic chat dataset, or for a DPO recipe the synthetic preference pairs (tiny_assets);
-- the speed options this machine cannot run (speed/, each option's `smoke`): flash-attn becomes sdpa unless there
-  are GPUs and the flash_attn package, Liger is off without them; `float8: true` is kept where torchao is installed
-  (on CPU its float8 matmuls run, slowly) and turned off where it is not;
+- the speed options this machine cannot run, each option's `smoke` (speed/): flash-attn becomes sdpa, a kernel
+  package that is not installed is turned off, each with its line;
 - the accelerate YAML: the recipe's own, with the processes scaled to 2 on one machine (an HSDP recipe
   keeps 2 replicas of 2 shards, 4 processes, so that both dimensions exist); where torch sees GPUs, one process per
   GPU (at most the recipe's count; HSDP from 4 GPUs, plain FSDP below) and no --use_cpu: the CUDA/NCCL path.
@@ -188,7 +187,7 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
             say(f"{field}: {recipe.field(field)} -> {value}")
     if recipe.field("smollm2_assets") or recipe.field("addition_preferences"):  # the tiny model answers no additions
         smoke_args += ["--smollm2_assets", "false", "--addition_preferences", "false"]
-    options, notes = speed.smoke(recipe.field, gpus)  # what this machine cannot run: flash-attn, float8 without torchao, ...
+    options, notes = speed.smoke(recipe.field, gpus)  # what this machine cannot run (speed/)
     smoke_args += options
     for note in notes:
         say(note)

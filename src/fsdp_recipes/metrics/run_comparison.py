@@ -131,7 +131,7 @@ def _setting_value(value) -> str:
 
 def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
     """(section.field, one value per run) for every setting in run_args.json that is not the same in all runs: what
-    was changed between them (`float8`, `learning_rate`, a library version, an accelerate setting, ...).
+    was changed between them (a speed option, `learning_rate`, a library version, an accelerate setting, ...).
     Gap it fills: the metrics say how runs differ in speed and loss; this says what differed in how they ran."""
     flat = []
     for r in runs:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 from fsdp_recipes.config.option_registry import OPTIONS as REGISTERED
+from fsdp_recipes import registry
 from fsdp_recipes.registry import members_of
 
 
@@ -94,12 +95,25 @@ OPTIONS: dict[str, SpeedOption] = {
 def register(name: str, module: ModuleType) -> SpeedOption:
     """An option whose module lives outside this folder (a site's own kernel), checked as the pack's own are; its
     own settings, if any, need their dataclass in config/option_registry.py's OPTIONS too."""
-    OPTIONS[name] = SpeedOption.from_module(name, module)
-    return OPTIONS[name]
+    return registry.register(OPTIONS, SpeedOption, name, module)
 
 
 def names() -> tuple[str, ...]:
     return tuple(OPTIONS)
+
+
+def each(hook: str, *args) -> None:
+    """Every option's `hook`, in the registry's order (a check raises its one line)."""
+    for option in OPTIONS.values():
+        getattr(option, hook)(*args)
+
+
+def merged(hook: str, *args) -> dict:
+    """Every option's `hook` returns fields; all of them, a later option's winning."""
+    fields = {}
+    for option in OPTIONS.values():
+        fields.update(getattr(option, hook)(*args))
+    return fields
 
 
 def active(cfg) -> list[SpeedOption]:
@@ -116,18 +130,15 @@ def check_config(cfg, installed: bool = True) -> None:
 
 
 def check_accelerate(acc: dict, path) -> None:
-    for option in OPTIONS.values():
-        option.check_accelerate(acc, path)
+    each("check_accelerate", acc, path)
 
 
 def check_launch(cfg, acc: dict, path) -> None:
-    for option in OPTIONS.values():
-        option.check_launch(cfg, acc, path)
+    each("check_launch", cfg, acc, path)
 
 
 def check_model(model, acc: dict, path) -> None:
-    for option in OPTIONS.values():
-        option.check_model(model, acc, path)
+    each("check_model", model, acc, path)
 
 
 def smoke(field, gpus: int) -> tuple[list[str], list[str]]:
@@ -143,15 +154,11 @@ def smoke(field, gpus: int) -> tuple[list[str], list[str]]:
 
 
 def settle(cfg) -> None:
-    for option in OPTIONS.values():
-        option.settle(cfg)
+    each("settle", cfg)
 
 
 def model_init_kwargs(cfg) -> dict:
-    kwargs = {}
-    for option in OPTIONS.values():
-        kwargs.update(option.model_init_kwargs(cfg))
-    return kwargs
+    return merged("model_init_kwargs", cfg)
 
 
 def load_model(path: str, init_kwargs: dict):
@@ -174,17 +181,11 @@ def prepare_trainer(trainer, cfg) -> dict:
 
 
 def planner_setup(model_args, training) -> dict:
-    fields = {}
-    for option in OPTIONS.values():
-        fields.update(option.planner_setup(model_args, training))
-    return fields
+    return merged("planner_setup", model_args, training)
 
 
 def planner_shape(model, model_args) -> dict:
-    fields = {}
-    for option in OPTIONS.values():
-        fields.update(option.planner_shape(model, model_args))
-    return fields
+    return merged("planner_shape", model, model_args)
 
 
 def resume_settings() -> tuple[str, ...]:

@@ -156,7 +156,7 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
     training, pack = cfg.training, cfg.pack
     # one line per log instead of bars and dictionaries; a sampling kind's loss is no falling objective
     console.replace_progress_output(trainer, pack.divergence_factor if getattr(report, "loss_falls", True) else 0.0)
-    # before train() hands the model to accelerate, which wraps it with FSDP (float8 converts its linear layers)
+    # before train() hands the model to accelerate, which wraps it with FSDP (an option may convert its layers)
     report.resolved_args["speed_options"] = speed.prepare_trainer(trainer, cfg)
     if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))

@@ -31,6 +31,7 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
+from fsdp_recipes import registry
 from fsdp_recipes.registry import members_of
 
 NAMES = ("held_out_loss", "exact_match", "four_bit", "preference")
@@ -74,9 +75,7 @@ METRICS: dict[str, EvalMetric] = {
 
 def register(name: str, module: ModuleType) -> EvalMetric:
     """A metric added after the pack's own (a test's, a user's): checked as they are, scored and printed after them."""
-    metric = EvalMetric.from_module(name, module)
-    METRICS[name] = metric
-    return metric
+    return registry.register(METRICS, EvalMetric, name, module)
 
 
 def applying(data) -> list[EvalMetric]:
