@@ -237,11 +237,14 @@ def test_the_tie_check_on_the_recipes_model_configs(recipe, modules, refused):
 # ---- issue 61: every way a recipe trains the head or the input embedding of a tied model, prepared as the recipes'
 # FSDP2 YAMLs prepare it (fsdp_cpu_ram_efficient_loading: true), and merged
 
-# the recipe's lora_target_modules / lora_modules_to_save, as TRL's get_peft_config passes them to LoraConfig
+# The ways that train (the recipe's lora_target_modules, lora_target_parameters, lora_modules_to_save, as TRL's
+# get_peft_config passes them to LoraConfig). A LoRA on the head (lm_head as a target, or its weight as a target
+# parameter) is refused before launch (test_a_lora_on_the_lm_head_is_refused_with_the_way_that_works): TRL never
+# trains it; the embedding's copy (embed_tokens to save) is refused above (issue 44); PEFT's trainable_token_indices
+# is no recipe setting (tests/test_bad_input.py).
 TIED_OPTIONS = {
-    "lm_head-lora": dict(target_modules=["q_proj", "v_proj", "lm_head"]),
     "embed_tokens-lora": dict(target_modules=["q_proj", "v_proj", "embed_tokens"]),
-    "both-lora": dict(target_modules=["q_proj", "v_proj", "embed_tokens", "lm_head"]),
+    "embed_tokens-parameter": dict(target_modules=["q_proj", "v_proj"], target_parameters=["embed_tokens.weight"]),
     "lm_head-saved": dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
     "lm_head-saved+embed_tokens-lora": dict(target_modules=["q_proj", "v_proj", "embed_tokens"],
                                             modules_to_save=["lm_head"]),
@@ -272,7 +275,8 @@ def prepare_ram_efficiently(model):
 @pytest.mark.parametrize("option", list(TIED_OPTIONS))
 def test_each_tied_head_option_prepares_under_ram_efficient_fsdp2_and_trains_only_its_adapter(option, world_of_one):
     """Before the fix (peft_fsdp.py workaround 4), every option that wraps the head failed in accelerate's
-    `tie_weights()` with KeyError "attribute 'weight' already exists", on every rank before the first step."""
+    `tie_weights()` with KeyError "attribute 'weight' already exists", on every rank before the first step (the
+    default with lm_head to save, launched on 2 processes: issue 61)."""
     from fsdp_recipes.patches.peft_fsdp import prepare_wrapped_embeddings_for_fsdp2, unwrapped
 
     model = tied_with(option)
@@ -300,9 +304,9 @@ def logits_of(model, ids):
 
 @pytest.mark.parametrize("option", [*TIED_OPTIONS, "projections only"])
 def test_each_tied_head_option_merges_into_the_model_it_trained(option, tmp_path):
-    """save_merged (the pack's merged/) against base + adapter: before the fix a LoRA on the head or the embedding was
-    merged into the one tensor both share, so the other changed too (logits up to 10 and 83 apart). Merged untied
-    where the adapter changes either; a LoRA on the projections only keeps the merged model tied."""
+    """save_merged (the pack's merged/) against base + adapter: before the fix a LoRA on the embedding was merged
+    into the one tensor the head shares, so the head changed too (logits 66 apart). Merged untied where the adapter
+    changes either; a LoRA on the projections only keeps the merged model tied."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from tokenizers import Tokenizer, models
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -329,3 +333,30 @@ def test_each_tied_head_option_merges_into_the_model_it_trained(option, tmp_path
     untied = option != "projections only"
     assert merged.config.tie_word_embeddings is not untied
     assert (merged.lm_head.weight is merged.model.embed_tokens.weight) is not untied
+
+
+@pytest.mark.parametrize("recipe", ["smollm2-135m-lora", "llama-3.1-8b-lora"], ids=["tied", "untied"])
+@pytest.mark.parametrize("targets, parameters, setting", [
+    (["q_proj", "lm_head"], None, "lora_target_modules ['q_proj', 'lm_head']"),
+    (r".*(q_proj|lm_head)", None, "lora_target_modules '.*(q_proj|lm_head)'"),
+    (["q_proj"], ["lm_head.weight"], "lora_target_parameters ['lm_head.weight']"),
+], ids=["list", "regex", "parameter"])
+def test_a_lora_on_the_lm_head_is_refused_with_the_way_that_works(recipe, targets, parameters, setting):
+    """TRL 1.16's trainers compute the log-probabilities from lm_head.weight and refuse an adapter on the head in
+    every rank ("Applying a PEFT adapter to `lm_head` is not supported", the default launched with lm_head as a LoRA
+    target, issue 61): one line before launch, tied or not, naming the whole head (which trains) instead."""
+    from conftest import REPO
+    from fsdp_recipes.config import model_check
+    from fsdp_recipes.errors import UserError
+
+    model = model_check.meta_model(model_check.load_config(REPO / "recipes" / recipe / "model_config.json"))
+    with pytest.raises(UserError) as err:
+        model_check.check_lora_on_output_layer(model, targets, parameters)
+    line = str(err.value)
+    assert line.startswith(f"{setting} puts a LoRA adapter on lm_head, the LM head of LlamaForCausalLM: ") and \
+        "\n" not in line
+    assert "Fix: train the whole head instead (lora_modules_to_save: [lm_head]" in line
+    assert ("an untied trained copy" in line) is (recipe == "smollm2-135m-lora")
+    for fine in (("all-linear", None), (["q_proj", "embed_tokens"], None), (["q_proj"], ["embed_tokens.weight"]),
+                 (r".*q_proj", None), (None, None)):
+        model_check.check_lora_on_output_layer(model, *fine)

@@ -241,7 +241,43 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_comm
     if missing:
         raise UserError(f"lora_modules_to_save {missing} match no module of {arch}. Fix: remove them or correct the names.")
     check_tied_modules_to_save(model, model_args.lora_modules_to_save or [])
+    check_lora_on_output_layer(model, targets, getattr(model_args, "lora_target_parameters", None))
     return wrap
+
+
+def check_lora_on_output_layer(model, targets, target_parameters) -> None:
+    """A LoRA adapter on the LM head (`lm_head` in lora_target_modules, or its weight in lora_target_parameters):
+    TRL 1.16's trainers (SFT, DPO, KTO, GRPO, RLOO) compute the log-probabilities from the head's weight directly, so
+    the adapter would never train, and each refuses it in every rank's setup ("Applying a PEFT adapter to `lm_head`
+    is not supported"; measured on the default, issue 61). Named here before any rank starts, with the way that
+    works: the whole head trained (modules_to_save; on a tied model an untied copy, patches/peft_fsdp.py)."""
+    import re
+
+    head = model.get_output_embeddings()
+    named = [name for name, m in model.named_modules() if m is head and name]
+    if not named:
+        return
+    name, leaf = named[0], named[0].rsplit(".", 1)[-1]
+    if isinstance(targets, str):
+        try:
+            hit = targets != "all-linear" and re.fullmatch(targets, name) is not None  # PEFT's own matching
+        except re.error:
+            hit = False
+        setting = f"lora_target_modules {targets!r}"
+    else:
+        hit = any(name == t or name.endswith("." + t) for t in targets or [])
+        setting = f"lora_target_modules {list(targets or [])}"
+    if not hit:
+        weight = f"{name}.weight"
+        hit = any(weight == p or weight.endswith("." + p) for p in target_parameters or [])
+        setting = f"lora_target_parameters {list(target_parameters or [])}"
+    if hit:
+        tied = " (an untied trained copy; the embedding stays as it is)" if \
+            getattr(model.config, "tie_word_embeddings", False) else ""
+        raise UserError(f"{setting} puts a LoRA adapter on {name}, the LM head of {type(model).__name__}: TRL's "
+                        f"trainers compute the log-probabilities from {name}.weight directly, so that adapter would "
+                        f"never train (TRL 1.16 refuses it on every rank). Fix: train the whole head instead "
+                        f"(lora_modules_to_save: [{leaf}]{tied}), or leave {leaf} out of the LoRA targets.")
 
 
 def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
