@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.model_folders import adapter_beside_weights
 
 
 def model_config_source(model_name_or_path: str, recipe: Path | None, revision: str | None = None) -> Path | None:
@@ -379,6 +380,9 @@ def check_local_model(path: str, continues_from: str | None = None) -> None:
     """A local model folder must hold config.json. `continues_from`: the recipe whose output `path` is (a DPO run
     on the SFT run's merged model): then the fix is to run that recipe first."""
     check_not_an_adapter(path)
+    mixed = adapter_beside_weights(Path(os.path.expandvars(os.path.expanduser(path))))
+    if mixed:  # the ranks would train on the full weights with the adapter applied on top, without a word
+        raise UserError(f"model_name_or_path: {mixed}")
     # a hub id is `org/name`: a path with more parts (runs/<recipe>/merged) is the other run's output
     if continues_from and (looks_local(path) or path.count("/") > 1) and not (Path(path) / "config.json").is_file():
         raise UserError(

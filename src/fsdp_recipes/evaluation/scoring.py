@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_recipes import library_logs
+from fsdp_recipes import library_logs, model_folders
 from fsdp_recipes.evaluation import eval_rows, generation, intervals, scores
 from fsdp_recipes.evaluation.answer_loss import held_out_loss, margins
 from fsdp_recipes.evaluation.stages import EvalData, Scores, stages, trained_model_dir
@@ -123,6 +123,10 @@ def learning_check(run_dir: Path, run_args: dict, n: int = eval_rows.EVAL_PROMPT
             for (p, _), e, *outs in zip(refs, data.expected, *(s.get("answers", []) for s in raw))
         ],
     }
+    # a stage's folder with adapter files beside its weights was scored as transformers loads it, adapter on top
+    mixed = [line for _, model in chain if (line := model_folders.adapter_beside_weights(Path(model)))]
+    if mixed:
+        check["mixed_folders"] = mixed
     scored = Scores(data, chain, raw, adapted)
     for metric in scores.applying(data):
         metric.score(check, scored)

@@ -189,6 +189,7 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
     lines.append(f"files       {run_dir}/: {', '.join(files)}")
     if check:
         lines += eval_lines(check) + rows_note(check) + eval_lines(check, on_pairs=True)
+        lines += [f"warning     {line}" for line in check.get("mixed_folders", [])]  # scored adapter on top
         lines += [f"  {shown(ex['prompt'])}: expected {shown(ex['expected'])} | base {shown(ex['base'])} | "
                   f"trained {shown(ex['trained'])}" for ex in check["examples"][:SHOWN_SAMPLES]]
     if skipped:

@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+from fsdp_recipes import model_folders
 from fsdp_recipes.checkpoint.save_check import (
     save_state_dict,
     verified_line,
@@ -78,8 +80,19 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, model_args) -> N
     adapted = PeftModel.from_pretrained(base, adapter_dir)
     untie_adapted_embeddings(adapted)
     merged = adapted.merge_and_unload()
+    # adapter files left in merged/ (an earlier run's, a copy's) would make transformers apply an adapter on top of
+    # the merged weights (model_folders.py): merged/ holds the merged model alone
+    stale = model_folders.adapter_files(Path(out_dir))
+    for name in stale:
+        (Path(out_dir) / name).unlink()
+    if stale:
+        print(f"[train] {out_dir}: removed {', '.join(stale)} found there before the merge (transformers would have "
+              "applied that adapter on top of the merged weights)", flush=True)
     merged.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+    mixed = model_folders.adapter_beside_weights(Path(out_dir))
+    if mixed:  # nothing the merge writes is an adapter file: a library that starts writing one is caught here
+        raise RuntimeError(f"the merged model's folder is not a plain model: {mixed}")
 
 
 def untie_adapted_embeddings(adapted) -> bool:
