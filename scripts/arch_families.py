@@ -109,6 +109,11 @@ FAMILIES = (
 )
 
 
+def tied(family: Family) -> bool:
+    """Whether the family's table entry ties the LM head to the input embedding (the matrix's `head` method)."""
+    return bool(family.quirks.get("tie_word_embeddings"))
+
+
 def by_name(names: list[str] | None = None) -> list[Family]:
     """The families named (all by default), in the table's order; an unknown name is one line listing the known."""
     if not names:
