@@ -217,9 +217,11 @@ def test_a_trained_copy_of_the_tied_input_embedding_is_what_fsdp2_refuses(world_
                                             "LlamaForCausalLM, whose LM head lm_head is tied to it"),
     ("smollm2-135m-lora", ["lm_head", "embed_tokens"], "Fix: train the head instead (lora_modules_to_save: "
                                                        "['lm_head']"),
-    ("smollm2-135m-lora", ["lm_head"], None),  # works: patches/peft_fsdp.py workaround 2
+    ("smollm2-135m-lora", ["embed_tokens"], "or a LoRA on the embedding (embed_tokens in lora_target_modules: the "
+                                            "head keeps the base weights)"),  # issue 61: that trains and merges
+    ("smollm2-135m-lora", ["lm_head"], None),  # works: patches/peft_fsdp.py workarounds 2 and 4
     ("llama-3.1-8b-lora", ["embed_tokens"], None),  # untied: the embedding's copy is its own
-], ids=["tied-embedding", "tied-both", "tied-head", "untied-embedding"])
+], ids=["tied-embedding", "tied-both", "tied-embedding-lora-way", "tied-head", "untied-embedding"])
 def test_the_tie_check_on_the_recipes_model_configs(recipe, modules, refused):
     from conftest import REPO
     from fsdp_recipes.config import model_check

@@ -302,7 +302,8 @@ def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
                         f"LM head {head_name} is tied to it (tie_word_embeddings): PEFT would train a copy of the "
                         "embedding the head no longer shares, and FSDP cannot shard the tied weight in two groups. "
                         f"Fix: train the head instead ({way}: an untied trained copy of the head, the embedding "
-                        "kept), or leave the embedding out, or train a model without tied embeddings.")
+                        f"kept), or a LoRA on the embedding ({hit[0]} in lora_target_modules: the head keeps the "
+                        "base weights), or leave the embedding out, or train a model without tied embeddings.")
 
 
 def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, model_args,
