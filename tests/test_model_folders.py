@@ -233,9 +233,11 @@ def test_make_gguf_of_a_4bit_folder_says_it_is_4bit_and_where_the_dequantised_mo
 
 
 def test_quantization_in_words(tmp_path):
+    from fsdp_recipes.speed import four_bit
+
     for quant, words in [({"quant_method": "bitsandbytes", "load_in_8bit": True}, "in 8 bits (bitsandbytes)"),
                          ({"quant_method": "gptq", "bits": 4}, "in 4 bits (gptq)"),
                          ({"quant_method": "fp8"}, "quantized (fp8)"), (None, None), ({}, None)]:
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": quant}))
-        assert model_folders.quantization(tmp_path) == words
-    assert model_folders.quantization(tmp_path / "absent") is None
+        assert four_bit.saved_quantized(tmp_path) == words
+    assert four_bit.saved_quantized(tmp_path / "absent") is None

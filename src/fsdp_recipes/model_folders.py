@@ -1,5 +1,6 @@
-"""What a model folder holds, read from its files as transformers will read them: full weights, a PEFT adapter, both,
-or weights saved quantized. Pure file reads (no torch), for every phase that writes or reads a model folder.
+"""What a model folder holds, read from its files as transformers will read them: full weights, a PEFT adapter, or
+both. Pure file reads (no torch), for every phase that writes or reads a model folder. (Weights saved quantized are
+the 4-bit option's to name: speed/four_bit.py `saved_quantized`.)
 
 Both at once is a trap: transformers' `from_pretrained(folder)` with peft installed loads the full weights and then
 the adapter on top of them (`integrations/peft.py` maybe_load_adapters: a folder with config.json keeps its own
@@ -9,7 +10,6 @@ base + 2 x the update, with no word, while llama.cpp and vLLM read the full weig
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
@@ -44,21 +44,3 @@ def adapter_beside_weights(folder: Path) -> str | None:
             f"from {folder}; if they are the base model, load the adapter with PEFT instead "
             f"(PeftModel.from_pretrained), or keep the adapter in a folder of its own.")
 
-
-def quantization(folder: Path) -> str | None:
-    """How `folder`'s weights are stored quantized (config.json's quantization_config, as transformers saves a
-    bitsandbytes, GPTQ, AWQ ... model), in words: 'in 4 bits (bitsandbytes nf4)'; None for plain weights."""
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    quant = config.get("quantization_config") if isinstance(config, dict) else None
-    if not isinstance(quant, dict) or not quant:
-        return None
-    method = str(quant.get("quant_method", "unknown method"))
-    if quant.get("load_in_4bit") or quant.get("_load_in_4bit"):
-        return f"in 4 bits ({method} {quant.get('bnb_4bit_quant_type', 'fp4')})"
-    if quant.get("load_in_8bit") or quant.get("_load_in_8bit"):
-        return f"in 8 bits ({method})"
-    bits = quant.get("bits") or quant.get("w_bit")
-    return f"in {bits} bits ({method})" if bits else f"quantized ({method})"

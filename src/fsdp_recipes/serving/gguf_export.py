@@ -30,6 +30,7 @@ from pathlib import Path
 from fsdp_recipes import model_folders
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.serving import modelfile
+from fsdp_recipes.speed import four_bit
 
 TYPES = ("f16", "bf16", "q8_0", "f32")
 # transformers architecture -> (gguf architecture name, q/k rows need Meta's interleaved rotary order)
@@ -86,7 +87,7 @@ def refuse_quantized(run: Path, folder: Path) -> None:
     """A folder saved quantized (config.json's quantization_config: a bitsandbytes 4-bit model as transformers saves
     it, GPTQ, AWQ) holds packed weights and their scales (`weight.absmax`, `weight.quant_map`, ...), which have no
     GGUF name: one line saying so and where the dequantised model is, instead of "tensor ... has no GGUF name"."""
-    how = model_folders.quantization(folder)
+    how = four_bit.saved_quantized(folder)
     if how is None:
         return
     if (run / "run_args.json").is_file():  # a run of the pack's: its merge is the dequantised model
