@@ -70,6 +70,8 @@ def test_report_files_are_consistent(run_dir):
     assert m["flops_per_token"] > 0 and m["peak_memory"]["host_rss_bytes"] > 0
     assert a["launcher"]["world_size"] == 2 and a["recipe"] == "tiny-cpu-lora"
     assert a["sft_config"]["max_steps"] == STEPS  # the command-line override reached the trainer
+    # through the launcher's reading of the recipe (config/handoff.py), not a parse of the YAML in each rank
+    assert a["command"][1] == "--recipe_settings" and a["recipe_settings"]["max_steps"] == STEPS
     assert a["lora_config"]["r"] == 32 and a["accelerate_env"]["FSDP_VERSION"] == "2"
     assert all(a["versions"][p] for p in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"))
 

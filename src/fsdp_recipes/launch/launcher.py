@@ -36,7 +36,7 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes import library_logs, speed
-from fsdp_recipes.config import hardware, placement, recipes
+from fsdp_recipes.config import handoff, hardware, placement, recipes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
@@ -46,7 +46,7 @@ from fsdp_recipes.launch.ending import how_it_ended, summarise
 from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
 from fsdp_recipes.launch.output_dir import claim_output_dir, lock_output_dir
-from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command
+from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command, settings_file
 
 
 @cli
@@ -77,6 +77,7 @@ def launch(argv: list[str], held: ExitStack) -> int:
     cfg, code = check_while_ranks_import(recipe, held, ranks, torchrun_logs, build_smoke_model, locked)
     if code is not None:
         return code
+    handoff.write(cfg.settings, settings_file(torchrun_logs))
     output_dir = cfg.training.output_dir
     log_dir = Path(output_dir) / "logs"
     ranks = release_ranks(recipe, cmd, torchrun_logs, ranks, f"checks passed in {time.time() - t0:.1f}s; ", log_dir)
