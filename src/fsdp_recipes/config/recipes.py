@@ -108,7 +108,7 @@ class Recipe:
         return override(self.overrides, key, self.raw.get(key, default))
 
     def argv(self) -> list[str]:
-        """What the ranks parse: the trainer YAML and the overrides."""
+        """The recipe as a parse reads it (config/run_config.py): the trainer YAML and the overrides."""
         return ["--config", str(self.config_path), *self.overrides]
 
 
