@@ -21,10 +21,12 @@ from fsdp_recipes.train import kinds, run_checks
 
 
 def check_launch(recipe: Recipe) -> None:
-    """What can be checked without importing torch: the pack's FSDP rules (read with the YAML), the GPU count
+    """What can be checked without importing torch: the pack's FSDP rules (read with the YAML) and the speed
+    options', the GPU count
     (torch counts them here only when nvidia-smi / CUDA_VISIBLE_DEVICES show too few; else check_recipe does),
     the topology."""
     acc = recipe.accelerate
+    speed.check_accelerate(acc, recipe.folder / "accelerate.yaml")  # the options' rules of the YAML the user edits
     machines = job_machines(acc)
     # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
     # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
@@ -38,20 +40,6 @@ def check_launch(recipe: Recipe) -> None:
 def in_pack_cache(path: str) -> bool:
     """Whether `path` lies in the pack's cache, where the checks build the tiny and SmolLM2 assets it names."""
     return Path(path).absolute().is_relative_to(cache_dir().absolute())
-
-
-def check_keys_early(recipe: Recipe) -> None:
-    """A mistyped key or flag, a word where a number goes and a value out of its range (config/value_checks.py) are
-    one line before the config classes' imports, where an earlier launch remembered the kind's fields
-    (config/yaml_keys.py); otherwise the checks name them, the ranks started."""
-    values = yaml_keys.remembered_values(recipe.trainer, recipe.raw, recipe.config_path, recipe.overrides,
-                                         cache_dir())
-    if values is None:
-        return
-    try:
-        value_checks.check_training_values(values, str(getattr(values, "eval_strategy", "no")) != "no")
-    except (TypeError, AttributeError):  # a field that is no plain value here (a kind without it): the parser's turn
-        pass
 
 
 def check_data_found(recipe: Recipe) -> None:
