@@ -98,6 +98,7 @@ class Recipe:
     accelerate: dict  # that YAML as written
     overrides: list[str]  # command-line fields, the user's last (they win)
     launch_options: list[str] = dataclasses.field(default_factory=list)  # `accelerate launch` options given there
+    accelerate_written: dict = dataclasses.field(default_factory=dict)  # recipes/<name>/accelerate.yaml as written
     cfg: RunConfig | None = None  # the resolved configuration, once the launcher's checks parsed it
     warnings: list[str] = dataclasses.field(default_factory=list)  # what the checks printed as warnings
 
@@ -123,10 +124,11 @@ def load(name_or_path: str | Path, overrides: list[str] = (), check_keys: bool =
     raw = load_yaml(path, "recipe config")
     kind = trainer_kind(raw, path, overrides)
     acc_path = folder / ACCELERATE_FILE
-    overrides, acc, options = take_wrap_override(list(overrides), read_accelerate_config(acc_path), acc_path)
+    written = read_accelerate_config(acc_path)
+    overrides, acc, options = take_wrap_override(list(overrides), written, acc_path)
     if check_keys:
         check_keys_early(kind, raw, path, overrides)
-    return Recipe(folder, kind, path, raw, acc_path, acc, overrides, options)
+    return Recipe(folder, kind, path, raw, acc_path, acc, overrides, options, accelerate_written=written)
 
 
 def check_keys_early(kind: str, raw: dict, path: Path, overrides: list[str]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes import speed
-from fsdp_recipes.config import accelerate_yaml, hardware, model_check, value_checks, yaml_keys
+from fsdp_recipes.config import accelerate_yaml, hardware, model_check, value_checks
 from fsdp_recipes.config.job import job_machines, job_processes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
@@ -80,7 +80,7 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     checkpoint to resume. Sets recipe.cfg."""
     acc = recipe.accelerate
     named = recipe.folder / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
-    accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
+    accelerate_yaml.check_accelerate_keys(named, recipe.accelerate_written)
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
         cfg = run_checks.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw,
