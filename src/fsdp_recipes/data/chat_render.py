@@ -48,6 +48,8 @@ def what_to_fix(turns: list[dict]) -> str:
     late = next((i for i, r in enumerate(roles) if r == "system" and i > 0), None)
     if late is not None:
         return f"move its system turn ({late + 1}) to the start (or fold it into the next user turn)"
+    if roles and roles[0] == "system":
+        return "fold its system turn into the first user turn (the template takes none)"
     if roles and roles[-1] != "assistant":
         return "end it on the assistant's turn (drop the last turn)"
     if roles and roles[0] == "assistant":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from fsdp_recipes.data.rows import row_at
+from fsdp_recipes.data.rows import row_at, written_rows
 from fsdp_recipes.data.spec import ROLES
 from fsdp_recipes.errors import UserError
 
@@ -96,14 +96,15 @@ def check_text_rows(ds, where: str, split: str) -> None:
     cols = [c for c in ("prompt", "completion") if c in ds.column_names]
     if len(cols) < 2:
         return
-    for i, row in enumerate(ds.select_columns(cols)):
+    # as the file holds them: datasets reads a column of numbers and text as JSON values, where "2" comes back 2
+    for i, row in enumerate(written_rows(ds.select_columns(cols), where, split)):
         for c in cols:
-            if is_number(row[c]):
+            if is_number(row.get(c)):
                 raise UserError(f"{row_at(where, split, i)}: `{c}` is the number {row[c]!r}, not text. Fix: "
                                 f"{quoted(c, row[c])}.")
-            if not isinstance(row[c], str):
-                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not text as in the other "
-                                f"rows. Fix: give the row its {c}, or remove the row.")
+            if not isinstance(row.get(c), str):
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row.get(c))}, not text as in the "
+                                f"other rows. Fix: give the row its {c}, or remove the row.")
 
 
 def check_chat_template(tokenizer, model: str, where: str) -> None:

@@ -22,7 +22,8 @@ def template_kwargs(row: dict, template: str | None) -> dict:
     """What TRL's tokenize_fn passes apply_chat_template for a row: its tools (a JSON string is read, as TRL reads
     it), its chat_template_kwargs, and the template the trainer renders with."""
     tools = row.get("tools")
-    kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools, **(row.get("chat_template_kwargs") or {})}
+    kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools,
+              **(row.get("chat_template_kwargs") or {})}
     if template is not None:
         kwargs["chat_template"] = template
     return kwargs
@@ -35,8 +36,8 @@ def apply_template(tokenizer, turns: list, **kwargs):
     try:
         return tokenizer.apply_chat_template(turns, **kwargs)
     except (TemplateError, TypeError) as err:
-        raise TemplateRefused(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}") \
-            from err
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise TemplateRefused(f"{type(err).__name__}: {first}") from err
 
 
 @dataclass(frozen=True)
