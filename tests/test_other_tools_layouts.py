@@ -11,6 +11,7 @@ from conftest import REPO
 from test_bad_input import assert_one_line_error
 from test_data_lengths import preview
 from trl import DatasetMixtureConfig, ScriptArguments
+from trl.scripts.utils import DatasetConfig
 
 from fsdp_recipes.config.run_config import PackArguments
 from fsdp_recipes.data import formats, lengths, loading
@@ -275,6 +276,9 @@ def test_csv_cells_are_read_as_the_text_they_are(tmp_path):
                             {"prompt": "Half of 13?", "completion": "6.50", "label": True}]
     train, _ = checked(path, "prompt_completion")
     assert train["completion"] == ["2", "007", "6.50"]
+    mixture = DatasetMixtureConfig(datasets=[DatasetConfig(path="csv", data_files=str(path))])  # a source too
+    train, _ = loading.load_sft_datasets(ScriptArguments(dataset_name=None), mixture, False, pack=PackArguments())
+    assert train["completion"] == ["2", "007", "6.50"]
     path.write_text('prompt,completion\nWhat is 1 + 1?,2\n"What is\n3 + 4?",\n')  # the second row's answer empty
     line = refusal(path)
     assert line.startswith(f"{path}:3: `completion` is missing"), line  # its line: the quoted cell spans two
@@ -289,6 +293,13 @@ def test_a_json_number_where_text_goes_is_one_line_whose_fix_works(tmp_path):
     write_jsonl(path, [{"prompt": "What is 1 + 1?", "completion": "2"}, {"prompt": "What is 2 + 2?",
                                                                          "completion": "4"}])
     assert checked(path)[0]["completion"] == ["2", "4"]
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "What is 2 + 2?", "chosen": "4", "rejected": 5}])
+    train, _ = loading.load_splits(ScriptArguments(dataset_name=str(pairs)), DatasetMixtureConfig(), False,
+                                   lambda ds, where: None, PackArguments())  # loaded as DPO loads them
+    with pytest.raises(UserError) as err:
+        formats.check_rows(train, str(pairs), "train")
+    assert str(err.value) == (f"{pairs}:1: `rejected` is the number 5, not text. Fix: write it as text in the file, "
+                              "\"rejected\": \"5\".")
     alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "What is 2 + 2?", "output": 4}])
     assert refusal(alpaca) == (f"{alpaca}:1: Alpaca's `output` is the number 4, not text. Fix: write it as text in "
                                "the file, \"output\": \"4\".")

@@ -139,8 +139,11 @@ def load_mixture(mixture, declared: str | None, text_field: str, seed: int):
         for f in local:
             check_file_bytes(f)
         where = str(local[0]) if len(local) == 1 else source.path
+        text = csv_as_text(local) if local and len(local) == len([files] if isinstance(files, str) else files) \
+            else {}
         ds = datasets.load_dataset(path=source.path, name=source.name, data_dir=source.data_dir,
-                                   data_files=source.data_files, split=source.split)
+                                   data_files=source.data_files, split=source.split, **text)
+        ds = csv_booleans(ds) if text else ds
         if source.columns is not None:
             ds = ds.select_columns(source.columns)
         at = (lambda i, f=local[0]: rows.place_of(f, i)) if len(local) == 1 else None
