@@ -14,7 +14,7 @@ from trl import DatasetMixtureConfig, ScriptArguments
 from trl.scripts.utils import DatasetConfig
 
 from fsdp_recipes.config.run_config import PackArguments
-from fsdp_recipes.data import formats, lengths, loading
+from fsdp_recipes.data import formats, lengths, loading, recipe_tokenizer
 from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError
 
@@ -236,8 +236,8 @@ def test_a_conversation_that_ends_on_a_user_turn_is_a_warning_with_its_line(tmp_
     path = write_jsonl(tmp_path / "chat.jsonl", [turns("user", "assistant"), turns("user", "assistant", "user")])
     _, warned = checked(path)
     assert warned == [f"1 of 2 rows of the `train` split end on a user turn that nothing answers (first: {path}:2): "
-                      "unless assistant_only_loss, the model learns to write it. Fix: drop the last turn of those rows, "
-                      "or assistant_only_loss: true"]
+                      "unless assistant_only_loss, the model learns to write it. Fix: drop the last turn of those "
+                      "rows, or assistant_only_loss: true"]
 
 
 # ------------------------------------------------------------------------------------------------ files and types
@@ -303,3 +303,34 @@ def test_a_json_number_where_text_goes_is_one_line_whose_fix_works(tmp_path):
     alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "What is 2 + 2?", "output": 4}])
     assert refusal(alpaca) == (f"{alpaca}:1: Alpaca's `output` is the number 4, not text. Fix: write it as text in "
                                "the file, \"output\": \"4\".")
+
+
+def test_trls_sft_trainer_takes_the_converted_tool_rows_as_the_lengths_measure_them(tmp_path, cache_dir):
+    """The rows LLaMA-Factory's and OpenAI's tool files become are what TRL's SFTTrainer prepares (its own
+    _prepare_dataset, called without a model), token for token as the launcher's lengths measure them."""
+    import types
+
+    from trl import SFTConfig, SFTTrainer
+
+    lf = {"conversations": [{"from": "human", "value": "Weather in Paris?"},
+                            {"from": "function_call",
+                             "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+                            {"from": "observation", "value": "18C"}, {"from": "gpt", "value": "18C in Paris."}],
+          "system": "You call tools.", "tools": json.dumps([WEATHER])}
+    template = tmp_path / "tools.jinja"
+    template.write_text("{% for m in messages %}{{ m.role }}: {{ m.content }}{% for c in m.tool_calls or [] %}"
+                        "call {{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}\n{% endfor %}"
+                        "{% if tools %}tools: {{ tools | tojson }}{% endif %}{{ eos_token }}")
+    tok = tiny_tokenizer()
+    args = SFTConfig(output_dir=str(tmp_path / "out"), max_length=None, use_cpu=True, report_to="none",
+                     chat_template_path=str(template))
+    chat_template = recipe_tokenizer.chat_template(tok, args)
+    for name, rows in (("lf.jsonl", [lf, lf]), ("oa.jsonl", [openai_tool_row()] * 2)):
+        ds = load(write_jsonl(tmp_path / name, rows))
+        trainer = types.SimpleNamespace(_tokenizer=tok, chat_template=chat_template, _is_vlm=False,
+                                        completion_only_loss=False)
+        prepared = SFTTrainer._prepare_dataset(trainer, ds, tok, args, False, None, "train")
+        text = tok.decode(prepared["input_ids"][0])
+        assert 'call get_weather{"city": "Paris"}' in text and '"name": "get_weather"' in text, text
+        m = lengths.measure(ds, tok, "train", Truncation(None), chat_template, where=str(tmp_path / name))
+        assert m.whole == [len(ids) for ids in prepared["input_ids"]]
