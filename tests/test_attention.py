@@ -54,7 +54,8 @@ def packed_batch(rows, cu_seq_lens: bool = True) -> dict:
 def packed_row_losses(model, rows, cu_seq_lens: bool = True) -> torch.Tensor:
     """Each row's mean next-token loss, read from one forward over the packed batch."""
     batch = packed_batch(rows, cu_seq_lens)
-    logits, ids = model(**batch).logits[0], batch["input_ids"][0]
+    # use_cache=False as TRL's SFTTrainer.compute_loss passes: with a cache transformers looks for no packed rows
+    logits, ids = model(**batch, use_cache=False).logits[0], batch["input_ids"][0]
     bounds = [0, *torch.tensor(ROWS).cumsum(0).tolist()]
     return torch.stack([torch.nn.functional.cross_entropy(logits[s:e - 1], ids[s + 1:e])
                         for s, e in zip(bounds[:-1], bounds[1:])])
@@ -62,7 +63,8 @@ def packed_row_losses(model, rows, cu_seq_lens: bool = True) -> torch.Tensor:
 
 def reference_row_losses(model, rows) -> torch.Tensor:
     """The reference: each row alone, unpacked, no padding."""
-    return torch.stack([model(input_ids=torch.tensor([r]), labels=torch.tensor([r])).loss for r in rows])
+    return torch.stack([model(input_ids=torch.tensor([r]), labels=torch.tensor([r]), use_cache=False).loss
+                        for r in rows])
 
 
 @pytest.fixture
