@@ -194,8 +194,8 @@ def test_the_launch_line_says_what_auto_picks(cache_dir):
                       "--attn_implementation", "auto"])
     lines = []
     attention.check_launch(cfg, {}, "accelerate.yaml", say=lines.append)
-    assert lines == ["attention: auto -> sdpa (no CUDA device: torch's SDPA on CPU (packed rows: transformers' "
-                     "block-diagonal mask))"]
+    assert lines == ["attention: auto -> sdpa (no CUDA device: torch's SDPA on CPU; packed rows get transformers' "
+                     "block-diagonal mask)"]
 
 
 def test_an_unknown_implementation_is_one_line(cache_dir):
@@ -206,3 +206,16 @@ def test_an_unknown_implementation_is_one_line(cache_dir):
     with pytest.raises(UserError, match=r"attn_implementation 'flash_attn_2' is not an attention implementation\. "
                                         r"Fix: one of eager, sdpa, flex_attention, paged\|eager, auto, packed_varlen"):
         speed.check_config(cfg)
+
+
+def test_the_gpu_check_of_the_kernel_runs_its_plumbing_on_cpu(tmp_path, capsys):
+    """bench/varlen_check.py, the GPU plan's check of the CUDA kernel: on CPU it compares the reference with itself
+    and times the two SDPA paths, so what runs on the GPU machine is this code with the kernel added."""
+    import json
+
+    from bench import varlen_check
+
+    assert varlen_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    record = json.loads(next(tmp_path.glob("varlen-check-cpu-*.json")).read_text())
+    assert record["ok"] and set(record["agreement"]) == {"out", "dq", "dk", "dv"}
+    assert set(record["ms_forward_backward"]) == {"sdpa, block-diagonal mask", "sdpa is_causal, 2 full rows"}

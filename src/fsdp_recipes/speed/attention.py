@@ -73,7 +73,7 @@ def choose(cuda: bool, packed: bool, capability: tuple[int, int] | None, has=Non
     has = has or (lambda name: varlen_attention.torch_varlen_available() if name == "torch_varlen"
                   else installed(name))
     if not cuda:
-        return Choice("sdpa", "no CUDA device: torch's SDPA on CPU (packed rows: transformers' block-diagonal mask)")
+        return Choice("sdpa", "no CUDA device: torch's SDPA on CPU; packed rows get transformers' block-diagonal mask")
     if not packed:
         return Choice("sdpa", "full rows: SDPA with is_causal and no mask tensor where a batch has no padding "
                               "(its flash/cuDNN kernels)")
