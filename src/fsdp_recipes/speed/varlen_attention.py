@@ -85,11 +85,7 @@ def packed_bounds(query, key, attention_mask, kwargs: dict):
     if attention_mask is not None or key.shape[2] != t or t < 2:
         return None
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is not None:  # TRL's collator computed them on the CPU: no device sync here
-        if kwargs.get("cu_seq_lens_k") is not None and kwargs["cu_seq_lens_k"] is not cu and \
-                not torch.equal(kwargs["cu_seq_lens_k"], cu):
-            raise ValueError(f"attn_implementation {NAME}: cu_seq_lens_k differs from cu_seq_lens_q (self-attention "
-                             "over packed rows has one set of bounds)")
+    if cu is not None:  # TRL's collator computed them on the CPU (the same for keys: self-attention): no device sync
         longest = kwargs.get("max_length_q")
         return cu, int(longest) if longest is not None else int(cu.diff().max())
     position_ids = kwargs.get("position_ids")
