@@ -99,11 +99,12 @@ RUN_BY = {
         expands="-m fsdp_recipes.cli job --launcher k8s mistral-small-lora --nodes 2 --gpus 8"),
     # What the launcher starts: launcher.py builds exactly this command, and test_end_to_end runs the launcher.
     "accelerate launch --config_file recipes/tiny-cpu-lora/accelerate.yaml -m fsdp_recipes.train.entry "
-    "--config recipes/tiny-cpu-lora/sft.yaml": RunBy(
-        ("src/fsdp_recipes/launch/ranks.py", "tests/test_end_to_end.py", "src/fsdp_recipes/config/recipes.py"),
+    "--recipe_settings /tmp/fsdp-recipes-torchrun-<id>/recipe_settings.json": RunBy(
+        ("src/fsdp_recipes/launch/ranks.py", "tests/test_end_to_end.py", "src/fsdp_recipes/config/handoff.py"),
         ('["--config_file", str(recipe.accelerate_path)',
-         '["-m", "fsdp_recipes.train.entry", *recipe.argv()]',
-         'return ["--config", str(self.config_path), *self.overrides]',
+         '["-m", "fsdp_recipes.train.entry", *handoff.rank_argv(settings_file(torchrun_logs))]',
+         'return torchrun_logs / "recipe_settings.json"',
+         'FLAG = "--recipe_settings"',
          'launch(["tiny-cpu-lora"')),
 }
 

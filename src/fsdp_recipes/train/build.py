@@ -86,6 +86,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
 
     kind = kinds.load(cfg.trainer)
     train_ds, eval_ds = kind.load_datasets(cfg)
+    report.mark("data_loaded")
     # an eval split found under another of its usual names (data/loading.py held_out): run_args.json says which
     if report is not None and "script_args" in report.resolved_args:  # bench/overhead.py reports no settings
         report.resolved_args["script_args"]["dataset_test_split"] = cfg.script.dataset_test_split
