@@ -94,13 +94,25 @@ wheel: $(STAMP) ## build dist/fsdp_recipes-<version>-py3-none-any.whl: what anot
 # A 4-bit recipe (load_in_4bit in its YAML or ARGS) gets $(QLORA_SITE) on its PYTHONPATH; the others never import it.
 WITH_BNB = $(if $(or $(shell grep -ls '^load_in_4bit: true' recipes/$(RECIPE)/*.yaml 2>/dev/null),$(findstring load_in_4bit,$(ARGS))),PYTHONPATH="$(abspath $(QLORA_SITE))$${PYTHONPATH:+:$$PYTHONPATH}")
 
-finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML
-	@$(CLI) recipes check $(RECIPE)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
+# EXIT_CODE_FILE=<path>: make exits 2 for any failure; the launch's own exit code goes to this file (0 completed,
+# 2 a mistake found before training, 1 a failed run, 3 a failed gate, 4 diverged, 75 preempted: run it again,
+# 130 interrupted; docs/training.md#exit-codes). Removed when make starts, so a file from an earlier run is never read;
+# absent afterwards: make stopped before the recipe was looked at (making .venv), or the launcher was killed.
+EXIT_CODE_FILE ?=
+ifneq ($(EXIT_CODE_FILE),)
+$(shell rm -f "$(EXIT_CODE_FILE)")
+endif
+# the launcher writes it (launch/ending.py); a step before it writes its own failure
+WITH_EXIT_CODE = $(if $(EXIT_CODE_FILE),FSDP_RECIPES_EXIT_CODE_FILE="$(abspath $(EXIT_CODE_FILE))")
+OR_EXIT_CODE = $(if $(EXIT_CODE_FILE),|| { rc=$$?; echo $$rc > "$(EXIT_CODE_FILE)"; exit $$rc; })
+
+finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML; EXIT_CODE_FILE=<path>: the exit code
+	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_EXIT_CODE) $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
-	@$(CLI) recipes check $(RECIPE)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
+	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_EXIT_CODE) $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100 [ARGS="--fit --comms --time --max_length 8192 ..."]: will it fit? launches nothing
 	@$(CLI) plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU) $(ARGS)

@@ -73,6 +73,12 @@ RUN_BY = {
                            ('DEFAULT, GPU_RECIPE = "smollm2-135m-lora"', 'run(["./launch.sh", *args]',
                             'launch_copy(project, DEFAULT, ["--max_steps"'),
                            expands="bash recipes/smollm2-135m-lora/launch.sh"),
+    # The launcher's exit code for scripts, through make: test_make runs `make finetune` with EXIT_CODE_FILE for
+    # each code (the launcher ending at once, tests/probes' FAKE_LAUNCH_EXIT).
+    "make finetune EXIT_CODE_FILE=exit_code": RunBy(
+        ("tests/test_make.py",), ('make_target(tmp_path, "finetune", "RECIPE=tiny-cpu-lora", f"EXIT_CODE_FILE={files[code]}"',
+                                  'assert files[code].read_text() == f"{code}\\n"'),
+        expands="FSDP_RECIPES_EXIT_CODE_FILE="),
     # The suite itself, and CI's steps: .ci/run runs these on a clean checkout.
     "make test": RunBy((".ci/run",), ("make test",), expands="-m pytest -v -n 2 --dist loadfile"),
     "make test-fast": RunBy((".ci/run",), ("make test",), expands='-m pytest -q -m "not slow"'),

@@ -98,3 +98,40 @@ def test_serve_check_uses_the_engine_pythons_the_user_names(tmp_path):
     first, second = log.read_text().splitlines()
     assert first.startswith(f"serve-check {run} --engine all --run-only")  # the run's own problems first
     assert second == f"serve-check {run} --engine all | /opt/llama/python | /gpu/vllm/bin/python"
+
+
+# ---- make finetune's exit code for scripts: EXIT_CODE_FILE (docs/training.md#exit-codes)
+
+PROBES = REPO / "tests" / "probes"
+# the launcher's exit codes (errors.py, launch/explain_failure.py) and what a CI script does with each
+ENDINGS = {1: "failed during training", 2: "a mistake, found before training", 3: "a failed gate",
+           4: "diverged", 75: "preempted: requeue", 130: "interrupted"}
+
+
+def make_target(tmp_path, target: str, *args, **env) -> subprocess.Popen:
+    venv = Path(sys.executable).parent.parent
+    clean = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    return subprocess.Popen(["make", "--no-print-directory", "-o", f"{venv}/.installed", target, f"VENV={venv}",
+                             *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**clean, "FSDP_RECIPES_CACHE": str(tmp_path / "cache"), **env})
+
+
+def test_make_finetune_writes_the_launchers_own_exit_code_where_exit_code_file_says(tmp_path):
+    """make exits 2 for every failure; EXIT_CODE_FILE gets the launcher's own code, whatever it is. The launcher
+    ends at once here with each code (tests/probes: FAKE_LAUNCH_EXIT), after make's `recipes check` passed; its
+    in-process recording of each way it ends: tests/test_mistakes.py. An earlier run's file is removed when make
+    starts, and a step before the launcher (an unknown recipe) writes its own failure."""
+    probes = f"{PROBES}:{os.environ.get('PYTHONPATH', '')}"
+    files = {code: tmp_path / f"code-{code}" for code in ENDINGS}
+    for file in files.values():
+        file.write_text("0\n")  # a completed earlier run's: never what a script reads after this one
+    runs = {code: make_target(tmp_path, "finetune", "RECIPE=tiny-cpu-lora", f"EXIT_CODE_FILE={files[code]}",
+                              PYTHONPATH=probes, FAKE_LAUNCH_EXIT=str(code)) for code in ENDINGS}
+    for code, proc in runs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (code, out, err)  # make's contract: non-zero, whatever failed
+        assert f"error: the launch ended with exit code {code}" in err, err
+        assert files[code].read_text() == f"{code}\n", (code, ENDINGS[code], err)
+    unknown = make_target(tmp_path, "finetune", "RECIPE=nope", f"EXIT_CODE_FILE={files[3]}")
+    _, err = unknown.communicate(timeout=120)
+    assert unknown.returncode == 2 and "unknown recipe 'nope'" in err and files[3].read_text() == "2\n", err

@@ -42,13 +42,14 @@ from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import smoke, summary
 from fsdp_recipes.launch.checks import check_data_found, check_launch, check_model_found, check_recipe
-from fsdp_recipes.launch.ending import how_it_ended, summarise
+from fsdp_recipes.launch.ending import how_it_ended, records_exit_code, summarise
 from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
 from fsdp_recipes.launch.output_dir import claim_output_dir, lock_output_dir
 from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command, settings_file
 
 
+@records_exit_code  # $FSDP_RECIPES_EXIT_CODE_FILE: the code a script cannot get from make (launch/ending.py)
 @cli
 def main(argv: list[str] | None = None) -> int:
     library_logs.divert(lambda text: None)  # each rank's log has the same records
