@@ -99,6 +99,9 @@ class Recipe:
     overrides: list[str]  # command-line fields, the user's last (they win)
     launch_options: list[str] = dataclasses.field(default_factory=list)  # `accelerate launch` options given there
     accelerate_written: dict = dataclasses.field(default_factory=dict)  # recipes/<name>/accelerate.yaml as written
+    # the model the command line names instead of the trainer YAML's (None: the recipe's own): a wrap class the
+    # recipe's accelerate YAML names for its own model then gives way to this one's (config/model_check.py)
+    user_model: str | None = None
     cfg: RunConfig | None = None  # the resolved configuration, once the launcher's checks parsed it
     warnings: list[str] = dataclasses.field(default_factory=list)  # what the checks printed as warnings
 
@@ -128,7 +131,15 @@ def load(name_or_path: str | Path, overrides: list[str] = (), check_keys: bool =
     overrides, acc, options = take_wrap_override(list(overrides), written, acc_path)
     if check_keys:
         check_keys_early(kind, raw, path, overrides)
-    return Recipe(folder, kind, path, raw, acc_path, acc, overrides, options, accelerate_written=written)
+    model = override(overrides, "model_name_or_path", None)
+    own = raw.get("model_name_or_path")
+    user_model = model if model is not None and (own is None or _expanded(model) != _expanded(str(own))) else None
+    return Recipe(folder, kind, path, raw, acc_path, acc, overrides, options, accelerate_written=written,
+                  user_model=user_model)
+
+
+def _expanded(path: str) -> str:  # $FSDP_RECIPES_CACHE/... and ~/... as the YAML writes them
+    return os.path.normpath(os.path.expanduser(os.path.expandvars(path)))
 
 
 def check_keys_early(kind: str, raw: dict, path: Path, overrides: list[str]) -> None:

@@ -89,11 +89,16 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
     speed.check_launch(cfg, acc, named)  # their accelerate rules, their GPUs (nvidia-smi)
     wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
-                             wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model)
-    if wrap and wrap[1]:  # which layers FSDP wraps, and why those
-        warn(recipe, [wrap[0]])
+                             wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model,
+                             model_named=recipe.user_model is not None)
+    if wrap and wrap.warning:  # which layers FSDP wraps, and why those
+        warn(recipe, [wrap.line])
     elif wrap:
-        say(wrap[0])
+        say(wrap.line)
+    if wrap and wrap.chosen:  # the model on the command line lacks the recipe's class: its own, for accelerate
+        recipe.launch_options = [accelerate_yaml.WRAP_OPTION, ",".join(wrap.chosen)]
+        fsdp = dict(acc["fsdp_config"], **{model_check.WRAP_KEY: ",".join(wrap.chosen)})
+        recipe.accelerate = acc = dict(acc, fsdp_config=fsdp)
     if loading.is_local(cfg.script, cfg.mixture):
         import datasets
 

@@ -73,9 +73,12 @@ def launch(argv: list[str], held: ExitStack) -> int:
     cmd = rank_command(recipe, extra, torchrun_logs)
     started = time.time()
     ranks = start_ranks(recipe, cmd, torchrun_logs, "", gated=True) if overlap_checks() else None
+    launched_with = list(recipe.launch_options)
     cfg, code = check_while_ranks_import(recipe, held, ranks, torchrun_logs, build_smoke_model, locked)
     if code is not None:
         return code
+    if recipe.launch_options != launched_with:  # the checks chose the wrap classes (launch/checks.py)
+        cmd, torchrun_logs, ranks = relaunch(recipe, extra, ranks, torchrun_logs)
     handoff.write(cfg.settings, settings_file(torchrun_logs))
     output_dir = cfg.training.output_dir
     log_dir = Path(output_dir) / "logs"
@@ -172,6 +175,19 @@ def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | Non
         say(done)
         return None, 0
     return cfg, None
+
+
+def relaunch(recipe: Recipe, extra: list[str], ranks: Ranks | None,
+             torchrun_logs: Path) -> tuple[list[str], Path, None]:
+    """The checks changed the `accelerate launch` options (a model named on the command line that lacks the recipe's
+    wrap class: its own classes): ranks started with the old command are stopped, and the new command starts once
+    the checks passed. Returns the command, its torchrun log folder and no ranks."""
+    if ranks is not None:
+        say(f"the ranks started before the checks stop; they start again with {' '.join(recipe.launch_options)}")
+        ranks.abort()  # removes their torchrun log folder too
+    shutil.rmtree(torchrun_logs, ignore_errors=True)
+    torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))
+    return rank_command(recipe, extra, torchrun_logs), torchrun_logs, None
 
 
 def release_ranks(recipe: Recipe, cmd: list[str], torchrun_logs: Path, ranks: Ranks | None, passed: str,
