@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fsdp_recipes import library_logs, model_folders
-from fsdp_recipes.checkpoint import resume_settings
 from fsdp_recipes.evaluation import eval_rows, generation, intervals, scores
 from fsdp_recipes.evaluation.answer_loss import held_out_loss, margins
 from fsdp_recipes.evaluation.stages import EvalData, Scores, stages, trained_model_dir
@@ -140,6 +139,10 @@ def chosen_again(check: dict, run_args: dict) -> None:
     """A run resumed under override_resumed_settings with another eval split than its first part's (another seed,
     eval_split_size, data or split: checkpoint/resume_settings.py EVAL_ROWS): the rows scored may have been trained on,
     so the check does not call them held out, and says why."""
+    # here, not at the top: resume_settings imports transformers, and the launcher imports this module (through
+    # launch/summary.py) among its light ones: 5 CPU-s before its first line (an unknown recipe took 13 s, not 0.7)
+    from fsdp_recipes.checkpoint import resume_settings
+
     moved = resume_settings.eval_rows_changed(run_args.get("resumed_with_changes"))
     if moved and check.get("held_out"):
         check.update(held_out=False, eval_rows_changed=moved,
