@@ -128,7 +128,7 @@ def test_make_finetune_writes_the_launchers_own_exit_code_where_exit_code_file_s
     runs = {code: make_target(tmp_path, "finetune", "RECIPE=tiny-cpu-lora", f"EXIT_CODE_FILE={files[code]}",
                               PYTHONPATH=probes, FAKE_LAUNCH_EXIT=str(code)) for code in ENDINGS}
     for code, proc in runs.items():
-        out, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=300)  # 6 makes at once, each a launcher process: seconds, on 2 cores
         assert proc.returncode == 2, (code, out, err)  # make's contract: non-zero, whatever failed
         assert f"error: the launch ended with exit code {code}" in err, err
         assert files[code].read_text() == f"{code}\n", (code, ENDINGS[code], err)
