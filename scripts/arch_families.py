@@ -20,6 +20,15 @@ SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
 # accelerate 1.15 cannot load a model with a buffer in its state dict (the router's e_score_correction_bias) under
 # FSDP2's RAM-efficient loading (accelerate issue 3898); the pack refuses that combination in one line
 RAM_EFFICIENT_OFF = "ram-efficient loading off (accelerate issue 3898)"
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                 tie_word_embeddings=False)
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+# transformers 5 fuses each MoE layer's experts into 3-D parameters: PEFT's target_parameters adapts them (LoRA
+# dropout 0 there, as the matrix's recipe has it), the attention layers by name, the router (mlp.gate) frozen. (PEFT
+# 0.21 turns all-linear on these models into attention, experts and router: the plain qwen3-moe and mixtral rows.)
+EXPERT_LORA = ("--lora_target_modules", "q_proj", "k_proj", "v_proj", "o_proj",
+               "--lora_target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERTS_NOTE = "LoRA on attention and experts (target_parameters), router frozen"
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,7 @@ class Family:
     settings, on top of SHAPE. `attn`: the attention implementation its models support. `fsdp` (accelerate YAML
     fsdp_config keys) and `args` (recipe fields on the command line): what a user of this family must set, and
     `note` why (shown with its results). `refused`: method -> why it cannot work, naming whose limitation it is;
-    listed, not run."""
+    listed, not run. `methods`: the methods it runs (a variant for LoRA targets only has no full case to add)."""
 
     name: str
     model_type: str
@@ -38,6 +47,7 @@ class Family:
     args: tuple = ()
     note: str = ""
     refused: dict = field(default_factory=dict)
+    methods: tuple = ("lora", "full")
 
 
 FAMILIES = (
@@ -45,9 +55,11 @@ FAMILIES = (
     Family("mistral", "mistral", dict(sliding_window=WINDOW, tie_word_embeddings=False)),  # Mistral 7B v0.1's window
     Family("qwen2", "qwen2", dict(tie_word_embeddings=True)),  # q/k/v biases; Qwen2 0.5B ties its head
     Family("qwen3", "qwen3", dict(tie_word_embeddings=True)),  # per-head q/k RMSNorm; Qwen3 0.6B ties
-    Family("qwen3-moe", "qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                          norm_topk_prob=True, tie_word_embeddings=False)),
-    Family("mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    Family("qwen3-moe", "qwen3_moe", QWEN3_MOE),
+    Family("mixtral", "mixtral", MIXTRAL),
+    # LoRA on the fused 3-D expert weights (PEFT's target_parameters), besides all-linear's attention layers
+    Family("qwen3-moe-experts", "qwen3_moe", QWEN3_MOE, args=EXPERT_LORA, note=EXPERTS_NOTE, methods=("lora",)),
+    Family("mixtral-experts", "mixtral", MIXTRAL, args=EXPERT_LORA, note=EXPERTS_NOTE, methods=("lora",)),
     # softcapping and query_pre_attn_scalar are Gemma 2's; transformers runs its attention in eager only
     Family("gemma2", "gemma2", dict(query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                     sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL, tie_word_embeddings=True),
