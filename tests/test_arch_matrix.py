@@ -125,6 +125,26 @@ def test_each_family_gets_a_recipe_folder_with_its_fsdp_settings(tmp_path):
     assert llama.raw["model_name_or_path"] == str(tmp_path / "models" / "llama")
 
 
+def test_the_expert_lora_cases_run_lora_only_with_the_router_frozen_and_pass_the_launchers_check():
+    """LoRA on the fused experts (PEFT's target_parameters) of Qwen3-MoE and Mixtral: the matrix trains it under
+    FSDP2 and checks each merged expert by hand (arch_matrix.expert_merge)."""
+    from trl import ModelConfig
+
+    from fsdp_recipes.config import expert_lora
+
+    args = SimpleNamespace(families="qwen3-moe-experts,mixtral-experts,qwen3-moe", methods="lora,full")
+    assert [(f.name, m) for f, m in matrix.cases(args)] == [
+        ("qwen3-moe-experts", "lora"), ("mixtral-experts", "lora"), ("qwen3-moe", "lora"), ("qwen3-moe", "full")]
+    for name in ("qwen3-moe-experts", "mixtral-experts"):
+        family = families.by_name([name])[0]
+        flags = " ".join(family.args).split("--")[1:]
+        lora = {flag.split()[0]: flag.split()[1:] for flag in flags}
+        assert lora["lora_target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        assert "gate" not in lora["lora_target_modules"]  # the router (mlp.gate) is not named
+        model_args = ModelConfig(use_peft=True, lora_dropout=matrix.recipe(Path("o"), family, 3)["lora_dropout"], **lora)
+        expert_lora.check(meta_model(name), matrix.accelerate_config(), "r/accelerate.yaml", model_args)
+
+
 # ---- the pack's refusals the matrix found -------------------------------------------------------------------------
 
 def meta_model(name: str):

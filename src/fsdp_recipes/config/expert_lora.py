@@ -93,6 +93,8 @@ def check(model, acc: dict, acc_path, model_args) -> None:
         have = ", ".join(experts) or "none: its MoE layers, if any, are linear modules (use lora_target_modules)"
         raise UserError(f"lora_target_parameters {unmatched} match no parameter of {arch} (its 3-D expert "
                         f"parameters: {have}). Fix: use names from that list.")
+    if not experts and not named:  # a dense model: PEFT's conversion adapts no parameter
+        return
     _, on_parameters = effective_targets(model, model_args)
     if not on_parameters:
         return

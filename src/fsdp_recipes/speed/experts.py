@@ -86,7 +86,8 @@ def resolve(value: str, device_type: str, capability: tuple[int, int] | None = N
 def has_experts(model) -> bool:
     """Some module of `model` computes experts through transformers' kernels (its class is decorated with
     use_experts_implementation, which gives it `_apply_gate`)."""
-    return any(hasattr(type(m), "_apply_gate") and hasattr(m, "config") for m in model.modules())
+    modules = model.modules() if callable(getattr(model, "modules", None)) else ()
+    return any(hasattr(type(m), "_apply_gate") and hasattr(m, "config") for m in modules)
 
 
 def transformers_model(model):
