@@ -4,7 +4,7 @@ Every family gets the same small shape (2 layers, hidden 64, 4 query and 2 key/v
 the settings that make it that family and that a fine-tuning path can trip on: tied or untied embeddings, sliding
 windows, attention and logit softcapping, fused projections, mixture-of-experts layers, Granite's multipliers.
 scripts/arch_matrix.py trains each under FSDP2; this module is the pure part (no torch at import), tested in process by
-tests/test_arch_matrix.py.
+tests/test_arch_matrix.py, with the check of a merge of LoRA on the experts (expert_merge).
 """
 
 from __future__ import annotations
@@ -163,3 +163,45 @@ def build_model(family: Family, tokenizer, out, seed: int = 0) -> int:
 def refusal_line(family: Family, method: str) -> str:
     """What the matrix says of a case it does not run."""
     return f"{family.name} {method}: refused: {family.refused[method]}"
+
+
+def expert_merge(base_dir, run, atol: float) -> str:
+    """LoRA on the fused experts: each merged expert equals base + scaling * B_e @ A_e, from the saved adapter's
+    matrices by hand (PEFT stores A as (rank x experts, in) and B as (out, rank x experts), expert e's rows of A in
+    one block and its columns of B every experts-th), and the router is the base's. Logits alone could hide a
+    merge that dropped the experts' deltas where they are small. The models are compared as transformers loads them
+    (fused): it saves the experts one by one, in transformers 4's layout."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base, merged = (AutoModelForCausalLM.from_pretrained(path).state_dict() for path in (base_dir, run / "merged"))
+    adapter = load_file(str(run / "adapter_model.safetensors"))
+    config = json.loads((run / "adapter_config.json").read_text())
+    if any(".mlp.gate." in key for key in adapter):
+        raise AssertionError("the adapter holds LoRA on the router (mlp.gate), which the recipe did not name")
+    largest, checked, moved = 0.0, 0, 0
+    for name, weight in base.items():
+        if weight.ndim != 3:
+            if ".mlp.gate." in name and not bool((merged[name] == weight).all()):
+                raise AssertionError(f"{name}: the router changed in the merge")
+            continue
+        experts, out_features, in_features = weight.shape
+        prefix = "base_model.model." + name.rsplit(".", 1)[0]
+        pairs = [(adapter[key], adapter[key.replace("lora_A", "lora_B")]) for key in adapter
+                 if key.startswith(prefix + ".") and key.endswith("lora_A.weight")]
+        lora_a, lora_b = next((a, b) for a, b in pairs if a.shape[1] == in_features and b.shape[0] == out_features)
+        rank = lora_a.shape[0] // experts
+        scaling = config["lora_alpha"] / config["r"]
+        for e in range(experts):
+            delta = scaling * lora_b[:, e::experts] @ lora_a[e * rank:(e + 1) * rank]
+            diff = (merged[name][e] - (weight[e] + delta)).abs().max().item()
+            if diff > atol:
+                raise AssertionError(f"{name} expert {e}: merged differs from base + LoRA by {diff:.3g}")
+            # an expert that was given no token keeps its B at zero
+            largest, moved = max(largest, diff), moved + bool(delta.abs().max() > 0)
+        checked += experts
+    if not moved:
+        raise AssertionError("no expert's LoRA moved: the experts were not trained")
+    return f"{checked} experts = base + B@A within {largest:.1g} ({moved} moved), router unchanged"

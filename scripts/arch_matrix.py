@@ -315,50 +315,12 @@ def reload_checks(family, method: str, out: Path, batch: dict, trained) -> str:
         losses = [e["loss"] for e in json.loads((run / "log_history.json").read_text())["log_history"] if "loss" in e]
         if not losses[-1] < losses[0]:
             raise AssertionError(f"the loss did not fall: {losses}")
-        notes.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " + expert_merge(out / "models" / family.name, run))
+        notes.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                     + arch_families.expert_merge(out / "models" / family.name, run, ATOL))
     change = float((reloaded - base).abs().max())
     if change < MIN_CHANGE:
         raise AssertionError(f"the saved model's logits are the base model's (max change {change:.2g}): not trained")
     return ", ".join(notes) + f"; trained vs base {change:.2g}" + (f"; {family.note}" if family.note else "")
-
-
-def expert_merge(base_dir: Path, run: Path) -> str:
-    """LoRA on the fused experts: each merged expert equals base + scaling * B_e @ A_e, from the saved adapter's
-    matrices by hand (PEFT stores A as (rank x experts, in) and B as (out, rank x experts), expert e's rows of A in
-    one block and its columns of B every experts-th), and the router is the base's. Logits alone could hide a
-    merge that dropped the experts' deltas where they are small. The models are compared as transformers loads them
-    (fused): it saves the experts one by one, in transformers 4's layout."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    base, merged = (AutoModelForCausalLM.from_pretrained(path).state_dict() for path in (base_dir, run / "merged"))
-    adapter = load_file(str(run / "adapter_model.safetensors"))
-    config = json.loads((run / "adapter_config.json").read_text())
-    if any(".mlp.gate." in key for key in adapter):
-        raise AssertionError("the adapter holds LoRA on the router (mlp.gate), which the recipe did not name")
-    largest, checked, moved = 0.0, 0, 0
-    for name, weight in base.items():
-        if weight.ndim != 3:
-            if ".mlp.gate." in name and not bool((merged[name] == weight).all()):
-                raise AssertionError(f"{name}: the router changed in the merge")
-            continue
-        experts, out_features, in_features = weight.shape
-        prefix = "base_model.model." + name.rsplit(".", 1)[0]
-        pairs = [(adapter[key], adapter[key.replace("lora_A", "lora_B")]) for key in adapter
-                 if key.startswith(prefix + ".") and key.endswith("lora_A.weight")]
-        lora_a, lora_b = next((a, b) for a, b in pairs if a.shape[1] == in_features and b.shape[0] == out_features)
-        rank = lora_a.shape[0] // experts
-        scaling = config["lora_alpha"] / config["r"]
-        for e in range(experts):
-            delta = scaling * lora_b[:, e::experts] @ lora_a[e * rank:(e + 1) * rank]
-            diff = (merged[name][e] - (weight[e] + delta)).abs().max().item()
-            if diff > ATOL:
-                raise AssertionError(f"{name} expert {e}: merged differs from base + LoRA by {diff:.3g}")
-            largest, moved = max(largest, diff), moved + bool(delta.abs().max() > 0)  # an expert given no token
-        checked += experts                                                              # keeps its B at zero
-    if not moved:
-        raise AssertionError("no expert's LoRA moved: the experts were not trained")
-    return f"{checked} experts = base + B@A within {largest:.1g} ({moved} moved), router unchanged"
 
 
 def run_case(family, method: str, out: Path, batch: dict, launched_env: dict) -> dict:

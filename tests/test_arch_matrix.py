@@ -127,7 +127,7 @@ def test_each_family_gets_a_recipe_folder_with_its_fsdp_settings(tmp_path):
 
 def test_the_expert_lora_cases_run_lora_only_with_the_router_frozen_and_pass_the_launchers_check():
     """LoRA on the fused experts (PEFT's target_parameters) of Qwen3-MoE and Mixtral: the matrix trains it under
-    FSDP2 and checks each merged expert by hand (arch_matrix.expert_merge)."""
+    FSDP2 and checks each merged expert by hand (arch_families.expert_merge)."""
     from trl import ModelConfig
 
     from fsdp_recipes.config import expert_lora
@@ -143,6 +143,34 @@ def test_the_expert_lora_cases_run_lora_only_with_the_router_frozen_and_pass_the
         assert "gate" not in lora["lora_target_modules"]  # the router (mlp.gate) is not named
         model_args = ModelConfig(use_peft=True, lora_dropout=matrix.recipe(Path("o"), family, 3)["lora_dropout"], **lora)
         expert_lora.check(meta_model(name), matrix.accelerate_config(), "r/accelerate.yaml", model_args)
+
+
+def test_the_matrixs_expert_merge_check_fails_on_a_merge_that_dropped_the_experts_deltas(tmp_path):
+    import shutil
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    family = families.by_name(["qwen3-moe-experts"])[0]
+    base, run = tmp_path / "base", tmp_path / "run"
+    model = AutoModelForCausalLM.from_config(families.build_config(family, Tokenizer()))
+    model.save_pretrained(base)
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
+                                                  target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    peft_model.save_pretrained(run)
+    peft_model.merge_and_unload().save_pretrained(run / "merged")
+    assert families.expert_merge(base, run, matrix.ATOL).startswith("16 experts = base + B@A within ")
+    shutil.rmtree(run / "merged")
+    shutil.copytree(base, run / "merged")  # the experts' deltas dropped
+    with pytest.raises(AssertionError, match=r"expert 0: merged differs from base \+ LoRA by "):
+        families.expert_merge(base, run, matrix.ATOL)
 
 
 # ---- the pack's refusals the matrix found -------------------------------------------------------------------------
