@@ -37,7 +37,8 @@ class Family:
     settings, on top of SHAPE. `attn`: the attention implementation its models support. `fsdp` (accelerate YAML
     fsdp_config keys) and `args` (recipe fields on the command line): what a user of this family must set, and
     `note` why (shown with its results). `refused`: method -> why it cannot work, naming whose limitation it is;
-    listed, not run. `methods`: the methods it runs (a variant for LoRA targets only has no full case to add)."""
+    listed, not run. `methods`: the methods it runs (a variant for LoRA targets only has no full case to add; `head`
+    runs on tied families only)."""
 
     name: str
     model_type: str
@@ -47,7 +48,7 @@ class Family:
     args: tuple = ()
     note: str = ""
     refused: dict = field(default_factory=dict)
-    methods: tuple = ("lora", "full")
+    methods: tuple = ("lora", "full", "head")
 
 
 FAMILIES = (
@@ -119,6 +120,11 @@ FAMILIES = (
     # TRL 1.16's SFT loss cannot run Llama 4 (the pack refuses it in one line): listed to show that line
     Family("llama4-text", "llama4_text", dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128)),
 )
+
+
+def tied(family: Family) -> bool:
+    """Whether the family's table entry ties the LM head to the input embedding (the matrix's `head` method)."""
+    return bool(family.quirks.get("tie_word_embeddings"))
 
 
 def by_name(names: list[str] | None = None) -> list[Family]:

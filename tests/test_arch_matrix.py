@@ -173,6 +173,23 @@ def test_the_matrixs_expert_merge_check_fails_on_a_merge_that_dropped_the_expert
         families.expert_merge(base, run, matrix.ATOL)
 
 
+def test_the_head_method_trains_the_lm_head_of_the_tied_families_only(tmp_path, monkeypatch):
+    """`head` (issue 61): LoRA with lora_modules_to_save [lm_head], on the families whose table entry ties the head
+    to the input embedding, the case that failed in every rank's FSDP2 setup."""
+    chosen = "llama,qwen2,gemma2,phi3,gpt2"
+    got = [(f.name, m) for f, m in matrix.cases(SimpleNamespace(families=chosen, methods="lora,full,head"))]
+    assert [c for c in got if c[1] == "head"] == [("qwen2", "head"), ("gemma2", "head")]
+    assert {f.name for f in families.FAMILIES if families.tied(f)} >= {"qwen2", "qwen3", "gemma2", "smollm3"}
+    for var in matrix.FSDP_ENV.values():  # case_settings sets accelerate's variables for the case
+        monkeypatch.delenv(var, raising=False)
+    qwen2 = families.by_name(["qwen2"])[0]
+    matrix.write_recipes(tmp_path, [qwen2], steps=3)
+    settings = matrix.case_settings(qwen2, "head", tmp_path, {})
+    assert settings[:2] == ["--use_peft", "true"] and "--lora_modules_to_save" in settings
+    assert settings[settings.index("--lora_modules_to_save") + 1] == "lm_head"
+    assert "--lora_modules_to_save" not in matrix.case_settings(qwen2, "lora", tmp_path, {})
+
+
 # ---- the pack's refusals the matrix found -------------------------------------------------------------------------
 
 def meta_model(name: str):

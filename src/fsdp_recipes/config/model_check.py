@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fsdp_recipes.config import expert_lora
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.model_folders import adapter_beside_weights
 
 
 def model_config_source(model_name_or_path: str, recipe: Path | None, revision: str | None = None) -> Path | None:
@@ -243,7 +244,43 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_comm
     if missing:
         raise UserError(f"lora_modules_to_save {missing} match no module of {arch}. Fix: remove them or correct the names.")
     check_tied_modules_to_save(model, model_args.lora_modules_to_save or [])
+    check_lora_on_output_layer(model, targets, getattr(model_args, "lora_target_parameters", None))
     return wrap
+
+
+def check_lora_on_output_layer(model, targets, target_parameters) -> None:
+    """A LoRA adapter on the LM head (`lm_head` in lora_target_modules, or its weight in lora_target_parameters):
+    TRL 1.16's trainers (SFT, DPO, KTO, GRPO, RLOO) compute the log-probabilities from the head's weight directly, so
+    the adapter would never train, and each refuses it in every rank's setup ("Applying a PEFT adapter to `lm_head`
+    is not supported"; measured on the default, issue 61). Named here before any rank starts, with the way that
+    works: the whole head trained (modules_to_save; on a tied model an untied copy, patches/peft_fsdp.py)."""
+    import re
+
+    head = model.get_output_embeddings()
+    named = [name for name, m in model.named_modules() if m is head and name]
+    if not named:
+        return
+    name, leaf = named[0], named[0].rsplit(".", 1)[-1]
+    if isinstance(targets, str):
+        try:
+            hit = targets != "all-linear" and re.fullmatch(targets, name) is not None  # PEFT's own matching
+        except re.error:
+            hit = False
+        setting = f"lora_target_modules {targets!r}"
+    else:
+        hit = any(name == t or name.endswith("." + t) for t in targets or [])
+        setting = f"lora_target_modules {list(targets or [])}"
+    if not hit:
+        weight = f"{name}.weight"
+        hit = any(weight == p or weight.endswith("." + p) for p in target_parameters or [])
+        setting = f"lora_target_parameters {list(target_parameters or [])}"
+    if hit:
+        tied = " (an untied trained copy; the embedding stays as it is)" if \
+            getattr(model.config, "tie_word_embeddings", False) else ""
+        raise UserError(f"{setting} puts a LoRA adapter on {name}, the LM head of {type(model).__name__}: TRL's "
+                        f"trainers compute the log-probabilities from {name}.weight directly, so that adapter would "
+                        f"never train (TRL 1.16 refuses it on every rank). Fix: train the whole head instead "
+                        f"(lora_modules_to_save: [{leaf}]{tied}), or leave {leaf} out of the LoRA targets.")
 
 
 def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
@@ -267,7 +304,8 @@ def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
                         f"LM head {head_name} is tied to it (tie_word_embeddings): PEFT would train a copy of the "
                         "embedding the head no longer shares, and FSDP cannot shard the tied weight in two groups. "
                         f"Fix: train the head instead ({way}: an untied trained copy of the head, the embedding "
-                        "kept), or leave the embedding out, or train a model without tied embeddings.")
+                        f"kept), or a LoRA on the embedding ({hit[0]} in lora_target_modules: the head keeps the "
+                        "base weights), or leave the embedding out, or train a model without tied embeddings.")
 
 
 def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, model_args,
@@ -345,6 +383,9 @@ def check_local_model(path: str, continues_from: str | None = None) -> None:
     """A local model folder must hold config.json. `continues_from`: the recipe whose output `path` is (a DPO run
     on the SFT run's merged model): then the fix is to run that recipe first."""
     check_not_an_adapter(path)
+    mixed = adapter_beside_weights(Path(os.path.expandvars(os.path.expanduser(path))))
+    if mixed:  # the ranks would train on the full weights with the adapter applied on top, without a word
+        raise UserError(f"model_name_or_path: {mixed}")
     # a hub id is `org/name`: a path with more parts (runs/<recipe>/merged) is the other run's output
     if continues_from and (looks_local(path) or path.count("/") > 1) and not (Path(path) / "config.json").is_file():
         raise UserError(
