@@ -93,9 +93,10 @@ def accelerate_config(fsdp: dict | None = None) -> dict:
 
 
 def cases(args) -> list[tuple]:
-    """(family, method) in the table's order; `head` (the LM head trained in full) on the tied families only."""
+    """(family, method) in the table's order: the methods a family runs (Family.methods), `head` (the LM head trained
+    in full) on the tied families only."""
     return [(f, m) for f in arch_families.by_name(names(args.families)) for m in args.methods.split(",")
-            if m != "head" or arch_families.tied(f)]
+            if m in f.methods and (m != "head" or arch_families.tied(f))]
 
 
 def names(text: str) -> list[str]:
@@ -318,6 +319,12 @@ def reload_checks(family, method: str, out: Path, batch: dict, trained) -> str:
                  f"merged {close(logits(merged), reloaded, 'the merged model against base + adapter'):.1g}"]
         if method == "head" and merged.config.tie_word_embeddings:
             raise AssertionError("the merged model of a trained head still ties it to the input embedding")
+    if method == "lora" and "--lora_target_parameters" in family.args:
+        losses = [e["loss"] for e in json.loads((run / "log_history.json").read_text())["log_history"] if "loss" in e]
+        if not losses[-1] < losses[0]:
+            raise AssertionError(f"the loss did not fall: {losses}")
+        notes.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                     + arch_families.expert_merge(out / "models" / family.name, run, ATOL))
     change = float((reloaded - base).abs().max())
     if change < MIN_CHANGE:
         raise AssertionError(f"the saved model's logits are the base model's (max change {change:.2g}): not trained")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from fsdp_recipes.config import expert_lora
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.model_folders import adapter_beside_weights
 
@@ -224,7 +225,7 @@ def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False
 
 def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_command_line: bool = False,
                             model_named: bool = False) -> Wrap | None:
-    """The FSDP wrap class and the LoRA target modules / modules_to_save exist in `model`. Returns
+    """The FSDP wrap class and the LoRA target modules / parameters / modules_to_save exist in `model`. Returns
     check_wrap_classes' answer."""
     import torch
 
@@ -232,6 +233,7 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_comm
     wrap = check_wrap_classes(model, acc, acc_path, wrap_on_command_line, model_named)
     if not model_args.use_peft:
         return wrap
+    expert_lora.check(model, acc, acc_path, model_args)  # LoRA on fused MoE experts: before "matches no module"
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     targets = model_args.lora_target_modules

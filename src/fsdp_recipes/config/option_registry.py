@@ -22,10 +22,23 @@ class Float8Arguments:
     )
 
 
+@dataclass
+class ExpertsArguments:
+    """speed/experts.py's setting."""
+
+    experts_implementation: str = field(
+        default="auto",
+        metadata={"help": "how a mixture-of-experts model computes its experts (transformers' experts_implementation): "
+                          "auto (grouped_mm on CUDA compute capability 8.0+, else what runs best there), eager, "
+                          "grouped_mm, batched_mm, ... (speed/experts.py). Dense models ignore auto."},
+    )
+
+
 # In the order their hooks run: how the model loads first, then what wraps or converts it.
 OPTIONS: dict[str, type | None] = {
     "four_bit": None,
     "attention": None,
+    "experts": ExpertsArguments,
     "ram_efficient_loading": None,
     "activation_checkpointing": None,
     "liger": None,
