@@ -172,12 +172,16 @@ s_qlora() {
   "$PY" -m bench.qlora_gpu "${args[@]}" --deadline-s $((STEP_BUDGET - 10)) --results "$WORK/qlora" \
     --work "$WORK/qlora/work"
 }
+s_varlen() {  # the packed-rows kernel (speed/varlen_attention.py) against its reference, timed against SDPA's mask
+  local dry=(); [ "$DRY" = 1 ] && dry=(--dry-run)
+  "$PY" -m bench.varlen_check "${dry[@]}" --out "$WORK/varlen"
+}
 s_compare() {
   local tiny=(--tiny); have_real_model && [ "$DRY" != 1 ] && tiny=()
   "$PY" -m bench.compare "${tiny[@]}" --results "$WORK/compare"
 }
 
-export -f have_real_model s_launch s_real_default s_ladder s_speed_vs_trl s_grpo_default s_compare s_qlora
+export -f have_real_model s_launch s_real_default s_ladder s_speed_vs_trl s_grpo_default s_compare s_qlora s_varlen
 export DRY PY SITE WORK
 
 run_named() {  # one step by name, with its budget
@@ -190,8 +194,9 @@ run_named() {  # one step by name, with its budget
     real-default) step real-default 160 s_real_default ;;
     grpo-default) step grpo-default 150 s_grpo_default ;;
     compare) step compare 200 s_compare ;;
+    varlen) step varlen 45 s_varlen ;;  # not yet run on a GPU: one layer's attention, 13 timed passes x 3 kernels
     *) echo "error: unknown step $1 (call-1, call-2, launch, qlora, ladder-1b, ladder-8b-lora, speed-vs-trl," \
-         "real-default, grpo-default, compare)"; exit 2 ;;
+         "real-default, grpo-default, compare, varlen)"; exit 2 ;;
   esac
 }
 
