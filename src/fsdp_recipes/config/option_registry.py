@@ -22,12 +22,24 @@ class Float8Arguments:
     )
 
 
+@dataclass
+class ActivationCheckpointingArguments:
+    """speed/activation_checkpointing.py's setting: which layers recompute their activations in the backward."""
+
+    activation_checkpointing_policy: str | None = field(
+        default=None,
+        metadata={"help": "none, every_<k> (every k-th decoder layer checkpointed), ops (attention outputs saved, the "
+                          "rest recomputed; SFT), full, or auto (make plan's pick: the fastest that fits). Unset: "
+                          "activation_checkpointing and its kwargs as written (speed/activation_checkpointing.py)."},
+    )
+
+
 # In the order their hooks run: how the model loads first, then what wraps or converts it.
 OPTIONS: dict[str, type | None] = {
     "four_bit": None,
     "attention": None,
     "ram_efficient_loading": None,
-    "activation_checkpointing": None,
+    "activation_checkpointing": ActivationCheckpointingArguments,
     "liger": None,
     "compile": None,
     "float8": Float8Arguments,

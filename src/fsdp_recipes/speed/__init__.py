@@ -25,6 +25,8 @@ Optional, with the defaults of SpeedOption:
                                     records under the option's name (None: nothing), and prints its line
     planner_setup(model_args, training)  `make plan`: fields of planning/memory_budget.py's Setup it decides
     planner_shape(model, model_args)     `make plan`: fields of its ModelShape it decides (a meta-device model)
+    planner_choices(cfg)            `make plan`: alternatives it compares by memory ({name: Setup fields}, fastest
+                                    first), the recipe's pin (None: the planner picks) and the line's label
     RESUME_SETTINGS                 settings a resume must keep equal to the checkpoint's (checkpoint/resume_settings)
 
 Adding an option: that module, its line in config/option_registry.py (docs/architecture.md).
@@ -48,6 +50,10 @@ def _nothing(*args, **kwargs) -> None:
 
 def _no_fields(*args, **kwargs) -> dict:
     return {}
+
+
+def _no_choices(*args, **kwargs) -> tuple[dict, None, str]:
+    return {}, None, ""
 
 
 def _no_smoke(*args, **kwargs) -> tuple[list[str], str | None]:
@@ -74,6 +80,7 @@ class SpeedOption:
     prepare_trainer: Callable = _nothing
     planner_setup: Callable = _no_fields
     planner_shape: Callable = _no_fields
+    planner_choices: Callable = _no_choices
     RESUME_SETTINGS: tuple = ()
     module: ModuleType | None = None
 
@@ -186,6 +193,15 @@ def planner_setup(model_args, training) -> dict:
 
 def planner_shape(model, model_args) -> dict:
     return merged("planner_shape", model, model_args)
+
+
+def planner_choices(cfg) -> tuple[dict, str | None, str]:
+    """The one option's alternatives the planner chooses between (activation checkpointing's policies), or none."""
+    for option in OPTIONS.values():
+        choices = option.planner_choices(cfg)
+        if choices[0]:
+            return choices
+    return {}, None, ""
 
 
 def resume_settings() -> tuple[str, ...]:
