@@ -226,7 +226,7 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
     runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer,
                   generation=kinds.load(cfg.trainer).generation_setup(cfg, capacity))
     own = next(iter(runs))
-    # activation checkpointing: each policy planned, the recipe's pin or the fastest that fits (planning/checkpointing.py)
+    # activation checkpointing: each policy planned; the recipe's pin or the fastest that fits (checkpointing.py)
     choice = checkpointing.choose(cfg, m, runs[own], capacity * GIB, HEADROOM)
     runs = {k: checkpointing.setup_for(choice, s) for k, s in runs.items()}
     budgets = {k: memory_budget.budget(m, s) for k, s in runs.items()}

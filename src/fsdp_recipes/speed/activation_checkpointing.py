@@ -76,8 +76,8 @@ def check_config(cfg) -> None:
         raise UserError(f"{SETTING}: {name} is not a policy. Fix: one of none, every_2 (or every_<k>, k >= 2), ops, "
                         "full, auto.")
     if name == "ops" and cfg.trainer != "sft":
-        raise UserError(f"{SETTING}: ops is TRL's selective checkpointing, which only SFTTrainer applies; this recipe's "
-                        f"trainer is {cfg.trainer}. Fix: full, every_2 or none.")
+        raise UserError(f"{SETTING}: ops is TRL's selective checkpointing, which only SFTTrainer applies; this "
+                        f"recipe's trainer is {cfg.trainer}. Fix: full, every_2 or none.")
 
 
 def check_launch(cfg, acc: dict, path) -> None:
@@ -137,7 +137,7 @@ def planner_choices(cfg) -> tuple[dict[str, dict], str | None, str]:
 
 def smoke(field, gpus: int) -> tuple[list[str], str | None]:
     if str(field(SETTING, "")) == "auto":
-        return ["--" + SETTING, "full"], "activation checkpointing: auto is make plan's pick for a full-size model -> full"
+        return ["--" + SETTING, "full"], "activation checkpointing: auto is make plan's pick for the full model -> full"
     return [], None
 
 
