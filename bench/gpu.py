@@ -46,9 +46,9 @@ its fused LM head and metrics, the pack's run report, completion-marker and pree
 
   0   baseline: TRL SFTTrainer defaults: padded batches of 8 (per_device_train_batch_size's default), no packing,
       SDPA, TRL's default activation checkpointing (full, non-reentrant), bf16, reshard_after_forward True.
-  1   activation checkpointing off (`activation_checkpointing_policy: none`): no recomputed forward. Skipped by the
-      fit check where the planner says it does not fit (8B at 8 x 4096 tokens on one GPU); the recipes carry
-      `make plan`'s pick instead (speed/activation_checkpointing.py).
+  1   activation checkpointing off, or the planner's pick: `activation_checkpointing_policy` the first of none,
+      every_4, every_2, ops, full whose memory estimate (memory_budget, as `make plan`) fits FIT_FRACTION of the
+      GPU (none in a CPU plumbing run): no recomputed forward where memory allows (speed/activation_checkpointing.py).
   2   Liger kernels: `use_liger_kernel: true` (RMSNorm, SwiGLU, RoPE; TRL keeps its own fused LM head, so Liger's
       fused cross-entropy is off). Skipped, with the reason, without CUDA or liger_kernel.
   3   variable-length packing: `packing: true` + `padding_free: true` (TRL's "bfd": one flattened row with
@@ -120,7 +120,7 @@ from pathlib import Path
 
 from bench.gpu_worker import WARMUP_FILE
 from bench.ladder_goals import GOAL_MFU_1B_1GPU, GOAL_SPEEDUP, ladder_title, method_of
-from fsdp_recipes.speed import float8
+from fsdp_recipes.speed import activation_checkpointing, float8
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
@@ -164,7 +164,8 @@ BASELINE = dict(packing=False, attn="sdpa", batch="baseline", liger=False, compi
 # is named by the recipe settings it composes.
 RUNGS = [
     dict(id="0", name="TRL defaults, padded", change={}),
-    dict(id="1", name="activation_checkpointing_policy: none", change=dict(activation_checkpointing="none")),
+    dict(id="1", name="activation_checkpointing_policy: the planner's pick",
+         change=dict(activation_checkpointing="pick")),
     dict(id="2", name="use_liger_kernel: true", change=dict(liger=True)),
     # the attention engineer's option (speed/attention.py, issue 57 item 1): padding-free rows, a variable-length
     # kernel; until it lands, `auto` resolves here (resolve) to flash_attention_2 when installed, else sdpa
@@ -172,7 +173,7 @@ RUNGS = [
          change=dict(packing=True, padding_free=True, attn="auto", batch="pack")),
     dict(id="4", name="regional torch_compile", change=dict(compile=True)),
     dict(id="5", name="float8: true", change=dict(float8=True)),
-    dict(id="6a", name="activation_checkpointing_policy: ops", change=dict(activation_checkpointing="selective")),
+    dict(id="6a", name="activation_checkpointing_policy: ops", change=dict(activation_checkpointing="ops")),
     dict(id="6b", name="fsdp_reshard_after_forward: false", change=dict(reshard_after_forward=False)),
 ]
 
@@ -324,14 +325,26 @@ def memory_parts(size: str, s: dict, processes: int, max_length: int, tokens: in
     tokens = tokens or s["batch"] * max_length
     setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
                                 load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
-                                checkpointed=s["activation_checkpointing"] != "none", optimizer_bytes=8,
-                                runtime_bytes=RUNTIME_BYTES, reshard_after_forward=s["reshard_after_forward"])
-    parts = memory_budget.budget(shape, setup)
-    if s["activation_checkpointing"] == "selective":
-        extra = tokens * shape.layers * 2 * shape.q_dim
-        parts["activations"] += extra
-        parts["total"] += extra
-    return parts
+                                optimizer_bytes=8, runtime_bytes=RUNTIME_BYTES,
+                                reshard_after_forward=s["reshard_after_forward"],
+                                **activation_checkpointing.setup_fields(policy_name(s["activation_checkpointing"])))
+    return memory_budget.budget(shape, setup)
+
+
+def policy_name(value: str) -> str:
+    """activation_checkpointing_policy's name for a ladder setting ("selective": the JSONs before issue 57)."""
+    return "ops" if value == "selective" else value
+
+
+def planner_pick(size: str, s: dict, processes: int, max_length: int, device: dict) -> str:
+    """Rung 1's policy: the first, fastest first, whose estimate fits the GPU as the fit check wants; on CPU none."""
+    if device["type"] != "cuda":
+        return "none"
+    for name in activation_checkpointing.CANDIDATES:
+        if memory_estimate(size, {**s, "activation_checkpointing": name}, processes, max_length) \
+                <= FIT_FRACTION * device["memory_bytes"]:
+            return name
+    return "full"
 
 
 def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
@@ -372,11 +385,9 @@ def sft_args(s: dict, model_dir: Path, data_dir: Path, out_dir: Path, sizes: dic
             "--max_length", str(sizes["max_length"]), "--per_device_train_batch_size", str(s["batch"]),
             "--packing", b(s["packing"]), *(["--padding_free", "true"] if s.get("padding_free") else []),
             "--use_liger_kernel", b(s["liger"]), "--float8", b(s["float8"]),
-            "--activation_checkpointing", b(s["activation_checkpointing"] != "none"),
+            "--activation_checkpointing_policy", policy_name(s["activation_checkpointing"]),
             "--max_steps", str(total), "--logging_steps", str(total), "--eval_strategy", "no",
             "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
-    if s["activation_checkpointing"] == "selective":
-        args += ["--activation_checkpointing_kwargs", '{"selective": true}']
     if s["method"] == "lora":
         for key, value in lora_settings().items():
             args += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
@@ -471,6 +482,8 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             continue
         base = best[1] if best else BASELINE
         s = resolve({**base, **rung["change"], "method": method}, sizes, device)
+        if s["activation_checkpointing"] == "pick":
+            s["activation_checkpointing"] = planner_pick(size, s, processes, sizes["max_length"], device)
         rec = {"id": rung["id"], "name": rung["name"], "built_on": best[2] if best else None, "config": s}
         lad["rungs"].append(rec)
         elapsed = time.time() - ctx["t0"]

@@ -259,6 +259,13 @@ def test_memory_estimate_skips_8b_on_one_80gb_gpu():
     assert 20 * bench_gpu.GIB < bench_gpu.memory_estimate("8b", lora, 1, 4096) < 40 * bench_gpu.GIB
     no_ac = bench_gpu.memory_estimate("8b", {**lora, "activation_checkpointing": "none"}, 1, 4096)
     assert no_ac > bench_gpu.FIT_FRACTION * 80e9
+    # rung 1's policy: the first of none, every_4, every_2, ops, full that fits the GPU as the fit check wants
+    h100 = {"type": "cuda", "memory_bytes": 80e9}
+    fits = {name: bench_gpu.memory_estimate("8b", {**lora, "activation_checkpointing": name}, 1, 4096)
+            <= bench_gpu.FIT_FRACTION * 80e9 for name in ("none", "every_4", "every_2", "ops", "full")}
+    assert not fits["none"] and fits["full"]
+    assert bench_gpu.planner_pick("8b", lora, 1, 4096, h100) == next(name for name, ok in fits.items() if ok)
+    assert bench_gpu.planner_pick("8b", lora, 1, 4096, {"type": "cpu"}) == "none"  # plumbing: the policy's path
 
 
 def test_lora_ladder_uses_the_8b_lora_recipes_adapters():
@@ -357,7 +364,7 @@ def test_resume_carries_the_earlier_rungs_and_builds_on_them(dry, tmp_path):
 def test_dry_run_lora_ladder(tmp_path, cache_dir):
     """`--methods lora`: the entry point trains LoRA adapters (the 8B LoRA recipe's settings) under accelerate's
     regional compile; float8 is skipped as the pack refuses it with LoRA; MFU's FLOPs count 4N for frozen weights."""
-    result, text, path = bench_gpu.run(["--dry-run", "--methods", "lora", "--rungs", "3,4", "--results",
+    result, text, path = bench_gpu.run(["--dry-run", "--methods", "lora", "--rungs", "4,5", "--results",
                                         str(tmp_path)])
     assert path.name.endswith("-lora.json") and result["lora"]["recipe"] == "llama-3.1-8b-lora"
     (lad,) = result["ladders"]
@@ -388,7 +395,7 @@ def test_resume_refuses_figures_measured_differently(dry, tmp_path):
 
 
 def test_a_rung_without_time_to_finish_is_skipped_not_started(tmp_path, cache_dir):
-    result, _, _ = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--deadline-s", "1", "--rungs", "0,3"])
+    result, _, _ = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--deadline-s", "1", "--rungs", "0,4"])
     rungs = result["ladders"][0]["rungs"]
     assert [r["status"] for r in rungs] == ["skipped", "skipped"]
     assert all(r["reason"].startswith("time budget") and "--resume" in r["reason"] for r in rungs)

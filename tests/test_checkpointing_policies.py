@@ -84,6 +84,9 @@ def test_policies_map_onto_the_trainers_fields_and_refuse_mistakes():
     assert t.activation_checkpointing and t.gradient_checkpointing
     assert t.activation_checkpointing_kwargs == {"use_reentrant": False, "every_n_layers": 4}
     assert ac.written_policy(t) == "every_4"
+    # what run_args.json's speed_options records: the trainer's fields as the Trainer will apply them
+    assert ac.prepare_trainer(SimpleNamespace(args=t), cfg) == {
+        "policy": "every_4", "kwargs": {"use_reentrant": False, "every_n_layers": 4}}
     cfg = cfg_with("none")
     ac.settle(cfg)
     assert not cfg.training.activation_checkpointing and ac.written_policy(cfg.training) == "none"
@@ -141,23 +144,101 @@ def test_nemos_setting_pinned_is_not_refused_where_it_fits(capsys):
     assert "none 94.8 GiB (over)" in capsys.readouterr().out
 
 
-GPU_RECIPES = sorted(d.name for d in (REPO / "recipes").iterdir()
-                     if "min_gpus: 0" not in "".join(f.read_text() for f in d.glob("*.yaml"))
-                     and any("min_gpus:" in f.read_text() for f in d.glob("*.yaml")))
+# Each GPU recipe by hand, from its model_config.json and YAMLs: (GPU memory in GiB as plan.GPUS has it, decoder
+# layers, hidden h, q = heads x head_dim, kv = kv heads x head_dim, intermediate I, LoRA r x targeted linears, the
+# targeted linears' in_features with dropout 0.05 (q, k, v, gate, up take h; o takes q; down takes I), tokens per
+# micro-batch (SFT: batch x max_length; DPO: x 2, chosen and rejected; GRPO and RLOO: batch x (512 prompt +
+# max_completion_length 1024)), the policy the planner must pick for the recipe's `auto`). bf16 mixed precision
+# everywhere: c = 2.
+LLAMA8 = (32, 4096, 4096, 1024, 14336)
+LLAMA70 = (80, 8192, 8192, 1024, 28672)
+LARGE = (88, 12288, 12288, 1024, 28672)
+SMALL = (40, 5120, 4096, 1024, 32768)
+QWEN8 = (36, 4096, 4096, 1024, 12288)
+BY_HAND = {
+    "ddp-baseline": (79.6, (28, 1024, 2048, 1024, 3072), 0, 0, 8 * 2048, "none"),
+    "llama-3.1-70b-qlora-2xh100": (79.6, LLAMA70, 16 * 7, 5 * 8192 + 8192 + 28672, 2 * 4096, "ops"),
+    "llama-3.1-70b-qlora-4x24gb": (22.1, LLAMA70, 16 * 7, 5 * 8192 + 8192 + 28672, 1 * 1024, "full"),
+    "llama-3.1-8b-lora": (79.6, LLAMA8, 16 * 7, 5 * 4096 + 4096 + 14336, 1 * 4096, "none"),
+    "llama-3.1-8b-lora-dpo": (79.6, LLAMA8, 16 * 7, 5 * 4096 + 4096 + 14336, 2 * 4 * 2048, "full"),
+    "llama-3.1-8b-lora-grpo": (79.6, LLAMA8, 16 * 7, 0, 8 * (512 + 1024), "every_2"),
+    "llama-3.1-8b-lora-kto": (79.6, LLAMA8, 16 * 7, 5 * 4096 + 4096 + 14336, 4 * 2048, "every_4"),
+    "llama-3.1-8b-lora-rloo": (79.6, LLAMA8, 16 * 7, 0, 8 * (512 + 1024), "every_2"),
+    "mistral-7b-full": (79.6, LLAMA8, 0, 0, 2 * 4096, "none"),
+    "mistral-large-hsdp": (79.6, LARGE, 16 * 4, 3 * 12288 + 12288, 1 * 4096, "ops"),
+    "mistral-large-qlora-4xh100": (79.6, LARGE, 16 * 4, 3 * 12288 + 12288, 2 * 4096, "ops"),
+    "mistral-small-lora": (79.6, SMALL, 16 * 4, 3 * 5120 + 4096, 1 * 4096, "every_4"),
+    "mistral-small-lora-2xh200": (139.8, SMALL, 16 * 4, 3 * 5120 + 4096, 1 * 4096, "none"),
+    "qwen3-8b-full": (79.6, QWEN8, 0, 0, 2 * 4096, "none"),
+    "qwen3-8b-full-dpo": (79.6, QWEN8, 0, 0, 2 * 2 * 2048, "every_4"),
+}
+ORDER = ("none", "every_4", "every_2", "ops", "full")  # fastest first: less recomputed
 
 
-def test_every_gpu_recipe_pins_the_planners_pick_for_its_own_hardware():
+def hand_per_token(policy, layers, h, q, kv, inter, rank_width, dropout_width) -> int:
+    c = 2
+    layer = 2 * h * (4 + c) + c * (2 * q + 2 * kv + 4 * inter + rank_width) + (c + 1) * dropout_width
+    if policy == "none":
+        return layers * layer
+    kept = layers // {"every_4": 4, "every_2": 2}.get(policy, 1)  # each model's layers divide by 4
+    boundary = c * h + (c * q if policy == "ops" else 0)
+    return kept * boundary + (layers - kept) * layer + layer
+
+
+@pytest.mark.parametrize("name", sorted(BY_HAND))
+def test_each_gpu_recipes_pick_by_hand(name):
+    """Every GPU recipe (min_gpus > 0, `activation_checkpointing_policy: auto`) on its own hardware: each policy's
+    total differs from full checkpointing's by the tokens x the per-token difference worked out above, and the pick
+    is the fastest whose total fits 90% of the GPU (the gates' 0.95 and 1 - 0.1 are looser)."""
     import yaml
 
-    gpus_of = yaml.safe_load((REPO / "accelerate_configs" / "recipes.yaml").read_text())
-    assert len(GPU_RECIPES) == 15
-    for name in GPU_RECIPES:
-        folder = REPO / "recipes" / name
-        acc = yaml.safe_load((folder / "accelerate.yaml").read_text())
-        nodes = int(acc.get("num_machines", 1))
-        gpus = max(int(acc.get("num_processes", 1)) // nodes, 1)
-        gpu = (gpus_of.get(name) or {}).get("gpu", "H100")
-        pinned = plan.prepare(name, gpus, nodes, gpu, REPO / "recipes")
-        auto = plan.prepare(name, gpus, nodes, gpu, REPO / "recipes", ["--activation_checkpointing_policy", "auto"])
-        assert pinned.checkpointing.pinned and pinned.checkpointing.pick == auto.checkpointing.pick, name
-        assert pinned.fits, name
+    capacity, (layers, h, q, kv, inter), rank_width, dropout_width, tokens, pick = BY_HAND[name]
+    acc = yaml.safe_load((REPO / "recipes" / name / "accelerate.yaml").read_text())
+    nodes = int(acc.get("num_machines", 1))
+    gpu = {79.6: "H100", 139.8: "H200", 22.1: "L4"}[capacity]
+    p = plan.prepare(name, max(int(acc["num_processes"]) // nodes, 1), nodes, gpu, REPO / "recipes")
+    c = p.checkpointing
+    assert p.setup.tokens == tokens and list(c.totals) == [n for n in ORDER if n in c.totals]
+    assert ("ops" in c.totals) == (p.cfg.trainer == "sft")
+    per = {n: hand_per_token(n, layers, h, q, kv, inter, rank_width, dropout_width) for n in c.totals}
+    for n, total in c.totals.items():
+        assert total - c.totals["full"] == tokens * (per[n] - per["full"]), n
+    limit = capacity * 0.9 * GIB
+    assert c.limit == pytest.approx(limit)
+    assert not c.pinned and c.pick == pick == next(n for n, total in c.totals.items() if total <= limit)
+    assert p.fits
+
+
+def test_the_hand_table_covers_every_gpu_recipe():
+    import yaml
+
+    gpu_recipes = set()
+    for folder in (REPO / "recipes").iterdir():
+        trainer_yaml = next(f for f in folder.glob("*.yaml") if f.name != "accelerate.yaml")
+        if (yaml.safe_load(trainer_yaml.read_text()).get("min_gpus") or 0) > 0:
+            gpu_recipes.add(folder.name)
+    assert gpu_recipes == set(BY_HAND)
+
+
+def test_the_launcher_resolves_auto_for_the_gpus_it_finds(monkeypatch):
+    """launch/launcher.py place(): the option's launch_overrides with the planner's pick for this machine's GPUs
+    (nvidia-smi's memory.total, faked: 81,559 MiB = 79.6 GiB, an H100's). llama-3.1-8b-lora at its own 1 x 4096 on
+    one GPU: none, 16,228,294,656 + ... as above with 4,096 tokens, fits; at 2 x 4096 none is 101,781,651,456 B, over,
+    every_4 too, every_2 fits (test_the_planners_pick_for_nemos_setting_by_hand)."""
+    from fsdp_recipes import speed
+    from fsdp_recipes.config import hardware, recipes
+    from fsdp_recipes.planning import checkpointing
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(hardware, "nvidia_smi", lambda *args: "81559\n")
+    for overrides, gpus, expected in (([], 1, "none"), (["--per_device_train_batch_size", "2"], 1, "every_2")):
+        recipe = recipes.load("llama-3.1-8b-lora", overrides)
+        decided, notes = speed.launch_overrides(recipe.field, gpus, lambda: checkpointing.pick_for_launch(recipe, gpus))
+        assert decided == ["--activation_checkpointing_policy", expected]
+        assert notes[0].startswith(f"activation checkpointing: auto -> {expected} (the fastest that fits")
+    decided, notes = speed.launch_overrides(recipe.field, 0, None)  # no GPUs: TRL's default, no plan
+    assert decided == ["--activation_checkpointing_policy", "full"] and "without GPUs" in notes[0]
+    pinned = recipes.load("llama-3.1-8b-lora", ["--activation_checkpointing_policy", "ops"])
+    assert speed.launch_overrides(pinned.field, 1, None) == ([], [])  # a pinned policy is the recipe's
+    monkeypatch.setattr(hardware, "nvidia_smi", lambda *args: None)
+    assert checkpointing.pick_for_launch(recipe, 1)[0] == "full"

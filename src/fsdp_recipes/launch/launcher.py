@@ -46,6 +46,7 @@ from fsdp_recipes.launch.ending import how_it_ended, summarise
 from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
 from fsdp_recipes.launch.output_dir import claim_output_dir, lock_output_dir
+from fsdp_recipes.planning import checkpointing
 from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command
 
 
@@ -127,6 +128,11 @@ def place(recipe: Recipe, gpus: int) -> list[str]:
     for note in placed.notes:
         say(note)
     recipe.overrides = [*placed.overrides, *recipe.overrides]  # the user's last: they win
+    # what the planner decides for the GPUs here (activation checkpointing's `auto`): after the user's, replacing it
+    decided, notes = speed.launch_overrides(recipe.field, gpus, lambda: checkpointing.pick_for_launch(recipe, gpus))
+    for note in notes:
+        say(note)
+    recipe.overrides += decided
     if placed.processes is not None:
         recipe.accelerate = dict(recipe.accelerate, num_processes=placed.processes)
         extra += ["--num_processes", str(placed.processes)]

@@ -26,7 +26,7 @@ Activation checkpointing (speed/activation_checkpointing.py's policies), per tok
     ops         full's, plus the attention output each layer saves (c*q) under TRL's selective policy
 Checked against the H100 runs of 2026-11-26 (bench/README.md, "Second GPU run"; docs/planner.md "Against the
 GPU"): with full checkpointing the 8B LoRA rungs' max_memory_allocated less their probed weights, gradients and
-optimizer states grows by 608,950 B per token between the packed rung (8,192 tokens) and the padded one (8 x 4,096),
+optimizer states grows by 608,898 B per token between the packed rung (8,192 tokens) and the padded one (8 x 4,096),
 against this term's 612,576 (-0.6%); the policies without checkpointing wait for the GPU ladder's first rung.
 TRL 1.16's SFTTrainer computes the loss through a fused, chunked LM head, so full logits are never
 materialised; one tile of at most 4096 tokens x 32768 vocabulary entries is (trl/kernels/chunked_logprob.py), and

@@ -213,10 +213,11 @@ class Planned:
 
 
 def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None,
-            overrides: list[str] | tuple = ()) -> Planned:
+            overrides: list[str] | tuple = (), capacity_gib: float | None = None) -> Planned:
+    """`capacity_gib`: the GPU's memory as measured (the launcher's nvidia-smi), `gpu` then only its name."""
     if gpus < 1 or nodes < 1:
         raise UserError(f"GPUS={gpus} NODES={nodes}: both must be at least 1.")
-    gpu_key, capacity, bf16_ok = gpu_spec(gpu)
+    gpu_key, capacity, bf16_ok = gpu_spec(gpu) if capacity_gib is None else (gpu, capacity_gib, True)
     recipe, acc, cfg, model = load_recipe(name, recipes_root, overrides, world_size=gpus * nodes)
     training, model_args = cfg.training, cfg.model
     if (training.bf16 or acc.get("mixed_precision") == "bf16" or model_args.dtype == "bfloat16") and not bf16_ok:

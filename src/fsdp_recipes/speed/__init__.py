@@ -16,6 +16,8 @@ Optional, with the defaults of SpeedOption:
     check_launch(cfg, acc, path)    the launcher only, before the ranks work: the accelerate YAML, the devices
                                     without importing torch (nvidia-smi)
     check_model(model, acc, path)   the launcher, against a meta-device copy of the model
+    launch_overrides(field, gpus, planner_pick)  the launcher, before the ranks start: (overrides, line) for a setting
+                                    the planner decides (planner_pick() -> (choice, why), planning/checkpointing.py)
     smoke(field, gpus)              `make smoke`: (overrides, note) where the option cannot run on this machine;
                                     field(name, default) reads the recipe's setting (config/recipes.py Recipe)
     settle(cfg)                     in the ranks, before run_args.json records the settings as they will run
@@ -74,6 +76,7 @@ class SpeedOption:
     check_launch: Callable = _nothing
     check_model: Callable = _nothing
     smoke: Callable = _no_smoke
+    launch_overrides: Callable = _no_smoke
     settle: Callable = _nothing
     model_init_kwargs: Callable = _no_fields
     load_model: Callable = _nothing
@@ -154,6 +157,17 @@ def smoke(field, gpus: int) -> tuple[list[str], list[str]]:
     overrides, notes = [], []
     for option in OPTIONS.values():
         more, note = option.smoke(field, gpus)
+        overrides += more
+        if note:
+            notes.append(note)
+    return overrides, notes
+
+
+def launch_overrides(field, gpus: int, planner_pick) -> tuple[list[str], list[str]]:
+    """Every option's overrides for the ranks that the planner decides on this machine, and the lines that say so."""
+    overrides, notes = [], []
+    for option in OPTIONS.values():
+        more, note = option.launch_overrides(field, gpus, planner_pick)
         overrides += more
         if note:
             notes.append(note)

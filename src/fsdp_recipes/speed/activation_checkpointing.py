@@ -6,7 +6,8 @@ The policy is this option's own setting, `activation_checkpointing_policy` (conf
     ops         every layer checkpointed, but the attention outputs are saved (TRL's selective checkpointing, torch's
                 create_selective_checkpoint_contexts): the rest of the layer is recomputed. SFTTrainer only
     full        every layer checkpointed: each keeps its input and recomputes the rest (TRL's default)
-    auto        `make plan` picks the fastest of these that fits the GPU's memory within the gates' headroom
+    auto        the planner picks the fastest of these that fits the GPU's memory within the gates' headroom: `make
+                plan` prints it, and the launcher resolves it for the GPUs it finds before the ranks start
 Unset, TrainingArguments' own fields decide as written (`activation_checkpointing`, `activation_checkpointing_kwargs`;
 `gradient_checkpointing*` before transformers 5.23, patches/versions.py maps them). A policy is applied through those
 same fields (`settle`, in the ranks before run_args.json records them): transformers' Trainer calls
@@ -80,15 +81,23 @@ def check_config(cfg) -> None:
                         f"recipe's trainer is {cfg.trainer}. Fix: full, every_2 or none.")
 
 
-def check_launch(cfg, acc: dict, path) -> None:
-    if policy(cfg) == "auto":
-        raise_auto()
+def launch_overrides(field, gpus: int, planner_pick) -> tuple[list[str], str | None]:
+    """In the launcher, before the ranks start: `auto` becomes the planner's pick for the GPUs here
+    (`planner_pick()`: planning/checkpointing.py, the recipe planned as `make plan` plans it); without GPUs, full,
+    TRL's default (the planner plans GPU memory). Returns the override the ranks get and the line that says so."""
+    if str(field(SETTING, "")) != "auto":
+        return [], None
+    if not gpus:
+        return ["--" + SETTING, "full"], "activation checkpointing: auto on a machine without GPUs -> full (TRL's default)"
+    pick, why = planner_pick()
+    return ["--" + SETTING, pick], f"activation checkpointing: auto -> {pick} ({why})"
 
 
 def raise_auto() -> None:
-    raise UserError(f"{SETTING}: auto is decided by the planner, for a GPU and a topology; a run needs the pick. Fix: "
-                    "`make plan RECIPE=<recipe> GPUS=<n> GPU=<model>` prints it (\"activation checkpointing: ... "
-                    f"pick <policy>\"); set {SETTING}: <policy>.")
+    raise UserError(f"{SETTING}: auto is decided by the planner before the ranks start, which the launcher does "
+                    "(python -m fsdp_recipes.launch.launcher, make finetune); a run started otherwise needs the pick. "
+                    "Fix: launch through the launcher, or set the policy `make plan RECIPE=<recipe> GPUS=<n> "
+                    "GPU=<model>` prints (\"-> pick <policy>\").")
 
 
 def settle(cfg) -> None:
