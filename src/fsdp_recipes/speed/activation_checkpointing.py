@@ -88,7 +88,8 @@ def launch_overrides(field, gpus: int, planner_pick) -> tuple[list[str], str | N
     if str(field(SETTING, "")) != "auto":
         return [], None
     if not gpus:
-        return ["--" + SETTING, "full"], "activation checkpointing: auto on a machine without GPUs -> full (TRL's default)"
+        return ["--" + SETTING, "full"], ("activation checkpointing: auto on a machine without GPUs -> full "
+                                          "(TRL's default)")
     pick, why = planner_pick()
     return ["--" + SETTING, pick], f"activation checkpointing: auto -> {pick} ({why})"
 
