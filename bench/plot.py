@@ -29,7 +29,7 @@ PHASE_GROUPS = (
     ("accelerate + torchrun start", ("accelerate launch",)),
     ("rank: start + imports", ("rank: interpreter", "rank: imports")),
     ("rank: gate", ("rank: waits",)),
-    ("rank: recipe, model, LoRA", ("rank: parse", "rank: dataset load", "rank: SFTTrainer start", "rank: model load",
+    ("rank: recipe, model, LoRA", ("rank: builds", "rank: run report", "rank: SFTTrainer start", "rank: model load",
                                    "rank: LoRA", "rank: rest of")),
     ("rank: dataset preparation", ("rank: dataset preparation",)),
     ("rank: FSDP wrap + first step", ("rank: Trainer.train", "rank: first step")),

@@ -4,7 +4,7 @@ Every family gets the same small shape (2 layers, hidden 64, 4 query and 2 key/v
 the settings that make it that family and that a fine-tuning path can trip on: tied or untied embeddings, sliding
 windows, attention and logit softcapping, fused projections, mixture-of-experts layers, Granite's multipliers.
 scripts/arch_matrix.py trains each under FSDP2; this module is the pure part (no torch at import), tested in process by
-tests/test_arch_matrix.py.
+tests/test_arch_matrix.py, with the check of a merge of LoRA on the experts (expert_merge).
 """
 
 from __future__ import annotations
@@ -20,6 +20,15 @@ SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
 # accelerate 1.15 cannot load a model with a buffer in its state dict (the router's e_score_correction_bias) under
 # FSDP2's RAM-efficient loading (accelerate issue 3898); the pack refuses that combination in one line
 RAM_EFFICIENT_OFF = "ram-efficient loading off (accelerate issue 3898)"
+QWEN3_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                 tie_word_embeddings=False)
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)
+# transformers 5 fuses each MoE layer's experts into 3-D parameters: PEFT's target_parameters adapts them (LoRA
+# dropout 0 there, as the matrix's recipe has it), the attention layers by name, the router (mlp.gate) frozen. (PEFT
+# 0.21 turns all-linear on these models into attention, experts and router: the plain qwen3-moe and mixtral rows.)
+EXPERT_LORA = ("--lora_target_modules", "q_proj", "k_proj", "v_proj", "o_proj",
+               "--lora_target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERTS_NOTE = "LoRA on attention and experts (target_parameters), router frozen"
 
 
 @dataclass(frozen=True)
@@ -28,7 +37,8 @@ class Family:
     settings, on top of SHAPE. `attn`: the attention implementation its models support. `fsdp` (accelerate YAML
     fsdp_config keys) and `args` (recipe fields on the command line): what a user of this family must set, and
     `note` why (shown with its results). `refused`: method -> why it cannot work, naming whose limitation it is;
-    listed, not run."""
+    listed, not run. `methods`: the methods it runs (a variant for LoRA targets only has no full case to add; `head`
+    runs on tied families only)."""
 
     name: str
     model_type: str
@@ -38,6 +48,7 @@ class Family:
     args: tuple = ()
     note: str = ""
     refused: dict = field(default_factory=dict)
+    methods: tuple = ("lora", "full", "head")
 
 
 FAMILIES = (
@@ -45,9 +56,11 @@ FAMILIES = (
     Family("mistral", "mistral", dict(sliding_window=WINDOW, tie_word_embeddings=False)),  # Mistral 7B v0.1's window
     Family("qwen2", "qwen2", dict(tie_word_embeddings=True)),  # q/k/v biases; Qwen2 0.5B ties its head
     Family("qwen3", "qwen3", dict(tie_word_embeddings=True)),  # per-head q/k RMSNorm; Qwen3 0.6B ties
-    Family("qwen3-moe", "qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                          norm_topk_prob=True, tie_word_embeddings=False)),
-    Family("mixtral", "mixtral", dict(num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    Family("qwen3-moe", "qwen3_moe", QWEN3_MOE),
+    Family("mixtral", "mixtral", MIXTRAL),
+    # LoRA on the fused 3-D expert weights (PEFT's target_parameters), besides all-linear's attention layers
+    Family("qwen3-moe-experts", "qwen3_moe", QWEN3_MOE, args=EXPERT_LORA, note=EXPERTS_NOTE, methods=("lora",)),
+    Family("mixtral-experts", "mixtral", MIXTRAL, args=EXPERT_LORA, note=EXPERTS_NOTE, methods=("lora",)),
     # softcapping and query_pre_attn_scalar are Gemma 2's; transformers runs its attention in eager only
     Family("gemma2", "gemma2", dict(query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                     sliding_window=WINDOW, layer_types=SLIDING_THEN_FULL, tie_word_embeddings=True),
@@ -109,6 +122,11 @@ FAMILIES = (
 )
 
 
+def tied(family: Family) -> bool:
+    """Whether the family's table entry ties the LM head to the input embedding (the matrix's `head` method)."""
+    return bool(family.quirks.get("tie_word_embeddings"))
+
+
 def by_name(names: list[str] | None = None) -> list[Family]:
     """The families named (all by default), in the table's order; an unknown name is one line listing the known."""
     if not names:
@@ -151,3 +169,45 @@ def build_model(family: Family, tokenizer, out, seed: int = 0) -> int:
 def refusal_line(family: Family, method: str) -> str:
     """What the matrix says of a case it does not run."""
     return f"{family.name} {method}: refused: {family.refused[method]}"
+
+
+def expert_merge(base_dir, run, atol: float) -> str:
+    """LoRA on the fused experts: each merged expert equals base + scaling * B_e @ A_e, from the saved adapter's
+    matrices by hand (PEFT stores A as (rank x experts, in) and B as (out, rank x experts), expert e's rows of A in
+    one block and its columns of B every experts-th), and the router is the base's. Logits alone could hide a
+    merge that dropped the experts' deltas where they are small. The models are compared as transformers loads them
+    (fused): it saves the experts one by one, in transformers 4's layout."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base, merged = (AutoModelForCausalLM.from_pretrained(path).state_dict() for path in (base_dir, run / "merged"))
+    adapter = load_file(str(run / "adapter_model.safetensors"))
+    config = json.loads((run / "adapter_config.json").read_text())
+    if any(".mlp.gate." in key for key in adapter):
+        raise AssertionError("the adapter holds LoRA on the router (mlp.gate), which the recipe did not name")
+    largest, checked, moved = 0.0, 0, 0
+    for name, weight in base.items():
+        if weight.ndim != 3:
+            if ".mlp.gate." in name and not bool((merged[name] == weight).all()):
+                raise AssertionError(f"{name}: the router changed in the merge")
+            continue
+        experts, out_features, in_features = weight.shape
+        prefix = "base_model.model." + name.rsplit(".", 1)[0]
+        pairs = [(adapter[key], adapter[key.replace("lora_A", "lora_B")]) for key in adapter
+                 if key.startswith(prefix + ".") and key.endswith("lora_A.weight")]
+        lora_a, lora_b = next((a, b) for a, b in pairs if a.shape[1] == in_features and b.shape[0] == out_features)
+        rank = lora_a.shape[0] // experts
+        scaling = config["lora_alpha"] / config["r"]
+        for e in range(experts):
+            delta = scaling * lora_b[:, e::experts] @ lora_a[e * rank:(e + 1) * rank]
+            diff = (merged[name][e] - (weight[e] + delta)).abs().max().item()
+            if diff > atol:
+                raise AssertionError(f"{name} expert {e}: merged differs from base + LoRA by {diff:.3g}")
+            # an expert that was given no token keeps its B at zero
+            largest, moved = max(largest, diff), moved + bool(delta.abs().max() > 0)
+        checked += experts
+    if not moved:
+        raise AssertionError("no expert's LoRA moved: the experts were not trained")
+    return f"{checked} experts = base + B@A within {largest:.1g} ({moved} moved), router unchanged"

@@ -12,12 +12,15 @@ transformers and PEFT:
 - LoRA: `PeftModel.from_pretrained(base, output_dir)` does, and `from_pretrained(output_dir/merged)` (the pack's
   merge) computes the logits of base + adapter;
 - either way the logits moved from the base model's (a save of the untrained model fails), and a tied head is still
-  the input embedding after the reload.
+  the input embedding after the reload;
+- head (the tied families only): LoRA with the LM head trained in full (`lora_modules_to_save: [lm_head]`, issue 61:
+  every rank stopped in FSDP2's setup before), checked as LoRA; its merged model is untied (the trained head, the
+  base's embedding).
 
 A case that fails on both ranks is a result and the matrix goes on. One that fails on one rank can leave the other
 waiting in a collective: that launch ends, and a new one takes the cases after it.
 
-    python scripts/arch_matrix.py [--families llama,gemma2] [--methods lora,full] [--out runs/arch-matrix]
+    python scripts/arch_matrix.py [--families llama,gemma2] [--methods lora,full,head] [--out runs/arch-matrix]
 
 Results: <out>/results.json and a table; exit 1 when a case failed (refused ones do not count).
 """
@@ -90,8 +93,10 @@ def accelerate_config(fsdp: dict | None = None) -> dict:
 
 
 def cases(args) -> list[tuple]:
-    """(family, method) in the table's order."""
-    return [(f, m) for f in arch_families.by_name(names(args.families)) for m in args.methods.split(",")]
+    """(family, method) in the table's order: the methods a family runs (Family.methods), `head` (the LM head trained
+    in full) on the tied families only."""
+    return [(f, m) for f in arch_families.by_name(names(args.families)) for m in args.methods.split(",")
+            if m in f.methods and (m != "head" or arch_families.tied(f))]
 
 
 def names(text: str) -> list[str]:
@@ -232,8 +237,9 @@ def case_settings(family, method: str, out: Path, launched_env: dict) -> list[st
             os.environ.pop(var, None)
         else:
             os.environ[var] = str(value).lower() if isinstance(value, bool) else str(value)
-    return ["--use_peft", str(method == "lora").lower(), "--output_dir", str(case_dir(out, family, method)),
-            *family.args]
+    head = ["--lora_modules_to_save", "lm_head"] if method == "head" else []  # LoRA + the head trained in full
+    return ["--use_peft", str(method != "full").lower(), "--output_dir", str(case_dir(out, family, method)),
+            *head, *family.args]
 
 
 def launcher_checks(family, out: Path, overrides: list[str]) -> None:
@@ -308,8 +314,17 @@ def reload_checks(family, method: str, out: Path, batch: dict, trained) -> str:
         notes = [f"reload {close(reloaded, trained, 'from_pretrained against the trained model'):.1g}"]
     else:
         reloaded = logits(PeftModel.from_pretrained(load(out / "models" / family.name), run).eval())
+        merged = load(run / "merged")
         notes = [f"adapter {close(reloaded, trained, 'base + adapter against the trained model'):.1g}",
-                 f"merged {close(logits(load(run / 'merged')), reloaded, 'the merged model against base + adapter'):.1g}"]
+                 f"merged {close(logits(merged), reloaded, 'the merged model against base + adapter'):.1g}"]
+        if method == "head" and merged.config.tie_word_embeddings:
+            raise AssertionError("the merged model of a trained head still ties it to the input embedding")
+    if method == "lora" and "--lora_target_parameters" in family.args:
+        losses = [e["loss"] for e in json.loads((run / "log_history.json").read_text())["log_history"] if "loss" in e]
+        if not losses[-1] < losses[0]:
+            raise AssertionError(f"the loss did not fall: {losses}")
+        notes.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+                     + arch_families.expert_merge(out / "models" / family.name, run, ATOL))
     change = float((reloaded - base).abs().max())
     if change < MIN_CHANGE:
         raise AssertionError(f"the saved model's logits are the base model's (max change {change:.2g}): not trained")
@@ -412,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/arch-matrix")
     ap.add_argument("--families", default="", help="comma-separated names (default: all)")
-    ap.add_argument("--methods", default="lora,full")
+    ap.add_argument("--methods", default="lora,full,head")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank of the launch
     ap.add_argument("--cases", default="", help=argparse.SUPPRESS)  # the rank's cases: family:method,...

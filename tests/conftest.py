@@ -363,9 +363,11 @@ def publishing_shared_run(key_args: list[str], cache_dir: Path, own: Path):
 class RanksWouldStart(BaseException):  # not an Exception: no handler in the launcher may take it for a failure
     """Raised where the launcher starts `accelerate launch`, with the command it would run."""
 
-    def __init__(self, cmd: list[str]) -> None:
+    def __init__(self, cmd: list[str], settings: dict | None = None, overrides: list[str] | None = None) -> None:
         super().__init__(" ".join(cmd))
         self.cmd = cmd
+        self.settings = settings  # the recipe as the launcher hands it to the ranks (config/handoff.py), once written
+        self.overrides = overrides  # the command line the launcher parses the recipe with: placement's, the user's
 
 
 def launcher_checks(args: list[str], monkeypatch, capsys) -> subprocess.CompletedProcess:
@@ -394,16 +396,26 @@ def launcher_until_ranks(args: list[str], monkeypatch, capsys,
     recipe checks, which run where the ranks import; for a command checked on hardware faked in the launcher)."""
     from fsdp_recipes.launch import launcher
 
+    seen = {}
+
+    def start_ranks(recipe, *a, **k):
+        seen["overrides"] = list(recipe.overrides)
+        return start(recipe, *a, **k)
+
     def ranks_would_start(cmd, torchrun_logs, *a, **k):
         import shutil
 
+        handed = Path(cmd[cmd.index("--recipe_settings") + 1])
+        settings = json.loads(handed.read_text()) if handed.is_file() else None
         shutil.rmtree(torchrun_logs, ignore_errors=True)  # made for the ranks, which Ranks would remove at the end
-        raise RanksWouldStart(cmd)
+        raise RanksWouldStart(cmd, settings, seen.get("overrides"))
 
     monkeypatch.chdir(REPO)  # where launch() runs it
     if "--output_dir" not in args:  # not the recipe's runs/<name>: the launcher locks it, and another worker may too
         args = [*args, "--output_dir", str(Path(tempfile.mkdtemp(dir=CHECKS_ROOT.name)) / "run")]
     monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "0" if checks_first else "1")  # check first, then start
+    start = launcher.start_ranks
+    monkeypatch.setattr(launcher, "start_ranks", start_ranks)
     monkeypatch.setattr(launcher, "Ranks", ranks_would_start)
     saved = dict(os.environ)  # main sets PET_* and others with setdefault: they must not reach later tests
     try:

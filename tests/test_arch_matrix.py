@@ -125,6 +125,71 @@ def test_each_family_gets_a_recipe_folder_with_its_fsdp_settings(tmp_path):
     assert llama.raw["model_name_or_path"] == str(tmp_path / "models" / "llama")
 
 
+def test_the_expert_lora_cases_run_lora_only_with_the_router_frozen_and_pass_the_launchers_check():
+    """LoRA on the fused experts (PEFT's target_parameters) of Qwen3-MoE and Mixtral: the matrix trains it under
+    FSDP2 and checks each merged expert by hand (arch_families.expert_merge)."""
+    from trl import ModelConfig
+
+    from fsdp_recipes.config import expert_lora
+
+    args = SimpleNamespace(families="qwen3-moe-experts,mixtral-experts,qwen3-moe", methods="lora,full")
+    assert [(f.name, m) for f, m in matrix.cases(args)] == [
+        ("qwen3-moe-experts", "lora"), ("mixtral-experts", "lora"), ("qwen3-moe", "lora"), ("qwen3-moe", "full")]
+    for name in ("qwen3-moe-experts", "mixtral-experts"):
+        family = families.by_name([name])[0]
+        flags = " ".join(family.args).split("--")[1:]
+        lora = {flag.split()[0]: flag.split()[1:] for flag in flags}
+        assert lora["lora_target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+        assert "gate" not in lora["lora_target_modules"]  # the router (mlp.gate) is not named
+        model_args = ModelConfig(use_peft=True, lora_dropout=matrix.recipe(Path("o"), family, 3)["lora_dropout"], **lora)
+        expert_lora.check(meta_model(name), matrix.accelerate_config(), "r/accelerate.yaml", model_args)
+
+
+def test_the_matrixs_expert_merge_check_fails_on_a_merge_that_dropped_the_experts_deltas(tmp_path):
+    import shutil
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    family = families.by_name(["qwen3-moe-experts"])[0]
+    base, run = tmp_path / "base", tmp_path / "run"
+    model = AutoModelForCausalLM.from_config(families.build_config(family, Tokenizer()))
+    model.save_pretrained(base)
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["q_proj"],
+                                                  target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"]))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    peft_model.save_pretrained(run)
+    peft_model.merge_and_unload().save_pretrained(run / "merged")
+    assert families.expert_merge(base, run, matrix.ATOL).startswith("16 experts = base + B@A within ")
+    shutil.rmtree(run / "merged")
+    shutil.copytree(base, run / "merged")  # the experts' deltas dropped
+    with pytest.raises(AssertionError, match=r"expert 0: merged differs from base \+ LoRA by "):
+        families.expert_merge(base, run, matrix.ATOL)
+
+
+def test_the_head_method_trains_the_lm_head_of_the_tied_families_only(tmp_path, monkeypatch):
+    """`head` (issue 61): LoRA with lora_modules_to_save [lm_head], on the families whose table entry ties the head
+    to the input embedding, the case that failed in every rank's FSDP2 setup."""
+    chosen = "llama,qwen2,gemma2,phi3,gpt2"
+    got = [(f.name, m) for f, m in matrix.cases(SimpleNamespace(families=chosen, methods="lora,full,head"))]
+    assert [c for c in got if c[1] == "head"] == [("qwen2", "head"), ("gemma2", "head")]
+    assert {f.name for f in families.FAMILIES if families.tied(f)} >= {"qwen2", "qwen3", "gemma2", "smollm3"}
+    for var in matrix.FSDP_ENV.values():  # case_settings sets accelerate's variables for the case
+        monkeypatch.delenv(var, raising=False)
+    qwen2 = families.by_name(["qwen2"])[0]
+    matrix.write_recipes(tmp_path, [qwen2], steps=3)
+    settings = matrix.case_settings(qwen2, "head", tmp_path, {})
+    assert settings[:2] == ["--use_peft", "true"] and "--lora_modules_to_save" in settings
+    assert settings[settings.index("--lora_modules_to_save") + 1] == "lm_head"
+    assert "--lora_modules_to_save" not in matrix.case_settings(qwen2, "lora", tmp_path, {})
+
+
 # ---- the pack's refusals the matrix found -------------------------------------------------------------------------
 
 def meta_model(name: str):

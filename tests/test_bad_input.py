@@ -278,6 +278,40 @@ def test_training_a_tied_input_embedding_is_one_line_before_any_rank(tmp_path, c
                                "whose LM head lm_head is tied to it (tie_word_embeddings)")
 
 
+# ---- issue 61 class 2: the other ways a recipe could train a tied model's head or embedding
+
+def test_a_lora_on_the_lm_head_is_one_line_before_any_rank(recipe, tmp_path, cache_dir, checks):
+    """TRL refused it in every rank's setup (its fused LM head reads lm_head.weight); the launcher names it first."""
+    config = yaml.safe_load((recipe / "sft.yaml").read_text())
+    del config["lora_modules_to_save"]  # the tiny recipe trains the whole head; this user tries a LoRA on it instead
+    (recipe / "sft.yaml").write_text(yaml.safe_dump(config))
+    res = checks([str(recipe), "--model_name_or_path", tied_copy_of_the_tiny_model(tmp_path, cache_dir),
+                  "--output_dir", tmp_path / "run", "--lora_target_modules", "q_proj", "lm_head"])
+    assert_one_line_error(res, "lora_target_modules ['q_proj', 'lm_head'] puts a LoRA adapter on lm_head, the LM "
+                               "head of MistralForCausalLM")
+    assert "Fix: train the whole head instead (lora_modules_to_save: [lm_head] (an untied trained copy" in res.stderr
+
+
+@pytest.mark.parametrize("key, fix", [
+    ("trainable_token_indices", "Fix: to train the input embedding, add embed_tokens to lora_target_modules"),
+    ("ensure_weight_tying", "Fix: remove it"),
+])
+@pytest.mark.parametrize("where", ["yaml", "flag"])
+def test_peft_settings_no_recipe_can_set_are_one_line_with_the_way_that_does(recipe, tmp_path, checks, key, fix,
+                                                                            where):
+    """PEFT's own tied-weights warning names ensure_weight_tying, and its docs trainable_token_indices; TRL's
+    ModelConfig builds the LoraConfig without either, so a recipe that sets one gets why and what does work."""
+    value = [1, 2] if key == "trainable_token_indices" else True
+    if where == "yaml":
+        edit_yaml(recipe / "sft.yaml", **{key: value})
+        extra = []
+    else:
+        extra = [f"--{key}", *(str(v) for v in (value if isinstance(value, list) else [value]))]
+    res = checks([str(recipe), "--output_dir", tmp_path / "run", *extra])
+    assert_one_line_error(res, f"PEFT's {key} is no recipe setting (TRL builds the LoraConfig without it")
+    assert fix in res.stderr
+
+
 def sft_output(tmp_path, merged: bool):
     """What a LoRA SFT run leaves in its output_dir: the adapter, a checkpoint, and merged/ with save_merged_model."""
     run = tmp_path / "runs" / "smollm2-135m-lora"

@@ -36,8 +36,8 @@ def data(tmp_path_factory, cache_dir):
 
 def first_step_record() -> dict:
     """Clocks as the probed runs record them (seconds from the command's start), in both start orders."""
-    names = ["process_created", "probe_start", "imports_done", "gate_start", "gate_end", "load_datasets_start",
-             "load_datasets_end", "model_load_start", "model_load_end", "peft_wrap_start", "peft_wrap_end",
+    names = ["process_created", "probe_start", "imports_done", "through_gate", "configured", "data_loaded",
+             "model_load_start", "model_load_end", "peft_wrap_start", "peft_wrap_end",
              "dataset_prep_start", "dataset_prep_end", "sft_trainer_init_end", "fsdp_wrap_and_optimizer_end",
              "first_step_end_end"]
     probed = {}
@@ -180,9 +180,9 @@ def test_first_step_phases_add_up_to_the_first_step():
         assert sum(phases.values()) == pytest.approx(rec["first_step_end_s"][order])
         assert all(v >= 0 for v in phases.values())
     # by hand from first_step_record's clocks (mark i at start + 1 + i s; the ranks start at 4 s serial, 1 s overlap):
-    # the launcher's share is the start; each phase spans one mark, but the gate (gate_start and gate_end), the LoRA
-    # wrap (model_load_end to peft_wrap_end) and dataset preparation (peft_wrap_end to dataset_prep_end) span two
-    rest = [1, 1, 1, 2, 1, 1, 1, 1, 2, 2, 1, 1, 1]
+    # the launcher's share is the start; each phase spans one mark, but the LoRA wrap (model_load_end to
+    # peft_wrap_end) and dataset preparation (peft_wrap_end to dataset_prep_end) span two
+    rest = [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 1, 1, 1]
     assert list(rec["phases_s"]["serial"].values()) == [4.0, *rest]
     assert list(rec["phases_s"]["overlap"].values()) == [1.0, *rest]
     assert list(rec["phases_s"]["serial"]) == list(rec["phases_s"]["overlap"])  # one table row per phase

@@ -8,9 +8,10 @@ import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 
 from conftest import REPO
-from fsdp_recipes.config import recipes
+from fsdp_recipes.config import handoff, recipes
 from fsdp_recipes.config.accelerate_yaml import check_accelerate_config
 from fsdp_recipes.config.run_config import parse_args
+from fsdp_recipes.errors import UserError
 
 ACCELERATE_YAMLS = sorted(
     p for p in [*REPO.glob("accelerate_configs/*.yaml"), *REPO.glob("recipes/*/accelerate.yaml")]
@@ -31,7 +32,7 @@ def test_accelerate_yaml_loads_with_accelerate(path):
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_yaml_parses_with_trl(name, cache_dir):
+def test_recipe_yaml_parses_with_trl(name, cache_dir, tmp_path):
     # use_cpu lets bf16 recipes validate on this CPU-only machine; nothing else is overridden.
     cfg = parse_args(["--config", str(recipes.config_file(REPO / "recipes" / name)), "--use_cpu", "true"])
     assert cfg.pack.recipe_name == name
@@ -39,6 +40,35 @@ def test_recipe_yaml_parses_with_trl(name, cache_dir):
     assert cfg.model.model_name_or_path and (cfg.script.dataset_name or cfg.mixture.datasets)
     for required in ("launch.sh", "README.md"):
         assert (REPO / "recipes" / name / required).is_file()
+    # what the launcher hands its ranks (config/handoff.py) makes the same configuration, field for field
+    handoff.write(cfg.settings, tmp_path / "settings.json")
+    assert parse_args(handoff.rank_argv(tmp_path / "settings.json")).resolved() == cfg.resolved()
+
+
+def test_ranks_build_their_configuration_from_the_launchers_reading_alone(tmp_path):
+    """The YAML read once, the command line's values typed in (a list, a float, a `--no_` flag, `--key=value`, `env`):
+    the ranks parse the settings file with the YAML gone and no flag, and get the launcher's configuration."""
+    recipe = tmp_path / "sft.yaml"
+    recipe.write_text((REPO / "recipes/tiny-cpu-lora/sft.yaml").read_text() + "env:\n  FSDP_RECIPES_TEST_HANDOFF: '7'\n")
+    argv = ["--config", str(recipe), "--lora_target_modules", "q_proj", "v_proj", "--learning_rate=3e-4",
+            "--no_auto_resume", "--max_steps", "5"]
+    launcher = parse_args(argv)
+    assert {k: launcher.settings[k] for k in ("lora_target_modules", "learning_rate", "auto_resume",
+                                              "max_steps", "env")} == {
+        "lora_target_modules": ["q_proj", "v_proj"], "learning_rate": 3e-4, "auto_resume": False, "max_steps": 5,
+        "env": {"FSDP_RECIPES_TEST_HANDOFF": "7"}}
+    handoff.write(launcher.settings, tmp_path / "settings.json")
+    recipe.unlink()
+    rank = parse_args(handoff.rank_argv(tmp_path / "settings.json"))
+    assert rank.resolved() == launcher.resolved()
+    assert (rank.training.learning_rate, rank.pack.auto_resume, rank.model.lora_target_modules) == (
+        3e-4, False, ["q_proj", "v_proj"])
+
+
+def test_a_missing_settings_file_is_one_line(tmp_path):
+    with pytest.raises(UserError, match=r"^--recipe_settings .*missing.json cannot be read .* Fix: start the ranks "
+                                        r"with the launcher"):
+        parse_args(handoff.rank_argv(tmp_path / "missing.json"))
 
 
 @pytest.mark.slow

@@ -82,6 +82,12 @@ RUN_BY = {
                            ('DEFAULT, GPU_RECIPE = "smollm2-135m-lora"', 'run(["./launch.sh", *args]',
                             'launch_copy(project, DEFAULT, ["--max_steps"'),
                            expands="bash recipes/smollm2-135m-lora/launch.sh"),
+    # The launcher's exit code for scripts, through make: test_make runs `make finetune` with EXIT_CODE_FILE for
+    # each code (the launcher ending at once, tests/probes' FAKE_LAUNCH_EXIT).
+    "make finetune EXIT_CODE_FILE=exit_code": RunBy(
+        ("tests/test_make.py",), ('make_target(tmp_path, "finetune", "RECIPE=tiny-cpu-lora", f"EXIT_CODE_FILE={files[code]}"',
+                                  'assert files[code].read_text() == f"{code}\\n"'),
+        expands="FSDP_RECIPES_EXIT_CODE_FILE="),
     # The suite itself, and CI's steps: .ci/run runs these on a clean checkout.
     "make test": RunBy((".ci/run",), ("make test",), expands="-m pytest -v -n 2 --dist loadfile"),
     "make test-fast": RunBy((".ci/run",), ("make test",), expands='-m pytest -q -m "not slow"'),
@@ -108,11 +114,12 @@ RUN_BY = {
         expands="-m fsdp_recipes.cli job --launcher k8s mistral-small-lora --nodes 2 --gpus 8"),
     # What the launcher starts: launcher.py builds exactly this command, and test_end_to_end runs the launcher.
     "accelerate launch --config_file recipes/tiny-cpu-lora/accelerate.yaml -m fsdp_recipes.train.entry "
-    "--config recipes/tiny-cpu-lora/sft.yaml": RunBy(
-        ("src/fsdp_recipes/launch/ranks.py", "tests/test_end_to_end.py", "src/fsdp_recipes/config/recipes.py"),
+    "--recipe_settings /tmp/fsdp-recipes-torchrun-<id>/recipe_settings.json": RunBy(
+        ("src/fsdp_recipes/launch/ranks.py", "tests/test_end_to_end.py", "src/fsdp_recipes/config/handoff.py"),
         ('["--config_file", str(recipe.accelerate_path)',
-         '["-m", "fsdp_recipes.train.entry", *recipe.argv()]',
-         'return ["--config", str(self.config_path), *self.overrides]',
+         '["-m", "fsdp_recipes.train.entry", *handoff.rank_argv(settings_file(torchrun_logs))]',
+         'return torchrun_logs / "recipe_settings.json"',
+         'FLAG = "--recipe_settings"',
          'launch(["tiny-cpu-lora"')),
 }
 

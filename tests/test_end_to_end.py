@@ -63,6 +63,12 @@ def test_report_files_are_consistent(run_dir):
     assert 0 < m["tokens"]["non_padding"] <= m["tokens"]["padded"]
     assert m["samples"] == STEPS * 16 * 2  # per-device batch x ranks
     assert 0 < m["time_to_first_step_s"] < m["wall_clock_s"]
+    # the rank's start-up in its order, ending at the first step
+    startup = m["startup_s"]
+    assert list(startup) == ["imports_done", "through_gate", "configured", "data_loaded", "trainer_built",
+                             "train_begin", "first_step_end"]
+    assert list(startup.values()) == sorted(startup.values()) and startup["imports_done"] > 0
+    assert startup["first_step_end"] == pytest.approx(m["time_to_first_step_s"], abs=2e-3)
     assert m["train_time_s"] < m["wall_clock_s"]
     # CPU: MFU against the ranks' measured matmul rate (metrics/cpu_peak.py), said in peak_flops_source
     assert 0 < m["mfu"] < 1 and m["mfu_note"] is None
@@ -70,6 +76,8 @@ def test_report_files_are_consistent(run_dir):
     assert m["flops_per_token"] > 0 and m["peak_memory"]["host_rss_bytes"] > 0
     assert a["launcher"]["world_size"] == 2 and a["recipe"] == "tiny-cpu-lora"
     assert a["sft_config"]["max_steps"] == STEPS  # the command-line override reached the trainer
+    # through the launcher's reading of the recipe (config/handoff.py), not a parse of the YAML in each rank
+    assert a["command"][1] == "--recipe_settings" and a["recipe_settings"]["max_steps"] == STEPS
     assert a["lora_config"]["r"] == 32 and a["accelerate_env"]["FSDP_VERSION"] == "2"
     assert all(a["versions"][p] for p in ("torch", "transformers", "trl", "peft", "accelerate", "datasets"))
 

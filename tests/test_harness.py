@@ -3,6 +3,8 @@ fork server (tests/probes/fork_server.py) answers as a fresh process would."""
 
 import json
 import os
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -68,6 +70,34 @@ def test_a_killed_stand_in_takes_its_fork_and_everything_it_started_along(cache_
     while (left := [p for p in server.children() if p.status() != psutil.STATUS_ZOMBIE]) and time.time() < deadline:
         time.sleep(0.2)
     assert not left, [" ".join(p.cmdline()) for p in left]
+
+
+def test_a_stand_in_killed_before_the_answer_leaves_the_server_serving(cache_dir):
+    """A stand-in SIGKILLed between its request and the server's answer (the launcher's abort of `accelerate launch`
+    when a check fails within a second): the server kills that fork and goes on. It used to die of the
+    BrokenPipeError and SIGKILL every fork, so a launcher that had printed its one line and exited 2 was reported as
+    exit 1 (test_smoke_catches_a_wrong_wrap_class, once, under the whole suite's load)."""
+    server = psutil.Process(int(os.environ["FSDP_RECIPES_TEST_FORK_SERVER_PID"]))
+    log = served_by_the_fork_server()
+    request = json.dumps(dict(module="fsdp_recipes.cli", argv=["--help"], unbuffered=False, env=dict(os.environ),
+                              cwd=str(REPO), orig_argv=[sys.executable, "-m", "fsdp_recipes.cli", "--help"],
+                              executable=sys.executable)).encode()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(os.environ[fork_server.ADDRESS])
+    with open(os.devnull, "r+b") as devnull:  # what a stand-in sends (fork_server.delegate), then it is gone
+        socket.send_fds(conn, [struct.pack("!I", len(request))], [devnull.fileno()] * 3)
+        conn.sendall(request)
+        conn.close()
+    deadline = time.time() + 60
+    while "its stand-in was gone before the answer" not in log.read_text() and server.is_running() \
+            and server.status() != psutil.STATUS_ZOMBIE and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.is_running() and server.status() != psutil.STATUS_ZOMBIE, log.read_text()[-2000:]
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_recipes.launch.launcher", "no-such-recipe"], cwd=REPO,
+                            env=pack_env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "no-such-recipe" in err, err
+    assert f"for stand-in {proc.pid}: -m fsdp_recipes.launch.launcher" in log.read_text()  # served, not fresh
 
 
 # bench/compare.py's sitecustomize (it runs the one it shadows first; its counter is off without COMPARE_PROBE), then

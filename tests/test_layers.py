@@ -19,7 +19,7 @@ LAYER = {
     "speed": 4, "data": 4,
     "checkpoint": 3, "metrics": 3, "config": 3, "assets": 3,
     "patches": 2,
-    "dist": 1, "records": 1, "paths": 1, "rewards": 1, "library_logs": 1, "registry": 1,
+    "dist": 1, "records": 1, "paths": 1, "rewards": 1, "library_logs": 1, "registry": 1, "model_folders": 1,
     "errors": 0,
 }
 

@@ -471,3 +471,37 @@ def test_a_mistyped_key_or_value_is_answered_before_the_heavy_imports_once_a_lau
     real = importlib.metadata.version
     monkeypatch.setattr(importlib.metadata, "version", lambda p: "0.0.1" if p == "trl" else real(p))
     assert yaml_keys.remembered_values("sft", {"learnin_rate": 1}, "x", [], cache) is None  # another TRL
+
+
+def test_the_launcher_writes_its_exit_code_where_the_exit_code_file_variable_says(tmp_path, monkeypatch):
+    """`make finetune EXIT_CODE_FILE=<path>` (tests/test_make.py) hands the launcher FSDP_RECIPES_EXIT_CODE_FILE:
+    however `launch` ends, returned, as a UserError's one line, or not caught at all, the file holds the code the
+    process exits with (make itself exits 2 for every failure)."""
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.launch import launcher
+
+    def returns(code):
+        return lambda argv, held: code
+
+    def raises(err):
+        def launch(argv, held):
+            raise err
+        return launch
+
+    endings = [(returns(0), 0), (returns(3), 3), (returns(4), 4), (returns(75), 75), (returns(130), 130),
+               (raises(UserError("a rank failed at step 7", exit_code=1)), 1), (raises(UserError("a mistake")), 2),
+               (raises(RuntimeError("a bug")), 1), (raises(KeyboardInterrupt()), 130)]
+    path = tmp_path / "exit_code"
+    monkeypatch.setenv("FSDP_RECIPES_EXIT_CODE_FILE", str(path))
+    for launch, expected in endings:
+        path.unlink(missing_ok=True)
+        monkeypatch.setattr(launcher, "launch", launch)
+        try:
+            code = launcher.main(["tiny-cpu-lora"])
+        except SystemExit as stop:  # a UserError, through errors.cli
+            code = stop.code
+        except RuntimeError:  # what Python exits with: 1
+            code = 1
+        except KeyboardInterrupt:  # 130, as a shell reports it
+            code = 130
+        assert code == expected and path.read_text() == f"{expected}\n", (expected, code)

@@ -189,12 +189,15 @@ def test_a_model_that_is_not_there_is_one_line_before_any_process(model, says, n
 
 
 def test_a_cached_hub_id_passes_and_is_checked_from_its_config(qwen, no_hub, tmp_path, monkeypatch, capsys):
-    """Offline, a hub id in the cache is found: its config.json, not the recipe's copy, decides the wrap class."""
+    """Offline, a hub id in the cache is found: its config.json, not the recipe's copy, decides the wrap class (the
+    recipe's Mistral class gives way to the Qwen2's own: the model is named on the command line)."""
     cached_hub_model(no_hub, "someorg/qwen-tiny", (qwen / "config.json").read_text())
     folder = copied("tiny-cpu-lora", tmp_path, wrap="MistralDecoderLayer")
-    line = one_line(launcher_checks([str(folder), "--model_name_or_path", "someorg/qwen-tiny", "--output_dir",
-                                     str(tmp_path / "run")], monkeypatch, capsys))
-    assert "MistralDecoderLayer, which Qwen2ForCausalLM does not have" in line
+    cmd, out = until_ranks([folder, "--model_name_or_path", "someorg/qwen-tiny", "--output_dir", tmp_path / "run"],
+                           monkeypatch, capsys)
+    assert f"[launch] FSDP wraps each Qwen2DecoderLayer ({QWEN_LAYERS} of them) in Qwen2ForCausalLM, the model on the " \
+           "command line" in out
+    assert cmd[cmd.index(f"--{WRAP}") + 1] == "Qwen2DecoderLayer"
 
 
 def fsdp2(wrap: str | None = None) -> dict:
@@ -216,7 +219,7 @@ def test_classes_accelerate_would_not_find_are_one_line(qwen):
     model = model_check.meta_model(model_check.load_config(qwen / "config.json"))
     with pytest.raises(UserError, match="Fix: write it as Qwen2DecoderLayer,Qwen2RMSNorm."):
         model_check.check_wrap_classes(model, fsdp2("Qwen2DecoderLayer, Qwen2RMSNorm"), "acc.yaml")
-    line, warning = model_check.check_wrap_classes(model, fsdp2("Qwen2DecoderLayer,Qwen2RMSNorm"), "acc.yaml")
+    line, warning, _ = model_check.check_wrap_classes(model, fsdp2("Qwen2DecoderLayer,Qwen2RMSNorm"), "acc.yaml")
     assert not warning and line.startswith(f"FSDP wraps each Qwen2DecoderLayer ({QWEN_LAYERS} of them) and each "
                                            f"Qwen2RMSNorm ({2 * QWEN_LAYERS + 1} of them) in Qwen2ForCausalLM")
     small = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
@@ -228,3 +231,61 @@ def test_classes_accelerate_would_not_find_are_one_line(qwen):
         model_check.check_wrap_classes(gemma, fsdp2(), "acc.yaml")
     assert (f"Fix: set {WRAP}: Gemma3DecoderLayer,SiglipEncoderLayer,SiglipMultiheadAttentionPoolingHead,"
             "SiglipVisionEmbeddings in acc.yaml.") in str(refused.value)
+
+
+def test_a_model_named_on_the_command_line_gets_its_own_wrap_class(qwen, tmp_path, monkeypatch, capsys):
+    """`make finetune ARGS="--model_name_or_path <a local Qwen2>"`: the recipe's accelerate.yaml names a class
+    written for its own model (tiny-cpu-lora: MistralDecoderLayer; the default: LlamaDecoderLayer), which the Qwen2
+    lacks. The model's own layer classes are wrapped instead (its _no_split_modules: what accelerate takes where no
+    class is named), said on the [launch] line and passed to accelerate launch. With the checks overlapping the
+    ranks' imports (the default), the ranks were started with the recipe's command before the checks chose: they
+    are stopped and started again after the checks, with the class. The recipe's own model, and a class written on
+    the command line (test_a_wrong_wrap_class_offers_both_fixes), stay refused."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    from fsdp_recipes.launch import launcher
+
+    started = []
+
+    class Ranks:  # launch/ranks.py's, as far as the launcher uses it here
+        def __init__(self, cmd, torchrun_logs, gated=True):
+            self.cmd, self.gated, self.aborted = cmd, gated, False
+            shutil.rmtree(torchrun_logs, ignore_errors=True)
+            started.append(self)
+
+        def abort(self):
+            self.aborted = True
+
+        def release(self, log_dir):
+            raise RanksWouldStart(self.cmd)
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("FSDP_RECIPES_OVERLAP_CHECKS", "1")
+    monkeypatch.setattr(launcher, "Ranks", Ranks)
+    saved = dict(os.environ)
+    try:
+        with pytest.raises(RanksWouldStart):
+            launcher.main(["tiny-cpu-lora", "--model_name_or_path", str(qwen), "--output_dir", str(tmp_path / "run")])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    out = capsys.readouterr().out.splitlines()
+    assert (f"[launch] FSDP wraps each Qwen2DecoderLayer ({QWEN_LAYERS} of them) in Qwen2ForCausalLM, the model on "
+            f"the command line: its own layer classes (its _no_split_modules), since recipes/tiny-cpu-lora/"
+            f"accelerate.yaml names MistralDecoderLayer, written for the recipe's model, which Qwen2ForCausalLM does "
+            f"not have (accelerate launch gets --{WRAP} Qwen2DecoderLayer)") in out, out
+    assert f"[launch] the ranks started before the checks stop; they start again with --{WRAP} Qwen2DecoderLayer" \
+        in out
+    first, second = started
+    assert first.gated and first.aborted and f"--{WRAP}" not in first.cmd
+    assert not second.gated and not second.aborted
+    entry = second.cmd.index("fsdp_recipes.train.entry")
+    args = launch_command_parser().parse_args(second.cmd[2:entry - 1] + ["-m", "x"])  # accelerate's own reading
+    _validate_launch_command(args)
+    assert args.fsdp_transformer_layer_cls_to_wrap == "Qwen2DecoderLayer"  # over the config file's Mistral class
+
+    # the same model written in the recipe's own YAML and named again on the command line: the recipe's own
+    folder = copied("tiny-cpu-lora", tmp_path / "own", wrap="MistralDecoderLayer", model_name_or_path=str(qwen))
+    line = one_line(launcher_checks([str(folder), "--model_name_or_path", str(qwen), "--output_dir",
+                                     str(tmp_path / "run")], monkeypatch, capsys))
+    assert "is MistralDecoderLayer, which Qwen2ForCausalLM does not have" in line

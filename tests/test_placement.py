@@ -120,7 +120,7 @@ def test_smoke_on_one_gpu_through_the_launcher(cache_dir, tmp_path, monkeypatch,
     scaled = yaml.safe_load(open(cmd[cmd.index("--config_file") + 1]))
     assert scaled["num_processes"] == 1 and "parallelism_config" not in scaled
     assert scaled["fsdp_config"]["fsdp_version"] == 2 and scaled["mixed_precision"] == "bf16"
-    assert "--use_cpu" not in cmd and "--num_processes" not in cmd  # the scaled YAML says it already
+    assert "--use_cpu" not in started.value.overrides and "--num_processes" not in cmd  # the scaled YAML says so
     out = capsys.readouterr().out
     assert "-> 1 on this one's 1 GPU(s)" in out and "HSDP needs 4 GPUs for both dimensions: plain FSDP here" in out
     assert "runs anywhere" not in out  # the smoke run placed itself
@@ -134,7 +134,7 @@ def test_a_portable_recipe_on_one_gpu_through_the_launcher(cache_dir, tmp_path, 
                              monkeypatch, capsys, checks_first=False)
     cmd = started.value.cmd
     assert cmd[cmd.index("--num_processes") + 1] == "1"
-    after = cmd[cmd.index("--config") + 2:]  # the recipe's GPU settings, then the user's overrides
+    after = started.value.overrides  # the recipe's GPU settings, then the user's overrides
     assert after == ["--per_device_train_batch_size", "32", "--bf16", "true", "--output_dir", str(tmp_path / "run"),
                      "--max_steps", "2"]
     assert "1 GPU(s) here and recipe tiny-cpu-lora runs anywhere (min_gpus 0): 1 process(es) on GPUs instead of " \
@@ -183,9 +183,8 @@ def test_the_launcher_hands_the_cpu_precision_to_the_ranks_before_the_users_sett
     with pytest.raises(RanksWouldStart) as started:
         launcher_until_ranks(["tiny-cpu-lora", "--output_dir", str(tmp_path / "run"), "--cpu_bf16", "auto"],
                              monkeypatch, capsys, checks_first=False)
-    cmd = started.value.cmd
-    assert cmd[cmd.index("--config") + 2:] == ["--bf16", "true", "--use_cpu", "true", "--output_dir",
-                                               str(tmp_path / "run"), "--cpu_bf16", "auto"]
+    assert started.value.overrides == ["--bf16", "true", "--use_cpu", "true", "--output_dir", str(tmp_path / "run"),
+                                       "--cpu_bf16", "auto"]
     assert "recipe tiny-cpu-lora: bf16 autocast on this CPU (avx512_bf16)" in capsys.readouterr().out
 
 

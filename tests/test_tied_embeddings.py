@@ -18,6 +18,13 @@ from fsdp_recipes.patches.peft_fsdp import RestoreOutputEmbeddings, hide_wrapped
 SHARED_TWICE = "shared with a parameter already managed by another FSDP group"
 
 
+@pytest.fixture(autouse=True)
+def accelerates_env_stays_here(monkeypatch):
+    """accelerate's FSDP plugin writes FSDP_CPU_RAM_EFFICIENT_LOADING into os.environ "for transformers": put back as
+    it was, or a later test's FSDP1 plugin (the planner's) reads it and asks for a GPU to sync module states on."""
+    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
+
+
 def tied_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -217,9 +224,11 @@ def test_a_trained_copy_of_the_tied_input_embedding_is_what_fsdp2_refuses(world_
                                             "LlamaForCausalLM, whose LM head lm_head is tied to it"),
     ("smollm2-135m-lora", ["lm_head", "embed_tokens"], "Fix: train the head instead (lora_modules_to_save: "
                                                        "['lm_head']"),
-    ("smollm2-135m-lora", ["lm_head"], None),  # works: patches/peft_fsdp.py workaround 2
+    ("smollm2-135m-lora", ["embed_tokens"], "or a LoRA on the embedding (embed_tokens in lora_target_modules: the "
+                                            "head keeps the base weights)"),  # issue 61: that trains and merges
+    ("smollm2-135m-lora", ["lm_head"], None),  # works: patches/peft_fsdp.py workarounds 2 and 4
     ("llama-3.1-8b-lora", ["embed_tokens"], None),  # untied: the embedding's copy is its own
-], ids=["tied-embedding", "tied-both", "tied-head", "untied-embedding"])
+], ids=["tied-embedding", "tied-both", "tied-embedding-lora-way", "tied-head", "untied-embedding"])
 def test_the_tie_check_on_the_recipes_model_configs(recipe, modules, refused):
     from conftest import REPO
     from fsdp_recipes.config import model_check
@@ -232,3 +241,131 @@ def test_the_tie_check_on_the_recipes_model_configs(recipe, modules, refused):
     with pytest.raises(UserError) as err:
         model_check.check_tied_modules_to_save(model, modules)
     assert refused in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- issue 61: every way a recipe trains the head or the input embedding of a tied model, prepared as the recipes'
+# FSDP2 YAMLs prepare it (fsdp_cpu_ram_efficient_loading: true), and merged
+
+# The ways that train (the recipe's lora_target_modules, lora_target_parameters, lora_modules_to_save, as TRL's
+# get_peft_config passes them to LoraConfig). A LoRA on the head (lm_head as a target, or its weight as a target
+# parameter) is refused before launch (test_a_lora_on_the_lm_head_is_refused_with_the_way_that_works): TRL never
+# trains it; the embedding's copy (embed_tokens to save) is refused above (issue 44); PEFT's trainable_token_indices
+# is no recipe setting (tests/test_bad_input.py).
+TIED_OPTIONS = {
+    "embed_tokens-lora": dict(target_modules=["q_proj", "v_proj", "embed_tokens"]),
+    "embed_tokens-parameter": dict(target_modules=["q_proj", "v_proj"], target_parameters=["embed_tokens.weight"]),
+    "lm_head-saved": dict(target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]),
+    "lm_head-saved+embed_tokens-lora": dict(target_modules=["q_proj", "v_proj", "embed_tokens"],
+                                            modules_to_save=["lm_head"]),
+}
+
+
+def tied_with(option: str):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tied_llama(), LoraConfig(r=2, **TIED_OPTIONS[option]))
+
+
+def prepare_ram_efficiently(model):
+    """accelerate 1.15's FSDP2 preparation with RAM-efficient loading, as every recipe's FSDP2 YAML sets it: the model
+    moved to meta, `tie_weights()`, sharded, rank 0's weights loaded, `tie_weights()` again."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+                                            cpu_ram_efficient_loading=True)
+    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
+                                        parallelism_config=None, is_main_process=True, mixed_precision="no",
+                                        device=torch.device("cpu"))
+    return fsdp2_prepare_model(accelerator, model)
+
+
+@pytest.mark.parametrize("option", list(TIED_OPTIONS))
+def test_each_tied_head_option_prepares_under_ram_efficient_fsdp2_and_trains_only_its_adapter(option, world_of_one):
+    """Before the fix (peft_fsdp.py workaround 4), every option that wraps the head failed in accelerate's
+    `tie_weights()` with KeyError "attribute 'weight' already exists", on every rank before the first step (the
+    default with lm_head to save, launched on 2 processes: issue 61)."""
+    from fsdp_recipes.patches.peft_fsdp import prepare_wrapped_embeddings_for_fsdp2, unwrapped
+
+    model = tied_with(option)
+    with torch.no_grad():  # LoRA B starts at zero: make every trainable tensor take part in the loss
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.01)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert prepare_wrapped_embeddings_for_fsdp2(model)
+    prepared = prepare_ram_efficiently(model)
+    RestoreOutputEmbeddings(model).on_train_begin(None, None, None)
+    assert "tie_weights" not in vars(model) and "get_output_embeddings" not in vars(model)
+    inner = prepared.base_model.model
+    frozen_head, embedding = unwrapped(inner.lm_head), unwrapped(inner.model.embed_tokens)
+    assert frozen_head.weight is embedding.weight  # the tie kept: one Parameter, one FSDP group
+    assert torch.isfinite(step(prepared))
+    got = {n for n, p in prepared.named_parameters() if p.grad is not None}
+    assert got == trainable and embedding.weight.grad is None
+
+
+def logits_of(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("option", [*TIED_OPTIONS, "projections only"])
+def test_each_tied_head_option_merges_into_the_model_it_trained(option, tmp_path):
+    """save_merged (the pack's merged/) against base + adapter: before the fix a LoRA on the embedding was merged
+    into the one tensor the head shares, so the head changed too (logits 66 apart). Merged untied where the adapter
+    changes either; a LoRA on the projections only keeps the merged model tied."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from fsdp_recipes.train.final_save import save_merged
+
+    tied_llama().save_pretrained(tmp_path / "base")
+    config = TIED_OPTIONS.get(option, dict(target_modules=["q_proj", "v_proj"]))
+    adapted = get_peft_model(tied_llama(), LoraConfig(r=2, **config))
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for p in adapted.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+    adapted.save_pretrained(tmp_path / "adapter")
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>"))
+                            ).save_pretrained(tmp_path / "adapter")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(1))
+    want = logits_of(PeftModel.from_pretrained(tied_llama(), tmp_path / "adapter").eval(), ids)
+    save_merged(str(tmp_path / "base"), str(tmp_path / "adapter"), str(tmp_path / "merged"),
+                types.SimpleNamespace(dtype="float32"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert torch.allclose(logits_of(merged, ids), want, atol=1e-5), (logits_of(merged, ids) - want).abs().max()
+    untied = option != "projections only"
+    assert merged.config.tie_word_embeddings is not untied
+    assert (merged.lm_head.weight is merged.model.embed_tokens.weight) is not untied
+
+
+@pytest.mark.parametrize("recipe", ["smollm2-135m-lora", "llama-3.1-8b-lora"], ids=["tied", "untied"])
+@pytest.mark.parametrize("targets, parameters, setting", [
+    (["q_proj", "lm_head"], None, "lora_target_modules ['q_proj', 'lm_head']"),
+    (r".*(q_proj|lm_head)", None, "lora_target_modules '.*(q_proj|lm_head)'"),
+    (["q_proj"], ["lm_head.weight"], "lora_target_parameters ['lm_head.weight']"),
+], ids=["list", "regex", "parameter"])
+def test_a_lora_on_the_lm_head_is_refused_with_the_way_that_works(recipe, targets, parameters, setting):
+    """TRL 1.16's trainers compute the log-probabilities from lm_head.weight and refuse an adapter on the head in
+    every rank ("Applying a PEFT adapter to `lm_head` is not supported", the default launched with lm_head as a LoRA
+    target, issue 61): one line before launch, tied or not, naming the whole head (which trains) instead."""
+    from conftest import REPO
+    from fsdp_recipes.config import model_check
+    from fsdp_recipes.errors import UserError
+
+    model = model_check.meta_model(model_check.load_config(REPO / "recipes" / recipe / "model_config.json"))
+    with pytest.raises(UserError) as err:
+        model_check.check_lora_on_output_layer(model, targets, parameters)
+    line = str(err.value)
+    assert line.startswith(f"{setting} puts a LoRA adapter on lm_head, the LM head of LlamaForCausalLM: ") and \
+        "\n" not in line
+    assert "Fix: train the whole head instead (lora_modules_to_save: [lm_head]" in line
+    assert ("an untied trained copy" in line) is (recipe == "smollm2-135m-lora")
+    for fine in (("all-linear", None), (["q_proj", "embed_tokens"], None), (["q_proj"], ["embed_tokens.weight"]),
+                 (r".*q_proj", None), (None, None)):
+        model_check.check_lora_on_output_layer(model, *fine)

@@ -39,8 +39,9 @@ def test_a_good_dpo_recipe_reaches_the_ranks_with_its_own_yaml(tmp_path, cache_d
     folder = dpo_recipe(tmp_path, cache_dir)
     with pytest.raises(RanksWouldStart) as started:
         launcher_until_ranks([str(folder)], monkeypatch, capsys)
-    cmd = started.value.cmd
-    assert cmd[cmd.index("--config") + 1] == str(folder / "dpo.yaml")
+    written = yaml.safe_load((folder / "dpo.yaml").read_text())  # what the ranks are handed is that YAML's
+    assert {k: started.value.settings[k] for k in written if k != "output_dir"} == {
+        k: v for k, v in written.items() if k != "output_dir"}
     assert "trainer dpo" in capsys.readouterr().out
 
 
@@ -52,7 +53,7 @@ def test_a_good_dpo_recipe_reaches_the_ranks_with_its_own_yaml(tmp_path, cache_d
     ({"prompt": "   "}, 2, "the prompt is empty"),
     ({"chosen": [{"role": "assistant", "content": 5}]}, 2, "content of type int, not text"),
     ({"rejected": [{"role": "robot", "content": "6"}]}, 2, "role 'robot'"),
-    ({"chosen": 5}, 2, "`chosen` is int"),
+    ({"chosen": 5}, 2, "`chosen` is the number 5, not text. Fix: write it as text in the file, \"chosen\": \"5\""),
     ({"prompt": "What is 2 + 3?"}, 2, "chosen, rejected are chat turns but prompt plain text"),
 ], ids=["no-rejected", "empty-chosen", "identical", "empty-prompt", "blank-prompt", "non-string", "bad-role",
         "number", "mixed-layout"])

@@ -41,6 +41,10 @@ def test_a_missing_environment_an_unknown_engine_and_a_missing_base_model_are_on
     run = tmp_path / "run"
     (run / "merged").mkdir(parents=True)
     (run / "run_args.json").write_text("{}")
+    assert "holds no model (config.json and *.safetensors)" in one_line(  # the run's own problem first
+        check_cli(str(run), "--engine", "vllm", FSDP_RECIPES_VLLM_PYTHON=str(tmp_path / "none")))
+    for name in ("config.json", "model.safetensors"):  # what a merged model is, to the file check
+        (run / "merged" / name).write_text("{}")
     line = one_line(check_cli(str(run), "--engine", "vllm", FSDP_RECIPES_VLLM_PYTHON=str(tmp_path / "none")))
     assert f"no vLLM environment at {tmp_path / 'none'}" in line and "make serve-env ENGINE=vllm" in line
     assert "no engine named 'tgi'" in one_line(check_cli(str(run), "--engine", "tgi"))

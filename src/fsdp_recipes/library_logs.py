@@ -28,6 +28,9 @@ LOG_ONLY_WARNINGS = [
     # TRL's unwrap_model_for_generation (1.16) turns checkpointing off and on around every GRPO generation, by the
     # names transformers 5.x deprecated
     (FutureWarning, r"`gradient_checkpointing_(en|dis)able` is deprecated"),
+    # peft 0.21 on a tied model whose head or embedding the adapter changes: it asks for ensure_weight_tying, which
+    # no recipe can set (TRL's LoraConfig); the pack's merge unties such a model (train/final_save.py)
+    (UserWarning, r"Model has `tie_word_embeddings=True` and a tied layer is part of the adapter"),
 ]
 
 

@@ -10,8 +10,9 @@ streams to the server and stays as a small stand-in. The server forks; the fork 
 would have (streams, environment, cwd, signal defaults, sys.argv, sys.path[0], the probes' hooks, torch's loggers,
 fresh random seeds: _fresh_state) and runs the module as `python -m` would. The stand-in keeps its pid, so what
 started it (a test, the launcher, torchrun) sees the same process: signals sent to it are passed on, and it ends with
-the fork's exit code or signal. A fork whose stand-in is gone (SIGKILL) kills itself; a stand-in dies with its parent
-(as the ranks' own die_with_parent has them do).
+the fork's exit code or signal. A fork whose stand-in is gone (SIGKILL) kills itself, or the server kills it when the
+stand-in went before the answer; a stand-in dies with its parent (as the ranks' own die_with_parent has them do).
+Nothing one stand-in does may end the server: its exit kills every fork, whose stand-ins would then exit 1.
 
 A fresh process is started instead (the stand-in simply goes on) when the environment differs from the server's in a
 variable a library may read when imported (any not in FORK_SAFE; torch's TORCH_LOGS and LOGLEVEL the fork applies
@@ -91,6 +92,7 @@ def delegate() -> None:
     if what is None:
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # held until the fork's pid is known
+    parent = os.getppid()
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(address)
@@ -107,12 +109,16 @@ def delegate() -> None:
         return
     pid = int(reply.split()[1])
     _die_with_parent()  # as the ranks' own die_with_parent (the parent thread: all the pack's Popen calls are in main)
+    if os.getppid() != parent:  # it died while the server answered (the kernel sends nothing now): end, as it would
+        os.kill(os.getpid(), signal.SIGKILL)
     for sig in FORWARDED:
-        signal.signal(sig, lambda s, _frame: os.kill(pid, s))
+        signal.signal(sig, lambda s, _frame: _pass_on(pid, s))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     try:
         status = int(_read_line(conn).split()[1])
-    except (OSError, ValueError):
+    except (OSError, ValueError) as err:  # the server ended first: the fork's exit code is lost, and this says so
+        print(f"[fork server] ended before it reported the exit code of fork {pid} ({err}); its log: "
+              f"{os.environ.get('FSDP_RECIPES_TEST_FORK_SERVER_LOG', '?')}", file=sys.stderr, flush=True)
         os._exit(1)
     code = os.waitstatus_to_exitcode(status)
     if code < 0:  # killed by a signal: so is the stand-in, as seen from its parent
@@ -120,6 +126,15 @@ def delegate() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [-code])
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
+
+
+def _pass_on(pid: int, sig: int) -> None:
+    """A signal to the stand-in, passed on to its fork. A fork that has just ended is no error: its exit status is on
+    its way (an exception here would leave the wait for it, and the stand-in would exit 1, not the fork's code)."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -273,7 +288,11 @@ def _loop(listener: socket.socket, own: dict, forks: dict) -> None:
     while True:
         if select.select([listener], [], [], 0.2)[0]:
             conn, _ = listener.accept()
-            _answer(conn, own, listener, forks)
+            try:
+                _answer(conn, own, listener, forks)
+            except OSError as err:  # one stand-in's socket: never the end of the server, which ends all its forks
+                print(f"a stand-in's request failed: {err!r}", flush=True)
+                conn.close()
         while forks:
             pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
@@ -306,7 +325,10 @@ def _answer(conn: socket.socket, own: dict, listener: socket.socket, forks: dict
         unsafe.append(request["executable"])
     if unsafe or len(fds) != 3:
         print(f"fresh: {' '.join(request['orig_argv'][1:4])}: differs in {unsafe}", flush=True)
-        conn.sendall(b"fresh\n")
+        try:
+            conn.sendall(b"fresh\n")
+        except OSError:  # the stand-in was killed meanwhile: nothing runs
+            pass
         conn.close()
         for fd in fds:
             os.close(fd)
@@ -324,8 +346,19 @@ def _answer(conn: socket.socket, own: dict, listener: socket.socket, forks: dict
             os._exit(70)
     for fd in fds:
         os.close(fd)
-    conn.sendall(f"pid {pid}\n".encode())
-    peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    try:
+        conn.sendall(f"pid {pid}\n".encode())
+        peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    except OSError as err:
+        # The stand-in was killed between its request and this answer: the launcher's abort of `accelerate launch`
+        # when a check fails within a second (seen under load, tests/test_smoke.py's wrong wrap class). So is its
+        # fork, as for a stand-in killed later. Before, the BrokenPipeError ended the server, whose exit SIGKILLs
+        # every fork: the launcher that had just printed its one line and exited 2 was reported as exit 1.
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)  # reaped here: it is in no list of forks
+        conn.close()
+        print(f"fork {pid}: its stand-in was gone before the answer ({err.strerror or err}): fork killed", flush=True)
+        return
     print(f"fork {pid} for stand-in {peer}: {' '.join(request['orig_argv'][1:4])}", flush=True)
     forks[pid] = conn
     _TESTS[pid] = request["env"].get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0]

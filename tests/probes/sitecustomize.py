@@ -153,3 +153,15 @@ if os.environ.get("SAFETENSORS_READ_FILE") and "RANK" in os.environ:
             json.dump(_read, f)
 
     atexit.register(_dump_reads)
+
+if os.environ.get("FAKE_LAUNCH_EXIT") and "fsdp_recipes.launch.launcher" in __import__("sys").orig_argv:
+    # FAKE_LAUNCH_EXIT (tests/test_make.py): the launcher ends at once with this exit code, as a UserError with that
+    # code ends it (a failed run's one line: 1). Nothing is checked or started.
+    from fsdp_recipes.config import recipes as _recipes
+    from fsdp_recipes.errors import UserError as _UserError
+
+    def _ended(*args, **kwargs):
+        code = int(os.environ["FAKE_LAUNCH_EXIT"])
+        raise _UserError(f"the launch ended with exit code {code} (FAKE_LAUNCH_EXIT)", exit_code=code)
+
+    _recipes.load = _ended

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.model_folders import adapter_files, full_weights
 
 MODEL_DIR = "pytorch_model_fsdp_0"
 
@@ -41,6 +42,7 @@ def export(ckpt: Path, out: Path, model_override: str | None = None) -> dict:
     ident_file = ckpt / IDENTITY
     ident = json.loads(ident_file.read_text()) if ident_file.is_file() else {}
     model_ref = model_override or ident.get("model")
+    refuse_a_second_kind(out, adapter=bool(ident.get("peft_config")))
     tensors = {k: v.contiguous() for k, v in load_sharded(ckpt).items()}
     out.mkdir(parents=True, exist_ok=True)
     if ident.get("peft_config"):
@@ -70,6 +72,17 @@ def export(ckpt: Path, out: Path, model_override: str | None = None) -> dict:
             if (Path(model_ref) / name).is_file():
                 shutil.copy(Path(model_ref) / name, out / name)
     return compare(tensors, read_saved(out), check_lora_b=False)
+
+
+def refuse_a_second_kind(out: Path, adapter: bool) -> None:
+    """An adapter written beside a full model, or a model beside an adapter, makes a folder transformers loads as
+    the model with the adapter applied on top (model_folders.py): refused before anything is written."""
+    there = full_weights(out) if adapter else adapter_files(out)
+    if there:
+        this, other = ("a LoRA adapter", "a full model") if adapter else ("a full model", "a LoRA adapter")
+        raise UserError(f"{out} already holds {other} ({', '.join(there)}); writing {this} beside it makes a folder "
+                        "that transformers' from_pretrained loads as the model with the adapter applied on top. "
+                        "Fix: export into an empty folder (OUT=<new folder>).")
 
 
 @cli

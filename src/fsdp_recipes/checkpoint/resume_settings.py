@@ -15,11 +15,16 @@ So a resume compares SETTINGS (saved in each checkpoint's identity file, markers
   reads them from the new arguments) and the run report lists them (`resumed_with_changes`);
 - FIXED settings never change on resume: the optimizer state is AdamW's moments for those hyper-parameters, and the
   weights belong to that model and precision (the model and LoRA shape are checked before any weight loads,
-  markers.check_compatible).
+  markers.check_compatible);
+- EVAL_ROWS, the settings that decide which rows are held out (data/loading.py held_out), are OVERRIDABLE: another
+  value carves another eval split, so rows the first part trained on would be scored as held out. Refused like the
+  learning rate, saying so; under the override the summary does not call the scored rows held out
+  (`eval_rows_changed`, which evaluation/scoring.py reads from run_args.json's `resumed_with_changes`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from enum import Enum
 from transformers import TrainerCallback
@@ -31,8 +36,17 @@ OVERRIDABLE = (
     "learning_rate", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio",
     # the batch and the data: which rows a step sees. The global batch, not its factors: a sharded checkpoint resumes
     # on another number of processes with the per-device batch that keeps it (docs/checkpoints.md)
-    "global_batch", "max_length", "seed", "dataset_name", "max_grad_norm",
+    "global_batch", "max_length", "max_grad_norm",
 )
+# What decides the eval rows (data/loading.py held_out; TRL's DatasetMixtureConfig for a `datasets:` mixture): the
+# data and its splits, eval_split_size and the seed that chooses the carved rows (which also orders the batches)
+EVAL_ROWS = ("seed", "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "eval_split_size",
+             "datasets", "test_split_size")
+OVERRIDABLE = (*OVERRIDABLE, *EVAL_ROWS)
+# dataset_test_split as the recipe names it: the launcher compares after its checks loaded the data, and loading sets
+# the field to the split it found under one of the usual names (data/loading.py EVAL_NAMES) when `test` is missing;
+# any of those names finds the same split of the data's own (never training rows), so they compare equal
+USUAL_EVAL_NAMES = ("test", "validation", "valid", "eval", "dev")
 FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer")
 LENGTH = ("max_steps", "num_train_epochs")
 OPTIONS_FIXED = "fixed_by_options"  # the settings' entry naming the speed options' fixed settings (speed/)
@@ -47,11 +61,18 @@ def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_se
     values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
               "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer,
               OPTIONS_FIXED: list(option_settings)}
+    sources = (t, cfg.model, getattr(cfg, "kind_args", None), *getattr(cfg, "option_args", ()),
+               getattr(cfg, "script", None), getattr(cfg, "pack", None), getattr(cfg, "mixture", None))
     for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings, *option_settings):
         if name not in values:
-            # the trainer config's, the model's, a kind's own (reward_funcs), a speed option's own (config/option_registry.py)
-            value = next((getattr(source, name) for source in (t, cfg.model, cfg.kind_args, *getattr(cfg, "option_args", ()))
-                          if hasattr(source, name)), None)
+            # the trainer config's, the model's, a kind's own (reward_funcs), a speed option's own
+            # (config/option_registry.py), the data's (TRL's ScriptArguments and DatasetMixtureConfig, PackArguments)
+            value = next((getattr(source, name) for source in sources if source is not None and hasattr(source, name)),
+                         None)
+            if name == "dataset_test_split" and value in USUAL_EVAL_NAMES:
+                value = "test"
+            if name == "datasets":  # a mixture's sources (TRL's DatasetConfig dataclasses)
+                value = [dataclasses.asdict(d) if dataclasses.is_dataclass(d) else d for d in value or []] or None
             value = value.value if isinstance(value, Enum) else value  # lr_scheduler_type: SchedulerType.COSINE
             values[name] = value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else str(value)
     return values
@@ -79,6 +100,12 @@ def described(diff: dict[str, list]) -> str:
     return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())
 
 
+def eval_rows_changed(changed: dict | None) -> dict[str, list]:
+    """Of a resume's changes (check's "changed", run_args.json's resumed_with_changes), those that chose other eval
+    rows: {name: [saved, now]}."""
+    return {k: v for k, v in ((changed or {}).get("changed") or {}).items() if k in EVAL_ROWS}
+
+
 def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: bool) -> dict:
     """Refuse a resume that would silently ignore the command (one line), else what changed, for the report:
     {"changed": {...}, "length": [saved, now]} (empty when nothing did)."""
@@ -95,9 +122,13 @@ def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: b
         raise UserError(f"cannot resume from {checkpoint}: it is at step {step}, past max_steps {total}. Fix: "
                         f"--max_steps {step} or more, or a new --output_dir.")
     if diff and not override:
-        raise UserError(f"cannot resume from {checkpoint} with other settings ({described(diff)}): the checkpoint "
-                        f"holds the old ones and the run would keep some of them while its report said otherwise. "
-                        f"{fix}, or --override_resumed_settings true to apply the new values from step {step + 1}.")
+        rows = eval_rows_changed({"changed": diff})
+        why = (f"{described(rows)} chooses other eval rows than the first part held out, so rows it trained on would "
+               "be scored as held out" if rows else
+               "the checkpoint holds the old ones and the run would keep some of them while its report said otherwise")
+        raise UserError(f"cannot resume from {checkpoint} with other settings ({described(diff)}): {why}. "
+                        f"{fix}, or --override_resumed_settings true to apply the new values from step {step + 1}"
+                        + (" (the summary then scores no rows as held out)" if rows else "") + ".")
     report = {"checkpoint": str(checkpoint), "step": step}
     if diff:
         report["changed"] = diff

@@ -12,8 +12,11 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
+from fsdp_recipes.config import expert_lora
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.model_folders import adapter_beside_weights
 
 
 def model_config_source(model_name_or_path: str, recipe: Path | None, revision: str | None = None) -> Path | None:
@@ -155,10 +158,24 @@ def fsdp_wrapped(model, acc: dict) -> dict[str, int] | None:
     return dict(Counter(type(m).__name__ for m in model.modules() if policy(m)))
 
 
-def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False) -> tuple[str, bool] | None:
+class Wrap(NamedTuple):
+    """check_wrap_classes' answer: the line that says which classes FSDP wraps, whether it is a warning, and the
+    classes the pack chose instead of the config's (empty: the config's, or accelerate's own choice, stand)."""
+
+    line: str
+    warning: bool
+    chosen: tuple[str, ...] = ()
+
+
+def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False,
+                       model_named: bool = False) -> Wrap | None:
     """The wrap classes exist in `model`; returns the line that says which classes FSDP wraps (and whether it is a
     warning), None where the config does not wrap by layer class. `on_command_line`: the classes came from
-    --fsdp_transformer_layer_cls_to_wrap, not from `acc_path`."""
+    --fsdp_transformer_layer_cls_to_wrap, not from `acc_path`. `model_named`: the command line names the model,
+    not the recipe's own: a class `acc_path` names for the recipe's model and this one lacks gives way to the
+    model's own layer classes (its _no_split_modules, what accelerate takes where no class is named), which `chosen`
+    carries for `accelerate launch`; a class the user wrote on the command line, or one the recipe's own model lacks,
+    stays a mistake."""
     arch = type(model).__name__
     classes = {type(m).__name__ for m in model.modules()}
     own = sorted(getattr(model, "_no_split_modules", None) or [])  # a set in many models: in a stable order
@@ -170,18 +187,24 @@ def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False
     if named and written != ",".join(named):
         raise UserError(f"{where} is {written!r}: accelerate splits it at the commas and keeps the spaces, so it "
                         f"would look for classes named {written.split(',')}. Fix: write it as {','.join(named)}.")
-    for cls in named:
-        if cls not in classes:
-            cli = f"--{WRAP_KEY} {layer}"
-            own_fix = f"the pack then wraps {arch}'s own layer classes ({layer}, its _no_split_modules)"
-            if on_command_line:
-                fix = f"pass {cli} instead" + (f", or leave the option out (where {acc_path} sets no {WRAP_KEY} "
-                                               f"either, {own_fix})" if present else "")
-            else:
-                fix = f"set it to {layer} (for one run: {cli} on the command line)" + (
-                    f", or remove the key: {own_fix}" if present else "")
-            raise UserError(f"{where} is {cls}, which {arch} does not have, so FSDP could not wrap its layers. "
-                            f"Fix: {fix}.")
+    missing = [cls for cls in named if cls not in classes]
+    if missing and model_named and not on_command_line and present:
+        chosen = dict(acc, fsdp_config=dict(acc["fsdp_config"], **{WRAP_KEY: ",".join(present)}))
+        each = " and each ".join(f"{cls} ({n} of them)" for cls, n in fsdp_wrapped(model, chosen).items())
+        return Wrap(f"FSDP wraps each {each} in {arch}, the model on the command line: its own layer classes (its "
+                    f"_no_split_modules), since {acc_path} names {','.join(missing)}, written for the recipe's model, "
+                    f"which {arch} does not have (accelerate launch gets --{WRAP_KEY} {layer})", False, tuple(present))
+    if missing:
+        cls, cli = missing[0], f"--{WRAP_KEY} {layer}"
+        own_fix = f"the pack then wraps {arch}'s own layer classes ({layer}, its _no_split_modules)"
+        if on_command_line:
+            fix = f"pass {cli} instead" + (f", or leave the option out (where {acc_path} sets no {WRAP_KEY} "
+                                           f"either, {own_fix})" if present else "")
+        else:
+            fix = f"set it to {layer} (for one run: {cli} on the command line)" + (
+                f", or remove the key: {own_fix}" if present else "")
+        raise UserError(f"{where} is {cls}, which {arch} does not have, so FSDP could not wrap its layers. "
+                        f"Fix: {fix}.")
     if not wraps_by_class(acc):
         return None
     if not named and len(present) < len(own):  # accelerate would raise at its prepare, in every rank
@@ -190,26 +213,27 @@ def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False
                         f"module: FSDP could not wrap its layers. Fix: set {WRAP_KEY}: {layer} in {acc_path}.")
     wrapped = fsdp_wrapped(model, acc)
     if not wrapped:
-        return (f"FSDP wraps no layer of {arch} on its own: {arch} lists no _no_split_modules, so the whole model is "
-                f"one FSDP unit, gathered whole on every rank. Fix: set {WRAP_KEY} to its decoder layer class in "
-                f"{acc_path}", True)
+        return Wrap(f"FSDP wraps no layer of {arch} on its own: {arch} lists no _no_split_modules, so the whole model "
+                    f"is one FSDP unit, gathered whole on every rank. Fix: set {WRAP_KEY} to its decoder layer class "
+                    f"in {acc_path}", True)
     each = " and each ".join(f"{cls} ({n} of them)" for cls, n in wrapped.items())
     if named:
-        return f"FSDP wraps each {each} in {arch}, as {where} says", False
-    return (f"FSDP wraps each {each} in {arch}: its own layer classes (its _no_split_modules), which accelerate takes "
-            f"where {acc_path} sets no {WRAP_KEY}", False)
+        return Wrap(f"FSDP wraps each {each} in {arch}, as {where} says", False)
+    return Wrap(f"FSDP wraps each {each} in {arch}: its own layer classes (its _no_split_modules), which accelerate "
+                f"takes where {acc_path} sets no {WRAP_KEY}", False)
 
 
-def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_command_line: bool = False
-                            ) -> tuple[str, bool] | None:
-    """The FSDP wrap class and the LoRA target modules / modules_to_save exist in `model`. Returns
-    check_wrap_classes' line."""
+def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_command_line: bool = False,
+                            model_named: bool = False) -> Wrap | None:
+    """The FSDP wrap class and the LoRA target modules / parameters / modules_to_save exist in `model`. Returns
+    check_wrap_classes' answer."""
     import torch
 
     arch = type(model).__name__
-    wrap = check_wrap_classes(model, acc, acc_path, wrap_on_command_line)
+    wrap = check_wrap_classes(model, acc, acc_path, wrap_on_command_line, model_named)
     if not model_args.use_peft:
         return wrap
+    expert_lora.check(model, acc, acc_path, model_args)  # LoRA on fused MoE experts: before "matches no module"
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
     targets = model_args.lora_target_modules
@@ -241,7 +265,43 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_comm
     if missing:
         raise UserError(f"lora_modules_to_save {missing} match no module of {arch}. Fix: remove them or correct the names.")
     check_tied_modules_to_save(model, model_args.lora_modules_to_save or [])
+    check_lora_on_output_layer(model, targets, getattr(model_args, "lora_target_parameters", None))
     return wrap
+
+
+def check_lora_on_output_layer(model, targets, target_parameters) -> None:
+    """A LoRA adapter on the LM head (`lm_head` in lora_target_modules, or its weight in lora_target_parameters):
+    TRL 1.16's trainers (SFT, DPO, KTO, GRPO, RLOO) compute the log-probabilities from the head's weight directly, so
+    the adapter would never train, and each refuses it in every rank's setup ("Applying a PEFT adapter to `lm_head`
+    is not supported"; measured on the default, issue 61). Named here before any rank starts, with the way that
+    works: the whole head trained (modules_to_save; on a tied model an untied copy, patches/peft_fsdp.py)."""
+    import re
+
+    head = model.get_output_embeddings()
+    named = [name for name, m in model.named_modules() if m is head and name]
+    if not named:
+        return
+    name, leaf = named[0], named[0].rsplit(".", 1)[-1]
+    if isinstance(targets, str):
+        try:
+            hit = targets != "all-linear" and re.fullmatch(targets, name) is not None  # PEFT's own matching
+        except re.error:
+            hit = False
+        setting = f"lora_target_modules {targets!r}"
+    else:
+        hit = any(name == t or name.endswith("." + t) for t in targets or [])
+        setting = f"lora_target_modules {list(targets or [])}"
+    if not hit:
+        weight = f"{name}.weight"
+        hit = any(weight == p or weight.endswith("." + p) for p in target_parameters or [])
+        setting = f"lora_target_parameters {list(target_parameters or [])}"
+    if hit:
+        tied = " (an untied trained copy; the embedding stays as it is)" if \
+            getattr(model.config, "tie_word_embeddings", False) else ""
+        raise UserError(f"{setting} puts a LoRA adapter on {name}, the LM head of {type(model).__name__}: TRL's "
+                        f"trainers compute the log-probabilities from {name}.weight directly, so that adapter would "
+                        f"never train (TRL 1.16 refuses it on every rank). Fix: train the whole head instead "
+                        f"(lora_modules_to_save: [{leaf}]{tied}), or leave {leaf} out of the LoRA targets.")
 
 
 def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
@@ -265,20 +325,20 @@ def check_tied_modules_to_save(model, modules_to_save: list[str]) -> None:
                         f"LM head {head_name} is tied to it (tie_word_embeddings): PEFT would train a copy of the "
                         "embedding the head no longer shares, and FSDP cannot shard the tied weight in two groups. "
                         f"Fix: train the head instead ({way}: an untied trained copy of the head, the embedding "
-                        "kept), or leave the embedding out, or train a model without tied embeddings.")
+                        f"kept), or a LoRA on the embedding ({hit[0]} in lora_target_modules: the head keeps the "
+                        "base weights), or leave the embedding out, or train a model without tied embeddings.")
 
 
 def check(model_name_or_path: str, recipe: Path | None, acc: dict, acc_path, model_args,
-          wrap_on_command_line: bool = False, more: Callable | None = None) -> tuple[str, bool] | None:
-    """Run the checks when the model's config is available offline (its own, or the recipe's copy); returns the
-    line that says which layers FSDP wraps (check_wrap_classes), None where the checks did not run or FSDP does not
-    wrap by class. `more(model, acc, acc_path)`: the caller's own checks of the meta-device model (the speed
-    options', speed/)."""
+          wrap_on_command_line: bool = False, more: Callable | None = None, model_named: bool = False) -> Wrap | None:
+    """Run the checks when the model's config is available offline (its own, or the recipe's copy); returns which
+    layers FSDP wraps (check_wrap_classes), None where the checks did not run or FSDP does not wrap by class.
+    `more(model, acc, acc_path)`: the caller's own checks of the meta-device model (the speed options', speed/)."""
     source = model_config_source(model_name_or_path, recipe, getattr(model_args, "model_revision", None))
     if source is None or getattr(model_args, "trust_remote_code", False):  # its code, not transformers', builds it
         return None
     model = meta_model(load_config(source))
-    wrap = check_recipe_fits_model(model, acc, acc_path, model_args, wrap_on_command_line)
+    wrap = check_recipe_fits_model(model, acc, acc_path, model_args, wrap_on_command_line, model_named)
     if more is not None:
         more(model, acc, acc_path)
     if source == Path(model_name_or_path) / "config.json":
@@ -343,6 +403,9 @@ def check_local_model(path: str, continues_from: str | None = None) -> None:
     """A local model folder must hold config.json. `continues_from`: the recipe whose output `path` is (a DPO run
     on the SFT run's merged model): then the fix is to run that recipe first."""
     check_not_an_adapter(path)
+    mixed = adapter_beside_weights(Path(os.path.expandvars(os.path.expanduser(path))))
+    if mixed:  # the ranks would train on the full weights with the adapter applied on top, without a word
+        raise UserError(f"model_name_or_path: {mixed}")
     # a hub id is `org/name`: a path with more parts (runs/<recipe>/merged) is the other run's output
     if continues_from and (looks_local(path) or path.count("/") > 1) and not (Path(path) / "config.json").is_file():
         raise UserError(

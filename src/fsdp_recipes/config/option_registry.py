@@ -29,8 +29,21 @@ class ActivationCheckpointingArguments:
     activation_checkpointing_policy: str | None = field(
         default=None,
         metadata={"help": "none, every_<k> (every k-th decoder layer checkpointed), ops (attention outputs saved, the "
-                          "rest recomputed; SFT), full, or auto (make plan's pick: the fastest that fits). Unset: "
-                          "activation_checkpointing and its kwargs as written (speed/activation_checkpointing.py)."},
+                          "rest recomputed; SFT), full, or auto (the planner's pick for the GPUs the launcher finds: "
+                          "the fastest that fits). Unset: activation_checkpointing and its kwargs as written "
+                          "(speed/activation_checkpointing.py)."},
+    )
+
+
+@dataclass
+class ExpertsArguments:
+    """speed/experts.py's setting."""
+
+    experts_implementation: str = field(
+        default="auto",
+        metadata={"help": "how a mixture-of-experts model computes its experts (transformers' experts_implementation): "
+                          "auto (grouped_mm on CUDA compute capability 8.0+, else what runs best there), eager, "
+                          "grouped_mm, batched_mm, ... (speed/experts.py). Dense models ignore auto."},
     )
 
 
@@ -38,6 +51,7 @@ class ActivationCheckpointingArguments:
 OPTIONS: dict[str, type | None] = {
     "four_bit": None,
     "attention": None,
+    "experts": ExpertsArguments,
     "ram_efficient_loading": None,
     "activation_checkpointing": ActivationCheckpointingArguments,
     "liger": None,

@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 from fsdp_recipes.config.accelerate_yaml import read_accelerate_config, take_wrap_override
 from fsdp_recipes.config.argv import override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
-from fsdp_recipes.config.yaml_keys import load_yaml
+from fsdp_recipes.config.value_checks import check_training_values
+from fsdp_recipes.config.yaml_keys import load_yaml, remembered_values
 from fsdp_recipes.errors import UserError, cli
+from fsdp_recipes.paths import cache_dir
 
 if TYPE_CHECKING:
     from fsdp_recipes.config.run_config import RunConfig
@@ -96,6 +98,10 @@ class Recipe:
     accelerate: dict  # that YAML as written
     overrides: list[str]  # command-line fields, the user's last (they win)
     launch_options: list[str] = dataclasses.field(default_factory=list)  # `accelerate launch` options given there
+    accelerate_written: dict = dataclasses.field(default_factory=dict)  # recipes/<name>/accelerate.yaml as written
+    # the model the command line names instead of the trainer YAML's (None: the recipe's own): a wrap class the
+    # recipe's accelerate YAML names for its own model then gives way to this one's (config/model_check.py)
+    user_model: str | None = None
     cfg: RunConfig | None = None  # the resolved configuration, once the launcher's checks parsed it
     warnings: list[str] = dataclasses.field(default_factory=list)  # what the checks printed as warnings
 
@@ -108,20 +114,45 @@ class Recipe:
         return override(self.overrides, key, self.raw.get(key, default))
 
     def argv(self) -> list[str]:
-        """What the ranks parse: the trainer YAML and the overrides."""
+        """The recipe as a parse reads it (config/run_config.py): the trainer YAML and the overrides."""
         return ["--config", str(self.config_path), *self.overrides]
 
 
-def load(name_or_path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load(name_or_path: str | Path, overrides: list[str] = (), check_keys: bool = False) -> Recipe:
     """Find the recipe, read its trainer YAML and accelerate YAML (each once), check the trainer kind; an
-    --fsdp_transformer_layer_cls_to_wrap among the overrides goes into the accelerate config and launch_options."""
+    --fsdp_transformer_layer_cls_to_wrap among the overrides goes into the accelerate config and launch_options.
+    `check_keys`: the launcher's, check_keys_early as well."""
     folder = resolve(str(name_or_path))
     path = config_file(folder)
     raw = load_yaml(path, "recipe config")
     kind = trainer_kind(raw, path, overrides)
     acc_path = folder / ACCELERATE_FILE
-    overrides, acc, options = take_wrap_override(list(overrides), read_accelerate_config(acc_path), acc_path)
-    return Recipe(folder, kind, path, raw, acc_path, acc, overrides, options)
+    written = read_accelerate_config(acc_path)
+    overrides, acc, options = take_wrap_override(list(overrides), written, acc_path)
+    if check_keys:
+        check_keys_early(kind, raw, path, overrides)
+    model = override(overrides, "model_name_or_path", None)
+    own = raw.get("model_name_or_path")
+    user_model = model if model is not None and (own is None or _expanded(model) != _expanded(str(own))) else None
+    return Recipe(folder, kind, path, raw, acc_path, acc, overrides, options, accelerate_written=written,
+                  user_model=user_model)
+
+
+def _expanded(path: str) -> str:  # $FSDP_RECIPES_CACHE/... and ~/... as the YAML writes them
+    return os.path.normpath(os.path.expanduser(os.path.expandvars(path)))
+
+
+def check_keys_early(kind: str, raw: dict, path: Path, overrides: list[str]) -> None:
+    """A mistyped key or flag, a word where a number goes and a value out of its range (config/value_checks.py) are
+    one line before the config classes' imports, where an earlier launch remembered the kind's fields
+    (config/yaml_keys.py); otherwise the checks name them, the ranks started."""
+    values = remembered_values(kind, raw, path, overrides, cache_dir())
+    if values is None:
+        return
+    try:
+        check_training_values(values, str(getattr(values, "eval_strategy", "no")) != "no")
+    except (TypeError, AttributeError):  # a field that is no plain value here (a kind without it): the parser's turn
+        pass
 
 
 def describe(recipe: Path) -> str:

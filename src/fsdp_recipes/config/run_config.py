@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fsdp_recipes.config import yaml_keys
+from fsdp_recipes.config import handoff, yaml_keys
 from fsdp_recipes.config.argv import given, override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
 from fsdp_recipes.config.option_registry import OPTIONS, argument_classes
@@ -155,6 +155,9 @@ class RunConfig:
     pack: PackArguments
     kind_args: Any = None  # the kind's own settings (config/kind_registry.py: SamplingArguments), or None
     option_args: tuple = ()  # the speed options' own settings (config/option_registry.py), in its order
+    # The recipe as read once: its YAML with the command line's values in, typed by the parser. The launcher hands
+    # it to the ranks (config/handoff.py), which build their configuration from it and read no YAML or flag again.
+    settings: dict = field(default_factory=dict)
 
     @property
     def trainer(self) -> str:
@@ -176,6 +179,7 @@ class RunConfig:
             "lora_config": peft_config.to_dict() if peft_config is not None else None,
             **({f"{self.trainer}_args": dataclasses.asdict(self.kind_args)} if self.kind_args is not None else {}),
             "speed_args": {k: v for args in self.option_args for k, v in dataclasses.asdict(args).items()},
+            "recipe_settings": self.settings,  # what the recipe and the command line said, the rest being defaults
         }
 
 
@@ -247,7 +251,7 @@ def as_seen_by_ranks(config_class: type, world_size: int) -> type:
 
 def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None = None) -> RunConfig:
     """The recipe YAML (`--config`, read once here; or `raw`, the YAML a caller already read, config/recipes.py
-    Recipe) and command-line overrides, parsed by TRL's parser into the recipe's trainer kind's classes, with
+    Recipe; or `--recipe_settings <file>`, what the launcher read, config/handoff.py) and command-line overrides, parsed by TRL's parser into the recipe's trainer kind's classes, with
     one-line errors for config mistakes. Paths get `~` and `$VARS` expanded. `world_size`: the job's processes, for a
     caller that is not one of its ranks (the launcher, the planner): the trainer config validates the batch layout
     as the ranks will (as_seen_by_ranks); None in a rank, which has its own."""
@@ -257,7 +261,9 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
 
     argv = list(argv)
     path = "the command line"
-    if "--config" in argv:
+    if handed := handoff.take(argv):  # a rank of the launcher's: the recipe as the launcher read it
+        raw, path, argv = handed
+    elif "--config" in argv:
         path = override(argv, "config", None)
         if not path:
             raise UserError("--config needs a path. Fix: --config recipes/<name>/sft.yaml")
@@ -279,6 +285,7 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
         os.environ[key] = str(value)
     parser = TrlParser(types)
     parser.error = _one_line  # argparse's error() prints the whole usage (160 lines) before its message
+    settings = {**raw, **({"env": env} if env else {}), **given_values(parser, argv, known)}
     parser.set_defaults_with_config(**raw)
     check_step_counts(raw, argv)
     try:
@@ -305,4 +312,16 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
     pack.prometheus_textfile = expand(pack.prometheus_textfile, "prometheus_textfile")
     if not model.model_name_or_path:
         raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
-    return RunConfig(script, training, model, mixture, pack, kind_args, option_args)
+    return RunConfig(script, training, model, mixture, pack, kind_args, option_args, settings)
+
+
+def given_values(parser, argv: list[str], known: set[str]) -> dict:
+    """The fields the command line gives, as the parser types them (`--max_steps 4` -> 4, `--no_auto_resume` ->
+    False): argparse fills in a default only for a field the namespace lacks, so every field starts as a marker and
+    those still holding it were not given."""
+    import argparse
+
+    unset = object()
+    namespace = argparse.Namespace(**dict.fromkeys(known, unset))
+    parser.parse_known_args(argv, namespace=namespace)  # unknown flags: check_known_flags named them already
+    return {k: v for k, v in vars(namespace).items() if v is not unset}

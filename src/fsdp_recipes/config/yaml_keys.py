@@ -45,7 +45,24 @@ def known_fields(dataclass_types) -> set[str]:
     return {f.name for dc in dataclass_types for f in dataclasses.fields(dc)}
 
 
+# PEFT LoraConfig fields a recipe cannot set: TRL's ModelConfig builds the LoraConfig from its own lora_* fields
+# (trl.get_peft_config), and these are not among them. PEFT's own warning on a tied model names ensure_weight_tying.
+PEFT_ONLY = {
+    "trainable_token_indices": "PEFT's trainable_token_indices is no recipe setting (TRL builds the LoraConfig "
+                               "without it). Fix: to train the input embedding, add embed_tokens to "
+                               "lora_target_modules (a LoRA on it; a tied model's head keeps the base weights), or, on "
+                               "a model without tied embeddings, to lora_modules_to_save (docs/training.md, \"Training "
+                               "the LM head or the embeddings\")",
+    "ensure_weight_tying": "PEFT's ensure_weight_tying is no recipe setting (TRL builds the LoraConfig without it); "
+                           "the pack merges a tied model whose head or embedding the adapter changes into an untied "
+                           "model that computes what was trained. Fix: remove it (docs/training.md, \"Training the "
+                           "LM head or the embeddings\")",
+}
+
+
 def _suggest(key: str, known: set[str]) -> str:
+    if key in PEFT_ONLY:
+        return PEFT_ONLY[key]
     close = difflib.get_close_matches(key, known, n=1)
     return f"did you mean `{close[0]}`?" if close else "remove it, or see `--help` for the valid keys"
 

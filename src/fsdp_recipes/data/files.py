@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fsdp_recipes.data.rows import file_layout
 from fsdp_recipes.errors import UserError
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -84,6 +85,14 @@ def explain_load_failure(path: Path, err: Exception) -> UserError:
         if f.stat().st_size == 0:
             return UserError(f"the dataset file {f} is empty. Fix: put the rows in it, or remove it.")
     for f in files:
+        if file_layout(f) == "array":  # a JSON array (datasets reads one in a .jsonl file too): its line and column
+            try:
+                json.loads(f.read_text(encoding="utf-8-sig"))
+            except json.JSONDecodeError as bad:
+                return UserError(f"malformed JSON in the dataset: {f}:{bad.lineno}: {bad.msg} (column {bad.colno}) "
+                                 "of its JSON array. Fix: correct the array there (or write one JSON object per "
+                                 "line).")
+            continue
         if f.suffix == ".jsonl" and (bad := find_bad_json_line(f)):
             return UserError(f"malformed JSON line in the dataset: {bad}. Fix: correct or remove that line "
                              "(one JSON object per line).")

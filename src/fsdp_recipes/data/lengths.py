@@ -34,8 +34,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from fsdp_recipes.data import formats
-from fsdp_recipes.data.tokenizing import Batch, Planned, RowTokens, Sequence, Truncation
+from fsdp_recipes.data import chat_render, formats, rows as row_places
+from fsdp_recipes.data.tokenizing import Batch, Planned, RowTokens, Sequence, TemplateRefused, Truncation
 
 SAMPLE = 2000  # rows measured per split at most: percentiles to within a token or two, a second or two of work
 KEEP = 0.99  # the share of rows whole that the suggested max_length keeps
@@ -124,9 +124,9 @@ def plan_prompt(row: dict, batch: Batch, t: Truncation) -> Planned:
 
 
 def measure(ds, tokenizer, split: str, t: Truncation, template: str | None = None,
-            sample: int = SAMPLE) -> Lengths | None:
+            sample: int = SAMPLE, where: str | None = None) -> Lengths | None:
     """The token lengths of a split's rows (in the layout TRL takes: after the pack's conversion); None for a layout
-    with nothing to measure."""
+    with nothing to measure. `where`: the dataset, whose rows a chat template's refusal names (data/chat_render.py)."""
     from trl.data_utils import common_prefix_length
 
     index = sample_rows(ds, sample)
@@ -138,7 +138,15 @@ def measure(ds, tokenizer, split: str, t: Truncation, template: str | None = Non
     if names is None:
         return None
     batch = Batch(tokenizer, template)
-    plans = [(layout.plan_row if layout else plan_prompt)(row, batch, t) for row in rows]
+    plan = layout.plan_row if layout else plan_prompt
+    at = (lambda i: row_places.row_at(where, split, i)) if where else (lambda i: f"row {i + 1} of `{split}`")
+    chat_render.check_renders(ds, lambda row: plan(row, Batch(tokenizer, template), t), at)
+    plans = []
+    for k, row in enumerate(rows):
+        try:
+            plans.append(plan(row, batch, t))
+        except TemplateRefused as err:  # a refusal that depends on the words, not the turns' roles
+            raise chat_render.refused(err, at(index[k]), row, 1) from None
     batch.run()
     out = Lengths(split, len(ds), names, has_prompt=layout.HAS_PROMPT if layout else True, index=index,
                   answers={name: [] for name in names})
@@ -166,7 +174,7 @@ def measure_splits(cfg, splits, tokenizer, template: str | None = None, sample: 
     measured = []
     for name, ds in zip(names, splits):
         if ds is not None and hasattr(ds, "__len__"):  # a streamed hub dataset is not counted here
-            lengths = measure(ds, tokenizer, name, t, template, sample)
+            lengths = measure(ds, tokenizer, name, t, template, sample, cfg.script.dataset_name or "mixture")
             if lengths is not None:
                 measured.append(lengths)
     return measured

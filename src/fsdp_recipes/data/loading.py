@@ -44,14 +44,46 @@ def load_local(path: Path, config_name: str | None = None):
     if path.is_file() and file_builder(path) is None:
         raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file (or a .json, .jsonl or "
                         f".csv file compressed: .gz, .bz2, .xz, .zst).")
-    for f in local_files(path):
+    files = local_files(path)
+    for f in files:
         check_file_bytes(f)  # a byte that is not UTF-8, a file of blank lines: one line, file and line
+    text = csv_as_text(files)
     try:
         if path.is_file():
-            return datasets.load_dataset(file_builder(path), data_files=str(path))
-        return datasets.load_dataset(str(path), name=config_name)
+            ds = datasets.load_dataset(file_builder(path), data_files=str(path), **text)
+        else:
+            ds = datasets.load_dataset(str(path), name=config_name, **text)
     except Exception as err:  # datasets names neither the file nor the line of a bad JSON line
         raise explain_load_failure(path, err) from None
+    return datasets.DatasetDict({split: csv_booleans(part) for split, part in ds.items()}) if text else ds
+
+
+def csv_as_text(files: list[Path]) -> dict:
+    """load_dataset's arguments that read every cell of CSV files as the text it is: a CSV has no types, and pandas'
+    guess made an answer column of digits integers (`2`, `007` -> 7), which no prompt or completion takes. Where every
+    file is CSV; {} otherwise."""
+    import csv
+
+    import datasets
+
+    if not files or any(f.suffix != ".csv" for f in files):
+        return {}
+    header: list[str] = []
+    for f in files:
+        with open(f, newline="", encoding="utf-8-sig") as fh:
+            header += [c for c in next(csv.reader(fh), []) if c not in header]
+    return {"features": datasets.Features({c: datasets.Value("string") for c in header})}
+
+
+def csv_booleans(ds):
+    """CSV columns that hold only true and false (any case; empty cells aside) as booleans, as pandas reads them: a
+    labelled answer's `label`."""
+    bools = [c for c in ds.column_names
+             if len(ds) and all(v is None or v.strip().lower() in ("true", "false") for v in ds[c])
+             and any(v is not None for v in ds[c])]
+    if not bools:
+        return ds
+    return ds.map(lambda row: {c: None if row[c] is None else row[c].strip().lower() == "true" for c in bools})
 
 
 def load_raw(script_args, dataset_args, pack=None, text_field: str = "text", seed: int = 42):
@@ -107,11 +139,14 @@ def load_mixture(mixture, declared: str | None, text_field: str, seed: int):
         for f in local:
             check_file_bytes(f)
         where = str(local[0]) if len(local) == 1 else source.path
+        text = csv_as_text(local) if local and len(local) == len([files] if isinstance(files, str) else files) \
+            else {}
         ds = datasets.load_dataset(path=source.path, name=source.name, data_dir=source.data_dir,
-                                   data_files=source.data_files, split=source.split)
+                                   data_files=source.data_files, split=source.split, **text)
+        ds = csv_booleans(ds) if text else ds
         if source.columns is not None:
             ds = ds.select_columns(source.columns)
-        at = (lambda i, f=local[0]: f"{f}:{rows.line_of(f, i)}") if len(local) == 1 else None
+        at = (lambda i, f=local[0]: rows.place_of(f, i)) if len(local) == 1 else None
         parts.append(convert(ds, where, source.split, declared, text_field, at))
     fractions = [source.fraction for source in mixture.datasets]
     if any(f is not None for f in fractions):

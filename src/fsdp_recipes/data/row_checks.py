@@ -9,7 +9,9 @@ nothing) inside every rank.
 
 from __future__ import annotations
 
-from fsdp_recipes.data.rows import row_at
+import json
+
+from fsdp_recipes.data.rows import row_at, written_rows
 from fsdp_recipes.data.spec import ROLES
 from fsdp_recipes.errors import UserError
 
@@ -40,7 +42,7 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
         check_text_rows(ds, where, split)
         return []
     cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
-    without_assistant = 0
+    without_assistant, user_last = 0, []
     for i, row in enumerate(ds.select_columns(cols)):
         for c in cols:
             if not isinstance(row[c], list):
@@ -54,21 +56,39 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
                                 "rename the role (chat templates know only these).")
             content = turn.get("content")
             if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
-                raise UserError(f"{row_at(where, split, i)}: a {role} turn's content is {type(content).__name__}, not "
-                                "text. Fix: make every content a string.")
+                fix = quoted("content", content) if is_number(content) else "make every content a string"
+                raise UserError(f"{row_at(where, split, i)}: a {role} turn's content is {type(content).__name__}"
+                                f"{f' {content!r}' if is_number(content) else ''}, not text. Fix: {fix}.")
         if not any(t.get("role") == "assistant" for t in turns):
             without_assistant += 1
+        elif "messages" in row and turns[-1].get("role") == "user":
+            user_last.append(i)
     if without_assistant == len(ds):
         raise UserError(f"no row of the `{split}` split of {where} has an assistant turn, so there is nothing to "
                         "learn. Fix: add the assistant's answers (role: assistant).")
+    warned = []
     if without_assistant:
-        return [f"{without_assistant} of {len(ds)} rows of the `{split}` split have no assistant turn; they teach "
-                "nothing"]
-    return []
+        warned.append(f"{without_assistant} of {len(ds)} rows of the `{split}` split have no assistant turn; they "
+                      "teach nothing")
+    if user_last:  # OpenAI trains the assistant's turns only; TRL trains every token unless assistant_only_loss
+        warned.append(f"{len(user_last)} of {len(ds)} rows of the `{split}` split end on a user turn that nothing "
+                      f"answers (first: {row_at(where, split, user_last[0])}): unless assistant_only_loss, the model "
+                      "learns to write it. Fix: drop the last turn of those rows, or assistant_only_loss: true")
+    return warned
 
 
 def kind_of(value) -> str:
     return "missing" if value is None else type(value).__name__
+
+
+def is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def quoted(key: str, value) -> str:
+    """The fix for a number where text goes (a JSON file's `"completion": 2`): the same key with the number as text.
+    CSV cells are read as text already (data/loading.py)."""
+    return f"write it as text in the file, \"{key}\": {json.dumps(str(value))}"
 
 
 def check_text_rows(ds, where: str, split: str) -> None:
@@ -76,11 +96,15 @@ def check_text_rows(ds, where: str, split: str) -> None:
     cols = [c for c in ("prompt", "completion") if c in ds.column_names]
     if len(cols) < 2:
         return
-    for i, row in enumerate(ds.select_columns(cols)):
+    # as the file holds them: datasets reads a column of numbers and text as JSON values, where "2" comes back 2
+    for i, row in enumerate(written_rows(ds.select_columns(cols), where, split)):
         for c in cols:
-            if not isinstance(row[c], str):
-                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not text as in the other "
-                                f"rows. Fix: give the row its {c}, or remove the row.")
+            if is_number(row.get(c)):
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is the number {row[c]!r}, not text. Fix: "
+                                f"{quoted(c, row[c])}.")
+            if not isinstance(row.get(c), str):
+                raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row.get(c))}, not text as in the "
+                                f"other rows. Fix: give the row its {c}, or remove the row.")
 
 
 def check_chat_template(tokenizer, model: str, where: str) -> None:

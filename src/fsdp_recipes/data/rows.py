@@ -1,6 +1,6 @@
-"""Where a dataset's row is: its file and line, for every one-line error about a row (the format checks, the trainer
-kinds' checks, `make data`'s examples), also for rows of a split carved off another; and the rows as the file holds
-them.
+"""Where a dataset's row is: its file and line (or its row of a JSON array), for every one-line error about a row
+(the format checks, the trainer kinds' checks, `make data`'s examples), also for rows of a split carved off another;
+and the rows as the file holds them.
 
 Gap it fills: `datasets` names neither the file nor the line of a row, and Arrow gives a column one type (a number
 among strings comes back as a string). The registries below are filled by data/loading.py, once per load.
@@ -28,6 +28,20 @@ def clear() -> None:
     READ_AS.clear()
 
 
+def file_layout(path: Path) -> str | None:
+    """How a data file holds its rows, as datasets reads it: "lines" (JSON Lines, also in a .json file), "array" (a
+    JSON array, also in a .jsonl file), "csv"; None for another file (Parquet, compressed)."""
+    if path.suffix == ".csv":
+        return "csv"
+    if path.suffix not in (".json", ".jsonl") or not path.is_file():
+        return None
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if line.strip():
+                return "array" if line.lstrip().startswith("[") else "lines"
+    return "lines"
+
+
 def line_of(path: Path, index: int) -> int:
     """The line (as an editor counts them, from 1) of row `index` of a JSON Lines file: datasets skips blank lines,
     so row i is the i-th line that is not blank."""
@@ -41,8 +55,55 @@ def line_of(path: Path, index: int) -> int:
     return index + 1
 
 
+def csv_line_of(path: Path, index: int) -> int:
+    """The line where row `index` of a CSV file starts (the header is line 1; a quoted cell may span lines, and
+    blank lines are skipped, as pandas reads it)."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        reader, start, record = csv.reader(f), 1, -1
+        for cells in reader:
+            if cells:
+                if record == index:
+                    return start
+                record += 1
+            start = reader.line_num + 1
+    return index + 2
+
+
+def place_of(path: Path, index: int) -> str:
+    """Row `index` of a data file, as an editor finds it: `file:line` (JSON Lines, CSV), or `file, row N of its
+    JSON array` (1-based)."""
+    layout = file_layout(path)
+    if layout == "array":
+        return f"{path}, row {index + 1} of its JSON array"
+    return f"{path}:{csv_line_of(path, index) if layout == 'csv' else line_of(path, index)}"
+
+
+def written_in(path: Path) -> list | None:
+    """The rows as a JSON file holds them (a number among strings stays a number), None for another file."""
+    layout = file_layout(path)
+    if layout == "array":
+        return json.loads(path.read_text(encoding="utf-8-sig"))
+    if layout == "lines":
+        return [json.loads(line) for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    return None
+
+
+def count_rows(path: Path) -> int:
+    """How many rows datasets reads from a data file (split_file's)."""
+    written = written_in(path)
+    if written is not None:
+        return len(written)
+    import csv
+
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        return max(0, sum(1 for cells in csv.reader(f) if cells) - 1)  # the header is no row
+
+
 def split_file(where: str, split: str) -> Path | None:
-    """The JSON Lines file that holds a split of the dataset `where` (a file, or a folder of <split>.jsonl), if any."""
+    """The data file that holds a split of the dataset `where` (a file, or a folder of <split>.jsonl), if any: JSON
+    Lines, a JSON array or CSV, whose rows place_of names."""
     if (where, split) in ROW_ORIGIN:
         return ROW_ORIGIN[(where, split)][0]
     if not where:  # a `datasets:` mixture: its sources name their own rows while they are converted
@@ -50,18 +111,19 @@ def split_file(where: str, split: str) -> Path | None:
     path = Path(where)
     if path.is_dir():  # datasets names a folder's splits by these words in its file names (dev.jsonl: validation)
         names = [split, *SPLIT_KEYWORDS.get(split, ())]
-        return next((path / f"{n}.jsonl" for n in names if (path / f"{n}.jsonl").is_file()), None)
-    return path if path.suffix == ".jsonl" and path.is_file() else None
+        return next((path / f"{n}{ext}" for n in names for ext in (".jsonl", ".json", ".csv")
+                     if (path / f"{n}{ext}").is_file()), None)
+    return path if path.is_file() and file_layout(path) is not None else None
 
 
 def row_at(where: str, split: str, index: int) -> str:
-    """A row, and its line when the split is one JSON Lines file (blank lines skipped, as datasets skips them)."""
+    """A row, and its place in its file (place_of: its line, or its row of a JSON array); else its row, from 1."""
     file = split_file(where, split)
     if file is None:
-        return f"{where} ({split} split), row {index}"
+        return f"{where} ({split} split), row {index + 1}"
     if (where, split) in ROW_ORIGIN:
         index = ROW_ORIGIN[(where, split)][1][index]
-    return f"{file}:{line_of(file, index)}"
+    return place_of(file, index)
 
 
 def written_rows(ds, where: str, split: str):
@@ -72,7 +134,9 @@ def written_rows(ds, where: str, split: str):
         return iter(ds)
     if (where, split) in CONVERTED:  # the pack converted the file's format: the rows are the dataset's
         return iter(ds)
-    rows = [json.loads(line) for line in file.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
+    rows = written_in(file)
+    if rows is None:  # CSV: every cell is read as text (data/loading.py), as the file holds it
+        return iter(ds)
     if (where, split) in ROW_ORIGIN:
         rows = [rows[i] for i in ROW_ORIGIN[(where, split)][1]]
     return iter(rows)

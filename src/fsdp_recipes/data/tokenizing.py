@@ -8,7 +8,36 @@ the chat template and tokenized without special tokens, text rows with them; tex
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+
+
+class TemplateRefused(Exception):
+    """The chat template's own error on one row's turns (jinja2's TemplateError: a template's raise_exception, e.g.
+    "Conversation roles must alternate user/assistant/user/assistant/..."; a TypeError where it adds text to a
+    missing content): data/chat_render.py names the row."""
+
+
+def template_kwargs(row: dict, template: str | None) -> dict:
+    """What TRL's tokenize_fn passes apply_chat_template for a row: its tools (a JSON string is read, as TRL reads
+    it), its chat_template_kwargs, and the template the trainer renders with."""
+    tools = row.get("tools")
+    kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools,
+              **(row.get("chat_template_kwargs") or {})}
+    if template is not None:
+        kwargs["chat_template"] = template
+    return kwargs
+
+
+def apply_template(tokenizer, turns: list, **kwargs):
+    """tokenizer.apply_chat_template, its template's own error on these turns raised as TemplateRefused."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(turns, **kwargs)
+    except (TemplateError, TypeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise TemplateRefused(f"{type(err).__name__}: {first}") from err
 
 
 @dataclass(frozen=True)
@@ -60,11 +89,8 @@ class Batch:
 
     def chat(self, turns: list, row: dict, generation_prompt: bool = False) -> tuple[bool, int]:
         """Turns rendered with the chat template, as TRL renders them (the row's tools and template arguments)."""
-        kwargs = {"tools": row.get("tools"), **(row.get("chat_template_kwargs") or {})}
-        if self.template is not None:
-            kwargs["chat_template"] = self.template
-        return self.add(self.tokenizer.apply_chat_template(turns, tokenize=False, **kwargs,
-                                                           add_generation_prompt=generation_prompt), True)
+        return self.add(apply_template(self.tokenizer, turns, tokenize=False, **template_kwargs(row, self.template),
+                                       add_generation_prompt=generation_prompt), True)
 
     def text(self, text: str, answer: bool = False) -> tuple[bool, int]:
         """Plain text; an answer ends with the EOS token, which TRL adds where it is missing."""
@@ -111,16 +137,14 @@ class RowTokens:
 
     def __init__(self, tokenizer, row: dict, template: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.kwargs = {"tools": row.get("tools"), **(row.get("chat_template_kwargs") or {})}
-        if template is not None:
-            self.kwargs["chat_template"] = template
+        self.kwargs = template_kwargs(row, template)
         self.eos = tokenizer.eos_token or ""
 
     def __call__(self, x, generation_prompt: bool = False, masks: bool = False) -> dict:
         if isinstance(x, list):
-            out = self.tokenizer.apply_chat_template(x, tokenize=True, return_dict=True,
-                                                     add_generation_prompt=generation_prompt,
-                                                     return_assistant_tokens_mask=masks, **self.kwargs)
+            out = apply_template(self.tokenizer, x, tokenize=True, return_dict=True,
+                                 add_generation_prompt=generation_prompt, return_assistant_tokens_mask=masks,
+                                 **self.kwargs)
             return {k: list(v) for k, v in out.items()}
         return {"input_ids": list(self.tokenizer(text=x)["input_ids"])}
 

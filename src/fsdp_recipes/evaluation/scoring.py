@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from fsdp_recipes import library_logs
+from fsdp_recipes import library_logs, model_folders
 from fsdp_recipes.evaluation import eval_rows, generation, intervals, scores
 from fsdp_recipes.evaluation.answer_loss import held_out_loss, margins
 from fsdp_recipes.evaluation.stages import EvalData, Scores, stages, trained_model_dir
@@ -123,11 +123,31 @@ def learning_check(run_dir: Path, run_args: dict, n: int = eval_rows.EVAL_PROMPT
             for (p, _), e, *outs in zip(refs, data.expected, *(s.get("answers", []) for s in raw))
         ],
     }
+    chosen_again(check, run_args)
+    # a stage's folder with adapter files beside its weights was scored as transformers loads it, adapter on top
+    mixed = [line for _, model in chain if (line := model_folders.adapter_beside_weights(Path(model)))]
+    if mixed:
+        check["mixed_folders"] = mixed
     scored = Scores(data, chain, raw, adapted)
     for metric in scores.applying(data):
         metric.score(check, scored)
         check.setdefault("intervals", {})[metric.name] = metric.INTERVAL
     return check
+
+
+def chosen_again(check: dict, run_args: dict) -> None:
+    """A run resumed under override_resumed_settings with another eval split than its first part's (another seed,
+    eval_split_size, data or split: checkpoint/resume_settings.py EVAL_ROWS): the rows scored may have been trained on,
+    so the check does not call them held out, and says why."""
+    # here, not at the top: resume_settings imports transformers, and the launcher imports this module (through
+    # launch/summary.py) among its light ones: 5 CPU-s before its first line (an unknown recipe took 13 s, not 0.7)
+    from fsdp_recipes.checkpoint import resume_settings
+
+    moved = resume_settings.eval_rows_changed(run_args.get("resumed_with_changes"))
+    if moved and check.get("held_out"):
+        check.update(held_out=False, eval_rows_changed=moved,
+                     split=f"{check['split']}, chosen again on resume ({resume_settings.described(moved)}): rows the "
+                           "first part trained on may be among them")
 
 
 def eval_section(check: dict) -> dict:
@@ -141,6 +161,7 @@ def eval_section(check: dict) -> dict:
         "prompts": check["n"],
         "split": check.get("split", "the eval split's first prompts"),
         "held_out": check.get("held_out", True),
+        **({"eval_rows_changed": check["eval_rows_changed"]} if check.get("eval_rows_changed") else {}),
         "eval_rows_in_train": check.get("eval_rows_in_train", 0),
         "base_correct": check.get("base_correct"),
         "trained_correct": check.get("trained_correct"),

@@ -9,7 +9,7 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes import speed
-from fsdp_recipes.config import accelerate_yaml, hardware, model_check, value_checks, yaml_keys
+from fsdp_recipes.config import accelerate_yaml, hardware, model_check, value_checks
 from fsdp_recipes.config.job import job_machines, job_processes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
@@ -21,10 +21,12 @@ from fsdp_recipes.train import kinds, run_checks
 
 
 def check_launch(recipe: Recipe) -> None:
-    """What can be checked without importing torch: the pack's FSDP rules (read with the YAML), the GPU count
+    """What can be checked without importing torch: the pack's FSDP rules (read with the YAML) and the speed
+    options', the GPU count
     (torch counts them here only when nvidia-smi / CUDA_VISIBLE_DEVICES show too few; else check_recipe does),
     the topology."""
     acc = recipe.accelerate
+    speed.check_accelerate(acc, recipe.folder / "accelerate.yaml")  # the options' rules of the YAML the user edits
     machines = job_machines(acc)
     # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
     # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
@@ -38,20 +40,6 @@ def check_launch(recipe: Recipe) -> None:
 def in_pack_cache(path: str) -> bool:
     """Whether `path` lies in the pack's cache, where the checks build the tiny and SmolLM2 assets it names."""
     return Path(path).absolute().is_relative_to(cache_dir().absolute())
-
-
-def check_keys_early(recipe: Recipe) -> None:
-    """A mistyped key or flag, a word where a number goes and a value out of its range (config/value_checks.py) are
-    one line before the config classes' imports, where an earlier launch remembered the kind's fields
-    (config/yaml_keys.py); otherwise the checks name them, the ranks started."""
-    values = yaml_keys.remembered_values(recipe.trainer, recipe.raw, recipe.config_path, recipe.overrides,
-                                         cache_dir())
-    if values is None:
-        return
-    try:
-        value_checks.check_training_values(values, str(getattr(values, "eval_strategy", "no")) != "no")
-    except (TypeError, AttributeError):  # a field that is no plain value here (a kind without it): the parser's turn
-        pass
 
 
 def check_data_found(recipe: Recipe) -> None:
@@ -92,7 +80,7 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     checkpoint to resume. Sets recipe.cfg."""
     acc = recipe.accelerate
     named = recipe.folder / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
-    accelerate_yaml.check_accelerate_keys(named, yaml_keys.load_yaml(named, "accelerate config"))
+    accelerate_yaml.check_accelerate_keys(named, recipe.accelerate_written)
     with warnings.catch_warnings():  # the training processes parse again and show these warnings there
         warnings.simplefilter("ignore")
         cfg = run_checks.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw,
@@ -101,11 +89,16 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
     speed.check_launch(cfg, acc, named)  # their accelerate rules, their GPUs (nvidia-smi)
     wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
-                             wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model)
-    if wrap and wrap[1]:  # which layers FSDP wraps, and why those
-        warn(recipe, [wrap[0]])
+                             wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model,
+                             model_named=recipe.user_model is not None)
+    if wrap and wrap.warning:  # which layers FSDP wraps, and why those
+        warn(recipe, [wrap.line])
     elif wrap:
-        say(wrap[0])
+        say(wrap.line)
+    if wrap and wrap.chosen:  # the model on the command line lacks the recipe's class: its own, for accelerate
+        recipe.launch_options = [accelerate_yaml.WRAP_OPTION, ",".join(wrap.chosen)]
+        fsdp = dict(acc["fsdp_config"], **{model_check.WRAP_KEY: ",".join(wrap.chosen)})
+        recipe.accelerate = acc = dict(acc, fsdp_config=fsdp)
     if loading.is_local(cfg.script, cfg.mixture):
         import datasets
 

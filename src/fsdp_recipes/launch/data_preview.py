@@ -31,7 +31,7 @@ from fsdp_recipes import speed
 from fsdp_recipes.assets import addition_preferences
 from fsdp_recipes.config import model_check, recipes, run_config, value_checks
 from fsdp_recipes.data import length_report, lengths, loading, recipe_tokenizer
-from fsdp_recipes.data.rows import ROW_ORIGIN, row_at, split_file
+from fsdp_recipes.data.rows import ROW_ORIGIN, count_rows, row_at, split_file
 from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.launch.lines import unexpected_errors
@@ -142,7 +142,7 @@ def located(where: str, split: str, i: int, rows: int) -> str:
     file = split_file(where, split)
     if file is not None:
         origin = ROW_ORIGIN.get((where, split))
-        written = len(origin[1]) if origin else sum(1 for line in open(file, encoding="utf-8-sig") if line.strip())
+        written = len(origin[1]) if origin else count_rows(file)
         if written != rows:
             return ""
     return row_at(where, split, i)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
@@ -16,6 +18,47 @@ from fsdp_recipes.launch import explain_failure, summary
 from fsdp_recipes.launch.lines import say, unexpected_errors
 from fsdp_recipes.launch.ranks import Ranks
 from fsdp_recipes.metrics import gates, metrics_file
+
+
+# `make finetune` exits 2 for any failure (make's own code); a script that must tell a gate (3), a divergence (4), a
+# preemption (75: requeue), an interruption (130), a failed run (1) and a mistake (2) apart names a file here
+# (the Makefile's EXIT_CODE_FILE) and the launcher writes its exit code to it as it exits, 0 included.
+EXIT_CODE_FILE_ENV = "FSDP_RECIPES_EXIT_CODE_FILE"
+
+
+def records_exit_code(main):
+    """Decorate the launcher's `main` (outside errors.cli, whose SystemExit carries a UserError's code): its exit code
+    written to $FSDP_RECIPES_EXIT_CODE_FILE, when set, however it ends (an exception no check caught: 1, as Python
+    exits; Ctrl-C escaping: 130)."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        code: object = 1
+        try:
+            code = main(*args, **kwargs)
+            return code
+        except SystemExit as stop:
+            code = stop.code
+            raise
+        except KeyboardInterrupt:
+            code = EXIT_INTERRUPTED
+            raise
+        finally:
+            write_exit_code(code)
+
+    return wrapper
+
+
+def write_exit_code(code: object) -> None:
+    path = os.environ.get(EXIT_CODE_FILE_ENV)
+    if not path:
+        return
+    number = 0 if code is None else code if isinstance(code, int) else 1  # as Python turns sys.exit(x) into a status
+    try:
+        Path(path).write_text(f"{number}\n")
+    except OSError as err:  # the exit code itself stays what it was
+        print(f"warning: the exit code {number} could not be written to {path} ({err.strerror or err})",
+              file=sys.stderr, flush=True)
 
 
 def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:

@@ -36,20 +36,21 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes import library_logs, speed
-from fsdp_recipes.config import hardware, placement, recipes
+from fsdp_recipes.config import handoff, hardware, placement, recipes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import smoke, summary
-from fsdp_recipes.launch.checks import check_data_found, check_keys_early, check_launch, check_model_found, check_recipe
-from fsdp_recipes.launch.ending import how_it_ended, summarise
+from fsdp_recipes.launch.checks import check_data_found, check_launch, check_model_found, check_recipe
+from fsdp_recipes.launch.ending import how_it_ended, records_exit_code, summarise
 from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
 from fsdp_recipes.launch.output_dir import claim_output_dir, lock_output_dir
+from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command, settings_file
 from fsdp_recipes.planning import checkpointing
-from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command
 
 
+@records_exit_code  # $FSDP_RECIPES_EXIT_CODE_FILE: the code a script cannot get from make (launch/ending.py)
 @cli
 def main(argv: list[str] | None = None) -> int:
     library_logs.divert(lambda text: None)  # each rank's log has the same records
@@ -61,8 +62,6 @@ def launch(argv: list[str], held: ExitStack) -> int:
     """The steps of the module docstring, in order. The exit code, or a UserError's one line."""
     t0 = time.time()
     recipe = load_recipe(argv)
-    with unexpected_errors("reading the recipe"):
-        check_keys_early(recipe)
     gpus, build_smoke_model = set_up(recipe)
     with unexpected_errors("reading the recipe"):
         check_launch(recipe)
@@ -75,9 +74,13 @@ def launch(argv: list[str], held: ExitStack) -> int:
     cmd = rank_command(recipe, extra, torchrun_logs)
     started = time.time()
     ranks = start_ranks(recipe, cmd, torchrun_logs, "", gated=True) if overlap_checks() else None
+    launched_with = list(recipe.launch_options)
     cfg, code = check_while_ranks_import(recipe, held, ranks, torchrun_logs, build_smoke_model, locked)
     if code is not None:
         return code
+    if recipe.launch_options != launched_with:  # the checks chose the wrap classes (launch/checks.py)
+        cmd, torchrun_logs, ranks = relaunch(recipe, extra, ranks, torchrun_logs)
+    handoff.write(cfg.settings, settings_file(torchrun_logs))
     output_dir = cfg.training.output_dir
     log_dir = Path(output_dir) / "logs"
     ranks = release_ranks(recipe, cmd, torchrun_logs, ranks, f"checks passed in {time.time() - t0:.1f}s; ", log_dir)
@@ -91,14 +94,12 @@ def launch(argv: list[str], held: ExitStack) -> int:
 
 
 def load_recipe(argv: list[str]) -> Recipe:
-    """The recipe named first on the command line, loaded once (config/recipes.py), with the rest as overrides; the
-    speed options' rules of its accelerate YAML checked as it is read."""
+    """The recipe named first on the command line, loaded once (config/recipes.py), with the rest as overrides; a
+    mistyped key or value said at once."""
     if not argv or argv[0].startswith("-"):
         raise UserError("usage: python -m fsdp_recipes.launch.launcher <recipe name or folder> [--field value ...]")
     with unexpected_errors("reading the recipe"):
-        recipe = recipes.load(argv[0], argv[1:])
-        speed.check_accelerate(recipe.accelerate, recipe.accelerate_path)
-        return recipe
+        return recipes.load(argv[0], argv[1:], check_keys=True)
 
 
 def set_up(recipe: Recipe) -> tuple[int, Callable[[], None] | None]:
@@ -180,6 +181,19 @@ def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | Non
         say(done)
         return None, 0
     return cfg, None
+
+
+def relaunch(recipe: Recipe, extra: list[str], ranks: Ranks | None,
+             torchrun_logs: Path) -> tuple[list[str], Path, None]:
+    """The checks changed the `accelerate launch` options (a model named on the command line that lacks the recipe's
+    wrap class: its own classes): ranks started with the old command are stopped, and the new command starts once
+    the checks passed. Returns the command, its torchrun log folder and no ranks."""
+    if ranks is not None:
+        say(f"the ranks started before the checks stop; they start again with {' '.join(recipe.launch_options)}")
+        ranks.abort()  # removes their torchrun log folder too
+    shutil.rmtree(torchrun_logs, ignore_errors=True)
+    torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))
+    return rank_command(recipe, extra, torchrun_logs), torchrun_logs, None
 
 
 def release_ranks(recipe: Recipe, cmd: list[str], torchrun_logs: Path, ranks: Ranks | None, passed: str,

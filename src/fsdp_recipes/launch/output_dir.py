@@ -74,8 +74,10 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: st
         say(f"continuing {resume} to {name} {now_len} (it was trained toward {was}): the learning-rate schedule is "
             f"the new length's from its step on")
     if changed.get("changed"):
+        moved = resume_settings.eval_rows_changed(changed)
         say(f"override_resumed_settings: resuming {resume} with {resume_settings.described(changed['changed'])}; the "
-            f"new values apply from step {changed['step'] + 1} (run_args.json: resumed_with_changes)")
+            f"new values apply from step {changed['step'] + 1} (run_args.json: resumed_with_changes)"
+            + ("; the eval rows are chosen again, so the summary calls none of them held out" if moved else ""))
     return None
 
 

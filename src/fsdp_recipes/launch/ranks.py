@@ -14,6 +14,7 @@ from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
+from fsdp_recipes.config import handoff
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import UserError
@@ -154,11 +155,17 @@ def rank_command(recipe: Recipe, extra: list[str], torchrun_logs: Path) -> list[
     multi_node = int(recipe.accelerate.get("num_machines", 1)) > 1 or "--num_machines" in extra
     if not multi_node and "MASTER_PORT" not in os.environ:
         cmd += ["--main_process_port", str(free_port())]  # two runs on one machine must not collide
-    cmd += ["-m", "fsdp_recipes.train.entry", *recipe.argv()]
+    # the recipe as the launcher reads it, written there before the ranks pass their gate (config/handoff.py)
+    cmd += ["-m", "fsdp_recipes.train.entry", *handoff.rank_argv(settings_file(torchrun_logs))]
     # torchrun forwards these signals to every rank and then allows the grace period before killing them.
     os.environ.setdefault("PET_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     os.environ.setdefault("PET_SHUTDOWN_TIMEOUT", str(grace_seconds(recipe)))
     return cmd
+
+
+def settings_file(torchrun_logs: Path) -> Path:
+    """Where the launcher hands the ranks the recipe's settings: beside their torchrun records, gone with them."""
+    return torchrun_logs / "recipe_settings.json"
 
 
 def overlap_checks() -> bool:

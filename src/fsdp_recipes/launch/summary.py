@@ -132,6 +132,10 @@ def eval_lines(check: dict, on_pairs: bool = False) -> list[str]:
 
 def rows_note(check: dict) -> list[str]:
     """Where the scored rows were not all held out: the line that says so, after the scores on them."""
+    if check.get("eval_rows_changed"):
+        moved = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in check["eval_rows_changed"].items())
+        return [f"            the held-out rows changed on resume ({moved}): rows the first part trained on may be "
+                "among these, so they are not held out"]
     if not check.get("held_out", True):
         return ["            the data has no eval split (test, validation, valid, eval, dev): these rows were "
                 "trained on; eval_split_size: 0.1 holds 10% out"]
@@ -189,6 +193,7 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
     lines.append(f"files       {run_dir}/: {', '.join(files)}")
     if check:
         lines += eval_lines(check) + rows_note(check) + eval_lines(check, on_pairs=True)
+        lines += [f"warning     {line}" for line in check.get("mixed_folders", [])]  # scored adapter on top
         lines += [f"  {shown(ex['prompt'])}: expected {shown(ex['expected'])} | base {shown(ex['base'])} | "
                   f"trained {shown(ex['trained'])}" for ex in check["examples"][:SHOWN_SAMPLES]]
     if skipped:

@@ -119,6 +119,7 @@ class RunReportCallback(TrainerCallback):
         self.started_at = now_iso()
         self.is_main = dist.rank() == 0
         self.train_start = self.train_end = self.first_step_end = None
+        self.marks: dict[str, float] = {}  # the rank's start-up, in order (mark): metrics.json startup_s
         self.log_history: list[dict] = []
         self.params: dict[str, int] = {}
         self.model_config = None
@@ -131,6 +132,16 @@ class RunReportCallback(TrainerCallback):
         self.rss_at_train_start = None
         self.cpu_peak = None  # per rank, on CPU: the measured matmul rate MFU divides by (metrics/cpu_peak.py)
         self.finalized = False
+
+    def mark(self, name: str, at: float | None = None) -> None:
+        """A point of this rank's start-up (imports done, through the start gate, configured, data loaded, trainer
+        built): metrics.json `startup_s` gives each in seconds from the process's creation, with the training's
+        start and its first step's end, so that time to the first step reads as phases without a profiler."""
+        self.marks.setdefault(name, time.time() if at is None else at)
+
+    def startup(self) -> dict[str, float]:
+        points = {**self.marks, "train_begin": self.train_start, "first_step_end": self.first_step_end}
+        return {name: round(t - self.process_start, 3) for name, t in points.items() if t is not None}
 
     # -- trainer hooks ------------------------------------------------------------------------------
     def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -386,6 +397,7 @@ class RunReportCallback(TrainerCallback):
             "wall_clock_s": end - self.process_start,
             "train_time_s": train_time,
             "time_to_first_step_s": (self.first_step_end - self.process_start) if self.first_step_end else None,
+            "startup_s": self.startup(),
             "steps": getattr(self, "global_step", None) or (self.log_history[-1].get("step") if self.log_history else 0),
             "samples": tokens["sequences"],
             "tokens": {"non_padding": tokens["non_padding"], "padded": tokens["padded"], "scope": scope},

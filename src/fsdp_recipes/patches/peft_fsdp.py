@@ -53,6 +53,17 @@ and trained copy all stay in the root unit, the Parameter in one group (tests/te
    FULL_STATE_DICT (rank0_only) the other ranks' state dict is empty, and PEFT's
    `ModulesToSaveWrapper.adapter_state_dict` indexes it. The wrapper now gives nothing from an empty state dict;
    a state dict that has entries but lacks the key still raises.
+
+4. A tied LM head or input embedding that PEFT wraps cannot be re-tied by accelerate's FSDP2 RAM-efficient loading
+   (`tie_through_peft_wrappers`). With `fsdp_cpu_ram_efficient_loading` (every recipe's FSDP2 YAML), accelerate 1.15's
+   `fsdp2_prepare_model` moves the model to meta and calls `model.tie_weights()`, before sharding and again after
+   loading rank 0's weights. transformers 5's `tie_weights` does `setattr(lm_head, "weight", embedding.weight)`; when
+   PEFT has replaced `lm_head` by a wrapper (`lora_modules_to_save: [lm_head]`: ModulesToSaveWrapper; `lm_head` as a
+   LoRA target: lora.Linear), `weight` is the wrapper's read-only property and torch raises `KeyError: "attribute
+   'weight' already exists"` on every rank before the first step (issue 61, the default with lm_head to save). The
+   workaround shadows `tie_weights` on the PEFT model while accelerate prepares it, with one that ties the wrapped
+   layers' base weights (the frozen head the wrapper keeps) to the embedding's, the tie transformers would make.
+   tests/test_tied_embeddings.py prepares each tied option with RAM-efficient loading.
 """
 
 from __future__ import annotations
@@ -165,15 +176,55 @@ def hide_wrapped_output_layer(model) -> bool:
     return True
 
 
+def prepare_wrapped_embeddings_for_fsdp2(model) -> bool:
+    """Workarounds 2 and 4 on the model the Trainer will hand to accelerate's FSDP2 preparation; whether either
+    applied (then RestoreOutputEmbeddings must undo them when training begins)."""
+    hidden = hide_wrapped_output_layer(model)
+    tied = tie_through_peft_wrappers(model)  # both on a trained copy of a tied head: no short-circuit
+    return hidden or tied
+
+
+def tie_through_peft_wrappers(model) -> bool:
+    """Shadow `tie_weights` on a PEFT model of a tied model whose LM head or input embedding PEFT wrapped, with one
+    that ties the wrapped layers' base weights (workaround 4). Whether it did."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else None
+    if inner is None or not getattr(getattr(inner, "config", None), "tie_word_embeddings", False):
+        return False
+    head, embedding = inner.get_output_embeddings(), inner.get_input_embeddings()
+    if head is None or embedding is None or (head is unwrapped(head) and embedding is unwrapped(embedding)):
+        return False
+
+    def tie_weights(*args, **kwargs):  # what transformers' tie_weights does for an unwrapped model
+        unwrapped(head).weight = unwrapped(embedding).weight
+
+    model.tie_weights = tie_weights
+    return True
+
+
+def unwrapped(module):
+    """The layer PEFT wrapped: a LoRA layer's base layer, a modules_to_save wrapper's frozen original."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils.other import ModulesToSaveWrapper
+
+    while True:
+        if isinstance(module, ModulesToSaveWrapper):
+            module = module.original_module
+        elif isinstance(module, BaseTunerLayer):
+            module = module.get_base_layer()
+        else:
+            return module
+
+
 class RestoreOutputEmbeddings(TrainerCallback):
-    """Undo `hide_wrapped_output_layer` once accelerate has prepared (sharded) the model."""
+    """Undo `hide_wrapped_output_layer` and `tie_through_peft_wrappers` once accelerate has prepared (sharded) the
+    model."""
 
     def __init__(self, model):
         self.model = model
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.model.__dict__.pop("get_output_embeddings", None)
-        self.model.__dict__.pop("get_input_embeddings", None)
+        for name in ("get_output_embeddings", "get_input_embeddings", "tie_weights"):
+            self.model.__dict__.pop(name, None)
 
 
 def keep_fsdp1_output_layer_in_root() -> None:

@@ -85,7 +85,8 @@ def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str
                         "Fix: save the model's config.json as model_config.json in the recipe folder.")
     model = model_check.meta_model(model_check.load_config(source))
     model_check.check_recipe_fits_model(model, acc, recipe / "accelerate.yaml", model_args,
-                                        wrap_on_command_line=bool(loaded.launch_options))
+                                        wrap_on_command_line=bool(loaded.launch_options),
+                                        model_named=loaded.user_model is not None)
     return recipe, acc, cfg, model
 
 

@@ -89,10 +89,29 @@ def llamacpp_answers(gguf_file: Path, questions: list[dict], tokens: int) -> tup
 ENGINES = ("llama.cpp", "vllm")
 
 
+def check_run_files(run: Path, engines: tuple[str, ...]) -> Path:
+    """The run's own problems that its files show, before any engine or environment is looked at: a finished run, its
+    model (a LoRA run's merged/), the local base model of an adapter vLLM serves. Returns the model folder."""
+    if not (run / "run_args.json").is_file():
+        raise UserError(f"{run} is not a finished run (no run_args.json). Fix: point at a run's output_dir.")
+    folder = gguf_export.model_folder(run)
+    if "vllm" in engines and (run / "adapter_config.json").is_file() and not lora_refused(run):
+        adapter_base(run)
+    return folder
+
+
+def check_run(run: Path, engines: tuple[str, ...]) -> str:
+    """All of the run's own problems (its files, then the questions it is scored on), in seconds, with no engine:
+    `make serve-check` runs this (--run-only) before `make serve-env` builds anything. Returns what will be asked."""
+    folder = check_run_files(run, engines)
+    questions, asked, _ = held_out(run, folder)
+    return f"{asked}, answered from {folder}"
+
+
 def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None) -> dict:
+    folder = check_run_files(run, engines)  # a run without merged/ is one line before any environment is asked for
     for engine in engines:
         engine_python(engine)  # a missing environment is one line before minutes of answering
-    folder = gguf_export.model_folder(run)
     questions, asked, tokens = held_out(run, folder)
     expected = [q["expected"] for q in questions]
     start = time.time()
@@ -157,16 +176,22 @@ def vllm_commands(run: Path, folder: Path, port: int) -> list[tuple[str, list[st
         config = json.loads(adapter.read_text())
         if vllm_lora_refusals(config):  # vLLM would refuse to load it: the merged model is what it serves
             return commands
-        base = config.get("base_model_name_or_path") or ""
-        local = Path(base).expanduser()
-        if base.startswith(("/", ".", "~")) and not local.is_dir():  # a path, not a hub id vLLM would download
-            raise UserError(f"the adapter's base model {base} (adapter_config.json) is not on this machine. Fix: "
-                            f"copy it there, or set base_model_name_or_path to where it is.")
-        cmd = vllm_server.command(local if local.is_dir() else base, port, adapter=run, rank=adapter_rank(config))
+        cmd = vllm_server.command(adapter_base(run), port, adapter=run, rank=adapter_rank(config))
         if (run / "tokenizer_config.json").is_file():
             cmd += ["--tokenizer", str(run)]
         commands.append(("base + LoRA", cmd))
     return commands
+
+
+def adapter_base(run: Path) -> Path | str:
+    """The base model of the run's adapter as vLLM gets it: a local folder, or a hub id vLLM downloads; a local path
+    that is gone is one line."""
+    base = json.loads((run / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    local = Path(base).expanduser()
+    if base.startswith(("/", ".", "~")) and not local.is_dir():  # a path, not a hub id vLLM would download
+        raise UserError(f"the adapter's base model {base} (adapter_config.json) is not on this machine. Fix: "
+                        f"copy it there, or set base_model_name_or_path to where it is.")
+    return local if local.is_dir() else base
 
 
 def lora_refused(run: Path) -> list[str]:
@@ -181,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run", type=Path, help="a finished run's output_dir")
     ap.add_argument("--engine", default="all", help="llama.cpp, vllm, or all (default)")
     ap.add_argument("--port", type=int, default=None, help="vLLM's port on 127.0.0.1 (default: a free one)")
+    ap.add_argument("--run-only", action="store_true",
+                    help="check the run alone (its model, the questions), with no engine: what make serve-check "
+                         "runs before make serve-env builds the environments")
     args = ap.parse_args(argv)
     wanted = args.engine.replace(".", "").lower()  # llama.cpp or llamacpp
     engines = ENGINES if wanted == "all" else tuple(e for e in ENGINES if e.replace(".", "") == wanted)
@@ -188,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         raise UserError(f"no engine named {args.engine!r}. Fix: ENGINE=llama.cpp, vllm or all.")
     if args.port is not None and "vllm" in engines:
         vllm_server.refuse_a_busy_port(args.port)  # before a minute of answering with transformers
-    if not (args.run / "run_args.json").is_file():
-        raise UserError(f"{args.run} is not a finished run (no run_args.json). Fix: point at a run's output_dir.")
+    if args.run_only:
+        print(f"[serve-check] {args.run}: {check_run(args.run, engines)}", flush=True)
+        return 0
     r = check(args.run, engines, args.port)
     n, hf = r["questions"], r["transformers"]["correct"]
     parts = [f"transformers {hf}/{n}"]

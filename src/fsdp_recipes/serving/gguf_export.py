@@ -27,8 +27,10 @@ import json
 import sys
 from pathlib import Path
 
+from fsdp_recipes import model_folders
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.serving import modelfile
+from fsdp_recipes.speed import four_bit
 
 TYPES = ("f16", "bf16", "q8_0", "f32")
 # transformers architecture -> (gguf architecture name, q/k rows need Meta's interleaved rotary order)
@@ -64,15 +66,39 @@ def rope(config: dict) -> tuple[float, str | None]:
 
 
 def model_folder(run: Path) -> Path:
-    """The folder to export: a run's merged/ (LoRA), else the run's own full model, else `run` itself."""
+    """The folder to export: a run's merged/ (LoRA), else the run's own full model, else `run` itself. Refused: a
+    folder that also carries adapter files (transformers and llama.cpp would compute different models), and one
+    saved quantized (its tensors are packed bytes and their scales, not weights)."""
     for folder in (run / "merged", run):
         if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+            mixed = model_folders.adapter_beside_weights(folder)
+            if mixed:
+                raise UserError(mixed)
+            refuse_quantized(run, folder)
             return folder
     if (run / "adapter_config.json").is_file():
         raise UserError(f"{run} holds a LoRA adapter but no merged model. Fix: run it with --save_merged_model true, "
                         "or merge it (peft's merge_and_unload) into a folder and export that folder.")
     raise UserError(f"{run} holds no model (config.json and *.safetensors) and no merged/ folder. Fix: point at a "
                     "finished run's output_dir or a model folder.")
+
+
+def refuse_quantized(run: Path, folder: Path) -> None:
+    """A folder saved quantized (config.json's quantization_config: a bitsandbytes 4-bit model as transformers saves
+    it, GPTQ, AWQ) holds packed weights and their scales (`weight.absmax`, `weight.quant_map`, ...), which have no
+    GGUF name: one line saying so and where the dequantised model is, instead of "tensor ... has no GGUF name"."""
+    how = four_bit.saved_quantized(folder)
+    if how is None:
+        return
+    if (run / "run_args.json").is_file():  # a run of the pack's: its merge is the dequantised model
+        where = (f"the pack's merge of a 4-bit (QLoRA) run writes the dequantised base + adapter as "
+                 f"{run / 'merged'}: rerun the recipe with --save_merged_model true (docs/training.md, QLoRA), then "
+                 f"make gguf RUN={run}")
+    else:
+        where = ("dequantise it first: load it with transformers and bitsandbytes, then save model.dequantize() "
+                 "with save_pretrained into a folder and export that; or export the model's full-precision release")
+    raise UserError(f"{folder} is saved {how} (config.json's quantization_config): its tensors are packed weights "
+                    f"and their scales, which GGUF cannot take as they are. Fix: {where}.")
 
 
 def permute(w, n_head: int):

@@ -1,40 +1,206 @@
 """`attn_implementation` (TRL's ModelConfig): the attention kernel transformers runs, passed to from_pretrained.
 
-Today the recipe's choice as written: sdpa (torch's fused kernels), eager, or a flash-attention build that must be
-installed. What the pack checks: a flash-attention choice without its package is one line before any rank starts, and
-`make smoke` on a machine without CUDA or the package runs sdpa instead.
+`auto` picks the fastest implementation installed for the device the ranks train on (`choose`):
+- CUDA, packed rows (`padding_free: true`, or `packing: true` with TRL's bfd strategies, which turn it on): a
+  variable-length kernel and no mask: `packed_varlen` (varlen_attention.py: torch's own varlen flash kernel) where
+  the installed torch has torch.nn.attention.varlen, else flash_attention_4 (flash-attn-4, Hopper and newer), else
+  flash_attention_2 (flash-attn, or the kernels package's Hub build); SDPA with a block-diagonal mask where none is.
+- CUDA, full rows: sdpa. transformers passes no mask and is_causal=True where a batch has no padding, so SDPA runs
+  its flash or cuDNN kernels (masking_utils.py _ignore_causal_mask_sdpa; sdpa_attention.py `is_causal = q_length >
+  1 and attention_mask is None and is_causal`); a padded batch gets a mask.
+- CPU: sdpa (packed rows with transformers' block-diagonal mask; `packed_varlen` runs there too, its reference).
+The launcher's `[launch]` line says which and why; each rank chooses again on its own device, and run_args.json
+records `speed_options.attention` (requested, ran, why).
+
+Checked before any rank starts: a flash-attention choice without its package; flex_attention on CPU, whose
+backward torch 2.13 does not have (NotImplementedError in the first step). `make smoke` on a machine without
+CUDA runs sdpa instead of those.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+from dataclasses import dataclass
 
+from fsdp_recipes.config import placement
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.speed import varlen_attention
+from fsdp_recipes.speed.float8 import gpu_capabilities
 
 FIELDS = ("attn_implementation",)
+AUTO = "auto"
+VARLEN = varlen_attention.NAME
+# The flash-attention builds transformers names, and the distribution each one imports from
+FLASH_PACKAGES = {"flash_attention_2": "flash-attn", "flash_attention_3": "flash-attn-3",
+                  "flash_attention_4": "flash-attn-4"}
+NAMES = ("eager", "sdpa", "flex_attention", "paged|eager", AUTO, VARLEN, *FLASH_PACKAGES)
+FLASH_MIN_CAPABILITY = (8, 0)  # the flash kernels (torch's varlen, flash-attn 2): Ampere and newer
+FA4_MIN_CAPABILITY = (9, 0)  # flash-attn-4: Hopper and newer
+
+
+@dataclass(frozen=True)
+class Choice:
+    name: str  # what from_pretrained gets
+    why: str
+
+
+_CHOSEN: dict[int, tuple[str, Choice]] = {}  # id(cfg.model) -> (requested, choice), for the run report
 
 
 def enabled(cfg) -> bool:
     return bool(cfg.model.attn_implementation)
 
 
+def installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def packed_rows(training) -> bool:
+    """TRL's padding-free batches: what SFTTrainer decides (`padding_free or packing with bfd/bfd_split`)."""
+    return bool(getattr(training, "padding_free", False)) or (
+        bool(getattr(training, "packing", False))
+        and getattr(training, "packing_strategy", "bfd") in ("bfd", "bfd_split"))
+
+
+def choose(cuda: bool, packed: bool, capability: tuple[int, int] | None, has=None) -> Choice:
+    """`auto`: the fastest implementation installed for this device. `has(name)`: torch's varlen module
+    ("torch_varlen") or a distribution is installed; `capability`: the GPU's, None where unknown."""
+    has = has or (lambda name: varlen_attention.torch_varlen_available() if name == "torch_varlen"
+                  else installed(name))
+    if not cuda:
+        return Choice("sdpa", "no CUDA device: torch's SDPA on CPU; packed rows get transformers' block-diagonal mask")
+    if not packed:
+        return Choice("sdpa", "full rows: SDPA with is_causal and no mask tensor where a batch has no padding "
+                              "(its flash/cuDNN kernels)")
+    if capability is not None and capability < FLASH_MIN_CAPABILITY:
+        return Choice("sdpa", f"packed rows, but the flash kernels need compute capability 8.0+ and this GPU has "
+                              f"{capability[0]}.{capability[1]}: SDPA with a block-diagonal mask")
+    if has("torch_varlen"):
+        return Choice(VARLEN, "packed rows: torch's own varlen flash kernel (torch.nn.attention.varlen), no mask")
+    if has("flash-attn-4") and (capability is None or capability >= FA4_MIN_CAPABILITY):
+        return Choice("flash_attention_4", "packed rows: flash-attn-4's varlen kernel (this torch has no "
+                                           "torch.nn.attention.varlen)")
+    if has("flash-attn"):
+        return Choice("flash_attention_2", "packed rows: flash-attn's varlen kernel (this torch has no "
+                                           "torch.nn.attention.varlen)")
+    if has("kernels"):
+        return Choice("flash_attention_2", "packed rows: flash-attn from the Hub's kernels-community, fetched by "
+                                           "the kernels package at load (this torch has no torch.nn.attention.varlen)")
+    return Choice("sdpa", "packed rows, but no varlen kernel is installed (this torch has no "
+                          "torch.nn.attention.varlen; no flash-attn): SDPA with a block-diagonal mask")
+
+
+def check_config(cfg) -> None:
+    attn = cfg.model.attn_implementation
+    if attn and attn not in NAMES and "/" not in attn:  # "org/repo[@rev][:fn]": a Hub kernel, transformers' to load
+        raise UserError(f"attn_implementation {attn!r} is not an attention implementation. Fix: one of "
+                        f"{', '.join(NAMES)} (auto picks the fastest installed for the device), or a Hub kernel "
+                        "`org/repo`.")
+
+
 def check_installed(cfg) -> None:
     attn = cfg.model.attn_implementation
-    if attn and attn.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
-        raise UserError(
-            f"attn_implementation: {attn} needs the flash-attn package, which is not installed. "
-            "Fix: `pip install -e .[gpu]` on a CUDA machine, or use attn_implementation: sdpa."
-        )
+    package = FLASH_PACKAGES.get(attn)
+    if package is None or installed(package) or (attn != "flash_attention_4" and installed("kernels")):
+        return
+    how = ("pip install --pre flash-attn-4 (Hopper or newer)" if attn == "flash_attention_4" else
+           f"pip install {package} (a source build: PyPI has no wheel of it)")
+    raise UserError(f"attn_implementation: {attn} needs the {package} package, which is not installed. "
+                    f"Fix: {how}, or use attn_implementation: auto (torch's own varlen kernel for packed rows on "
+                    "CUDA, SDPA otherwise).")
+
+
+def on_cpu_in_launcher(cfg, acc: dict) -> bool:
+    """The ranks will train on CPU: no GPU here (config/placement.py, which the launcher asked already), or
+    use_cpu in the recipe, its accelerate YAML or the command."""
+    return bool(getattr(cfg.training, "use_cpu", False) or acc.get("use_cpu")) or placement.gpus_here() == 0
+
+
+def refuse_flex_on_cpu(attn: str | None) -> None:
+    if attn == "flex_attention":
+        raise UserError("attn_implementation: flex_attention cannot train on a CPU: torch 2.13's FlexAttention has "
+                        "no CPU backward (NotImplementedError in the first step). Fix: attn_implementation: auto or "
+                        "sdpa here; flex_attention on CUDA GPUs.")
+
+
+def check_launch(cfg, acc: dict, path, say=None) -> None:
+    """In the launcher, before the ranks work: flex_attention refused on CPU, and what `auto` will pick, said in a
+    `[launch]` line (`say`)."""
+    attn = cfg.model.attn_implementation
+    if attn not in ("flex_attention", AUTO):
+        return
+    cpu = on_cpu_in_launcher(cfg, acc)
+    if cpu:
+        refuse_flex_on_cpu(attn)
+    if attn == AUTO:
+        capabilities = None if cpu else gpu_capabilities()
+        choice = choose(not cpu, packed_rows(cfg.training), min(capabilities) if capabilities else None)
+        (say or launch_line)(f"attention: auto -> {choice.name} ({choice.why})")
+
+
+def launch_line(msg: str) -> None:
+    print(f"[launch] {msg}", flush=True)  # launch/lines.py's format (that layer is above this one)
 
 
 def smoke(field, gpus: int) -> tuple[list[str], str | None]:
-    flash = str(field("attn_implementation", "")).startswith("flash_attention")
-    if flash and not (gpus and importlib.util.find_spec("flash_attn")):
-        return ["--attn_implementation", "sdpa"], "attention: flash-attn needs CUDA and the flash_attn package -> sdpa"
+    attn = str(field("attn_implementation", ""))
+    package = FLASH_PACKAGES.get(attn, "flash-attn")
+    if attn.startswith("flash_attention") and not (gpus and installed(package)):
+        return ["--attn_implementation", "sdpa"], f"attention: {attn} needs CUDA and the {package} package -> sdpa"
+    if attn == "flex_attention" and not gpus:
+        return ["--attn_implementation", "sdpa"], "attention: flex_attention has no CPU backward -> sdpa"
     return [], None
 
 
-def model_init_kwargs(cfg) -> dict:
-    """The recipe's kernel; none named, transformers' default (and whatever model_init_kwargs says)."""
+def settle(cfg) -> None:
+    """In each rank, on its own device: `auto` resolved (recorded as it will run), flex_attention refused on CPU."""
+    resolve(cfg)
+
+
+def resolve(cfg) -> str | None:
+    """The implementation this process runs, written into cfg.model (from_pretrained gets it); `auto` chosen on
+    this process's device. Idempotent; the bench workers reach it through model_init_kwargs without settle."""
+    import torch
+
     attn = cfg.model.attn_implementation
+    cuda = torch.cuda.is_available() and not getattr(cfg.training, "use_cpu", False)
+    if attn == "flex_attention" and not cuda:
+        refuse_flex_on_cpu(attn)
+    if attn == AUTO:
+        choice = choose(cuda, packed_rows(cfg.training), torch.cuda.get_device_capability() if cuda else None)
+        _CHOSEN[id(cfg.model)] = (AUTO, choice)
+        cfg.model.attn_implementation = attn = choice.name
+    if attn == VARLEN:
+        varlen_attention.register()
+    return attn
+
+
+def model_init_kwargs(cfg) -> dict:
+    """The recipe's kernel (`auto` resolved); none named, transformers' default (and whatever model_init_kwargs
+    says)."""
+    attn = resolve(cfg) if cfg.model.attn_implementation else None
     return {"attn_implementation": attn} if attn else {}
+
+
+def prepare_trainer(trainer, cfg) -> dict:
+    """What ran, for run_args.json's speed_options.attention, and its line."""
+    config = getattr(trainer.model, "config", None)
+    ran = getattr(config, "_attn_implementation", None) or cfg.model.attn_implementation
+    requested, choice = _CHOSEN.get(id(cfg.model), (cfg.model.attn_implementation, None))
+    record = {"requested": requested, "ran": ran}
+    if choice is not None:
+        record["why"] = choice.why
+    if ran == VARLEN:
+        import torch
+
+        record["kernel"] = ("torch.nn.attention.varlen" if torch.cuda.is_available()
+                            and varlen_attention.torch_varlen_available() else "reference: SDPA row by row")
+    accelerator = getattr(trainer, "accelerator", None)
+    if requested == AUTO and accelerator is not None:
+        accelerator.print(f"[train] attention: auto -> {ran} ({record['why']})")
+    return record

@@ -24,7 +24,9 @@ answers as the trained 4-bit model does (the logits agree to float rounding; tes
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 from fsdp_recipes.errors import UserError
@@ -185,3 +187,23 @@ def same_kernels_on_every_cpu(model):
         if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False
     return model
+
+
+def saved_quantized(folder) -> str | None:
+    """How `folder`'s weights are stored quantized (config.json's quantization_config, as transformers saves a
+    bitsandbytes, GPTQ, AWQ ... model), in words: 'in 4 bits (bitsandbytes nf4)'; None for plain weights. `make gguf`
+    names such a folder (serving/gguf_export.py): its tensors are packed weights and their scales."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    quant = config.get("quantization_config") if isinstance(config, dict) else None
+    if not isinstance(quant, dict) or not quant:
+        return None
+    method = str(quant.get("quant_method", "unknown method"))
+    if quant.get("load_in_4bit") or quant.get("_load_in_4bit"):
+        return f"in 4 bits ({method} {quant.get('bnb_4bit_quant_type', 'fp4')})"
+    if quant.get("load_in_8bit") or quant.get("_load_in_8bit"):
+        return f"in 8 bits ({method})"
+    bits = quant.get("bits") or quant.get("w_bit")
+    return f"in {bits} bits ({method})" if bits else f"quantized ({method})"

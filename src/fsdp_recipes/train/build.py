@@ -26,9 +26,9 @@ from fsdp_recipes.patches.optim_resume import init_state_before_fsdp1_sharded_lo
 from fsdp_recipes.patches.peft_fsdp import (
     RestoreOutputEmbeddings,
     fsdp2_requested,
-    hide_wrapped_output_layer,
     keep_fsdp1_output_layer_in_root,
     load_adapter_through_fsdp1_root,
+    prepare_wrapped_embeddings_for_fsdp2,
     strip_fsdp1_wrapper_names,
 )
 from fsdp_recipes.train import console, failure_record, kinds
@@ -86,6 +86,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
 
     kind = kinds.load(cfg.trainer)
     train_ds, eval_ds = kind.load_datasets(cfg)
+    report.mark("data_loaded")
     # an eval split found under another of its usual names (data/loading.py held_out): run_args.json says which
     if report is not None and "script_args" in report.resolved_args:  # bench/overhead.py reports no settings
         report.resolved_args["script_args"]["dataset_test_split"] = cfg.script.dataset_test_split
@@ -158,7 +159,7 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
     console.replace_progress_output(trainer, pack.divergence_factor if getattr(report, "loss_falls", True) else 0.0)
     # before train() hands the model to accelerate, which wraps it with FSDP (an option may convert its layers)
     report.resolved_args["speed_options"] = speed.prepare_trainer(trainer, cfg)
-    if fsdp2_requested() and hide_wrapped_output_layer(trainer.model):  # see peft_fsdp.py
+    if fsdp2_requested() and prepare_wrapped_embeddings_for_fsdp2(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
     if fsdp2_requested():  # an evaluation leaves the root's bf16 copies in place of its weights: sharded_save.py
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from fsdp_recipes import dist, library_logs, speed
 from fsdp_recipes.checkpoint.resume_choice import checkpoint_to_resume
@@ -105,9 +106,12 @@ def train_once(argv: list[str] | None = None) -> tuple[int, object]:
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
     library_logs.divert(failure_record.details)  # before peft imports bitsandbytes
     import_training_stack()
+    marks = {"imports_done": time.time()}
     start_gate.wait()  # the launcher's checks passed (a no-op without the launcher)
+    marks["through_gate"] = time.time()
     # idempotent: the launcher normally built the assets and ran these checks already
     cfg = parse_and_check(argv, quiet=True)
+    marks["configured"] = time.time()
     # Parsing built TrainingArguments, which started the process group (accelerate's PartialState). Before anything
     # reads output_dir: on a node that does not share it, auto_resume would pick another checkpoint.
 
@@ -141,6 +145,8 @@ def train_once(argv: list[str] | None = None) -> tuple[int, object]:
         trainer=cfg.trainer, reported_logs=kind.REPORTED_LOGS, extra_forwards=kind.extra_forwards(cfg.training),
         loss_falls=not kind.samples(cfg.training),  # a sampling kind's loss is no falling objective
     )
+    for name, at in marks.items():
+        report.mark(name, at)
     report.resolved_args["cpu_fsdp_adapter"] = cpu_fsdp_active
     report.resolved_args["resume_settings"] = settings
     if changed:
@@ -149,6 +155,7 @@ def train_once(argv: list[str] | None = None) -> tuple[int, object]:
     preemption = PreemptionCallback(report)
     try:
         trainer = build_trainer(cfg, peft_config, report, preemption, resume, settings)
+        report.mark("trainer_built")
         if is_main and kind.describe_generation is not None:
             print(f"[train] {cfg.trainer}: {kind.describe_generation(cfg.training)}", flush=True)
         trainer.train(resume_from_checkpoint=resume)

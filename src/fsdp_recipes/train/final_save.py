@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+from fsdp_recipes import model_folders
 from fsdp_recipes.checkpoint.save_check import (
     save_state_dict,
     verified_line,
@@ -75,6 +77,44 @@ def save_merged(base_path: str, adapter_dir: str, out_dir: str, model_args) -> N
         base = four_bit.load_4bit(base_path, model_args, dequantise=True)
     else:
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=model_args.dtype)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    adapted = PeftModel.from_pretrained(base, adapter_dir)
+    untie_adapted_embeddings(adapted)
+    merged = adapted.merge_and_unload()
+    # adapter files left in merged/ (an earlier run's, a copy's) would make transformers apply an adapter on top of
+    # the merged weights (model_folders.py): merged/ holds the merged model alone
+    stale = model_folders.adapter_files(Path(out_dir))
+    for name in stale:
+        (Path(out_dir) / name).unlink()
+    if stale:
+        print(f"[train] {out_dir}: removed {', '.join(stale)} found there before the merge (transformers would have "
+              "applied that adapter on top of the merged weights)", flush=True)
     merged.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+    mixed = model_folders.adapter_beside_weights(Path(out_dir))
+    if mixed:  # nothing the merge writes is an adapter file: a library that starts writing one is caught here
+        raise RuntimeError(f"the merged model's folder is not a plain model: {mixed}")
+
+
+def untie_adapted_embeddings(adapted) -> bool:
+    """A tied model (tie_word_embeddings) whose LM head or input embedding the adapter changes (a LoRA target, a trained
+    copy) is merged untied: the head and the embedding share one tensor, and PEFT's merge adds the LoRA update of one
+    to that tensor in place, so the other changed too and the merged model's logits were not the trained model's
+    (measured on a tiny tied Llama, issue 61: up to 10 apart with lm_head a LoRA target, 83 with embed_tokens). The
+    head gets its own copy first, PEFT's own advice in its merge warning; the merged config then says untied, as it
+    does after a merge of a trained head copy. Whether it untied."""
+    import torch
+
+    from fsdp_recipes.patches.peft_fsdp import unwrapped
+
+    inner = adapted.get_base_model()
+    if not getattr(inner.config, "tie_word_embeddings", False):
+        return False
+    head, embedding = inner.get_output_embeddings(), inner.get_input_embeddings()
+    if head is None or embedding is None or (head is unwrapped(head) and embedding is unwrapped(embedding)):
+        return False
+    base_head = unwrapped(head)
+    if base_head.weight is not unwrapped(embedding).weight:
+        return False
+    base_head.weight = torch.nn.Parameter(base_head.weight.detach().clone(), requires_grad=False)
+    inner.config.tie_word_embeddings = False
+    return True

@@ -1,5 +1,7 @@
 """OpenAI chat: `{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}`, as TRL
-takes it (the file's role names mapped where a declaration names them: `messages bot=assistant`)."""
+takes it (the file's role names mapped where a declaration names them: `messages bot=assistant`); tool calls as
+OpenAI means them, in the form transformers' templates take (data/chat.py: each call's JSON-string arguments read,
+null content beside calls ""), and a `tools` column of function schemas."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from fsdp_recipes.data.tokenizing import Planned, Sequence
 
 LABEL = "OpenAI chat"
 COLUMNS = ("messages",)
+OPTIONAL = ("tools",)  # the row's tools: [{"type": "function", "function": <JSON schema>}], or a JSON string of them
 HELP = '{"messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}'
 ORDER = 10
 ROLE_NAMES: dict = {}  # chat roles already; a declaration may map others
@@ -21,7 +24,7 @@ def fits(columns: set, first: dict | None, text_field: str) -> bool:
 
 
 def convert(ds, spec, at, text_field: str = "text"):
-    return chat.to_messages(ds, spec, spec.column("messages"), dict(spec.roles), at)
+    return chat.to_messages(ds, spec, spec.column("messages"), dict(spec.roles), at, tools=spec.column("tools"))
 
 
 def plan_row(row: dict, batch, t):

@@ -5,7 +5,7 @@ known roles (DPO's and KTO's checks, train/kinds/)."""
 
 from __future__ import annotations
 
-from fsdp_recipes.data import rows
+from fsdp_recipes.data import row_checks, rows
 from fsdp_recipes.data.spec import ROLES, renamed
 from fsdp_recipes.data.tokenizing import Planned, Sequence
 from fsdp_recipes.errors import UserError
@@ -36,6 +36,8 @@ def text_of(value, what: str, at: str) -> str:
                 raise UserError(f"{at}: the {role} turn of `{what}` has content of type "
                                 f"{type(turn.get('content')).__name__}, not text. Fix: make every content a string.")
         return "\x00".join(f"{t['role']}:{t['content']}" for t in value)
+    if row_checks.is_number(value):
+        raise UserError(f"{at}: `{what}` is the number {value!r}, not text. Fix: {row_checks.quoted(what, value)}.")
     if value is None or value == []:
         raise UserError(f"{at}: `{what}` is missing or empty. Fix: give every pair a {what} answer, or remove "
                         "the row.")

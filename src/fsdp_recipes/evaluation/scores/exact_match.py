@@ -37,7 +37,9 @@ def score(check: dict, scores) -> None:
 
 def lines(check: dict) -> list[str]:
     n = check["n"]
-    what = "eval prompts" if check.get("held_out", True) else "training prompts (not held out)"
+    what = "eval prompts" if check.get("held_out", True) else (
+        "eval prompts (not held out: chosen again on resume)" if check.get("eval_rows_changed")
+        else "training prompts (not held out)")
     if not (check.get("exact_match", True) and n):
         return [f"exact match not scored: {check['exact_match_note']}"] if check.get("exact_match_note") else []
     chain = check["stages"]

@@ -26,7 +26,9 @@ def lines(check: dict) -> list[str]:
     if not loss or not all(s.get("loss") is not None for s in chain):
         return []
     held = check.get("held_out", True)
-    rows = f"{loss['rows']} eval rows" if held else f"{loss['rows']} training rows (not held out)"
+    rows = f"{loss['rows']} eval rows" if held else (
+        f"{loss['rows']} eval rows (not held out: chosen again on resume)" if check.get("eval_rows_changed")
+        else f"{loss['rows']} training rows (not held out)")
     cut = f"; {loss['rows_cut']} rows cut at {loss['max_tokens']} tokens" if loss.get("rows_cut") else ""
     scored = "answer tokens" if check["n"] else "tokens"
     per_stage = " -> ".join(f"{name} {s['loss']:.3f}" + (f" (perplexity {s['perplexity']:.3g})" if s.get(
