@@ -46,24 +46,27 @@ its fused LM head and metrics, the pack's run report, completion-marker and pree
 
   0   baseline: TRL SFTTrainer defaults: padded batches of 8 (per_device_train_batch_size's default), no packing,
       SDPA, TRL's default activation checkpointing (full, non-reentrant), bf16, reshard_after_forward True.
-  1   padding-free packing: `packing: true` (TRL's "bfd" strategy, which turns padding_free on: one flattened row
-      with position_ids, no attention mask), 2 packed rows of 4096 tokens per step; attention flash_attention_2
-      when flash_attn imports, else SDPA (transformers then builds a block-diagonal mask from the position_ids, so
-      attention costs as much as one 8192-token sequence: the JSON records which one ran).
+  1   activation checkpointing off, or the planner's pick: `activation_checkpointing_policy` the first of none,
+      every_4, every_2, ops, full whose memory estimate (memory_budget, as `make plan`) fits FIT_FRACTION of the
+      GPU (none in a CPU plumbing run): no recomputed forward where memory allows (speed/activation_checkpointing.py).
   2   Liger kernels: `use_liger_kernel: true` (RMSNorm, SwiGLU, RoPE; TRL keeps its own fused LM head, so Liger's
       fused cross-entropy is off). Skipped, with the reason, without CUDA or liger_kernel.
-  3   regional torch.compile, accelerate's: the rung's accelerate YAML gets `dynamo_config` (backend INDUCTOR,
+  3   variable-length packing: `packing: true` + `padding_free: true` (TRL's "bfd": one flattened row with
+      position_ids, no attention mask), 2 packed rows of 4096 tokens per step, `attn_implementation: auto` (the
+      attention option's; here flash_attention_2 when flash_attn imports, else SDPA, which transformers hands a
+      block-diagonal mask: the JSON records which one ran).
+  4   regional torch.compile, accelerate's: the rung's accelerate YAML gets `dynamo_config` (backend INDUCTOR,
       dynamo_use_regional_compilation, dynamo_use_dynamic), so accelerate compiles each decoder layer in place
       before fully_shard (torchtitan's per-block recipe) exactly as a recipe with those YAML lines would. On top
       of Liger, Liger's RoPE is left to the compiler (bench_gpu_worker.py says why).
-  4   torchao float8 training: the recipe setting `float8: true` (float8.py: tensorwise dynamic scaling,
+  5   torchao float8 training: the recipe setting `float8: true` (float8.py: tensorwise dynamic scaling,
       pad_inner_dim, every nn.Linear but the LM head), as a recipe adopting it would run. Skipped, with the
       reason, without torchao, below compute capability 8.9, or under LoRA (the pack refuses float8 with LoRA).
-  5a  no activation checkpointing; 5b selective activation checkpointing (TRL's policy: save the attention
-      outputs, recompute the rest); 5c FSDP2 reshard_after_forward False.
+  6a  selective activation checkpointing (`ops`: TRL's policy, save the attention outputs, recompute the rest);
+  6b  FSDP2 reshard_after_forward False.
 
 Cumulative: each rung starts from the fastest rung measured so far in its ladder (tokens/s per GPU) and makes its
-one change; a rung that failed, was skipped or was slower is not built on. So 5a-5c compare checkpointing and
+one change; a rung that failed, was skipped or was slower is not built on. So 6a-6b compare checkpointing and
 resharding on top of the best configuration found by 0-4. "Tuned" in the table is the fastest measured rung.
 
 A rung whose estimated memory (memory_budget.budget, the arithmetic of `make plan`) exceeds FIT_FRACTION of the GPU
@@ -117,7 +120,7 @@ from pathlib import Path
 
 from bench.gpu_worker import WARMUP_FILE
 from bench.ladder_goals import GOAL_MFU_1B_1GPU, GOAL_SPEEDUP, ladder_title, method_of
-from fsdp_recipes.speed import float8
+from fsdp_recipes.speed import activation_checkpointing, float8
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
@@ -156,15 +159,22 @@ FIT_FRACTION = 0.92  # run a rung only if memory_budget's estimate is within thi
 
 BASELINE = dict(packing=False, attn="sdpa", batch="baseline", liger=False, compile=False, float8=False,
                 activation_checkpointing="full", reshard_after_forward=True, method="full")  # method: the ladder's
+# Ordered by expected gain (issue 57): checkpointing off first (the largest, where memory allows: the recomputed
+# forward is a third of a checkpointed step), then fused kernels, variable-length packing, compile, float8; each rung
+# is named by the recipe settings it composes.
 RUNGS = [
     dict(id="0", name="TRL defaults, padded", change={}),
-    dict(id="1", name="padding-free packing", change=dict(packing=True, attn="auto", batch="pack")),
-    dict(id="2", name="Liger kernels", change=dict(liger=True)),
-    dict(id="3", name="regional torch.compile", change=dict(compile=True)),
-    dict(id="4", name="torchao float8", change=dict(float8=True)),
-    dict(id="5a", name="activation checkpointing off", change=dict(activation_checkpointing="none")),
-    dict(id="5b", name="selective activation checkpointing", change=dict(activation_checkpointing="selective")),
-    dict(id="5c", name="reshard_after_forward False", change=dict(reshard_after_forward=False)),
+    dict(id="1", name="activation_checkpointing_policy: the planner's pick",
+         change=dict(activation_checkpointing="pick")),
+    dict(id="2", name="use_liger_kernel: true", change=dict(liger=True)),
+    # the attention engineer's option (speed/attention.py, issue 57 item 1): padding-free rows, a variable-length
+    # kernel; until it lands, `auto` resolves here (resolve) to flash_attention_2 when installed, else sdpa
+    dict(id="3", name="padding_free: true + attn_implementation: auto",
+         change=dict(packing=True, padding_free=True, attn="auto", batch="pack")),
+    dict(id="4", name="regional torch_compile", change=dict(compile=True)),
+    dict(id="5", name="float8: true", change=dict(float8=True)),
+    dict(id="6a", name="activation_checkpointing_policy: ops", change=dict(activation_checkpointing="ops")),
+    dict(id="6b", name="fsdp_reshard_after_forward: false", change=dict(reshard_after_forward=False)),
 ]
 
 
@@ -315,14 +325,26 @@ def memory_parts(size: str, s: dict, processes: int, max_length: int, tokens: in
     tokens = tokens or s["batch"] * max_length
     setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
                                 load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
-                                checkpointed=s["activation_checkpointing"] != "none", optimizer_bytes=8,
-                                runtime_bytes=RUNTIME_BYTES, reshard_after_forward=s["reshard_after_forward"])
-    parts = memory_budget.budget(shape, setup)
-    if s["activation_checkpointing"] == "selective":
-        extra = tokens * shape.layers * 2 * shape.q_dim
-        parts["activations"] += extra
-        parts["total"] += extra
-    return parts
+                                optimizer_bytes=8, runtime_bytes=RUNTIME_BYTES,
+                                reshard_after_forward=s["reshard_after_forward"],
+                                **activation_checkpointing.setup_fields(policy_name(s["activation_checkpointing"])))
+    return memory_budget.budget(shape, setup)
+
+
+def policy_name(value: str) -> str:
+    """activation_checkpointing_policy's name for a ladder setting ("selective": the JSONs before issue 57)."""
+    return "ops" if value == "selective" else value
+
+
+def planner_pick(size: str, s: dict, processes: int, max_length: int, device: dict) -> str:
+    """Rung 1's policy: the first, fastest first, whose estimate fits the GPU as the fit check wants; on CPU none."""
+    if device["type"] != "cuda":
+        return "none"
+    for name in activation_checkpointing.CANDIDATES:
+        if memory_estimate(size, {**s, "activation_checkpointing": name}, processes, max_length) \
+                <= FIT_FRACTION * device["memory_bytes"]:
+            return name
+    return "full"
 
 
 def memory_estimate(size: str, s: dict, processes: int, max_length: int) -> int:
@@ -361,12 +383,11 @@ def sft_args(s: dict, model_dir: Path, data_dir: Path, out_dir: Path, sizes: dic
             "--auto_resume", "false",
             "--dtype", sizes["dtype"], "--bf16", b(bf16), "--attn_implementation", s["attn"],
             "--max_length", str(sizes["max_length"]), "--per_device_train_batch_size", str(s["batch"]),
-            "--packing", b(s["packing"]), "--use_liger_kernel", b(s["liger"]), "--float8", b(s["float8"]),
-            "--activation_checkpointing", b(s["activation_checkpointing"] != "none"),
+            "--packing", b(s["packing"]), *(["--padding_free", "true"] if s.get("padding_free") else []),
+            "--use_liger_kernel", b(s["liger"]), "--float8", b(s["float8"]),
+            "--activation_checkpointing_policy", policy_name(s["activation_checkpointing"]),
             "--max_steps", str(total), "--logging_steps", str(total), "--eval_strategy", "no",
             "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true"]
-    if s["activation_checkpointing"] == "selective":
-        args += ["--activation_checkpointing_kwargs", '{"selective": true}']
     if s["method"] == "lora":
         for key, value in lora_settings().items():
             args += [f"--{key}", *map(str, value if isinstance(value, list) else [value])]
@@ -461,6 +482,8 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             continue
         base = best[1] if best else BASELINE
         s = resolve({**base, **rung["change"], "method": method}, sizes, device)
+        if s["activation_checkpointing"] == "pick":
+            s["activation_checkpointing"] = planner_pick(size, s, processes, sizes["max_length"], device)
         rec = {"id": rung["id"], "name": rung["name"], "built_on": best[2] if best else None, "config": s}
         lad["rungs"].append(rec)
         elapsed = time.time() - ctx["t0"]
@@ -630,8 +653,11 @@ def resume_rungs(path: Path, dry: bool, device: dict, sizes: dict) -> dict:
         what = ", ".join(differ) or ("the device" if old["device"]["name"] != device["name"] else "--dry-run")
         raise SystemExit(f"bench_gpu: --resume {path} was measured differently ({what}: "
                          f"{old['device']['name']}, {old['sizes']}). Fix: resume with the same device and options.")
+    # by id and name: an earlier ladder's order (before issue 57, rung 1 was packing) is not carried into this one's
+    names = {r["id"]: r["name"] for r in RUNGS}
     return {(lad["size"], lad["processes"], method_of(lad)):
-            {r["id"]: r for r in lad["rungs"] if r["status"] in ("measured", "failed")} for lad in old["ladders"]}
+            {r["id"]: r for r in lad["rungs"]
+             if r["status"] in ("measured", "failed") and names.get(r["id"]) == r["name"]} for lad in old["ladders"]}
 
 
 def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
@@ -645,7 +671,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
                     "is that many CPU processes")
     ap.add_argument("--methods", default="full", help="comma-separated: full, lora (LoRA with the adapters of "
                     "recipes/llama-3.1-8b-lora) or full,lora (default full)")
-    ap.add_argument("--rungs", default=None, help="comma-separated rung ids to run (default all: 0,1,2,3,4,5a,5b,5c)")
+    ap.add_argument("--rungs", default=None, help="comma-separated rung ids to run (default all: 0,1,2,3,4,5,6a,6b)")
     ap.add_argument("--results", type=Path, default=None, help="default bench/results; with --dry-run runs/ (a "
                     "plumbing run is not a result to publish)")
     ap.add_argument("--work", type=Path, default=None, help="models, data, logs (default: a temporary folder)")

@@ -19,20 +19,20 @@ from bench import suite as bench
 from conftest import library_server, qlora_site, torchao_site
 from fsdp_recipes.records import file_stamp
 
-RUNG_IDS = ["0", "1", "2", "3", "4", "5a", "5b", "5c"]
+RUNG_IDS = ["0", "1", "2", "3", "4", "5", "6a", "6b"]
 
 
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory, cache_dir):
-    """One dry-run ladder (~1 minute on 2 cores), with rung 5b given a setting the entry point rejects; torchao
-    from FLOAT8_SITE is on the path of the ladder and its rungs, so rung 4 (float8) runs too."""
+    """One dry-run ladder (~1 minute on 2 cores), with rung 6a given a setting the entry point rejects; torchao
+    from FLOAT8_SITE is on the path of the ladder and its rungs, so rung 5 (float8) runs too."""
     site = torchao_site()
     out = tmp_path_factory.mktemp("bench-gpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(site)
         for name, value in library_server(site).items():  # PYTHONPATH with site, and a fork server importing from it
             mp.setenv(name, value)
-        result, text, path = bench_gpu.run(["--dry-run", "--results", str(out), "--inject-failure", "5b"])
+        result, text, path = bench_gpu.run(["--dry-run", "--results", str(out), "--inject-failure", "6a"])
     return result, text, path
 
 
@@ -67,10 +67,10 @@ def test_dry_run_ladder_runs_end_to_end_and_says_it_is_plumbing(dry):
         elif r["status"] == "skipped":
             assert r["reason"], r["id"]
         else:
-            assert r["id"] == "5b", r  # the injected failure only
+            assert r["id"] == "6a", r  # the injected failure only
     # Liger needs CUDA; everything else really ran (float8 on torch's reference CPU float8 matmul)
     assert {i for i, r in rungs.items() if r["status"] == "skipped"} == {"2"} and "CUDA" in rungs["2"]["reason"]
-    assert {i for i, r in rungs.items() if r["status"] == "measured"} == {"0", "1", "3", "4", "5a", "5c"}
+    assert {i for i, r in rungs.items() if r["status"] == "measured"} == {"0", "1", "3", "4", "5", "6b"}
 
 
 @pytest.mark.slow
@@ -78,24 +78,25 @@ def test_dry_run_rungs_run_what_they_claim(dry):
     result, _, _ = dry
     rungs = {r["id"]: r for r in result["ladders"][0]["rungs"]}
     sizes = result["sizes"]
-    r0, r1 = rungs["0"], rungs["1"]
+    r0, r1 = rungs["0"], rungs["3"]
     # warm-up excluded: the report's counters hold the measured steps' sequences only
     assert r0["metrics_json"]["steps"] == sizes["warmup"] + sizes["steps"]
     assert r0["metrics_json"]["samples"] == sizes["steps"] * sizes["baseline_batch"]
-    # rung 0 pads, rung 1 is padding-free packing (one flattened row with position_ids: no padding at all)
+    # rung 0 pads, rung 3 is padding-free packing (one flattened row with position_ids: no padding at all)
     assert r0["figures"]["padding_fraction"] > 0.2 and r1["figures"]["padding_fraction"] == 0
     assert r1["config"]["packing"] and r1["config"]["attn"] == "sdpa"  # no flash-attn on CPU
     full = sizes["steps"] * sizes["pack_rows"] * sizes["max_length"]  # best-fit packing leaves a few tokens free
     assert 0.9 * full <= r1["metrics_json"]["tokens"]["padded"] == r1["metrics_json"]["tokens"]["non_padding"] <= full
     # regional compile through accelerate's own path (the rung's YAML), and it really compiled: dynamo made graphs
-    assert rungs["3"]["dynamo_config"]["dynamo_backend"] == "AOT_EAGER" and rungs["0"]["dynamo_config"] is None
-    assert rungs["3"]["figures"]["compiled_graphs"] > 0 and rungs["0"]["figures"]["compiled_graphs"] == 0
+    assert rungs["4"]["dynamo_config"]["dynamo_backend"] == "AOT_EAGER" and rungs["0"]["dynamo_config"] is None
+    assert rungs["4"]["figures"]["compiled_graphs"] > 0 and rungs["0"]["figures"]["compiled_graphs"] == 0
     # float8 as the recipe setting: the entry point converted the tiny model's 8 decoder linears, not the LM head
-    assert "--float8 true" in rungs["4"]["command"] and "--float8 false" in r0["command"]
-    assert rungs["4"]["speed_options"]["float8"] == {"converted": 14, "linear": 15}
-    assert rungs["5a"]["config"]["activation_checkpointing"] == "none"
+    assert "--float8 true" in rungs["5"]["command"] and "--float8 false" in r0["command"]
+    assert rungs["5"]["speed_options"]["float8"] == {"converted": 14, "linear": 15}
+    assert rungs["1"]["config"]["activation_checkpointing"] == "none"
+    assert "--padding_free true" in r1["command"] and "--padding_free" not in r0["command"]
     assert r0["metrics_json"]["sharding_strategy"] == "FULL_SHARD"
-    assert rungs["5c"]["metrics_json"]["sharding_strategy"] == "SHARD_GRAD_OP"  # reshard_after_forward False
+    assert rungs["6b"]["metrics_json"]["sharding_strategy"] == "SHARD_GRAD_OP"  # reshard_after_forward False
     assert r0["metrics_json"]["fsdp_version"] == 2 and r0["metrics_json"]["world_size"] == 1
     # cumulative: every rung is built on the fastest measured before it
     best, best_tps = None, 0.0
@@ -109,11 +110,11 @@ def test_dry_run_rungs_run_what_they_claim(dry):
 def test_a_failed_rung_is_recorded_and_the_ladder_goes_on(dry):
     result, text, _ = dry
     rungs = {r["id"]: r for r in result["ladders"][0]["rungs"]}
-    failed = rungs["5b"]
+    failed = rungs["6a"]
     assert failed["status"] == "failed" and failed["returncode"] not in (0, None)
     assert "no_such_setting" in failed["error"] and "ChildFailedError" not in failed["error"]
-    assert rungs["5c"]["status"] == "measured" and rungs["5c"]["built_on"] != "5b"
-    assert "| 5b | selective activation checkpointing | - |" in text and "failed: " in text
+    assert rungs["6b"]["status"] == "measured" and rungs["6b"]["built_on"] != "6a"
+    assert "| 6a | activation_checkpointing_policy: ops | - |" in text and "failed: " in text
 
 
 # Parameter counts of the benchmark's untied Mistrals, by hand from their shapes (no biases; not from the module's
@@ -229,7 +230,7 @@ def test_table_and_skip_reasons(monkeypatch):
     cpu = {"type": "cpu"}
     h100 = {"type": "cuda", "capability": [9, 0]}
     a100 = {"type": "cuda", "capability": [8, 0]}
-    f8 = next(r for r in bench_gpu.RUNGS if r["id"] == "4")
+    f8 = next(r for r in bench_gpu.RUNGS if r["id"] == "5")
     full, lora = bench_gpu.BASELINE, {**bench_gpu.BASELINE, "method": "lora"}
     import importlib.util
 
@@ -241,7 +242,7 @@ def test_table_and_skip_reasons(monkeypatch):
     assert "8.9" in bench_gpu.why_skip(f8, full, a100) and bench_gpu.why_skip(f8, full, h100) is None
     assert bench_gpu.why_skip(f8, full, cpu) is None  # CPU: torch's reference float8 matmul (plumbing runs)
     assert "refuses it under LoRA" in bench_gpu.why_skip(f8, lora, h100)
-    assert bench_gpu.why_skip(next(r for r in bench_gpu.RUNGS if r["id"] == "5a"), full, h100) is None
+    assert bench_gpu.why_skip(next(r for r in bench_gpu.RUNGS if r["id"] == "1"), full, h100) is None
 
 
 def test_memory_estimate_skips_8b_on_one_80gb_gpu():
@@ -258,6 +259,13 @@ def test_memory_estimate_skips_8b_on_one_80gb_gpu():
     assert 20 * bench_gpu.GIB < bench_gpu.memory_estimate("8b", lora, 1, 4096) < 40 * bench_gpu.GIB
     no_ac = bench_gpu.memory_estimate("8b", {**lora, "activation_checkpointing": "none"}, 1, 4096)
     assert no_ac > bench_gpu.FIT_FRACTION * 80e9
+    # rung 1's policy: the first of none, every_4, every_2, ops, full that fits the GPU as the fit check wants
+    h100 = {"type": "cuda", "memory_bytes": 80e9}
+    fits = {name: bench_gpu.memory_estimate("8b", {**lora, "activation_checkpointing": name}, 1, 4096)
+            <= bench_gpu.FIT_FRACTION * 80e9 for name in ("none", "every_4", "every_2", "ops", "full")}
+    assert not fits["none"] and fits["full"]
+    assert bench_gpu.planner_pick("8b", lora, 1, 4096, h100) == next(name for name, ok in fits.items() if ok)
+    assert bench_gpu.planner_pick("8b", lora, 1, 4096, {"type": "cpu"}) == "none"  # plumbing: the policy's path
 
 
 def test_lora_ladder_uses_the_8b_lora_recipes_adapters():
@@ -336,19 +344,19 @@ def test_ladder_picture_with_gpu_shaped_figures(dry, tmp_path):
 def test_resume_carries_the_earlier_rungs_and_builds_on_them(dry, tmp_path):
     # the 10-minute command limit cuts a GPU ladder in two: the second command goes on from the first one's JSON
     _, _, first = dry
-    result, _, path = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--resume", str(first), "--rungs", "5c"])
+    result, _, path = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--resume", str(first), "--rungs", "6b"])
     rungs = {r["id"]: r for r in result["ladders"][0]["rungs"]}
-    # measured and failed rungs come over as they were; skipped ones (2: Liger needs CUDA) are not; 5c, named, runs
+    # measured and failed rungs come over as they were; skipped ones (2: Liger needs CUDA) are not; 6b, named, runs
     # again
-    assert list(rungs) == ["0", "1", "3", "4", "5a", "5b", "5c"]
-    assert all(rungs[i]["carried_from"] == str(first) for i in ("0", "1", "3", "4", "5a", "5b"))
-    assert "carried_from" not in rungs["5c"] and rungs["5c"]["status"] == "measured"
+    assert list(rungs) == ["0", "1", "3", "4", "5", "6a", "6b"]
+    assert all(rungs[i]["carried_from"] == str(first) for i in ("0", "1", "3", "4", "5", "6a"))
+    assert "carried_from" not in rungs["6b"] and rungs["6b"]["status"] == "measured"
     # carried by (size, GPUs, method): the full fine-tuning ladder's rungs never seed a LoRA ladder
     assert set(bench_gpu.resume_rungs(first, True, result["device"], result["sizes"])) == {("tiny", 1, "full")}
     old = {r["id"]: r for r in json.loads(first.read_text())["ladders"][0]["rungs"]}
-    fastest = max((r for r in old.values() if r["status"] == "measured" and r["id"] != "5c"),
+    fastest = max((r for r in old.values() if r["status"] == "measured" and r["id"] != "6b"),
                   key=lambda r: r["figures"]["tokens_per_s_per_gpu"])
-    assert rungs["5c"]["built_on"] == fastest["id"]  # on the fastest carried rung, not on TRL's defaults
+    assert rungs["6b"]["built_on"] == fastest["id"]  # on the fastest carried rung, not on TRL's defaults
     assert json.loads(path.read_text())["resumed_from"] == str(first)
 
 
@@ -356,7 +364,7 @@ def test_resume_carries_the_earlier_rungs_and_builds_on_them(dry, tmp_path):
 def test_dry_run_lora_ladder(tmp_path, cache_dir):
     """`--methods lora`: the entry point trains LoRA adapters (the 8B LoRA recipe's settings) under accelerate's
     regional compile; float8 is skipped as the pack refuses it with LoRA; MFU's FLOPs count 4N for frozen weights."""
-    result, text, path = bench_gpu.run(["--dry-run", "--methods", "lora", "--rungs", "3,4", "--results",
+    result, text, path = bench_gpu.run(["--dry-run", "--methods", "lora", "--rungs", "4,5", "--results",
                                         str(tmp_path)])
     assert path.name.endswith("-lora.json") and result["lora"]["recipe"] == "llama-3.1-8b-lora"
     (lad,) = result["ladders"]
@@ -387,7 +395,7 @@ def test_resume_refuses_figures_measured_differently(dry, tmp_path):
 
 
 def test_a_rung_without_time_to_finish_is_skipped_not_started(tmp_path, cache_dir):
-    result, _, _ = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--deadline-s", "1", "--rungs", "0,3"])
+    result, _, _ = bench_gpu.run(["--dry-run", "--results", str(tmp_path), "--deadline-s", "1", "--rungs", "0,4"])
     rungs = result["ladders"][0]["rungs"]
     assert [r["status"] for r in rungs] == ["skipped", "skipped"]
     assert all(r["reason"].startswith("time budget") and "--resume" in r["reason"] for r in rungs)

@@ -46,10 +46,19 @@ RUN_HERE = {
     "fsdp-recipes plan mistral-7b-full --gpus 8 --nodes 1 --gpu H100": 0,
     "fsdp-recipes plan mistral-large-hsdp --gpus 8 --nodes 2 --gpu H100": 0,
     # the planner's questions (docs/planner.md, README): in this process, a second or so each
-    'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--max_length 8192 --fit --comms"': 0,
-    'make plan RECIPE=mistral-large-hsdp GPUS=8 NODES=2 GPU=H100 ARGS="--scale 1,4,64"': 0,
-    'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--time --rows 200000 --tokens-per-row 1400"': 0,
+    'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--max_length 8192 --fit --comms"': 0,  # the README's
+    # docs/planner.md's: the recipe's settings before issue 57 (checkpointing full, 4 x 4), which its hand counts use
+    'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--per_device_train_batch_size 4 '
+    '--gradient_accumulation_steps 4 --activation_checkpointing_policy full --max_length 8192 --fit --comms"': 0,
+    'make plan RECIPE=mistral-large-hsdp GPUS=8 NODES=2 GPU=H100 ARGS="--activation_checkpointing_policy full '
+    '--scale 1,4,64"': 0,
+    'make plan RECIPE=mistral-7b-full GPUS=8 GPU=H100 ARGS="--per_device_train_batch_size 4 '
+    '--gradient_accumulation_steps 4 --activation_checkpointing_policy full --time --rows 200000 '
+    '--tokens-per-row 1400"': 0,
     'make plan RECIPE=recipes/llama-3.1-8b-lora GPUS=8 GPU=H100 ARGS="--per_device_train_batch_size 8 --fit"': 0,
+    # NeMo Automodel's setting for the 8B LoRA job on one H100 (docs/planner.md, activation checkpointing)
+    'make plan RECIPE=llama-3.1-8b-lora GPUS=1 GPU=H100 ARGS="--per_device_train_batch_size 2 --lora_dropout 0 '
+    '--activation_checkpointing_policy auto"': 0,
     "fsdp-recipes job --launcher k8s --help": 0,
     "fsdp-recipes job --launcher slurm mistral-small-lora --nodes 2 --gpus 8 --print": 0,
     "fsdp-recipes --help": 0,

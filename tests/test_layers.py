@@ -1,6 +1,6 @@
 """The package's folders are layers, and imports only point down (docs/architecture.md).
 
-cli/ on top; launch/ and the tools beside it (planning/, cluster/, serving/); then train/; then the rooms by
+cli/ on top; launch/, which asks the planner; the tools beside it (planning/, cluster/, serving/); then train/; then the rooms by
 concern that train/ and the tools use (evaluation/), then speed/ and data/; then checkpoint/, metrics/, config/ and
 assets/; then patches/; then dist, records and paths; errors at the very bottom. A module may import its own folder
 and anything below it.
@@ -11,8 +11,9 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "src" / "fsdp_recipes"
 LAYER = {
-    "cli": 8,
-    "launch": 7, "planning": 7, "cluster": 7, "serving": 7,
+    "cli": 9,
+    "launch": 8,  # above planning: it resolves what the planner decides (activation checkpointing's auto)
+    "planning": 7, "cluster": 7, "serving": 7,
     "train": 6,
     "evaluation": 5,
     "speed": 4, "data": 4,

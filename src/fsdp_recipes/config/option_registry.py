@@ -23,6 +23,19 @@ class Float8Arguments:
 
 
 @dataclass
+class ActivationCheckpointingArguments:
+    """speed/activation_checkpointing.py's setting: which layers recompute their activations in the backward."""
+
+    activation_checkpointing_policy: str | None = field(
+        default=None,
+        metadata={"help": "none, every_<k> (every k-th decoder layer checkpointed), ops (attention outputs saved, the "
+                          "rest recomputed; SFT), full, or auto (the planner's pick for the GPUs the launcher finds: "
+                          "the fastest that fits). Unset: activation_checkpointing and its kwargs as written "
+                          "(speed/activation_checkpointing.py)."},
+    )
+
+
+@dataclass
 class ExpertsArguments:
     """speed/experts.py's setting."""
 
@@ -40,7 +53,7 @@ OPTIONS: dict[str, type | None] = {
     "attention": None,
     "experts": ExpertsArguments,
     "ram_efficient_loading": None,
-    "activation_checkpointing": None,
+    "activation_checkpointing": ActivationCheckpointingArguments,
     "liger": None,
     "compile": None,
     "float8": Float8Arguments,

@@ -35,7 +35,7 @@ from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
-from fsdp_recipes import library_logs
+from fsdp_recipes import library_logs, speed
 from fsdp_recipes.config import handoff, hardware, placement, recipes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
@@ -47,6 +47,7 @@ from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
 from fsdp_recipes.launch.output_dir import claim_output_dir, lock_output_dir
 from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command, settings_file
+from fsdp_recipes.planning import checkpointing
 
 
 @records_exit_code  # $FSDP_RECIPES_EXIT_CODE_FILE: the code a script cannot get from make (launch/ending.py)
@@ -128,6 +129,11 @@ def place(recipe: Recipe, gpus: int) -> list[str]:
     for note in placed.notes:
         say(note)
     recipe.overrides = [*placed.overrides, *recipe.overrides]  # the user's last: they win
+    # what the planner decides for the GPUs here (activation checkpointing's `auto`): after the user's, replacing it
+    decided, notes = speed.launch_overrides(recipe.field, gpus, lambda: checkpointing.pick_for_launch(recipe, gpus))
+    for note in notes:
+        say(note)
+    recipe.overrides += decided
     if placed.processes is not None:
         recipe.accelerate = dict(recipe.accelerate, num_processes=placed.processes)
         extra += ["--num_processes", str(placed.processes)]

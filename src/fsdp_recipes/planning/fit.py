@@ -77,7 +77,7 @@ def length(m: ModelShape, s: Setup, batch_size: int, usable: float, model_limit:
 
 def checkpointing(m: ModelShape, s: Setup, usable: float) -> str:
     off = total(m, dataclasses.replace(s, checkpointed=False))
-    on = total(m, dataclasses.replace(s, checkpointed=True))
+    on = total(m, dataclasses.replace(s, checkpointed=True, checkpoint_every=1, checkpoint_ops=False))  # full
     if off <= usable:
         verdict = "not needed"
     elif on <= usable:

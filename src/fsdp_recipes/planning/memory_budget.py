@@ -18,8 +18,17 @@ and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
 
     per_layer = 2h(4 + c) + c(2q + 2kv + 4I + r * targets) [+ (c + 1) * in_features per target, with dropout]
 
-With activation checkpointing only each layer's input (c*h) stays, plus one layer's full set during its
-recompute. TRL 1.16's SFTTrainer computes the loss through a fused, chunked LM head, so full logits are never
+Activation checkpointing (speed/activation_checkpointing.py's policies), per token:
+    none        layers x per_layer
+    full        layers x c*h (each layer's input) + per_layer (one layer's set, alive during its recompute)
+    every_<k>   ceil(layers / k) checkpointed layers x c*h + the other layers x per_layer + per_layer (the
+                recompute of a checkpointed one); transformers checkpoints layers 0, k, 2k, ...
+    ops         full's, plus the attention output each layer saves (c*q) under TRL's selective policy
+Checked against the H100 runs of 2026-11-26 (bench/README.md, "Second GPU run"; docs/planner.md "Against the
+GPU"): with full checkpointing the 8B LoRA rungs' max_memory_allocated less their probed weights, gradients and
+optimizer states grows by 608,898 B per token between the packed rung (8,192 tokens) and the padded one (8 x 4,096),
+against this term's 612,576 (-0.6%); the policies without checkpointing wait for the GPU ladder's first rung.
+TRL 1.16's SFTTrainer computes the loss through a fused, chunked LM head, so full logits are never
 materialised; one tile of at most 4096 tokens x 32768 vocabulary entries is (trl/kernels/chunked_logprob.py), and
 is counted, as is what its backward accumulates in fp32: the hidden states' gradient, and in full fine-tuning the
 head weight's gradient (vocab x hidden x 4 bytes: 2 GiB for a 131k vocabulary at hidden 4096). Worst case: every
@@ -105,6 +114,8 @@ class Setup:
     checkpointed: bool  # activation checkpointing (speed/activation_checkpointing.py)
     optimizer_bytes: int
     runtime_bytes: int
+    checkpoint_every: int = 1  # every k-th layer is checkpointed (1: all of them)
+    checkpoint_ops: bool = False  # selective: each checkpointed layer also saves its attention output
     reference: str = "none"  # DPO's reference model: "none" (SFT), "adapter" (LoRA: no copy), "copy" (full FT)
     generation: str = "none"  # GRPO's sampling: "none" (SFT, DPO), "generate" (the policy's), "vllm" (colocate)
     generated_sequences: int = 0  # completions one GPU samples at once (generate)
@@ -166,6 +177,15 @@ def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
     return norms + saved + (c + 1) * m.lora_dropout_width
 
 
+def layer_activations(m: ModelShape, s: Setup, per_layer: int) -> int:
+    """Bytes per token the decoder layers hold at the backward's start, under the checkpointing policy."""
+    if not s.checkpointed:
+        return m.layers * per_layer
+    kept = m.layers // s.checkpoint_every + (1 if m.layers % s.checkpoint_every else 0)  # layers 0, k, 2k, ...
+    boundary = m.hidden * s.compute_bytes + (m.q_dim * s.compute_bytes if s.checkpoint_ops else 0)
+    return kept * boundary + (m.layers - kept) * per_layer + per_layer
+
+
 def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     """Bytes per GPU, by component."""
     # trainable parameters' storage dtype: fp32 under mixed precision (accelerate upcasts them), except a 4-bit
@@ -179,10 +199,7 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     gradients = m.trainable * master / s.shard
     optimizer = m.trainable * s.optimizer_bytes * (master / 4 if s.quant_bytes else 1) / s.shard
     per_layer = activations_per_token_per_layer(m, s)
-    if s.checkpointed:
-        activations = s.tokens * (m.layers * m.hidden * s.compute_bytes + per_layer)
-    else:
-        activations = s.tokens * m.layers * per_layer
+    activations = s.tokens * layer_activations(m, s, per_layer)
     tile = min(s.tokens, 4096) * min(m.vocab, LM_HEAD_TILE) * 4
     # the fused head's backward accumulates in fp32: the hidden states' gradient, and the head's when it trains
     head_grads = s.tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 if m.trainable == m.params else 0)

@@ -30,7 +30,7 @@ from fsdp_recipes import speed
 from fsdp_recipes.assets.tiny_assets import ensure_assets
 from fsdp_recipes.config import accelerate_yaml, model_check, recipes, run_config, value_checks, yaml_keys
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.planning import answers, comms, fabric, memory_budget
+from fsdp_recipes.planning import answers, checkpointing, comms, fabric, memory_budget
 from fsdp_recipes.planning.memory_budget import GIB
 from fsdp_recipes.train import kinds
 
@@ -198,6 +198,7 @@ class Planned:
     capacity: float  # GiB
     gpus: int
     nodes: int
+    checkpointing: checkpointing.Choice | None = None
 
     @property
     def usable(self) -> float:
@@ -213,10 +214,11 @@ class Planned:
 
 
 def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None,
-            overrides: list[str] | tuple = ()) -> Planned:
+            overrides: list[str] | tuple = (), capacity_gib: float | None = None) -> Planned:
+    """`capacity_gib`: the GPU's memory as measured (the launcher's nvidia-smi), `gpu` then only its name."""
     if gpus < 1 or nodes < 1:
         raise UserError(f"GPUS={gpus} NODES={nodes}: both must be at least 1.")
-    gpu_key, capacity, bf16_ok = gpu_spec(gpu)
+    gpu_key, capacity, bf16_ok = gpu_spec(gpu) if capacity_gib is None else (gpu, capacity_gib, True)
     recipe, acc, cfg, model = load_recipe(name, recipes_root, overrides, world_size=gpus * nodes)
     training, model_args = cfg.training, cfg.model
     if (training.bf16 or acc.get("mixed_precision") == "bf16" or model_args.dtype == "bfloat16") and not bf16_ok:
@@ -225,8 +227,12 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
     m = model_shape(model, model_args)
     runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer,
                   generation=kinds.load(cfg.trainer).generation_setup(cfg, capacity))
+    own = next(iter(runs))
+    # activation checkpointing: each policy planned; the recipe's pin or the fastest that fits (checkpointing.py)
+    choice = checkpointing.choose(cfg, m, runs[own], capacity * GIB, HEADROOM)
+    runs = {k: checkpointing.setup_for(choice, s) for k, s in runs.items()}
     budgets = {k: memory_budget.budget(m, s) for k, s in runs.items()}
-    return Planned(recipe, acc, cfg, model, m, runs, budgets, next(iter(runs)), gpu_key, capacity, gpus, nodes)
+    return Planned(recipe, acc, cfg, model, m, runs, budgets, own, gpu_key, capacity, gpus, nodes, choice)
 
 
 def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None,
@@ -255,6 +261,8 @@ def report(p: Planned) -> str:
         f"decision rule (fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP): "
         f"{decide(p.budgets, nodes, p.usable)}",
     ]
+    if p.checkpointing:
+        lines.append(checkpointing.line(p.checkpointing))
     if "reference_model" in p.budgets[own]:
         ref = p.budgets[own]["reference_model"]
         lines.append(f"reference model ({p.cfg.trainer}): " + (

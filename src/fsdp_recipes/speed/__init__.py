@@ -16,6 +16,8 @@ Optional, with the defaults of SpeedOption:
     check_launch(cfg, acc, path)    the launcher only, before the ranks work: the accelerate YAML, the devices
                                     without importing torch (nvidia-smi)
     check_model(model, acc, path)   the launcher, against a meta-device copy of the model
+    launch_overrides(field, gpus, planner_pick)  the launcher, before the ranks start: (overrides, line) for a setting
+                                    the planner decides (planner_pick() -> (choice, why), planning/checkpointing.py)
     smoke(field, gpus)              `make smoke`: (overrides, note) where the option cannot run on this machine;
                                     field(name, default) reads the recipe's setting (config/recipes.py Recipe)
     settle(cfg)                     in the ranks, before run_args.json records the settings as they will run
@@ -25,6 +27,8 @@ Optional, with the defaults of SpeedOption:
                                     records under the option's name (None: nothing), and prints its line
     planner_setup(model_args, training)  `make plan`: fields of planning/memory_budget.py's Setup it decides
     planner_shape(model, model_args)     `make plan`: fields of its ModelShape it decides (a meta-device model)
+    planner_choices(cfg)            `make plan`: alternatives it compares by memory ({name: Setup fields}, fastest
+                                    first), the recipe's pin (None: the planner picks) and the line's label
     RESUME_SETTINGS                 settings a resume must keep equal to the checkpoint's (checkpoint/resume_settings)
 
 Adding an option: that module, its line in config/option_registry.py (docs/architecture.md).
@@ -50,6 +54,10 @@ def _no_fields(*args, **kwargs) -> dict:
     return {}
 
 
+def _no_choices(*args, **kwargs) -> tuple[dict, None, str]:
+    return {}, None, ""
+
+
 def _no_smoke(*args, **kwargs) -> tuple[list[str], str | None]:
     return [], None
 
@@ -68,12 +76,14 @@ class SpeedOption:
     check_launch: Callable = _nothing
     check_model: Callable = _nothing
     smoke: Callable = _no_smoke
+    launch_overrides: Callable = _no_smoke
     settle: Callable = _nothing
     model_init_kwargs: Callable = _no_fields
     load_model: Callable = _nothing
     prepare_trainer: Callable = _nothing
     planner_setup: Callable = _no_fields
     planner_shape: Callable = _no_fields
+    planner_choices: Callable = _no_choices
     RESUME_SETTINGS: tuple = ()
     module: ModuleType | None = None
 
@@ -153,6 +163,17 @@ def smoke(field, gpus: int) -> tuple[list[str], list[str]]:
     return overrides, notes
 
 
+def launch_overrides(field, gpus: int, planner_pick) -> tuple[list[str], list[str]]:
+    """Every option's overrides for the ranks that the planner decides on this machine, and the lines that say so."""
+    overrides, notes = [], []
+    for option in OPTIONS.values():
+        more, note = option.launch_overrides(field, gpus, planner_pick)
+        overrides += more
+        if note:
+            notes.append(note)
+    return overrides, notes
+
+
 def settle(cfg) -> None:
     each("settle", cfg)
 
@@ -186,6 +207,15 @@ def planner_setup(model_args, training) -> dict:
 
 def planner_shape(model, model_args) -> dict:
     return merged("planner_shape", model, model_args)
+
+
+def planner_choices(cfg) -> tuple[dict, str | None, str]:
+    """The one option's alternatives the planner chooses between (activation checkpointing's policies), or none."""
+    for option in OPTIONS.values():
+        choices = option.planner_choices(cfg)
+        if choices[0]:
+            return choices
+    return {}, None, ""
 
 
 def resume_settings() -> tuple[str, ...]:

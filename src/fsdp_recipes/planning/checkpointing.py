@@ -1,0 +1,91 @@
+"""`make plan`'s activation-checkpointing choice: each policy the option offers (speed/activation_checkpointing.py,
+fastest first) planned in full, and the pick: the recipe's pin, or for `auto` the fastest whose total fits the
+limit the run's gates leave (the GPU's memory x the smallest of the planner's 90%, 1 - memory_headroom_warning and
+peak_memory_max_fraction), else the one that holds least. The memory of each comes from memory_budget.budget, so
+the pick is the same arithmetic the table prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsdp_recipes import speed
+from fsdp_recipes.config import hardware
+from fsdp_recipes.errors import UserError
+from fsdp_recipes.planning import memory_budget
+from fsdp_recipes.planning.memory_budget import GIB
+
+
+@dataclasses.dataclass
+class Choice:
+    label: str  # the line's label, the option's own words
+    totals: dict[str, int]  # policy -> bytes per GPU under the recipe's strategy, fastest first
+    fields: dict[str, dict]  # policy -> its Setup fields
+    pick: str
+    pinned: bool  # the recipe named it (else the planner picked)
+    limit: float  # bytes per GPU the pick had to fit
+
+
+def limit_fraction(pack, headroom: float) -> float:
+    """The share of the GPU's memory the gates leave: the planner's headroom, and the gates' own where stricter."""
+    shares = [headroom]
+    if pack.memory_headroom_warning:
+        shares.append(1 - pack.memory_headroom_warning)
+    if pack.peak_memory_max_fraction is not None:
+        shares.append(pack.peak_memory_max_fraction)
+    return min(shares)
+
+
+def choose(cfg, shape: memory_budget.ModelShape, setup: memory_budget.Setup, capacity_bytes: float,
+           headroom: float) -> Choice | None:
+    choices, pinned, label = speed.planner_choices(cfg)
+    if not choices:
+        return None
+    totals = {name: memory_budget.budget(shape, dataclasses.replace(setup, **fields))["total"]
+              for name, fields in choices.items()}
+    limit = capacity_bytes * limit_fraction(cfg.pack, headroom)
+    if pinned is not None:
+        return Choice(label, totals, choices, pinned, True, limit)
+    fitting = [name for name, total in totals.items() if total <= limit]
+    pick = fitting[0] if fitting else min(totals, key=totals.get)
+    return Choice(label, totals, choices, pick, False, limit)
+
+
+def setup_for(choice: Choice | None, setup: memory_budget.Setup) -> memory_budget.Setup:
+    return dataclasses.replace(setup, **choice.fields[choice.pick]) if choice else setup
+
+
+def line(choice: Choice) -> str:
+    cells = ", ".join(f"{name} {total / GIB:,.1f} GiB" + ("" if total <= choice.limit else " (over)")
+                      for name, total in choice.totals.items())
+    why = "the recipe's" if choice.pinned else (
+        "the fastest that fits" if choice.totals[choice.pick] <= choice.limit else "none fits; the least memory")
+    return (f"{choice.label}: {cells}; limit {choice.limit / GIB:,.1f} GiB per GPU -> pick {choice.pick} ({why})")
+
+
+def gpu_memory_gib() -> float | None:
+    """The smallest GPU here, in GiB as the driver reports it (nvidia-smi's MiB / 1024, as plan.GPUS lists them)."""
+    out = hardware.nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
+    sizes = [float(line) for line in (out or "").split() if line.replace(".", "", 1).isdigit()]
+    return min(sizes) / 1024 if sizes else None
+
+
+def pick_for_launch(recipe, gpus: int) -> tuple[str, str]:
+    """The launcher's `auto`: (the policy, why) for the recipe as the ranks will run it on `gpus` GPUs per node of
+    this machine's kind, planned as `make plan` plans (plan.prepare with the overrides and the measured memory)."""
+    from fsdp_recipes.planning import plan
+
+    capacity = gpu_memory_gib()
+    if capacity is None:
+        return "full", "nvidia-smi reported no GPU memory to plan against: TRL's default"
+    nodes = int(recipe.accelerate.get("num_machines", 1) or 1)
+    try:
+        planned = plan.prepare(str(recipe.folder), gpus, nodes, "GPU", overrides=recipe.overrides,
+                               capacity_gib=capacity)
+    except UserError as err:
+        return "full", f"the planner could not plan this recipe ({err}): TRL's default"
+    choice = planned.checkpointing
+    total = choice.totals[choice.pick]
+    return choice.pick, (f"the fastest that fits: {total / GIB:,.1f} of {choice.limit / GIB:,.1f} GiB per GPU "
+                         f"on {gpus} x {capacity:,.1f} GiB" if total <= choice.limit else
+                         f"none fits {choice.limit / GIB:,.1f} GiB per GPU; the least memory, {total / GIB:,.1f} GiB")
