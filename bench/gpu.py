@@ -53,8 +53,8 @@ its fused LM head and metrics, the pack's run report, completion-marker and pree
       fused cross-entropy is off). Skipped, with the reason, without CUDA or liger_kernel.
   3   variable-length packing: `packing: true` + `padding_free: true` (TRL's "bfd": one flattened row with
       position_ids, no attention mask), 2 packed rows of 4096 tokens per step, `attn_implementation: auto` (the
-      attention option's; here flash_attention_2 when flash_attn imports, else SDPA, which transformers hands a
-      block-diagonal mask: the JSON records which one ran).
+      attention option's: packed_varlen, torch's variable-length kernel, on CUDA with torch >= 2.10; SDPA on CPU;
+      the JSON's speed_options record which one ran).
   4   regional torch.compile, accelerate's: the rung's accelerate YAML gets `dynamo_config` (backend INDUCTOR,
       dynamo_use_regional_compilation, dynamo_use_dynamic), so accelerate compiles each decoder layer in place
       before fully_shard (torchtitan's per-block recipe) exactly as a recipe with those YAML lines would. On top
@@ -167,8 +167,8 @@ RUNGS = [
     dict(id="1", name="activation_checkpointing_policy: the planner's pick",
          change=dict(activation_checkpointing="pick")),
     dict(id="2", name="use_liger_kernel: true", change=dict(liger=True)),
-    # the attention engineer's option (speed/attention.py, issue 57 item 1): padding-free rows, a variable-length
-    # kernel; until it lands, `auto` resolves here (resolve) to flash_attention_2 when installed, else sdpa
+    # padding-free rows and the attention option's `auto` (speed/attention.py): torch's variable-length kernel on
+    # CUDA (packed_varlen), no block-diagonal mask; the rung's speed_options record what ran
     dict(id="3", name="padding_free: true + attn_implementation: auto",
          change=dict(packing=True, padding_free=True, attn="auto", batch="pack")),
     dict(id="4", name="regional torch_compile", change=dict(compile=True)),
@@ -281,10 +281,7 @@ def resolve(settings: dict, sizes: dict, device: dict) -> dict:
     s = dict(settings)
     if s["batch"] in ("baseline", "pack"):
         s["batch"] = sizes["baseline_batch"] if s["batch"] == "baseline" else sizes["pack_rows"]
-    if s["attn"] == "auto":
-        flash = device["type"] == "cuda" and importlib.util.find_spec("flash_attn") is not None
-        s["attn"] = "flash_attention_2" if flash else "sdpa"
-    return s
+    return s  # attn "auto" goes to the pack as it is: its attention option picks (speed/attention.py)
 
 
 def why_skip(rung: dict, s: dict, device: dict) -> str | None:

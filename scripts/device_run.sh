@@ -21,9 +21,15 @@
 #                      plan against max_memory_allocated. Not yet run on a GPU. (The launch step above smokes the
 #                      4-bit recipes too: bitsandbytes travels in .whl, repacked for CUDA 13.0 by device_wheels.sh.)
 #           ladder-1b  (priority 4) ~1B full fine-tuning (goal: MFU >= 45%), continuing the last comparable
-#                      bench/results JSON: rungs 0-4 that it lacks (0-2 measured: 3, regional compile, and 4 are next)
-#   call-2  ladder-8b-lora  (priority 4) Llama-3-8B-shaped LoRA r16 at seq 4096 (NeMo Automodel's anchor: 12,473
-#                      tokens/s/GPU), likewise continued: rungs 0-3 (0 and 1 measured: 2, Liger, and 3 are next)
+#                      bench/results JSON: rungs 0-4 in the order of expected gain (issue 57): 0 TRL defaults
+#                      (measured), 1 the planner's checkpointing pick (none where it fits), 2 Liger, 3 padding-free
+#                      rows with attn auto (torch's varlen kernel), 4 regional compile; a rung renamed or moved is
+#                      measured again (--resume carries a rung only under its own id and name)
+#   call-2  varlen     (priority 4) bench.varlen_check: the packed-rows kernel against its reference, timed against
+#                      SDPA with the block-diagonal mask and against full rows (one layer, ~30 s; not yet run)
+#           ladder-8b-lora  (priority 4) Llama-3-8B-shaped LoRA r16 at seq 4096 (NeMo Automodel's anchor: 12,473
+#                      tokens/s/GPU, no checkpointing, full rows), likewise continued: rungs 0, 1 (the anchor's
+#                      setting where the planner says it fits) and 3 (varlen packing); Liger (2) in a later session
 #   Measured, so named steps, run when their path changed: real-default (priority 3: the real SmolLM2-135M-Instruct
 #   preempted and resumed, held-out exact match; H100, 2026-11-26: 0 -> 93 of 100, 131 s) and speed-vs-trl
 #   (priority 5: the default against the plain TRL script with TRL's own defaults, one pair; H100, 2026-11-26: the
@@ -189,7 +195,7 @@ run_named() {  # one step by name, with its budget
     launch) step launch 200 s_launch ;;
     qlora) step qlora 60 s_qlora ;;  # not yet measured on the GPU machine: layers ~25 s, the launch ~40 s beside it
     ladder-1b) step ladder-1b 190 s_ladder 1b full 0,1,2,3,4 ladder-1b 50 ;;  # a 1B rung: 38-42 s on the H100
-    ladder-8b-lora) step ladder-8b-lora 230 s_ladder llama3-8b lora 0,1,2,3 ladder-8b-lora 70 ;;  # 61-81 s, build 30
+    ladder-8b-lora) step ladder-8b-lora 230 s_ladder llama3-8b lora 0,1,3 ladder-8b-lora 70 ;;  # 61-81 s, build 30
     speed-vs-trl) step speed-vs-trl 180 s_speed_vs_trl ;;  # 160 s on the H100 with the model's preparation
     real-default) step real-default 160 s_real_default ;;
     grpo-default) step grpo-default 150 s_grpo_default ;;
@@ -221,7 +227,7 @@ for arg in "$@"; do
   n=$((n + 1)); [ "$n" -gt 1 ] && START=$SECONDS  # a later call in one command (the dry run) starts its own clock
   case "$arg" in
     call-1) TOTAL_S=${CALL_S[call-1]}; run_named launch; run_named qlora; run_named ladder-1b ;;
-    call-2) TOTAL_S=${CALL_S[call-2]}; run_named ladder-8b-lora ;;
+    call-2) TOTAL_S=${CALL_S[call-2]}; run_named varlen; run_named ladder-8b-lora ;;
     *) TOTAL_S=${TOTAL_S:-550}; run_named "$arg" ;;
   esac
 done

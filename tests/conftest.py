@@ -92,6 +92,17 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(autouse=True)
+def environment_as_it_was():
+    """A test's environment variables end with it. accelerate's FSDP plugin writes FSDP_CPU_RAM_EFFICIENT_LOADING
+    into os.environ when built in process, and a later test's FSDP1 plugin (the planner's) then asked for a GPU."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
 def no_process_outlives_its_test():
     yield
     left = kill_test_processes()

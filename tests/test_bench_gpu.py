@@ -84,7 +84,9 @@ def test_dry_run_rungs_run_what_they_claim(dry):
     assert r0["metrics_json"]["samples"] == sizes["steps"] * sizes["baseline_batch"]
     # rung 0 pads, rung 3 is padding-free packing (one flattened row with position_ids: no padding at all)
     assert r0["figures"]["padding_fraction"] > 0.2 and r1["figures"]["padding_fraction"] == 0
-    assert r1["config"]["packing"] and r1["config"]["attn"] == "sdpa"  # no flash-attn on CPU
+    # `auto` handed to the pack, whose attention option picks on the device: SDPA on a CPU, and says so
+    assert r1["config"]["packing"] and r1["config"]["attn"] == "auto"
+    assert r1["speed_options"]["attention"]["ran"] == "sdpa" and "CUDA" in r1["speed_options"]["attention"]["why"]
     full = sizes["steps"] * sizes["pack_rows"] * sizes["max_length"]  # best-fit packing leaves a few tokens free
     assert 0.9 * full <= r1["metrics_json"]["tokens"]["padded"] == r1["metrics_json"]["tokens"]["non_padding"] <= full
     # regional compile through accelerate's own path (the rung's YAML), and it really compiled: dynamo made graphs

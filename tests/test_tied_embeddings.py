@@ -18,13 +18,6 @@ from fsdp_recipes.patches.peft_fsdp import RestoreOutputEmbeddings, hide_wrapped
 SHARED_TWICE = "shared with a parameter already managed by another FSDP group"
 
 
-@pytest.fixture(autouse=True)
-def accelerates_env_stays_here(monkeypatch):
-    """accelerate's FSDP plugin writes FSDP_CPU_RAM_EFFICIENT_LOADING into os.environ "for transformers": put back as
-    it was, or a later test's FSDP1 plugin (the planner's) reads it and asks for a GPU to sync module states on."""
-    monkeypatch.delenv("FSDP_CPU_RAM_EFFICIENT_LOADING", raising=False)
-
-
 def tied_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
