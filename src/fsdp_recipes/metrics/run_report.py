@@ -37,9 +37,6 @@ from fsdp_recipes.paths import cache_dir
 from fsdp_recipes.records import now_iso, write_json_atomic
 
 SCHEMA_VERSION = 1
-
-
-
 COUNTERS_FILE = "run_report_counters.json"  # inside each checkpoint: what a resumed run continues from
 
 
@@ -57,7 +54,6 @@ def param_shards(model) -> dict:
         else:
             local_numel += p.numel()
     return {"dtensor_params": dtensors, "global_numel": global_numel, "local_numel": local_numel}
-
 
 
 def capacity(device: dict) -> dict:
@@ -81,7 +77,6 @@ def _peak_memory() -> dict:
             "host_rss": rss,
         }
     return {"allocated": -1, "reserved": -1, "host_rss": rss}
-
 
 
 class RunReportCallback(TrainerCallback):
@@ -298,17 +293,14 @@ class RunReportCallback(TrainerCallback):
             else:
                 seq_len = tokens["padded"] / tokens["sequences"]
             layers, heads, head_dim = flops.attention_shape(self.model_config)
-            fpt = flops.flops_per_token(
-                self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
-                layers, heads, head_dim, seq_len,
-            )
+            # the parameters a token passes through: a mixture of experts' top_k of num_experts (metrics/flops.py)
+            trained, frozen = (self.params["trainable_active_non_embedding"], self.params["frozen_active_non_embedding"])
+            fpt = flops.flops_per_token(trained, frozen, layers, heads, head_dim, seq_len)
             # LoRA: the reference is the base with the adapter disabled (the frozen weights); full: a copy of the whole
             # model. GRPO's sampling ("generation": over its prompt and each new token, a KV cache, no token twice)
             # and its "old_policy" log-probabilities run the policy itself (docs/run-report.md)
             lora = self.resolved_args.get("lora_config") is not None
-            weights = {"reference": self.params["frozen_non_embedding"] + (
-                0 if lora else self.params["trainable_non_embedding"])}
-            policy = self.params["frozen_non_embedding"] + self.params["trainable_non_embedding"]
+            weights, policy = {"reference": frozen + (0 if lora else trained)}, frozen + trained
             for name, per_token in self.extra_forwards.items():  # forwards per trained token, by kind
                 fpt += per_token * flops.forward_flops(weights.get(name, policy), layers, heads, head_dim, seq_len)
         peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
