@@ -37,6 +37,7 @@ from fsdp_recipes.paths import cache_dir
 from fsdp_recipes.records import now_iso, write_json_atomic
 
 SCHEMA_VERSION = 1
+OPTIONAL_LOGS = ("aux_loss",)  # reported only where logged: TRL logs the load-balancing loss of a mixture of experts
 COUNTERS_FILE = "run_report_counters.json"  # inside each checkpoint: what a resumed run continues from
 
 
@@ -126,6 +127,7 @@ class RunReportCallback(TrainerCallback):
         self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by train/final_save.py save_final
         self.rss_at_train_start = None
         self.cpu_peak = None  # per rank, on CPU: the measured matmul rate MFU divides by (metrics/cpu_peak.py)
+        self.expert_load = None  # a mixture of experts: the router counts (metrics/expert_load.py attach)
         self.finalized = False
 
     def mark(self, name: str, at: float | None = None) -> None:
@@ -413,7 +415,9 @@ class RunReportCallback(TrainerCallback):
                 "scope": "max_over_ranks" if scope == "all_ranks" else scope,
                 **capacity(device),
             },
-            "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
+            "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable"),
+                       "active": self.params.get("active")},  # a mixture of experts: top_k of its experts (flops.py)
+            **({"expert_load": self.expert_load.report()} if self.expert_load else {}),
             "param_shards": self.shards,
             "load_check": self.load_check,
             "resume_check": self.resume_check,
@@ -424,18 +428,21 @@ class RunReportCallback(TrainerCallback):
             "final_train_loss": losses[-1] if losses else None,
             "final_eval_loss": eval_losses[-1] if eval_losses else None,
             "trainer": self.trainer,
-            **({self.trainer: self.kind_logs()} if self.reported_logs else {}),
+            **({self.trainer: self.kind_logs()} if self.kind_logs() else {}),
         }
         report["gates"] = gates.evaluate(report, self.resolved_args.get("pack_args") or {}, losses, self.loss_falls)
         return report
 
     def kind_logs(self) -> dict:
-        """The trainer kind's own logs (DPO: rewards, margins, accuracies): first and last training value of each,
-        and the last evaluation's (`eval_<key>`), from the Trainer's log history."""
+        """The trainer kind's own logs (DPO: rewards, margins, accuracies; SFT of a mixture of experts: aux_loss):
+        first and last training value of each, and the last evaluation's (`eval_<key>`), from the Trainer's log
+        history. A key of OPTIONAL_LOGS that was never logged (aux_loss of a dense model) is left out."""
         out = {}
         for key in self.reported_logs:
             train = [h[key] for h in self.log_history if key in h]
             evals = [h[f"eval_{key}"] for h in self.log_history if f"eval_{key}" in h]
+            if not train and not evals and key in OPTIONAL_LOGS:
+                continue
             out[key] = {"first": train[0] if train else None, "last": train[-1] if train else None,
                         "eval_last": evals[-1] if evals else None}
         return out
