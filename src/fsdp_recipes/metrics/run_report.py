@@ -428,7 +428,7 @@ class RunReportCallback(TrainerCallback):
             "final_train_loss": losses[-1] if losses else None,
             "final_eval_loss": eval_losses[-1] if eval_losses else None,
             "trainer": self.trainer,
-            **({self.trainer: self.kind_logs()} if self.kind_logs() else {}),
+            **({self.trainer: logs} if (logs := self.kind_logs()) else {}),
         }
         report["gates"] = gates.evaluate(report, self.resolved_args.get("pack_args") or {}, losses, self.loss_falls)
         return report
