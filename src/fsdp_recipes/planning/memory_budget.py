@@ -20,9 +20,11 @@ and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
 
 A mixture of experts (Qwen3-MoE, Mixtral) holds every expert's weights, gradients and optimizer states (sharded like
 any other parameter, all experts of a layer gathered at once: no expert parallelism), but a token's activations are
-those of the top_k experts it is routed to: each route keeps the gathered input, gate, up, SiLU(gate), their product
-and the weighted output (c * top_k * (2h + 4 I_expert)), and the router its logits and fp32 probabilities
-(E * (c + 4)). This MoE count is from transformers 5's Qwen3MoeExperts eager loop, not checked tensor by tensor.
+those of the top_k experts it is routed to: each route keeps the gathered input, gate, up, SiLU(gate), their product,
+the output and its routing weight (c * top_k * (4 I_expert + 2h + 1)); the block keeps its input for the router
+(c * h), the router its fp32 probabilities (4E), and the routes' int64 indices come to 32 bytes each (32 top_k).
+Counted tensor by tensor in transformers 5's eager expert loop (Mixtral on CPU: tests/test_moe.py); the grouped
+kernels a GPU uses (experts_implementation) may keep other tensors.
 
 With activation checkpointing only each layer's input (c*h) stays, plus one layer's full set during its
 recompute. TRL 1.16's SFTTrainer computes the loss through a fused, chunked LM head, so full logits are never
@@ -184,10 +186,14 @@ def shape_of(model, model_args, **decided) -> ModelShape:
 def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
     c = s.compute_bytes
     norms = 2 * m.hidden * (4 + c)
-    # dense: gate, up, SiLU(gate), product; a mixture of experts: those and the routed input and output per route
-    mlp = m.top_k * (4 * m.intermediate + 2 * m.hidden) + m.experts * (1 + 4 / c) if m.experts else 4 * m.intermediate
+    # dense: gate, up, SiLU(gate), product; a mixture of experts: those, the routed input and output and the routing
+    # weight per route, the block's input (the router's), the router's fp32 probabilities and the routes' int64 indices
+    mlp, routing = 4 * m.intermediate, 0
+    if m.experts:
+        mlp = m.top_k * (4 * m.intermediate + 2 * m.hidden + 1) + m.hidden
+        routing = 4 * m.experts + 32 * m.top_k
     saved = c * (2 * m.q_dim + 2 * m.kv_dim + mlp + m.lora_rank_width)
-    return norms + saved + (c + 1) * m.lora_dropout_width
+    return norms + saved + routing + (c + 1) * m.lora_dropout_width
 
 
 def budget(m: ModelShape, s: Setup) -> dict[str, int]:
