@@ -64,6 +64,11 @@ def expected_layout(acc: dict) -> tuple[int, str]:
 # only: Llama 3.1 70B's and 8B's are one model, Mistral Large's is mistral-large-hsdp's, launched here), and its
 # trainer YAML differs from its twin's only in the fields named in TWINS. The 4-bit path itself launches in
 # tests/test_qlora.py: 2 CPU processes, FSDP2, float32 storage, checkpoints, an exact resume and the merged model.
+# Mixture of experts (qwen3-30b-a3b-lora, -full, mixtral-8x7b-lora): checked below in process up to the ranks (their
+# tiny Qwen3-MoE and Mixtral models are built and every launcher check passes); what their ranks would do on that tiny
+# model runs in process in tests/test_moe.py (the pack's SFT trainer with the load-balancing loss, the expert load, 2
+# steps with checkpointing), and the 2-process FSDP2 launch of both families is `make arch-matrix`'s (outside make
+# test). A launch each would add ~60 s of both cores to the suite.
 # The bf16 storage these GPU recipes get is checked in process only (the storage rule, tests/test_qlora.py) and was
 # smoke-run by hand (the recipes' READMEs); on CUDA, the GPU plan's launch step smokes every recipe.
 COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lora-2xh200": "mistral-small-lora",
@@ -74,7 +79,9 @@ COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lo
                      "llama-3.1-8b-lora-dpo": "llama-3.1-8b-lora-dpo",
                      "smollm2-135m-grpo": "smollm2-135m-grpo", "llama-3.1-8b-lora-grpo": "llama-3.1-8b-lora-grpo",
                      "smollm2-135m-rloo": "smollm2-135m-rloo", "llama-3.1-8b-lora-rloo": "llama-3.1-8b-lora-rloo",
-                     "smollm2-135m-kto": "smollm2-135m-kto", "llama-3.1-8b-lora-kto": "llama-3.1-8b-lora-kto"}
+                     "smollm2-135m-kto": "smollm2-135m-kto", "llama-3.1-8b-lora-kto": "llama-3.1-8b-lora-kto",
+                     "qwen3-30b-a3b-lora": "qwen3-30b-a3b-lora", "qwen3-30b-a3b-full": "qwen3-30b-a3b-full",
+                     "mixtral-8x7b-lora": "mixtral-8x7b-lora"}
 SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora" and name not in COVERED_ELSEWHERE]
 # recipe -> (the recipe whose trainer YAML and tiny model it shares, the fields in which its trainer YAML differs),
 # where that is not COVERED_ELSEWHERE's own launch

@@ -67,6 +67,8 @@ def shrink(config, tokenizer):
         config.layer_types = config.layer_types[: SHAPE["num_hidden_layers"]]
     if getattr(config, "max_window_layers", None):
         config.max_window_layers = min(config.max_window_layers, SHAPE["num_hidden_layers"])
+    if getattr(config, "moe_intermediate_size", None):  # Qwen3-30B-A3B's 128 experts of width 768: 38M parameters
+        config.moe_intermediate_size = SHAPE["intermediate_size"] // 4
     return fit_tokenizer(config, tokenizer)
 
 

@@ -8,6 +8,11 @@ N excludes the input embedding (a lookup, not a matmul); the LM head is included
 LoRA: the frozen weights still run forward (2N) and pass gradients through to earlier layers (2N), but
 compute no weight gradient, so they cost 4N; the trainable adapters cost the full 6N. This is the work
 the hardware really does, so the MFU of LoRA runs is comparable with full fine-tuning's.
+
+Mixture of experts (Qwen3-MoE, Mixtral): a token passes through the attention, the router and top_k of the
+num_experts experts of each layer, so N is the *active* parameters: the non-expert ones plus top_k / num_experts of
+the expert weights (`model.layers.N.mlp.experts.*`, fused (E, ...) tensors in transformers 5). Weights, gradients and
+optimizer states are held for all of them (planning/memory_budget.py). Qwen3-30B-A3B: 30.5B parameters, 3.3B active.
 """
 
 from __future__ import annotations
@@ -53,22 +58,51 @@ def forward_flops(params: int, n_layers: int, n_heads: int, head_dim: int, seq_l
     return 2 * params + 4 * n_layers * n_heads * head_dim * seq_len
 
 
+def experts_of(config) -> tuple[int, int] | None:
+    """(top_k, num_experts) of a mixture-of-experts config, None for a dense model. Qwen3-MoE names the experts
+    num_experts, Mixtral num_local_experts (its config maps num_experts to it), DeepSeek-style configs n_routed_experts."""
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    top_k = getattr(text, "num_experts_per_tok", None)
+    experts = next((getattr(text, k) for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if isinstance(getattr(text, k, None), int)), None)
+    return (int(top_k), experts) if top_k and experts else None
+
+
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (or an adapter on it): `...mlp.experts.gate_up_proj`, `...experts.3.w1.weight`. The
+    router (`mlp.gate`) and a shared expert (`mlp.shared_expert`) run for every token and are not."""
+    return ".experts." in name or name.endswith(".experts")
+
+
 def count_params(model) -> dict[str, int]:
     """Total, trainable, and the non-embedding split that flops_per_token takes. DTensor numel is global.
 
     PEFT's `modules_to_save` keeps an unused `original_module` beside the trained copy: it counts towards
-    the parameters but not the FLOPs.
+    the parameters but not the FLOPs. In a mixture of experts, `*_active` counts a routed expert's weights at
+    top_k / num_experts (the module docstring): the FLOPs take those; `expert` is all the expert weights. A dense model's
+    active counts are its counts.
     """
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
-    counts = {"total": 0, "trainable": 0, "trainable_non_embedding": 0, "frozen_non_embedding": 0}
+    moe = experts_of(getattr(model, "config", None))
+    fraction = moe[0] / moe[1] if moe else 1.0
+    counts = {"total": 0, "trainable": 0, "trainable_non_embedding": 0, "frozen_non_embedding": 0, "expert": 0,
+              "active": 0.0, "trainable_active_non_embedding": 0.0, "frozen_active_non_embedding": 0.0}
     for name, p in model.named_parameters():
         n = p.numel()
         counts["total"] += n
         counts["trainable"] += n if p.requires_grad else 0
+        routed = moe is not None and is_expert_param(name)
+        counts["expert"] += n if routed else 0
+        active = n * fraction if routed else n
+        counts["active"] += active
         if id(p) not in embed_ids and ".original_module." not in name:
-            counts["trainable_non_embedding" if p.requires_grad else "frozen_non_embedding"] += n
-    return counts
+            split = "trainable" if p.requires_grad else "frozen"
+            counts[f"{split}_non_embedding"] += n
+            counts[f"{split}_active_non_embedding"] += active
+    return {k: round(v) if isinstance(v, float) else v for k, v in counts.items()}
 
 
 def attention_shape(config) -> tuple[int, int, int]:

@@ -37,9 +37,7 @@ from fsdp_recipes.paths import cache_dir
 from fsdp_recipes.records import now_iso, write_json_atomic
 
 SCHEMA_VERSION = 1
-
-
-
+OPTIONAL_LOGS = ("aux_loss",)  # reported only where logged: TRL logs the load-balancing loss of a mixture of experts
 COUNTERS_FILE = "run_report_counters.json"  # inside each checkpoint: what a resumed run continues from
 
 
@@ -57,7 +55,6 @@ def param_shards(model) -> dict:
         else:
             local_numel += p.numel()
     return {"dtensor_params": dtensors, "global_numel": global_numel, "local_numel": local_numel}
-
 
 
 def capacity(device: dict) -> dict:
@@ -81,7 +78,6 @@ def _peak_memory() -> dict:
             "host_rss": rss,
         }
     return {"allocated": -1, "reserved": -1, "host_rss": rss}
-
 
 
 class RunReportCallback(TrainerCallback):
@@ -131,6 +127,7 @@ class RunReportCallback(TrainerCallback):
         self.final_save_rss = None  # per rank {"save", "check"}: host-RSS rise, set by train/final_save.py save_final
         self.rss_at_train_start = None
         self.cpu_peak = None  # per rank, on CPU: the measured matmul rate MFU divides by (metrics/cpu_peak.py)
+        self.expert_load = None  # a mixture of experts: the router counts (metrics/expert_load.py attach)
         self.finalized = False
 
     def mark(self, name: str, at: float | None = None) -> None:
@@ -298,17 +295,14 @@ class RunReportCallback(TrainerCallback):
             else:
                 seq_len = tokens["padded"] / tokens["sequences"]
             layers, heads, head_dim = flops.attention_shape(self.model_config)
-            fpt = flops.flops_per_token(
-                self.params["trainable_non_embedding"], self.params["frozen_non_embedding"],
-                layers, heads, head_dim, seq_len,
-            )
+            # the parameters a token passes through: a mixture of experts' top_k of num_experts (metrics/flops.py)
+            trained, frozen = (self.params["trainable_active_non_embedding"], self.params["frozen_active_non_embedding"])
+            fpt = flops.flops_per_token(trained, frozen, layers, heads, head_dim, seq_len)
             # LoRA: the reference is the base with the adapter disabled (the frozen weights); full: a copy of the whole
             # model. GRPO's sampling ("generation": over its prompt and each new token, a KV cache, no token twice)
             # and its "old_policy" log-probabilities run the policy itself (docs/run-report.md)
             lora = self.resolved_args.get("lora_config") is not None
-            weights = {"reference": self.params["frozen_non_embedding"] + (
-                0 if lora else self.params["trainable_non_embedding"])}
-            policy = self.params["frozen_non_embedding"] + self.params["trainable_non_embedding"]
+            weights, policy = {"reference": frozen + (0 if lora else trained)}, frozen + trained
             for name, per_token in self.extra_forwards.items():  # forwards per trained token, by kind
                 fpt += per_token * flops.forward_flops(weights.get(name, policy), layers, heads, head_dim, seq_len)
         peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
@@ -421,7 +415,9 @@ class RunReportCallback(TrainerCallback):
                 "scope": "max_over_ranks" if scope == "all_ranks" else scope,
                 **capacity(device),
             },
-            "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable")},
+            "params": {"total": self.params.get("total"), "trainable": self.params.get("trainable"),
+                       "active": self.params.get("active")},  # a mixture of experts: top_k of its experts (flops.py)
+            **({"expert_load": self.expert_load.report()} if self.expert_load else {}),
             "param_shards": self.shards,
             "load_check": self.load_check,
             "resume_check": self.resume_check,
@@ -432,18 +428,21 @@ class RunReportCallback(TrainerCallback):
             "final_train_loss": losses[-1] if losses else None,
             "final_eval_loss": eval_losses[-1] if eval_losses else None,
             "trainer": self.trainer,
-            **({self.trainer: self.kind_logs()} if self.reported_logs else {}),
+            **({self.trainer: logs} if (logs := self.kind_logs()) else {}),
         }
         report["gates"] = gates.evaluate(report, self.resolved_args.get("pack_args") or {}, losses, self.loss_falls)
         return report
 
     def kind_logs(self) -> dict:
-        """The trainer kind's own logs (DPO: rewards, margins, accuracies): first and last training value of each,
-        and the last evaluation's (`eval_<key>`), from the Trainer's log history."""
+        """The trainer kind's own logs (DPO: rewards, margins, accuracies; SFT of a mixture of experts: aux_loss):
+        first and last training value of each, and the last evaluation's (`eval_<key>`), from the Trainer's log
+        history. A key of OPTIONAL_LOGS that was never logged (aux_loss of a dense model) is left out."""
         out = {}
         for key in self.reported_logs:
             train = [h[key] for h in self.log_history if key in h]
             evals = [h[f"eval_{key}"] for h in self.log_history if f"eval_{key}" in h]
+            if not train and not evals and key in OPTIONAL_LOGS:
+                continue
             out[key] = {"first": train[0] if train else None, "last": train[-1] if train else None,
                         "eval_last": evals[-1] if evals else None}
         return out

@@ -122,9 +122,9 @@ def link(f: Fabric, group: int, spans_nodes: bool) -> tuple[str, float]:
 
 
 def matmul_params(m: ModelShape) -> tuple[int, int]:
-    """(trainable, frozen) parameters that take part in matmuls: all but the input embedding (a lookup); a tied LM
-    head still multiplies, so it counts once."""
-    n = m.params - m.embedding + (m.embedding if m.tied else 0)
+    """(trainable, frozen) parameters that take part in a token's matmuls: all but the input embedding (a lookup) and
+    the experts it is not routed to (ModelShape.active); a tied LM head still multiplies, so it counts once."""
+    n = m.active - m.embedding + (m.embedding if m.tied else 0)  # a mixture of experts: the routed top_k only
     trainable = n if m.trainable == m.params else m.trainable
     return trainable, n - trainable
 

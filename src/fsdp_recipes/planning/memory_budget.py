@@ -18,6 +18,14 @@ and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
 
     per_layer = 2h(4 + c) + c(2q + 2kv + 4I + r * targets) [+ (c + 1) * in_features per target, with dropout]
 
+A mixture of experts (Qwen3-MoE, Mixtral) holds every expert's weights, gradients and optimizer states (sharded like
+any other parameter, all experts of a layer gathered at once: no expert parallelism), but a token's activations are
+those of the top_k experts it is routed to: each route keeps the gathered input, gate, up, SiLU(gate), their product,
+the output and its routing weight (c * top_k * (4 I_expert + 2h + 1)); the block keeps its input for the router
+(c * h), the router its fp32 probabilities (4E), and the routes' int64 indices come to 32 bytes each (32 top_k).
+Counted tensor by tensor in transformers 5's eager expert loop (Mixtral on CPU: tests/test_moe.py); the grouped
+kernels a GPU uses (experts_implementation) may keep other tensors.
+
 Activation checkpointing (speed/activation_checkpointing.py's policies), per token:
     none        layers x per_layer
     full        layers x c*h (each layer's input) + per_layer (one layer's set, alive during its recompute)
@@ -75,6 +83,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fsdp_recipes.metrics import flops
+
 GIB = 1024**3
 OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "adafactor": 4}  # per trainable parameter, fp32 states
 LM_HEAD_TILE = 32768  # TRL's chunked log-prob tile: TOKEN_CHUNK_SIZE (4096) tokens x _CHUNKED_LOGPROB_CHUNK_SIZE
@@ -100,6 +110,14 @@ class ModelShape:
     quantized: int = 0  # QLoRA: base weights stored in 4 bits (every linear of the decoder layers)
     layer_quantized: int = 0  # of one layer
     largest_quantized: int = 0  # the largest such linear: the dequantised working copy
+    experts: int = 0  # a mixture of experts: routed experts per layer (0: dense); intermediate is one expert's
+    top_k: int = 0  # experts each token is routed to
+    expert_params: int = 0  # all routed experts' weights, every layer: held in full, top_k / experts of them active
+
+    @property
+    def active(self) -> int:
+        """Parameters one token passes through (metrics/flops.py): all of them, less the experts it is not routed to."""
+        return self.params - round(self.expert_params * (1 - self.top_k / self.experts)) if self.experts else self.params
 
 
 @dataclasses.dataclass
@@ -159,10 +177,16 @@ def shape_of(model, model_args, **decided) -> ModelShape:
         trainable = total
     params = total + (trainable if model_args.use_peft else 0)
     layer_params = base_layer + lora_layer
+    moe = flops.experts_of(cfg)  # (top_k, experts): the experts' weights are named mlp.experts.* (flops.is_expert_param)
+    if moe:
+        decided.update(top_k=moe[0], experts=moe[1], expert_params=sum(
+            p.numel() for name, p in model.named_parameters() if flops.is_expert_param(name)))
+    # one expert's width: Qwen3-MoE's intermediate_size is its dense MLP's (unused where every layer is sparse)
+    intermediate = getattr(cfg, "moe_intermediate_size", None) if moe else None
     return ModelShape(
         params=params, trainable=trainable, layers=len(layers), hidden=cfg.hidden_size,
         q_dim=cfg.num_attention_heads * head_dim, kv_dim=cfg.num_key_value_heads * head_dim,
-        intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, layer_params=layer_params,
+        intermediate=intermediate or cfg.intermediate_size, vocab=cfg.vocab_size, layer_params=layer_params,
         layer_trainable=lora_layer if model_args.use_peft else base_layer,
         root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
         embedding=model.get_input_embeddings().weight.numel(), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -173,8 +197,14 @@ def shape_of(model, model_args, **decided) -> ModelShape:
 def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
     c = s.compute_bytes
     norms = 2 * m.hidden * (4 + c)
-    saved = c * (2 * m.q_dim + 2 * m.kv_dim + 4 * m.intermediate + m.lora_rank_width)
-    return norms + saved + (c + 1) * m.lora_dropout_width
+    # dense: gate, up, SiLU(gate), product; a mixture of experts: those, the routed input and output and the routing
+    # weight per route, the block's input (the router's), the router's fp32 probabilities and the routes' int64 indices
+    mlp, routing = 4 * m.intermediate, 0
+    if m.experts:
+        mlp = m.top_k * (4 * m.intermediate + 2 * m.hidden + 1) + m.hidden
+        routing = 4 * m.experts + 32 * m.top_k
+    saved = c * (2 * m.q_dim + 2 * m.kv_dim + mlp + m.lora_rank_width)
+    return norms + saved + routing + (c + 1) * m.lora_dropout_width
 
 
 def layer_activations(m: ModelShape, s: Setup, per_layer: int) -> int:

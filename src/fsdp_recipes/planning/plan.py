@@ -247,7 +247,9 @@ def report(p: Planned) -> str:
     gpus, nodes, own = p.gpus, p.nodes, p.own
     global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * gpus * nodes
     lines = [
-        f"recipe {p.recipe.name}: {type(p.model).__name__}, {m.params / 1e9:.2f}B parameters, "
+        f"recipe {p.recipe.name}: {type(p.model).__name__}, {m.params / 1e9:.2f}B parameters, " + (
+            f"{m.active / 1e9:.2f}B active per token ({m.top_k} of {m.experts} experts: FLOPs and MFU count these; "
+            "memory all), " if m.experts else "") +
         f"{m.trainable / 1e9:.3f}B trainable ({'LoRA' if model_args.use_peft else 'full fine-tuning'})",
         f"topology {nodes} node(s) x {gpus} {p.gpu} ({p.capacity:.1f} GiB each); recipe strategy {own}, "
         f"parameters sharded over {p.runs[own].shard} GPU(s)",

@@ -19,6 +19,7 @@ from fsdp_recipes.checkpoint.resume_settings import ScheduleResync
 from fsdp_recipes.checkpoint.sharded_save import ReshardAfterEvaluate
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.data import length_report, loading
+from fsdp_recipes.metrics import expert_load
 from fsdp_recipes.metrics.memory_probe import MemoryProbeCallback
 from fsdp_recipes.metrics.run_report import RunReportCallback
 from fsdp_recipes.patches import cpu_fsdp
@@ -164,6 +165,8 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
     if fsdp2_requested():  # an evaluation leaves the root's bf16 copies in place of its weights: sharded_save.py
 
         trainer.add_callback(ReshardAfterEvaluate())
+    # a mixture of experts: the tokens each expert receives, counted by hooks on the routers (metrics/expert_load.py)
+    expert_load.attach(trainer, report)
     if pack.measure_memory:
         trainer.add_callback(MemoryProbeCallback(trainer.model, training.output_dir, trainer.accelerator.process_index,
                                                  report.tokens))

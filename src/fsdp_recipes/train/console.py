@@ -60,6 +60,8 @@ def progress_line(logs: dict, step: int, max_steps: int) -> str | None:
             parts.append(f"lr {figure(logs['learning_rate'], '.2e')}")
         if "reward" in logs:  # GRPO: the sampled completions' mean reward
             parts.append(f"reward {figure(logs['reward'], '.3f')}")
+        if "aux_loss" in logs:  # a mixture of experts: the router's load-balancing loss, before its coefficient
+            parts.append(f"aux_loss {figure(logs['aux_loss'], '.4g')}")
         if "tokens_per_second" in logs:
             parts.append(f"{figure(logs['tokens_per_second'], ',.0f')} tokens/s")
         return "  ".join(parts)

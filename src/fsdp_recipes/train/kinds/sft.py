@@ -6,7 +6,9 @@ from fsdp_recipes.config import model_check
 from fsdp_recipes.data import formats, loading, row_checks
 from fsdp_recipes.errors import UserError
 
-REPORTED_LOGS: tuple[str, ...] = ()  # the loss is in every run report already
+# the loss is in every run report already; a mixture of experts' load-balancing loss (TRL logs it where
+# router_aux_loss_coef is on) is reported where it was logged (run_report.OPTIONAL_LOGS)
+REPORTED_LOGS: tuple[str, ...] = ("aux_loss",)
 RESUME_SETTINGS: tuple[str, ...] = ("packing", "completion_only_loss")  # what a resume compares (checkpoint/resume_settings.py)
 SEQUENCES_PER_ROW = 1  # make plan: sequences a dataset row puts through the model
 ROWS = "sequences"  # what make plan calls the rows of a batch
@@ -59,6 +61,21 @@ def check_config(cfg) -> None:
                         "have (it counts them as num_local_experts): the first step would fail. Fix: "
                         "router_aux_loss_coef: 0.0 in the recipe (no load-balancing loss), or train LoRA without "
                         "the router.")
+
+
+def summary_lines(metrics: dict) -> list[str]:
+    """A mixture of experts: the load-balancing loss and the expert load (docs/run-report.md, "Mixture of experts")."""
+    from fsdp_recipes.metrics.figures import figure
+
+    lines, aux, load = [], (metrics.get("sft") or {}).get("aux_loss"), metrics.get("expert_load")
+    if aux:
+        lines.append(f"aux loss    {figure(aux['first'], '.4g')} -> {figure(aux['last'], '.4g')} (the router's "
+                     "load-balancing loss, before its coefficient)")
+    if load and load["layers"]:
+        slots = len(load["layers"]) * load["experts"]
+        lines.append(f"experts     busiest {figure(load['max_over_mean'], '.2f')}x the mean (worst of "
+                     f"{len(load['layers'])} layers); {load['idle_experts']} of {slots} received no token")
+    return lines
 
 
 def load_datasets(cfg, want_eval: bool | None = None):
