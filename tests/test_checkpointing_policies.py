@@ -155,6 +155,8 @@ LLAMA70 = (80, 8192, 8192, 1024, 28672)
 LARGE = (88, 12288, 12288, 1024, 28672)
 SMALL = (40, 5120, 4096, 1024, 32768)
 QWEN8 = (36, 4096, 4096, 1024, 12288)
+QWEN30_A3B = (48, 2048, 32 * 128, 4 * 128, 768)
+MIXTRAL = (32, 4096, 4096, 1024, 14336)
 BY_HAND = {
     "ddp-baseline": (79.6, (28, 1024, 2048, 1024, 3072), 0, 0, 8 * 2048, "none"),
     "llama-3.1-70b-qlora-2xh100": (79.6, LLAMA70, 16 * 7, 5 * 8192 + 8192 + 28672, 2 * 4096, "ops"),
@@ -171,13 +173,23 @@ BY_HAND = {
     "mistral-small-lora-2xh200": (139.8, SMALL, 16 * 4, 3 * 5120 + 4096, 1 * 4096, "none"),
     "qwen3-8b-full": (79.6, QWEN8, 0, 0, 2 * 4096, "none"),
     "qwen3-8b-full-dpo": (79.6, QWEN8, 0, 0, 2 * 2 * 2048, "every_4"),
+    # mixtures of experts (intermediate: one expert's), LoRA on the attention (q, k, v take h; o takes q)
+    "qwen3-30b-a3b-lora": (139.8, QWEN30_A3B, 16 * 4, 3 * 2048 + 4096, 4 * 4096, "ops"),
+    "qwen3-30b-a3b-full": (79.6, QWEN30_A3B, 0, 0, 2 * 4096, "full"),
+    "mixtral-8x7b-lora": (79.6, MIXTRAL, 16 * 4, 3 * 4096 + 4096, 4 * 4096, "ops"),
 }
+# their routing, (experts, top_k), from the published configs (recipes/<name>/model_config.json)
+ROUTED = {"qwen3-30b-a3b-lora": (128, 8), "qwen3-30b-a3b-full": (128, 8), "mixtral-8x7b-lora": (8, 2)}
 ORDER = ("none", "every_4", "every_2", "ops", "full")  # fastest first: less recomputed
 
 
-def hand_per_token(policy, layers, h, q, kv, inter, rank_width, dropout_width) -> int:
+def hand_per_token(policy, layers, h, q, kv, inter, rank_width, dropout_width, routed=None) -> int:
     c = 2
-    layer = 2 * h * (4 + c) + c * (2 * q + 2 * kv + 4 * inter + rank_width) + (c + 1) * dropout_width
+    mlp, routing = 4 * inter, 0
+    if routed:  # each of top_k routes: input, gate, up, SiLU, product, output, weight; the router's input; fp32
+        experts, top_k = routed  # probabilities; 32 B of int64 indices per route (docs/planner.md)
+        mlp, routing = top_k * (4 * inter + 2 * h + 1) + h, 4 * experts + 32 * top_k
+    layer = 2 * h * (4 + c) + c * (2 * q + 2 * kv + mlp + rank_width) + routing + (c + 1) * dropout_width
     if policy == "none":
         return layers * layer
     kept = layers // {"every_4": 4, "every_2": 2}.get(policy, 1)  # each model's layers divide by 4
@@ -200,7 +212,8 @@ def test_each_gpu_recipes_pick_by_hand(name):
     c = p.checkpointing
     assert p.setup.tokens == tokens and list(c.totals) == [n for n in ORDER if n in c.totals]
     assert ("ops" in c.totals) == (p.cfg.trainer == "sft")
-    per = {n: hand_per_token(n, layers, h, q, kv, inter, rank_width, dropout_width) for n in c.totals}
+    per = {n: hand_per_token(n, layers, h, q, kv, inter, rank_width, dropout_width, ROUTED.get(name))
+           for n in c.totals}
     for n, total in c.totals.items():
         assert total - c.totals["full"] == tokens * (per[n] - per["full"]), n
     limit = capacity * 0.9 * GIB

@@ -151,6 +151,8 @@ def simulated_run(tmp_path, monkeypatch, device=None, cpu_peak=CPU_PEAK):
     monkeypatch.setattr(run_report.cpu_peak, "best_rate", lambda *a, **k: cpu_peak)
     monkeypatch.setattr(run_report.cpu_peak, "store", lambda *a, **k: None)  # the user's cache is not the test's
     cb = RunReportCallback(str(tmp_path), {}, recipe="sim")
+    for point in ("imports_done", "through_gate", "configured", "data_loaded", "trainer_built"):  # as the entry point
+        cb.mark(point)
     model = tiny_model()
     state = SimpleNamespace(global_step=0, log_history=[])
     cb.on_train_begin(None, state, None, model=model)
