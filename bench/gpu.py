@@ -543,7 +543,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         metrics = json.loads(mpath.read_text()) if mpath.is_file() else None
         rec["metrics_json"] = metrics
         apath = out_dir / "run_args.json"
-        if s["float8"] and apath.is_file():  # evidence that the layers were converted, and how many
+        if apath.is_file():  # what the speed options did: float8's converted layers, the attention that ran, ...
             rec["speed_options"] = json.loads(apath.read_text()).get("speed_options")
         ok = rc == 0 and metrics and metrics["status"] == "completed" and (metrics["tokens_per_second"] or 0) > 0
         if ok:

@@ -152,10 +152,14 @@ def test_hand_counts_add_up():
 
 def test_model_sizes_on_the_meta_device():
     one, eight = bench_gpu.param_counts("1b"), bench_gpu.param_counts("8b")
+    # dense models: every parameter active, no experts (metrics/flops.py counts a mixture's experts at top_k / E)
     assert one == {"total": ONE_B_TOTAL, "trainable": ONE_B_TOTAL, "trainable_non_embedding": ONE_B_NON_EMBEDDING,
-                   "frozen_non_embedding": 0}
+                   "frozen_non_embedding": 0, "active": ONE_B_TOTAL, "expert": 0,
+                   "trainable_active_non_embedding": ONE_B_NON_EMBEDDING, "frozen_active_non_embedding": 0}
     assert eight == {"total": EIGHT_B_TOTAL, "trainable": EIGHT_B_TOTAL,
-                     "trainable_non_embedding": EIGHT_B_NON_EMBEDDING, "frozen_non_embedding": 0}
+                     "trainable_non_embedding": EIGHT_B_NON_EMBEDDING, "frozen_non_embedding": 0,
+                     "active": EIGHT_B_TOTAL, "expert": 0, "trainable_active_non_embedding": EIGHT_B_NON_EMBEDDING,
+                     "frozen_active_non_embedding": 0}
     assert bench_gpu.mistral_config("8b").model_type == "mistral"
 
 
@@ -372,12 +376,13 @@ def test_dry_run_lora_ladder(tmp_path, cache_dir):
     (lad,) = result["ladders"]
     assert lad["method"] == "lora" and lad["parameters"] == {  # counted by hand above
         "total": TINY_TOTAL + TINY_LORA, "trainable": TINY_LORA, "trainable_non_embedding": TINY_LORA,
-        "frozen_non_embedding": TINY_NON_EMBEDDING}
+        "frozen_non_embedding": TINY_NON_EMBEDDING, "active": TINY_TOTAL + TINY_LORA, "expert": 0,
+        "trainable_active_non_embedding": TINY_LORA, "frozen_active_non_embedding": TINY_NON_EMBEDDING}
     compiled, f8 = lad["rungs"]
     assert compiled["status"] == "measured" and compiled["config"]["method"] == "lora", compiled.get("error")
     assert compiled["figures"]["compiled_graphs"] > 0  # the LoRA layers went through dynamo
     m = compiled["metrics_json"]
-    assert m["params"] == {"total": 151_360, "trainable": 34_816}  # 116,544 + 34,816 adapters
+    assert m["params"] == {"total": 151_360, "trainable": 34_816, "active": 151_360}  # 116,544 + 34,816 adapters
     # 6N for the trained adapters, 4N for the frozen weights (flops.py's LoRA convention), plus 12 L H d_head T
     # (PaLM appendix B), with the tiny model's 2 layers of 2 heads of 32
     attention = 12 * 2 * 2 * 32 * m["flops_seq_len"]

@@ -33,10 +33,13 @@ class SamplingArguments:
 class Registration:
     config_class: str  # the name of TRL's config class for the kind: every training setting
     arguments: type | None = None  # the kind's own argument dataclass, or None
+    # whether its TRL trainer applies selective activation checkpointing (`gradient_checkpointing_kwargs`
+    # {selective: true}, TRL 1.16: SFTTrainer only): speed/activation_checkpointing.py's `ops` policy
+    selective_checkpointing: bool = False
 
 
 TRAINERS: dict[str, Registration] = {
-    "sft": Registration("SFTConfig"),
+    "sft": Registration("SFTConfig", selective_checkpointing=True),
     "dpo": Registration("DPOConfig"),
     "grpo": Registration("GRPOConfig", SamplingArguments),
     "kto": Registration("KTOConfig"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 
+from fsdp_recipes.config.kind_registry import TRAINERS
 from fsdp_recipes.errors import UserError
 
 FIELDS = ("activation_checkpointing_policy", "activation_checkpointing", "activation_checkpointing_kwargs",
@@ -76,7 +77,7 @@ def check_config(cfg) -> None:
     if name not in ("none", "full", "ops", "auto") and not (match and int(match.group(1)) >= 2):
         raise UserError(f"{SETTING}: {name} is not a policy. Fix: one of none, every_2 (or every_<k>, k >= 2), ops, "
                         "full, auto.")
-    if name == "ops" and cfg.trainer != "sft":
+    if name == "ops" and not TRAINERS[cfg.trainer].selective_checkpointing:
         raise UserError(f"{SETTING}: ops is TRL's selective checkpointing, which only SFTTrainer applies; this "
                         f"recipe's trainer is {cfg.trainer}. Fix: full, every_2 or none.")
 
@@ -136,7 +137,7 @@ def planner_setup(model_args, training) -> dict:
 def planner_choices(cfg) -> tuple[dict[str, dict], str | None, str]:
     """`make plan`: the policies it compares (fastest first, as Setup fields), the recipe's pin (None for auto) and
     the line's label."""
-    names = [n for n in CANDIDATES if n != "ops" or cfg.trainer == "sft"]
+    names = [n for n in CANDIDATES if n != "ops" or TRAINERS[cfg.trainer].selective_checkpointing]
     name = policy(cfg)
     pinned = None if name == "auto" else (name or written_policy(cfg.training))
     if pinned not in names:
