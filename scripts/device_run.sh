@@ -45,7 +45,7 @@
 # $OUT/plan.txt, so a call killed at its limit still brings back every step that finished (the device tool returns
 # at most 8 files). Steps can be named one by one too (the names above, plus grpo-default and compare).
 #
-# DRY_RUN=1: the same steps on this CPU machine with tiny models and short schedules, nothing installed
+# DRY_RUN=1: the same steps on this CPU machine with tiny models and short schedules (a ladder: every rung), nothing installed
 # (make device-dry; .ci/run runs it and prints each step's seconds, from which the GPU timing is estimated).
 # shellcheck disable=SC2329  # the s_* step functions are called through `step`
 set -uo pipefail
@@ -144,13 +144,14 @@ s_real_default() {
 }
 s_ladder() {  # $1 size, $2 method, $3 rungs, $4 the step's name, $5 seconds a rung needs to start
   # continues the newest earlier JSON of this ladder measured on this GPU (bench.gpu picks it among all of them)
-  local dry=() size=$1 resume=() earlier=()
-  [ "$DRY" = 1 ] && { dry=(--dry-run); size=tiny; }
+  local dry=() size=$1 resume=() earlier=() rungs=$3
+  [ "$DRY" = 1 ] && { dry=(--dry-run); size=tiny; rungs=all; }  # the dry run: every rung's plumbing
   local suffix=$1; [ "$2" = lora ] && suffix=$1-lora
   for f in bench/results/bench-gpu-*-"$suffix".json; do [ -f "$f" ] && earlier+=("$f"); done
   [ "${#earlier[@]}" -gt 0 ] && [ "$DRY" != 1 ] && resume=(--resume-if-comparable "${earlier[@]}")
   # its own work folder inside the step's: the rung logs are packed even when `timeout` ends the step
-  "$PY" -m bench.gpu "${dry[@]}" --sizes "$size" --methods "$2" --rungs "$3" --gpus 1 --warmup 3 --steps 8 \
+  local pick=(--rungs "$rungs"); [ "$rungs" = all ] && pick=()
+  "$PY" -m bench.gpu "${dry[@]}" --sizes "$size" --methods "$2" "${pick[@]}" --gpus 1 --warmup 3 --steps 8 \
     "${resume[@]}" --deadline-s $((STEP_BUDGET - 15)) --min-rung-s "$5" --rung-timeout-s 150 \
     --results "$WORK/$4" --work "$WORK/$4/work"
 }
