@@ -187,6 +187,28 @@ def test_flex_attention_refused_on_cpu_in_one_line_before_any_rank_starts(cache_
         "attention: flex_attention has no CPU backward -> sdpa"]
 
 
+@pytest.mark.slow  # FlexAttention compiles its kernel on a CPU: 5-10 s
+def test_flex_attentions_forward_on_cpu_is_sdpas():
+    """What a CPU can check of FlexAttention (its backward has no CPU kernel, so training with it is refused above and
+    is a GPU-plan step): the forward of the same weights gives SDPA's logits, a padded row included."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second row left-padded by 3
+    logits = {}
+    for implementation in ("sdpa", "flex_attention"):
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, attn_implementation=implementation)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        assert model.config._attn_implementation == implementation
+        with torch.no_grad():
+            logits[implementation] = model(input_ids=ids, attention_mask=mask).logits
+    kept = mask.bool()  # a padded position's output is nobody's answer
+    torch.testing.assert_close(logits["flex_attention"][kept], logits["sdpa"][kept], rtol=1e-5, atol=1e-5)
+
+
 def test_the_launch_line_says_what_auto_picks(cache_dir):
     from fsdp_recipes.config.run_config import parse_args
 
