@@ -84,6 +84,24 @@ def test_the_planner_prints_and_counts_active_parameters_but_holds_all_of_them()
                                                                                  8048 * 8 / 2)
 
 
+def test_the_planner_counts_lora_on_the_experts_parameters():
+    """lora_target_parameters on the fused experts (r 2): PEFT keeps A (r x experts, in) and B (out, r x experts) per
+    tensor, reading gate_up (4, 16, 16) and down (4, 16, 8) as (experts, in, out): 2 x 4 x (16 + 16) = 256 and
+    2 x 4 x (16 + 8) = 192, 448 per layer, 896 in the 2 layers; with q_proj too, 2 x (16 + 16) = 64 per layer more."""
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_recipes.planning import memory_budget
+
+    experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    for modules, by_hand in (([], 896), (["q_proj"], 896 + 2 * 64)):
+        args = SimpleNamespace(use_peft=True, lora_r=2, lora_target_modules=modules, lora_target_parameters=experts,
+                               lora_dropout=0.0, lora_modules_to_save=None)
+        m = memory_budget.shape_of(tiny_model("meta"), args)
+        assert m.trainable == by_hand and m.params == TOTAL + by_hand
+        peft_model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=modules, target_parameters=experts))
+        assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == by_hand  # PEFT agrees
+
+
 @pytest.mark.parametrize("name, total, active", [("qwen3-30b-a3b-lora", 30.5e9, 3.3e9),
                                                  ("mixtral-8x7b-lora", 46.7e9, 12.9e9)])
 def test_the_recipes_real_models_have_their_published_total_and_active_sizes(name, total, active):

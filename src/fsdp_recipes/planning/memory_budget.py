@@ -172,6 +172,19 @@ def shape_of(model, model_args, **decided) -> ModelShape:
                     lora_other += adapter
             if leaf in (model_args.lora_modules_to_save or []):
                 saved += sum(p.numel() for p in module.parameters())
+        # LoRA on parameters (PEFT's target_parameters, TRL's lora_target_parameters: a mixture's fused 3-D experts):
+        # PEFT's ParamWrapper reads a (experts, in, out) tensor, or (out, in), and keeps A (r x experts, in) and
+        # B (out, r x experts). It adds the merged weight to the forward instead of an r-wide activation per token
+        # (that copy, a layer's experts at the compute width, is not in the activation term: docs/planner.md).
+        wanted = list(getattr(model_args, "lora_target_parameters", None) or [])
+        for name, param in model.named_parameters() if wanted else ():
+            if any(name == t or name.endswith("." + t) for t in wanted):
+                experts, fan_in, fan_out = param.shape if param.dim() == 3 else (1, param.shape[1], param.shape[0])
+                adapter = model_args.lora_r * experts * (fan_in + fan_out)
+                if name.startswith("model.layers.0."):
+                    lora_layer += adapter
+                elif not name.startswith("model.layers."):
+                    lora_other += adapter
         trainable = lora_layer * len(layers) + lora_other + saved
     else:
         trainable = total
