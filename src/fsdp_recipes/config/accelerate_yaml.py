@@ -113,6 +113,9 @@ def check_topology(acc: dict, path, num_machines: int, num_processes: int) -> No
     if sizes is None:
         return
     replicate, shard = sizes
+    par = acc.get("parallelism_config") or {}
+    if any(int(par.get(f"parallelism_config_{d}_size", 1)) > 1 for d in ("tp", "cp")):
+        return  # a mesh with more dimensions: config/mesh.py checks its product
     if replicate * shard != num_processes:
         raise UserError(
             f"{path}: dp_replicate_size {replicate} x dp_shard_size {shard} = {replicate * shard}, but the job has "

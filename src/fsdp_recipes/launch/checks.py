@@ -3,13 +3,14 @@ topology), then the recipe as the ranks will parse it, the model, the dataset an
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
 # import the same in parallel.
 from fsdp_recipes import speed
-from fsdp_recipes.config import accelerate_yaml, hardware, model_check, value_checks
+from fsdp_recipes.config import accelerate_yaml, hardware, mesh, model_check, value_checks
 from fsdp_recipes.config.job import job_machines, job_processes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
@@ -34,6 +35,7 @@ def check_launch(recipe: Recipe) -> None:
     per_node = hardware.gpus_per_node(min_gpus, machines)
     if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
         hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
+    mesh.check_mesh(acc, recipe.accelerate_path, job_processes(acc))  # the product of its sizes, first
     accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
 
 
@@ -88,6 +90,10 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     warn(recipe, value_checks.schedule_warnings(cfg.training))
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
     speed.check_launch(cfg, acc, named)  # their accelerate rules, their GPUs (nvidia-smi)
+    model_json = model_check.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
+    shape = json.loads(model_json.read_text()) if model_json else {}
+    mesh.check_mesh_fits(mesh.mesh_of(acc, named), named, shape.get("num_attention_heads"),
+                         shape.get("num_key_value_heads"), getattr(cfg.training, "max_length", None))
     wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
                              wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model,
                              model_named=recipe.user_model is not None)

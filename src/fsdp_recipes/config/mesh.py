@@ -1,0 +1,88 @@
+"""A recipe's device mesh as its accelerate YAML gives it: accelerate 1.15's `parallelism_config` keys
+(`parallelism_config_dp_replicate_size`, `_dp_shard_size`, `_tp_size`, `_cp_size`; each 1 when absent, as
+accelerate's ParallelismConfig reads them), checked before any rank starts, one line a mistake.
+
+    structure (check_mesh, the launcher's light checks): sizes of at least 1; their product the job's processes;
+        replication only over shard groups (accelerate refuses dp_replicate > 1 with dp_shard 1)
+    against the model and the rows (check_mesh_fits, once the recipe is parsed): tp divides the attention heads and
+        the key/value heads (each rank holds whole heads); cp divides the rows into 2 x cp chunks (torch's load-
+        balanced context parallel gives each rank one early and one late chunk)
+    what the pack trains: a mesh with tp or cp above 1 is refused in one line, after the checks above, because the
+        planner, the run report and the checkpoints do not know those dimensions yet (docs/training.md, "Meshes")
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fsdp_recipes.errors import UserError
+
+PREFIX = "parallelism_config_"
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    @property
+    def total(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.cp
+
+    def describe(self) -> str:
+        return " x ".join(f"{name} {size}" for name, size in vars(self).items())
+
+
+def mesh_of(acc: dict, path) -> Mesh | None:
+    """The mesh an FSDP accelerate YAML names in `parallelism_config`, else None (the pack's plain FSDP: the world
+    is one shard group)."""
+    par = acc.get("parallelism_config") or {}
+    if acc.get("distributed_type") != "FSDP" or not par:
+        return None
+    sizes = {}
+    for name in Mesh.__dataclass_fields__:
+        value = par.get(f"{PREFIX}{name}_size", 1)
+        try:
+            sizes[name] = int(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{path}: {PREFIX}{name}_size is {value!r}, not a whole number. Fix: a size of 1 or "
+                            "more.") from None
+        if sizes[name] < 1:
+            raise UserError(f"{path}: {PREFIX}{name}_size is {sizes[name]}; a mesh dimension has at least 1 rank. "
+                            f"Fix: 1 turns the dimension off.")
+    return Mesh(**sizes)
+
+
+def check_mesh(acc: dict, path, processes: int) -> Mesh | None:
+    """The structure, before any heavy import."""
+    mesh = mesh_of(acc, path)
+    if mesh is None:
+        return None
+    if mesh.total != processes:
+        raise UserError(f"{path}: the mesh {mesh.describe()} has {mesh.total} ranks, but the job has {processes} "
+                        "processes. Fix: make the sizes' product the world size (nodes x GPUs per node).")
+    if mesh.dp_replicate > 1 and mesh.dp_shard == 1:
+        raise UserError(f"{path}: dp_replicate {mesh.dp_replicate} with dp_shard 1 replicates unsharded copies, "
+                        "which accelerate's ParallelismConfig refuses. Fix: shard within each replica "
+                        f"({PREFIX}dp_shard_size above 1), or plain DDP (distributed_type: MULTI_GPU).")
+    return mesh
+
+
+def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None) -> None:
+    """Against the model's heads and the rows' length, then what the pack trains today."""
+    if mesh is None:
+        return
+    for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if mesh.tp > 1 and count and count % mesh.tp:
+            raise UserError(f"{path}: tp {mesh.tp} does not divide the model's {count} {what}: tensor parallel gives "
+                            f"each rank whole heads. Fix: {PREFIX}tp_size a divisor of {count}.")
+    if mesh.cp > 1 and max_length and max_length % (2 * mesh.cp):
+        raise UserError(f"{path}: cp {mesh.cp} cannot split rows of max_length {max_length} into {2 * mesh.cp} equal "
+                        f"chunks (context parallel's load balancing gives each rank two). Fix: max_length a multiple "
+                        f"of {2 * mesh.cp}, or another {PREFIX}cp_size.")
+    if mesh.tp > 1 or mesh.cp > 1:
+        raise UserError(f"{path}: the mesh {mesh.describe()} splits layers (tp) or rows (cp), which this pack does "
+                        "not train yet: its planner, run report and checkpoints know data-parallel meshes only. "
+                        f"Fix: {PREFIX}tp_size and {PREFIX}cp_size 1 (FSDP or HSDP over the same GPUs).")

@@ -1,0 +1,63 @@
+"""A recipe's mesh (accelerate's parallelism_config) checked before any rank starts: its structure, then against the
+model's heads and the rows' length, then what the pack trains today (config/mesh.py, issue 60)."""
+
+import pytest
+
+from fsdp_recipes.config.mesh import Mesh, check_mesh, check_mesh_fits, mesh_of
+from fsdp_recipes.errors import UserError
+from recipe_variant import recipe_variant
+from test_bad_input import assert_one_line_error
+
+
+def fsdp(**sizes) -> dict:
+    return {"distributed_type": "FSDP", "parallelism_config": {f"parallelism_config_{k}_size": v
+                                                                for k, v in sizes.items()}}
+
+
+def test_the_mesh_as_accelerate_reads_it():
+    assert mesh_of({"distributed_type": "FSDP"}, "a.yaml") is None  # plain FSDP: the world is one shard group
+    assert mesh_of({**fsdp(tp=2), "distributed_type": "MULTI_GPU"}, "a.yaml") is None
+    assert mesh_of(fsdp(dp_replicate=2, dp_shard=8), "a.yaml") == Mesh(dp_replicate=2, dp_shard=8)  # tp, cp: 1
+    assert check_mesh(fsdp(dp_replicate=2, dp_shard=8), "a.yaml", 16).total == 16
+
+
+@pytest.mark.parametrize("acc, processes, said", [
+    (fsdp(dp_shard=2, tp=2), 8, "a.yaml: the mesh dp_replicate 1 x dp_shard 2 x tp 2 x cp 1 has 4 ranks, but the job "
+                                "has 8 processes. Fix: make the sizes' product the world size"),
+    (fsdp(dp_replicate=4), 4, "a.yaml: dp_replicate 4 with dp_shard 1 replicates unsharded copies, which accelerate's "
+                              "ParallelismConfig refuses. Fix:"),
+    (fsdp(cp=0), 1, "a.yaml: parallelism_config_cp_size is 0; a mesh dimension has at least 1 rank. Fix:"),
+    (fsdp(tp="two"), 2, "a.yaml: parallelism_config_tp_size is 'two', not a whole number. Fix:"),
+], ids=["product", "replicate-unsharded", "zero", "word"])
+def test_a_mesh_that_cannot_be_built_is_one_line(acc, processes, said):
+    with pytest.raises(UserError) as err:
+        check_mesh(acc, "a.yaml", processes)
+    assert str(err.value).startswith(said)
+
+
+@pytest.mark.parametrize("sizes, heads, kv, length, said", [
+    (dict(tp=3, dp_shard=2), 32, 8, 4096, "tp 3 does not divide the model's 32 attention heads"),
+    (dict(tp=4, dp_shard=2), 32, 2, 4096, "tp 4 does not divide the model's 2 key/value heads"),
+    (dict(cp=4, dp_shard=2), 32, 8, 4100, "cp 4 cannot split rows of max_length 4100 into 8 equal chunks"),
+    (dict(tp=2, cp=2, dp_shard=2), 32, 8, 4096, "the mesh dp_replicate 1 x dp_shard 2 x tp 2 x cp 2 splits layers "
+                                                "(tp) or rows (cp), which this pack does not train yet"),
+], ids=["heads", "kv-heads", "row-chunks", "not-yet"])
+def test_a_mesh_against_the_model_and_the_rows(sizes, heads, kv, length, said):
+    with pytest.raises(UserError, match="Fix:") as err:
+        check_mesh_fits(Mesh(**sizes), "a.yaml", heads, kv, length)
+    assert said in str(err.value)
+
+
+def test_data_parallel_meshes_train_as_before():
+    check_mesh_fits(None, "a.yaml", 32, 8, 4096)
+    check_mesh_fits(Mesh(dp_replicate=2, dp_shard=8), "a.yaml", 32, 8, 4100)
+
+
+def test_the_launcher_says_it_before_any_rank_starts(tmp_path, checks):
+    """A copied tiny recipe given tp 2 on its 2 processes: its tiny Mistral's heads divide, so the line is what the
+    pack does not train yet; with dp_shard 2 as well the product is wrong first."""
+    folder = recipe_variant(tmp_path, "tp", accelerate={"parallelism_config": {"parallelism_config_tp_size": 2}})
+    assert_one_line_error(checks([folder, "--output_dir", tmp_path / "run"]), "splits layers (tp) or rows (cp)")
+    folder = recipe_variant(tmp_path, "tp-shard", accelerate={"parallelism_config": {
+        "parallelism_config_tp_size": 2, "parallelism_config_dp_shard_size": 2}})
+    assert_one_line_error(checks([folder, "--output_dir", tmp_path / "run2"]), "has 4 ranks, but the job has 2")
