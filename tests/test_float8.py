@@ -224,26 +224,27 @@ def fake_nvidia_smi(tmp_path, monkeypatch, output: str, rc: int = 0):
 
 
 def test_the_launcher_refuses_an_old_gpu_from_nvidia_smi(torchao_site, cache_dir, tmp_path, monkeypatch, capsys):
+    from fsdp_recipes.config import hardware
     from fsdp_recipes.errors import UserError
     from fsdp_recipes.speed import float8
 
     fake_nvidia_smi(tmp_path, monkeypatch, "9.0\\n8.0\\n")
-    assert float8.gpu_capabilities() == [(9, 0), (8, 0)]
+    assert hardware.gpu_capabilities() == [(9, 0), (8, 0)]
     with pytest.raises(UserError, match=r"nvidia-smi reports 8\.0 here\. Fix: set float8: false"):
         float8.check_launch(recipe_with(float8=True, use_peft=False), {}, "accelerate.yaml")
     monkeypatch.syspath_prepend(torchao_site)
     res = launcher_checks(["tiny-cpu-lora", "--use_peft", "false", "--float8", "true"], monkeypatch, capsys)
     assert_one_line_error(res, "nvidia-smi reports 8.0 here. Fix: set float8: false")  # the launcher's own check
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # only the GPUs the job may use are asked about
-    float8.gpu_capabilities()
+    hardware.gpu_capabilities()
     assert (tmp_path / "smi-args").read_text().splitlines()[-1].endswith("-i 0")
 
 
 def test_an_nvidia_smi_that_cannot_say_leaves_the_check_to_the_ranks(tmp_path, monkeypatch):
-    from fsdp_recipes.speed import float8
+    from fsdp_recipes.config import hardware
 
     fake_nvidia_smi(tmp_path, monkeypatch, "Field \"compute_cap\" is not a valid field to query.\\n", rc=2)
-    assert float8.gpu_capabilities() is None
+    assert hardware.gpu_capabilities() is None
 
 
 @pytest.mark.slow

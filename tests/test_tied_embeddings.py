@@ -33,14 +33,16 @@ def with_lora(model, train_head: bool):
                                             modules_to_save=["lm_head"] if train_head else None))
 
 
-def prepare(model):
-    """accelerate 1.15's own FSDP2 preparation (what the Trainer calls), with the recipe's settings."""
+def prepare(model, ram_efficient: bool = False):
+    """accelerate 1.15's own FSDP2 preparation (what the Trainer calls), with the recipe's settings. `ram_efficient`:
+    with RAM-efficient loading, as every recipe's FSDP2 YAML sets it: the model moved to meta, `tie_weights()`,
+    sharded, rank 0's weights loaded, `tie_weights()` again."""
     from accelerate.utils import FullyShardedDataParallelPlugin
     from accelerate.utils.fsdp_utils import fsdp2_prepare_model
 
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                                            cpu_ram_efficient_loading=False)
+                                            cpu_ram_efficient_loading=ram_efficient)
     accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
                                         parallelism_config=None, is_main_process=True, mixed_precision="no",
                                         device=torch.device("cpu"))
@@ -259,21 +261,6 @@ def tied_with(option: str):
     return get_peft_model(tied_llama(), LoraConfig(r=2, **TIED_OPTIONS[option]))
 
 
-def prepare_ram_efficiently(model):
-    """accelerate 1.15's FSDP2 preparation with RAM-efficient loading, as every recipe's FSDP2 YAML sets it: the model
-    moved to meta, `tie_weights()`, sharded, rank 0's weights loaded, `tie_weights()` again."""
-    from accelerate.utils import FullyShardedDataParallelPlugin
-    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
-
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
-                                            cpu_ram_efficient_loading=True)
-    accelerator = types.SimpleNamespace(state=types.SimpleNamespace(fsdp_plugin=plugin), torch_device_mesh=None,
-                                        parallelism_config=None, is_main_process=True, mixed_precision="no",
-                                        device=torch.device("cpu"))
-    return fsdp2_prepare_model(accelerator, model)
-
-
 @pytest.mark.parametrize("option", list(TIED_OPTIONS))
 def test_each_tied_head_option_prepares_under_ram_efficient_fsdp2_and_trains_only_its_adapter(option, world_of_one):
     """Before the fix (peft_fsdp.py workaround 4), every option that wraps the head failed in accelerate's
@@ -288,7 +275,7 @@ def test_each_tied_head_option_prepares_under_ram_efficient_fsdp2_and_trains_onl
                 p.add_(0.01)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert prepare_wrapped_embeddings_for_fsdp2(model)
-    prepared = prepare_ram_efficiently(model)
+    prepared = prepare(model, ram_efficient=True)
     RestoreOutputEmbeddings(model).on_train_begin(None, None, None)
     assert "tie_weights" not in vars(model) and "get_output_embeddings" not in vars(model)
     inner = prepared.base_model.model

@@ -130,3 +130,21 @@ def gpu_inventory() -> str:
         return "GPUs: none (no nvidia-smi on PATH, or it failed); running on CPU"
     lines = [f"GPU {row.strip()}" for row in listing.strip().splitlines() if row.strip()]
     return "\n".join(lines + [nvlink_summary(nvidia_smi("nvlink", "--status"))])
+
+
+def gpu_capabilities() -> list[tuple[int, int]] | None:
+    """Compute capabilities of the GPUs this job may use, from nvidia-smi, so that a speed option the GPU cannot run
+    is one line before any rank starts, without importing torch. None where nvidia-smi is missing or cannot say
+    (drivers before 510 have no compute_cap field): the options' checks in each rank, with torch, decide then."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    cmd = [smi, "--query-gpu=compute_cap", "--format=csv,noheader"]
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        cmd += ["-i", os.environ["CUDA_VISIBLE_DEVICES"]]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        caps = [tuple(int(x) for x in line.strip().split(".")) for line in out.stdout.splitlines() if line.strip()]
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return caps if out.returncode == 0 and caps and all(len(c) == 2 for c in caps) else None

@@ -23,10 +23,9 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
-from fsdp_recipes.config import placement
+from fsdp_recipes.config import hardware, placement
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.speed import varlen_attention
-from fsdp_recipes.speed.float8 import gpu_capabilities
 
 FIELDS = ("attn_implementation",)
 AUTO = "auto"
@@ -138,7 +137,7 @@ def check_launch(cfg, acc: dict, path, say=None) -> None:
     if cpu:
         refuse_flex_on_cpu(attn)
     if attn == AUTO:
-        capabilities = None if cpu else gpu_capabilities()
+        capabilities = None if cpu else hardware.gpu_capabilities()
         choice = choose(not cpu, packed_rows(cfg.training), min(capabilities) if capabilities else None)
         (say or launch_line)(f"attention: auto -> {choice.name} ({choice.why})")
 

@@ -19,10 +19,8 @@ measured that combination, so it refuses it rather than guess.
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import subprocess
 
+from fsdp_recipes.config import hardware
 from fsdp_recipes.errors import UserError
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper (torch._scaled_mm refuses older GPUs)
@@ -54,28 +52,10 @@ def check_launch(cfg, acc: dict, path) -> None:
     ranks check again with torch (check_device), so they need not run nvidia-smi each."""
     if not enabled(cfg):
         return
-    old = [c for c in gpu_capabilities() or [] if c < MIN_CAPABILITY]
+    old = [c for c in hardware.gpu_capabilities() or [] if c < MIN_CAPABILITY]
     if old:
         raise UserError(f"float8: true needs NVIDIA GPUs of compute capability 8.9 or newer (H100, H200, L4, L40S); "
                         f"nvidia-smi reports {old[0][0]}.{old[0][1]} here. Fix: set float8: false, or run on such GPUs.")
-
-
-def gpu_capabilities() -> list[tuple[int, int]] | None:
-    """Compute capabilities of the GPUs this job may use, from nvidia-smi, so that the launcher refuses an old GPU
-    in one line before any rank starts, without importing torch. None where nvidia-smi is missing or cannot say
-    (drivers before 510 have no compute_cap field): check_device() in each rank is then the check."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    cmd = [smi, "--query-gpu=compute_cap", "--format=csv,noheader"]
-    if os.environ.get("CUDA_VISIBLE_DEVICES"):
-        cmd += ["-i", os.environ["CUDA_VISIBLE_DEVICES"]]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
-        caps = [tuple(int(x) for x in line.strip().split(".")) for line in out.stdout.splitlines() if line.strip()]
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-    return caps if out.returncode == 0 and caps and all(len(c) == 2 for c in caps) else None
 
 
 def check_device() -> None:
