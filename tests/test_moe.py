@@ -270,3 +270,23 @@ def test_the_planners_expert_activations_are_what_autograd_keeps():
     estimate = (memory_budget.activations_per_token_per_layer(m, setup)
                 - memory_budget.activations_per_token_per_layer(dense_rest, setup))
     assert sum(saved.values()) / tokens == pytest.approx(estimate, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-lora", "qwen3-30b-a3b-full", "mixtral-8x7b-lora"])
+def test_make_data_on_the_moe_recipes_with_local_data_and_tokenizer(name, cache_dir, capsys, monkeypatch):
+    """`make data RECIPE=<moe recipe>` offline: the hub's ultrachat and the model's tokenizer replaced by the tiny
+    ones, as `ARGS=` would; the recipe's own settings (max_length 4096, its splits named) otherwise."""
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.launch import data_preview
+
+    assets = ensure_assets(quiet=True)
+    monkeypatch.chdir(REPO)
+    code = data_preview.main([name, "--dataset_name", str(assets["data"]), "--dataset_train_split", "train",
+                              "--dataset_test_split", "test", "--model_name_or_path", str(assets["model"]),
+                              "--examples", "1"])
+    out, err = capsys.readouterr()
+    assert code in (0, None) and err == "", err
+    lines = out.splitlines()
+    assert lines[0] == f"[data] recipe {name} (recipes/{name}), trainer sft, data {assets['data']}"
+    assert "[data] max_length 4096 cuts no answer; 17 keeps 99% of rows whole" in lines
+    assert lines[-1].startswith("[data] read, checked and tokenized in ")
