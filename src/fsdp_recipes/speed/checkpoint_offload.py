@@ -10,6 +10,12 @@ never different: the same tensors come back). accelerate's `fsdp_activation_chec
 for accelerate's own FSDP2 checkpointing, which the pack does not use (TrainingArguments' checkpointing applies the
 policies, speed/activation_checkpointing.py), so this option sets the Trainer's key.
 
+On a CPU it cannot run: transformers asks save_on_cpu for pinned memory, which a machine without an accelerator
+has no allocator for ("pin_memory=True requires a CUDA or other accelerator backend", in the first forward); and
+there the activations are in host memory already. So the launcher refuses it on a CPU in one line, `make smoke`
+turns it off there and says so, and tests/test_long_rows.py checks on CPU that transformers' offload path (its
+save_on_cpu around each checkpoint, unpinned) gives the loss and every gradient of the run without it, bit for bit.
+
 Checked before launch: checkpointing must be on (a policy other than none; offload of nothing is a mistake), and the
 installed transformers must take `offload` (its activation_checkpointing_enable; the lowest transformers the pack
 allows may not). `make plan` moves the checkpointed layers' inputs from the GPU's activations to a host-memory line
@@ -54,6 +60,22 @@ def check_installed(cfg) -> None:
         raise UserError(f"activation_checkpointing_offload: true needs transformers' activation_checkpointing_enable"
                         f"(offload=...), which transformers {transformers.__version__} lacks. Fix: transformers "
                         "5.23 or newer, or activation_checkpointing_offload: false.")
+
+
+def check_launch(cfg, acc: dict, path) -> None:
+    from fsdp_recipes.speed import attention
+
+    if enabled(cfg) and attention.on_cpu_in_launcher(cfg, acc):
+        raise UserError(f"activation_checkpointing_offload: true moves saved activations from a GPU to pinned host "
+                        "memory; these ranks train on CPU, where they are in host memory already and torch has no "
+                        "pinned allocator. Fix: --activation_checkpointing_offload false on CPU.")
+
+
+def smoke(field, gpus: int) -> tuple[list[str], str | None]:
+    if str(field("activation_checkpointing_offload", False)).lower() in ("true", "1") and not gpus:
+        return (["--activation_checkpointing_offload", "false"],
+                "activation checkpointing offload: pinned host memory needs a GPU -> off")
+    return [], None
 
 
 def settle(cfg) -> None:

@@ -11,8 +11,9 @@ setting for their loss). At 32,768 tokens and Llama 3's 128,256-entry vocabulary
 and, with the fp32 log-softmax the smoother keeps and its gradient, 39 GiB in all: the planner counts them in place
 of the tile (planning/memory_budget.py `logits`), and the run report records which path ran.
 
-Checked before launch: SFT's loss_type must be one TRL computes (nll, chunked_nll, dft); TRL would raise a
-ValueError with a traceback.
+Checked before launch: label smoothing with SFT's `loss_type: dft`, which SFTTrainer silently ignores (its label
+smoother runs for nll only: the run would train unsmoothed), is one line. With nll, TRL warns that the smoothed loss
+costs an extra forward (the fused head's, under no_grad, for its metrics): the plan's line says so.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fsdp_recipes.config.kind_registry import TRAINERS
 from fsdp_recipes.errors import UserError
 
 FIELDS = ("label_smoothing_factor",)
-SFT_LOSSES = ("nll", "chunked_nll", "dft")  # TRL 1.16 SFTConfig.loss_type, every one through the fused head
+SMOOTHED = ("nll", "chunked_nll")  # the SFT loss types TRL 1.16's label smoother replaces (not dft)
 
 
 def enabled(cfg) -> bool:
@@ -30,17 +31,20 @@ def enabled(cfg) -> bool:
 
 def full_logits(cfg) -> bool:
     """Whether this recipe's loss is computed from the full logits instead of the tiles."""
+    return smoothed(cfg) and getattr(cfg.training, "loss_type", "nll") in SMOOTHED
+
+
+def smoothed(cfg) -> bool:
     smoothing = float(getattr(cfg.training, "label_smoothing_factor", 0) or 0)
     return smoothing > 0 and TRAINERS[cfg.trainer].full_logits_when_smoothed
 
 
 def check_config(cfg) -> None:
-    if not TRAINERS[cfg.trainer].full_logits_when_smoothed:
-        return
     loss = getattr(cfg.training, "loss_type", "nll")
-    if loss not in SFT_LOSSES:
-        raise UserError(f"loss_type {loss!r}: SFTTrainer computes {', '.join(SFT_LOSSES)} (each through its chunked "
-                        "LM head). Fix: loss_type nll (the default) or dft.")
+    if smoothed(cfg) and loss not in SMOOTHED:
+        raise UserError(f"label_smoothing_factor {cfg.training.label_smoothing_factor:g} with loss_type {loss}: "
+                        "SFTTrainer smooths the nll loss only and would train this one unsmoothed, silently. Fix: "
+                        "label_smoothing_factor 0, or loss_type nll.")
 
 
 def planner_settings(cfg) -> dict:
@@ -50,7 +54,8 @@ def planner_settings(cfg) -> dict:
 def planner_note(cfg, config) -> str | None:
     if full_logits(cfg):
         return (f"loss: full logits (label_smoothing_factor {cfg.training.label_smoothing_factor:g}: TRL's label "
-                "smoother reads the model's logits), counted in activations instead of the chunked head's tile")
+                "smoother reads the model's logits, and TRL runs the fused head's forward again for its metrics), counted in "
+                "activations instead of the chunked head's tile")
     return None
 
 
