@@ -229,3 +229,34 @@ def test_fit_proposes_the_first_mesh_that_fits():
     answer = mesh_fit.propose(SHAPE, FLAT, 1_000_000, 8, 4, 2, 1024)
     assert (answer.nodes, answer.tp, answer.cp, answer.dp_shard, answer.total) == (1, 1, 2, 4, 867_296)
     assert mesh_fit.propose(SHAPE, FLAT, 1_700_000, 8, 4, 2, 1024).cp == 1  # FSDP alone fits: no split
+
+
+# ---- the run report ---------------------------------------------------------------------------------------------
+
+
+def test_the_run_report_records_the_mesh_and_counts_a_rows_tokens_once(monkeypatch):
+    """mesh_info from accelerate's own ParallelismConfig (no process group needed); the report's counters divide the
+    ranks' summed counts by tp x cp, so that tokens/s and MFU (over all world_size GPUs) count each row once."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from fsdp_recipes.metrics import environment, run_report
+
+    info = environment.mesh_info(ParallelismConfig(dp_shard_size=4, cp_size=2))
+    # accelerate's mesh order is dp_replicate, dp_shard, cp, sp, tp, with only the dimensions above 1
+    assert info == {"mesh": {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "cp": 2, "axis_names": ["dp_shard", "cp"],
+                             "shape": [4, 2]}, "ranks_per_row": 2}
+    assert environment.mesh_info(ParallelismConfig(dp_shard_size=2, tp_size=2, cp_size=2))["ranks_per_row"] == 4
+
+    class Counter:
+        def counts(self):
+            return {"non_padding": 1000, "padded": 1024, "sequences": 2, "squared_lengths": 500_000, "generated": 0}
+
+    report = run_report.RunReportCallback.__new__(run_report.RunReportCallback)
+    report.tokens, report.train_start = Counter(), 0.0
+    report.prior = {"non_padding": 100, "padded": 100, "sequences": 1, "squared_lengths": 10_000, "generated": 0,
+                    "train_time_s": 0.0}
+    # 8 ranks of dp_shard 4 x cp 2 each counted the 1,000 tokens of its pair's rows: summed 8,000, each row twice
+    monkeypatch.setattr(run_report, "all_reduce", lambda values, op: [8 * v for v in values])
+    monkeypatch.setattr(run_report, "mesh_info", lambda: info)
+    totals = report.counters_so_far(10.0)
+    assert (totals["non_padding"], totals["padded"], totals["sequences"]) == (4000 + 100, 4096 + 100, 8 + 1)

@@ -34,7 +34,8 @@ def fit_section(p) -> str:
              "  " + boundary(fit.batch(m, s, t.max_length or 1024, usable), usable),
              "  " + boundary(fit.length(m, s, t.per_device_train_batch_size, usable, limit), usable),
              "  " + fit.checkpointing(m, s, usable)]
-    lines += ["  " + line for line in topology_answer(p)]
+    kept = f" (the recipe's tp {s.tp} x cp {s.cp} kept)" if s.tp * s.cp > 1 else ""
+    lines += ["  " + line + kept for line in topology_answer(p)]
     lines += ["  " + line for line in mesh_answer(p)]
     return "\n".join(lines)
 
@@ -205,8 +206,9 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
         data = duration.Data(rows, float(max_length), f"{rows:,} rows (given); tokens per row unknown: every row "
                                                       f"max_length ({max_length:,}) long, the worst case")
     world = p.gpus * p.nodes
-    global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
-    steps = duration.steps(rows, t.per_device_train_batch_size, world, t.gradient_accumulation_steps,
+    dp = world // (p.setup.tp * p.setup.cp)  # a mesh's tp and cp ranks share their rows; all of them compute
+    global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
+    steps = duration.steps(rows, t.per_device_train_batch_size, dp, t.gradient_accumulation_steps,
                            t.num_train_epochs, t.max_steps)
     read = duration.rows_seen(rows, t.num_train_epochs, t.max_steps, global_batch)
     e = comms.estimate(p.shape, topology(p), work(p, mfu), f) if f.node is not None else None
@@ -216,7 +218,7 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
     run = f"max_steps {t.max_steps}" if t.max_steps > 0 else f"{t.num_train_epochs:g} epoch(s)"
     lines = [f"how long: {data.source}",
              f"  steps: {steps:,} ({run}, global batch {global_batch} = {t.per_device_train_batch_size} x "
-             f"{t.gradient_accumulation_steps} x {world})",
+             f"{t.gradient_accumulation_steps} x {dp})",
              f"  tokens: {d.tokens:,} ({read:,} rows read x {data.tokens_per_row:,.1f}), "
              f"{fpt / 1e9:,.2f} GFLOP/token (attention at {data.tokens_per_row:,.0f} tokens)"]
     if d.seconds is None:

@@ -183,7 +183,7 @@ def table(budgets: dict[str, dict[str, int]], capacity: float) -> str:
     names = list(budgets)
     rows = [f"| component | {' | '.join(f'{n} (GiB/GPU)' for n in names)} |", "|---|" + "---:|" * len(names)]
     for part in next(iter(budgets.values())):
-        cells = [gib(budgets[n][part]) for n in names]
+        cells = [gib(budgets[n].get(part, 0)) for n in names]  # a part only one layout has (a mesh's ring)
         label = part.replace("_", " ")
         rows.append(f"| {'**total**' if part == 'total' else label} | " + " | ".join(
             f"**{c}**" if part == "total" else c for c in cells) + " |")
@@ -262,7 +262,8 @@ def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None =
 def report(p: Planned) -> str:
     training, model_args, pack, m = p.cfg.training, p.cfg.model, p.cfg.pack, p.shape
     gpus, nodes, own = p.gpus, p.nodes, p.own
-    global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * gpus * nodes
+    dp = gpus * nodes // (p.setup.tp * p.setup.cp)  # a mesh's tp and cp ranks share their rows
+    global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * dp
     lines = [
         f"recipe {p.recipe.name}: {type(p.model).__name__}, {m.params / 1e9:.2f}B parameters, " + (
             f"{m.active / 1e9:.2f}B active per token ({m.top_k} of {m.experts} experts: FLOPs and MFU count these; "
@@ -271,7 +272,7 @@ def report(p: Planned) -> str:
         f"topology {nodes} node(s) x {gpus} {p.gpu} ({p.capacity:.1f} GiB each); recipe strategy {own}, "
         f"parameters sharded over {p.runs[own].shard} GPU(s)",
         f"global batch {training.per_device_train_batch_size} per GPU x {training.gradient_accumulation_steps} "
-        f"accumulation x {gpus * nodes} data-parallel = {global_batch} "
+        f"accumulation x {dp} data-parallel = {global_batch} "
         f"{kinds.load(p.cfg.trainer).ROWS} of up to "
         f"{kinds.load(p.cfg.trainer).sequence_length(training)} tokens",
         "",

@@ -54,8 +54,8 @@ def planner_settings(cfg) -> dict:
 def planner_note(cfg, config) -> str | None:
     if full_logits(cfg):
         return (f"loss: full logits (label_smoothing_factor {cfg.training.label_smoothing_factor:g}: TRL's label "
-                "smoother reads the model's logits, and TRL runs the fused head's forward again for its metrics), counted in "
-                "activations instead of the chunked head's tile")
+                "smoother reads the model's logits, and TRL runs the fused head's forward again for its metrics), "
+                "counted in activations instead of the chunked head's tile")
     return None
 
 

@@ -12,7 +12,8 @@ Checked before launch (one line each), against the model's config (the model fol
 recipe's shipped copy, in the launcher, every rank and `make plan`): a factor above 1 only, so max_length must
 exceed the trained length (at or under it, the model's own positions already reach; YaRN would only blur them); a
 model whose config has no rotary positions (GPT-2's learned positions) is refused; so is a model whose positions
-are already scaled (Llama 3.1's `rope_type: llama3`, trained to 131,072): its own scaling reaches max_position_embeddings.
+are already scaled (Llama 3.1's `rope_type: llama3`, trained to 131,072): its own scaling reaches
+max_position_embeddings.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def rope_parameters_for(config, max_length: int | None) -> dict:
     trained = int(config.max_position_embeddings)
     if not max_length or max_length <= trained:
         raise UserError(f"yarn_rope_scaling: max_length {max_length} is within {arch}'s trained length "
-                        f"({trained:,}, max_position_embeddings): the factor would be {(max_length or 0) / trained:.2f}, "
+                        f"({trained:,}, max_position_embeddings): the factor would be "
+                        f"{(max_length or 0) / trained:.2f}, "
                         f"and YaRN only stretches positions past that length. Fix: yarn_rope_scaling: false, or a "
                         f"max_length above {trained:,}.")
     return {**rope, "rope_type": "yarn", "factor": max_length / trained, "original_max_position_embeddings": trained}
