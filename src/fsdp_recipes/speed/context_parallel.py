@@ -170,3 +170,15 @@ def use_all_to_all(accelerator) -> bool:
 
     accelerator._prepare_cp = prepare_all_to_all
     return True
+
+
+def install(trainer) -> str | None:
+    """A built trainer's context parallel, before train() prepares it: which form its steps run ("ring": torch's, on
+    CUDA; "all-to-all" elsewhere), None without a cp mesh. The ranks of a cp group see the same batch, and the run
+    report sums its token counts over the ranks: only the first rank of each cp group counts them."""
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if pc is None or not pc.cp_enabled:
+        return None
+    if trainer.accelerator.torch_device_mesh["cp"].get_local_rank() != 0:
+        trainer.token_counter = None
+    return "all-to-all" if use_all_to_all(trainer.accelerator) else "ring"
