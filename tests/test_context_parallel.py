@@ -115,7 +115,7 @@ def cp_rank(rank: int, world: int, port: int, out: str) -> None:
 def test_two_ranks_cp2_train_a_step_as_one_process(tmp_path):
     """2 gloo ranks forked from this process, which has imported what they need (a spawn would import transformers
     twice more and leave multiprocessing's resource tracker behind)."""
-    import transformers.models.llama.modeling_llama  # noqa: F401  (before the fork: the ranks inherit it)
+    from transformers import LlamaForCausalLM  # noqa: F401  (imported before the fork: the ranks inherit it)
 
     from fsdp_recipes.dist import free_port
 
@@ -127,3 +127,34 @@ def test_two_ranks_cp2_train_a_step_as_one_process(tmp_path):
     print(f"cp 2 over gloo: {time.time() - started:.1f} s, {got}")
     assert abs(got["cp_loss"] - got["ref_loss"]) <= LOSS_TOL * abs(got["ref_loss"]), got
     assert got["grad_rel"] <= GRAD_TOL, got
+
+
+def test_install_puts_the_all_to_all_form_where_the_ring_cannot_run(monkeypatch):
+    """The hook train/build.py calls on the built trainer: on a CPU with a cp mesh, accelerate's _prepare_cp (which
+    `prepare` calls) sets the all-to-all context and accelerate's mask hooks; only the first rank of each cp group
+    counts tokens for the run report. Without a cp mesh it leaves the trainer alone."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.speed import context_parallel
+
+    monkeypatch.setattr(context_parallel, "ring_available", lambda: False)
+    hooked = []
+    monkeypatch.setattr("accelerate.big_modeling._attach_context_parallel_hooks", hooked.append)
+
+    def trainer(cp_rank: int, cp_enabled: bool = True):
+        mesh = {"cp": SimpleNamespace(get_local_rank=lambda: cp_rank)}
+        accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=cp_enabled),
+                                      torch_device_mesh=mesh, _prepare_cp=None, _cp_context=None)
+        return SimpleNamespace(accelerator=accelerator, token_counter=object())
+
+    first, second, plain = trainer(0), trainer(1), trainer(0, cp_enabled=False)
+    assert context_parallel.install(first) == "all-to-all" and first.token_counter is not None
+    assert context_parallel.install(second) == "all-to-all" and second.token_counter is None
+    assert context_parallel.install(plain) is None and plain.accelerator._prepare_cp is None
+    model = torch.nn.Linear(1, 1)
+    assert first.accelerator._prepare_cp(model, "optimizer") == (model, "optimizer")
+    assert hooked == [model]
+    step = first.accelerator._cp_context(buffers=[], buffer_seq_dims=[])  # what maybe_context_parallel enters
+    assert step.func is context_parallel.all_to_all_context.__wrapped__
+    monkeypatch.setattr(context_parallel, "ring_available", lambda: True)
+    assert context_parallel.install(trainer(0)) == "ring"  # CUDA: accelerate's own ring, left as it is

@@ -26,13 +26,14 @@ self_attn, as for the ring: right-padded rows give the same attention on every r
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 import torch.distributed as dist
 
-# what a step under all_to_all_context tells the attention: the cp group and the order of the gathered tokens
-_ACTIVE = threading.local()
+# what a step under all_to_all_context tells the attention: the cp group and the order of the gathered tokens. A
+# plain dict, not thread-local: activation checkpointing recomputes the attention in backward, which autograd may run
+# on another thread (a device's)
+_ACTIVE: dict = {}
 
 
 def shard_indices(seq_len: int, cp: int) -> torch.Tensor:
@@ -93,8 +94,7 @@ def all_to_all_attention(module, query, key, value, attention_mask=None, dropout
     """A transformers attention function (AttentionInterface's signature: q, k, v [B, heads, tokens, D]; returns
     [B, tokens, heads, D] and no weights) over this rank's tokens of the row, computing attention over the whole
     row. Causal always: context parallel, like accelerate's hooks for the ring, knows causal masks only."""
-    state = _ACTIVE.__dict__
-    group, cp, order, restore = state["group"], state["cp"], state["order"], state["restore"]
+    group, cp, order, restore = _ACTIVE["group"], _ACTIVE["cp"], _ACTIVE["order"], _ACTIVE["restore"]
     heads, kv_heads = query.size(1), key.size(1)
     if heads % cp:
         raise ValueError(f"context parallel {cp} does not divide the model's {heads} attention heads")
@@ -130,7 +130,7 @@ def all_to_all_context(mesh, *, buffers=None, buffer_seq_dims=None, no_restore_b
         order = shard_indices(seq_len, cp).flatten()  # the gathered tokens' positions, rank by rank
         restore = torch.argsort(order)
         device = buffers[0].device
-        _ACTIVE.__dict__.update(group=group, cp=cp, order=order.to(device), restore=restore.to(device))
+        _ACTIVE.update(group=group, cp=cp, order=order.to(device), restore=restore.to(device))
     mapping = AttentionInterface._global_mapping
     sdpa = mapping["sdpa"]
     # the Trainer asks for attn_implementation "sdpa" under context parallel (transformers' _prepare_context_parallel_
@@ -140,7 +140,7 @@ def all_to_all_context(mesh, *, buffers=None, buffer_seq_dims=None, no_restore_b
         yield
     finally:
         mapping["sdpa"] = sdpa
-        _ACTIVE.__dict__.clear()
+        _ACTIVE.clear()
         for buffer, original in zip(buffers, originals):
             if original is not None:
                 buffer.resize_(original.shape)
