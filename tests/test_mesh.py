@@ -78,6 +78,18 @@ def test_a_context_parallel_sft_recipe_trains():
     check_mesh_fits(Mesh(dp_shard=2, cp=2), "a.yaml", 32, 8, 4096, recipe(pad_to_multiple_of=64))
 
 
+@pytest.mark.parametrize("attn", ["eager", "flash_attention_2", "flex_attention"])
+def test_context_parallel_attention_is_sdpa(attn):
+    from fsdp_recipes.speed import attention
+
+    cfg = SimpleNamespace(model=SimpleNamespace(attn_implementation=attn), training=SimpleNamespace(use_cpu=True))
+    with pytest.raises(UserError, match=f"attn_implementation: {attn} cannot split rows over cp 2.*Fix: "
+                                        "attn_implementation: sdpa or auto"):
+        attention.check_launch(cfg, fsdp(cp=2), "a.yaml", say=print)
+    if attn == "eager":  # the same without cp: as before
+        attention.check_launch(cfg, fsdp(dp_shard=2), "a.yaml", say=print)
+
+
 def test_data_parallel_meshes_train_as_before():
     check_mesh_fits(None, "a.yaml", 32, 8, 4096)
     check_mesh_fits(Mesh(dp_replicate=2, dp_shard=8), "a.yaml", 32, 8, 4100)
