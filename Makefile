@@ -182,10 +182,13 @@ gguf-converter: $(STAMP) ## llama.cpp's convert_hf_to_gguf.py from the llama-cpp
 
 serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made once (llama.cpp 3-7 min, vLLM 1-3)
 	@case "$(ENGINE)" in llama.cpp|vllm|all) ;; *) echo "error: no engine named '$(ENGINE)'. Fix: ENGINE=llama.cpp, vllm or all" >&2; exit 2;; esac
+	@# the converter (and the sdist the build below installs) where serve-env makes llama.cpp's environment; a line of
+	@# its own, as `make -n` runs every line that calls $$(MAKE) (the sub-make then only prints)
+	@if [ "$(ENGINE)" != vllm ] && [ "$(FSDP_RECIPES_LLAMACPP_PYTHON)" = "$(LLAMACPP_ENV)/bin/python" ]; then \
+	  $(MAKE) --no-print-directory gguf-converter; fi
 	@if [ "$(ENGINE)" != vllm ] && [ "$(FSDP_RECIPES_LLAMACPP_PYTHON)" != "$(LLAMACPP_ENV)/bin/python" ]; then \
 	  echo "[serve-env] llama.cpp: FSDP_RECIPES_LLAMACPP_PYTHON names $(FSDP_RECIPES_LLAMACPP_PYTHON); nothing to build"; \
 	elif [ "$(ENGINE)" != vllm ]; then \
-	  $(MAKE) --no-print-directory gguf-converter || exit 2; \
 	  if [ -x "$(LLAMACPP_ENV)/bin/python" ] && "$(LLAMACPP_ENV)/bin/python" -c "import llama_cpp" 2>/dev/null; then \
 	    echo "[serve-env] $(LLAMACPP_ENV): llama-cpp-python is there"; else \
 	    echo "[serve-env] building llama-cpp-python into $(LLAMACPP_ENV) (once; its build log: $(LLAMACPP_ENV).log)"; \
