@@ -145,7 +145,7 @@ def row(family, method: str, outcome: str, seconds: float, reason: str) -> dict:
 
 
 def run_launch(out: Path, todo: list[str], attempt: int, extra: tuple = ()) -> int:
-    from fsdp_recipes.launch.ranks import accelerate_cmd
+    from fsdp_recipes.api import accelerate_cmd
 
     cmd = accelerate_cmd() + ["--config_file", str(out / "accelerate.yaml"), __file__, "--worker",
                               "--out", str(out), "--cases", ",".join(todo), "--attempt", str(attempt), *extra]
@@ -209,8 +209,7 @@ def agree(case: dict, out: Path, fn, *args):
     the launch (torchrun then stops the other rank) instead of both waiting for the case's watchdog."""
     import faulthandler
 
-    from fsdp_recipes.dist import gather_objects, rank
-    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.api import UserError, gather_objects, rank
 
     try:
         value, error = fn(*args), None
@@ -255,12 +254,10 @@ def launcher_checks(family, out: Path, overrides: list[str]) -> None:
     """The launcher's own checks before any rank starts (launch/checks.py check_recipe): the recipe as the ranks
     will parse it, the recipe against the model's architecture on a meta-device copy, the data's rows. On rank 0:
     a UserError is the pack's one line, refusing the case as it would refuse the launch."""
-    from fsdp_recipes.config import recipes
-    from fsdp_recipes.dist import rank
-    from fsdp_recipes.launch import checks
+    from fsdp_recipes.api import check_recipe, load_recipe, rank
 
     if rank() == 0:
-        checks.check_recipe(recipes.load(out / "recipes" / family.name, overrides))
+        check_recipe(load_recipe(out / "recipes" / family.name, overrides))
 
 
 def fresh_accelerate_state() -> None:
@@ -276,10 +273,10 @@ def train(family, out: Path, overrides: list[str], batch: dict):
     """The pack's rank lifecycle on this case; returns the trained model's logits on `batch`, computed sharded."""
     import torch
 
-    from fsdp_recipes.train import entry
+    from fsdp_recipes.api import train_once
 
     fresh_accelerate_state()
-    code, trainer = entry.train_once(["--config", str(out / "recipes" / family.name / "sft.yaml"), *overrides])
+    code, trainer = train_once(["--config", str(out / "recipes" / family.name / "sft.yaml"), *overrides])
     if code or trainer is None:
         raise RuntimeError(f"the run ended with exit code {code}")
     trainer.model.eval()
@@ -371,7 +368,7 @@ def resume_check(straight: Path, resumed: Path, step: int) -> str:
 
 
 def run_case(family, method: str, out: Path, batch: dict, launched_env: dict, resume_at: int = 0) -> dict:
-    from fsdp_recipes.dist import rank
+    from fsdp_recipes.api import rank
 
     start, case = time.time(), {"family": family.name, "method": method}
     overrides = case_settings(family, method, out, launched_env, resume_at)
@@ -396,7 +393,7 @@ def run_case(family, method: str, out: Path, batch: dict, launched_env: dict, re
 
 def write_data(out: Path) -> None:
     """Rank 0: the tiny recipe's assets (its tokenizer is every family's) and the matrix's rows."""
-    from fsdp_recipes.assets import tiny_assets
+    from fsdp_recipes.api import tiny_assets
 
     tiny_assets.ensure_assets(quiet=True)
     tiny_assets.write_dataset(out / "data", n_train=32, n_test=4)  # 3 steps of 2 x 4 rows, and the checks' rows
@@ -406,7 +403,7 @@ def build_models(out: Path, families) -> dict:
     """This rank's share of the families' models (once per matrix); {family: why its model could not be built}."""
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.assets import tiny_assets
+    from fsdp_recipes.api import tiny_assets
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets.ensure_assets(quiet=True)["model"])
     errors = {}
@@ -426,11 +423,10 @@ def rank_main(args) -> int:
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.dist import barrier, gather_objects, rank
-    from fsdp_recipes.patches import cpu_fsdp
+    from fsdp_recipes.api import barrier, enable_cpu_fsdp, gather_objects, rank
 
     launched_env = {var: os.environ.get(var) for var in FSDP_ENV.values()}
-    cpu_fsdp.enable()  # before the process group: gloo on CPU, FSDP kept (patches/cpu_fsdp.py)
+    enable_cpu_fsdp()  # before the process group: gloo on CPU, FSDP kept (patches/cpu_fsdp.py)
     state = PartialState()  # the process group, shared by every case's Trainer
     out = Path(args.out)
     todo = [(arch_families.by_name([c.split(":")[0]])[0], c.split(":")[1]) for c in names(args.cases)]
@@ -464,7 +460,7 @@ def rank_main(args) -> int:
 
 
 def tiny_assets_model() -> Path:
-    from fsdp_recipes.assets import tiny_assets
+    from fsdp_recipes.api import tiny_assets
 
     return tiny_assets.ensure_assets(quiet=True)["model"]
 
@@ -487,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.worker:
-        from fsdp_recipes.train.entry import exit_without_teardown
+        from fsdp_recipes.api import exit_without_teardown
 
         exit_without_teardown(rank_main(args))  # gloo's teardown can abort a finished rank (entry.py says why)
     return launch(args)

@@ -36,6 +36,11 @@
 #           ladder-8b-lora  (priority 4) Llama-3-8B-shaped LoRA r16 at seq 4096 (NeMo Automodel's anchor: 12,473
 #                      tokens/s/GPU, no checkpointing, full rows), likewise continued: rungs 0, 1 (the anchor's
 #                      setting where the planner says it fits) and 3 (varlen packing); Liger (2) in a later session
+#           long-rows  (priority 4; issue 60, not yet run on a GPU: its own call, carry [".whl"], timeout_s 330, once
+#                      call 2's ladder is measured) the one-GPU levers on the 8B LoRA ladder, continued: rung 7a
+#                      checkpoint offload's cost, 7b a 32,768-token row (wrapped packing, full causal attention), 7c
+#                      that row offloaded; each rung's planner estimate beside torch's peak and the pinned host memory
+#                      the run report's host RSS shows. (The dry run runs every ladder's 7b on CPU; 7a, 7c need CUDA.)
 #   Measured, so named steps, run when their path changed: real-default (priority 3: the real SmolLM2-135M-Instruct
 #   preempted and resumed, held-out exact match; H100, 2026-11-26: 0 -> 93 of 100, 131 s) and speed-vs-trl
 #   (priority 5: the default against the plain TRL script with TRL's own defaults, one pair; H100, 2026-11-26: the
@@ -213,8 +218,10 @@ run_named() {  # one step by name, with its budget
     compare) step compare 200 s_compare ;;
     varlen) step varlen 45 s_varlen ;;  # not yet run on a GPU: one layer's attention, 13 timed passes x 3 kernels
     moe) step moe 60 s_moe ;;  # not yet run on a GPU: two 1.2 GB layers built, 3 steps, 2 timed
-    *) echo "error: unknown step $1 (call-1, call-2, launch, qlora, ladder-1b, ladder-8b-lora, speed-vs-trl," \
-         "real-default, grpo-default, compare, varlen, moe)"; exit 2 ;;
+    # issue 60: 8B LoRA rungs took 61-81 s at 4,096 tokens; a 32,768-token row is ~8x the tokens a step (estimated)
+    long-rows) step long-rows 300 s_ladder llama3-8b lora 7a,7b,7c long-rows 90 ;;
+    *) echo "error: unknown step $1 (call-1, call-2, launch, qlora, ladder-1b, ladder-8b-lora, long-rows," \
+         "speed-vs-trl, real-default, grpo-default, compare, varlen, moe)"; exit 2 ;;
   esac
 }
 
