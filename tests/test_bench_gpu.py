@@ -16,7 +16,7 @@ import pytest
 
 from bench import gpu as bench_gpu
 from bench import suite as bench
-from conftest import library_server, qlora_site, torchao_site
+from conftest import REPO, library_server, qlora_site, torchao_site
 from fsdp_recipes.records import file_stamp
 
 RUNG_IDS = ["0", "1", "2", "3", "4", "5", "6a", "6b", "7a", "7b", "7c"]
@@ -502,3 +502,32 @@ def test_the_qlora_steps_launch_verdicts(tmp_path):
     failed = {it["item"] for it in judge_default(out, 0)["items"] if it["result"] == "FAIL"}
     assert failed == {"default in 4 bits: bf16 storage under bf16", "default in 4 bits: final save checked",
                       "default in 4 bits: merged/ is a plain model (the dequantised base + adapter)"}
+
+
+# ---- the mixture-of-experts step of the GPU plan (bench/moe_gpu.py, scripts/device_run.sh moe) ---------------------
+
+def test_the_moe_steps_dry_run_puts_one_layer_beside_the_plan(tmp_path, cache_dir):
+    """The plan's `moe` step on CPU: qwen3-30b-a3b-lora's layer with tiny shapes (hidden 64, 8 experts of 32) at 1 and
+    2 layers, LoRA on the attention and the experts, grouped_mm, one step each. PEFT's merged copy of the last layer's
+    experts, found among autograd's saved tensors, is the planner's by hand: 8 x (64 x 64 + 64 x 32) bf16 elements =
+    98,304 bytes; the counted weights are the planner's; both kernels ran. In this process: seconds."""
+    from bench import moe_gpu
+
+    result, path = moe_gpu.run(["--dry-run", "--results", str(tmp_path)])
+    saved = json.loads(path.read_text())
+    assert saved["dry_run"] is True and saved["device"]["type"] == "cpu" and saved["recipe"] == "qwen3-30b-a3b-lora"
+    probes = saved["layers"]["probes"]
+    assert [p["layers"] for p in probes] == [1, 2] and {p["kernel"] for p in probes} == {"grouped_mm"}
+    per = saved["layers"]["per_layer"]
+    assert per["merged_copies_bytes"] == per["merged_copy_planned_bytes"] == 8 * (64 * 64 + 64 * 32) * 2 == 98_304
+    assert per["planned_bytes"]["lora_merged_copies"] == 98_304  # one more layer: one more copy (no checkpointing)
+    assert per["counted_bytes"] == per["planned_bytes"]["weights"]
+    assert per["moe_block_saved_bytes_per_token"] > 0 and per["moe_block_planned_bytes_per_token"] > 0
+    assert per["measured_peak_bytes"] is None and per["peak_vs_planned"] is None  # CPU: no device memory
+    assert {k: v["ran"] for k, v in saved["kernels"].items()} == {"grouped_mm": "grouped_mm", "eager": "eager"}
+
+
+def test_the_gpu_plan_names_the_moe_step_in_its_second_call():
+    text = (REPO / "scripts" / "device_run.sh").read_text()
+    assert "run_named varlen; run_named moe; run_named ladder-8b-lora" in text
+    assert 'moe) step moe 60 s_moe ;;' in text and '"$PY" -m bench.moe_gpu' in text

@@ -69,6 +69,12 @@ class ExpertsArguments:
                           "auto (grouped_mm on CUDA compute capability 8.0+, else what runs best there), eager, "
                           "grouped_mm, batched_mm, ... (speed/experts.py). Dense models ignore auto."},
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={"help": "ranks that split each MoE layer's experts between them (expert parallelism); 1: FSDP2 "
+                          "shards the experts with the rest of their layer. Above 1 is refused: no release this "
+                          "pack allows trains it resumably (speed/experts.py says why)."},
+    )
 
 
 # In the order their hooks run: how the model loads first, then what wraps or converts it.
