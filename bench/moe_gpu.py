@@ -46,16 +46,15 @@ def lora_args(rank: int = 16):
 
 def shaped(layers: int, dry: bool):
     """The recipe's model config at `layers` decoder layers; the dry run's tiny one (launch/smoke.py's shrink)."""
-    from fsdp_recipes.config.model_check import load_config
+    from fsdp_recipes.api import model_config
 
-    config = load_config(REPO / "recipes" / RECIPE / "model_config.json")
+    config = model_config(REPO / "recipes" / RECIPE / "model_config.json")
     if dry:
         from transformers import AutoTokenizer
 
-        from fsdp_recipes.assets.tiny_assets import ensure_assets
-        from fsdp_recipes.launch import smoke
+        from fsdp_recipes.api import ensure_tiny_assets, smoke
 
-        config = smoke.shrink(config, AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"]))
+        config = smoke.shrink(config, AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"]))
         config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size = 8, 2, 32  # eager: seconds
     config.num_hidden_layers = layers
     return config
@@ -155,19 +154,17 @@ def planned(layers: int, dry: bool) -> tuple[dict, dict]:
     per-token MoE activation term for one layer."""
     import dataclasses
 
-    from fsdp_recipes.config.model_check import meta_model
-    from fsdp_recipes.planning import memory_budget, plan
+    from fsdp_recipes.api import Setup, activations_per_token_per_layer, budget, meta_model, model_shape
 
-    shape = plan.model_shape(meta_model(shaped(layers, dry)), lora_args())
+    shape = model_shape(meta_model(shaped(layers, dry)), lora_args())
     batch, length = DRY_TOKENS if dry else (4, 4096)
-    setup = memory_budget.Setup(shard=1, world=1, strategy="single", load_bytes=2, compute_bytes=2,
-                                mixed_precision=True, tokens=batch * length, checkpointed=False, optimizer_bytes=8,
-                                runtime_bytes=0)
+    setup = Setup(shard=1, world=1, strategy="single", load_bytes=2, compute_bytes=2,
+                  mixed_precision=True, tokens=batch * length, checkpointed=False, optimizer_bytes=8, runtime_bytes=0)
     dense_rest = dataclasses.replace(shape, experts=0, top_k=0, intermediate=0, lora_rank_width=0)
-    moe_per_token = (memory_budget.activations_per_token_per_layer(shape, setup)
-                     - memory_budget.activations_per_token_per_layer(dense_rest, setup))
-    return memory_budget.budget(shape, setup), {"moe_block_bytes_per_token": moe_per_token,
-                                                "merged_copy_bytes": shape.merged_copy * 2}
+    moe_per_token = (activations_per_token_per_layer(shape, setup)
+                     - activations_per_token_per_layer(dense_rest, setup))
+    terms = {"moe_block_bytes_per_token": moe_per_token, "merged_copy_bytes": shape.merged_copy * 2}
+    return budget(shape, setup), terms
 
 
 def per_layer(probes: list[dict], plans: list[dict], terms: dict) -> dict:
@@ -202,8 +199,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, Path]:
     import torch
 
     from bench.gpu import device_facts, slug
-    from fsdp_recipes.metrics.environment import versions
-    from fsdp_recipes.records import file_stamp, now_iso, write_json_atomic
+    from fsdp_recipes.api import file_stamp, now_iso, versions, write_json_atomic
 
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():

@@ -5,7 +5,6 @@ model of another family in docs/training.md's walk ("Bring your own data and mod
 """
 
 import sys
-from pathlib import Path
 
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 

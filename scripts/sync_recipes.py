@@ -103,7 +103,7 @@ def render_config(name: str, spec: dict) -> str:
     header = title + [
         f"# From the fsdp-recipes repository: its recipes/{source}/{path.name} with the fields of",
         f"# accelerate_configs/recipes.yaml `{name}.config_set`, written by its scripts/sync_recipes.py. Complete as",
-        f"# it is: a copy of this folder is edited here; in the repository, edit those instead (a test checks).",
+        "# it is: a copy of this folder is edited here; in the repository, edit those instead (a test checks).",
     ]
     return "\n".join(header + lines) + "\n"
 

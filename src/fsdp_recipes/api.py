@@ -36,6 +36,7 @@ EXPORTS: dict[str, str] = {
     "budget_markdown": "fsdp_recipes.planning.plan:budget_markdown",
     "budget": "fsdp_recipes.planning.memory_budget:budget",
     "Setup": "fsdp_recipes.planning.memory_budget:Setup",
+    "activations_per_token_per_layer": "fsdp_recipes.planning.memory_budget:activations_per_token_per_layer",
     "comms": "fsdp_recipes.planning.comms",  # Topology, Work, estimate
     "ring_bytes": "fsdp_recipes.planning.comms:ring_bytes",
     "fabric": "fsdp_recipes.planning.fabric:fabric",
@@ -60,8 +61,8 @@ EXPORTS: dict[str, str] = {
     "SUMMARY_PROMPTS_ENV": "fsdp_recipes.launch.summary:PROMPTS_ENV",
     # speed and memory options
     "speed": "fsdp_recipes.speed",  # the registry: settle, prepare_trainer, ...
-    "activation_checkpointing": "fsdp_recipes.speed.activation_checkpointing",
-    "float8": "fsdp_recipes.speed.float8",
+    "activation_checkpointing_option": "fsdp_recipes.speed.activation_checkpointing",
+    "float8_option": "fsdp_recipes.speed.float8",
     "four_bit": "fsdp_recipes.speed.four_bit",
     "varlen_attention": "fsdp_recipes.speed.varlen_attention",
     # local assets: the tests' tiny model and data, the default's SmolLM2
