@@ -105,7 +105,9 @@ def test_dry_run_rungs_run_what_they_claim(dry):
     # issue 60's long row: one wrapped row of 8 x max_length a step, full causal attention (no padding-free)
     long = rungs["7b"]
     assert "--max_length 1024" in long["command"] and "--packing_strategy wrapped" in long["command"]
-    assert "--padding_free" not in long["command"] and long["metrics_json"]["tokens"]["padded"] == sizes["steps"] * 1024
+    tokens = long["metrics_json"]["tokens"]  # no padding; the wrapped data's last row of an epoch may be short
+    assert "--padding_free" not in long["command"] and tokens["padded"] == tokens["non_padding"]
+    assert sizes["steps"] * sizes["max_length"] < tokens["padded"] <= sizes["steps"] * 1024
     assert rungs["7c"]["config"]["offload"] and rungs["7c"]["config"]["long_row"] == 8
     # cumulative: every rung is built on the fastest measured before it (a long row's tokens/s is not comparable)
     best, best_tps = None, 0.0
