@@ -129,6 +129,14 @@ def test_yarn_factor_and_its_refusals(cache_dir):
     llama3 = AutoConfig.from_pretrained(REPO / "recipes" / "llama-3.1-8b-lora" / "model_config.json")
     with pytest.raises(UserError, match=r"already scaled \(rope_type llama3, to 131,072 tokens\)"):
         yarn.rope_parameters_for(llama3, 262144)
+    # through the recipe: checked before launch against the tiny model's own config, and what from_pretrained gets
+    from fsdp_recipes.config.run_config import parse_args
+
+    cfg = parse_args(["--config", str(TINY), "--yarn_rope_scaling", "true", "--max_length", "2048"])
+    speed.check_config(cfg)
+    assert speed.model_init_kwargs(cfg)["rope_parameters"] == rope
+    with pytest.raises(UserError, match=r"max_length 64 is within MistralForCausalLM's trained length"):
+        speed.check_config(parse_args(["--config", str(TINY), "--yarn_rope_scaling", "true"]))
     # the model from_pretrained builds with the option's kwargs is YaRN's: attention scaled by 0.1 ln 4 + 1
     from transformers import AutoModelForCausalLM
 
