@@ -127,7 +127,7 @@ from pathlib import Path
 
 from bench.gpu_worker import WARMUP_FILE
 from bench.ladder_goals import GOAL_MFU_1B_1GPU, GOAL_SPEEDUP, ladder_title, method_of
-from fsdp_recipes.speed import activation_checkpointing, float8
+from fsdp_recipes.api import activation_checkpointing, float8
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
@@ -217,7 +217,7 @@ def param_counts(size: str, method: str = "full") -> dict[str, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.metrics import flops
+    from fsdp_recipes.api import count_params
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))
@@ -226,7 +226,7 @@ def param_counts(size: str, method: str = "full") -> dict[str, int]:
             from trl import ModelConfig, get_peft_config
 
             model = get_peft_model(model, get_peft_config(ModelConfig(use_peft=True, **lora_settings())))
-    return flops.count_params(model)
+    return count_params(model)
 
 
 def build_model(size: str, out: Path, device: str, dtype: str, max_length: int) -> Path:
@@ -234,11 +234,11 @@ def build_model(size: str, out: Path, device: str, dtype: str, max_length: int) 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.api import ensure_tiny_assets
 
     if (out / "config.json").is_file():  # built by an earlier invocation with the same --work
         return out
-    tok = AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"])
+    tok = AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"])
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(mistral_config(size, max_length), dtype=getattr(torch, dtype))
@@ -277,7 +277,7 @@ def length_stats(lengths: list[int]) -> dict:
 def device_facts(dry_run: bool) -> dict:
     import torch
 
-    from fsdp_recipes.metrics.environment import device_info
+    from fsdp_recipes.api import device_info
 
     if dry_run or not torch.cuda.is_available():
         return {"type": "cpu", "name": device_info()["name"], "count": 1, "capability": None, "memory_bytes": None}
@@ -336,21 +336,21 @@ def memory_parts(size: str, s: dict, processes: int, max_length: int, tokens: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.planning import memory_budget, plan
+    from fsdp_recipes.api import Setup, budget, model_shape
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))
     lora = s["method"] == "lora"
-    shape = plan.model_shape(model, SimpleNamespace(use_peft=lora, lora_modules_to_save=None,
+    shape = model_shape(model, SimpleNamespace(use_peft=lora, lora_modules_to_save=None,
                                                           **(lora_settings() if lora else {})))
     tokens = tokens or s["batch"] * max_length
-    setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
-                                load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
-                                optimizer_bytes=8, runtime_bytes=RUNTIME_BYTES,
-                                reshard_after_forward=s["reshard_after_forward"],
-                                checkpoint_offload=bool(s.get("offload")),
-                                **activation_checkpointing.setup_fields(policy_name(s["activation_checkpointing"])))
-    return memory_budget.budget(shape, setup)
+    setup = Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
+                  load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
+                  optimizer_bytes=8, runtime_bytes=RUNTIME_BYTES,
+                  reshard_after_forward=s["reshard_after_forward"],
+                  checkpoint_offload=bool(s.get("offload")),
+                  **activation_checkpointing.setup_fields(policy_name(s["activation_checkpointing"])))
+    return budget(shape, setup)
 
 
 def policy_name(value: str) -> str:
@@ -725,8 +725,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     import torch
 
     from bench.overhead import write_token_rows
-    from fsdp_recipes.metrics.environment import versions
-    from fsdp_recipes.records import file_stamp, now_iso, write_json_atomic
+    from fsdp_recipes.api import file_stamp, now_iso, versions, write_json_atomic
 
     dry = args.dry_run
     if args.results is None:

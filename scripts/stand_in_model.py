@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.api import cache_dir
 
 
 def main(out: str) -> None:

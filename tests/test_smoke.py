@@ -67,8 +67,8 @@ def expected_layout(acc: dict) -> tuple[int, str]:
 # Mixture of experts (qwen3-30b-a3b-lora, -full, mixtral-8x7b-lora): checked below in process up to the ranks (their
 # tiny Qwen3-MoE and Mixtral models are built and every launcher check passes); what their ranks would do on that tiny
 # model runs in process in tests/test_moe.py (the pack's SFT trainer with the load-balancing loss, the expert load, 2
-# steps with checkpointing), and the 2-process FSDP2 launch of both families is `make arch-matrix`'s (outside make
-# test). A launch each would add ~60 s of both cores to the suite.
+# steps with checkpointing), and under FSDP2 on 2 processes in tests/test_moe_fsdp2.py's one launch (both families,
+# LoRA on the experts and in full, a resume each, ~45 s). A launch each would add ~60 s of both cores to the suite.
 # The bf16 storage these GPU recipes get is checked in process only (the storage rule, tests/test_qlora.py) and was
 # smoke-run by hand (the recipes' READMEs); on CUDA, the GPU plan's launch step smokes every recipe.
 COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lora-2xh200": "mistral-small-lora",

@@ -7,8 +7,11 @@ accelerate's ParallelismConfig reads them), checked before any rank starts, one 
     against the model and the rows (check_mesh_fits, once the recipe is parsed): tp divides the attention heads and
         the key/value heads (each rank holds whole heads); cp divides the rows into 2 x cp chunks (torch's load-
         balanced context parallel gives each rank one early and one late chunk)
-    what the pack trains: a mesh with tp or cp above 1 is refused in one line, after the checks above, because the
-        planner, the run report and the checkpoints do not know those dimensions yet (docs/training.md, "Meshes")
+    context parallel (cp above 1, speed/context_parallel.py): SFT only, unpacked (TRL refuses packing under cp; a
+        padding-free batch has no rows to split), padded to a multiple of 2 x cp (every batch splits as the rows do);
+        without a GPU the ranks run the all-to-all form, which gives each rank whole heads, so cp divides the heads
+    what the pack trains: a mesh with tp above 1 is refused in one line, after the checks above, because the
+        planner, the run report and the checkpoints do not know that dimension yet (docs/training.md, "Meshes")
 """
 
 from __future__ import annotations
@@ -70,8 +73,10 @@ def check_mesh(acc: dict, path, processes: int) -> Mesh | None:
     return mesh
 
 
-def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None) -> None:
-    """Against the model's heads and the rows' length, then what the pack trains today."""
+def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None,
+                    cfg=None) -> None:
+    """Against the model's heads and the rows' length, then what the pack trains today. `cfg`: the parsed recipe
+    (RunConfig), for what context parallel needs of the trainer and its batches."""
     if mesh is None:
         return
     for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
@@ -82,7 +87,32 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
         raise UserError(f"{path}: cp {mesh.cp} cannot split rows of max_length {max_length} into {2 * mesh.cp} equal "
                         f"chunks (context parallel's load balancing gives each rank two). Fix: max_length a multiple "
                         f"of {2 * mesh.cp}, or another {PREFIX}cp_size.")
-    if mesh.tp > 1 or mesh.cp > 1:
-        raise UserError(f"{path}: the mesh {mesh.describe()} splits layers (tp) or rows (cp), which this pack does "
-                        "not train yet: its planner, run report and checkpoints know data-parallel meshes only. "
-                        f"Fix: {PREFIX}tp_size and {PREFIX}cp_size 1 (FSDP or HSDP over the same GPUs).")
+    if mesh.tp > 1:
+        raise UserError(f"{path}: the mesh {mesh.describe()} splits layers (tp), which this pack does not train yet: "
+                        "its planner, run report and checkpoints know data-parallel and context-parallel meshes only. "
+                        f"Fix: {PREFIX}tp_size 1 (FSDP or HSDP over the same GPUs).")
+    if mesh.cp > 1 and cfg is not None:
+        check_context_parallel(mesh.cp, path, heads, cfg)
+
+
+def check_context_parallel(cp: int, path, heads: int | None, cfg) -> None:
+    """What splitting each row over `cp` ranks needs of the recipe (speed/context_parallel.py)."""
+    from fsdp_recipes.config.hardware import gpu_count
+
+    training, where = cfg.training, f"{path}: cp {cp}"
+    if cfg.trainer != "sft":
+        raise UserError(f"{where} splits rows for SFT only: the {cfg.trainer} trainer's loss is not split-aware in "
+                        f"TRL 1.16. Fix: {PREFIX}cp_size 1, or an SFT recipe.")
+    if getattr(training, "packing", False) or getattr(training, "padding_free", False):
+        what = "packing" if getattr(training, "packing", False) else "padding_free"
+        raise UserError(f"{where} needs whole padded rows to split, and {what} is on (TRL refuses packing under "
+                        f"context parallel). Fix: {what}: false in the recipe.")
+    multiple = getattr(training, "pad_to_multiple_of", None)
+    if not multiple or multiple % (2 * cp):
+        raise UserError(f"{where} splits each batch into {2 * cp} equal chunks, so its length must be a multiple of "
+                        f"{2 * cp}, and pad_to_multiple_of is {multiple}. Fix: pad_to_multiple_of: {2 * cp} in the "
+                        "recipe.")
+    if heads and heads % cp and not gpu_count():
+        raise UserError(f"{where} does not divide the model's {heads} attention heads: without a GPU the ranks run "
+                        "context parallel's all-to-all form, which gives each rank whole heads. Fix: "
+                        f"{PREFIX}cp_size a divisor of {heads}.")

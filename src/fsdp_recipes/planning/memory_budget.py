@@ -26,6 +26,17 @@ the output and its routing weight (c * top_k * (4 I_expert + 2h + 1)); the block
 Counted tensor by tensor in transformers 5's eager expert loop (Mixtral on CPU: tests/test_moe.py); the grouped
 kernels a GPU uses (experts_implementation) may keep other tensors.
 
+LoRA on parameters (PEFT's target_parameters: a mixture's fused 3-D experts) has no r-wide activation per token:
+PEFT 0.21's ParamWrapper puts a parametrization on each targeted tensor for the layer's forward, which computes the
+merged weight W + scaling * B @ A (_LoraFactorsProxy's baddbmm, in W's dtype: the gathered copy's, the compute
+width) as a new tensor the size of W, every expert of the layer. The experts' matmuls save it for their backward, so
+a layer keeps one merged copy of its targeted tensors from its forward to its backward unless it is checkpointed
+(then it is computed again in the recompute), and that layer's backward adds the merged weight's gradient, the same
+size, before baddbmm's backward reduces it to A's and B's (`lora_merged_copies`, each merged_copy x c bytes): without
+checkpointing layers + 1 (every layer's copy, and the gradient of the first in the backward); with it, the layers
+not checkpointed + 2 (a checkpointed layer's recomputed copy and its gradient), as layer_activations bounds them. Qwen3-30B-A3B with LoRA on both expert tensors: 128 x (1536 x 2048 + 2048 x 768) = 604M
+elements, 1.125 GiB per copy in bf16.
+
 Activation checkpointing (speed/activation_checkpointing.py's policies), per token:
     none        layers x per_layer
     full        layers x c*h (each layer's input) + per_layer (one layer's set, alive during its recompute)
@@ -113,6 +124,7 @@ class ModelShape:
     experts: int = 0  # a mixture of experts: routed experts per layer (0: dense); intermediate is one expert's
     top_k: int = 0  # experts each token is routed to
     expert_params: int = 0  # all routed experts' weights, every layer: held in full, top_k / experts of them active
+    merged_copy: int = 0  # elements of one layer's LoRA-targeted parameters: ParamWrapper's merged copy per forward
 
     @property
     def active(self) -> int:
@@ -183,8 +195,8 @@ def shape_of(model, model_args, **decided) -> ModelShape:
                 saved += sum(p.numel() for p in module.parameters())
         # LoRA on parameters (PEFT's target_parameters, TRL's lora_target_parameters: a mixture's fused 3-D experts):
         # PEFT's ParamWrapper reads a (experts, in, out) tensor, or (out, in), and keeps A (r x experts, in) and
-        # B (out, r x experts). It adds the merged weight to the forward instead of an r-wide activation per token
-        # (that copy, a layer's experts at the compute width, is not in the activation term: docs/planner.md).
+        # B (out, r x experts). It adds the merged weight to the forward instead of an r-wide activation per token:
+        # that copy, the targeted tensors of a layer, is budget()'s lora_merged_copies.
         wanted = list(getattr(model_args, "lora_target_parameters", None) or [])
         for name, param in model.named_parameters() if wanted else ():
             if any(name == t or name.endswith("." + t) for t in wanted):
@@ -192,6 +204,7 @@ def shape_of(model, model_args, **decided) -> ModelShape:
                 adapter = model_args.lora_r * experts * (fan_in + fan_out)
                 if name.startswith("model.layers.0."):
                     lora_layer += adapter
+                    decided["merged_copy"] = decided.get("merged_copy", 0) + param.numel()
                 elif not name.startswith("model.layers."):
                     lora_other += adapter
         trainable = lora_layer * len(layers) + lora_other + saved
@@ -302,6 +315,11 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
             if s.strategy in ("FSDP", "HSDP"):
                 reference += (2 * m.layer_params + m.root_params) * s.compute_bytes / s.tp
         parts["reference_model"] = reference
+    if m.merged_copy:  # PEFT's ParamWrapper: each layer's merged copy of its LoRA-targeted tensors (docstring)
+        copies = m.layers + 1
+        if s.checkpointed:  # layers 0, k, 2k, ... (layer_activations)
+            copies = m.layers - (m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every)) + 2
+        parts["lora_merged_copies"] = copies * m.merged_copy * s.compute_bytes
     if s.quant_bytes:  # bitsandbytes dequantises one linear at a time for its matmul
         parts["dequantised_working_copy"] = m.largest_quantized * s.compute_bytes
     if s.generation == "generate":  # the KV cache of every completion sampled at once, and one step's fp32 logits

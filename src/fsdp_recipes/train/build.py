@@ -32,6 +32,7 @@ from fsdp_recipes.patches.peft_fsdp import (
     prepare_wrapped_embeddings_for_fsdp2,
     strip_fsdp1_wrapper_names,
 )
+from fsdp_recipes.speed import context_parallel
 from fsdp_recipes.train import console, failure_record, kinds
 from fsdp_recipes.train.preemption import PreemptionCallback
 
@@ -160,6 +161,8 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
     console.replace_progress_output(trainer, pack.divergence_factor if getattr(report, "loss_falls", True) else 0.0)
     # before train() hands the model to accelerate, which wraps it with FSDP (an option may convert its layers)
     report.resolved_args["speed_options"] = speed.prepare_trainer(trainer, cfg)
+    if cp_form := context_parallel.install(trainer):  # a cp mesh: the ring on CUDA, the all-to-all form elsewhere
+        report.resolved_args["context_parallel"] = cp_form
     if fsdp2_requested() and prepare_wrapped_embeddings_for_fsdp2(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
     if fsdp2_requested():  # an evaluation leaves the root's bf16 copies in place of its weights: sharded_save.py
