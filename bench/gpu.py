@@ -599,7 +599,8 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
 
 def goals(lad: dict, dry_run: bool) -> dict:
     """The issue's goals, from measured figures only."""
-    measured = [r for r in lad["rungs"] if r["status"] == "measured"]
+    # a long row's tokens/s is not comparable with the ladder's rows (rungs 7b-7c): never the tuned rung
+    measured = [r for r in lad["rungs"] if r["status"] == "measured" and not r.get("config", {}).get("long_row")]
     base = next((r for r in measured if r["id"] == "0"), None)
     tuned = max(measured, key=lambda r: r["figures"]["tokens_per_s_per_gpu"], default=None)
     out = {"tuned_rung": tuned["id"] if tuned else None}

@@ -129,6 +129,14 @@ def test_yarn_factor_and_its_refusals(cache_dir):
     llama3 = AutoConfig.from_pretrained(REPO / "recipes" / "llama-3.1-8b-lora" / "model_config.json")
     with pytest.raises(UserError, match=r"already scaled \(rope_type llama3, to 131,072 tokens\)"):
         yarn.rope_parameters_for(llama3, 262144)
+    # through the recipe: checked before launch against the tiny model's own config, and what from_pretrained gets
+    from fsdp_recipes.config.run_config import parse_args
+
+    cfg = parse_args(["--config", str(TINY), "--yarn_rope_scaling", "true", "--max_length", "2048"])
+    speed.check_config(cfg)
+    assert speed.model_init_kwargs(cfg)["rope_parameters"] == rope
+    with pytest.raises(UserError, match=r"max_length 64 is within MistralForCausalLM's trained length"):
+        speed.check_config(parse_args(["--config", str(TINY), "--yarn_rope_scaling", "true"]))
     # the model from_pretrained builds with the option's kwargs is YaRN's: attention scaled by 0.1 ln 4 + 1
     from transformers import AutoModelForCausalLM
 
@@ -260,3 +268,17 @@ def test_the_run_report_records_the_mesh_and_counts_a_rows_tokens_once(monkeypat
     monkeypatch.setattr(run_report, "mesh_info", lambda: info)
     totals = report.counters_so_far(10.0)
     assert (totals["non_padding"], totals["padded"], totals["sequences"]) == (4000 + 100, 4096 + 100, 8 + 1)
+
+
+def test_a_smoke_run_keeps_cp_and_drops_tp():
+    from fsdp_recipes.launch.smoke import scale_accelerate
+
+    acc = {"distributed_type": "FSDP", "num_processes": 8, "num_machines": 1}
+    mesh = lambda **sizes: {f"parallelism_config_{k}_size": v for k, v in sizes.items()}  # noqa: E731
+    cp = dict(acc, parallelism_config=mesh(dp_shard=4, cp=2))
+    assert scale_accelerate(cp)["parallelism_config"] == mesh(dp_shard=1, cp=2)  # CPU: cp 2 over 2 processes
+    assert scale_accelerate(cp, gpus=8)["parallelism_config"] == mesh(dp_shard=4, cp=2)
+    assert scale_accelerate(cp, gpus=4)["parallelism_config"] == mesh(dp_shard=2, cp=2)
+    assert "parallelism_config" not in scale_accelerate(cp, gpus=3)  # cp 2 does not divide 3 GPUs: plain FSDP
+    tp = scale_accelerate(dict(acc, parallelism_config=mesh(dp_shard=4, tp=2)))
+    assert "parallelism_config" not in tp and tp["num_processes"] == 2

@@ -82,9 +82,11 @@ COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lo
                      "smollm2-135m-kto": "smollm2-135m-kto", "llama-3.1-8b-lora-kto": "llama-3.1-8b-lora-kto",
                      "qwen3-30b-a3b-lora": "qwen3-30b-a3b-lora", "qwen3-30b-a3b-full": "qwen3-30b-a3b-full",
                      "mixtral-8x7b-lora": "mixtral-8x7b-lora",
-                     # issue 60's long rows: llama-3.1-8b-lora's launch at another max_length (the 128k recipe's
-                     # tp/cp mesh is dropped in a smoke run: config/mesh.py refuses it until context parallel trains)
+                     # issue 60's long rows: llama-3.1-8b-lora's launch at another max_length; the 128k recipe's
+                     # smoke run adds cp 2 over its 2 processes, the mesh tests/test_context_parallel.py launches
+                     # (tiny-cpu-lora with cp 2 against 1 process)
                      "llama-3.1-8b-lora-32k": "llama-3.1-8b-lora", "llama-3.1-8b-lora-128k": "llama-3.1-8b-lora"}
+CP_SMOKE = {"llama-3.1-8b-lora-128k": {"parallelism_config_dp_shard_size": 1, "parallelism_config_cp_size": 2}}
 SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora" and name not in COVERED_ELSEWHERE]
 # recipe -> (the recipe whose trainer YAML and tiny model it shares, the fields in which its trainer YAML differs),
 # where that is not COVERED_ELSEWHERE's own launch
@@ -102,8 +104,9 @@ TWINS = {"mistral-small-lora-2xh200": ("mistral-small-lora", SAME_MICRO_BATCH),
          "mistral-large-qlora-4xh100": ("mistral-large-hsdp", {"recipe_name", "min_gpus", "output_dir",
                                                               "per_device_train_batch_size",
                                                               "gradient_accumulation_steps"} | FOUR_BIT),
-         **{f"llama-3.1-8b-lora-{k}": ("llama-3.1-8b-lora", SAME_MICRO_BATCH - {"min_gpus"} | {"max_length"})
-            for k in ("32k", "128k")},
+         "llama-3.1-8b-lora-32k": ("llama-3.1-8b-lora", SAME_MICRO_BATCH - {"min_gpus"} | {"max_length"}),
+         "llama-3.1-8b-lora-128k": ("llama-3.1-8b-lora", SAME_MICRO_BATCH - {"min_gpus"} | {"max_length",
+                                                                                         "pad_to_multiple_of"}),
          "smollm2-135m-qlora": ("smollm2-135m-lora", {"recipe_name", "output_dir", "load_in_4bit",
                                                       "bnb_4bit_quant_type"})}
 
@@ -173,10 +176,12 @@ def test_smoke_checks_of_the_recipes_another_launch_covers(name, cache_dir, tmp_
         if other_acc["num_processes"] == 2:  # a CPU recipe: its own YAML already is what a smoke run gets
             assert {k: scaled[k] for k in other_acc} == other_acc
         return
+    if name in CP_SMOKE:  # a context-parallel recipe: cp 2 over the same 2 processes
+        assert scaled.pop("parallelism_config") == CP_SMOKE[name]
     assert scaled == smoke_module.scale_accelerate(other_acc)  # the same processes, FSDP settings and all
     twin, fields = TWINS[name]
     mine, theirs = (yaml.safe_load(recipes.config_file(REPO / "recipes" / n).read_text()) for n in (name, twin))
-    assert mine.keys() - FOUR_BIT == theirs.keys()
+    assert mine.keys() - FOUR_BIT - {"pad_to_multiple_of"} == theirs.keys()
     # min_gpus and output_dir: the smoke run sets its own
     differ = {k for k in mine if mine[k] != theirs.get(k)}
     assert differ == fields, differ

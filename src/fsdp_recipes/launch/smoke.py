@@ -140,12 +140,23 @@ def model_source(recipe: Recipe) -> tuple[Path, str] | None:
 
 def scale_accelerate(acc: dict, gpus: int = 0) -> dict:
     """The recipe's accelerate YAML on this one machine: 2 CPU processes (an HSDP recipe 2 replicas of 2 shards, 4
-    processes, so that both dimensions exist); with GPUs, one process per GPU up to the recipe's count, HSDP kept
-    where there are 4 or more (2 replicas of half the GPUs each), else plain FSDP over the GPUs there are."""
+    processes, so that both dimensions exist; a context-parallel recipe cp 2 over its 2 processes); with GPUs, one
+    process per GPU up to the recipe's count, HSDP kept where there are 4 or more (2 replicas of half the GPUs each),
+    cp kept where its size divides them, else plain FSDP over the GPUs there are. A tp mesh (config/mesh.py refuses
+    it until tensor parallel trains) becomes plain FSDP."""
     acc = dict(acc, num_machines=1, machine_rank=0, rdzv_backend="static", same_network=True)
     parallel = dict(acc.get("parallelism_config") or {})
-    if any(int(parallel.get(f"parallelism_config_{d}_size", 1)) > 1 for d in ("tp", "cp")):
-        # a tp or cp mesh (config/mesh.py refuses both until their paths train): plain FSDP over the processes
+    cp = int(parallel.get("parallelism_config_cp_size", 1))
+    if int(parallel.get("parallelism_config_tp_size", 1)) > 1:
+        acc.pop("parallelism_config")
+        parallel, cp = {}, 1
+    if cp > 1 and acc.get("distributed_type") == "FSDP":  # the row split over cp ranks, the rest dp_shard
+        n = min(gpus, int(acc.get("num_processes", 1))) if gpus else 2
+        cp = 2 if not gpus else cp if n % cp == 0 else 1  # on CPU: cp 2, the all-to-all form over 2 processes
+        if cp > 1:
+            acc.update(num_processes=n, parallelism_config={"parallelism_config_dp_shard_size": n // cp,
+                                                            "parallelism_config_cp_size": cp})
+            return acc
         acc.pop("parallelism_config")
         parallel = {}
     hsdp = int(parallel.get("parallelism_config_dp_replicate_size", 1)) > 1
@@ -205,9 +216,13 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
                     "(fsdp_recipes.launch.smoke)\n" + yaml.safe_dump(scaled, sort_keys=True))
     meshed = any(int((acc.get("parallelism_config") or {}).get(f"parallelism_config_{d}_size", 1)) > 1
                  for d in ("tp", "cp"))
-    dropped = (" (its tp/cp mesh is not trained yet: plain FSDP here)" if meshed else
+    dropped = (" (its tp mesh is not trained yet, or its cp does not divide the GPUs: plain FSDP here)" if meshed else
                " (HSDP needs 4 GPUs for both dimensions: plain FSDP here)") if (
         acc.get("parallelism_config") and not scaled.get("parallelism_config")) else ""
+    split = scaled.get("parallelism_config") or {}
+    if int(split.get("parallelism_config_cp_size", 1)) > 1:  # context parallel kept: rows split over the cp ranks
+        shard, cp = split["parallelism_config_dp_shard_size"], split["parallelism_config_cp_size"]
+        dropped = f" as dp_shard {shard} x cp {cp}" + ("" if gpus else " (context parallel: the all-to-all form on CPU)")
     say(f"accelerate: recipes/{recipe.name}/accelerate.yaml with {acc.get('num_processes', 1)} process(es) on "
         f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one's {where} "
         f"({path}){dropped}")
