@@ -7,41 +7,46 @@
 #   call 2, carry [".ferry-b"], timeout_s 260, sent as soon as call 1 answers (the machine stays warm 30 s; its
 #           /tmp keeps the installed wheels and the model's first half):   bash scripts/device_run.sh call-2
 #
-#   call-1  launch     (priority 1 and 2) python -m bench.first_contact, 8 launches at a time: the default preempted
+#   Priorities are issue 58's: 1 the speed ladder, 2 4 bits on CUDA, 3 mixture-of-experts, 4 every recipe's launch
+#   path, 5 the measured steps again. A step gets what its call has left, so the first of a call is never cut.
+#   call-1  ladder-1b  (priority 1) ~1B full fine-tuning (goal: MFU >= 45%), continuing the last comparable
+#                      bench/results JSON: rungs 0-4 in the order of expected gain (issue 57): 0 TRL defaults
+#                      (measured), 1 the planner's checkpointing pick (none where it fits), 2 Liger, 3 padding-free
+#                      rows with attn auto (torch's varlen kernel), 4 regional compile; a rung renamed or moved is
+#                      measured again (--resume carries a rung only under its own id and name)
+#           qlora      (priority 2; issue 43) python -m bench.qlora_gpu, up to 60 s: Llama 3.1 70B's layer shapes
+#                      at 1 and 2 decoder layers in 4 bits (NF4, bf16 storage, nested scales, LoRA r16, one step
+#                      of 2 x 4096 tokens) on one GPU, one layer's max_memory_allocated against the planner's per-layer
+#                      terms; beside it the default in 4 bits (smollm2-135m-qlora, random weights, 12 steps) through
+#                      the launcher on CUDA: bf16 storage, the final save, merged/ from the dequantised base, the
+#                      plan against max_memory_allocated. Not yet run on a GPU. (The launch step below smokes the
+#                      4-bit recipes too: bitsandbytes travels in .whl, repacked for CUDA 13.0 by device_wheels.sh.)
+#           launch     (priority 4) python -m bench.first_contact, 8 launches at a time: the default preempted
 #                      and resumed on CUDA (SmolLM2-135M's architecture, random weights, 12 steps: the real model has
 #                      only half arrived), the final save checked, the patches that ran, the planner's estimate per
 #                      component against the first step's probe and torch.cuda.max_memory_allocated; beside it every
 #                      recipe's smoke run (SFT, DPO, GRPO, every kind: each recipe's own accelerate YAML at world
 #                      size 1, NCCL, bf16)
-#           qlora      (priority 1 and 2; issue 43) python -m bench.qlora_gpu, up to 60 s: Llama 3.1 70B's layer shapes
-#                      at 1 and 2 decoder layers in 4 bits (NF4, bf16 storage, nested scales, LoRA r16, one step
-#                      of 2 x 4096 tokens) on one GPU, one layer's max_memory_allocated against the planner's per-layer
-#                      terms; beside it the default in 4 bits (smollm2-135m-qlora, random weights, 12 steps) through
-#                      the launcher on CUDA: bf16 storage, the final save, merged/ from the dequantised base, the
-#                      plan against max_memory_allocated. Not yet run on a GPU. (The launch step above smokes the
-#                      4-bit recipes too: bitsandbytes travels in .whl, repacked for CUDA 13.0 by device_wheels.sh.)
-#           ladder-1b  (priority 4) ~1B full fine-tuning (goal: MFU >= 45%), continuing the last comparable
-#                      bench/results JSON: rungs 0-4 in the order of expected gain (issue 57): 0 TRL defaults
-#                      (measured), 1 the planner's checkpointing pick (none where it fits), 2 Liger, 3 padding-free
-#                      rows with attn auto (torch's varlen kernel), 4 regional compile; a rung renamed or moved is
-#                      measured again (--resume carries a rung only under its own id and name)
-#   call-2  varlen     (priority 4) bench.varlen_check: the packed-rows kernel against its reference, timed against
-#                      SDPA with the block-diagonal mask and against full rows (one layer, ~30 s; not yet run)
-#           moe        (priority 2; issue 59) python -m bench.moe_gpu, up to 60 s: Qwen3-30B-A3B's layer shape
+#   call-2  ladder-8b-lora  (priority 1) Llama-3-8B-shaped LoRA r16 at seq 4096 (NeMo Automodel's anchor: 12,473
+#                      tokens/s/GPU, no checkpointing, full rows), likewise continued: rungs 0, 1 (the anchor's
+#                      setting where the planner says it fits) and 3 (varlen packing); Liger (2) in a later session
+#           moe        (priority 3; issue 59) python -m bench.moe_gpu, up to 60 s: Qwen3-30B-A3B's layer shape
 #                      (qwen3-30b-a3b-lora, LoRA r16 on the attention and the experts) at 1 and 2 decoder layers, bf16,
 #                      experts by grouped_mm, no checkpointing, one step of 4 x 4096 tokens: one layer's
 #                      max_memory_allocated against the planner's per-layer budget, the MoE block's saved bytes per
 #                      token against its term, PEFT's merged copy of the experts against `lora merged copies`, and
 #                      a step of grouped_mm against eager. Not yet run on a GPU (~25 s expected)
-#           ladder-8b-lora  (priority 4) Llama-3-8B-shaped LoRA r16 at seq 4096 (NeMo Automodel's anchor: 12,473
-#                      tokens/s/GPU, no checkpointing, full rows), likewise continued: rungs 0, 1 (the anchor's
-#                      setting where the planner says it fits) and 3 (varlen packing); Liger (2) in a later session
-#           long-rows  (priority 4; issue 60, not yet run on a GPU: its own call, carry [".whl"], timeout_s 330, once
+#           varlen     (priority 1, after the ladder) bench.varlen_check: the packed-rows kernel against its
+#                      reference, timed against SDPA with the block-diagonal mask and full rows (one layer, ~30 s)
+#   The 8B ladder takes most of call 2 (rungs of 61-81 s and a 30 s build, H100): moe and varlen run in it only
+#   when the ladder ends early; otherwise, with the 3 minutes kept for a rerun, as a third call:
+#   carry [".whl"], timeout_s 130:   TOTAL_S=110 bash scripts/device_run.sh moe varlen
+#           long-rows  (priority 1; issue 60, not yet run on a GPU: its own call, carry [".whl"], timeout_s 330, once
 #                      call 2's ladder is measured) the one-GPU levers on the 8B LoRA ladder, continued: rung 7a
 #                      checkpoint offload's cost, 7b a 32,768-token row (wrapped packing, full causal attention), 7c
 #                      that row offloaded; each rung's planner estimate beside torch's peak and the pinned host memory
 #                      the run report's host RSS shows. (The dry run runs every ladder's 7b on CPU; 7a, 7c need CUDA.)
-#   Measured, so named steps, run when their path changed: real-default (priority 3: the real SmolLM2-135M-Instruct
+#   Measured, so named steps, run when their path changed: real-default (priority 5: the real SmolLM2-135M-Instruct
 #   preempted and resumed, held-out exact match; H100, 2026-11-26: 0 -> 93 of 100, 131 s) and speed-vs-trl
 #   (priority 5: the default against the plain TRL script with TRL's own defaults, one pair; H100, 2026-11-26: the
 #   pack's training 19.4 s against TRL's 21.9 s, 93 and 94 of 100; it needs 160 s with the model's preparation).
@@ -245,8 +250,8 @@ n=0
 for arg in "$@"; do
   n=$((n + 1)); [ "$n" -gt 1 ] && START=$SECONDS  # a later call in one command (the dry run) starts its own clock
   case "$arg" in
-    call-1) TOTAL_S=${CALL_S[call-1]}; run_named launch; run_named qlora; run_named ladder-1b ;;
-    call-2) TOTAL_S=${CALL_S[call-2]}; run_named varlen; run_named moe; run_named ladder-8b-lora ;;
+    call-1) TOTAL_S=${CALL_S[call-1]}; run_named ladder-1b; run_named qlora; run_named launch ;;
+    call-2) TOTAL_S=${CALL_S[call-2]}; run_named ladder-8b-lora; run_named moe; run_named varlen ;;
     *) TOTAL_S=${TOTAL_S:-550}; run_named "$arg" ;;
   esac
 done
