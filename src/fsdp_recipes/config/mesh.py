@@ -7,8 +7,9 @@ accelerate's ParallelismConfig reads them), checked before any rank starts, one 
     against the model and the rows (check_mesh_fits, once the recipe is parsed): tp divides the attention heads and
         the key/value heads (each rank holds whole heads); cp divides the rows into 2 x cp chunks (torch's load-
         balanced context parallel gives each rank one early and one late chunk)
-    what the pack trains: a mesh with tp or cp above 1 is refused in one line, after the checks above, because the
-        planner, the run report and the checkpoints do not know those dimensions yet (docs/training.md, "Meshes")
+    what the pack trains: tp beside FSDP2 (dp_shard x tp; train/tensor_parallel.py); a mesh with cp above 1, or tp
+        beside dp_replicate (HSDP, unchecked), is refused in one line after the checks above (docs/training.md,
+        "Meshes" and "Tensor parallel")
 """
 
 from __future__ import annotations
@@ -82,7 +83,11 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
         raise UserError(f"{path}: cp {mesh.cp} cannot split rows of max_length {max_length} into {2 * mesh.cp} equal "
                         f"chunks (context parallel's load balancing gives each rank two). Fix: max_length a multiple "
                         f"of {2 * mesh.cp}, or another {PREFIX}cp_size.")
-    if mesh.tp > 1 or mesh.cp > 1:
+    if mesh.cp > 1:
         raise UserError(f"{path}: the mesh {mesh.describe()} splits layers (tp) or rows (cp), which this pack does "
                         "not train yet: its planner, run report and checkpoints know data-parallel meshes only. "
                         f"Fix: {PREFIX}tp_size and {PREFIX}cp_size 1 (FSDP or HSDP over the same GPUs).")
+    if mesh.tp > 1 and mesh.dp_replicate > 1:
+        raise UserError(f"{path}: the mesh {mesh.describe()} replicates a tensor-parallel model (HSDP beside tp), "
+                        "which the pack has not checked: tp was checked beside FSDP2 (dp_shard) only. Fix: "
+                        f"{PREFIX}dp_replicate_size 1 with dp_shard x tp the world size.")
