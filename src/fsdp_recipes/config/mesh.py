@@ -71,8 +71,10 @@ def check_mesh(acc: dict, path, processes: int) -> Mesh | None:
     return mesh
 
 
-def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None) -> None:
-    """Against the model's heads and the rows' length, then what the pack trains today."""
+def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None,
+                    lora_modules_to_save: list | None = None) -> None:
+    """Against the model's heads and the rows' length, then what the pack trains today. `lora_modules_to_save`: a
+    LoRA recipe's (None without LoRA)."""
     if mesh is None:
         return
     for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
@@ -87,7 +89,17 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
         raise UserError(f"{path}: the mesh {mesh.describe()} splits layers (tp) or rows (cp), which this pack does "
                         "not train yet: its planner, run report and checkpoints know data-parallel meshes only. "
                         f"Fix: {PREFIX}tp_size and {PREFIX}cp_size 1 (FSDP or HSDP over the same GPUs).")
+    check_tensor_parallel_lora(mesh, lora_modules_to_save)
     if mesh.tp > 1 and mesh.dp_replicate > 1:
         raise UserError(f"{path}: the mesh {mesh.describe()} replicates a tensor-parallel model (HSDP beside tp), "
                         "which the pack has not checked: tp was checked beside FSDP2 (dp_shard) only. Fix: "
                         f"{PREFIX}dp_replicate_size 1 with dp_shard x tp the world size.")
+
+
+def check_tensor_parallel_lora(mesh: Mesh | None, modules_to_save: list | None) -> None:
+    """LoRA's fully trained modules beside tp: PEFT copies them (train/tensor_parallel.py found it failing)."""
+    if mesh is not None and mesh.tp > 1 and modules_to_save:
+        raise UserError(f"lora_modules_to_save {list(modules_to_save)} with a tensor-parallel mesh ({mesh.describe()}): "
+                        "PEFT deep-copies those modules, and torch 2.13's FSDP2 refuses to copy a module that "
+                        "transformers 5.23 sharded at load time ('FSDP does not support deepcopy'). Fix: no "
+                        "lora_modules_to_save, or a mesh without tp.")

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fsdp_recipes.config.mesh import Mesh
+from fsdp_recipes.config.mesh import Mesh, check_tensor_parallel_lora
 from fsdp_recipes.errors import UserError
 
 ENV = "PARALLELISM_CONFIG_"
@@ -71,11 +71,8 @@ def model_init_kwargs(cfg, resume) -> dict:
     mesh = mesh_from_env()
     if mesh is None:
         return {}
-    if cfg.model.use_peft and cfg.model.lora_modules_to_save:
-        raise UserError(f"lora_modules_to_save {cfg.model.lora_modules_to_save} with a tensor-parallel mesh "
-                        f"({mesh.describe()}): PEFT deep-copies those modules, and torch 2.13's FSDP2 refuses to "
-                        "copy a module that transformers 5.23 sharded at load time ('FSDP does not support "
-                        "deepcopy'). Fix: no lora_modules_to_save, or a mesh without tp.")
+    # the launcher checked it already (config/mesh.py); a program that drives training itself has not
+    check_tensor_parallel_lora(mesh, cfg.model.lora_modules_to_save if cfg.model.use_peft else None)
     settle(cfg.training, resume)
     return {"distributed_config": distributed_config(mesh), "device_map": None}
 
