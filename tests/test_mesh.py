@@ -29,7 +29,10 @@ def test_the_mesh_as_accelerate_reads_it():
                               "ParallelismConfig refuses. Fix:"),
     (fsdp(cp=0), 1, "a.yaml: parallelism_config_cp_size is 0; a mesh dimension has at least 1 rank. Fix:"),
     (fsdp(tp="two"), 2, "a.yaml: parallelism_config_tp_size is 'two', not a whole number. Fix:"),
-], ids=["product", "replicate-unsharded", "zero", "word"])
+    ({**fsdp(tp=2), "fsdp_config": {"fsdp_activation_checkpointing": True}}, 2,
+     "a.yaml: fsdp_config.fsdp_activation_checkpointing is true, but a tensor-parallel mesh is sharded by "
+     "transformers at load time, which applies none of accelerate's fsdp_config. Fix: "),
+], ids=["product", "replicate-unsharded", "zero", "word", "tp-ignores-fsdp-config"])
 def test_a_mesh_that_cannot_be_built_is_one_line(acc, processes, said):
     with pytest.raises(UserError) as err:
         check_mesh(acc, "a.yaml", processes)

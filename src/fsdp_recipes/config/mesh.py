@@ -3,7 +3,8 @@
 accelerate's ParallelismConfig reads them), checked before any rank starts, one line a mistake.
 
     structure (check_mesh, the launcher's light checks): sizes of at least 1; their product the job's processes;
-        replication only over shard groups (accelerate refuses dp_replicate > 1 with dp_shard 1)
+        replication only over shard groups (accelerate refuses dp_replicate > 1 with dp_shard 1); under tp, no
+        fsdp_config setting that transformers' sharding would leave unapplied (activation checkpointing, offload)
     against the model and the rows (check_mesh_fits, once the recipe is parsed): tp divides the attention heads and
         the key/value heads (each rank holds whole heads); cp divides the rows into 2 x cp chunks (torch's load-
         balanced context parallel gives each rank one early and one late chunk)
@@ -68,7 +69,25 @@ def check_mesh(acc: dict, path, processes: int) -> Mesh | None:
         raise UserError(f"{path}: dp_replicate {mesh.dp_replicate} with dp_shard 1 replicates unsharded copies, "
                         "which accelerate's ParallelismConfig refuses. Fix: shard within each replica "
                         f"({PREFIX}dp_shard_size above 1), or plain DDP (distributed_type: MULTI_GPU).")
+    if mesh.tp > 1:
+        check_fsdp_settings_under_tp(acc.get("fsdp_config") or {}, path)
     return mesh
+
+
+# fsdp_config settings that change what is trained or held, and that a tp mesh would leave unapplied: its FSDP2 is
+# transformers' (train/tensor_parallel.py), which reads nothing of accelerate's fsdp_config
+IGNORED_UNDER_TP = {
+    "fsdp_activation_checkpointing": "the recipe's activation_checkpointing instead",
+    "fsdp_offload_params": "no offload (a mesh without tp offloads)",
+}
+
+
+def check_fsdp_settings_under_tp(fsdp: dict, path) -> None:
+    for key, instead in IGNORED_UNDER_TP.items():
+        if str(fsdp.get(key, False)).lower() == "true":
+            raise UserError(f"{path}: fsdp_config.{key} is true, but a tensor-parallel mesh is sharded by transformers "
+                            "at load time, which applies none of accelerate's fsdp_config. Fix: "
+                            f"{key}: false, and {instead}.")
 
 
 def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None,
