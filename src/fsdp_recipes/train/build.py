@@ -116,7 +116,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         **kind.trainer_kwargs(cfg),  # GRPO: the reward functions
     )
     trainer.token_counter, trainer.run_report = report.tokens, report
-    tensor_parallel.prepare_trainer(trainer)  # a LoRA adapter on a tp x dp_shard mesh: equal over the dp ranks
+    tensor_parallel.prepare_trainer(trainer)  # a tp run: tokens counted once, a LoRA adapter equal over dp
     add_pack_hooks(trainer, cfg, report)
     if dist.rank() == 0 and not length_report.measured_by_launcher(cfg):  # what max_length cuts, never silently
         for line in length_report.in_rank(cfg, (train_ds, eval_ds), trainer):
