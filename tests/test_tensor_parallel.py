@@ -37,7 +37,7 @@ def lora(model):
 
 
 def reference(model_dir) -> dict:
-    """One process, the whole batch: losses and gradients, and the adapter's initial weights (the ranks copy them in)."""
+    """One process, the whole batch: losses, gradients and the adapter's initial weights (the ranks copy them in)."""
     from transformers import AutoModelForCausalLM
 
     out = {}
@@ -47,7 +47,8 @@ def reference(model_dir) -> dict:
         ids = rows()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        out[kind] = {"loss": loss.item(), "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        out[kind] = {"loss": loss.item(), "grads": grads,
                      "weights": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}}
     return out
 

@@ -118,7 +118,7 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
 def check_tensor_parallel_lora(mesh: Mesh | None, modules_to_save: list | None) -> None:
     """LoRA's fully trained modules beside tp: PEFT copies them (train/tensor_parallel.py found it failing)."""
     if mesh is not None and mesh.tp > 1 and modules_to_save:
-        raise UserError(f"lora_modules_to_save {list(modules_to_save)} with a tensor-parallel mesh ({mesh.describe()}): "
-                        "PEFT deep-copies those modules, and torch 2.13's FSDP2 refuses to copy a module that "
-                        "transformers 5.23 sharded at load time ('FSDP does not support deepcopy'). Fix: no "
-                        "lora_modules_to_save, or a mesh without tp.")
+        raise UserError(f"lora_modules_to_save {list(modules_to_save)} with a tensor-parallel mesh "
+                        f"({mesh.describe()}): PEFT deep-copies those modules, and torch 2.13's FSDP2 refuses to "
+                        "copy a module that transformers 5.23 sharded at load time ('FSDP does not support "
+                        "deepcopy'). Fix: no lora_modules_to_save, or a mesh without tp.")
