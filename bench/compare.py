@@ -48,8 +48,7 @@ from pathlib import Path
 
 import yaml
 
-from fsdp_recipes.metrics.environment import device_info, versions
-from fsdp_recipes.records import file_stamp, now_iso, write_json_atomic
+from fsdp_recipes.api import device_info, file_stamp, now_iso, versions, write_json_atomic
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT = REPO / "recipes" / "smollm2-135m-lora"
@@ -207,7 +206,7 @@ def run(v: Variant, source: Path, work: Path, steps: int, global_batch: int, ext
 
 def per_step(collectives: dict, micro_batches: int) -> dict:
     """Inside training_step, per optimizer step (one micro-batch per step here): {op: payload, sent per rank}."""
-    from fsdp_recipes.planning.comms import ring_bytes
+    from fsdp_recipes.api import ring_bytes
 
     out: dict[str, dict] = {}
     for key, c in collectives.items():
@@ -225,28 +224,27 @@ def per_step(collectives: dict, micro_batches: int) -> dict:
 def planned(v: Variant, cfg, shape, tokens: int) -> dict:
     """make plan's figures for this variant: memory per rank by component at `tokens` per micro-batch, and the
     collectives' payload per step."""
-    from fsdp_recipes.planning import comms, memory_budget
+    from fsdp_recipes.api import Setup, budget, comms
 
-    setup = memory_budget.Setup(shard=v.shard, world=v.processes, strategy=v.strategy, load_bytes=4, compute_bytes=4,
-                                mixed_precision=False, tokens=tokens, reference="none",
-                                checkpointed=False, optimizer_bytes=8, runtime_bytes=0)
-    budget = memory_budget.budget(shape, setup)
+    setup = Setup(shard=v.shard, world=v.processes, strategy=v.strategy, load_bytes=4, compute_bytes=4,
+                  mixed_precision=False, tokens=tokens, reference="none",
+                  checkpointed=False, optimizer_bytes=8, runtime_bytes=0)
+    memory = budget(shape, setup)
     topology = comms.Topology(v.strategy, v.processes, 1, v.shard, v.fsdp_version or 2, v.reshard_after_forward)
     work = comms.Work(accumulation=1, micro_batch=1, max_length=tokens, gather_bytes=4, reduce_bytes=4)
-    from fsdp_recipes.planning.fabric import fabric
+    from fsdp_recipes.api import fabric
 
     estimate = comms.estimate(shape, topology, work, fabric("H100"))  # payloads do not depend on the fabric
-    return {"memory": {k: budget[k] for k in COMPONENTS}, "collectives": {
+    return {"memory": {k: memory[k] for k in COMPONENTS}, "collectives": {
         c.op: {"group": c.group, "payload": c.payload, "sent": c.sent} for c in estimate.collectives}}
 
 
 def model_shape(source: Path, cfg_args: list[str]):
     """The planner's ModelShape of the recipe's model, full fine-tuning (a meta-device copy, as make plan builds)."""
-    from fsdp_recipes.planning import plan
-    from fsdp_recipes.planning.plan import load_recipe
+    from fsdp_recipes.api import model_shape, plan_recipe
 
-    _, _, cfg, model = load_recipe(str(source), overrides=["--use_peft", "false", *cfg_args])
-    return cfg, plan.model_shape(model, cfg.model)
+    _, _, cfg, model = plan_recipe(str(source), overrides=["--use_peft", "false", *cfg_args])
+    return cfg, model_shape(model, cfg.model)
 
 
 def mib(n: float) -> str:
@@ -390,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _gpus() -> int:
-    from fsdp_recipes.config.placement import gpus_here
+    from fsdp_recipes.api import gpus_here
 
     return gpus_here()
 

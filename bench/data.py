@@ -37,7 +37,7 @@ DEFAULTS = dict(examples=10000, reps=2)
 
 
 def write_rows(out: Path, n: int, seed: int = 1) -> list[dict]:
-    from fsdp_recipes.assets.tiny_assets import make_example
+    from fsdp_recipes.api import make_example
 
     rng = random.Random(seed)
     rows = [make_example(rng) for _ in range(n)]
@@ -76,15 +76,13 @@ class Clocks:
 def pack_path(data_dir: Path, work: Path, packing: bool) -> dict:
     from trl import SFTTrainer
 
-    from fsdp_recipes.data import loading
-    from fsdp_recipes.train import run_checks
-    from fsdp_recipes.train.build import run_report_for, trainer_for
+    from fsdp_recipes.api import data_loading, parse_and_check, run_report_for, trainer_for
 
     argv = ["--config", str(RECIPE_SFT), "--dataset_name", str(data_dir), "--eval_strategy", "no",
             "--packing", str(packing).lower(), "--output_dir", str(work / "out"), "--save_merged_model", "false"]
-    cfg = run_checks.parse_and_check(argv, quiet=True)
+    cfg = parse_and_check(argv, quiet=True)
     clocks = Clocks()
-    clocks.wrap(loading, "load_for", "load")  # what the SFT kind loads its splits with
+    clocks.wrap(data_loading, "load_for", "load")  # what the SFT kind loads its splits with
     clocks.wrap(SFTTrainer, "_prepare_dataset", "prepare")
     try:
         trainer = trainer_for(cfg, run_report_for(cfg))
@@ -97,9 +95,9 @@ def trl_default_path(rows: list[dict], work: Path, packing: bool, max_length: in
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.api import ensure_tiny_assets
 
-    model = str(ensure_assets(quiet=True)["model"])
+    model = str(ensure_tiny_assets(quiet=True)["model"])
     t0 = time.perf_counter()
     ds = Dataset.from_list(rows)
     load = time.perf_counter() - t0

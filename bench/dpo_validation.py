@@ -16,9 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from fsdp_recipes.assets.addition_preferences import TRAIN_QUESTIONS
-from fsdp_recipes.evaluation.generation import generate
-from fsdp_recipes.records import file_stamp, now_iso, write_json_atomic
+from fsdp_recipes.api import ADDITION_TRAIN_QUESTIONS, file_stamp, generate, now_iso, write_json_atomic
 
 N = 400
 
@@ -28,11 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from fsdp_recipes.assets import smollm2
+    from fsdp_recipes.api import smollm2
 
     rows = [json.loads(line) for line in
             (smollm2.ensure_assets(model=False, quiet=True)["data"] / "train.jsonl").read_text().splitlines()]
-    rows = rows[TRAIN_QUESTIONS:TRAIN_QUESTIONS + N]
+    rows = rows[ADDITION_TRAIN_QUESTIONS:ADDITION_TRAIN_QUESTIONS + N]
     prompts, expected = [r["prompt"] for r in rows], [r["completion"][-1]["content"] for r in rows]
     started = now_iso()
     results = []
@@ -47,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{model}: {correct}/{N} ({over} too high, {under} too low)", flush=True)
     out = args.out or Path("bench/results") / f"dpo-validation-{file_stamp(started)}.json"
     write_json_atomic(out, {"started_at": started, "machine": platform.processor() or platform.machine(),
-                            "questions": f"train.jsonl rows {TRAIN_QUESTIONS} to {TRAIN_QUESTIONS + N - 1}",
+                            "questions": f"train.jsonl rows {ADDITION_TRAIN_QUESTIONS} to "
+                                         f"{ADDITION_TRAIN_QUESTIONS + N - 1}",
                             "results": results})
     print(f"written to {out}")
     return 0

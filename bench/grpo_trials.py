@@ -17,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.api import cache_dir
 
 SFT = "runs/smollm2-135m-lora/merged"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -40,7 +40,7 @@ def exact(completions, answer, **kwargs):
 
 
 def score(model: str, questions: list[dict]) -> int:
-    from fsdp_recipes.evaluation.generation import generate
+    from fsdp_recipes.api import generate
 
     answers = generate(model, [r["prompt"] for r in questions])
     return sum(a == r["completion"][0]["content"] for a, r in zip(answers, questions))

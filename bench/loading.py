@@ -31,10 +31,16 @@ from pathlib import Path
 
 import yaml
 
-from fsdp_recipes.assets.tiny_assets import build_model, ensure_assets
-from fsdp_recipes.metrics.environment import device_info, versions
-from fsdp_recipes.paths import cache_dir
-from fsdp_recipes.records import file_stamp, now_iso, write_json_atomic
+from fsdp_recipes.api import (
+    build_tiny_model,
+    cache_dir,
+    device_info,
+    ensure_tiny_assets,
+    file_stamp,
+    now_iso,
+    versions,
+    write_json_atomic,
+)
 
 BENCH_SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
                    num_key_value_heads=8, head_dim=128)
@@ -46,9 +52,9 @@ def bench_model() -> Path:
     if not (out / "model.safetensors").is_file():
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(ensure_assets()["model"])
+        tok = AutoTokenizer.from_pretrained(ensure_tiny_assets()["model"])
         print(f"[bench-loading] building {out}", flush=True)
-        build_model(tok, out, shape=BENCH_SHAPE)
+        build_tiny_model(tok, out, shape=BENCH_SHAPE)
     return out
 
 

@@ -60,7 +60,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from fsdp_recipes.config.run_config import parse_args
+from fsdp_recipes.api import parse_args
 
 REPO_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny-cpu-lora"
 
@@ -80,11 +80,11 @@ def build_bench_model(out: Path, shape: dict = SHAPE) -> dict:
     """The random-weight model both sides load, and its parameter count."""
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.assets.tiny_assets import build_model, ensure_assets
+    from fsdp_recipes.api import build_tiny_model, ensure_tiny_assets
 
     if not (out / "model.safetensors").is_file():
-        tok = AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"])
-        build_model(tok, out, shape=shape)
+        tok = AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"])
+        build_tiny_model(tok, out, shape=shape)
     cfg = json.loads((out / "config.json").read_text())
     h, i, n, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * cfg["head_dim"]
@@ -183,7 +183,7 @@ def run_paired(argv: list[str], bare: BareLoop) -> dict[str, list[tuple[tuple, t
     optimizer, logging and the pack's callbacks all fall in it; the bare step's from there to its own end."""
     from transformers import TrainerCallback
 
-    from fsdp_recipes.train.build import run_report_for, trainer_for
+    from fsdp_recipes.api import run_report_for, trainer_for
 
     cfg = parse_args(argv)
     report = run_report_for(cfg)
@@ -224,7 +224,7 @@ def worker(model_dir: str, data_dir: str, out: Path, batch: int, seq: int, warmu
     """`reps` paired runs in this process (or these ranks); rank 0 writes every step time to `out`."""
     import gc
 
-    from fsdp_recipes.train.build import set_up_process
+    from fsdp_recipes.api import set_up_process
 
     fsdp = set_up_process()  # a no-op outside `accelerate launch` with an FSDP config (the 1-process layout)
     import torch

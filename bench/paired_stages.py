@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from fsdp_recipes.evaluation.intervals import paired, wilson
+from fsdp_recipes.api import paired, wilson
 
 
 def stage_answers(runs: list[dict]) -> tuple[list[str], dict[str, list[bool]]]:

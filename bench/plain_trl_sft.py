@@ -25,7 +25,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.api import cache_dir
 
 
 class Clock(TrainerCallback):
@@ -62,7 +62,7 @@ def main() -> None:
     merged = args.out / "merged"
     trainer.model.merge_and_unload().save_pretrained(merged)
     trainer.processing_class.save_pretrained(merged)
-    from fsdp_recipes.evaluation.generation import generate
+    from fsdp_recipes.api import generate
 
     test = ds["test"]
     answers = generate(str(merged), list(test["prompt"]))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import psutil
 
-from fsdp_recipes.evaluation.intervals import mcnemar_exact, wilson
+from fsdp_recipes.api import mcnemar_exact, wilson
 
 REPO = Path(__file__).resolve().parent.parent
 ARMS = {"4bit": "smollm2-135m-qlora", "default": "smollm2-135m-lora"}

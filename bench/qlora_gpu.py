@@ -46,12 +46,11 @@ DRY_TOKENS = (2, 64)  # the dry run's micro-batch: 2 sequences of 64 tokens
 
 def recipe_settings():
     """(the 70B recipe's parsed config, its model config): LoRA, 4-bit and batch settings as the run reads them."""
-    from fsdp_recipes.config import recipes, run_config
-    from fsdp_recipes.config.model_check import load_config
+    from fsdp_recipes.api import load_recipe, model_config, parse_args
 
-    loaded = recipes.load(REPO / "recipes" / LAYERS_RECIPE, ["--use_cpu", "true"])  # parsed here, not on a GPU
-    cfg = run_config.parse_args(loaded.argv(), loaded.raw, world_size=1)
-    return cfg, load_config(REPO / "recipes" / LAYERS_RECIPE / "model_config.json")
+    loaded = load_recipe(REPO / "recipes" / LAYERS_RECIPE, ["--use_cpu", "true"])  # parsed here, not on a GPU
+    cfg = parse_args(loaded.argv(), loaded.raw, world_size=1)
+    return cfg, model_config(REPO / "recipes" / LAYERS_RECIPE / "model_config.json")
 
 
 def shaped(config, layers: int, dry: bool):
@@ -62,10 +61,9 @@ def shaped(config, layers: int, dry: bool):
     if dry:
         from transformers import AutoTokenizer
 
-        from fsdp_recipes.assets.tiny_assets import ensure_assets
-        from fsdp_recipes.launch import smoke
+        from fsdp_recipes.api import ensure_tiny_assets, smoke
 
-        config = smoke.shrink(config, AutoTokenizer.from_pretrained(ensure_assets(quiet=True)["model"]))
+        config = smoke.shrink(config, AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"]))
     config.num_hidden_layers = layers
     return config
 
@@ -162,16 +160,14 @@ def probe_layers(cfg, config, layers: int, dry: bool, device: str) -> dict:
 
 def planned(cfg, config, layers: int, dry: bool) -> dict[str, int]:
     """The planner's budget for the probe: one GPU, no FSDP, bf16 compute, the probe's micro-batch."""
-    from fsdp_recipes.config.model_check import meta_model
-    from fsdp_recipes.planning import memory_budget, plan
-    from fsdp_recipes.speed import four_bit
+    from fsdp_recipes.api import Setup, budget, four_bit, meta_model, model_shape
 
-    shape = plan.model_shape(meta_model(shaped(config, layers, dry)), cfg.model)
+    shape = model_shape(meta_model(shaped(config, layers, dry)), cfg.model)
     batch, length = DRY_TOKENS if dry else (cfg.training.per_device_train_batch_size, cfg.training.max_length)
-    setup = memory_budget.Setup(shard=1, world=1, strategy="single", load_bytes=2, compute_bytes=2,
-                                mixed_precision=True, tokens=batch * length, checkpointed=True,
-                                optimizer_bytes=8, runtime_bytes=0, **four_bit.planner_setup(cfg.model, None))
-    return memory_budget.budget(shape, setup)
+    setup = Setup(shard=1, world=1, strategy="single", load_bytes=2, compute_bytes=2,
+                  mixed_precision=True, tokens=batch * length, checkpointed=True,
+                  optimizer_bytes=8, runtime_bytes=0, **four_bit.planner_setup(cfg.model, None))
+    return budget(shape, setup)
 
 
 def per_layer(probes: list[dict], plans: list[dict]) -> dict:
@@ -245,8 +241,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, Path]:
     import torch
 
     from bench.gpu import device_facts, slug
-    from fsdp_recipes.metrics.environment import versions
-    from fsdp_recipes.records import file_stamp, now_iso, write_json_atomic
+    from fsdp_recipes.api import file_stamp, now_iso, versions, write_json_atomic
 
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():

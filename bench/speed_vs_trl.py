@@ -38,7 +38,7 @@ ARMS = {  # name -> the plain script's settings, or the default's launch.sh's
 
 def cpu() -> dict:
     """The CPU's model, cores, and the bf16 flags the launcher decides cpu_bf16 by."""
-    from fsdp_recipes.config.hardware import cpu_bf16_flags
+    from fsdp_recipes.api import cpu_bf16_flags
 
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")

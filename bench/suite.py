@@ -35,7 +35,7 @@ def load_average() -> list[float]:
 
 
 def environment() -> dict:
-    from fsdp_recipes.metrics.environment import device_info, versions
+    from fsdp_recipes.api import device_info, versions
 
     return {
         "device": {"type": "cpu", "name": device_info()["name"], "cores": os.cpu_count()},
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench import data as bench_data
     from bench import first_step as bench_first_step
     from bench import overhead as bench_overhead
-    from fsdp_recipes.records import file_stamp, write_json_atomic
+    from fsdp_recipes.api import file_stamp, write_json_atomic
 
     result = {"benchmark": "cpu", "quick": args.quick, **environment(), "load_average_before": load_average()}
     t0 = time.time()

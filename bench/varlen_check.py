@@ -28,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from fsdp_recipes.speed import varlen_attention
+from fsdp_recipes.api import varlen_attention
 
 ROWS, HEADS, KV_HEADS, HEAD_DIM = (1000, 3096, 2048, 2048), 32, 8, 128  # Llama-3-8B's attention, 2 x 4096 tokens
 DRY = dict(rows=(5, 11, 8), heads=4, kv_heads=2, head_dim=16)  # an even token count: 2 "full rows" of 12

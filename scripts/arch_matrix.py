@@ -17,10 +17,15 @@ transformers and PEFT:
   every rank stopped in FSDP2's setup before), checked as LoRA; its merged model is untied (the trained head, the
   base's embedding).
 
+- resume (`--resume`): the case also saves a checkpoint half-way, and a second run resumes from it into
+  `<case>-resumed` (`--resume_from_checkpoint`, as a preempted run is relaunched); its per-step losses must be the
+  uninterrupted run's (tests/test_moe_fsdp2.py runs the mixtures of experts this way, in make test).
+
 A case that fails on both ranks is a result and the matrix goes on. One that fails on one rank can leave the other
 waiting in a collective: that launch ends, and a new one takes the cases after it.
 
     python scripts/arch_matrix.py [--families llama,gemma2] [--methods lora,full,head] [--out runs/arch-matrix]
+    python scripts/arch_matrix.py --cases qwen3-moe-experts:lora,mixtral:full --steps 4 --resume
 
 Results: <out>/results.json and a table; exit 1 when a case failed (refused ones do not count).
 """
@@ -94,7 +99,9 @@ def accelerate_config(fsdp: dict | None = None) -> dict:
 
 def cases(args) -> list[tuple]:
     """(family, method) in the table's order: the methods a family runs (Family.methods), `head` (the LM head trained
-    in full) on the tied families only."""
+    in full) on the tied families only; or the `--cases` named (family:method), in their order."""
+    if getattr(args, "cases", ""):
+        return [(arch_families.by_name([c.split(":")[0]])[0], c.split(":")[1]) for c in names(args.cases)]
     return [(f, m) for f in arch_families.by_name(names(args.families)) for m in args.methods.split(",")
             if m in f.methods and (m != "head" or arch_families.tied(f))]
 
@@ -109,7 +116,7 @@ def launch(args) -> int:
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    write_recipes(out, arch_families.by_name(names(args.families)), args.steps)
+    write_recipes(out, list({f.name: f for f, _ in cases(args)}.values()), args.steps)
     start, results = time.time(), []
     for family, method in cases(args):
         if method in family.refused:  # upstream's limitation, named: listed, not run
@@ -119,7 +126,7 @@ def launch(args) -> int:
                                                                                  for r in results}]
         if not todo:
             break
-        code = run_launch(out, todo, attempt)
+        code = run_launch(out, todo, attempt, **({"extra": ("--resume", "--steps", str(args.steps))} if args.resume else {}))
         new = collect(out, attempt, code)
         results += new
         if not new:  # the launch ended before its first case: another would too
@@ -137,11 +144,11 @@ def row(family, method: str, outcome: str, seconds: float, reason: str) -> dict:
     return {"family": family.name, "method": method, "outcome": outcome, "seconds": seconds, "reason": reason}
 
 
-def run_launch(out: Path, todo: list[str], attempt: int) -> int:
-    from fsdp_recipes.launch.ranks import accelerate_cmd
+def run_launch(out: Path, todo: list[str], attempt: int, extra: tuple = ()) -> int:
+    from fsdp_recipes.api import accelerate_cmd
 
     cmd = accelerate_cmd() + ["--config_file", str(out / "accelerate.yaml"), __file__, "--worker",
-                              "--out", str(out), "--cases", ",".join(todo), "--attempt", str(attempt)]
+                              "--out", str(out), "--cases", ",".join(todo), "--attempt", str(attempt), *extra]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}  # a CPU matrix, on any machine
     with open(out / f"launch{attempt}.log", "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -202,8 +209,7 @@ def agree(case: dict, out: Path, fn, *args):
     the launch (torchrun then stops the other rank) instead of both waiting for the case's watchdog."""
     import faulthandler
 
-    from fsdp_recipes.dist import gather_objects, rank
-    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.api import UserError, gather_objects, rank
 
     try:
         value, error = fn(*args), None
@@ -225,9 +231,10 @@ def sample_batch(tokenizer, data: Path, rows: int = 4) -> dict:
                                          return_dict=True, return_tensors="pt")
 
 
-def case_settings(family, method: str, out: Path, launched_env: dict) -> list[str]:
-    """The case's overrides of its family's recipe; and the family's FSDP settings put where `accelerate launch` puts
-    them for the ranks (its FSDP_* variables), over the launch's own."""
+def case_settings(family, method: str, out: Path, launched_env: dict, save_at: int = 0) -> list[str]:
+    """The case's overrides of its family's recipe (`save_at`: a checkpoint at that step, to resume from); and the
+    family's FSDP settings put where `accelerate launch` puts them for the ranks (its FSDP_* variables), over the
+    launch's own."""
     import yaml
 
     fsdp = yaml.safe_load((out / "recipes" / family.name / "accelerate.yaml").read_text())["fsdp_config"]
@@ -238,20 +245,19 @@ def case_settings(family, method: str, out: Path, launched_env: dict) -> list[st
         else:
             os.environ[var] = str(value).lower() if isinstance(value, bool) else str(value)
     head = ["--lora_modules_to_save", "lm_head"] if method == "head" else []  # LoRA + the head trained in full
+    save = ["--save_strategy", "steps", "--save_steps", str(save_at)] if save_at else []
     return ["--use_peft", str(method != "full").lower(), "--output_dir", str(case_dir(out, family, method)),
-            *head, *family.args]
+            *head, *save, *family.args]
 
 
 def launcher_checks(family, out: Path, overrides: list[str]) -> None:
     """The launcher's own checks before any rank starts (launch/checks.py check_recipe): the recipe as the ranks
     will parse it, the recipe against the model's architecture on a meta-device copy, the data's rows. On rank 0:
     a UserError is the pack's one line, refusing the case as it would refuse the launch."""
-    from fsdp_recipes.config import recipes
-    from fsdp_recipes.dist import rank
-    from fsdp_recipes.launch import checks
+    from fsdp_recipes.api import check_recipe, load_recipe, rank
 
     if rank() == 0:
-        checks.check_recipe(recipes.load(out / "recipes" / family.name, overrides))
+        check_recipe(load_recipe(out / "recipes" / family.name, overrides))
 
 
 def fresh_accelerate_state() -> None:
@@ -267,10 +273,10 @@ def train(family, out: Path, overrides: list[str], batch: dict):
     """The pack's rank lifecycle on this case; returns the trained model's logits on `batch`, computed sharded."""
     import torch
 
-    from fsdp_recipes.train import entry
+    from fsdp_recipes.api import train_once
 
     fresh_accelerate_state()
-    code, trainer = entry.train_once(["--config", str(out / "recipes" / family.name / "sft.yaml"), *overrides])
+    code, trainer = train_once(["--config", str(out / "recipes" / family.name / "sft.yaml"), *overrides])
     if code or trainer is None:
         raise RuntimeError(f"the run ended with exit code {code}")
     trainer.model.eval()
@@ -331,11 +337,41 @@ def reload_checks(family, method: str, out: Path, batch: dict, trained) -> str:
     return ", ".join(notes) + f"; trained vs base {change:.2g}" + (f"; {family.note}" if family.note else "")
 
 
-def run_case(family, method: str, out: Path, batch: dict, launched_env: dict) -> dict:
-    from fsdp_recipes.dist import rank
+def resumed_dir(out: Path, family, method: str) -> Path:
+    return out / "runs" / family.name / f"{method}-resumed"
+
+
+def resume(family, method: str, out: Path, overrides: list[str], step: int, batch: dict) -> None:
+    """The case's run again, into <case>-resumed, resumed from the checkpoint it saved at `step`: the command a
+    preempted run is relaunched with (`--resume_from_checkpoint`), the rest of the steps trained again."""
+    at = overrides.index("--output_dir") + 1
+    again = [*overrides[:at], str(resumed_dir(out, family, method)), *overrides[at + 1:],
+             "--resume_from_checkpoint", str(case_dir(out, family, method) / f"checkpoint-{step}")]
+    train(family, out, again, batch)
+
+
+def logged_losses(run: Path) -> dict[int, float]:
+    history = json.loads((run / "log_history.json").read_text())["log_history"]
+    return {h["step"]: h["loss"] for h in history if "loss" in h}
+
+
+def resume_check(straight: Path, resumed: Path, step: int) -> str:
+    """Rank 0: the resumed run's per-step losses are the uninterrupted run's (the steps after `step` trained again)."""
+    a, b = logged_losses(straight), logged_losses(resumed)
+    if sorted(a) != sorted(b) or not any(s > step for s in b):
+        raise AssertionError(f"the resumed run logged steps {sorted(b)}, the uninterrupted one {sorted(a)}")
+    worst = max(abs(a[s] - b[s]) for s in a)
+    if any(abs(a[s] - b[s]) > 1e-5 + 1e-4 * abs(a[s]) for s in a):
+        raise AssertionError(f"resumed from checkpoint-{step}, the losses differ by up to {worst:.3g}: "
+                             f"{[a[s] for s in sorted(a)]} against {[b[s] for s in sorted(b)]}")
+    return f"resumed from checkpoint-{step}: steps {step + 1}-{max(a)} within {worst:.1g}"
+
+
+def run_case(family, method: str, out: Path, batch: dict, launched_env: dict, resume_at: int = 0) -> dict:
+    from fsdp_recipes.api import rank
 
     start, case = time.time(), {"family": family.name, "method": method}
-    overrides = case_settings(family, method, out, launched_env)
+    overrides = case_settings(family, method, out, launched_env, resume_at)
     _, refused = agree(case, out, launcher_checks, family, out, overrides)
     if refused:  # the pack's one line, before any training, as a launch would stop
         return row(family, method, "refused" if refused.startswith("error: ") else "fail",
@@ -345,12 +381,19 @@ def run_case(family, method: str, out: Path, batch: dict, launched_env: dict) ->
     if error is None:
         checked, error = agree(case, out, lambda: reload_checks(family, method, out, batch, trained)
                                if rank() == 0 else "")
+    if error is None and resume_at:
+        _, error = agree(case, out, resume, family, method, out, overrides, resume_at, batch)
+        if error is None:
+            note, error = agree(case, out, lambda: resume_check(case_dir(out, family, method),
+                                                                resumed_dir(out, family, method), resume_at)
+                                if rank() == 0 else "")
+            checked = f"{checked}; {note}"
     return row(family, method, "fail" if error else "pass", round(time.time() - start, 1), error or checked)
 
 
 def write_data(out: Path) -> None:
     """Rank 0: the tiny recipe's assets (its tokenizer is every family's) and the matrix's rows."""
-    from fsdp_recipes.assets import tiny_assets
+    from fsdp_recipes.api import tiny_assets
 
     tiny_assets.ensure_assets(quiet=True)
     tiny_assets.write_dataset(out / "data", n_train=32, n_test=4)  # 3 steps of 2 x 4 rows, and the checks' rows
@@ -360,7 +403,7 @@ def build_models(out: Path, families) -> dict:
     """This rank's share of the families' models (once per matrix); {family: why its model could not be built}."""
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.assets import tiny_assets
+    from fsdp_recipes.api import tiny_assets
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets.ensure_assets(quiet=True)["model"])
     errors = {}
@@ -380,11 +423,10 @@ def rank_main(args) -> int:
     from accelerate import PartialState
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.dist import barrier, gather_objects, rank
-    from fsdp_recipes.patches import cpu_fsdp
+    from fsdp_recipes.api import barrier, enable_cpu_fsdp, gather_objects, rank
 
     launched_env = {var: os.environ.get(var) for var in FSDP_ENV.values()}
-    cpu_fsdp.enable()  # before the process group: gloo on CPU, FSDP kept (patches/cpu_fsdp.py)
+    enable_cpu_fsdp()  # before the process group: gloo on CPU, FSDP kept (patches/cpu_fsdp.py)
     state = PartialState()  # the process group, shared by every case's Trainer
     out = Path(args.out)
     todo = [(arch_families.by_name([c.split(":")[0]])[0], c.split(":")[1]) for c in names(args.cases)]
@@ -407,7 +449,7 @@ def rank_main(args) -> int:
             result = row(family, method, "fail", 0.0, unbuilt[family.name])
         else:
             faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)  # a hung case ends the launch, stacks logged
-            result = run_case(family, method, out, batch, launched_env)
+            result = run_case(family, method, out, batch, launched_env, args.steps // 2 if args.resume else 0)
             faulthandler.cancel_dump_traceback_later()
         results.append(result)
         if rank() == 0:
@@ -418,7 +460,7 @@ def rank_main(args) -> int:
 
 
 def tiny_assets_model() -> Path:
-    from fsdp_recipes.assets import tiny_assets
+    from fsdp_recipes.api import tiny_assets
 
     return tiny_assets.ensure_assets(quiet=True)["model"]
 
@@ -429,17 +471,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", default="", help="comma-separated names (default: all)")
     ap.add_argument("--methods", default="lora,full,head")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cases", default="", help="family:method,... (instead of --families and --methods)")
+    ap.add_argument("--resume", action="store_true",
+                    help="each case also saves at half its steps and a second run resumes from there")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # a rank of the launch
-    ap.add_argument("--cases", default="", help=argparse.SUPPRESS)  # the rank's cases: family:method,...
     ap.add_argument("--attempt", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
-        arch_families.by_name(names(args.families))
+        arch_families.by_name(names(args.families) + [c.split(":")[0] for c in names(args.cases)])
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.worker:
-        from fsdp_recipes.train.entry import exit_without_teardown
+        from fsdp_recipes.api import exit_without_teardown
 
         exit_without_teardown(rank_main(args))  # gloo's teardown can abort a finished rank (entry.py says why)
     return launch(args)

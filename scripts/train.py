@@ -4,7 +4,7 @@
 The code lives in the package (fsdp_recipes.train.entry) so recipe folders copied elsewhere can use it too.
 """
 
-from fsdp_recipes.train.entry import exit_without_teardown, main
+from fsdp_recipes.api import exit_without_teardown, train_main
 
 if __name__ == "__main__":
-    exit_without_teardown(main())
+    exit_without_teardown(train_main())

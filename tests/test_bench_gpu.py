@@ -16,10 +16,10 @@ import pytest
 
 from bench import gpu as bench_gpu
 from bench import suite as bench
-from conftest import library_server, qlora_site, torchao_site
+from conftest import REPO, library_server, qlora_site, torchao_site
 from fsdp_recipes.records import file_stamp
 
-RUNG_IDS = ["0", "1", "2", "3", "4", "5", "6a", "6b"]
+RUNG_IDS = ["0", "1", "2", "3", "4", "5", "6a", "6b", "7a", "7b", "7c"]
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +68,11 @@ def test_dry_run_ladder_runs_end_to_end_and_says_it_is_plumbing(dry):
             assert r["reason"], r["id"]
         else:
             assert r["id"] == "6a", r  # the injected failure only
-    # Liger needs CUDA; everything else really ran (float8 on torch's reference CPU float8 matmul)
-    assert {i for i, r in rungs.items() if r["status"] == "skipped"} == {"2"} and "CUDA" in rungs["2"]["reason"]
-    assert {i for i, r in rungs.items() if r["status"] == "measured"} == {"0", "1", "3", "4", "5", "6b"}
+    # Liger and checkpoint offload need CUDA; everything else really ran (float8 on torch's reference CPU float8
+    # matmul, the long row at 8 x the ladder's max_length)
+    assert {i for i, r in rungs.items() if r["status"] == "skipped"} == {"2", "7a", "7c"}
+    assert all("CUDA" in rungs[i]["reason"] for i in ("2", "7a", "7c"))
+    assert {i for i, r in rungs.items() if r["status"] == "measured"} == {"0", "1", "3", "4", "5", "6b", "7b"}
 
 
 @pytest.mark.slow
@@ -100,11 +102,17 @@ def test_dry_run_rungs_run_what_they_claim(dry):
     assert r0["metrics_json"]["sharding_strategy"] == "FULL_SHARD"
     assert rungs["6b"]["metrics_json"]["sharding_strategy"] == "SHARD_GRAD_OP"  # reshard_after_forward False
     assert r0["metrics_json"]["fsdp_version"] == 2 and r0["metrics_json"]["world_size"] == 1
-    # cumulative: every rung is built on the fastest measured before it
+    # issue 60's long row: one wrapped row of 8 x max_length a step, full causal attention (no padding-free)
+    long = rungs["7b"]
+    assert "--max_length 1024" in long["command"] and "--packing_strategy wrapped" in long["command"]
+    assert "--padding_free" not in long["command"] and long["metrics_json"]["tokens"]["padded"] == sizes["steps"] * 1024
+    assert rungs["7c"]["config"]["offload"] and rungs["7c"]["config"]["long_row"] == 8
+    # cumulative: every rung is built on the fastest measured before it (a long row's tokens/s is not comparable)
     best, best_tps = None, 0.0
     for r in result["ladders"][0]["rungs"]:
         assert r["built_on"] == best, r["id"]
-        if r["status"] == "measured" and r["figures"]["tokens_per_s_per_gpu"] > best_tps:
+        if r["status"] == "measured" and not r["config"].get("long_row") and \
+                r["figures"]["tokens_per_s_per_gpu"] > best_tps:
             best, best_tps = r["id"], r["figures"]["tokens_per_s_per_gpu"]
 
 
@@ -272,6 +280,11 @@ def test_memory_estimate_skips_8b_on_one_80gb_gpu():
     assert not fits["none"] and fits["full"]
     assert bench_gpu.planner_pick("8b", lora, 1, 4096, h100) == next(name for name, ok in fits.items() if ok)
     assert bench_gpu.planner_pick("8b", lora, 1, 4096, {"type": "cpu"}) == "none"  # plumbing: the policy's path
+    # issue 60's rungs 7b-7c: a 32,768-token row of the 8B LoRA, every layer checkpointed; offloaded, its 32 layers'
+    # inputs (32 x 4,096 x 2 B a token) leave the GPU for host memory
+    row = {**lora, "batch": 1, "activation_checkpointing": "full", "long_row": 8}
+    kept = bench_gpu.memory_estimate("8b", row, 1, 32768)
+    assert kept - bench_gpu.memory_estimate("8b", {**row, "offload": True}, 1, 32768) == 32 * 4096 * 2 * 32768
 
 
 def test_lora_ladder_uses_the_8b_lora_recipes_adapters():
@@ -489,3 +502,32 @@ def test_the_qlora_steps_launch_verdicts(tmp_path):
     failed = {it["item"] for it in judge_default(out, 0)["items"] if it["result"] == "FAIL"}
     assert failed == {"default in 4 bits: bf16 storage under bf16", "default in 4 bits: final save checked",
                       "default in 4 bits: merged/ is a plain model (the dequantised base + adapter)"}
+
+
+# ---- the mixture-of-experts step of the GPU plan (bench/moe_gpu.py, scripts/device_run.sh moe) ---------------------
+
+def test_the_moe_steps_dry_run_puts_one_layer_beside_the_plan(tmp_path, cache_dir):
+    """The plan's `moe` step on CPU: qwen3-30b-a3b-lora's layer with tiny shapes (hidden 64, 8 experts of 32) at 1 and
+    2 layers, LoRA on the attention and the experts, grouped_mm, one step each. PEFT's merged copy of the last layer's
+    experts, found among autograd's saved tensors, is the planner's by hand: 8 x (64 x 64 + 64 x 32) bf16 elements =
+    98,304 bytes; the counted weights are the planner's; both kernels ran. In this process: seconds."""
+    from bench import moe_gpu
+
+    result, path = moe_gpu.run(["--dry-run", "--results", str(tmp_path)])
+    saved = json.loads(path.read_text())
+    assert saved["dry_run"] is True and saved["device"]["type"] == "cpu" and saved["recipe"] == "qwen3-30b-a3b-lora"
+    probes = saved["layers"]["probes"]
+    assert [p["layers"] for p in probes] == [1, 2] and {p["kernel"] for p in probes} == {"grouped_mm"}
+    per = saved["layers"]["per_layer"]
+    assert per["merged_copies_bytes"] == per["merged_copy_planned_bytes"] == 8 * (64 * 64 + 64 * 32) * 2 == 98_304
+    assert per["planned_bytes"]["lora_merged_copies"] == 98_304  # one more layer: one more copy (no checkpointing)
+    assert per["counted_bytes"] == per["planned_bytes"]["weights"]
+    assert per["moe_block_saved_bytes_per_token"] > 0 and per["moe_block_planned_bytes_per_token"] > 0
+    assert per["measured_peak_bytes"] is None and per["peak_vs_planned"] is None  # CPU: no device memory
+    assert {k: v["ran"] for k, v in saved["kernels"].items()} == {"grouped_mm": "grouped_mm", "eager": "eager"}
+
+
+def test_the_gpu_plan_names_the_moe_step_in_its_second_call():
+    text = (REPO / "scripts" / "device_run.sh").read_text()
+    assert "run_named varlen; run_named moe; run_named ladder-8b-lora" in text
+    assert 'moe) step moe 60 s_moe ;;' in text and '"$PY" -m bench.moe_gpu' in text

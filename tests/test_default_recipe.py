@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 from conftest import BIN, GENERATIONS, REPO, launch, run
 from fsdp_recipes.checkpoint.save_check import LIVE_SHARDS
 from fsdp_recipes.serving import gguf_export
+from gguf_tiny import check_family_export, use_converter
 
 pytestmark = pytest.mark.slow
 STEPS = 2
@@ -393,15 +394,17 @@ def test_grpo_run_samples_rewards_and_reports_every_stage(grpo_dir, run_dir):
 # ---- the trained model as GGUF (make gguf), read back by transformers' own GGUF reader
 
 
-def test_the_merged_model_exports_to_gguf_that_transformers_reads_back_exactly(run_dir, tmp_path, cache_dir):
+def test_the_merged_model_exports_to_gguf_that_transformers_reads_back_exactly(run_dir, tmp_path, cache_dir,
+                                                                             monkeypatch):
     import gguf
     import numpy as np
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    use_converter(monkeypatch)  # llama.cpp's convert_hf_to_gguf.py (make gguf-converter)
     before = sorted(p.name for p in run_dir.iterdir())
     res = run([sys.executable, "-m", "fsdp_recipes.serving.gguf_export", str(run_dir), "--out",
                str(tmp_path / "model.f16.gguf")], cache_dir)
-    assert res.returncode == 0 and res.stdout.startswith(f"[gguf] {tmp_path / 'model.f16.gguf'}: llama, "), res.stderr
+    assert res.returncode == 0 and f"\n[gguf] {tmp_path / 'model.f16.gguf'}: llama, " in res.stdout, res.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before  # the run's folder is not touched
     merged = run_dir / "merged"
     ours_model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
@@ -438,3 +441,9 @@ def test_the_merged_model_exports_to_gguf_that_transformers_reads_back_exactly(r
     got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
     step = np.abs(w.reshape(-1, 32)).max(axis=1) / 127
     assert (np.abs(got - w).reshape(-1, 32) <= step[:, None] * (0.5 + 127 / 2048) + 1e-7).all()
+
+
+def test_a_tiny_qwen3_moe_with_this_tokenizer_exports_with_its_experts_merged(run_dir, tmp_path, monkeypatch, capsys):
+    """make gguf of a Qwen3-MoE (tests/test_gguf.py: Llama 3.1 and Mixtral). llama.cpp's converter takes Qwen's
+    tokenizer as byte-level BPE only, named by a hash of its tokens, so it needs a real one: the default's SmolLM2."""
+    check_family_export("qwen3-moe", tmp_path, monkeypatch, capsys, tokenizer=run_dir / "merged")

@@ -56,6 +56,11 @@ RUN_HERE = {
     '--gradient_accumulation_steps 4 --activation_checkpointing_policy full --time --rows 200000 '
     '--tokens-per-row 1400"': 0,
     'make plan RECIPE=recipes/llama-3.1-8b-lora GPUS=8 GPU=H100 ARGS="--per_device_train_batch_size 8 --fit"': 0,
+    # issue 60's meshes (docs/planner.md, "Meshes"): the 128k recipe's cp mesh fits; the 70B full fine-tune does not
+    # fit 2 nodes under FSDP, and --fit proposes a mesh
+    'make plan RECIPE=llama-3.1-8b-lora-128k GPUS=8 GPU=H100 ARGS="--fit --comms"': 0,
+    'make plan RECIPE=llama-3.1-70b-qlora-2xh100 GPUS=8 NODES=2 GPU=H100 ARGS="--load_in_4bit false --use_peft false '
+    '--min_gpus 1 --fit"': 1,
     # NeMo Automodel's setting for the 8B LoRA job on one H100 (docs/planner.md, activation checkpointing)
     'make plan RECIPE=llama-3.1-8b-lora GPUS=1 GPU=H100 ARGS="--per_device_train_batch_size 2 --lora_dropout 0 '
     '--activation_checkpointing_policy auto"': 0,

@@ -37,7 +37,7 @@ def test_auto_picks_grouped_mm_on_cuda_8_0_and_newer_else_what_runs_there():
 
 
 def test_an_unknown_kernel_is_one_line_listing_transformers_kernels():
-    cfg = SimpleNamespace(option=lambda name: SimpleNamespace(experts_implementation="grouped"))
+    cfg = SimpleNamespace(option=lambda name: SimpleNamespace(experts_implementation="grouped", expert_parallel_size=1))
     with pytest.raises(UserError, match=r"^experts_implementation: grouped is not one of transformers' experts "
                                         r"kernels\. Fix: use one of auto, eager, batched_mm, .*grouped_mm"):
         experts.check_config(cfg)
@@ -102,3 +102,34 @@ def test_a_dense_model_records_nothing_under_auto_and_refuses_a_named_kernel():
     with pytest.raises(UserError, match=r"^experts_implementation: eager is for mixture-of-experts models, and "
                                         r"LlamaForCausalLM has no experts\. Fix: remove it \(auto\)\.$"):
         experts.prepare_trainer(fake_trainer(dense, []), cfg_with("eager"))
+
+
+EXPERT_PARALLEL_REFUSED = (r"^error: expert_parallel_size 2: no release this pack allows trains expert parallelism "
+                           r"resumably: accelerate 1\.15's FSDP2 has no expert mesh dimension, and transformers 5\.23's "
+                           r"DistributedConfig\(ep_size=2\) trains but its Trainer refuses to checkpoint the optimizer "
+                           r"of a model sharded at load time .* Fix: expert_parallel_size: 1 ")
+
+
+def test_expert_parallelism_is_refused_in_one_line_before_any_rank_starts(checks):
+    """The launcher, on the tiny recipe (the setting is checked whatever the model): exit 2, one line naming why
+    (accelerate's mesh, transformers' Trainer) and the fix; 1, the default, trains (every other test)."""
+    import re
+
+    res = checks(["tiny-cpu-lora", "--expert_parallel_size", "2"])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and re.match(EXPERT_PARALLEL_REFUSED, lines[0]), res.stderr
+    res = checks(["tiny-cpu-lora", "--expert_parallel_size", "0"])
+    assert res.returncode == 2 and "expert_parallel_size 0: must be 1 or more" in res.stderr
+
+
+def test_make_plan_refuses_expert_parallelism_in_the_same_line(monkeypatch, capsys):
+    import re
+
+    from test_plan_questions import run
+
+    from conftest import REPO
+
+    monkeypatch.chdir(REPO)
+    code, out, err = run(capsys, "qwen3-30b-a3b-full", "--expert_parallel_size", "2")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and re.match(EXPERT_PARALLEL_REFUSED, lines[0]), err

@@ -1,7 +1,7 @@
 """The package's folders are layers, and imports only point down (docs/architecture.md).
 
-cli/ on top; launch/, which asks the planner; the tools beside it (planning/, cluster/, serving/); then train/; then the rooms by
-concern that train/ and the tools use (evaluation/), then speed/ and data/; then checkpoint/, metrics/, config/ and
+api.py on top (the interface for programs outside the pack), then cli/; launch/, which asks the planner; the tools
+beside it (planning/, cluster/, serving/); then train/; then the rooms by concern that train/ and the tools use (evaluation/), then speed/ and data/; then checkpoint/, metrics/, config/ and
 assets/; then patches/; then dist, records and paths; errors at the very bottom. A module may import its own folder
 and anything below it.
 """
@@ -11,6 +11,7 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parent.parent / "src" / "fsdp_recipes"
 LAYER = {
+    "api": 10,  # the interface for programs outside the pack (bench/, scripts/): names from every layer
     "cli": 9,
     "launch": 8,  # above planning: it resolves what the planner decides (activation checkpointing's auto)
     "planning": 7, "cluster": 7, "serving": 7,

@@ -1,5 +1,8 @@
 """A recipe's mesh (accelerate's parallelism_config) checked before any rank starts: its structure, then against the
-model's heads and the rows' length, then what the pack trains today (config/mesh.py, issue 60)."""
+model's heads and the rows' length, then what context parallel needs of the recipe and what the pack trains today
+(config/mesh.py, issue 60)."""
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -43,16 +46,55 @@ def test_a_mesh_that_cannot_be_built_is_one_line(acc, processes, said):
     (dict(tp=3, dp_shard=2), 32, 8, 4096, "tp 3 does not divide the model's 32 attention heads"),
     (dict(tp=4, dp_shard=2), 32, 2, 4096, "tp 4 does not divide the model's 2 key/value heads"),
     (dict(cp=4, dp_shard=2), 32, 8, 4100, "cp 4 cannot split rows of max_length 4100 into 8 equal chunks"),
-    (dict(tp=2, cp=2, dp_shard=2), 32, 8, 4096, "the mesh dp_replicate 1 x dp_shard 2 x tp 2 x cp 2 splits layers "
-                                                "(tp) or rows (cp), which this pack does not train yet"),
+    (dict(tp=2, cp=2, dp_shard=2), 32, 8, 4096, "the mesh dp_replicate 1 x dp_shard 2 x tp 2 x cp 2 splits both "
+                                                "layers (tp) and rows (cp), which the pack has not checked together"),
     (dict(tp=2, dp_shard=2, dp_replicate=2), 32, 8, 4096, "the mesh dp_replicate 2 x dp_shard 2 x tp 2 x cp 1 "
                                                           "replicates a tensor-parallel model (HSDP beside tp), which "
                                                           "the pack has not checked"),
-], ids=["heads", "kv-heads", "row-chunks", "not-yet", "tp-hsdp"])
+], ids=["heads", "kv-heads", "row-chunks", "tp-cp", "tp-hsdp"])
 def test_a_mesh_against_the_model_and_the_rows(sizes, heads, kv, length, said):
     with pytest.raises(UserError, match="Fix:") as err:
         check_mesh_fits(Mesh(**sizes), "a.yaml", heads, kv, length)
     assert said in str(err.value)
+
+
+def recipe(trainer="sft", **training):
+    """What check_mesh_fits reads of a parsed recipe (RunConfig)."""
+    fields = {"packing": False, "padding_free": False, "pad_to_multiple_of": 4, **training}
+    return SimpleNamespace(trainer=trainer, training=SimpleNamespace(**fields))
+
+
+@pytest.mark.parametrize("cp, heads, cfg, said", [
+    (2, 4, recipe(trainer="dpo"), "a.yaml: cp 2 splits rows for SFT only"),
+    (2, 4, recipe(packing=True), "packing is on (TRL refuses packing under context parallel). Fix: packing: false"),
+    (2, 4, recipe(padding_free=True), "padding_free is on"),
+    (2, 4, recipe(pad_to_multiple_of=None), "must be a multiple of 4, and pad_to_multiple_of is None. Fix: "
+                                             "pad_to_multiple_of: 4"),
+    (4, 8, recipe(pad_to_multiple_of=4), "must be a multiple of 8, and pad_to_multiple_of is 4"),
+    (3, 4, recipe(pad_to_multiple_of=6), "a.yaml: cp 3 does not divide the model's 4 attention heads: without a GPU"),
+], ids=["kind", "packing", "padding-free", "no-multiple", "multiple-too-small", "heads-without-gpu"])
+def test_context_parallel_needs_of_the_recipe(cp, heads, cfg, said, monkeypatch):
+    monkeypatch.setattr("fsdp_recipes.config.hardware.gpu_count", lambda: 0)  # the ranks run the all-to-all form
+    with pytest.raises(UserError, match="Fix:") as err:
+        check_mesh_fits(Mesh(cp=cp), "a.yaml", heads, heads, None, cfg)
+    assert said in str(err.value)
+
+
+def test_a_context_parallel_sft_recipe_trains():
+    check_mesh_fits(Mesh(cp=2), "a.yaml", 4, 2, 64, recipe())
+    check_mesh_fits(Mesh(dp_shard=2, cp=2), "a.yaml", 32, 8, 4096, recipe(pad_to_multiple_of=64))
+
+
+@pytest.mark.parametrize("attn", ["eager", "flash_attention_2", "flex_attention"])
+def test_context_parallel_attention_is_sdpa(attn):
+    from fsdp_recipes.speed import attention
+
+    cfg = SimpleNamespace(model=SimpleNamespace(attn_implementation=attn), training=SimpleNamespace(use_cpu=True))
+    with pytest.raises(UserError, match=f"attn_implementation: {attn} cannot split rows over cp 2.*Fix: "
+                                        "attn_implementation: sdpa or auto"):
+        attention.check_launch(cfg, fsdp(cp=2), "a.yaml", say=print)
+    if attn == "eager":  # the same without cp: as before
+        attention.check_launch(cfg, fsdp(dp_shard=2), "a.yaml", say=print)
 
 
 def test_data_parallel_meshes_train_as_before():

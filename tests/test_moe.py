@@ -270,3 +270,96 @@ def test_the_planners_expert_activations_are_what_autograd_keeps():
     estimate = (memory_budget.activations_per_token_per_layer(m, setup)
                 - memory_budget.activations_per_token_per_layer(dense_rest, setup))
     assert sum(saved.values()) / tokens == pytest.approx(estimate, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-lora", "qwen3-30b-a3b-full", "mixtral-8x7b-lora"])
+def test_make_data_on_the_moe_recipes_with_local_data_and_tokenizer(name, cache_dir, capsys, monkeypatch):
+    """`make data RECIPE=<moe recipe>` offline: the hub's ultrachat and the model's tokenizer replaced by the tiny
+    ones, as `ARGS=` would; the recipe's own settings (max_length 4096, its splits named) otherwise."""
+    from fsdp_recipes.assets.tiny_assets import ensure_assets
+    from fsdp_recipes.launch import data_preview
+
+    assets = ensure_assets(quiet=True)
+    monkeypatch.chdir(REPO)
+    code = data_preview.main([name, "--dataset_name", str(assets["data"]), "--dataset_train_split", "train",
+                              "--dataset_test_split", "test", "--model_name_or_path", str(assets["model"]),
+                              "--examples", "1"])
+    out, err = capsys.readouterr()
+    assert code in (0, None) and err == "", err
+    lines = out.splitlines()
+    assert lines[0] == f"[data] recipe {name} (recipes/{name}), trainer sft, data {assets['data']}"
+    assert "[data] max_length 4096 cuts no answer; 17 keeps 99% of rows whole" in lines
+    assert lines[-1].startswith("[data] read, checked and tokenized in ")
+
+
+QWEN3_30B_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def qwen3_30b_shape(targets):
+    from fsdp_recipes.config.model_check import load_config
+    from fsdp_recipes.planning import memory_budget
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(REPO / "recipes" / "qwen3-30b-a3b-lora" / "model_config.json"))
+    return memory_budget.shape_of(model, SimpleNamespace(
+        use_peft=True, lora_r=16, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        lora_target_parameters=targets, lora_dropout=0.0, lora_modules_to_save=None))
+
+
+@pytest.mark.parametrize("policy, copies", [("none", 48 + 1), ("every_2", 24 + 2), ("ops", 2), ("full", 2)])
+def test_the_planner_counts_paramwrappers_merged_copy_of_qwen3_30b_experts_by_hand(policy, copies):
+    """LoRA on Qwen3-30B-A3B's experts: PEFT's ParamWrapper computes W + B@A for both expert tensors of a layer in its
+    forward. By hand: 128 experts x (gate_up 1,536 x 2,048 + down 2,048 x 768) = 603,979,776 elements, in bf16
+    1,207,959,552 bytes (1.125 GiB) per layer. Kept: one per layer not checkpointed (48 without checkpointing; 24
+    with every_2, which checkpoints layers 0, 2, ...), plus the layer in its backward (the gradient of its copy, and
+    for a checkpointed layer its recomputed copy too)."""
+    from fsdp_recipes.planning import memory_budget
+    from fsdp_recipes.speed import activation_checkpointing
+
+    per_layer = 128 * (1536 * 2048 + 2048 * 768)
+    assert per_layer == 603_979_776
+    m = qwen3_30b_shape(QWEN3_30B_EXPERTS)
+    assert m.merged_copy == per_layer and m.layers == 48
+    setup = memory_budget.Setup(shard=1, world=1, strategy="FSDP", load_bytes=2, compute_bytes=2,
+                                mixed_precision=True, tokens=4 * 4096, optimizer_bytes=8, runtime_bytes=0,
+                                **activation_checkpointing.setup_fields(policy))
+    assert memory_budget.budget(m, setup)["lora_merged_copies"] == copies * 1_207_959_552
+    # the recipe as shipped (LoRA on the attention only) has no merged copy
+    assert "lora_merged_copies" not in memory_budget.budget(qwen3_30b_shape([]), setup)
+
+
+def test_paramwrappers_merged_copies_are_what_autograd_keeps():
+    """The planner's per-layer copy against the bytes autograd saves in a tiny Qwen3-MoE's last MoE block with LoRA
+    on both expert tensors (float32, eager experts): tensors the size of a layer's experts that are no parameter,
+    counted by distinct storage. (The first layer keeps no copy of gate_up: its input needs no gradient.)"""
+    from peft import LoraConfig, get_peft_model
+
+    from fsdp_recipes.planning import memory_budget
+
+    model = get_peft_model(tiny_model(experts_implementation="eager"), LoraConfig(
+        r=2, target_modules=[], target_parameters=QWEN3_30B_EXPERTS))
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = {4 * 4 * 16 * 16, 4 * 4 * 16 * 8}  # float32 gate_up (4, 16, 16) and down (4, 16, 8)
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.nbytes() in sizes:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    block = model.base_model.model.model.layers[1].mlp
+    block.register_forward_pre_hook(lambda *a: hooks.__enter__())
+    block.register_forward_hook(lambda *a: hooks.__exit__(None, None, None))
+    model(input_ids=torch.randint(0, 100, (3, 7))).logits.sum().backward()
+    m = memory_budget.shape_of(tiny_model("meta"), SimpleNamespace(
+        use_peft=True, lora_r=2, lora_target_modules=[], lora_target_parameters=QWEN3_30B_EXPERTS, lora_dropout=0.0,
+        lora_modules_to_save=None))
+    assert m.merged_copy == 4 * 16 * 16 + 4 * 16 * 8  # gate_up and down of one layer, by hand (TINY)
+    assert sorted(saved.values()) == [4 * 4 * 16 * 8, 4 * 4 * 16 * 16]  # one merged copy of each
+    setup = memory_budget.Setup(shard=1, world=1, strategy="single", load_bytes=4, compute_bytes=4,
+                                mixed_precision=False, tokens=21, checkpointed=False, optimizer_bytes=8, runtime_bytes=0)
+    # without checkpointing: each of the 2 layers' copies (measured above in the last), and one gradient
+    assert memory_budget.budget(m, setup)["lora_merged_copies"] == (2 + 1) * sum(saved.values())

@@ -2,6 +2,7 @@
 refused before any rank starts, and a 2-process run whose storage is sharded and whose losses equal one process's."""
 
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -250,16 +251,19 @@ def test_the_merged_model_is_the_dequantised_base_plus_the_adapter_and_answers_a
 @pytest.mark.slow
 def test_make_gguf_writes_the_merged_model_of_a_4bit_run(two, tmp_path, monkeypatch):
     """The merged model is a plain float32 model: `make gguf` writes it, and the file holds its weights. The tiny
-    model's 268-token tokenizer has no llama.cpp pre-tokenizer name (test_gguf.py: refused), so it gets SmolLM2's
-    here; the real model's export is tests/test_default_recipe.py's."""
+    model's 268-token byte-level BPE tokenizer is none llama.cpp knows (test_gguf.py: refused), so a copy of the run
+    gets a SentencePiece one, which llama.cpp's converter takes first; the real model's export is
+    tests/test_default_recipe.py's."""
     import gguf
     import torch
     from safetensors.torch import load_file
 
     from fsdp_recipes.serving import gguf_export
+    from gguf_tiny import sentencepiece_tokenizer, use_converter
 
-    two, _ = two
-    monkeypatch.setitem(gguf_export.PRE_TOKENIZERS, ("mistral", 268), "smollm")
+    use_converter(monkeypatch)
+    two = shutil.copytree(two[0], tmp_path / "run")
+    sentencepiece_tokenizer(two / "merged", 268)
     out = tmp_path / "model.f32.gguf"
     assert gguf_export.main([str(two), "--type", "f32", "--out", str(out)]) == 0
     weights = load_file(two / "merged" / "model.safetensors")

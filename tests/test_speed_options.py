@@ -23,8 +23,8 @@ from fsdp_recipes.errors import UserError
 
 def test_every_registered_option_has_its_module():
     assert set(speed.names()) == set(option_registry.OPTIONS)
-    assert speed.names() == ("four_bit", "attention", "experts", "ram_efficient_loading", "activation_checkpointing", "liger",
-                             "compile", "float8")
+    assert speed.names() == ("four_bit", "attention", "experts", "ram_efficient_loading", "activation_checkpointing",
+                             "checkpoint_offload", "chunked_loss", "yarn", "liger", "compile", "float8")
     for option in speed.OPTIONS.values():
         assert option.FIELDS and callable(option.enabled), option.name
 

@@ -17,6 +17,9 @@ LOG_ONLY_RECORDS = [
     # and uses its own; the pack turns that packed-weight path off for every 4-bit layer (speed/four_bit.py).
     # Its advice, `pip install kernels`, would make the import download from the hub.
     ("bitsandbytes.backends.cpu.ops", r"^Failed to load CPU gemm_4bit_forward from kernels-community"),
+    # transformers 5.23's Trainer under a cp mesh (speed/context_parallel.py): its own CP inputs, made as designed
+    # from every batch TRL's collator gives it (which has neither); nothing a recipe can set
+    ("transformers.trainer", r"^(Shift labels|Position IDs) not found in the inputs"),
 ]
 
 # Upstream warnings (the warnings module, not logging) of the same sort, matched by category and message: every other
@@ -31,6 +34,9 @@ LOG_ONLY_WARNINGS = [
     # peft 0.21 on a tied model whose head or embedding the adapter changes: it asks for ensure_weight_tying, which
     # no recipe can set (TRL's LoraConfig); the pack's merge unties such a model (train/final_save.py)
     (UserWarning, r"Model has `tie_word_embeddings=True` and a tied layer is part of the adapter"),
+    # torch 2.13's DeviceMesh, when accelerate 1.15 slices the flattened dp_shard x cp dimension it shards FSDP over
+    # (a parallelism_config with cp): accelerate's bookkeeping to change, not the recipe's
+    (UserWarning, r"Slicing a flattened dim from root mesh will be deprecated"),
 ]
 
 

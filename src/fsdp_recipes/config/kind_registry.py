@@ -36,10 +36,14 @@ class Registration:
     # whether its TRL trainer applies selective activation checkpointing (`gradient_checkpointing_kwargs`
     # {selective: true}, TRL 1.16: SFTTrainer only): speed/activation_checkpointing.py's `ops` policy
     selective_checkpointing: bool = False
+    # whether its TRL trainer computes the loss from the model's full logits when label_smoothing_factor > 0 (TRL
+    # 1.16: SFTTrainer's label smoother; every other loss of every kind goes through the fused, chunked LM head):
+    # speed/chunked_loss.py, the planner's logits term
+    full_logits_when_smoothed: bool = False
 
 
 TRAINERS: dict[str, Registration] = {
-    "sft": Registration("SFTConfig", selective_checkpointing=True),
+    "sft": Registration("SFTConfig", selective_checkpointing=True, full_logits_when_smoothed=True),
     "dpo": Registration("DPOConfig"),
     "grpo": Registration("GRPOConfig", SamplingArguments),
     "kto": Registration("KTOConfig"),

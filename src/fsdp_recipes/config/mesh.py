@@ -3,14 +3,17 @@
 accelerate's ParallelismConfig reads them), checked before any rank starts, one line a mistake.
 
     structure (check_mesh, the launcher's light checks): sizes of at least 1; their product the job's processes;
-        replication only over shard groups (accelerate refuses dp_replicate > 1 with dp_shard 1); under tp, no
-        fsdp_config setting that transformers' sharding would leave unapplied (activation checkpointing, offload)
+        replication only over shard groups (accelerate refuses dp_replicate > 1 with dp_shard 1)
     against the model and the rows (check_mesh_fits, once the recipe is parsed): tp divides the attention heads and
         the key/value heads (each rank holds whole heads); cp divides the rows into 2 x cp chunks (torch's load-
         balanced context parallel gives each rank one early and one late chunk)
-    what the pack trains: tp beside FSDP2 (dp_shard x tp; train/tensor_parallel.py); a mesh with cp above 1, or tp
-        beside dp_replicate (HSDP, unchecked), is refused in one line after the checks above (docs/training.md,
-        "Meshes" and "Tensor parallel")
+    context parallel (cp above 1, speed/context_parallel.py): SFT only, unpacked (TRL refuses packing under cp; a
+        padding-free batch has no rows to split), padded to a multiple of 2 x cp (every batch splits as the rows do);
+        without a GPU the ranks run the all-to-all form, which gives each rank whole heads, so cp divides the heads
+    tensor parallel (tp above 1, train/tensor_parallel.py): beside FSDP2 (dp_shard x tp); refused in one line
+        beside cp or dp_replicate (unchecked), with LoRA's lora_modules_to_save (PEFT copies them, which FSDP2
+        refuses), and with fsdp_config settings transformers' sharding would leave unapplied (activation
+        checkpointing, offload) (docs/training.md, "Tensor parallel")
 """
 
 from __future__ import annotations
@@ -91,9 +94,9 @@ def check_fsdp_settings_under_tp(fsdp: dict, path) -> None:
 
 
 def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None,
-                    lora_modules_to_save: list | None = None) -> None:
-    """Against the model's heads and the rows' length, then what the pack trains today. `lora_modules_to_save`: a
-    LoRA recipe's (None without LoRA)."""
+                    cfg=None) -> None:
+    """Against the model's heads and the rows' length, then what the pack trains today. `cfg`: the parsed recipe
+    (RunConfig), for what context parallel needs of the trainer and its batches."""
     if mesh is None:
         return
     for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
@@ -104,15 +107,42 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
         raise UserError(f"{path}: cp {mesh.cp} cannot split rows of max_length {max_length} into {2 * mesh.cp} equal "
                         f"chunks (context parallel's load balancing gives each rank two). Fix: max_length a multiple "
                         f"of {2 * mesh.cp}, or another {PREFIX}cp_size.")
-    if mesh.cp > 1:
-        raise UserError(f"{path}: the mesh {mesh.describe()} splits layers (tp) or rows (cp), which this pack does "
-                        "not train yet: its planner, run report and checkpoints know data-parallel meshes only. "
-                        f"Fix: {PREFIX}tp_size and {PREFIX}cp_size 1 (FSDP or HSDP over the same GPUs).")
-    check_tensor_parallel_lora(mesh, lora_modules_to_save)
+    if mesh.tp > 1 and mesh.cp > 1:
+        raise UserError(f"{path}: the mesh {mesh.describe()} splits both layers (tp) and rows (cp), which the pack has "
+                        "not checked together: each was checked beside FSDP2 alone. Fix: "
+                        f"{PREFIX}tp_size 1 or {PREFIX}cp_size 1.")
     if mesh.tp > 1 and mesh.dp_replicate > 1:
         raise UserError(f"{path}: the mesh {mesh.describe()} replicates a tensor-parallel model (HSDP beside tp), "
                         "which the pack has not checked: tp was checked beside FSDP2 (dp_shard) only. Fix: "
                         f"{PREFIX}dp_replicate_size 1 with dp_shard x tp the world size.")
+    model = getattr(cfg, "model", None)  # the recipe's ModelConfig (absent from a test's stand-in)
+    if model is not None and model.use_peft:
+        check_tensor_parallel_lora(mesh, model.lora_modules_to_save)
+    if mesh.cp > 1 and cfg is not None:
+        check_context_parallel(mesh.cp, path, heads, cfg)
+
+
+def check_context_parallel(cp: int, path, heads: int | None, cfg) -> None:
+    """What splitting each row over `cp` ranks needs of the recipe (speed/context_parallel.py)."""
+    from fsdp_recipes.config.hardware import gpu_count
+
+    training, where = cfg.training, f"{path}: cp {cp}"
+    if cfg.trainer != "sft":
+        raise UserError(f"{where} splits rows for SFT only: the {cfg.trainer} trainer's loss is not split-aware in "
+                        f"TRL 1.16. Fix: {PREFIX}cp_size 1, or an SFT recipe.")
+    if getattr(training, "packing", False) or getattr(training, "padding_free", False):
+        what = "packing" if getattr(training, "packing", False) else "padding_free"
+        raise UserError(f"{where} needs whole padded rows to split, and {what} is on (TRL refuses packing under "
+                        f"context parallel). Fix: {what}: false in the recipe.")
+    multiple = getattr(training, "pad_to_multiple_of", None)
+    if not multiple or multiple % (2 * cp):
+        raise UserError(f"{where} splits each batch into {2 * cp} equal chunks, so its length must be a multiple of "
+                        f"{2 * cp}, and pad_to_multiple_of is {multiple}. Fix: pad_to_multiple_of: {2 * cp} in the "
+                        "recipe.")
+    if heads and heads % cp and not gpu_count():
+        raise UserError(f"{where} does not divide the model's {heads} attention heads: without a GPU the ranks run "
+                        "context parallel's all-to-all form, which gives each rank whole heads. Fix: "
+                        f"{PREFIX}cp_size a divisor of {heads}.")
 
 
 def check_tensor_parallel_lora(mesh: Mesh | None, modules_to_save: list | None) -> None:

@@ -36,6 +36,30 @@ class ActivationCheckpointingArguments:
 
 
 @dataclass
+class CheckpointOffloadArguments:
+    """speed/checkpoint_offload.py's setting: where the checkpointed layers' saved inputs wait for the backward."""
+
+    activation_checkpointing_offload: bool = field(
+        default=False,
+        metadata={"help": "hold the inputs activation checkpointing saves in pinned host memory instead of the GPU's "
+                          "(transformers' activation_checkpointing_kwargs offload): layers x tokens x hidden bytes "
+                          "freed on the GPU, two copies a layer per step (speed/checkpoint_offload.py)."},
+    )
+
+
+@dataclass
+class YarnArguments:
+    """speed/yarn.py's setting: rows longer than the model was trained on."""
+
+    yarn_rope_scaling: bool = field(
+        default=False,
+        metadata={"help": "YaRN rope scaling to max_length: rope_parameters rope_type yarn, factor max_length / the "
+                          "model's trained length (max_position_embeddings); only where max_length exceeds it, and "
+                          "only for a model with rotary positions (speed/yarn.py)."},
+    )
+
+
+@dataclass
 class ExpertsArguments:
     """speed/experts.py's setting."""
 
@@ -44,6 +68,12 @@ class ExpertsArguments:
         metadata={"help": "how a mixture-of-experts model computes its experts (transformers' experts_implementation): "
                           "auto (grouped_mm on CUDA compute capability 8.0+, else what runs best there), eager, "
                           "grouped_mm, batched_mm, ... (speed/experts.py). Dense models ignore auto."},
+    )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={"help": "ranks that split each MoE layer's experts between them (expert parallelism); 1: FSDP2 "
+                          "shards the experts with the rest of their layer. Above 1 is refused: no release this "
+                          "pack allows trains it resumably (speed/experts.py says why)."},
     )
 
 
@@ -54,6 +84,9 @@ OPTIONS: dict[str, type | None] = {
     "experts": ExpertsArguments,
     "ram_efficient_loading": None,
     "activation_checkpointing": ActivationCheckpointingArguments,
+    "checkpoint_offload": CheckpointOffloadArguments,  # after activation_checkpointing: it adds to its kwargs
+    "chunked_loss": None,
+    "yarn": YarnArguments,
     "liger": None,
     "compile": None,
     "float8": Float8Arguments,

@@ -93,8 +93,7 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     model_json = model_check.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
     shape = json.loads(model_json.read_text()) if model_json else {}
     mesh.check_mesh_fits(mesh.mesh_of(acc, named), named, shape.get("num_attention_heads"),
-                         shape.get("num_key_value_heads"), getattr(cfg.training, "max_length", None),
-                         cfg.model.lora_modules_to_save if cfg.model.use_peft else None)
+                         shape.get("num_key_value_heads"), getattr(cfg.training, "max_length", None), cfg)
     wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
                              wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model,
                              model_named=recipe.user_model is not None)

@@ -144,6 +144,10 @@ def scale_accelerate(acc: dict, gpus: int = 0) -> dict:
     where there are 4 or more (2 replicas of half the GPUs each), else plain FSDP over the GPUs there are."""
     acc = dict(acc, num_machines=1, machine_rank=0, rdzv_backend="static", same_network=True)
     parallel = dict(acc.get("parallelism_config") or {})
+    if any(int(parallel.get(f"parallelism_config_{d}_size", 1)) > 1 for d in ("tp", "cp")):
+        # a tp or cp mesh (config/mesh.py refuses both until their paths train): plain FSDP over the processes
+        acc.pop("parallelism_config")
+        parallel = {}
     hsdp = int(parallel.get("parallelism_config_dp_replicate_size", 1)) > 1
     if gpus and acc.get("distributed_type") != "NO":
         n = min(gpus, int(acc.get("num_processes", 1)))
@@ -199,7 +203,10 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# recipes/{recipe.name}/accelerate.yaml scaled for a smoke test on {where} "
                     "(fsdp_recipes.launch.smoke)\n" + yaml.safe_dump(scaled, sort_keys=True))
-    dropped = " (HSDP needs 4 GPUs for both dimensions: plain FSDP here)" if (
+    meshed = any(int((acc.get("parallelism_config") or {}).get(f"parallelism_config_{d}_size", 1)) > 1
+                 for d in ("tp", "cp"))
+    dropped = (" (its tp/cp mesh is not trained yet: plain FSDP here)" if meshed else
+               " (HSDP needs 4 GPUs for both dimensions: plain FSDP here)") if (
         acc.get("parallelism_config") and not scaled.get("parallelism_config")) else ""
     say(f"accelerate: recipes/{recipe.name}/accelerate.yaml with {acc.get('num_processes', 1)} process(es) on "
         f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one's {where} "

@@ -87,22 +87,43 @@ def device_info() -> dict:
 
 
 
+def mesh_info(parallelism_config=None) -> dict:
+    """The device mesh accelerate built (its ParallelismConfig): each dimension's size, the axis names in the mesh's
+    order (accelerate's dp_replicate, dp_shard, cp, sp, tp; only those above 1, as accelerate builds it), and how
+    many ranks see the same rows (tp x cp x sp: the run report counts a row's tokens once per data-parallel rank,
+    and MFU divides their FLOPs over every GPU of the mesh). Without one: a data-parallel world, every rank its own
+    rows."""
+    pc = parallelism_config
+    if pc is None:
+        from accelerate.state import AcceleratorState
+
+        pc = getattr(AcceleratorState(), "parallelism_config", None) if AcceleratorState._shared_state else None
+    if pc is None:
+        return {"mesh": None, "ranks_per_row": 1}
+    names, shape = pc._get_mesh() if pc.active_mesh_dims else ((), ())
+    sizes = {"dp_replicate": pc.dp_replicate_size, "dp_shard": pc.dp_shard_size, "tp": pc.tp_size, "cp": pc.cp_size}
+    return {"mesh": {**sizes, "axis_names": list(names), "shape": list(shape)},
+            "ranks_per_row": pc.non_data_parallel_size}
+
+
 def sharding_info() -> dict:
-    """Sharding strategy and FSDP version as accelerate resolved them (not as the YAML spelled them)."""
+    """Sharding strategy, FSDP version and device mesh as accelerate resolved them (not as the YAML spelled them)."""
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
     if not AcceleratorState._shared_state:  # no Accelerator yet (the run failed before the Trainer existed)
-        return {"sharding_strategy": None, "fsdp_version": None, "mixed_precision": None}
+        return {"sharding_strategy": None, "fsdp_version": None, "mixed_precision": None, "mesh": None}
     state = AcceleratorState()
     pc = getattr(state, "parallelism_config", None)
     if pc is not None and getattr(pc, "tp_size", 1) > 1:  # sharded by transformers at load time, not by accelerate
         return {"sharding_strategy": f"TENSOR_PARALLEL (tp {pc.tp_size} x dp_shard {pc.dp_shard_size}, by "
                                      "transformers: train/tensor_parallel.py)",
-                "fsdp_version": 2 if pc.dp_shard_size > 1 else None, "mixed_precision": str(state.mixed_precision)}
+                "fsdp_version": 2 if pc.dp_shard_size > 1 else None, "mixed_precision": str(state.mixed_precision),
+                "mesh": mesh_info(pc)["mesh"]}
     if state.distributed_type != DistributedType.FSDP:
         kind = "DDP" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else "NONE"
-        return {"sharding_strategy": kind, "fsdp_version": None, "mixed_precision": str(state.mixed_precision)}
+        return {"sharding_strategy": kind, "fsdp_version": None, "mixed_precision": str(state.mixed_precision),
+                "mesh": None}
     plugin = state.fsdp_plugin
     if plugin.fsdp_version == 2:
         reshard = plugin.reshard_after_forward
@@ -116,4 +137,5 @@ def sharding_info() -> dict:
         "sharding_strategy": strategy,
         "fsdp_version": plugin.fsdp_version,
         "mixed_precision": str(state.mixed_precision),
+        "mesh": mesh_info()["mesh"],  # its sizes and axis names; MFU is over all world_size GPUs of it
     }

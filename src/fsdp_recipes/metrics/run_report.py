@@ -27,6 +27,7 @@ from fsdp_recipes.metrics.environment import (
     device_info,
     git_commit,
     launcher_env,
+    mesh_info,
     sharding_info,
     versions,
 )
@@ -248,8 +249,9 @@ class RunReportCallback(TrainerCallback):
     def counters_so_far(self, now: float) -> dict:
         """Run totals (all ranks) up to now: a collective, so every rank must call it."""
         counts = self.tokens.counts()
-        summed = all_reduce([counts[k] for k in COUNTS], "sum")
-        return {**{k: None if self.prior[k] is None else int(v) + self.prior[k] for k, v in zip(COUNTS, summed)},
+        per_row = mesh_info()["ranks_per_row"]  # a mesh's tp and cp ranks share rows: counted once per dp rank
+        summed = [int(v) // per_row for v in all_reduce([counts[k] for k in COUNTS], "sum")]
+        return {**{k: None if self.prior[k] is None else v + self.prior[k] for k, v in zip(COUNTS, summed)},
                 "train_time_s": self.train_time_until(now)}
 
     def on_save(self, args, state, control, **kwargs):

@@ -7,7 +7,7 @@ import dataclasses
 
 from fsdp_recipes.config import accelerate_yaml
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.planning import comms, duration, fit
+from fsdp_recipes.planning import comms, duration, fit, mesh_fit
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB, budget
 
@@ -34,8 +34,26 @@ def fit_section(p) -> str:
              "  " + boundary(fit.batch(m, s, t.max_length or 1024, usable), usable),
              "  " + boundary(fit.length(m, s, t.per_device_train_batch_size, usable, limit), usable),
              "  " + fit.checkpointing(m, s, usable)]
-    lines += ["  " + line for line in topology_answer(p)]
+    kept = f" (the recipe's tp {s.tp} x cp {s.cp} kept)" if s.tp * s.cp > 1 else ""
+    lines += ["  " + line + kept for line in topology_answer(p)]
+    lines += ["  " + line for line in mesh_answer(p)]
     return "\n".join(lines)
+
+
+def mesh_answer(p) -> list[str]:
+    """A mesh (tp, cp) where FSDP over the node does not fit, or the recipe has one (mesh_fit.py)."""
+    m, s, usable = p.shape, p.setup, p.usable
+    if p.fits and s.tp * s.cp == 1:
+        return [f"mesh: none needed (FSDP over {p.gpus} fits)"]
+    config = p.model.config
+    flat = dataclasses.replace(s, tp=1, cp=1)
+    alone = fit.smallest_fsdp_world(m, dataclasses.replace(flat, strategy="FSDP"), usable, p.gpus * 1024)
+    a = mesh_fit.propose(m, flat, usable, p.gpus, config.num_attention_heads, config.num_key_value_heads,
+                         p.cfg.training.max_length or 1024)
+    versus = f"FSDP alone needs {alone} GPUs" if alone else "FSDP alone fits no GPU count (a row's activations)"
+    if a is None:
+        return [f"mesh: none fits up to 128 nodes of {p.gpus} ({versus})"]
+    return [f"mesh: {a.describe()}; {versus}", f"  accelerate.yaml: {mesh_fit.accelerate_keys(a)}"]
 
 
 def topology_answer(p) -> list[str]:
@@ -79,11 +97,12 @@ def topology(p, nodes: int | None = None, strategy: str | None = None) -> comms.
     fsdp = p.acc.get("fsdp_config") or {}
     nodes = nodes or p.nodes
     strategy = strategy or p.own
-    shard = {"FSDP": p.gpus * nodes, "HSDP": p.setup.shard}.get(strategy, 1)
+    tp, cp = (p.setup.tp, p.setup.cp) if strategy == p.own else (1, 1)
+    shard = {"FSDP": p.gpus * nodes // tp, "HSDP": p.setup.shard}.get(strategy, 1)
     reshard = fsdp.get("fsdp_reshard_after_forward", True)
     if str(fsdp.get("fsdp_sharding_strategy", "")).upper() == "SHARD_GRAD_OP":  # FSDP1's ZeRO-2
         reshard = False
-    return comms.Topology(strategy, p.gpus, nodes, shard, int(fsdp.get("fsdp_version", 1)), bool(reshard))
+    return comms.Topology(strategy, p.gpus, nodes, shard, int(fsdp.get("fsdp_version", 1)), bool(reshard), tp, cp)
 
 
 def work(p, mfu: float) -> comms.Work:
@@ -92,7 +111,7 @@ def work(p, mfu: float) -> comms.Work:
     # FSDP under accelerate's bf16 policy reduces in bf16 (param_dtype = reduce_dtype); DDP in the gradients' dtype
     reduce = s.compute_bytes if p.own in ("FSDP", "HSDP") and s.mixed_precision else master
     return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, t.max_length or 1024,
-                      s.compute_bytes, reduce, mfu)
+                      s.compute_bytes, reduce, mfu, recompute=s.checkpointed)
 
 
 def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:
@@ -187,8 +206,9 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
         data = duration.Data(rows, float(max_length), f"{rows:,} rows (given); tokens per row unknown: every row "
                                                       f"max_length ({max_length:,}) long, the worst case")
     world = p.gpus * p.nodes
-    global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * world
-    steps = duration.steps(rows, t.per_device_train_batch_size, world, t.gradient_accumulation_steps,
+    dp = world // (p.setup.tp * p.setup.cp)  # a mesh's tp and cp ranks share their rows; all of them compute
+    global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
+    steps = duration.steps(rows, t.per_device_train_batch_size, dp, t.gradient_accumulation_steps,
                            t.num_train_epochs, t.max_steps)
     read = duration.rows_seen(rows, t.num_train_epochs, t.max_steps, global_batch)
     e = comms.estimate(p.shape, topology(p), work(p, mfu), f) if f.node is not None else None
@@ -198,7 +218,7 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
     run = f"max_steps {t.max_steps}" if t.max_steps > 0 else f"{t.num_train_epochs:g} epoch(s)"
     lines = [f"how long: {data.source}",
              f"  steps: {steps:,} ({run}, global batch {global_batch} = {t.per_device_train_batch_size} x "
-             f"{t.gradient_accumulation_steps} x {world})",
+             f"{t.gradient_accumulation_steps} x {dp})",
              f"  tokens: {d.tokens:,} ({read:,} rows read x {data.tokens_per_row:,.1f}), "
              f"{fpt / 1e9:,.2f} GFLOP/token (attention at {data.tokens_per_row:,.0f} tokens)"]
     if d.seconds is None:

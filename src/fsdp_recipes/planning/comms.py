@@ -47,6 +47,8 @@ class Topology:
     shard: int  # FSDP/HSDP shard-group size
     fsdp_version: int = 2
     reshard_after_forward: bool = True
+    tp: int = 1  # a mesh's tensor-parallel group (inside a node), config/mesh.py
+    cp: int = 1  # its context-parallel group (inside a node)
 
     @property
     def world(self) -> int:
@@ -63,6 +65,7 @@ class Work:
     gather_bytes: int  # bytes per parameter all-gathered (the compute width under mixed precision)
     reduce_bytes: int  # bytes per gradient element reduced
     mfu: float = DEFAULT_MFU
+    recompute: bool = False  # activation checkpointing: each layer's forward runs again in the backward
 
     @property
     def tokens(self) -> int:
@@ -143,15 +146,38 @@ def reduced_params(m: ModelShape, t: Topology) -> int:
     return m.trainable
 
 
+def mesh_collectives(m: ModelShape, t: Topology, w: Work, f: Fabric) -> list[Collective]:
+    """A mesh's own collectives per optimizer step, each group inside a node (accelerate's mesh puts tp innermost,
+    then cp): context parallel's ring passes each layer's K and V chunks round the cp ranks, once in the forward and
+    twice in the backward (K and V again, and their gradients), once more in a checkpointed layer's recompute;
+    tensor parallel all-reduces a layer's output activations twice in its forward (after attention's o_proj and the
+    MLP's down_proj) and twice in its backward (the input gradients of q/k/v and gate/up), twice more with
+    recompute. A ring pass sends (cp - 1)/cp of the row's K and V (as an all-gather does); an all-reduce
+    2 (tp - 1)/tp of the GPU's tokens' activations (their 1/cp share)."""
+    out = []
+    rows = w.accumulation * w.micro_batch * w.max_length  # tokens of the rows a cp group shares, per step
+    if t.cp > 1:
+        passes = 3 + (1 if w.recompute else 0)
+        payload = m.layers * passes * rows * 2 * m.kv_dim // t.tp * w.gather_bytes
+        name, gbps = link(f, t.cp * t.tp, spans_nodes=False)
+        out.append(Collective("ring K/V (cp)", t.cp, payload, ring_bytes("all-gather", t.cp, payload), name, gbps))
+    if t.tp > 1:
+        reductions = 4 + (2 if w.recompute else 0)
+        payload = m.layers * reductions * rows // t.cp * m.hidden * w.gather_bytes
+        name, gbps = link(f, t.tp, spans_nodes=False)
+        out.append(Collective("all-reduce (tp)", t.tp, payload, ring_bytes("all-reduce", t.tp, payload), name, gbps))
+    return out
+
+
 def estimate(m: ModelShape, t: Topology, w: Work, f: Fabric) -> Estimate:
     out: list[Collective] = []
     warnings: list[str] = []
-    grads = reduced_params(m, t) * w.reduce_bytes
+    grads = reduced_params(m, t) * w.reduce_bytes // t.tp
     if t.strategy in ("FSDP", "HSDP") and t.shard > 1:
         spans = t.strategy == "FSDP" and t.nodes > 1  # 1-D FSDP over several nodes
         name, gbps = link(f, t.shard, spans)
         per_layer = 2 if t.reshard_after_forward else 1
-        gathered = w.accumulation * (per_layer * m.layers * m.layer_params + m.root_params) * w.gather_bytes
+        gathered = w.accumulation * (per_layer * m.layers * m.layer_params + m.root_params) * w.gather_bytes // t.tp
         out.append(Collective("all-gather", t.shard, gathered, ring_bytes("all-gather", t.shard, gathered), name, gbps))
         out.append(Collective("reduce-scatter", t.shard, grads, ring_bytes("reduce-scatter", t.shard, grads), name,
                               gbps))
@@ -174,8 +200,10 @@ def estimate(m: ModelShape, t: Topology, w: Work, f: Fabric) -> Estimate:
     if t.strategy == "DDP" and t.world > 1:
         name, gbps = link(f, t.world, spans_nodes=t.nodes > 1)
         out.append(Collective("all-reduce", t.world, grads, ring_bytes("all-reduce", t.world, grads), name, gbps))
+    out += mesh_collectives(m, t, w, f)
     fpt = flops_per_token(m, w.max_length)
-    compute = w.tokens * fpt / (f.peak_flops * w.mfu) if f.peak_flops else None
+    # a data-parallel rank's rows are computed by its tp x cp GPUs together
+    compute = w.tokens * fpt / (t.tp * t.cp) / (f.peak_flops * w.mfu) if f.peak_flops else None
     return Estimate(out, compute, fpt, warnings)
 
 

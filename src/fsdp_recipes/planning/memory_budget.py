@@ -26,6 +26,17 @@ the output and its routing weight (c * top_k * (4 I_expert + 2h + 1)); the block
 Counted tensor by tensor in transformers 5's eager expert loop (Mixtral on CPU: tests/test_moe.py); the grouped
 kernels a GPU uses (experts_implementation) may keep other tensors.
 
+LoRA on parameters (PEFT's target_parameters: a mixture's fused 3-D experts) has no r-wide activation per token:
+PEFT 0.21's ParamWrapper puts a parametrization on each targeted tensor for the layer's forward, which computes the
+merged weight W + scaling * B @ A (_LoraFactorsProxy's baddbmm, in W's dtype: the gathered copy's, the compute
+width) as a new tensor the size of W, every expert of the layer. The experts' matmuls save it for their backward, so
+a layer keeps one merged copy of its targeted tensors from its forward to its backward unless it is checkpointed
+(then it is computed again in the recompute), and that layer's backward adds the merged weight's gradient, the same
+size, before baddbmm's backward reduces it to A's and B's (`lora_merged_copies`, each merged_copy x c bytes): without
+checkpointing layers + 1 (every layer's copy, and the gradient of the first in the backward); with it, the layers
+not checkpointed + 2 (a checkpointed layer's recomputed copy and its gradient), as layer_activations bounds them. Qwen3-30B-A3B with LoRA on both expert tensors: 128 x (1536 x 2048 + 2048 x 768) = 604M
+elements, 1.125 GiB per copy in bf16.
+
 Activation checkpointing (speed/activation_checkpointing.py's policies), per token:
     none        layers x per_layer
     full        layers x c*h (each layer's input) + per_layer (one layer's set, alive during its recompute)
@@ -113,6 +124,7 @@ class ModelShape:
     experts: int = 0  # a mixture of experts: routed experts per layer (0: dense); intermediate is one expert's
     top_k: int = 0  # experts each token is routed to
     expert_params: int = 0  # all routed experts' weights, every layer: held in full, top_k / experts of them active
+    merged_copy: int = 0  # elements of one layer's LoRA-targeted parameters: ParamWrapper's merged copy per forward
 
     @property
     def active(self) -> int:
@@ -142,6 +154,15 @@ class Setup:
     reshard_after_forward: bool = True  # False: FSDP2 reshard_after_forward false / FSDP1 SHARD_GRAD_OP
     quant_bytes: float = 0  # QLoRA: bytes per 4-bit parameter of the sharded storage (0.5), 0 without
     scale_bytes: float = 0  # its scales per parameter, whole on every rank
+    checkpoint_offload: bool = False  # the checkpointed layers' inputs in host memory (speed/checkpoint_offload.py)
+    full_logits: bool = False  # the loss from the full logits, not the chunked head's tiles (speed/chunked_loss.py)
+    cp: int = 1  # context parallel: each row's tokens split over cp ranks (config/mesh.py)
+    tp: int = 1  # tensor parallel: each layer's weights and heads split over tp ranks
+
+    @property
+    def local_tokens(self) -> float:
+        """Tokens of the micro-batch one GPU holds: its cp share of the rows."""
+        return self.tokens / self.cp
 
 
 def shape_of(model, model_args, **decided) -> ModelShape:
@@ -174,8 +195,8 @@ def shape_of(model, model_args, **decided) -> ModelShape:
                 saved += sum(p.numel() for p in module.parameters())
         # LoRA on parameters (PEFT's target_parameters, TRL's lora_target_parameters: a mixture's fused 3-D experts):
         # PEFT's ParamWrapper reads a (experts, in, out) tensor, or (out, in), and keeps A (r x experts, in) and
-        # B (out, r x experts). It adds the merged weight to the forward instead of an r-wide activation per token
-        # (that copy, a layer's experts at the compute width, is not in the activation term: docs/planner.md).
+        # B (out, r x experts). It adds the merged weight to the forward instead of an r-wide activation per token:
+        # that copy, the targeted tensors of a layer, is budget()'s lora_merged_copies.
         wanted = list(getattr(model_args, "lora_target_parameters", None) or [])
         for name, param in model.named_parameters() if wanted else ():
             if any(name == t or name.endswith("." + t) for t in wanted):
@@ -183,6 +204,7 @@ def shape_of(model, model_args, **decided) -> ModelShape:
                 adapter = model_args.lora_r * experts * (fan_in + fan_out)
                 if name.startswith("model.layers.0."):
                     lora_layer += adapter
+                    decided["merged_copy"] = decided.get("merged_copy", 0) + param.numel()
                 elif not name.startswith("model.layers."):
                     lora_other += adapter
         trainable = lora_layer * len(layers) + lora_other + saved
@@ -207,7 +229,9 @@ def shape_of(model, model_args, **decided) -> ModelShape:
     )
 
 
-def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
+def activations_per_token_per_layer(m: ModelShape, s: Setup) -> float:
+    """Bytes one token leaves in one layer; under tp the head- and MLP-wide tensors are split over the tp ranks
+    (transformers' tp_plan: q, k, v, gate, up column-wise), the norms' hidden-wide ones are not."""
     c = s.compute_bytes
     norms = 2 * m.hidden * (4 + c)
     # dense: gate, up, SiLU(gate), product; a mixture of experts: those, the routed input and output and the routing
@@ -216,17 +240,40 @@ def activations_per_token_per_layer(m: ModelShape, s: Setup) -> int:
     if m.experts:
         mlp = m.top_k * (4 * m.intermediate + 2 * m.hidden + 1) + m.hidden
         routing = 4 * m.experts + 32 * m.top_k
-    saved = c * (2 * m.q_dim + 2 * m.kv_dim + mlp + m.lora_rank_width)
+    saved = c * (2 * m.q_dim + 2 * m.kv_dim + mlp + m.lora_rank_width) / s.tp
     return norms + saved + routing + (c + 1) * m.lora_dropout_width
 
 
-def layer_activations(m: ModelShape, s: Setup, per_layer: int) -> int:
-    """Bytes per token the decoder layers hold at the backward's start, under the checkpointing policy."""
+def checkpoint_inputs(m: ModelShape, s: Setup) -> float:
+    """Bytes per token the checkpointed layers save (each one's input, and its attention output under ops)."""
+    if not s.checkpointed:
+        return 0
+    kept = m.layers // s.checkpoint_every + (1 if m.layers % s.checkpoint_every else 0)  # layers 0, k, 2k, ...
+    return kept * (m.hidden * s.compute_bytes + (m.q_dim * s.compute_bytes / s.tp if s.checkpoint_ops else 0))
+
+
+def layer_activations(m: ModelShape, s: Setup, per_layer: float) -> float:
+    """Bytes per token the decoder layers hold on the GPU at the backward's start, under the checkpointing policy;
+    offloaded, the checkpointed layers' inputs are in host memory instead (host_bytes), but for the one being
+    recomputed, brought back (its input, inside per_layer's count)."""
     if not s.checkpointed:
         return m.layers * per_layer
-    kept = m.layers // s.checkpoint_every + (1 if m.layers % s.checkpoint_every else 0)  # layers 0, k, 2k, ...
-    boundary = m.hidden * s.compute_bytes + (m.q_dim * s.compute_bytes if s.checkpoint_ops else 0)
-    return kept * boundary + (m.layers - kept) * per_layer + per_layer
+    kept = m.layers // s.checkpoint_every + (1 if m.layers % s.checkpoint_every else 0)
+    saved = 0 if s.checkpoint_offload else checkpoint_inputs(m, s)
+    return saved + (m.layers - kept) * per_layer + per_layer
+
+
+def host_bytes(m: ModelShape, s: Setup) -> int:
+    """Pinned host memory per GPU's process: the offloaded checkpoint inputs of its tokens."""
+    return int(math.ceil(s.local_tokens * checkpoint_inputs(m, s))) if s.checkpoint_offload else 0
+
+
+def logits(m: ModelShape, s: Setup) -> float:
+    """The loss's logits on one GPU: the chunked head's one fp32 tile (at most 4,096 tokens x 32,768 entries), or
+    the full logits at the compute width plus the fp32 log-softmax the label smoother keeps and its gradient."""
+    if s.full_logits:
+        return s.local_tokens * m.vocab * (s.compute_bytes + 4 + 4)
+    return min(s.local_tokens, 4096) * min(m.vocab, LM_HEAD_TILE) * 4
 
 
 def budget(m: ModelShape, s: Setup) -> dict[str, int]:
@@ -234,23 +281,25 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     # trainable parameters' storage dtype: fp32 under mixed precision (accelerate upcasts them), except a 4-bit
     # model's adapters, which TRL keeps in bf16 (QLoRA paper; trl SFTTrainer) and accelerate then leaves alone
     # (accelerate 1.15 utils/fsdp_utils.py skips the upcast for a quantized model); AdamW's moments follow them
+    # a mesh: FSDP shards over dp_shard x cp (accelerate's dp_shard_cp), tp splits every layer's weights further
+    shard = s.shard * s.tp
     master = 2 if s.quant_bytes else (4 if s.mixed_precision else s.load_bytes)
     frozen = m.params - m.trainable
     packed = m.quantized * s.quant_bytes if s.quant_bytes else 0  # QLoRA: the 4-bit base, sharded
     full = m.quantized if s.quant_bytes else 0
-    weights = ((frozen - full) * s.load_bytes + packed + m.trainable * master) / s.shard + full * s.scale_bytes
-    gradients = m.trainable * master / s.shard
-    optimizer = m.trainable * s.optimizer_bytes * (master / 4 if s.quant_bytes else 1) / s.shard
+    weights = ((frozen - full) * s.load_bytes + packed + m.trainable * master) / shard + full * s.scale_bytes
+    gradients = m.trainable * master / shard
+    optimizer = m.trainable * s.optimizer_bytes * (master / 4 if s.quant_bytes else 1) / shard
     per_layer = activations_per_token_per_layer(m, s)
-    activations = s.tokens * layer_activations(m, s, per_layer)
-    tile = min(s.tokens, 4096) * min(m.vocab, LM_HEAD_TILE) * 4
+    tokens = s.local_tokens  # context parallel: a GPU holds its share of each row's tokens
+    activations = tokens * layer_activations(m, s, per_layer)
     # the fused head's backward accumulates in fp32: the hidden states' gradient, and the head's when it trains
-    head_grads = s.tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 if m.trainable == m.params else 0)
-    activations += s.tokens * m.hidden * 4 * 2 + tile + head_grads  # + final norm (fp32)
+    head_grads = tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 / s.tp if m.trainable == m.params else 0)
+    activations += tokens * m.hidden * 4 * 2 + logits(m, s) + head_grads  # + final norm (fp32)
     if s.strategy in ("FSDP", "HSDP"):
         gathered = (2 * m.layer_params + m.root_params) if s.reshard_after_forward else m.params
         four_bit = (2 * m.layer_quantized if s.reshard_after_forward else m.quantized) if s.quant_bytes else 0
-        comm = (gathered - four_bit) * s.compute_bytes + four_bit * s.quant_bytes + m.layer_trainable * master
+        comm = ((gathered - four_bit) * s.compute_bytes + four_bit * s.quant_bytes + m.layer_trainable * master) / s.tp
     elif s.strategy == "DDP":
         comm = m.trainable * master
     else:
@@ -262,10 +311,15 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     if s.reference != "none":
         reference = 0
         if s.reference == "copy":
-            reference = m.params * s.load_bytes / s.shard
+            reference = m.params * s.load_bytes / shard
             if s.strategy in ("FSDP", "HSDP"):
-                reference += (2 * m.layer_params + m.root_params) * s.compute_bytes
+                reference += (2 * m.layer_params + m.root_params) * s.compute_bytes / s.tp
         parts["reference_model"] = reference
+    if m.merged_copy:  # PEFT's ParamWrapper: each layer's merged copy of its LoRA-targeted tensors (docstring)
+        copies = m.layers + 1
+        if s.checkpointed:  # layers 0, k, 2k, ... (layer_activations)
+            copies = m.layers - (m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every)) + 2
+        parts["lora_merged_copies"] = copies * m.merged_copy * s.compute_bytes
     if s.quant_bytes:  # bitsandbytes dequantises one linear at a time for its matmul
         parts["dequantised_working_copy"] = m.largest_quantized * s.compute_bytes
     if s.generation == "generate":  # the KV cache of every completion sampled at once, and one step's fp32 logits
@@ -273,6 +327,8 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
                                                                  * s.compute_bytes + m.vocab * 4))
     elif s.generation == "vllm":  # the engine's weights and KV cache, in the GPU share it is given
         parts["vllm_engine"] = s.vllm_bytes
+    if s.cp > 1:  # ring attention: a layer's K and V chunks, the one computed on and the one arriving
+        parts["cp_ring_buffers"] = 2 * 2 * tokens * m.kv_dim / s.tp * s.compute_bytes
     parts = {k: int(math.ceil(v)) for k, v in parts.items()}
     parts["total"] = sum(parts.values())
     return parts

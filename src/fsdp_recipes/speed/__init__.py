@@ -16,6 +16,8 @@ Optional, with the defaults of SpeedOption:
     check_launch(cfg, acc, path)    the launcher only, before the ranks work: the accelerate YAML, the devices
                                     without importing torch (nvidia-smi)
     check_model(model, acc, path)   the launcher, against a meta-device copy of the model
+    check_model_config(cfg, config) `make plan` and the option's own check_config: the settings against the model's
+                                    transformers config (YaRN against its trained length)
     launch_overrides(field, gpus, planner_pick)  the launcher, before the ranks start: (overrides, line) for a setting
                                     the planner decides (planner_pick() -> (choice, why), planning/checkpointing.py)
     smoke(field, gpus)              `make smoke`: (overrides, note) where the option cannot run on this machine;
@@ -26,7 +28,9 @@ Optional, with the defaults of SpeedOption:
     prepare_trainer(trainer, cfg)   what it does to the built trainer before train(): returns what the run report
                                     records under the option's name (None: nothing), and prints its line
     planner_setup(model_args, training)  `make plan`: fields of planning/memory_budget.py's Setup it decides
+    planner_settings(cfg)           `make plan`: the same, from the option's own settings (the parsed recipe)
     planner_shape(model, model_args)     `make plan`: fields of its ModelShape it decides (a meta-device model)
+    planner_note(cfg, config)       `make plan`: a line about what it does to the plan (None: nothing to say)
     planner_choices(cfg)            `make plan`: alternatives it compares by memory ({name: Setup fields}, fastest
                                     first), the recipe's pin (None: the planner picks) and the line's label
     RESUME_SETTINGS                 settings a resume must keep equal to the checkpoint's (checkpoint/resume_settings)
@@ -75,6 +79,7 @@ class SpeedOption:
     check_accelerate: Callable = _nothing
     check_launch: Callable = _nothing
     check_model: Callable = _nothing
+    check_model_config: Callable = _nothing
     smoke: Callable = _no_smoke
     launch_overrides: Callable = _no_smoke
     settle: Callable = _nothing
@@ -82,7 +87,9 @@ class SpeedOption:
     load_model: Callable = _nothing
     prepare_trainer: Callable = _nothing
     planner_setup: Callable = _no_fields
+    planner_settings: Callable = _no_fields
     planner_shape: Callable = _no_fields
+    planner_note: Callable = _nothing
     planner_choices: Callable = _no_choices
     RESUME_SETTINGS: tuple = ()
     module: ModuleType | None = None
@@ -151,6 +158,15 @@ def check_model(model, acc: dict, path) -> None:
     each("check_model", model, acc, path)
 
 
+def check_model_config(cfg, config) -> None:
+    each("check_model_config", cfg, config)
+
+
+def planner_notes(cfg, config) -> list[str]:
+    """The enabled options' lines for `make plan`."""
+    return [note for option in active(cfg) if (note := option.planner_note(cfg, config))]
+
+
 def smoke(field, gpus: int) -> tuple[list[str], list[str]]:
     """Every option's overrides for a smoke run on this machine, and the lines that say why. `field(name, default)`:
     the recipe's setting as the run will see it (config/recipes.py Recipe.field)."""
@@ -201,8 +217,9 @@ def prepare_trainer(trainer, cfg) -> dict:
     return recorded
 
 
-def planner_setup(model_args, training) -> dict:
-    return merged("planner_setup", model_args, training)
+def planner_setup(model_args, training, cfg=None) -> dict:
+    """Setup fields from TrainingArguments' settings, and with the parsed recipe `cfg` from the options' own."""
+    return {**merged("planner_setup", model_args, training), **(merged("planner_settings", cfg) if cfg else {})}
 
 
 def planner_shape(model, model_args) -> dict:

@@ -13,7 +13,8 @@ The launcher's `[launch]` line says which and why; each rank chooses again on it
 records `speed_options.attention` (requested, ran, why).
 
 Checked before any rank starts: a flash-attention choice without its package; flex_attention on CPU, whose
-backward torch 2.13 does not have (NotImplementedError in the first step). `make smoke` on a machine without
+backward torch 2.13 does not have (NotImplementedError in the first step); anything but sdpa (or auto) under a cp
+mesh. `make smoke` on a machine without
 CUDA runs sdpa instead of those.
 """
 
@@ -24,6 +25,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from fsdp_recipes.config import hardware, placement
+from fsdp_recipes.config.mesh import mesh_of
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.speed import varlen_attention
 
@@ -127,10 +129,21 @@ def refuse_flex_on_cpu(attn: str | None) -> None:
                         "sdpa here; flex_attention on CUDA GPUs.")
 
 
+def refuse_other_than_sdpa_under_cp(attn: str | None, acc: dict, path) -> None:
+    """A cp mesh (speed/context_parallel.py) runs SDPA split over the ranks: transformers' Trainer refuses any other
+    implementation at the first step (a traceback). `auto` picks sdpa there (cp rows are never packed)."""
+    mesh = mesh_of(acc, path)
+    if mesh is not None and mesh.cp > 1 and attn not in (None, "sdpa", AUTO):
+        raise UserError(f"attn_implementation: {attn} cannot split rows over cp {mesh.cp}: context parallel runs "
+                        "SDPA (the ring on CUDA, the all-to-all form elsewhere), and transformers' Trainer refuses "
+                        "anything else. Fix: attn_implementation: sdpa or auto.")
+
+
 def check_launch(cfg, acc: dict, path, say=None) -> None:
     """In the launcher, before the ranks work: flex_attention refused on CPU, and what `auto` will pick, said in a
     `[launch]` line (`say`)."""
     attn = cfg.model.attn_implementation
+    refuse_other_than_sdpa_under_cp(attn, acc, path)
     if attn not in ("flex_attention", AUTO):
         return
     cpu = on_cpu_in_launcher(cfg, acc)

@@ -18,13 +18,29 @@ load average 8): forward and backward of one Qwen3-MoE layer, hidden 256, 8 expe
 best of 5, two rounds: grouped_mm 154 and 169 ms, eager 202 and 247 ms, batched_mm 8.6 and 9.9 s (it gathers a
 weight copy per token). tests/test_experts_speed.py holds the three to the same loss and gradients on a tiny
 Qwen3-MoE with LoRA on its experts.
+
+`expert_parallel_size` (its second setting): expert parallelism, each rank holding 1/N of a layer's experts and the
+tokens sent to them by all-to-all. Refused above 1, in one line, because no release this pack allows trains it the
+way the pack trains (checkpoints, preemption, exact resume). Tried 2026-11-29 on 2 gloo CPU processes (torch
+2.13.0+cpu, transformers 5.23.0, accelerate 1.15.0), a tiny Qwen3-MoE:
+- accelerate 1.15 (the newest release) has no expert dimension: its ParallelismConfig is dp_replicate x dp_shard x
+  tp x cp (x sp), and its FSDP2 plugin shards each decoder layer whole, all experts together;
+- transformers 5.23's own, `from_pretrained(distributed_config=DistributedConfig(fsdp_size=2, ep_size=2))`, loads
+  the experts sharded on the expert dimension over an (efsdp, ep) mesh and TRAINS: 4 AdamW steps with the same
+  losses, bit for bit, as `DistributedConfig(fsdp_size=2)` alone, 16 all-to-alls in the forwards (eager and
+  grouped_mm alike). But the model is sharded at load time, outside accelerate, and transformers' Trainer then
+  refuses any checkpoint with optimizer state: "ValueError: Resuming is not supported for models sharded at load
+  time (`DistributedConfig`), so their optimizer state cannot be checkpointed. Pass `save_only_model=True` or
+  `save_strategy='no'`." (transformers 5.23.0 and 5.24.0, the newest, alike). A run that cannot save its optimizer
+  cannot be preempted and resumed, and the pack's FSDP2 path (accelerate's plugin, its sharded checkpoints and
+  save checks) would not be the one training.
 """
 
 from __future__ import annotations
 
 from fsdp_recipes.errors import UserError
 
-FIELDS = ("experts_implementation",)
+FIELDS = ("experts_implementation", "expert_parallel_size")
 AUTO = "auto"
 GROUPED_MIN_CAPABILITY = (8, 0)  # torch's grouped_mm on CUDA (transformers' _can_use_grouped_mm)
 CPU_CHOICE = "grouped_mm"  # the fastest of the three on CPU (the docstring's measurement)
@@ -49,6 +65,17 @@ def choices() -> list[str]:
 
 
 def check_config(cfg) -> None:
+    ep = cfg.option("experts").expert_parallel_size
+    if ep < 1:
+        raise UserError(f"expert_parallel_size {ep}: must be 1 or more. Fix: expert_parallel_size: 1.")
+    if ep > 1:
+        raise UserError(f"expert_parallel_size {ep}: no release this pack allows trains expert parallelism resumably: "
+                        "accelerate 1.15's FSDP2 has no expert mesh dimension, and transformers 5.23's "
+                        f"DistributedConfig(ep_size={ep}) trains but its Trainer refuses to checkpoint the optimizer "
+                        "of a model sharded at load time (\"Resuming is not supported for models sharded at load "
+                        "time\"; 5.24 too). Fix: expert_parallel_size: 1 (FSDP2 shards the experts with their layer); "
+                        "it waits for an accelerate with an expert dimension or a transformers Trainer that "
+                        "checkpoints such a model.")
     value = requested(cfg)
     if value not in KNOWN and value not in choices():  # transformers imported only for a name the pack lacks
         raise UserError(f"experts_implementation: {value} is not one of transformers' experts kernels. Fix: use one "

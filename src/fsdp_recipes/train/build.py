@@ -32,6 +32,7 @@ from fsdp_recipes.patches.peft_fsdp import (
     prepare_wrapped_embeddings_for_fsdp2,
     strip_fsdp1_wrapper_names,
 )
+from fsdp_recipes.speed import context_parallel
 from fsdp_recipes.train import console, failure_record, kinds, tensor_parallel
 from fsdp_recipes.train.preemption import PreemptionCallback
 
@@ -116,7 +117,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         **kind.trainer_kwargs(cfg),  # GRPO: the reward functions
     )
     trainer.token_counter, trainer.run_report = report.tokens, report
-    tensor_parallel.prepare_trainer(trainer)  # a tp run: tokens counted once, a LoRA adapter equal over dp
+    tensor_parallel.prepare_trainer(trainer)  # a LoRA adapter on a tp x dp_shard mesh: equal over dp
     add_pack_hooks(trainer, cfg, report)
     if dist.rank() == 0 and not length_report.measured_by_launcher(cfg):  # what max_length cuts, never silently
         for line in length_report.in_rank(cfg, (train_ds, eval_ds), trainer):
@@ -162,6 +163,8 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
     console.replace_progress_output(trainer, pack.divergence_factor if getattr(report, "loss_falls", True) else 0.0)
     # before train() hands the model to accelerate, which wraps it with FSDP (an option may convert its layers)
     report.resolved_args["speed_options"] = speed.prepare_trainer(trainer, cfg)
+    if cp_form := context_parallel.install(trainer):  # a cp mesh: the ring on CUDA, the all-to-all form elsewhere
+        report.resolved_args["context_parallel"] = cp_form
     if fsdp2_requested() and prepare_wrapped_embeddings_for_fsdp2(trainer.model):  # see peft_fsdp.py
         trainer.add_callback(RestoreOutputEmbeddings(trainer.model))
     if fsdp2_requested():  # an evaluation leaves the root's bf16 copies in place of its weights: sharded_save.py

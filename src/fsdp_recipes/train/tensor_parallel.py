@@ -99,20 +99,10 @@ def active(model) -> bool:
 
 
 def prepare_trainer(trainer) -> None:
-    """The built trainer of a tp run: its tokens counted once, and a LoRA adapter kept equal over the dp ranks."""
-    if not active(trainer.model):
-        return
-    count_tokens_once(trainer)
-    sync_adapter_over_dp(trainer)
-
-
-def count_tokens_once(trainer) -> None:
-    """The tp ranks of a dp group train on the same rows: only the group's first counts them, so the run report's
-    tokens, tokens/s and MFU (summed over all ranks) are the mesh's, not tp times as many (tp 2 x dp_shard 2 counted
-    1,578 tokens where plain FSDP2 on the same batches counted 789)."""
-    base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    if base._device_mesh["tp"].get_local_rank() != 0:
-        trainer.token_counter = None  # Reporting's training_step and a sampling kind's count skip a None counter
+    """The built trainer of a tp run: a LoRA adapter kept equal over the dp ranks. (Its tokens: the run report
+    counts a row once per dp rank, dividing by the mesh's tp x cp, metrics/run_report.py.)"""
+    if active(trainer.model):
+        sync_adapter_over_dp(trainer)
 
 
 def sync_adapter_over_dp(trainer) -> None:

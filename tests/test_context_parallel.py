@@ -1,0 +1,160 @@
+"""Context parallel on CPU (speed/context_parallel.py): the split as torch's ring makes it, and one training step of a
+tiny Llama over 2 gloo ranks with cp 2 against the same step in one process.
+
+The two-rank step runs what a recipe's cp mesh runs on CPU: the buffers transformers' Trainer hands to the cp context
+(input_ids, shift_labels, a padding attention_mask, global position_ids), accelerate's hooks that drop the mask for
+is_causal, the all-to-all attention; then the Trainer's loss arithmetic under cp (transformers Trainer.
+_get_num_items_in_batch and compute_loss, TRL SFTTrainer.compute_loss): the tokens counted on the whole batch on every
+rank, summed over the world and divided by cp; each rank's loss its tokens' sum over that count, times the world size;
+gradients averaged over the ranks, as FSDP's reduce-scatter over dp_shard x cp does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from fsdp_recipes.speed.context_parallel import shard, shard_indices
+
+# float32 on a 2-layer model: the all-to-all form reorders no sum that SDPA does not already reorder between a
+# 16-token and an 8-token query block, so the loss agrees to rounding
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-5  # the largest gradient difference over the largest gradient entry
+
+
+def test_the_split_is_torchs_head_tail_load_balancing():
+    # 8 tokens over 2 ranks, 4 chunks of 2: rank 0 holds the first and the last chunk, rank 1 the two middle ones
+    assert shard_indices(8, 2).tolist() == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert shard_indices(12, 3).tolist() == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+    # not a multiple of 2 x cp: torch's ring falls back to contiguous chunks, and so does the split
+    assert shard_indices(6, 2).tolist() == [[0, 1, 2], [3, 4, 5]]
+    row = torch.arange(16).reshape(2, 8) * 10  # [batch, seq]
+    assert shard(row, 1, 1, 2).tolist() == [[20, 30, 40, 50], [100, 110, 120, 130]]
+    with pytest.raises(ValueError, match="does not split"):
+        shard_indices(7, 2)
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def batch():
+    """Two rows of 16 tokens, the second right-padded after 11 (its labels -100 there), a prompt masked in the first."""
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(3, 96, (2, 16), generator=g)
+    attention_mask = torch.ones(2, 16, dtype=torch.long)
+    attention_mask[1, 11:] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    labels[0, :5] = -100
+    return input_ids, attention_mask, labels
+
+
+def one_process_step():
+    model = tiny_llama()
+    input_ids, attention_mask, labels = batch()
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def cp_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from accelerate.big_modeling import _attach_context_parallel_hooks
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_recipes.speed.context_parallel import all_to_all_context
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
+    ref_loss, ref_grads = one_process_step()
+
+    model = tiny_llama()
+    _attach_context_parallel_hooks(model)  # what accelerate's _prepare_cp puts on the model
+    input_ids, attention_mask, labels = batch()
+    # the Trainer's CP inputs: labels shifted before the split, the global positions
+    shift_labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:].contiguous()
+    position_ids = torch.arange(16).expand(2, -1).contiguous()
+    tokens = (labels[:, 1:] != -100).sum()  # on the whole batch, on every rank
+    dist.all_reduce(tokens)
+    tokens = tokens / world  # _get_num_items_in_batch: summed over the world, divided by tp x cp (here cp = world)
+    with all_to_all_context(mesh, buffers=[input_ids, attention_mask, shift_labels, position_ids],
+                            buffer_seq_dims=[1, 1, 1, 1]):
+        assert input_ids.shape == (2, 8) and position_ids[0].tolist() == shard_indices(16, world)[rank].tolist()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        summed = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), shift_labels.flatten(),
+                                                   ignore_index=-100, reduction="sum")
+        loss = summed / tokens * world  # compute_loss: times num_processes // tp
+        loss.backward()  # inside, as Trainer.training_step does: the embedding's backward reads the split input_ids
+    assert input_ids.shape == (2, 16)  # the buffers are whole again after the step
+    logged = loss.detach().clone()
+    dist.all_reduce(logged)
+    logged /= world  # the Trainer's logged loss: the mean over ranks
+    worst = 0.0
+    for name, p in model.named_parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world  # FSDP: the average over dp_shard x cp
+        worst = max(worst, float((p.grad - ref_grads[name]).abs().max() / ref_grads[name].abs().max()))
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"ref_loss": ref_loss, "cp_loss": float(logged), "grad_rel": worst}, f)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_cp2_train_a_step_as_one_process(tmp_path):
+    """2 gloo ranks forked from this process, which has imported what they need (a spawn would import transformers
+    twice more and leave multiprocessing's resource tracker behind)."""
+    from transformers import LlamaForCausalLM  # noqa: F401  (imported before the fork: the ranks inherit it)
+
+    from fsdp_recipes.dist import free_port
+
+    out = tmp_path / "cp.json"
+    started = time.time()
+    torch.multiprocessing.start_processes(cp_rank, args=(2, free_port(), str(out)), nprocs=2, join=True,
+                                          start_method="fork")
+    got = json.loads(out.read_text())
+    print(f"cp 2 over gloo: {time.time() - started:.1f} s, {got}")
+    assert abs(got["cp_loss"] - got["ref_loss"]) <= LOSS_TOL * abs(got["ref_loss"]), got
+    assert got["grad_rel"] <= GRAD_TOL, got
+
+
+def test_install_puts_the_all_to_all_form_where_the_ring_cannot_run(monkeypatch):
+    """The hook train/build.py calls on the built trainer: on a CPU with a cp mesh, accelerate's _prepare_cp (which
+    `prepare` calls) sets the all-to-all context and accelerate's mask hooks; only the first rank of each cp group
+    counts tokens for the run report. Without a cp mesh it leaves the trainer alone."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.speed import context_parallel
+
+    monkeypatch.setattr(context_parallel, "ring_available", lambda: False)
+    hooked = []
+    monkeypatch.setattr("accelerate.big_modeling._attach_context_parallel_hooks", hooked.append)
+
+    def trainer(cp_rank: int, cp_enabled: bool = True):
+        mesh = {"cp": SimpleNamespace(get_local_rank=lambda: cp_rank)}
+        accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=cp_enabled),
+                                      torch_device_mesh=mesh, _prepare_cp=None, _cp_context=None)
+        return SimpleNamespace(accelerator=accelerator, token_counter=object())
+
+    first, second, plain = trainer(0), trainer(1), trainer(0, cp_enabled=False)
+    assert context_parallel.install(first) == "all-to-all" and first.token_counter is not None
+    assert context_parallel.install(second) == "all-to-all" and second.token_counter is None
+    assert context_parallel.install(plain) is None and plain.accelerator._prepare_cp is None
+    model = torch.nn.Linear(1, 1)
+    assert first.accelerator._prepare_cp(model, "optimizer") == (model, "optimizer")
+    assert hooked == [model]
+    step = first.accelerator._cp_context(buffers=[], buffer_seq_dims=[])  # what maybe_context_parallel enters
+    assert step.func is context_parallel.all_to_all_context.__wrapped__
+    monkeypatch.setattr(context_parallel, "ring_available", lambda: True)
+    assert context_parallel.install(trainer(0)) == "ring"  # CUDA: accelerate's own ring, left as it is
