@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import RanksWouldStart, launcher_until_ranks
 from fsdp_recipes.config.mesh import Mesh, check_mesh, check_mesh_fits, mesh_of
 from fsdp_recipes.errors import UserError
 from recipe_variant import recipe_variant
@@ -31,7 +32,10 @@ def test_the_mesh_as_accelerate_reads_it():
                               "ParallelismConfig refuses. Fix:"),
     (fsdp(cp=0), 1, "a.yaml: parallelism_config_cp_size is 0; a mesh dimension has at least 1 rank. Fix:"),
     (fsdp(tp="two"), 2, "a.yaml: parallelism_config_tp_size is 'two', not a whole number. Fix:"),
-], ids=["product", "replicate-unsharded", "zero", "word"])
+    ({**fsdp(tp=2), "fsdp_config": {"fsdp_activation_checkpointing": True}}, 2,
+     "a.yaml: fsdp_config.fsdp_activation_checkpointing is true, but a tensor-parallel mesh is sharded by "
+     "transformers at load time, which applies none of accelerate's fsdp_config. Fix: "),
+], ids=["product", "replicate-unsharded", "zero", "word", "tp-ignores-fsdp-config"])
 def test_a_mesh_that_cannot_be_built_is_one_line(acc, processes, said):
     with pytest.raises(UserError) as err:
         check_mesh(acc, "a.yaml", processes)
@@ -42,9 +46,12 @@ def test_a_mesh_that_cannot_be_built_is_one_line(acc, processes, said):
     (dict(tp=3, dp_shard=2), 32, 8, 4096, "tp 3 does not divide the model's 32 attention heads"),
     (dict(tp=4, dp_shard=2), 32, 2, 4096, "tp 4 does not divide the model's 2 key/value heads"),
     (dict(cp=4, dp_shard=2), 32, 8, 4100, "cp 4 cannot split rows of max_length 4100 into 8 equal chunks"),
-    (dict(tp=2, cp=2, dp_shard=2), 32, 8, 4096, "the mesh dp_replicate 1 x dp_shard 2 x tp 2 x cp 2 splits layers "
-                                                "(tp), which this pack does not train yet"),
-], ids=["heads", "kv-heads", "row-chunks", "not-yet"])
+    (dict(tp=2, cp=2, dp_shard=2), 32, 8, 4096, "the mesh dp_replicate 1 x dp_shard 2 x tp 2 x cp 2 splits both "
+                                                "layers (tp) and rows (cp), which the pack has not checked together"),
+    (dict(tp=2, dp_shard=2, dp_replicate=2), 32, 8, 4096, "the mesh dp_replicate 2 x dp_shard 2 x tp 2 x cp 1 "
+                                                          "replicates a tensor-parallel model (HSDP beside tp), which "
+                                                          "the pack has not checked"),
+], ids=["heads", "kv-heads", "row-chunks", "tp-cp", "tp-hsdp"])
 def test_a_mesh_against_the_model_and_the_rows(sizes, heads, kv, length, said):
     with pytest.raises(UserError, match="Fix:") as err:
         check_mesh_fits(Mesh(**sizes), "a.yaml", heads, kv, length)
@@ -95,11 +102,22 @@ def test_data_parallel_meshes_train_as_before():
     check_mesh_fits(Mesh(dp_replicate=2, dp_shard=8), "a.yaml", 32, 8, 4100)
 
 
-def test_the_launcher_says_it_before_any_rank_starts(tmp_path, checks):
-    """A copied tiny recipe given tp 2 on its 2 processes: its tiny Mistral's heads divide, so the line is what the
-    pack does not train yet; with dp_shard 2 as well the product is wrong first."""
-    folder = recipe_variant(tmp_path, "tp", accelerate={"parallelism_config": {"parallelism_config_tp_size": 2}})
-    assert_one_line_error(checks([folder, "--output_dir", tmp_path / "run"]), "splits layers (tp)")
+def test_tensor_parallel_beside_fsdp2_passes():
+    """What train/tensor_parallel.py trains (tests/test_tensor_parallel.py): tp alone, and tp x dp_shard."""
+    check_mesh_fits(Mesh(tp=8), "a.yaml", 64, 8, 4100)
+    check_mesh_fits(Mesh(dp_shard=2, tp=8), "a.yaml", 64, 8, 4100)
+
+
+def test_the_launcher_says_it_before_any_rank_starts(tmp_path, checks, monkeypatch, capsys):
+    """A copied tiny recipe given tp 2 on its 2 processes: its tiny Mistral's 4 heads and 2 key/value heads divide,
+    but its LoRA trains the LM head in full (lora_modules_to_save), which tp cannot; without that its checks pass
+    (tensor parallel trains); with dp_shard 2 as well the product is wrong."""
+    tp = {"parallelism_config": {"parallelism_config_tp_size": 2}}
+    assert_one_line_error(checks([recipe_variant(tmp_path, "tp", accelerate=tp), "--output_dir", tmp_path / "run"]),
+                          "lora_modules_to_save ['lm_head'] with a tensor-parallel mesh")
+    folder = recipe_variant(tmp_path, "tp-lora", accelerate=tp, lora_modules_to_save=None)
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([str(folder), "--output_dir", str(tmp_path / "run")], monkeypatch, capsys)
     folder = recipe_variant(tmp_path, "tp-shard", accelerate={"parallelism_config": {
         "parallelism_config_tp_size": 2, "parallelism_config_dp_shard_size": 2}})
     assert_one_line_error(checks([folder, "--output_dir", tmp_path / "run2"]), "has 4 ranks, but the job has 2")

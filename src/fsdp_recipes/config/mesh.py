@@ -10,8 +10,10 @@ accelerate's ParallelismConfig reads them), checked before any rank starts, one 
     context parallel (cp above 1, speed/context_parallel.py): SFT only, unpacked (TRL refuses packing under cp; a
         padding-free batch has no rows to split), padded to a multiple of 2 x cp (every batch splits as the rows do);
         without a GPU the ranks run the all-to-all form, which gives each rank whole heads, so cp divides the heads
-    what the pack trains: a mesh with tp above 1 is refused in one line, after the checks above, because the
-        planner, the run report and the checkpoints do not know that dimension yet (docs/training.md, "Meshes")
+    tensor parallel (tp above 1, train/tensor_parallel.py): beside FSDP2 (dp_shard x tp); refused in one line
+        beside cp or dp_replicate (unchecked), with LoRA's lora_modules_to_save (PEFT copies them, which FSDP2
+        refuses), and with fsdp_config settings transformers' sharding would leave unapplied (activation
+        checkpointing, offload) (docs/training.md, "Tensor parallel")
 """
 
 from __future__ import annotations
@@ -70,7 +72,25 @@ def check_mesh(acc: dict, path, processes: int) -> Mesh | None:
         raise UserError(f"{path}: dp_replicate {mesh.dp_replicate} with dp_shard 1 replicates unsharded copies, "
                         "which accelerate's ParallelismConfig refuses. Fix: shard within each replica "
                         f"({PREFIX}dp_shard_size above 1), or plain DDP (distributed_type: MULTI_GPU).")
+    if mesh.tp > 1:
+        check_fsdp_settings_under_tp(acc.get("fsdp_config") or {}, path)
     return mesh
+
+
+# fsdp_config settings that change what is trained or held, and that a tp mesh would leave unapplied: its FSDP2 is
+# transformers' (train/tensor_parallel.py), which reads nothing of accelerate's fsdp_config
+IGNORED_UNDER_TP = {
+    "fsdp_activation_checkpointing": "the recipe's activation_checkpointing instead",
+    "fsdp_offload_params": "no offload (a mesh without tp offloads)",
+}
+
+
+def check_fsdp_settings_under_tp(fsdp: dict, path) -> None:
+    for key, instead in IGNORED_UNDER_TP.items():
+        if str(fsdp.get(key, False)).lower() == "true":
+            raise UserError(f"{path}: fsdp_config.{key} is true, but a tensor-parallel mesh is sharded by transformers "
+                            "at load time, which applies none of accelerate's fsdp_config. Fix: "
+                            f"{key}: false, and {instead}.")
 
 
 def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None,
@@ -87,10 +107,17 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
         raise UserError(f"{path}: cp {mesh.cp} cannot split rows of max_length {max_length} into {2 * mesh.cp} equal "
                         f"chunks (context parallel's load balancing gives each rank two). Fix: max_length a multiple "
                         f"of {2 * mesh.cp}, or another {PREFIX}cp_size.")
-    if mesh.tp > 1:
-        raise UserError(f"{path}: the mesh {mesh.describe()} splits layers (tp), which this pack does not train yet: "
-                        "its planner, run report and checkpoints know data-parallel and context-parallel meshes only. "
-                        f"Fix: {PREFIX}tp_size 1 (FSDP or HSDP over the same GPUs).")
+    if mesh.tp > 1 and mesh.cp > 1:
+        raise UserError(f"{path}: the mesh {mesh.describe()} splits both layers (tp) and rows (cp), which the pack has "
+                        "not checked together: each was checked beside FSDP2 alone. Fix: "
+                        f"{PREFIX}tp_size 1 or {PREFIX}cp_size 1.")
+    if mesh.tp > 1 and mesh.dp_replicate > 1:
+        raise UserError(f"{path}: the mesh {mesh.describe()} replicates a tensor-parallel model (HSDP beside tp), "
+                        "which the pack has not checked: tp was checked beside FSDP2 (dp_shard) only. Fix: "
+                        f"{PREFIX}dp_replicate_size 1 with dp_shard x tp the world size.")
+    model = getattr(cfg, "model", None)  # the recipe's ModelConfig (absent from a test's stand-in)
+    if model is not None and model.use_peft:
+        check_tensor_parallel_lora(mesh, model.lora_modules_to_save)
     if mesh.cp > 1 and cfg is not None:
         check_context_parallel(mesh.cp, path, heads, cfg)
 
@@ -116,3 +143,12 @@ def check_context_parallel(cp: int, path, heads: int | None, cfg) -> None:
         raise UserError(f"{where} does not divide the model's {heads} attention heads: without a GPU the ranks run "
                         "context parallel's all-to-all form, which gives each rank whole heads. Fix: "
                         f"{PREFIX}cp_size a divisor of {heads}.")
+
+
+def check_tensor_parallel_lora(mesh: Mesh | None, modules_to_save: list | None) -> None:
+    """LoRA's fully trained modules beside tp: PEFT copies them (train/tensor_parallel.py found it failing)."""
+    if mesh is not None and mesh.tp > 1 and modules_to_save:
+        raise UserError(f"lora_modules_to_save {list(modules_to_save)} with a tensor-parallel mesh "
+                        f"({mesh.describe()}): PEFT deep-copies those modules, and torch 2.13's FSDP2 refuses to "
+                        "copy a module that transformers 5.23 sharded at load time ('FSDP does not support "
+                        "deepcopy'). Fix: no lora_modules_to_save, or a mesh without tp.")

@@ -114,6 +114,12 @@ def sharding_info() -> dict:
     if not AcceleratorState._shared_state:  # no Accelerator yet (the run failed before the Trainer existed)
         return {"sharding_strategy": None, "fsdp_version": None, "mixed_precision": None, "mesh": None}
     state = AcceleratorState()
+    pc = getattr(state, "parallelism_config", None)
+    if pc is not None and getattr(pc, "tp_size", 1) > 1:  # sharded by transformers at load time, not by accelerate
+        return {"sharding_strategy": f"TENSOR_PARALLEL (tp {pc.tp_size} x dp_shard {pc.dp_shard_size}, by "
+                                     "transformers: train/tensor_parallel.py)",
+                "fsdp_version": 2 if pc.dp_shard_size > 1 else None, "mixed_precision": str(state.mixed_precision),
+                "mesh": mesh_info(pc)["mesh"]}
     if state.distributed_type != DistributedType.FSDP:
         kind = "DDP" if int(os.environ.get("WORLD_SIZE", 1)) > 1 else "NONE"
         return {"sharding_strategy": kind, "fsdp_version": None, "mixed_precision": str(state.mixed_precision),

@@ -33,7 +33,7 @@ from fsdp_recipes.patches.peft_fsdp import (
     strip_fsdp1_wrapper_names,
 )
 from fsdp_recipes.speed import context_parallel
-from fsdp_recipes.train import console, failure_record, kinds
+from fsdp_recipes.train import console, failure_record, kinds, tensor_parallel
 from fsdp_recipes.train.preemption import PreemptionCallback
 
 
@@ -100,6 +100,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         "trust_remote_code": training.trust_remote_code,
         "dtype": model_args.dtype,
         **(training.model_init_kwargs or {}),
+        **tensor_parallel.model_init_kwargs(cfg, resume),  # a tp mesh: transformers shards at load time
         **speed.model_init_kwargs(cfg),  # the attention kernel, a 4-bit base's BitsAndBytesConfig: theirs win
     }
     callbacks = pack_callbacks(cfg, peft_config, report, preemption, resume, settings)
@@ -116,6 +117,7 @@ def build_trainer(cfg: RunConfig, peft_config, report, preemption, resume=None, 
         **kind.trainer_kwargs(cfg),  # GRPO: the reward functions
     )
     trainer.token_counter, trainer.run_report = report.tokens, report
+    tensor_parallel.prepare_trainer(trainer)  # a LoRA adapter on a tp x dp_shard mesh: equal over dp
     add_pack_hooks(trainer, cfg, report)
     if dist.rank() == 0 and not length_report.measured_by_launcher(cfg):  # what max_length cuts, never silently
         for line in length_report.in_rank(cfg, (train_ds, eval_ds), trainer):
@@ -177,7 +179,9 @@ def add_pack_hooks(trainer, cfg: RunConfig, report) -> None:
 
 def set_up_process() -> bool:
     """Before any accelerate state exists: accelerate's FSDP path on CPU over gloo, where the launch asked for FSDP
-    and there is no GPU (patches/cpu_fsdp.py). Whether it applied."""
+    and there is no GPU (patches/cpu_fsdp.py); a tp mesh first (train/tensor_parallel.py). Whether FSDP on CPU
+    applied."""
+    tensor_parallel.set_up_process()
     return cpu_fsdp.enable()
 
 

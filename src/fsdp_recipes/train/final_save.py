@@ -20,6 +20,7 @@ from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.dist import gather_objects
 from fsdp_recipes.metrics.rss_watch import RssRise
 from fsdp_recipes.speed import four_bit
+from fsdp_recipes.train import tensor_parallel
 
 
 def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
@@ -31,7 +32,10 @@ def save_final(trainer, cfg: RunConfig, peft_config, report) -> None:
     if trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2:
         reshard_fsdp2(trainer.model)  # whatever ran last without a backward (sharded_save.py says why)
     with RssRise() as saving:  # each rank's host-memory rise while saving, then while checking (rss_watch.py)
-        if not trainer.is_fsdp_enabled:
+        if tensor_parallel.active(trainer.model):  # sharded by transformers at load time: its save, checked there
+            report.final_save_check = tensor_parallel.save_and_check(trainer, out, peft_config is not None)
+            checked_in_save = True
+        elif not trainer.is_fsdp_enabled:
             trainer.save_model(out)
         elif peft_config is not None and trainer.accelerator.is_fsdp2:
             # LoRA under FSDP2, FULL or SHARDED: gather only the trainable tensors, one at a time. The Trainer's
