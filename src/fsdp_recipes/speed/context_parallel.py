@@ -174,11 +174,10 @@ def use_all_to_all(accelerator) -> bool:
 
 def install(trainer) -> str | None:
     """A built trainer's context parallel, before train() prepares it: which form its steps run ("ring": torch's, on
-    CUDA; "all-to-all" elsewhere), None without a cp mesh. The ranks of a cp group see the same batch, and the run
-    report sums its token counts over the ranks: only the first rank of each cp group counts them."""
+    CUDA; "all-to-all" elsewhere), None without a cp mesh. The token counter stays on every rank: each counts the
+    whole batch (the ranks of a cp group get the same one, counted in training_step before the cp context splits
+    it), and the run report divides the ranks' sum by tp x cp, as for tensor parallel (metrics/run_report.py)."""
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     if pc is None or not pc.cp_enabled:
         return None
-    if trainer.accelerator.torch_device_mesh["cp"].get_local_rank() != 0:
-        trainer.token_counter = None
     return "all-to-all" if use_all_to_all(trainer.accelerator) else "ring"
