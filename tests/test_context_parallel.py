@@ -139,7 +139,7 @@ def test_install_puts_the_all_to_all_form_where_the_ring_cannot_run(monkeypatch)
 
     monkeypatch.setattr(context_parallel, "ring_available", lambda: False)
     hooked = []
-    monkeypatch.setattr("accelerate.big_modeling._attach_context_parallel_hooks", hooked.append)
+    monkeypatch.setattr("accelerate.big_modeling._attach_context_parallel_hooks", lambda model: hooked.append(model))
 
     def trainer(cp_rank: int, cp_enabled: bool = True):
         mesh = {"cp": SimpleNamespace(get_local_rank=lambda: cp_rank)}
