@@ -81,8 +81,9 @@ def sdpa_is(attention):
             checked_on=libs)
     register = _target(AttentionInterface, "register", ("key", "value"), patch=patch, checked_on=libs)
     if "sdpa" not in AttentionInterface():
-        raise PatchTargetChanged(f"patch {patch}: transformers' AttentionInterface no longer has 'sdpa'. Fix: install "
-                                 f"transformers{libs['transformers']}, or update fsdp_recipes/patches/context_parallel.py")
+        raise PatchTargetChanged(f"patch {patch}: transformers' AttentionInterface no longer has 'sdpa'. Fix: "
+                                 f"install transformers{libs['transformers']}, or update "
+                                 "fsdp_recipes/patches/context_parallel.py")
     library = AttentionInterface()["sdpa"]  # a new interface has no local entries: the global mapping's
     register("sdpa", attention)
     record(patch, "transformers AttentionInterface 'sdpa' (while a cp step runs)",
