@@ -143,7 +143,7 @@ def test_install_puts_the_all_to_all_form_where_the_ring_cannot_run(monkeypatch)
 
     def trainer(cp_rank: int, cp_enabled: bool = True):
         mesh = {"cp": SimpleNamespace(get_local_rank=lambda: cp_rank)}
-        accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=cp_enabled),
+        accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=cp_enabled, cp_size=2),
                                       torch_device_mesh=mesh, _prepare_cp=None, _cp_context=None)
         return SimpleNamespace(accelerator=accelerator, token_counter=object())
 

@@ -209,6 +209,7 @@ def test_the_context_parallel_patches_targets_match_the_installed_libraries(monk
     accelerator = SimpleNamespace()
     step = object()
     context_parallel.step_context_on(accelerator, step)
+    context_parallel.check_step_patches(2)  # what runs in each step, checked and recorded before the first
     library_sdpa = AttentionInterface()["sdpa"]
     attention = lambda *args, **kwargs: None  # noqa: E731
     with context_parallel.sdpa_is(attention):

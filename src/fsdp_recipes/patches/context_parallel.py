@@ -75,6 +75,19 @@ def sdpa_is(attention):
     """Point 2: inside, the attention transformers' models call for attn_implementation "sdpa" is `attention`."""
     from transformers.modeling_utils import AttentionInterface
 
+    register = _sdpa_register()
+    library = AttentionInterface()["sdpa"]  # a new interface has no local entries: the global mapping's
+    register("sdpa", attention)
+    try:
+        yield
+    finally:
+        register("sdpa", library)
+
+
+def _sdpa_register():
+    """AttentionInterface.register, once the lookup it feeds is the one point 2 was written for."""
+    from transformers.modeling_utils import AttentionInterface
+
     patch = _PATCH + "sdpa_is"
     libs = checked_on("transformers")
     _target(AttentionInterface, "get_interface", ("self", "attn_implementation", "default"), patch=patch,
@@ -84,14 +97,16 @@ def sdpa_is(attention):
         raise PatchTargetChanged(f"patch {patch}: transformers' AttentionInterface no longer has 'sdpa'. Fix: "
                                  f"install transformers{libs['transformers']}, or update "
                                  "fsdp_recipes/patches/context_parallel.py")
-    library = AttentionInterface()["sdpa"]  # a new interface has no local entries: the global mapping's
-    register("sdpa", attention)
     record(patch, "transformers AttentionInterface 'sdpa' (while a cp step runs)",
            "transformers' Trainer requires attn_implementation 'sdpa' under context parallel")
-    try:
-        yield
-    finally:
-        register("sdpa", library)
+    return register
+
+
+def check_step_patches(cp: int) -> None:
+    """Points 2 and 3, which run inside each step, checked when the run is set up: a changed target refuses before
+    training, and run_args.json (written before the first step) lists them."""
+    _sdpa_register()
+    ring_order(2 * cp, cp)
 
 
 def ring_order(seq_len: int, cp: int):

@@ -158,6 +158,7 @@ def use_all_to_all(accelerator) -> bool:
         return False
     patches.step_context_on(
         accelerator, lambda **kw: all_to_all_context(accelerator.torch_device_mesh["cp"], **kw))
+    patches.check_step_patches(pc.cp_size)
     return True
 
 
