@@ -161,10 +161,9 @@ def test_liger_without_its_package_is_one_line_and_off_in_a_cpu_smoke_run(cache_
 
 
 SPEED = REPO / "src" / "fsdp_recipes" / "speed"
-# The one other place an option's setting may be named: the version patch that maps transformers' old training-field
-# names to the new ones (activation_checkpointing was gradient_checkpointing before transformers 5.23).
-# versions.py maps transformers' old training-field names; context_parallel.py checks a library signature that has a
-# parameter named attn_implementation (transformers' AttentionInterface.get_interface), not the pack's setting
+# The other places an option's setting may be named: the version patch that maps transformers' old training-field
+# names to the new ones (activation_checkpointing was gradient_checkpointing before transformers 5.23), and the cp
+# patch, which checks a library signature with a parameter named attn_implementation (AttentionInterface.get_interface)
 ALLOWED = {REPO / "src" / "fsdp_recipes" / "patches" / "versions.py",
            REPO / "src" / "fsdp_recipes" / "patches" / "context_parallel.py"}
 
