@@ -1,7 +1,8 @@
 """Tensor parallel beside FSDP2 (train/tensor_parallel.py, patches/tensor_parallel.py) on CPU over gloo: the tiny
 Mistral on a tp 2 x dp_shard 2 mesh of 4 processes against one process: loss and every gradient, full fine-tuning
 and LoRA; the final save gathered from the DTensors; a distributed checkpoint saved at that mesh and loaded at
-another (dp_shard 4). The 4 ranks are forks of this process (nothing to import again): one test, ~30 s on 2 cores.
+another (dp_shard 4); and a preempted Trainer run resumed exactly from the pack's checkpoint (4 steps straight against
+2 + 2). The 4 ranks are forks of this process (nothing to import again): one test, 19-25 s on 2 cores.
 The pack's launch of the same mesh (its recipe, Trainer and final save) was checked by hand (docs/training.md)."""
 
 from __future__ import annotations
@@ -246,6 +247,9 @@ def test_what_a_tp_run_cannot_do_is_one_line(monkeypatch, tmp_path):
     (ckpt / "tp_state").mkdir(parents=True)
     (ckpt / "tp_state" / ".metadata").write_bytes(b"")
     assert tensor_parallel.model_init_kwargs(cfg(), resume=str(ckpt))["distributed_config"]  # one it resumes from
+    from fsdp_recipes.checkpoint.markers import unreadable  # the launcher's check: that empty index cannot be read
+
+    assert unreadable(ckpt).startswith("tp_state/.metadata: ")
     with pytest.raises(UserError, match=r"^lora_modules_to_save \['lm_head'\] with a tensor-parallel mesh .* FSDP2 "
                                         r"refuses to copy .* Fix: "):  # also the launcher's (tests/test_mesh.py)
         tensor_parallel.model_init_kwargs(cfg(modules_to_save=["lm_head"]), resume=None)
