@@ -1,7 +1,8 @@
 """Tensor parallel beside FSDP2 (train/tensor_parallel.py, patches/tensor_parallel.py) on CPU over gloo: the tiny
 Mistral on a tp 2 x dp_shard 2 mesh of 4 processes against one process: loss and every gradient, full fine-tuning
 and LoRA; the final save gathered from the DTensors; a distributed checkpoint saved at that mesh and loaded at
-another (dp_shard 4). The 4 ranks are forks of this process (nothing to import again): one test, ~30 s on 2 cores.
+another (dp_shard 4); and a preempted Trainer run resumed exactly from the pack's checkpoint (4 steps straight against
+2 + 2). The 4 ranks are forks of this process (nothing to import again): one test, 19-25 s on 2 cores.
 The pack's launch of the same mesh (its recipe, Trainer and final save) was checked by hand (docs/training.md)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 TP, DP = 2, 2
 BATCH, LENGTH = 4, 24
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-5  # float32; measured 2026-11-29: loss 1e-6, gradients 3.3e-7 at most
+RESUME_STEPS, RESUME_TOL = 4, 1e-6  # the same ranks, shards and reduction order: measured equal to the last bit
 
 
 def rows() -> torch.Tensor:
@@ -122,11 +124,12 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, re
                 target.copy_(distribute_tensor(w, p.device_mesh, p.placements).to_local() if isinstance(p, DTensor)
                              else w)
     hooks = types.SimpleNamespace(model=adapted, accelerator=types.SimpleNamespace(sync_gradients=True))
-    tensor_parallel.prepare_trainer(hooks)  # the tp-sharded adapter tensors: averaged over the dp ranks
+    tensor_parallel.sync_adapter_over_dp(hooks)  # prepare_trainer's: the tp-sharded adapter tensors averaged over dp
     Trainer._sync_replicated_trainable_parameters(hooks, adapted)  # the Trainer's own, for the plain ones
     result["lora_loss"] = step(adapted, rank)
     result["lora_grad"] = worst(adapted, ref["lora"]["grads"])
     result["lora_sharded"] = sum(isinstance(p, DTensor) for p in adapted.parameters() if p.requires_grad)
+    result.update(resume(out_dir, rank))
     dist.barrier()
     if main:
         with open(f"{out_dir}/result.json", "w") as f:
@@ -134,12 +137,62 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, re
     dist.destroy_process_group()
 
 
-def test_tp_beside_fsdp2_trains_saves_and_reshards_as_one_process(cache_dir, tmp_path):
+def trainer(out_dir: str, save_steps: int, callbacks=()):
+    """The Trainer of a tp run on 16 rows (2 a rank, 4 steps an epoch) with AdamW and a decaying schedule, so that a
+    resume that lost the optimizer's moments, the schedule or the data position trains other losses."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+    from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback
+
+    ids = torch.randint(4, 268, (16, LENGTH), generator=torch.Generator().manual_seed(2)).tolist()
+    model = AutoModelForCausalLM.from_pretrained(
+        os.environ["TP_TEST_MODEL"], dtype=torch.float32,
+        distributed_config=tensor_parallel.distributed_config(tensor_parallel.mesh_from_env()))
+    args = TrainingArguments(output_dir=out_dir, max_steps=RESUME_STEPS, per_device_train_batch_size=2,
+                             learning_rate=1e-2, lr_scheduler_type="linear", logging_steps=1, save_steps=save_steps,
+                             save_only_model=True, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+    built = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
+                    callbacks=[CompletionMarkerCallback(), *callbacks])  # the pack's order (train/build.py)
+    tensor_parallel.prepare_trainer(built)
+    return built
+
+
+def resume(out_dir: str, rank: int) -> dict:
+    """4 steps straight; 2 steps, a checkpoint and a stop (a preemption); a fresh trainer resumed for the last 2."""
+    from transformers import TrainerCallback
+
+    from fsdp_recipes.checkpoint import markers
+    from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
+
+    class Preempted(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    def losses(done):
+        return [h["loss"] for h in done.state.log_history if "loss" in h]
+
+    straight = trainer(f"{out_dir}/straight", save_steps=100)
+    straight.train()
+    cut = trainer(f"{out_dir}/cut", save_steps=RESUME_STEPS // 2, callbacks=[Preempted()])
+    cut.train()
+    ckpt = markers.latest_complete(f"{out_dir}/cut")  # the marker is written after the pack's part (markers.py)
+    order = [type(c).__name__ for c in cut.callback_handler.callbacks]
+    # the pack's resume check verifies every AdamW state's step count after the load (resume_check.py)
+    resumed = trainer(f"{out_dir}/cut", save_steps=100, callbacks=[ResumeCheckCallback(str(ckpt), peft=False)])
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    return {"straight": losses(straight), "resumed": losses(resumed), "checkpoint": ckpt.name,
+            "readable": markers.unreadable(ckpt), "files": sorted(p.name for p in ckpt.iterdir()),
+            "pack_first": order.index("TensorParallelCheckpoints") < order.index("CompletionMarkerCallback")}
+
+
+def test_tp_beside_fsdp2_trains_saves_and_reshards_as_one_process(cache_dir, tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
     from fsdp_recipes.dist import free_port
 
     model_dir = str(cache_dir / "tiny-mistral")
+    monkeypatch.setenv("TP_TEST_MODEL", model_dir)
     ref = reference(model_dir)
     # forks: the ranks share this process's imports (spawn would import torch and transformers 4 more times)
     mp.start_processes(rank_main, args=(TP * DP, free_port(), model_dir, str(tmp_path), ref), nprocs=TP * DP,
@@ -152,6 +205,12 @@ def test_tp_beside_fsdp2_trains_saves_and_reshards_as_one_process(cache_dir, tmp
     assert abs(got["lora_loss"] - ref["lora"]["loss"]) < LOSS_TOL
     assert got["lora_grad"] < GRAD_TOL
     assert got["lora_sharded"] == 28  # per layer: lora_B of 5 colwise projections, lora_A of 2 rowwise; 4 layers
+    # a preempted tp run resumes exactly: the resumed trainer's log holds the checkpoint's 2 losses and its own 2
+    assert got["checkpoint"] == "checkpoint-2" and got["readable"] is None and got["pack_first"]
+    assert {"tp_state", "scheduler.pt", "rng_state_3.pth", "trainer_state.json", "checkpoint_complete"} <= \
+        set(got["files"])
+    assert len(got["straight"]) == len(got["resumed"]) == RESUME_STEPS
+    assert max(abs(a - b) for a, b in zip(got["straight"], got["resumed"])) <= RESUME_TOL
 
 
 def cfg(use_peft=True, modules_to_save=None, save_strategy="steps", save_only_model=False):
@@ -178,11 +237,19 @@ def test_the_rank_reads_the_mesh_accelerate_launch_passed(monkeypatch):
     assert run.training.save_only_model  # transformers checkpoints no optimizer state for such a model
 
 
-def test_what_a_tp_run_cannot_do_is_one_line(monkeypatch):
+def test_what_a_tp_run_cannot_do_is_one_line(monkeypatch, tmp_path):
     tp_env(monkeypatch)
-    with pytest.raises(UserError, match=r"^runs/x has a checkpoint to resume \(runs/x/checkpoint-4\), but a "
-                                        r"tensor-parallel run cannot resume: transformers 5.23 .* Fix: "):
+    # a checkpoint without the pack's part (saved before it, or by transformers alone): no optimizer state to resume
+    with pytest.raises(UserError, match=r"^runs/x has a checkpoint to resume \(runs/x/checkpoint-4\), but it holds "
+                                        r"no optimizer state \(tp_state/ missing: .* transformers 5.23 .* Fix: "):
         tensor_parallel.model_init_kwargs(cfg(), resume="runs/x/checkpoint-4")
+    ckpt = tmp_path / "checkpoint-4"
+    (ckpt / "tp_state").mkdir(parents=True)
+    (ckpt / "tp_state" / ".metadata").write_bytes(b"")
+    assert tensor_parallel.model_init_kwargs(cfg(), resume=str(ckpt))["distributed_config"]  # one it resumes from
+    from fsdp_recipes.checkpoint.markers import unreadable  # the launcher's check: that empty index cannot be read
+
+    assert unreadable(ckpt).startswith("tp_state/.metadata: ")
     with pytest.raises(UserError, match=r"^lora_modules_to_save \['lm_head'\] with a tensor-parallel mesh .* FSDP2 "
                                         r"refuses to copy .* Fix: "):  # also the launcher's (tests/test_mesh.py)
         tensor_parallel.model_init_kwargs(cfg(modules_to_save=["lm_head"]), resume=None)

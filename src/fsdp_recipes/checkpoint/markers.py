@@ -66,6 +66,10 @@ def unreadable(ckpt: Path) -> str | None:
                     f.keys()
             elif path.suffix in (".pt", ".pth", ".bin"):
                 zipfile.ZipFile(path).close()
+            elif path.name == ".metadata":  # a distributed checkpoint's index (e.g. tensor_parallel_state.py)
+                from torch.distributed.checkpoint import FileSystemReader
+
+                FileSystemReader(str(path.parent)).read_metadata()
         except Exception as err:  # noqa: BLE001 -- any reason a loader would fail is the answer here
             first = next((x.strip() for x in str(err).splitlines() if x.strip()), "")
             return f"{path.relative_to(ckpt)}: {type(err).__name__}: {first}"

@@ -13,9 +13,10 @@ fsdp_config settings (wrap policy, resharding, state dict type, activation check
 a tp run: transformers' FSDP2 plan shards each decoder layer, and gradient checkpointing is the recipe's
 `gradient_checkpointing`.
 
-What a tp run gives up, upstream: transformers 5.23 checkpoints no optimizer state for a model it sharded at load
-time (the Trainer refuses unless `save_only_model`), so a tp run's checkpoints hold the model only and it cannot
-resume (`settle`). Its final save is the Trainer's: the full state dict gathered from the DTensors onto rank 0
+What upstream leaves to the pack: transformers 5.23 checkpoints no optimizer state for a model it sharded at load
+time (the Trainer refuses unless `save_only_model`) and cannot load its own checkpoint back into the DTensors, so
+the pack saves the weights, optimizer, scheduler and RNG states itself and loads them on resume
+(checkpoint/tensor_parallel_state.py, wired in by `prepare_trainer`): a preempted tp run resumes exactly. Its final save is the Trainer's: the full state dict gathered from the DTensors onto rank 0
 (a LoRA adapter: PEFT's gather), checked here against every live parameter gathered again (`save_and_check`).
 
 Checked on CPU over gloo (tests/test_tensor_parallel.py, docs/training.md "Tensor parallel"); the 2 patches it
@@ -27,6 +28,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from transformers import TrainerCallback
+
+from fsdp_recipes.checkpoint import tensor_parallel_state as tp_state
 from fsdp_recipes.config.mesh import Mesh, check_tensor_parallel_lora
 from fsdp_recipes.errors import UserError
 
@@ -78,18 +82,16 @@ def model_init_kwargs(cfg, resume) -> dict:
 
 
 def settle(training, resume) -> None:
-    """What transformers 5.23 allows a model it sharded at load time: no resume, checkpoints of the model only."""
-    if resume:
-        raise UserError(f"{training.output_dir} has a checkpoint to resume ({resume}), but a tensor-parallel run "
-                        "cannot resume: transformers 5.23 checkpoints no optimizer state for a model it sharded at "
-                        "load time. Fix: a new output_dir, or model_name_or_path set to that checkpoint to start "
-                        "from its weights.")
+    """Checkpoints of a tp run: the Trainer's of the model (`save_only_model`, the only kind transformers 5.23 allows
+    a model it sharded at load time) and the pack's of the rest (checkpoint/tensor_parallel_state.py). A checkpoint
+    without the pack's part (saved before it existed) cannot be resumed: one line."""
+    if resume and not tp_state.has_state(resume):
+        raise UserError(f"{training.output_dir} has a checkpoint to resume ({resume}), but it holds no optimizer "
+                        f"state ({tp_state.STATE_DIR}/ missing: saved before the pack checkpointed tensor-parallel "
+                        "runs, and transformers 5.23 saves none for a model it sharded at load time). Fix: a new "
+                        "output_dir, or model_name_or_path set to that checkpoint to start from its weights.")
     if str(getattr(training.save_strategy, "value", training.save_strategy)) != "no" and not training.save_only_model:
-        training.save_only_model = True
-        if os.environ.get("RANK", "0") == "0":
-            print("[train] tensor parallel: checkpoints hold the model only (save_only_model; transformers 5.23 "
-                  "saves no optimizer state for a model it sharded at load time), so this run cannot resume",
-                  flush=True)
+        training.save_only_model = True  # the Trainer refuses anything else; the rest is tensor_parallel_state's
 
 
 def active(model) -> bool:
@@ -99,10 +101,47 @@ def active(model) -> bool:
 
 
 def prepare_trainer(trainer) -> None:
-    """The built trainer of a tp run: a LoRA adapter kept equal over the dp ranks. (Its tokens: the run report
-    counts a row once per dp rank, dividing by the mesh's tp x cp, metrics/run_report.py.)"""
+    """The built trainer of a tp run: a LoRA adapter kept equal over the dp ranks; checkpoints it can resume from.
+    (Its tokens: the run report counts a row once per dp rank, dividing by the mesh's tp x cp, run_report.py.)"""
     if active(trainer.model):
         sync_adapter_over_dp(trainer)
+        resumable_checkpoints(trainer)
+
+
+class TensorParallelCheckpoints(TrainerCallback):
+    """Writes the pack's part of each checkpoint (on_save) and loads it on resume (on_train_begin: the optimizer
+    and scheduler exist, no step taken). Sits before the completion marker and the resume check."""
+
+    def __init__(self, trainer):
+        self.trainer, self.resume = trainer, None
+
+    def on_save(self, args, state, control, **kwargs):
+        tp_state.save(self.trainer, Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.resume is not None:
+            tp_state.load(self.trainer, self.resume)
+            self.resume = None
+
+
+def resumable_checkpoints(trainer) -> None:
+    """The callback, placed before the marker's (a checkpoint is complete only with the optimizer state in it,
+    checkpoint/markers.py) and the resume check's (which verifies what it loaded); and the Trainer's own weight
+    load replaced: transformers 5.23 copies the checkpoint's full tensors into the DTensor parameters, which fails
+    on each ("aten.copy_.default got mixed torch.Tensor and DTensor"). The Trainer calls it with the checkpoint's
+    path before preparing the model: that path is what the callback loads, weights included."""
+    from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback
+
+    callback = TensorParallelCheckpoints(trainer)
+    callbacks = trainer.callback_handler.callbacks
+    first_of_pack = next((i for i, c in enumerate(callbacks) if isinstance(c, CompletionMarkerCallback)),
+                         len(callbacks))
+    callbacks.insert(first_of_pack, callback)
+
+    def load_at_train_begin(resume_from_checkpoint, model=None):
+        callback.resume = resume_from_checkpoint
+
+    trainer._load_from_checkpoint = load_at_train_begin
 
 
 def sync_adapter_over_dp(trainer) -> None:
