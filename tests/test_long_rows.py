@@ -270,7 +270,7 @@ def test_the_run_report_records_the_mesh_and_counts_a_rows_tokens_once(monkeypat
     assert (totals["non_padding"], totals["padded"], totals["sequences"]) == (4000 + 100, 4096 + 100, 8 + 1)
 
 
-def test_a_smoke_run_keeps_cp_and_drops_tp():
+def test_a_smoke_run_keeps_cp_and_tp():
     from fsdp_recipes.launch.smoke import scale_accelerate
 
     acc = {"distributed_type": "FSDP", "num_processes": 8, "num_machines": 1}
@@ -280,5 +280,10 @@ def test_a_smoke_run_keeps_cp_and_drops_tp():
     assert scale_accelerate(cp, gpus=8)["parallelism_config"] == mesh(dp_shard=4, cp=2)
     assert scale_accelerate(cp, gpus=4)["parallelism_config"] == mesh(dp_shard=2, cp=2)
     assert "parallelism_config" not in scale_accelerate(cp, gpus=3)  # cp 2 does not divide 3 GPUs: plain FSDP
-    tp = scale_accelerate(dict(acc, parallelism_config=mesh(dp_shard=4, tp=2)))
-    assert "parallelism_config" not in tp and tp["num_processes"] == 2
+    tp = dict(acc, parallelism_config=mesh(dp_shard=2, tp=8), num_processes=16, num_machines=2)
+    assert scale_accelerate(tp)["parallelism_config"] == mesh(dp_shard=1, tp=2)  # CPU: tp 2 over 2 processes
+    assert scale_accelerate(tp)["num_processes"] == 2 and scale_accelerate(tp)["num_machines"] == 1
+    assert scale_accelerate(tp, gpus=8)["parallelism_config"] == mesh(dp_shard=4, tp=2)  # the tiny model: 2 KV heads
+    assert scale_accelerate(tp, gpus=2)["parallelism_config"] == mesh(dp_shard=1, tp=2)
+    assert "parallelism_config" not in scale_accelerate(tp, gpus=3)  # tp 2 does not divide 3 GPUs: plain FSDP
+    assert scale_accelerate(tp, gpus=3)["num_processes"] == 3

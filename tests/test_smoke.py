@@ -33,6 +33,8 @@ def expected_layout(acc: dict) -> tuple[int, str]:
     if acc["distributed_type"] == "MULTI_GPU":
         return 2, "DDP"
     replicate = (acc.get("parallelism_config") or {}).get("parallelism_config_dp_replicate_size", 1)
+    if (acc.get("parallelism_config") or {}).get("parallelism_config_tp_size", 1) > 1:  # kept as tp 2 on 2 processes
+        return 2, "TENSOR_PARALLEL (tp 2 x dp_shard 1, by transformers"
     if replicate > 1:
         return 4, "HYBRID_SHARD (replicate 2 x shard 2)"
     if acc["fsdp_config"].get("fsdp_reshard_after_forward") is False:  # FSDP2 keeping layers gathered until backward
@@ -47,7 +49,9 @@ def expected_layout(acc: dict) -> tuple[int, str]:
 # runs it for real, with its own model, on the same 2 CPU processes) and mistral-small-lora-2xh200 (generated from
 # mistral-small-lora: its smoke run differs from that one's only in batch size and accumulation), and
 # llama-3.1-8b-lora, whose smoke run tests/test_default_recipe.py runs from a folder copied into another project.
-# Every other recipe's smoke run is its only launch in CI.
+# Every other recipe's smoke run is its only launch in CI. llama-3.1-70b-full-tp's (tp 2 over its 2 processes, ~35 s
+# of training) is the suite's one launch of a tensor-parallel mesh through the launcher, the Trainer's checkpoints and
+# the tp final save (tests/test_tensor_parallel.py forks its ranks and drives the model itself).
 # DPO: smollm2-135m-dpo runs for real in tests/test_default_recipe.py (after the default, with the real model);
 # qwen3-8b-full-dpo's smoke run is tests/test_preemption.py's DPO run (straight, preempted and resumed), and
 # llama-3.1-8b-lora-dpo's is tests/test_slurm.py's one-node sbatch job.
@@ -137,7 +141,11 @@ def test_smoke_every_recipe(name, cache_dir, tmp_path):
     assert metrics["status"] == "completed" and metrics["steps"] == 3
     assert metrics["world_size"] == world
     assert metrics["sharding_strategy"].startswith(strategy), metrics["sharding_strategy"]
-    if acc["distributed_type"] == "FSDP":
+    if strategy.startswith("TENSOR_PARALLEL"):  # tp 2 alone: transformers shards, no FSDP (train/tensor_parallel.py)
+        assert metrics["mesh"]["tp"] == 2 and metrics["fsdp_version"] is None
+        ran = json.loads((out / "run_args.json").read_text())["speed_options"]["activation_checkpointing"]
+        assert ran["policy"] == "full"  # the Trainer's checkpointing beside tp (auto without GPUs)
+    elif acc["distributed_type"] == "FSDP":
         assert metrics["fsdp_version"] == acc["fsdp_config"]["fsdp_version"]
     assert metrics["final_save_check"]["tensors"] > 0  # the final save was complete and checked
     assert (out / "checkpoint-2").is_dir()

@@ -142,12 +142,18 @@ def scale_accelerate(acc: dict, gpus: int = 0) -> dict:
     """The recipe's accelerate YAML on this one machine: 2 CPU processes (an HSDP recipe 2 replicas of 2 shards, 4
     processes, so that both dimensions exist; a context-parallel recipe cp 2 over its 2 processes); with GPUs, one
     process per GPU up to the recipe's count, HSDP kept where there are 4 or more (2 replicas of half the GPUs each),
-    cp kept where its size divides them, else plain FSDP over the GPUs there are. A tp mesh (config/mesh.py refuses
-    it until tensor parallel trains) becomes plain FSDP."""
+    cp kept where its size divides them, else plain FSDP over the GPUs there are. A tensor-parallel recipe keeps tp 2
+    (the tiny model's 2 key/value heads allow no more): on CPU tp 2 over its 2 processes, with GPUs tp 2 x dp_shard
+    the rest where they are an even count, else plain FSDP over the GPUs there are."""
     acc = dict(acc, num_machines=1, machine_rank=0, rdzv_backend="static", same_network=True)
     parallel = dict(acc.get("parallelism_config") or {})
     cp = int(parallel.get("parallelism_config_cp_size", 1))
-    if int(parallel.get("parallelism_config_tp_size", 1)) > 1:
+    if int(parallel.get("parallelism_config_tp_size", 1)) > 1 and acc.get("distributed_type") == "FSDP":
+        n = min(gpus, int(acc.get("num_processes", 1))) if gpus else 2
+        if n % 2 == 0:  # transformers shards each layer over the 2 tp ranks, FSDP2 over the rest (config/mesh.py)
+            acc.update(num_processes=n, parallelism_config={"parallelism_config_dp_shard_size": n // 2,
+                                                            "parallelism_config_tp_size": 2})
+            return acc
         acc.pop("parallelism_config")
         parallel, cp = {}, 1
     if cp > 1 and acc.get("distributed_type") == "FSDP":  # the row split over cp ranks, the rest dp_shard
@@ -216,13 +222,15 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
                     "(fsdp_recipes.launch.smoke)\n" + yaml.safe_dump(scaled, sort_keys=True))
     meshed = any(int((acc.get("parallelism_config") or {}).get(f"parallelism_config_{d}_size", 1)) > 1
                  for d in ("tp", "cp"))
-    dropped = (" (its tp mesh is not trained yet, or its cp does not divide the GPUs: plain FSDP here)" if meshed else
+    dropped = (" (its tp or cp does not divide the GPUs: plain FSDP here)" if meshed else
                " (HSDP needs 4 GPUs for both dimensions: plain FSDP here)") if (
         acc.get("parallelism_config") and not scaled.get("parallelism_config")) else ""
     split = scaled.get("parallelism_config") or {}
     if int(split.get("parallelism_config_cp_size", 1)) > 1:  # context parallel kept: rows split over the cp ranks
         shard, cp = split["parallelism_config_dp_shard_size"], split["parallelism_config_cp_size"]
         dropped = f" as dp_shard {shard} x cp {cp}" + ("" if gpus else " (context parallel: the all-to-all form on CPU)")
+    if int(split.get("parallelism_config_tp_size", 1)) > 1:  # tensor parallel kept: each layer split over 2 ranks
+        dropped = f" as dp_shard {split['parallelism_config_dp_shard_size']} x tp 2" + ("" if gpus else " (over gloo)")
     say(f"accelerate: recipes/{recipe.name}/accelerate.yaml with {acc.get('num_processes', 1)} process(es) on "
         f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one's {where} "
         f"({path}){dropped}")
