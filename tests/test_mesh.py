@@ -108,6 +108,19 @@ def test_tensor_parallel_beside_fsdp2_passes():
     check_mesh_fits(Mesh(dp_shard=2, tp=8), "a.yaml", 64, 8, 4100)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "torch.float16"])
+def test_full_fine_tuning_beside_tp_keeps_fp32_weights(dtype):
+    """Under tp accelerate's FSDP2 (and its upcast of a bf16 load to fp32 master weights) is off."""
+    model = SimpleNamespace(use_peft=False, dtype=dtype, lora_modules_to_save=None)
+    with pytest.raises(UserError, match=r"a.yaml: tp 2 with full fine-tuning .*Fix: dtype: float32 with bf16: true"):
+        check_mesh_fits(Mesh(tp=2), "a.yaml", 4, 2, 64, SimpleNamespace(model=model))
+    fp32 = SimpleNamespace(use_peft=False, dtype="float32", lora_modules_to_save=None)
+    check_mesh_fits(Mesh(tp=2), "a.yaml", 4, 2, 64, SimpleNamespace(model=fp32))
+    lora = SimpleNamespace(use_peft=True, dtype=dtype, lora_modules_to_save=None)  # PEFT keeps its adapters in fp32
+    check_mesh_fits(Mesh(tp=2), "a.yaml", 4, 2, 64, SimpleNamespace(model=lora))
+    check_mesh_fits(Mesh(dp_shard=2), "a.yaml", 4, 2, 64, SimpleNamespace(model=model))  # FSDP2 upcasts
+
+
 def test_the_launcher_says_it_before_any_rank_starts(tmp_path, checks, monkeypatch, capsys):
     """A copied tiny recipe given tp 2 on its 2 processes: its tiny Mistral's 4 heads and 2 key/value heads divide,
     but its LoRA trains the LM head in full (lora_modules_to_save), which tp cannot; without that its checks pass

@@ -118,6 +118,8 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
     model = getattr(cfg, "model", None)  # the recipe's ModelConfig (absent from a test's stand-in)
     if model is not None and model.use_peft:
         check_tensor_parallel_lora(mesh, model.lora_modules_to_save)
+    if model is not None and mesh.tp > 1 and not model.use_peft:
+        check_tensor_parallel_precision(mesh, path, model.dtype)
     if mesh.cp > 1 and cfg is not None:
         check_context_parallel(mesh.cp, path, heads, cfg)
 
@@ -143,6 +145,18 @@ def check_context_parallel(cp: int, path, heads: int | None, cfg) -> None:
         raise UserError(f"{where} does not divide the model's {heads} attention heads: without a GPU the ranks run "
                         "context parallel's all-to-all form, which gives each rank whole heads. Fix: "
                         f"{PREFIX}cp_size a divisor of {heads}.")
+
+
+def check_tensor_parallel_precision(mesh: Mesh, path, dtype) -> None:
+    """Full fine-tuning beside tp keeps the weights in the dtype they were loaded in: accelerate's FSDP2, which
+    upcasts a half-precision load to fp32 master weights, is off for a tp model (train/tensor_parallel.py), so a
+    bfloat16 load would train bf16 weights and AdamW states, whose updates at a fine-tuning learning rate fall below
+    bf16's resolution (and the planner counts fp32 states)."""
+    name = str(dtype or "").removeprefix("torch.")
+    if name in ("bfloat16", "float16"):
+        raise UserError(f"{path}: tp {mesh.tp} with full fine-tuning trains the weights in the dtype they load in, "
+                        f"{name}: under tp accelerate's FSDP2 and its fp32 master weights are off. Fix: dtype: "
+                        "float32 with bf16: true (bf16 compute, fp32 weights and optimizer states).")
 
 
 def check_tensor_parallel_lora(mesh: Mesh | None, modules_to_save: list | None) -> None:
