@@ -92,7 +92,8 @@ def cp_recipe_keys(training, cp: int) -> dict:
 
 
 def recipe_keys(training, cp: int) -> str:
-    return ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in cp_recipe_keys(training, cp).items())
+    keys = cp_recipe_keys(training, cp)
+    return ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items())
 
 
 def refusal(acc: dict, cfg, world: int, tp: int, cp: int, heads: int, kv_heads: int, max_length: int) -> str | None:

@@ -157,7 +157,8 @@ def check_planned_mesh(acc: dict, path: Path, world: int, model_config, cfg) -> 
     m = mesh.mesh_of(acc, path)
     if m is None or world % (m.dp_replicate * m.tp * m.cp):
         return  # plain FSDP; or a world the mesh does not divide, which mesh_split names
-    sizes = dict(acc["parallelism_config"], **{f"{mesh.PREFIX}dp_shard_size": world // (m.dp_replicate * m.tp * m.cp)})
+    dp_shard = world // (m.dp_replicate * m.tp * m.cp)
+    sizes = dict(acc["parallelism_config"], **{f"{mesh.PREFIX}dp_shard_size": dp_shard})
     planned = mesh.check_mesh(dict(acc, parallelism_config=sizes), path, world)
     mesh.check_mesh_fits(planned, path, getattr(model_config, "num_attention_heads", None),
                          getattr(model_config, "num_key_value_heads", None),
