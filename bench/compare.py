@@ -224,17 +224,17 @@ def per_step(collectives: dict, micro_batches: int) -> dict:
 def planned(v: Variant, cfg, shape, tokens: int) -> dict:
     """make plan's figures for this variant: memory per rank by component at `tokens` per micro-batch, and the
     collectives' payload per step."""
-    from fsdp_recipes.api import Setup, budget, comms
+    from fsdp_recipes.api import Setup, Topology, Work, budget, estimate_comms
 
     setup = Setup(shard=v.shard, world=v.processes, strategy=v.strategy, load_bytes=4, compute_bytes=4,
                   mixed_precision=False, tokens=tokens, reference="none",
                   checkpointed=False, optimizer_bytes=8, runtime_bytes=0)
     memory = budget(shape, setup)
-    topology = comms.Topology(v.strategy, v.processes, 1, v.shard, v.fsdp_version or 2, v.reshard_after_forward)
-    work = comms.Work(accumulation=1, micro_batch=1, max_length=tokens, gather_bytes=4, reduce_bytes=4)
+    topology = Topology(v.strategy, v.processes, 1, v.shard, v.fsdp_version or 2, v.reshard_after_forward)
+    work = Work(accumulation=1, micro_batch=1, max_length=tokens, gather_bytes=4, reduce_bytes=4)
     from fsdp_recipes.api import fabric
 
-    estimate = comms.estimate(shape, topology, work, fabric("H100"))  # payloads do not depend on the fabric
+    estimate = estimate_comms(shape, topology, work, fabric("H100"))  # payloads do not depend on the fabric
     return {"memory": {k: memory[k] for k in COMPONENTS}, "collectives": {
         c.op: {"group": c.group, "payload": c.payload, "sent": c.sent} for c in estimate.collectives}}
 

@@ -26,10 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("models", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from fsdp_recipes.api import smollm2
+    from fsdp_recipes.api import ensure_smollm2
 
     rows = [json.loads(line) for line in
-            (smollm2.ensure_assets(model=False, quiet=True)["data"] / "train.jsonl").read_text().splitlines()]
+            (ensure_smollm2(model=False, quiet=True)["data"] / "train.jsonl").read_text().splitlines()]
     rows = rows[ADDITION_TRAIN_QUESTIONS:ADDITION_TRAIN_QUESTIONS + N]
     prompts, expected = [r["prompt"] for r in rows], [r["completion"][-1]["content"] for r in rows]
     started = now_iso()

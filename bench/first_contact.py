@@ -138,18 +138,25 @@ def random_smollm2(work: Path, tiny: bool = False) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fsdp_recipes.api import ensure_tiny_assets, load_recipe, model_config, smoke
+    from fsdp_recipes.api import (
+        build_smoke_model,
+        ensure_tiny_assets,
+        fit_smoke_tokenizer,
+        load_recipe,
+        model_config,
+        smoke_model_source,
+    )
 
     recipe = REPO / "recipes" / DEFAULT
     if tiny:
-        source = smoke.model_source(load_recipe(recipe))
+        source = smoke_model_source(load_recipe(recipe))
         assert source is not None, f"{recipe.name}: make smoke builds no model of it (its model is the tiny one)"
-        return smoke.build_model(recipe, source[0], ensure_tiny_assets(quiet=True))
+        return build_smoke_model(recipe, source[0], ensure_tiny_assets(quiet=True))
     out = work / "smollm2-135m-random"
     if (out / "config.json").exists():
         return out
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"])
-    config = smoke.fit_tokenizer(model_config(recipe / "model_config.json"), tokenizer)
+    config = fit_smoke_tokenizer(model_config(recipe / "model_config.json"), tokenizer)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -224,9 +231,9 @@ def default_recipe(work: Path, env: dict, model: str, on_gpu: bool, timeout_s,
     first_probe = read_json(out / "memory_probe.rank0.json")  # the resumed run's has no activations: keep this one
     items = run_items("default, preempted", rc, first, first_args, on_gpu,
                       expect_rc=EXIT_PREEMPTED, expect_status="preempted")
-    from fsdp_recipes.api import checkpoint_markers
+    from fsdp_recipes.api import latest_complete
 
-    saved = checkpoint_markers.latest_complete(str(out))
+    saved = latest_complete(str(out))
     items.append(item("default, preempted: a complete checkpoint", saved is not None,
                       f"{saved}; launcher exited {after and round(after, 1)} s after SIGTERM"))
     facts["preempted_at_step"] = (first or {}).get("steps")
@@ -380,10 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         elif model == "auto":
             import importlib.metadata as md
 
-            from fsdp_recipes.api import smollm2
+            from fsdp_recipes.api import SMOLLM2_DIST
 
             try:
-                md.version(smollm2.DIST)
+                md.version(SMOLLM2_DIST)
                 model = "real"
             except md.PackageNotFoundError:
                 model = "random"

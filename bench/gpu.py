@@ -127,7 +127,7 @@ from pathlib import Path
 
 from bench.gpu_worker import WARMUP_FILE
 from bench.ladder_goals import GOAL_MFU_1B_1GPU, GOAL_SPEEDUP, ladder_title, method_of
-from fsdp_recipes.api import activation_checkpointing_option, float8_option
+from fsdp_recipes.api import CHECKPOINTING_POLICIES, FLOAT8_MIN_CAPABILITY, checkpointing_setup_fields
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
@@ -321,7 +321,7 @@ def why_skip(rung: dict, s: dict, device: dict) -> str | None:
             return "float8 is for full fine-tuning: the pack refuses it under LoRA (speed/float8.py check_config)"
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not importable (pip install torchao; scripts/device_wheels.sh carries it)"
-        if cuda and tuple(device["capability"]) < float8_option.MIN_CAPABILITY:
+        if cuda and tuple(device["capability"]) < FLOAT8_MIN_CAPABILITY:
             return f"float8 needs compute capability >= 8.9, this GPU has {device['capability'][0]}." \
                    f"{device['capability'][1]}"
     return None
@@ -349,7 +349,7 @@ def memory_parts(size: str, s: dict, processes: int, max_length: int, tokens: in
                   optimizer_bytes=8, runtime_bytes=RUNTIME_BYTES,
                   reshard_after_forward=s["reshard_after_forward"],
                   checkpoint_offload=bool(s.get("offload")),
-                  **activation_checkpointing_option.setup_fields(policy_name(s["activation_checkpointing"])))
+                  **checkpointing_setup_fields(policy_name(s["activation_checkpointing"])))
     return budget(shape, setup)
 
 
@@ -362,7 +362,7 @@ def planner_pick(size: str, s: dict, processes: int, max_length: int, device: di
     """Rung 1's policy: the first, fastest first, whose estimate fits the GPU as the fit check wants; on CPU none."""
     if device["type"] != "cuda":
         return "none"
-    for name in activation_checkpointing_option.CANDIDATES:
+    for name in CHECKPOINTING_POLICIES:
         if memory_estimate(size, {**s, "activation_checkpointing": name}, processes, max_length) \
                 <= FIT_FRACTION * device["memory_bytes"]:
             return name

@@ -36,9 +36,9 @@ def worker(argv: list[str]) -> int:
     from fsdp_recipes.api import write_json_atomic
 
     cfg = parse_args(argv[split + 1:])
-    from fsdp_recipes.api import speed
+    from fsdp_recipes.api import settle_speed_options
 
-    speed.settle(cfg)  # as the entry point does: the checkpointing policy onto TrainingArguments' fields
+    settle_speed_options(cfg)  # as the entry point does: the checkpointing policy onto TrainingArguments' fields
     training = cfg.training
     compiled = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "NO").upper() != "NO"  # set by the YAML's dynamo_config
     if compiled and training.use_liger_kernel:

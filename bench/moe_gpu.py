@@ -52,9 +52,9 @@ def shaped(layers: int, dry: bool):
     if dry:
         from transformers import AutoTokenizer
 
-        from fsdp_recipes.api import ensure_tiny_assets, smoke
+        from fsdp_recipes.api import ensure_tiny_assets, shrink_model_config
 
-        config = smoke.shrink(config, AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"]))
+        config = shrink_model_config(config, AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"]))
         config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size = 8, 2, 32  # eager: seconds
     config.num_hidden_layers = layers
     return config

@@ -61,9 +61,9 @@ def shaped(config, layers: int, dry: bool):
     if dry:
         from transformers import AutoTokenizer
 
-        from fsdp_recipes.api import ensure_tiny_assets, smoke
+        from fsdp_recipes.api import ensure_tiny_assets, shrink_model_config
 
-        config = smoke.shrink(config, AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"]))
+        config = shrink_model_config(config, AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"]))
     config.num_hidden_layers = layers
     return config
 
@@ -160,13 +160,13 @@ def probe_layers(cfg, config, layers: int, dry: bool, device: str) -> dict:
 
 def planned(cfg, config, layers: int, dry: bool) -> dict[str, int]:
     """The planner's budget for the probe: one GPU, no FSDP, bf16 compute, the probe's micro-batch."""
-    from fsdp_recipes.api import Setup, budget, four_bit, meta_model, model_shape
+    from fsdp_recipes.api import Setup, budget, four_bit_planner_setup, meta_model, model_shape
 
     shape = model_shape(meta_model(shaped(config, layers, dry)), cfg.model)
     batch, length = DRY_TOKENS if dry else (cfg.training.per_device_train_batch_size, cfg.training.max_length)
     setup = Setup(shard=1, world=1, strategy="single", load_bytes=2, compute_bytes=2,
                   mixed_precision=True, tokens=batch * length, checkpointed=True,
-                  optimizer_bytes=8, runtime_bytes=0, **four_bit.planner_setup(cfg.model, None))
+                  optimizer_bytes=8, runtime_bytes=0, **four_bit_planner_setup(cfg.model, None))
     return budget(shape, setup)
 
 

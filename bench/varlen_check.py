@@ -28,7 +28,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from fsdp_recipes.api import varlen_attention
+from fsdp_recipes.api import torch_varlen_available, varlen_kernel, varlen_row_by_row
 
 ROWS, HEADS, KV_HEADS, HEAD_DIM = (1000, 3096, 2048, 2048), 32, 8, 128  # Llama-3-8B's attention, 2 x 4096 tokens
 DRY = dict(rows=(5, 11, 8), heads=4, kv_heads=2, head_dim=16)  # an even token count: 2 "full rows" of 12
@@ -60,8 +60,8 @@ def agreement(rows, heads, kv_heads, head_dim, device, kernel: bool) -> dict:
     scale = head_dim ** -0.5
     q, k, v, cu = tensors(rows, heads, kv_heads, head_dim, device, torch.bfloat16)
     grad = torch.randn(1, sum(rows), heads, head_dim, generator=torch.Generator().manual_seed(1)).to(device)
-    reference = lambda q, k, v: varlen_attention.row_by_row(q, k, v, cu, scale, True, None, 0.0)  # noqa: E731
-    under_test = (lambda q, k, v: varlen_attention.varlen_kernel(q, k, v, cu, max(rows), scale, True, None)) \
+    reference = lambda q, k, v: varlen_row_by_row(q, k, v, cu, scale, True, None, 0.0)  # noqa: E731
+    under_test = (lambda q, k, v: varlen_kernel(q, k, v, cu, max(rows), scale, True, None)) \
         if kernel else reference
     exact = forward_backward(reference, *(x.float() for x in (q, k, v)), grad.float())
     bf16 = forward_backward(reference, q, k, v, grad.to(torch.bfloat16))
@@ -96,7 +96,7 @@ def timings(rows, heads, kv_heads, head_dim, device, kernel: bool) -> dict:
 
     paths = {"sdpa, block-diagonal mask": masked, "sdpa is_causal, 2 full rows": full_rows}
     if kernel:
-        paths["packed_varlen kernel"] = lambda q, k, v: varlen_attention.varlen_kernel(q, k, v, cu, max(rows), scale,
+        paths["packed_varlen kernel"] = lambda q, k, v: varlen_kernel(q, k, v, cu, max(rows), scale,
                                                                                        True, None)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     result = {}
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.dry_run
     shape = dict(rows=ROWS, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM) if cuda else DRY
-    kernel = cuda and varlen_attention.torch_varlen_available()
+    kernel = cuda and torch_varlen_available()
     device = "cuda" if cuda else "cpu"
     record = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "shape": shape, "kernel": "torch.nn.attention.varlen" if kernel else "none (reference against itself)",

@@ -319,19 +319,19 @@ def run_case(family, method: str, out: Path, batch: dict, launched_env: dict, re
 
 def write_data(out: Path) -> None:
     """Rank 0: the tiny recipe's assets (its tokenizer is every family's) and the matrix's rows."""
-    from fsdp_recipes.api import tiny_assets
+    from fsdp_recipes.api import ensure_tiny_assets, write_tiny_dataset
 
-    tiny_assets.ensure_assets(quiet=True)
-    tiny_assets.write_dataset(out / "data", n_train=32, n_test=4)  # 3 steps of 2 x 4 rows, and the checks' rows
+    ensure_tiny_assets(quiet=True)
+    write_tiny_dataset(out / "data", n_train=32, n_test=4)  # 3 steps of 2 x 4 rows, and the checks' rows
 
 
 def build_models(out: Path, families) -> dict:
     """This rank's share of the families' models (once per matrix); {family: why its model could not be built}."""
     from transformers import AutoTokenizer
 
-    from fsdp_recipes.api import tiny_assets
+    from fsdp_recipes.api import ensure_tiny_assets
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_assets.ensure_assets(quiet=True)["model"])
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_assets(quiet=True)["model"])
     errors = {}
     for family in families:
         if not (out / "models" / family.name / "config.json").is_file():
@@ -386,9 +386,9 @@ def rank_main(args) -> int:
 
 
 def tiny_assets_model() -> Path:
-    from fsdp_recipes.api import tiny_assets
+    from fsdp_recipes.api import ensure_tiny_assets
 
-    return tiny_assets.ensure_assets(quiet=True)["model"]
+    return ensure_tiny_assets(quiet=True)["model"]
 
 
 def main(argv: list[str] | None = None) -> int:

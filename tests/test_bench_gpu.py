@@ -530,6 +530,8 @@ def test_the_moe_steps_dry_run_puts_one_layer_beside_the_plan(tmp_path, cache_di
 
 
 def test_the_gpu_plan_names_the_moe_step_in_its_second_call():
+    """Issue 58's order: a call's speed ladder first (priority 1), MoE after it (priority 3)."""
     text = (REPO / "scripts" / "device_run.sh").read_text()
-    assert "run_named varlen; run_named moe; run_named ladder-8b-lora" in text
+    assert "call-2) TOTAL_S=${CALL_S[call-2]}; run_named ladder-8b-lora; run_named moe; run_named varlen ;;" in text
+    assert "call-1) TOTAL_S=${CALL_S[call-1]}; run_named ladder-1b; run_named qlora; run_named launch ;;" in text
     assert 'moe) step moe 60 s_moe ;;' in text and '"$PY" -m bench.moe_gpu' in text

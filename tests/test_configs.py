@@ -103,3 +103,28 @@ def test_generated_sft_yaml_refuses_a_comment_naming_another_models_size():
                                          r"names 24B"):
         sync.check_inherited_comments("big", "small", [line], "LoRA on Mistral Large 2 (123B)")
     sync.check_inherited_comments("small-2x", "small", [line], "the same 24B model on 2 GPUs")  # its own size: fine
+
+
+ATTENTION_NAMES = ("flash_attention_2", "flash_attention_3", "flex_attention", "eager", "kernels-community")
+
+
+CP_RECIPES = [n for n in RECIPES if "cp_size" in (REPO / "recipes" / n / "accelerate.yaml").read_text()]
+
+
+@pytest.mark.parametrize("name", CP_RECIPES)
+def test_a_cp_recipes_comments_suggest_no_attention_the_launcher_refuses_under_cp(name):
+    """The 128k recipe inherited "flash_attention_2 once flash-attn is installed" from its twin; under its cp mesh the
+    launcher refuses flash_attention_2 (speed/attention.py), so the hint would lead to a refused launch."""
+    import yaml
+
+    from fsdp_recipes.speed.attention import refuse_other_than_sdpa_under_cp
+
+    acc_path = REPO / "recipes" / name / "accelerate.yaml"
+    acc = yaml.safe_load(acc_path.read_text())
+    for line in recipes.config_file(REPO / "recipes" / name).read_text().splitlines():
+        comment = line.split("#", 1)[1] if "#" in line else ""
+        for attn in ATTENTION_NAMES:
+            if attn in comment and "refuse" not in comment:
+                with pytest.raises(UserError):  # only a name the launcher refuses makes the hint wrong
+                    refuse_other_than_sdpa_under_cp(attn, acc, acc_path)
+                pytest.fail(f"recipes/{name}: {line.strip()!r} suggests {attn}, which its cp mesh refuses")

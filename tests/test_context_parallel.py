@@ -131,25 +131,27 @@ def test_two_ranks_cp2_train_a_step_as_one_process(tmp_path):
 
 def test_install_puts_the_all_to_all_form_where_the_ring_cannot_run(monkeypatch):
     """The hook train/build.py calls on the built trainer: on a CPU with a cp mesh, accelerate's _prepare_cp (which
-    `prepare` calls) sets the all-to-all context and accelerate's mask hooks; only the first rank of each cp group
-    counts tokens for the run report. Without a cp mesh it leaves the trainer alone."""
+    `prepare` calls) sets the all-to-all context and accelerate's mask hooks; the token counter is left on every
+    rank. Without a cp mesh it leaves the trainer alone."""
     from types import SimpleNamespace
 
     from fsdp_recipes.speed import context_parallel
 
     monkeypatch.setattr(context_parallel, "ring_available", lambda: False)
     hooked = []
-    monkeypatch.setattr("accelerate.big_modeling._attach_context_parallel_hooks", hooked.append)
+    monkeypatch.setattr("accelerate.big_modeling._attach_context_parallel_hooks", lambda model: hooked.append(model))
 
     def trainer(cp_rank: int, cp_enabled: bool = True):
         mesh = {"cp": SimpleNamespace(get_local_rank=lambda: cp_rank)}
-        accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=cp_enabled),
+        accelerator = SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=cp_enabled, cp_size=2),
                                       torch_device_mesh=mesh, _prepare_cp=None, _cp_context=None)
         return SimpleNamespace(accelerator=accelerator, token_counter=object())
 
     first, second, plain = trainer(0), trainer(1), trainer(0, cp_enabled=False)
+    counter = second.token_counter
     assert context_parallel.install(first) == "all-to-all" and first.token_counter is not None
-    assert context_parallel.install(second) == "all-to-all" and second.token_counter is None
+    # every rank keeps counting: the report divides the sum by tp x cp (the next test runs the two together)
+    assert context_parallel.install(second) == "all-to-all" and second.token_counter is counter
     assert context_parallel.install(plain) is None and plain.accelerator._prepare_cp is None
     model = torch.nn.Linear(1, 1)
     assert first.accelerator._prepare_cp(model, "optimizer") == (model, "optimizer")
@@ -158,3 +160,58 @@ def test_install_puts_the_all_to_all_form_where_the_ring_cannot_run(monkeypatch)
     assert step.func is context_parallel.all_to_all_context.__wrapped__
     monkeypatch.setattr(context_parallel, "ring_available", lambda: True)
     assert context_parallel.install(trainer(0)) == "ring"  # CUDA: accelerate's own ring, left as it is
+
+
+def test_a_cp_groups_ranks_count_a_batch_once_through_install_and_the_report(monkeypatch):
+    """Both halves together, as a run has them: train/build.py's trainer class and install() on each rank of a
+    dp_shard 1 x cp 2 group, then the run report's counters (tokens, tokens/s and MFU, a checkpoint's counters). Each
+    rank counts the batch in training_step before the Trainer's cp context splits it (the fake base splits it in
+    place, as torch's context_parallel does); the report divides the ranks' sum by tp x cp: a 1,000-token batch
+    counts 1,000, its 2 rows 2."""
+    from types import SimpleNamespace
+
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from fsdp_recipes.metrics import environment, run_report
+    from fsdp_recipes.metrics.tokens import COUNTS, TokenCounter
+    from fsdp_recipes.speed import context_parallel
+    from fsdp_recipes.train import build, kinds
+
+    class SplittingTrainer:
+        """transformers' Trainer.training_step under cp, reduced to what the count sees: the buffers cut in place."""
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            for name, buffer in inputs.items():
+                part = shard(buffer, 1, self.cp_rank, 2)
+                buffer.resize_(part.shape)
+                buffer.copy_(part)
+            return torch.tensor(1.0)
+
+    monkeypatch.setattr(kinds, "load", lambda kind: SimpleNamespace(trainer_class=lambda: SplittingTrainer,
+                                                                    count_prepared=None))
+    monkeypatch.setattr(context_parallel, "ring_available", lambda: False)
+    monkeypatch.setattr("accelerate.big_modeling._attach_context_parallel_hooks", lambda model: None)
+    pc = ParallelismConfig(dp_shard_size=1, cp_size=2)
+    reports = []
+    for cp_rank in (0, 1):
+        trainer = build.make_trainer_class("sft").__new__(build.make_trainer_class("sft"))
+        trainer.cp_rank = cp_rank
+        trainer.accelerator = SimpleNamespace(
+            parallelism_config=pc, torch_device_mesh={"cp": SimpleNamespace(get_local_rank=lambda r=cp_rank: r)})
+        report = run_report.RunReportCallback.__new__(run_report.RunReportCallback)
+        report.tokens, report.train_start = TokenCounter(), 0.0
+        report.prior = {**dict.fromkeys(COUNTS, 0), "train_time_s": 0.0}
+        trainer.token_counter = report.tokens  # as build_trainer sets it
+        assert context_parallel.install(trainer) == "all-to-all"
+        # the ranks of a cp group get the same batch: 2 rows of 512, 500 real tokens each
+        attention_mask = torch.ones(2, 512, dtype=torch.long)
+        attention_mask[:, 500:] = 0
+        trainer.training_step(None, {"input_ids": torch.randint(3, 96, (2, 512)), "attention_mask": attention_mask})
+        reports.append(report)
+
+    ranks = [[r.tokens.counts()[k] for k in COUNTS] for r in reports]
+    monkeypatch.setattr(run_report, "all_reduce", lambda values, op: [sum(v) for v in zip(*ranks)])
+    monkeypatch.setattr(run_report, "mesh_info", lambda: environment.mesh_info(pc))
+    totals = reports[0].counters_so_far(10.0)
+    assert (totals["non_padding"], totals["padded"], totals["sequences"], totals["squared_lengths"]) == \
+        (1000, 1024, 2, 2 * 500 * 500), totals

@@ -190,3 +190,42 @@ def test_the_recipes_checkpointing_names_reach_a_release_that_has_only_the_old_o
     untouched = OldSFTConfig(gradient_checkpointing=True)  # a recipe that still uses the old name keeps it
     versions.apply_new_training_field_names(versions.NewTrainingFieldNames(), untouched, set())
     assert untouched.gradient_checkpointing is True and untouched.activation_checkpointing is True
+
+
+def test_the_context_parallel_patches_targets_match_the_installed_libraries(monkeypatch):
+    """patches/context_parallel.py (a cp mesh without CUDA: the all-to-all form) finds its targets with the signatures
+    it was written for, records itself, puts the library's SDPA back after a step, and refuses in one line when
+    accelerate's _prepare_cp changed."""
+    from types import SimpleNamespace
+
+    import torch
+    from accelerate import Accelerator
+    from transformers.modeling_utils import AttentionInterface
+
+    from fsdp_recipes.patches import context_parallel
+
+    monkeypatch.setattr(guard, "APPLIED", [])
+    monkeypatch.setattr(context_parallel, "_CHECKED", {})
+    accelerator = SimpleNamespace()
+    step = object()
+    context_parallel.step_context_on(accelerator, step)
+    context_parallel.check_step_patches(2)  # what runs in each step, checked and recorded before the first
+    library_sdpa = AttentionInterface()["sdpa"]
+    attention = lambda *args, **kwargs: None  # noqa: E731
+    with context_parallel.sdpa_is(attention):
+        assert AttentionInterface()["sdpa"] is attention
+    assert AttentionInterface()["sdpa"] is library_sdpa
+    # torch's head-tail order: 8 tokens over 2 ranks, rank 0 the first and last chunk of 2; 6 tokens: contiguous
+    assert context_parallel.ring_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert context_parallel.ring_order(6, 2) is None
+    assert [p["patch"] for p in guard.APPLIED] == [
+        "context_parallel.step_context_on", "context_parallel.sdpa_is", "context_parallel.ring_order"]
+    model = torch.nn.Linear(1, 1)  # no attention layers: accelerate's hooks find none to attach
+    assert accelerator._prepare_cp(model, "optimizer") == (model, "optimizer") and accelerator._cp_context is step
+
+    monkeypatch.setattr(Accelerator, "_prepare_cp", lambda self, *args, mesh=None: args)
+    with pytest.raises(guard.PatchTargetChanged) as err:
+        context_parallel.step_context_on(SimpleNamespace(), step)
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("patch context_parallel.step_context_on: accelerate.accelerator.Accelerator."
+                                     "_prepare_cp now takes ('self', 'args', 'mesh')"), str(err.value)

@@ -83,8 +83,10 @@ COVERED_ELSEWHERE = {"smollm2-135m-lora": "smollm2-135m-lora", "mistral-small-lo
                      "qwen3-30b-a3b-lora": "qwen3-30b-a3b-lora", "qwen3-30b-a3b-full": "qwen3-30b-a3b-full",
                      "mixtral-8x7b-lora": "mixtral-8x7b-lora",
                      # issue 60's long rows: llama-3.1-8b-lora's launch at another max_length; the 128k recipe's
-                     # smoke run adds cp 2 over its 2 processes, the mesh tests/test_context_parallel.py launches
-                     # (tiny-cpu-lora with cp 2 against 1 process)
+                     # smoke run adds cp 2 over its 2 processes, which no CI test launches: tests/
+                     # test_context_parallel.py runs one hand-written training step with cp 2 on 2 gloo ranks (the
+                     # Trainer's inputs, accelerate's mask hooks, the all-to-all form) against one process, and
+                     # tiny-cpu-lora with cp 2 was launched by hand (docs/training.md, "Long sequences")
                      "llama-3.1-8b-lora-32k": "llama-3.1-8b-lora", "llama-3.1-8b-lora-128k": "llama-3.1-8b-lora"}
 CP_SMOKE = {"llama-3.1-8b-lora-128k": {"parallelism_config_dp_shard_size": 1, "parallelism_config_cp_size": 2}}
 SMOKED = [name for name in RECIPES if name != "tiny-cpu-lora" and name not in COVERED_ELSEWHERE]

@@ -161,9 +161,11 @@ def test_liger_without_its_package_is_one_line_and_off_in_a_cpu_smoke_run(cache_
 
 
 SPEED = REPO / "src" / "fsdp_recipes" / "speed"
-# The one other place an option's setting may be named: the version patch that maps transformers' old training-field
-# names to the new ones (activation_checkpointing was gradient_checkpointing before transformers 5.23).
-ALLOWED = {REPO / "src" / "fsdp_recipes" / "patches" / "versions.py"}
+# The other places an option's setting may be named: the version patch that maps transformers' old training-field
+# names to the new ones (activation_checkpointing was gradient_checkpointing before transformers 5.23), and the cp
+# patch, which checks a library signature with a parameter named attn_implementation (AttentionInterface.get_interface)
+ALLOWED = {REPO / "src" / "fsdp_recipes" / "patches" / "versions.py",
+           REPO / "src" / "fsdp_recipes" / "patches" / "context_parallel.py"}
 
 
 def named_settings(path: Path, settings: set[str], root: Path = REPO) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-# name -> "module:attribute", or "module" for a module used as a namespace
+# name -> "module:attribute" (one module, data.loading, is a row of its own: bench/data.py times its load_for)
 EXPORTS: dict[str, str] = {
     # recipes and their configuration
     "load_recipe": "fsdp_recipes.config.recipes:load",  # Recipe: the folder, its YAMLs and the overrides, read once
@@ -37,7 +37,9 @@ EXPORTS: dict[str, str] = {
     "budget": "fsdp_recipes.planning.memory_budget:budget",
     "Setup": "fsdp_recipes.planning.memory_budget:Setup",
     "activations_per_token_per_layer": "fsdp_recipes.planning.memory_budget:activations_per_token_per_layer",
-    "comms": "fsdp_recipes.planning.comms",  # Topology, Work, estimate
+    "Topology": "fsdp_recipes.planning.comms:Topology",
+    "Work": "fsdp_recipes.planning.comms:Work",
+    "estimate_comms": "fsdp_recipes.planning.comms:estimate",  # each collective's group and bytes
     "ring_bytes": "fsdp_recipes.planning.comms:ring_bytes",
     "fabric": "fsdp_recipes.planning.fabric:fabric",
     "count_params": "fsdp_recipes.metrics.flops:count_params",
@@ -55,22 +57,30 @@ EXPORTS: dict[str, str] = {
     "gather_objects": "fsdp_recipes.dist:gather_objects",
     "data_loading": "fsdp_recipes.data.loading",  # load_for: a recipe's dataset as its trainer kind loads it
     # the smoke run's tiny stand-ins of a recipe's model (`fsdp-recipes smoke`)
-    "smoke": "fsdp_recipes.launch.smoke",  # build_model, fit_tokenizer, model_source, shrink
+    "smoke_model_source": "fsdp_recipes.launch.smoke:model_source",
+    "build_smoke_model": "fsdp_recipes.launch.smoke:build_model",
+    "fit_smoke_tokenizer": "fsdp_recipes.launch.smoke:fit_tokenizer",
+    "shrink_model_config": "fsdp_recipes.launch.smoke:shrink",
     "scale_accelerate": "fsdp_recipes.launch.smoke:scale_accelerate",  # a recipe's accelerate YAML for fewer GPUs
     "SUMMARY_FORCE_ENV": "fsdp_recipes.launch.summary:FORCE_ENV",
     "SUMMARY_PROMPTS_ENV": "fsdp_recipes.launch.summary:PROMPTS_ENV",
     # speed and memory options
-    "speed": "fsdp_recipes.speed",  # the registry: settle, prepare_trainer, ...
-    "activation_checkpointing_option": "fsdp_recipes.speed.activation_checkpointing",
-    "float8_option": "fsdp_recipes.speed.float8",
-    "four_bit": "fsdp_recipes.speed.four_bit",
-    "varlen_attention": "fsdp_recipes.speed.varlen_attention",
+    "settle_speed_options": "fsdp_recipes.speed:settle",  # as the entry point does, before the trainer is built
+    "CHECKPOINTING_POLICIES": "fsdp_recipes.speed.activation_checkpointing:CANDIDATES",
+    "checkpointing_setup_fields": "fsdp_recipes.speed.activation_checkpointing:setup_fields",
+    "FLOAT8_MIN_CAPABILITY": "fsdp_recipes.speed.float8:MIN_CAPABILITY",
+    "four_bit_planner_setup": "fsdp_recipes.speed.four_bit:planner_setup",
+    "torch_varlen_available": "fsdp_recipes.speed.varlen_attention:torch_varlen_available",
+    "varlen_kernel": "fsdp_recipes.speed.varlen_attention:varlen_kernel",
+    "varlen_row_by_row": "fsdp_recipes.speed.varlen_attention:row_by_row",  # the kernel's reference
     # local assets: the tests' tiny model and data, the default's SmolLM2
-    "tiny_assets": "fsdp_recipes.assets.tiny_assets",  # write_dataset, ...
     "ensure_tiny_assets": "fsdp_recipes.assets.tiny_assets:ensure_assets",
     "build_tiny_model": "fsdp_recipes.assets.tiny_assets:build_model",
     "make_example": "fsdp_recipes.assets.tiny_assets:make_example",
-    "smollm2": "fsdp_recipes.assets.smollm2",
+    "write_tiny_dataset": "fsdp_recipes.assets.tiny_assets:write_dataset",
+    "ensure_smollm2": "fsdp_recipes.assets.smollm2:ensure_assets",
+    "SMOLLM2_DIST": "fsdp_recipes.assets.smollm2:DIST",
+    "SMOLLM2_INSTALL": "fsdp_recipes.assets.smollm2:INSTALL",
     "ADDITION_TRAIN_QUESTIONS": "fsdp_recipes.assets.addition_preferences:TRAIN_QUESTIONS",
     "cache_dir": "fsdp_recipes.paths:cache_dir",
     # evaluation
@@ -80,7 +90,6 @@ EXPORTS: dict[str, str] = {
     "mcnemar_exact": "fsdp_recipes.evaluation.intervals:mcnemar_exact",
     # runs and records
     "latest_complete": "fsdp_recipes.checkpoint.markers:latest_complete",
-    "checkpoint_markers": "fsdp_recipes.checkpoint.markers",
     "versions": "fsdp_recipes.metrics.environment:versions",
     "device_info": "fsdp_recipes.metrics.environment:device_info",
     "file_stamp": "fsdp_recipes.records:file_stamp",

@@ -9,7 +9,9 @@ the loss scaled by the world size; gradients averaged over dp_shard x cp). What 
 efficient, cudnn: not the CPU's), while FlexAttention cannot run backward on a CPU (torch 2.13).
 
 So where there is no CUDA, `use_all_to_all(accelerator)` replaces the context accelerate wraps each step in
-(`accelerator._cp_context`, set by `_prepare_cp`) with `all_to_all_context`:
+(`accelerator._cp_context`, set by `_prepare_cp`) with `all_to_all_context`. What that takes of the libraries'
+private code (accelerate's `_prepare_cp` and mask hooks, transformers' "sdpa" entry, torch's split order) is in
+patches/context_parallel.py, behind its version guard:
 
     split: each buffer (input_ids, labels, shift_labels, attention_mask, position_ids) cut along the sequence as
         torch's ring cuts it: torch's head-tail load balancer, so rank r of N holds chunks r and 2N-1-r of 2N (the
@@ -30,6 +32,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from fsdp_recipes.patches import context_parallel as patches
+
 # what a step under all_to_all_context tells the attention: the cp group and the order of the gathered tokens. A
 # plain dict, not thread-local: activation checkpointing recomputes the attention in backward, which autograd may run
 # on another thread (a device's)
@@ -39,13 +43,10 @@ _ACTIVE: dict = {}
 def shard_indices(seq_len: int, cp: int) -> torch.Tensor:
     """[cp, seq_len / cp]: the positions of the row each cp rank holds, as torch's ring splits it (its default
     head-tail load balancer when seq_len is a multiple of 2 x cp; contiguous chunks otherwise, as torch does)."""
-    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _create_default_load_balancer
-
     if seq_len % cp:
         raise ValueError(f"a row of {seq_len} tokens does not split over {cp} context-parallel ranks")
-    balancer = _create_default_load_balancer(seq_len, cp, "cpu")
-    order = balancer._generate_indices()[0] if balancer is not None else torch.arange(seq_len)
-    return order.reshape(cp, seq_len // cp)
+    order = patches.ring_order(seq_len, cp)  # torch's order is private: patches/context_parallel.py
+    return (torch.arange(seq_len) if order is None else order).reshape(cp, seq_len // cp)
 
 
 def shard(tensor: torch.Tensor, seq_dim: int, rank: int, cp: int) -> torch.Tensor:
@@ -114,8 +115,6 @@ def all_to_all_context(mesh, *, buffers=None, buffer_seq_dims=None, no_restore_b
     """torch's `context_parallel(mesh, buffers=..., buffer_seq_dims=..., no_restore_buffers=...)` with the all-to-all
     attention for the ring: each buffer is split in place as torch splits it (and put back on exit unless named in
     no_restore_buffers), and SDPA, as transformers' attention functions name it, is the all-to-all form inside."""
-    from transformers.modeling_utils import AttentionInterface
-
     group, cp = mesh.get_group(), mesh.size()
     rank = dist.get_rank(group)
     buffers, seq_dims = list(buffers or []), list(buffer_seq_dims or [])
@@ -131,15 +130,12 @@ def all_to_all_context(mesh, *, buffers=None, buffer_seq_dims=None, no_restore_b
         restore = torch.argsort(order)
         device = buffers[0].device
         _ACTIVE.update(group=group, cp=cp, order=order.to(device), restore=restore.to(device))
-    mapping = AttentionInterface._global_mapping
-    sdpa = mapping["sdpa"]
-    # the Trainer asks for attn_implementation "sdpa" under context parallel (transformers' _prepare_context_parallel_
-    # inputs): the model keeps that name, and the name means the all-to-all form while a step runs
-    mapping["sdpa"] = all_to_all_attention
     try:
-        yield
+        # the Trainer asks for attn_implementation "sdpa" under context parallel (transformers' _prepare_context_
+        # parallel_inputs): the model keeps that name, and the name means the all-to-all form while a step runs
+        with patches.sdpa_is(all_to_all_attention):
+            yield
     finally:
-        mapping["sdpa"] = sdpa
         _ACTIVE.clear()
         for buffer, original in zip(buffers, originals):
             if original is not None:
@@ -154,31 +150,24 @@ def ring_available() -> bool:
 
 def use_all_to_all(accelerator) -> bool:
     """Where the ring cannot run and the accelerator has a cp mesh: each step's context parallel is the all-to-all
-    form. accelerate's `_prepare_cp` (called by `prepare` when cp_size > 1) is replaced on this accelerator only, so
-    that its hooks still go on the model and its cp mesh is the one split over. Whether it applied."""
+    form. accelerate's `_prepare_cp` (called by `prepare` when cp_size > 1) is replaced on this accelerator only
+    (patches/context_parallel.py), so that its hooks still go on the model and its cp mesh is the one split over.
+    Whether it applied."""
     pc = getattr(accelerator, "parallelism_config", None)
     if pc is None or not pc.cp_enabled or ring_available():
         return False
-    from accelerate.big_modeling import _attach_context_parallel_hooks
-
-    def prepare_all_to_all(*args):
-        accelerator._cp_context = lambda **kw: all_to_all_context(accelerator.torch_device_mesh["cp"], **kw)
-        for arg in args:
-            if isinstance(arg, torch.nn.Module):
-                _attach_context_parallel_hooks(arg)
-        return args
-
-    accelerator._prepare_cp = prepare_all_to_all
+    patches.step_context_on(
+        accelerator, lambda **kw: all_to_all_context(accelerator.torch_device_mesh["cp"], **kw))
+    patches.check_step_patches(pc.cp_size)
     return True
 
 
 def install(trainer) -> str | None:
     """A built trainer's context parallel, before train() prepares it: which form its steps run ("ring": torch's, on
-    CUDA; "all-to-all" elsewhere), None without a cp mesh. The ranks of a cp group see the same batch, and the run
-    report sums its token counts over the ranks: only the first rank of each cp group counts them."""
+    CUDA; "all-to-all" elsewhere), None without a cp mesh. The token counter stays on every rank: each counts the
+    whole batch (the ranks of a cp group get the same one, counted in training_step before the cp context splits
+    it), and the run report divides the ranks' sum by tp x cp, as for tensor parallel (metrics/run_report.py)."""
     pc = getattr(trainer.accelerator, "parallelism_config", None)
     if pc is None or not pc.cp_enabled:
         return None
-    if trainer.accelerator.torch_device_mesh["cp"].get_local_rank() != 0:
-        trainer.token_counter = None
     return "all-to-all" if use_all_to_all(trainer.accelerator) else "ring"
