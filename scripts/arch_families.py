@@ -138,6 +138,22 @@ def by_name(names: list[str] | None = None) -> list[Family]:
     return [known[n] for n in names]
 
 
+def parse_cases(cases: list[str]) -> list[tuple[Family, str]]:
+    """`--cases` entries, each `family:method` with a method the family runs (Family.methods); a malformed one is
+    one line naming the form."""
+    out = []
+    for case in cases:
+        name, sep, method = case.partition(":")
+        if not sep or not name or not method or ":" in method:
+            raise ValueError(f"case {case!r} is not family:method. Fix: --cases family:method,... "
+                             f"(e.g. {name or 'llama'}:lora)")
+        family = by_name([name])[0]
+        if method not in family.methods:
+            raise ValueError(f"{name} runs no {method!r} case. Fix: {name}:<one of {', '.join(family.methods)}>")
+        out.append((family, method))
+    return out
+
+
 def config_kwargs(family: Family, vocab_size: int, bos: int, eos: int, pad: int) -> dict:
     """The keyword arguments of the family's config class: the shared shape, the tokenizer's ids, the quirks.
     GPT-2 names its shape otherwise (n_embd, n_layer, ...): its quirks replace SHAPE."""

@@ -21,6 +21,8 @@ transformers and PEFT:
   `<case>-resumed` (`--resume_from_checkpoint`, as a preempted run is relaunched); its per-step losses must be the
   uninterrupted run's (tests/test_moe_fsdp2.py runs the mixtures of experts this way, in make test).
 
+The checks on rank 0 are scripts/arch_checks.py's; the families and the `--cases` they run, scripts/arch_families.py's.
+
 A case that fails on both ranks is a result and the matrix goes on. One that fails on one rank can leave the other
 waiting in a collective: that launch ends, and a new one takes the cases after it.
 
@@ -44,12 +46,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # arch_families beside this file, under accelerate launch too
 import arch_families  # noqa: E402
+from arch_checks import ATOL, case_dir, reload_checks, resume_check, resumed_dir  # noqa: E402,F401 (ATOL: the tests')
 
 REPO = Path(__file__).resolve().parent.parent
-# |a - b| <= ATOL + RTOL * |b|, elementwise over the float32 logits: a reload gives the same bits, a merge reorders
-# the sums (measured: at most 6e-7 apart)
-ATOL, RTOL = 1e-4, 1e-4
-MIN_CHANGE = 1e-3  # trained against base: at least this far apart somewhere, else the save may be the untrained model
 CASE_TIMEOUT_S = 180  # a case takes 2-25 s on 2 busy cores
 AGREE_TIMEOUT_S = 20  # a rank that failed alone waits this long for the other (agree)
 # the accelerate YAML's fsdp_config keys a family may set, and the variables `accelerate launch` passes them in
@@ -101,7 +100,7 @@ def cases(args) -> list[tuple]:
     """(family, method) in the table's order: the methods a family runs (Family.methods), `head` (the LM head trained
     in full) on the tied families only; or the `--cases` named (family:method), in their order."""
     if getattr(args, "cases", ""):
-        return [(arch_families.by_name([c.split(":")[0]])[0], c.split(":")[1]) for c in names(args.cases)]
+        return arch_families.parse_cases(names(args.cases))
     return [(f, m) for f in arch_families.by_name(names(args.families)) for m in args.methods.split(",")
             if m in f.methods and (m != "head" or arch_families.tied(f))]
 
@@ -130,9 +129,10 @@ def launch(args) -> int:
         new = collect(out, attempt, code)
         results += new
         if not new:  # the launch ended before its first case: another would too
-            results += [row(arch_families.by_name([c.split(":")[0]])[0], c.split(":")[1], "fail", 0.0,
+            results += [row(family, method, "fail", 0.0,
                             f"not run: launch {attempt} ended (exit code {code}) before any case; "
-                            f"{out / f'launch{attempt}.log'} says why") for c in todo]
+                            f"{out / f'launch{attempt}.log'} says why")
+                        for family, method in arch_families.parse_cases(todo)]
     order = {(f.name, m): i for i, (f, m) in enumerate(cases(args))}
     results.sort(key=lambda r: order[(r["family"], r["method"])])
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -284,63 +284,6 @@ def train(family, out: Path, overrides: list[str], batch: dict):
         return trainer.model(**batch).logits.detach().clone()
 
 
-def case_dir(out: Path, family, method: str) -> Path:
-    return out / "runs" / family.name / method
-
-
-def close(a, b, what: str) -> float:
-    """The largest difference; raises when any logit is outside the stated tolerance."""
-    diff = (a - b).abs()
-    if not bool((diff <= ATOL + RTOL * b.abs()).all()):
-        raise AssertionError(f"{what}: logits differ by up to {diff.max().item():.3g} (tolerance {ATOL:g} + {RTOL:g}|x|)")
-    return float(diff.max())
-
-
-def reload_checks(family, method: str, out: Path, batch: dict, trained) -> str:
-    """Rank 0, plain transformers and PEFT: the saved model against the sharded one, the merge against base + adapter."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    def load(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=family.attn)
-        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
-        if model.config.tie_word_embeddings and head is not None and head.weight is not embedding.weight:
-            raise AssertionError(f"{path}: tie_word_embeddings, but the reloaded head is not the input embedding")
-        return model.eval()
-
-    def logits(model):
-        with torch.no_grad():
-            return model(**batch).logits
-
-    run = case_dir(out, family, method)
-    base = logits(load(out / "models" / family.name))
-    if method == "full":
-        reloaded = logits(load(run))
-        notes = [f"reload {close(reloaded, trained, 'from_pretrained against the trained model'):.1g}"]
-    else:
-        reloaded = logits(PeftModel.from_pretrained(load(out / "models" / family.name), run).eval())
-        merged = load(run / "merged")
-        notes = [f"adapter {close(reloaded, trained, 'base + adapter against the trained model'):.1g}",
-                 f"merged {close(logits(merged), reloaded, 'the merged model against base + adapter'):.1g}"]
-        if method == "head" and merged.config.tie_word_embeddings:
-            raise AssertionError("the merged model of a trained head still ties it to the input embedding")
-    if method == "lora" and "--lora_target_parameters" in family.args:
-        losses = [e["loss"] for e in json.loads((run / "log_history.json").read_text())["log_history"] if "loss" in e]
-        if not losses[-1] < losses[0]:
-            raise AssertionError(f"the loss did not fall: {losses}")
-        notes.append(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-                     + arch_families.expert_merge(out / "models" / family.name, run, ATOL))
-    change = float((reloaded - base).abs().max())
-    if change < MIN_CHANGE:
-        raise AssertionError(f"the saved model's logits are the base model's (max change {change:.2g}): not trained")
-    return ", ".join(notes) + f"; trained vs base {change:.2g}" + (f"; {family.note}" if family.note else "")
-
-
-def resumed_dir(out: Path, family, method: str) -> Path:
-    return out / "runs" / family.name / f"{method}-resumed"
-
-
 def resume(family, method: str, out: Path, overrides: list[str], step: int, batch: dict) -> None:
     """The case's run again, into <case>-resumed, resumed from the checkpoint it saved at `step`: the command a
     preempted run is relaunched with (`--resume_from_checkpoint`), the rest of the steps trained again."""
@@ -348,23 +291,6 @@ def resume(family, method: str, out: Path, overrides: list[str], step: int, batc
     again = [*overrides[:at], str(resumed_dir(out, family, method)), *overrides[at + 1:],
              "--resume_from_checkpoint", str(case_dir(out, family, method) / f"checkpoint-{step}")]
     train(family, out, again, batch)
-
-
-def logged_losses(run: Path) -> dict[int, float]:
-    history = json.loads((run / "log_history.json").read_text())["log_history"]
-    return {h["step"]: h["loss"] for h in history if "loss" in h}
-
-
-def resume_check(straight: Path, resumed: Path, step: int) -> str:
-    """Rank 0: the resumed run's per-step losses are the uninterrupted run's (the steps after `step` trained again)."""
-    a, b = logged_losses(straight), logged_losses(resumed)
-    if sorted(a) != sorted(b) or not any(s > step for s in b):
-        raise AssertionError(f"the resumed run logged steps {sorted(b)}, the uninterrupted one {sorted(a)}")
-    worst = max(abs(a[s] - b[s]) for s in a)
-    if any(abs(a[s] - b[s]) > 1e-5 + 1e-4 * abs(a[s]) for s in a):
-        raise AssertionError(f"resumed from checkpoint-{step}, the losses differ by up to {worst:.3g}: "
-                             f"{[a[s] for s in sorted(a)]} against {[b[s] for s in sorted(b)]}")
-    return f"resumed from checkpoint-{step}: steps {step + 1}-{max(a)} within {worst:.1g}"
 
 
 def run_case(family, method: str, out: Path, batch: dict, launched_env: dict, resume_at: int = 0) -> dict:
@@ -429,7 +355,7 @@ def rank_main(args) -> int:
     enable_cpu_fsdp()  # before the process group: gloo on CPU, FSDP kept (patches/cpu_fsdp.py)
     state = PartialState()  # the process group, shared by every case's Trainer
     out = Path(args.out)
-    todo = [(arch_families.by_name([c.split(":")[0]])[0], c.split(":")[1]) for c in names(args.cases)]
+    todo = arch_families.parse_cases(names(args.cases))
     families = list({f.name: f for f, _ in todo}.values())
     if rank() == 0 and not (out / "data" / "test.jsonl").is_file():
         write_data(out)
@@ -478,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attempt", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     try:
-        arch_families.by_name(names(args.families) + [c.split(":")[0] for c in names(args.cases)])
+        arch_families.by_name(names(args.families))
+        arch_families.parse_cases(names(args.cases))
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -64,6 +64,18 @@ def test_an_unknown_family_is_one_line_naming_the_known_ones():
     assert matrix.main(["--families", "lama"]) == 2
 
 
+@pytest.mark.parametrize("cases, said", [
+    ("mixtral", "error: case 'mixtral' is not family:method. Fix: --cases family:method,... (e.g. mixtral:lora)"),
+    ("llama:lora,:full", "error: case ':full' is not family:method. Fix: --cases family:method,... (e.g. llama:lora)"),
+    ("mixtral-experts:full", "error: mixtral-experts runs no 'full' case. Fix: mixtral-experts:<one of lora>"),
+    ("lama:lora", "error: no family named lama. Fix: name one of llama,"),
+])
+def test_a_malformed_case_is_one_line_naming_the_form(cases, said, capsys):
+    assert matrix.main(["--cases", cases]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_refused_case_is_listed_with_its_reason_and_not_launched(tmp_path, monkeypatch):
     refused = families.Family("x", "llama", refused={"full": "upstream U cannot, and says so"})
     assert families.refusal_line(refused, "full") == "x full: refused: upstream U cannot, and says so"

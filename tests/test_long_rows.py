@@ -12,7 +12,7 @@ import torch
 from conftest import REPO
 from fsdp_recipes import speed
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.planning import comms, fabric, memory_budget, mesh_fit
+from fsdp_recipes.planning import comms, fabric, fit, memory_budget, mesh_fit
 from fsdp_recipes.speed import yarn
 
 TINY = REPO / "recipes" / "tiny-cpu-lora" / "sft.yaml"
@@ -224,6 +224,22 @@ def test_comms_counts_cp_ring_hops_and_tp_all_reduces():
     again = {c.op: c for c in comms.estimate(SHAPE, t, dataclasses.replace(w, recompute=True), h100).collectives}
     # the recompute adds one ring pass (4 x 65,536) and two all-reduces (6 x 65,536)
     assert again["ring K/V (cp)"].payload == 262_144 and again["all-reduce (tp)"].payload == 393_216
+    # the ops policy saves each layer's attention output: its recompute re-runs the projections and the MLP (the
+    # two all-reduces) but not SDPA, so no fourth ring pass
+    ops = dataclasses.replace(w, recompute=True, attention_saved=True)
+    saved = {c.op: c for c in comms.estimate(SHAPE, t, ops, h100).collectives}
+    assert saved["ring K/V (cp)"].payload == 196_608 and saved["all-reduce (tp)"].payload == 393_216
+
+
+@pytest.mark.parametrize("ops, saved", [(True, True), (False, False)])
+def test_the_plan_tells_comms_whether_attention_is_recomputed(ops, saved):
+    from types import SimpleNamespace
+
+    from fsdp_recipes.planning import answers
+    training = SimpleNamespace(gradient_accumulation_steps=1, per_device_train_batch_size=1, max_length=1024)
+    setup = dataclasses.replace(FLAT, shard=4, cp=2, checkpointed=True, checkpoint_ops=ops)
+    w = answers.work(SimpleNamespace(cfg=SimpleNamespace(training=training), setup=setup, own="FSDP"), 0.4)
+    assert w.recompute and w.attention_saved is saved
 
 
 def test_fit_proposes_the_first_mesh_that_fits():
@@ -237,6 +253,49 @@ def test_fit_proposes_the_first_mesh_that_fits():
     answer = mesh_fit.propose(SHAPE, FLAT, 1_000_000, 8, 4, 2, 1024)
     assert (answer.nodes, answer.tp, answer.cp, answer.dp_shard, answer.total) == (1, 1, 2, 4, 867_296)
     assert mesh_fit.propose(SHAPE, FLAT, 1_700_000, 8, 4, 2, 1024).cp == 1  # FSDP alone fits: no split
+
+
+def stand_in(trainer="sft", **training):
+    """What config/mesh.py's checks read of a parsed recipe (RunConfig)."""
+    from types import SimpleNamespace
+    return SimpleNamespace(trainer=trainer, model=SimpleNamespace(use_peft=False, lora_modules_to_save=None),
+                           training=SimpleNamespace(**{"packing": True, "pad_to_multiple_of": None, **training}))
+
+
+FSDP2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}
+
+
+@pytest.mark.parametrize("cfg, tp, cp, said", [
+    (stand_in("dpo"), 1, 2, "cp 2 splits rows for SFT only"),
+    (stand_in(), 2, 2, "splits both layers (tp) and rows (cp)"),
+    (stand_in(), 1, 2, None),  # SFT: packing and pad_to_multiple_of are the keys the proposal names
+    (stand_in("dpo"), 2, 1, None),
+])
+def test_a_proposed_mesh_is_one_the_launcher_starts(cfg, tp, cp, said):
+    refused = mesh_fit.refusal(FSDP2, cfg, 8, tp, cp, 4, 2, 1024)
+    assert (refused is None) if said is None else (said in refused), refused
+
+
+def test_fit_skips_the_meshes_the_launcher_refuses():
+    # under 1,300,000 B FSDP alone (1,620,960) does not fit; cp 2 (867,296, test_fit_proposes_the_first_mesh_that_fits)
+    # comes first in the search's order (1, 2), (2, 1); a DPO recipe's cp is refused, so the search goes on to tp 2
+    def launchable(cfg):
+        return lambda world, tp, cp: mesh_fit.refusal(FSDP2, cfg, world, tp, cp, 4, 2, 1024) is None
+
+    dpo = mesh_fit.propose(SHAPE, FLAT, 1_300_000, 8, 4, 2, 1024, launchable=launchable(stand_in("dpo")))
+    assert (dpo.tp, dpo.cp) == (2, 1)
+    sft = mesh_fit.propose(SHAPE, FLAT, 1_300_000, 8, 4, 2, 1024, launchable=launchable(stand_in()))
+    assert (sft.tp, sft.cp) == (1, 2)
+    assert mesh_fit.recipe_keys(stand_in().training, 2) == "packing: false, pad_to_multiple_of: 4"
+    assert mesh_fit.recipe_keys(stand_in(padding_free=True).training, 4) == ("packing: false, pad_to_multiple_of: 8, "
+                                                                            "padding_free: false")
+
+
+def test_the_smallest_world_of_a_mesh_is_a_multiple_of_tp_x_cp():
+    # everything fits 10**9 B: the fewest GPUs is the mesh itself, tp x cp, never fewer
+    assert fit.smallest_fsdp_world(SHAPE, FLAT, 1e9, 64) == 1
+    assert fit.smallest_fsdp_world(SHAPE, dataclasses.replace(FLAT, cp=2), 1e9, 64) == 2
+    assert fit.smallest_fsdp_world(SHAPE, dataclasses.replace(FLAT, tp=2, cp=2), 1e9, 64) == 4
 
 
 # ---- the run report ---------------------------------------------------------------------------------------------

@@ -335,3 +335,42 @@ def test_bf16_and_checkpointed_activations_against_the_probes_count(cache_dir, t
     model.enable_input_require_grads()
     kept = measure()
     assert kept == batch * length * p.shape.layers * p.shape.hidden * 2  # each layer's bf16 input, nothing else
+
+
+# ------------------------------------------------------------------ a mesh: only what the launcher starts (issue 60)
+
+
+def test_fit_proposes_no_cp_mesh_for_dpo(capsys):
+    """llama-3.1-8b-lora-dpo at 65,536 tokens fits no FSDP: cp would (cp 8 was proposed), but the launcher splits
+    rows for SFT only (config/mesh.py), and tp 8 alone does not fit: no launchable mesh."""
+    code, out, _ = run(capsys, "llama-3.1-8b-lora-dpo", "--max_length", "65536", "--fit")
+    mesh_lines = [line for line in out.splitlines() if line.strip().startswith("mesh:")]
+    assert mesh_lines and "cp 8" not in out and "parallelism_config_cp_size: 8" not in out
+    assert mesh_lines[0].strip().startswith("mesh: none the launcher starts fits up to 128 nodes of 8"), mesh_lines
+
+
+def test_fit_names_the_recipe_keys_a_cp_mesh_needs(capsys):
+    """The 128k recipe's own mesh (dp_shard 4 x cp 2): its proposal names the SFT keys cp needs, 2 x cp = 4."""
+    code, out, _ = run(capsys, "llama-3.1-8b-lora-128k", "--fit")
+    assert code == 0
+    assert "  mesh: NODES=1 GPUS=8: dp_shard 4 x tp 1 x cp 2" in out
+    assert "    recipe: packing: false, pad_to_multiple_of: 4 (context parallel splits whole padded rows)" in out
+
+
+def test_fit_topology_of_a_cp_recipe_starts_at_tp_x_cp(capsys):
+    """On 2 GPUs the 128k recipe's cp 2 is the whole world: no smaller one runs its mesh (1 GPU was offered)."""
+    code, out, _ = run(capsys, "llama-3.1-8b-lora-128k", "--gpus", "2", "--fit")
+    assert "  smallest topology: GPUS=2 NODES=1 (the fewest the recipe's mesh runs on)" in out
+    assert "1 would need" not in out
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["--packing", "true"], "cp 2 needs whole padded rows to split, and packing is on (TRL refuses packing under "
+                            "context parallel). Fix: packing: false in the recipe."),
+    (["--pad_to_multiple_of", "6"], "cp 2 splits each batch into 4 equal chunks, so its length must be a multiple "
+                                    "of 4, and pad_to_multiple_of is 6. Fix: pad_to_multiple_of: 4 in the recipe."),
+])
+def test_plan_refuses_the_mesh_the_launcher_refuses(capsys, overrides, said):
+    """The launcher's one line (config/mesh.py's check_context_parallel), from make plan, not at launch."""
+    code, _, err = run(capsys, "llama-3.1-8b-lora-128k", *overrides)
+    assert code == 2 and err.strip() == f"error: recipes/llama-3.1-8b-lora-128k/accelerate.yaml: {said}", err

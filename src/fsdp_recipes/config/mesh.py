@@ -94,9 +94,10 @@ def check_fsdp_settings_under_tp(fsdp: dict, path) -> None:
 
 
 def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | None, max_length: int | None,
-                    cfg=None) -> None:
+                    cfg=None, on_gpus: bool | None = None) -> None:
     """Against the model's heads and the rows' length, then what the pack trains today. `cfg`: the parsed recipe
-    (RunConfig), for what context parallel needs of the trainer and its batches."""
+    (RunConfig), for what context parallel needs of the trainer and its batches. `on_gpus`: whether the ranks run
+    on GPUs (None: whether this machine has one; the planner plans a named GPU from any machine)."""
     if mesh is None:
         return
     for what, count in (("attention heads", heads), ("key/value heads", kv_heads)):
@@ -121,10 +122,10 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
     if model is not None and mesh.tp > 1 and not model.use_peft:
         check_tensor_parallel_precision(mesh, path, model.dtype)
     if mesh.cp > 1 and cfg is not None:
-        check_context_parallel(mesh.cp, path, heads, cfg)
+        check_context_parallel(mesh.cp, path, heads, cfg, on_gpus)
 
 
-def check_context_parallel(cp: int, path, heads: int | None, cfg) -> None:
+def check_context_parallel(cp: int, path, heads: int | None, cfg, on_gpus: bool | None = None) -> None:
     """What splitting each row over `cp` ranks needs of the recipe (speed/context_parallel.py)."""
     from fsdp_recipes.config.hardware import gpu_count
 
@@ -141,7 +142,9 @@ def check_context_parallel(cp: int, path, heads: int | None, cfg) -> None:
         raise UserError(f"{where} splits each batch into {2 * cp} equal chunks, so its length must be a multiple of "
                         f"{2 * cp}, and pad_to_multiple_of is {multiple}. Fix: pad_to_multiple_of: {2 * cp} in the "
                         "recipe.")
-    if heads and heads % cp and not gpu_count():
+    if on_gpus is None:
+        on_gpus = bool(gpu_count())
+    if heads and heads % cp and not on_gpus:
         raise UserError(f"{where} does not divide the model's {heads} attention heads: without a GPU the ranks run "
                         "context parallel's all-to-all form, which gives each rank whole heads. Fix: "
                         f"{PREFIX}cp_size a divisor of {heads}.")

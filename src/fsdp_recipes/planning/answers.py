@@ -48,12 +48,21 @@ def mesh_answer(p) -> list[str]:
     config = p.model.config
     flat = dataclasses.replace(s, tp=1, cp=1)
     alone = fit.smallest_fsdp_world(m, dataclasses.replace(flat, strategy="FSDP"), usable, p.gpus * 1024)
-    a = mesh_fit.propose(m, flat, usable, p.gpus, config.num_attention_heads, config.num_key_value_heads,
-                         p.cfg.training.max_length or 1024)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    max_length = p.cfg.training.max_length or 1024
+
+    def launchable(world: int, tp: int, cp: int) -> bool:  # only meshes the launcher starts (config/mesh.py)
+        return mesh_fit.refusal(p.acc, p.cfg, world, tp, cp, heads, kv_heads, max_length) is None
+
+    a = mesh_fit.propose(m, flat, usable, p.gpus, heads, kv_heads, max_length, launchable=launchable)
     versus = f"FSDP alone needs {alone} GPUs" if alone else "FSDP alone fits no GPU count (a row's activations)"
     if a is None:
-        return [f"mesh: none fits up to 128 nodes of {p.gpus} ({versus})"]
-    return [f"mesh: {a.describe()}; {versus}", f"  accelerate.yaml: {mesh_fit.accelerate_keys(a)}"]
+        return [f"mesh: none the launcher starts fits up to 128 nodes of {p.gpus} ({versus})"]
+    lines = [f"mesh: {a.describe()}; {versus}", f"  accelerate.yaml: {mesh_fit.accelerate_keys(a)}"]
+    if a.cp > 1:
+        lines.append(f"  recipe: {mesh_fit.recipe_keys(p.cfg.training, a.cp)} (context parallel splits whole "
+                     "padded rows)")
+    return lines
 
 
 def topology_answer(p) -> list[str]:
@@ -85,9 +94,13 @@ def topology_answer(p) -> list[str]:
             return ["smallest topology: GPUS=2 NODES=1 (1 GPU holds it, but the launcher refuses FSDP1 "
                     "LoRA on one process: see docs/training.md)"]
         return ["smallest topology: GPUS=1 NODES=1"]
+    step = s.tp * s.cp  # a mesh's world is a multiple of tp x cp (fit.smallest_fsdp_world)
+    if world <= node and world == step:
+        return [f"smallest topology: GPUS={world} NODES=1 (the fewest the recipe's mesh runs on)"]
     if world <= node:
-        less = fit.total(m, dataclasses.replace(s, shard=world - 1, world=world - 1))
-        return [f"smallest topology: GPUS={world} NODES=1 (FSDP over {world}; {world - 1} would need {gib(less)} GiB)"]
+        fewer = world - step
+        less = fit.total(m, dataclasses.replace(s, shard=fewer // s.tp, world=fewer))
+        return [f"smallest topology: GPUS={world} NODES=1 (FSDP over {world}; {fewer} would need {gib(less)} GiB)"]
     nodes = -(-world // node)
     return [f"smallest topology: {world} GPUs: NODES={nodes} GPUS={node} (one-dimensional FSDP across nodes: "
             "see --comms for what that costs, and HSDP's memory for the alternative)"]
@@ -111,7 +124,8 @@ def work(p, mfu: float) -> comms.Work:
     # FSDP under accelerate's bf16 policy reduces in bf16 (param_dtype = reduce_dtype); DDP in the gradients' dtype
     reduce = s.compute_bytes if p.own in ("FSDP", "HSDP") and s.mixed_precision else master
     return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, t.max_length or 1024,
-                      s.compute_bytes, reduce, mfu, recompute=s.checkpointed)
+                      s.compute_bytes, reduce, mfu, recompute=s.checkpointed,
+                      attention_saved=s.checkpointed and s.checkpoint_ops)
 
 
 def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:

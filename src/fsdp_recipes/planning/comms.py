@@ -66,6 +66,9 @@ class Work:
     reduce_bytes: int  # bytes per gradient element reduced
     mfu: float = DEFAULT_MFU
     recompute: bool = False  # activation checkpointing: each layer's forward runs again in the backward
+    # the `ops` policy: each checkpointed layer saves its attention output, so its recompute skips SDPA (and cp's
+    # ring) and re-runs the projections and the MLP (tp's all-reduces) only
+    attention_saved: bool = False
 
     @property
     def tokens(self) -> int:
@@ -149,7 +152,8 @@ def reduced_params(m: ModelShape, t: Topology) -> int:
 def mesh_collectives(m: ModelShape, t: Topology, w: Work, f: Fabric) -> list[Collective]:
     """A mesh's own collectives per optimizer step, each group inside a node (accelerate's mesh puts tp innermost,
     then cp): context parallel's ring passes each layer's K and V chunks round the cp ranks, once in the forward and
-    twice in the backward (K and V again, and their gradients), once more in a checkpointed layer's recompute;
+    twice in the backward (K and V again, and their gradients), once more in a checkpointed layer's recompute
+    where it re-runs attention (the full and every_k policies; ops saves attention's output);
     tensor parallel all-reduces a layer's output activations twice in its forward (after attention's o_proj and the
     MLP's down_proj) and twice in its backward (the input gradients of q/k/v and gate/up), twice more with
     recompute. A ring pass sends (cp - 1)/cp of the row's K and V (as an all-gather does); an all-reduce
@@ -157,7 +161,7 @@ def mesh_collectives(m: ModelShape, t: Topology, w: Work, f: Fabric) -> list[Col
     out = []
     rows = w.accumulation * w.micro_batch * w.max_length  # tokens of the rows a cp group shares, per step
     if t.cp > 1:
-        passes = 3 + (1 if w.recompute else 0)
+        passes = 3 + (1 if w.recompute and not w.attention_saved else 0)
         payload = m.layers * passes * rows * 2 * m.kv_dim // t.tp * w.gather_bytes
         name, gbps = link(f, t.cp * t.tp, spans_nodes=False)
         out.append(Collective("ring K/V (cp)", t.cp, payload, ring_bytes("all-gather", t.cp, payload), name, gbps))

@@ -88,8 +88,15 @@ def checkpointing(m: ModelShape, s: Setup, usable: float) -> str:
 
 
 def smallest_fsdp_world(m: ModelShape, s: Setup, usable: float, limit: int) -> int | None:
-    """The fewest GPUs a one-dimensional FSDP over all of them needs."""
-    return smallest(lambda n: total(m, dataclasses.replace(s, shard=n, strategy="FSDP", world=n)) <= usable, limit)
+    """The fewest GPUs a one-dimensional FSDP over all of them needs. With the recipe's mesh kept (tp x cp above
+    1), a multiple of tp x cp, from tp x cp itself: FSDP shards over the world / tp (dp_shard x cp)."""
+    step = s.tp * s.cp
+
+    def fits(k: int) -> bool:
+        return total(m, dataclasses.replace(s, shard=k * step // s.tp, strategy="FSDP", world=k * step)) <= usable
+
+    k = smallest(fits, limit // step)
+    return k * step if k else None
 
 
 def smallest_shard(m: ModelShape, s: Setup, usable: float, per_node: int) -> int | None:

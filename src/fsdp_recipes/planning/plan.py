@@ -150,6 +150,21 @@ def mesh_split(acc: dict, world: int) -> tuple[int, int]:
     return m.tp, m.cp
 
 
+def check_planned_mesh(acc: dict, path: Path, world: int, model_config, cfg) -> None:
+    """config/mesh.py's checks as the launcher runs them (launch/checks.py), so a mesh the launcher refuses is its
+    one line here: on the planned world, whose GPU count sets dp_shard (mesh_split), and on GPUs (the planned ones,
+    whatever this machine has)."""
+    m = mesh.mesh_of(acc, path)
+    if m is None or world % (m.dp_replicate * m.tp * m.cp):
+        return  # plain FSDP; or a world the mesh does not divide, which mesh_split names
+    dp_shard = world // (m.dp_replicate * m.tp * m.cp)
+    sizes = dict(acc["parallelism_config"], **{f"{mesh.PREFIX}dp_shard_size": dp_shard})
+    planned = mesh.check_mesh(dict(acc, parallelism_config=sizes), path, world)
+    mesh.check_mesh_fits(planned, path, getattr(model_config, "num_attention_heads", None),
+                         getattr(model_config, "num_key_value_heads", None),
+                         getattr(cfg.training, "max_length", None), cfg, on_gpus=True)
+
+
 def setups(acc, training, model_args, gpus: int, nodes: int, on_cpu: bool = False,
            trainer: str = kinds.DEFAULT, generation: dict | None = None, cfg=None) -> dict[str, memory_budget.Setup]:
     """`cfg`: the parsed recipe, for the Setup fields the speed options decide from their own settings."""
@@ -240,6 +255,7 @@ def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | Non
     if (training.bf16 or acc.get("mixed_precision") == "bf16" or model_args.dtype == "bfloat16") and not bf16_ok:
         raise UserError(f"recipe {recipe.name} trains in bf16, which the {gpu_key} does not support. "
                         "Fix: use an Ampere or newer GPU (A100, H100, ...), or set dtype/bf16 for fp16.")
+    check_planned_mesh(acc, recipe / "accelerate.yaml", gpus * nodes, model.config, cfg)
     m = model_shape(model, model_args)
     speed.check_model_config(cfg, model.config)  # a setting against the model (YaRN against its trained length)
     runs = setups(acc, training, model_args, gpus, nodes, trainer=cfg.trainer,
