@@ -266,7 +266,7 @@ FSDP2 = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2}}
 
 
 @pytest.mark.parametrize("cfg, tp, cp, said", [
-    (stand_in("dpo"), 1, 2, "cp 2 splits rows for SFT only"),
+    (stand_in("dpo"), 1, 2, "cp 2 splits rows for the trainer kinds whose loss is split-aware"),
     (stand_in(), 2, 2, "splits both layers (tp) and rows (cp)"),
     (stand_in(), 1, 2, None),  # SFT: packing and pad_to_multiple_of are the keys the proposal names
     (stand_in("dpo"), 2, 1, None),

@@ -40,10 +40,13 @@ class Registration:
     # 1.16: SFTTrainer's label smoother; every other loss of every kind goes through the fused, chunked LM head):
     # speed/chunked_loss.py, the planner's logits term
     full_logits_when_smoothed: bool = False
+    # whether its loss is split-aware under context parallel (TRL 1.16: SFT only; the Trainer reduces its loss and
+    # token counts over the cp ranks): config/mesh.py's cp check
+    splits_rows: bool = False
 
 
 TRAINERS: dict[str, Registration] = {
-    "sft": Registration("SFTConfig", selective_checkpointing=True, full_logits_when_smoothed=True),
+    "sft": Registration("SFTConfig", selective_checkpointing=True, full_logits_when_smoothed=True, splits_rows=True),
     "dpo": Registration("DPOConfig"),
     "grpo": Registration("GRPOConfig", SamplingArguments),
     "kto": Registration("KTOConfig"),

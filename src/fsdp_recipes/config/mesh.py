@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_recipes.config.kind_registry import TRAINERS
 from fsdp_recipes.errors import UserError
 
 PREFIX = "parallelism_config_"
@@ -120,7 +121,7 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
     if model is not None and model.use_peft:
         check_tensor_parallel_lora(mesh, model.lora_modules_to_save)
     if model is not None and mesh.tp > 1 and not model.use_peft:
-        check_tensor_parallel_precision(mesh, path, model.dtype)
+        check_tensor_parallel_precision(mesh, path, getattr(model, "dtype", None))
     if mesh.cp > 1 and cfg is not None:
         check_context_parallel(mesh.cp, path, heads, cfg, on_gpus)
 
@@ -130,9 +131,10 @@ def check_context_parallel(cp: int, path, heads: int | None, cfg, on_gpus: bool 
     from fsdp_recipes.config.hardware import gpu_count
 
     training, where = cfg.training, f"{path}: cp {cp}"
-    if cfg.trainer != "sft":
-        raise UserError(f"{where} splits rows for SFT only: the {cfg.trainer} trainer's loss is not split-aware in "
-                        f"TRL 1.16. Fix: {PREFIX}cp_size 1, or an SFT recipe.")
+    if not TRAINERS[cfg.trainer].splits_rows:
+        kinds = ", ".join(k for k, r in TRAINERS.items() if r.splits_rows)
+        raise UserError(f"{where} splits rows for the trainer kinds whose loss is split-aware in TRL 1.16 ({kinds}), "
+                        f"not {cfg.trainer}. Fix: {PREFIX}cp_size 1, or a recipe of {kinds}.")
     if getattr(training, "packing", False) or getattr(training, "padding_free", False):
         what = "packing" if getattr(training, "packing", False) else "padding_free"
         raise UserError(f"{where} needs whole padded rows to split, and {what} is on (TRL refuses packing under "

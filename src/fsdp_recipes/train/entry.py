@@ -20,7 +20,7 @@ from fsdp_recipes.checkpoint.shared_dir import check_output_dir_shared
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, cli
 from fsdp_recipes.patches import cpu_fsdp, guard
-from fsdp_recipes.train import failure_record, kinds, start_gate, tensor_parallel
+from fsdp_recipes.train import failure_record, kinds, start_gate
 from fsdp_recipes.train.run_checks import parse_and_check
 
 
@@ -103,9 +103,11 @@ def train_once(argv: list[str] | None = None) -> tuple[int, object]:
     """One run on this rank, up to its report: (exit code, the trainer of a completed run, else None). It leaves
     the process group up, so that one process can train several runs in turn (scripts/arch_matrix.py); `run` ends it."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    tensor_parallel.set_up_process()  # first: a tp mesh's FSDP is transformers', not accelerate's (its docstring)
+    library_logs.divert(failure_record.details)  # before peft imports bitsandbytes (tensor_parallel imports it)
+    from fsdp_recipes.train import tensor_parallel
+
+    tensor_parallel.set_up_process()  # a tp mesh's FSDP is transformers', not accelerate's (its docstring)
     cpu_fsdp_active = cpu_fsdp.enable()  # before any accelerate state exists
-    library_logs.divert(failure_record.details)  # before peft imports bitsandbytes
     import_training_stack()
     marks = {"imports_done": time.time()}
     start_gate.wait()  # the launcher's checks passed (a no-op without the launcher)
