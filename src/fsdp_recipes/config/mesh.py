@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fsdp_recipes.config import hardware
 from fsdp_recipes.config.kind_registry import TRAINERS
 from fsdp_recipes.errors import UserError
 
@@ -128,8 +129,6 @@ def check_mesh_fits(mesh: Mesh | None, path, heads: int | None, kv_heads: int | 
 
 def check_context_parallel(cp: int, path, heads: int | None, cfg, on_gpus: bool | None = None) -> None:
     """What splitting each row over `cp` ranks needs of the recipe (speed/context_parallel.py)."""
-    from fsdp_recipes.config.hardware import gpu_count
-
     training, where = cfg.training, f"{path}: cp {cp}"
     if not TRAINERS[cfg.trainer].splits_rows:
         kinds = ", ".join(k for k, r in TRAINERS.items() if r.splits_rows)
@@ -145,7 +144,7 @@ def check_context_parallel(cp: int, path, heads: int | None, cfg, on_gpus: bool 
                         f"{2 * cp}, and pad_to_multiple_of is {multiple}. Fix: pad_to_multiple_of: {2 * cp} in the "
                         "recipe.")
     if on_gpus is None:
-        on_gpus = bool(gpu_count())
+        on_gpus = bool(hardware.gpu_count())
     if heads and heads % cp and not on_gpus:
         raise UserError(f"{where} does not divide the model's {heads} attention heads: without a GPU the ranks run "
                         "context parallel's all-to-all form, which gives each rank whole heads. Fix: "

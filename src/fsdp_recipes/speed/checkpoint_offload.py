@@ -27,6 +27,8 @@ from __future__ import annotations
 import inspect
 
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.speed import activation_checkpointing as ac
+from fsdp_recipes.speed import attention
 
 FIELDS = ("activation_checkpointing_offload",)  # its own setting (config/option_registry.py)
 KEY = "offload"  # the key of TrainingArguments' activation_checkpointing_kwargs transformers' Trainer pops
@@ -37,8 +39,6 @@ def enabled(cfg) -> bool:
 
 
 def checkpointing_off(cfg) -> bool:
-    from fsdp_recipes.speed import activation_checkpointing as ac
-
     name = ac.policy(cfg)
     return name == "none" or (name is None and not ac.checkpointed(cfg.training))
 
@@ -63,10 +63,8 @@ def check_installed(cfg) -> None:
 
 
 def check_launch(cfg, acc: dict, path) -> None:
-    from fsdp_recipes.speed import attention
-
     if enabled(cfg) and attention.on_cpu_in_launcher(cfg, acc):
-        raise UserError(f"activation_checkpointing_offload: true moves saved activations from a GPU to pinned host "
+        raise UserError("activation_checkpointing_offload: true moves saved activations from a GPU to pinned host "
                         "memory; these ranks train on CPU, where they are in host memory already and torch has no "
                         "pinned allocator. Fix: --activation_checkpointing_offload false on CPU.")
 
@@ -100,8 +98,6 @@ def planner_note(cfg, config) -> str:
 
 
 def prepare_trainer(trainer, cfg) -> dict:
-    from fsdp_recipes.speed import activation_checkpointing as ac
-
     kwargs = ac.kwargs_of(trainer.args)
     trainer.accelerator.print(f"[train] activation checkpointing offload: {bool(kwargs.get(KEY))} (saved inputs in "
                               "pinned host memory)")

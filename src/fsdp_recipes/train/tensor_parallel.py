@@ -31,8 +31,13 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from fsdp_recipes.checkpoint import tensor_parallel_state as tp_state
+from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback
+from fsdp_recipes.checkpoint.resume_check import adapter_key
+from fsdp_recipes.checkpoint.save_check import IncompleteSave, open_saved, without_tied_copies
 from fsdp_recipes.config.mesh import Mesh, check_tensor_parallel_lora
+from fsdp_recipes.dist import all_reduce, barrier
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.patches import tensor_parallel as patches
 
 ENV = "PARALLELISM_CONFIG_"
 
@@ -53,8 +58,6 @@ def set_up_process() -> Mesh | None:
     if mesh is None:
         return None
     import torch
-
-    from fsdp_recipes.patches import tensor_parallel as patches
 
     os.environ["ACCELERATE_USE_FSDP"] = "false"
     patches.lora_widths_of_tensor_parallel_linears()
@@ -130,8 +133,6 @@ def resumable_checkpoints(trainer) -> None:
     load replaced: transformers 5.23 copies the checkpoint's full tensors into the DTensor parameters, which fails
     on each ("aten.copy_.default got mixed torch.Tensor and DTensor"). The Trainer calls it with the checkpoint's
     path before preparing the model: that path is what the callback loads, weights included."""
-    from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback
-
     callback = TensorParallelCheckpoints(trainer)
     callbacks = trainer.callback_handler.callbacks
     first_of_pack = next((i for i, c in enumerate(callbacks) if isinstance(c, CompletionMarkerCallback)),
@@ -184,10 +185,6 @@ def save_and_check(trainer, output_dir: str, peft: bool) -> dict:
     returns the check for the run report (rank 0; None on the others)."""
     import torch
     from torch.distributed.tensor import DTensor
-
-    from fsdp_recipes.checkpoint.resume_check import adapter_key
-    from fsdp_recipes.checkpoint.save_check import IncompleteSave, open_saved, without_tied_copies
-    from fsdp_recipes.dist import all_reduce, barrier
 
     trainer.save_model(output_dir)
     barrier()  # rank 0 has written every file
