@@ -13,6 +13,7 @@ import subprocess
 import pytest
 
 from conftest import GENERATIONS, launch
+from gguf_tiny import tiny_model, use_converter  # here: it finds the converter before cache_dir changes the cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
@@ -29,7 +30,6 @@ def trained(tmp_path_factory, cache_dir):
 
 def test_llamacpp_answers_the_held_out_questions_like_transformers(trained, monkeypatch):
     from fsdp_recipes.serving import engine_check
-    from gguf_tiny import use_converter
 
     use_converter(monkeypatch)  # the GGUF files: llama.cpp's own converter
 
@@ -87,7 +87,6 @@ def test_each_family_converted_by_llamacpp_computes_the_logits_transformers_does
     import torch
 
     from fsdp_recipes.serving import gguf_export
-    from gguf_tiny import tiny_model, use_converter
 
     use_converter(monkeypatch)
     folder, out = tmp_path / family, tmp_path / "gguf" / "m.gguf"
