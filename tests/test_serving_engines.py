@@ -11,9 +11,9 @@ import os
 import subprocess
 
 import pytest
+from gguf_tiny import tiny_model, use_converter  # here: it finds the converter before cache_dir changes the cache
 
 from conftest import GENERATIONS, launch
-from gguf_tiny import tiny_model, use_converter  # here: it finds the converter before cache_dir changes the cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.serve]
 
