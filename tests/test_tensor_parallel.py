@@ -278,3 +278,26 @@ def test_the_patches_apply_to_the_installed_libraries(monkeypatch):
     ParallelismConfig(tp_size=2, dp_shard_size=2)._validate_accelerator(cpu_job)
     assert [p["patch"] for p in guard.APPLIED] == ["tensor_parallel.lora_widths_of_tensor_parallel_linears",
                                                    "tensor_parallel.parallelism_config_on_cpu"]
+
+
+def test_a_tp_trainers_resume_hands_its_checkpoint_to_the_pack(monkeypatch):
+    """Point 3 of the patches: the Trainer's own load (which fails on DTensors) hands the path on, on that trainer
+    only; a changed signature refuses in one line."""
+    from transformers import Trainer
+
+    from fsdp_recipes.patches import guard
+    from fsdp_recipes.patches import tensor_parallel as patches
+
+    monkeypatch.setattr(guard, "APPLIED", [])
+    trainer, other, seen = Trainer.__new__(Trainer), Trainer.__new__(Trainer), []
+    patches.resume_through(trainer, seen.append)
+    trainer._load_from_checkpoint("out/checkpoint-2")
+    assert seen == ["out/checkpoint-2"] and "_load_from_checkpoint" not in vars(other)
+    assert [p["patch"] for p in guard.APPLIED] == ["tensor_parallel.resume_through_the_packs_state"]
+
+    class Changed(Trainer):
+        def _load_from_checkpoint(self, resume_from_checkpoint, model=None, strict=True):
+            pass
+
+    with pytest.raises(guard.PatchTargetChanged, match="_load_from_checkpoint now takes"):
+        patches.resume_through(Changed.__new__(Changed), seen.append)

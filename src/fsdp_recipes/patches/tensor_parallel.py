@@ -16,6 +16,11 @@ over gloo (train/tensor_parallel.py; docs/training.md, "Tensor parallel").
    mesh (tp x dp_shard, which the Trainer hands accelerate) is refused there, though nothing else differs: the
    gloo process group and DTensors run on CPU. The patch validates a MULTI_CPU state as a multi-device one, on a
    machine without an accelerator only (like cpu_fsdp.py, the pack's other CPU adapter).
+
+3. The Trainer's resume of a model sharded at load time (transformers 5.23). `Trainer._load_from_checkpoint` copies
+   the checkpoint's full tensors into the DTensor parameters, which fails on each ("aten.copy_.default got mixed
+   torch.Tensor and DTensor"). On a tp run's trainer (that instance only) it records the checkpoint's path instead,
+   and the pack loads its own sharded state at train begin (checkpoint/tensor_parallel_state.py).
 """
 
 from __future__ import annotations
@@ -85,3 +90,18 @@ def parallelism_config_on_cpu() -> None:
     _PATCHED.add("cpu_validation")
     record("tensor_parallel.parallelism_config_on_cpu", "accelerate.ParallelismConfig._validate_accelerator",
            "accelerate validates a mesh on accelerator devices only")
+
+
+def resume_through(trainer, remember) -> None:
+    """Point 3: `trainer`'s own weight load at resume hands the checkpoint's path to `remember` instead."""
+    patch = "tensor_parallel.resume_through_the_packs_state"
+    target(type(trainer), "_load_from_checkpoint", ("self", "resume_from_checkpoint", "model"), patch=patch,
+           checked_on=checked_on("transformers"))
+
+    def load_at_train_begin(resume_from_checkpoint, model=None):
+        remember(resume_from_checkpoint)
+
+    trainer._load_from_checkpoint = load_at_train_begin
+    record(patch, "transformers.Trainer._load_from_checkpoint (a tp run's trainer)",
+           "transformers copies a checkpoint's full tensors into DTensor parameters, which fails; the pack loads "
+           "its sharded state instead")

@@ -130,19 +130,15 @@ class TensorParallelCheckpoints(TrainerCallback):
 def resumable_checkpoints(trainer) -> None:
     """The callback, placed before the marker's (a checkpoint is complete only with the optimizer state in it,
     checkpoint/markers.py) and the resume check's (which verifies what it loaded); and the Trainer's own weight
-    load replaced: transformers 5.23 copies the checkpoint's full tensors into the DTensor parameters, which fails
-    on each ("aten.copy_.default got mixed torch.Tensor and DTensor"). The Trainer calls it with the checkpoint's
-    path before preparing the model: that path is what the callback loads, weights included."""
+    load, which fails on DTensors, replaced (patches/tensor_parallel.py, point 3): the Trainer calls it with the
+    checkpoint's path before preparing the model, and that path is what the callback loads, weights included."""
     callback = TensorParallelCheckpoints(trainer)
     callbacks = trainer.callback_handler.callbacks
     first_of_pack = next((i for i, c in enumerate(callbacks) if isinstance(c, CompletionMarkerCallback)),
                          len(callbacks))
     callbacks.insert(first_of_pack, callback)
 
-    def load_at_train_begin(resume_from_checkpoint, model=None):
-        callback.resume = resume_from_checkpoint
-
-    trainer._load_from_checkpoint = load_at_train_begin
+    patches.resume_through(trainer, lambda checkpoint: setattr(callback, "resume", checkpoint))
 
 
 def sync_adapter_over_dp(trainer) -> None:
