@@ -127,7 +127,7 @@ from pathlib import Path
 
 from bench.gpu_worker import WARMUP_FILE
 from bench.ladder_goals import GOAL_MFU_1B_1GPU, GOAL_SPEEDUP, ladder_title, method_of
-from fsdp_recipes.api import CHECKPOINTING_POLICIES, FLOAT8_MIN_CAPABILITY, checkpointing_setup_fields
+from fsdp_recipes.api import CHECKPOINTING_POLICIES, SPEED_OPTIONS, checkpointing_setup_fields
 
 REPO = Path(__file__).resolve().parents[1]
 ACCELERATE_TEMPLATE = REPO / "accelerate_configs" / "fsdp2_1node.yaml"
@@ -321,7 +321,7 @@ def why_skip(rung: dict, s: dict, device: dict) -> str | None:
             return "float8 is for full fine-tuning: the pack refuses it under LoRA (speed/float8.py check_config)"
         if importlib.util.find_spec("torchao") is None:
             return "torchao is not importable (pip install torchao; scripts/device_wheels.sh carries it)"
-        if cuda and tuple(device["capability"]) < FLOAT8_MIN_CAPABILITY:
+        if cuda and tuple(device["capability"]) < SPEED_OPTIONS["float8"].module.MIN_CAPABILITY:
             return f"float8 needs compute capability >= 8.9, this GPU has {device['capability'][0]}." \
                    f"{device['capability'][1]}"
     return None

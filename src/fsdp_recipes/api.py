@@ -68,7 +68,7 @@ EXPORTS: dict[str, str] = {
     "settle_speed_options": "fsdp_recipes.speed:settle",  # as the entry point does, before the trainer is built
     "CHECKPOINTING_POLICIES": "fsdp_recipes.speed.activation_checkpointing:CANDIDATES",
     "checkpointing_setup_fields": "fsdp_recipes.speed.activation_checkpointing:setup_fields",
-    "FLOAT8_MIN_CAPABILITY": "fsdp_recipes.speed.float8:MIN_CAPABILITY",
+    "SPEED_OPTIONS": "fsdp_recipes.speed:OPTIONS",  # the registry: an option's module by its name
     "four_bit_planner_setup": "fsdp_recipes.speed.four_bit:planner_setup",
     "torch_varlen_available": "fsdp_recipes.speed.varlen_attention:torch_varlen_available",
     "varlen_kernel": "fsdp_recipes.speed.varlen_attention:varlen_kernel",
