@@ -489,3 +489,14 @@ def tiny_lora_model(intermediate_size: int = 128, vocab_size: int = 512):
             if p.requires_grad:
                 p.normal_()
     return model
+
+
+def expert_lora_pair(adapter: dict, fused: str, in_features: int, out_features: int):
+    """PEFT's (lora_A, lora_B) in a saved adapter for the fused expert tensor `fused` (a base model's state-dict name,
+    `target_parameters`): the pair whose widths are that tensor's, since a module's two targeted tensors share its
+    prefix. A: (r x experts, in), B: (out, r x experts); expert e's update is B[:, e::experts] @ A[e*r:(e+1)*r]."""
+    prefix = "base_model.model." + fused.rsplit(".", 1)[0] + "."
+    (a, b), = [(adapter[k], adapter[k.replace("lora_A", "lora_B")]) for k in adapter
+               if k.startswith(prefix) and k.endswith("lora_A.weight") and adapter[k].shape[1] == in_features
+               and adapter[k.replace("lora_A", "lora_B")].shape[0] == out_features]
+    return a, b

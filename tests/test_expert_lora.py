@@ -10,6 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from trl import ModelConfig
 
+from conftest import expert_lora_pair
 from fsdp_recipes.config import model_check
 from fsdp_recipes.errors import UserError
 
@@ -114,10 +115,7 @@ def test_the_merged_experts_equal_base_plus_the_adapters_product_computed_by_han
     for name in experts:
         w = base[name]
         n, out_features, in_features = w.shape
-        prefix = "base_model.model." + name.rsplit(".", 1)[0] + "."
-        (a, b), = [(adapter[k], adapter[k.replace("lora_A", "lora_B")]) for k in adapter
-                   if k.startswith(prefix) and k.endswith("lora_A.weight") and adapter[k].shape[1] == in_features
-                   and adapter[k.replace("lora_A", "lora_B")].shape[0] == out_features]
+        a, b = expert_lora_pair(adapter, name, in_features, out_features)
         for e in range(n):
             expected = w[e] + scaling * b[:, e::n] @ a[e * 2:(e + 1) * 2]
             assert (expected - w[e]).abs().max() > 1e-3, f"{name}[{e}]: the adapter's delta is not there to test"

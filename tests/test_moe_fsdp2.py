@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, run
+from conftest import REPO, expert_lora_pair, run
 
 CASES = ["qwen3-moe-experts:lora", "mixtral-experts:lora", "qwen3-moe:full", "mixtral:full"]
 STEPS, SAVE_AT = 4, 2
@@ -104,10 +104,7 @@ def merged_experts_by_hand(base_dir, run_dir, merged_dir) -> int:
     for name in fused:
         w = base[name]
         n, out_features, in_features = w.shape
-        prefix = "base_model.model." + name.rsplit(".", 1)[0] + "."
-        (a, b), = [(adapter[k], adapter[k.replace("lora_A", "lora_B")]) for k in adapter
-                   if k.startswith(prefix) and k.endswith("lora_A.weight") and adapter[k].shape[1] == in_features
-                   and adapter[k.replace("lora_A", "lora_B")].shape[0] == out_features]
+        a, b = expert_lora_pair(adapter, name, in_features, out_features)
         assert n == EXPERTS and a.shape == (r * n, in_features) and b.shape == (out_features, r * n)
         for e in range(n):
             delta = scaling * b[:, e::n] @ a[e * r:(e + 1) * r]
