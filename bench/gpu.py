@@ -290,6 +290,22 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def layer_probe_record(name: str, dry: bool, results: Path, start: float, **fields):
+    """What a one-GPU layer probe (bench/qlora_gpu.py, bench/moe_gpu.py) writes: its result, headed by the device,
+    versions and date, then `fields`; the path <name>-<device>-<UTC time>.json in `results`; and `save`, which writes
+    it with the seconds since `start` (after each part: a probe stopped at its deadline keeps what it measured)."""
+    from fsdp_recipes.api import file_stamp, now_iso, versions, write_json_atomic
+
+    device = device_facts(dry)
+    result = {"benchmark": name, "date": now_iso(), "dry_run": dry, "device": device, "versions": versions(), **fields}
+    path = results / f"{name.replace('_', '-')}-{slug(device['name'])}-{file_stamp(result['date'])}.json"
+
+    def save() -> None:
+        write_json_atomic(path, {**result, "duration_s": round(time.time() - start, 1)})
+
+    return result, path, save
+
+
 # ---- rungs --------------------------------------------------------------------------------------------------------
 
 def resolve(settings: dict, sizes: dict, device: dict) -> dict:

@@ -198,20 +198,16 @@ def run(argv: list[str] | None = None) -> tuple[dict, Path]:
     start = time.time()
     import torch
 
-    from bench.gpu import device_facts, slug
-    from fsdp_recipes.api import file_stamp, now_iso, versions, write_json_atomic
+    from bench.gpu import layer_probe_record
 
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
         raise SystemExit("moe_gpu: no CUDA device here. Fix: --dry-run tests the plumbing on CPU.")
     results = args.results or REPO / ("runs/results" if dry else "bench/results")
     results.mkdir(parents=True, exist_ok=True)
-    device = device_facts(dry)
-    result = {"benchmark": "moe_gpu", "date": now_iso(), "dry_run": dry, "device": device, "versions": versions(),
-              "recipe": RECIPE, "shape": "dry run: tiny" if dry else "published Qwen3-30B-A3B",
-              "deadline_s": args.deadline_s, "layers": None, "kernels": None}
-    path = results / f"moe-gpu-{slug(device['name'])}-{file_stamp(result['date'])}.json"
-    save = lambda: write_json_atomic(path, {**result, "duration_s": round(time.time() - start, 1)})  # noqa: E731
+    result, path, save = layer_probe_record(
+        "moe_gpu", dry, results, start, recipe=RECIPE, shape="dry run: tiny" if dry else "published Qwen3-30B-A3B",
+        deadline_s=args.deadline_s, layers=None, kernels=None)
     dev = "cpu" if dry else "cuda"
     try:
         probes, plans = [], []

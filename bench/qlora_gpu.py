@@ -240,8 +240,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, Path]:
     start = time.time()
     import torch
 
-    from bench.gpu import device_facts, slug
-    from fsdp_recipes.api import file_stamp, now_iso, versions, write_json_atomic
+    from bench.gpu import layer_probe_record
 
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -249,11 +248,8 @@ def run(argv: list[str] | None = None) -> tuple[dict, Path]:
     results = args.results or REPO / ("runs/results" if dry else "bench/results")
     work = args.work or results / "qlora-gpu-work"
     work.mkdir(parents=True, exist_ok=True)
-    device = device_facts(dry)
-    result = {"benchmark": "qlora_gpu", "date": now_iso(), "dry_run": dry, "device": device, "versions": versions(),
-              "deadline_s": args.deadline_s, "layers": None, "default_4bit": None}
-    path = results / f"qlora-gpu-{slug(device['name'])}-{file_stamp(result['date'])}.json"
-    save = lambda: write_json_atomic(path, {**result, "duration_s": round(time.time() - start, 1)})  # noqa: E731
+    result, path, save = layer_probe_record("qlora_gpu", dry, results, start, deadline_s=args.deadline_s,
+                                            layers=None, default_4bit=None)
 
     launch = None
     cmd = default_command(work, build=not dry)
