@@ -250,13 +250,13 @@ def test_the_launcher_resolves_auto_for_the_gpus_it_finds(monkeypatch):
     every_4 too, every_2 fits (test_the_planners_pick_for_nemos_setting_by_hand)."""
     from fsdp_recipes import speed
     from fsdp_recipes.config import hardware, recipes
-    from fsdp_recipes.planning import checkpointing
+    from fsdp_recipes.planning import launch_pick
 
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(hardware, "nvidia_smi", lambda *args: "81559\n")
     for overrides, gpus, expected in (([], 1, "none"), (["--per_device_train_batch_size", "2"], 1, "every_2")):
         recipe = recipes.load("llama-3.1-8b-lora", overrides)
-        decided, notes = speed.launch_overrides(recipe.field, gpus, lambda: checkpointing.pick_for_launch(recipe, gpus))
+        decided, notes = speed.launch_overrides(recipe.field, gpus, lambda: launch_pick.checkpointing_pick(recipe, gpus))
         assert decided == ["--activation_checkpointing_policy", expected]
         assert notes[0].startswith(f"activation checkpointing: auto -> {expected} (the fastest that fits")
     decided, notes = speed.launch_overrides(recipe.field, 0, None)  # no GPUs: TRL's default, no plan
@@ -264,4 +264,4 @@ def test_the_launcher_resolves_auto_for_the_gpus_it_finds(monkeypatch):
     pinned = recipes.load("llama-3.1-8b-lora", ["--activation_checkpointing_policy", "ops"])
     assert speed.launch_overrides(pinned.field, 1, None) == ([], [])  # a pinned policy is the recipe's
     monkeypatch.setattr(hardware, "nvidia_smi", lambda *args: None)
-    assert checkpointing.pick_for_launch(recipe, 1)[0] == "full"
+    assert launch_pick.checkpointing_pick(recipe, 1)[0] == "full"

@@ -62,3 +62,64 @@ def test_imports_only_point_down():
             if there != here and LAYER[there] >= LAYER[here]:
                 upward.append(f"{rel}:{lineno} imports {module} ({there}, layer {LAYER[there]} >= {LAYER[here]})")
     assert not upward, "\n".join(upward)
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm): each is an import circle."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                on_stack.discard(w)
+                group.append(w)
+            on_stack.discard(v)
+            if group:
+                found.append(sorted([v, *group]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def imported_modules(path: Path, names: dict):
+    """The pack's modules that `path` imports: `from fsdp_recipes.x import y` is the module x.y where there is one
+    (a submodule), else x."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fsdp_recipes":
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in names else node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.split(".")[0] == "fsdp_recipes")
+
+
+def test_circles_are_found():
+    """The check below, on a made-up graph: a circle through a lazy import is one."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or through others, counting imports inside functions (which hide a
+    circle from Python, not from the reader). A folder's __init__ is the folder's face: importing a module of a
+    folder does not count as importing its __init__."""
+    names = {module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {name: set(imported_modules(path, names)) - {name} for name, path in names.items()}
+    assert not circles(graph), circles(graph)

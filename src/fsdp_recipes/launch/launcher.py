@@ -47,7 +47,7 @@ from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
 from fsdp_recipes.launch.output_dir import claim_output_dir, lock_output_dir
 from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command, settings_file
-from fsdp_recipes.planning import checkpointing
+from fsdp_recipes.planning import launch_pick
 
 
 @records_exit_code  # $FSDP_RECIPES_EXIT_CODE_FILE: the code a script cannot get from make (launch/ending.py)
@@ -130,7 +130,7 @@ def place(recipe: Recipe, gpus: int) -> list[str]:
         say(note)
     recipe.overrides = [*placed.overrides, *recipe.overrides]  # the user's last: they win
     # what the planner decides for the GPUs here (activation checkpointing's `auto`): after the user's, replacing it
-    decided, notes = speed.launch_overrides(recipe.field, gpus, lambda: checkpointing.pick_for_launch(recipe, gpus))
+    decided, notes = speed.launch_overrides(recipe.field, gpus, lambda: launch_pick.checkpointing_pick(recipe, gpus))
     for note in notes:
         say(note)
     recipe.overrides += decided

@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 from fsdp_recipes import speed
-from fsdp_recipes.config import hardware
-from fsdp_recipes.errors import UserError
 from fsdp_recipes.planning import memory_budget
 from fsdp_recipes.planning.memory_budget import GIB
 
@@ -61,31 +59,3 @@ def line(choice: Choice) -> str:
     why = "the recipe's" if choice.pinned else (
         "the fastest that fits" if choice.totals[choice.pick] <= choice.limit else "none fits; the least memory")
     return (f"{choice.label}: {cells}; limit {choice.limit / GIB:,.1f} GiB per GPU -> pick {choice.pick} ({why})")
-
-
-def gpu_memory_gib() -> float | None:
-    """The smallest GPU here, in GiB as the driver reports it (nvidia-smi's MiB / 1024, as plan.GPUS lists them)."""
-    out = hardware.nvidia_smi("--query-gpu=memory.total", "--format=csv,noheader,nounits")
-    sizes = [float(line) for line in (out or "").split() if line.replace(".", "", 1).isdigit()]
-    return min(sizes) / 1024 if sizes else None
-
-
-def pick_for_launch(recipe, gpus: int) -> tuple[str, str]:
-    """The launcher's `auto`: (the policy, why) for the recipe as the ranks will run it on `gpus` GPUs per node of
-    this machine's kind, planned as `make plan` plans (plan.prepare with the overrides and the measured memory)."""
-    from fsdp_recipes.planning import plan
-
-    capacity = gpu_memory_gib()
-    if capacity is None:
-        return "full", "nvidia-smi reported no GPU memory to plan against: TRL's default"
-    nodes = int(recipe.accelerate.get("num_machines", 1) or 1)
-    try:
-        planned = plan.prepare(str(recipe.folder), gpus, nodes, "GPU", overrides=recipe.overrides,
-                               capacity_gib=capacity)
-    except UserError as err:
-        return "full", f"the planner could not plan this recipe ({err}): TRL's default"
-    choice = planned.checkpointing
-    total = choice.totals[choice.pick]
-    return choice.pick, (f"the fastest that fits: {total / GIB:,.1f} of {choice.limit / GIB:,.1f} GiB per GPU "
-                         f"on {gpus} x {capacity:,.1f} GiB" if total <= choice.limit else
-                         f"none fits {choice.limit / GIB:,.1f} GiB per GPU; the least memory, {total / GIB:,.1f} GiB")

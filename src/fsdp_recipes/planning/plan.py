@@ -51,14 +51,18 @@ def gpu_spec(name: str) -> tuple[str, float, bool]:
     return (key, *GPUS[key])
 
 
-def load_recipe(name: str, recipes_root: Path | None = None, overrides: list[str] | tuple = (),
+def load_recipe(name: str | recipes.Recipe, recipes_root: Path | None = None, overrides: list[str] | tuple = (),
                 world_size: int | None = None):
-    """(recipe dir, accelerate dict, parsed recipe args, model) with the launcher's checks applied. `overrides`: the
-    run's command-line overrides (`make finetune ARGS=...`), parsed and checked by the run's own code
-    (run_config.parse_args, value_checks), so one the run would reject is the same one line here. `world_size`: the
-    planned job's processes (default: the recipe's accelerate num_processes), which the trainer config's own layout
-    checks see as the ranks would."""
-    loaded = recipes.load(str(recipes_root / name) if recipes_root else name, [*overrides, "--use_cpu", "true"])
+    """(recipe dir, accelerate dict, parsed recipe args, model) with the launcher's checks applied. `name`: a recipe's
+    name or folder, or the recipe the launcher loaded (config/recipes.py Recipe, with the run's overrides: not read
+    again). `overrides`: the run's command-line overrides (`make finetune ARGS=...`), parsed and checked by the run's
+    own code (run_config.parse_args, value_checks), so one the run would reject is the same one line here.
+    `world_size`: the planned job's processes (default: the recipe's accelerate num_processes), which the trainer
+    config's own layout checks see as the ranks would."""
+    if isinstance(name, recipes.Recipe):
+        loaded = dataclasses.replace(name, overrides=[*name.overrides, *overrides, "--use_cpu", "true"])
+    else:
+        loaded = recipes.load(str(recipes_root / name) if recipes_root else name, [*overrides, "--use_cpu", "true"])
     recipe, acc = loaded.folder, loaded.accelerate
     accelerate_yaml.check_accelerate_keys(loaded.accelerate_path, acc)
     speed.check_accelerate(acc, loaded.accelerate_path)
@@ -244,7 +248,7 @@ class Planned:
         return self.runs[self.own]
 
 
-def prepare(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None,
+def prepare(name: str | recipes.Recipe, gpus: int, nodes: int, gpu: str, recipes_root: Path | None = None,
             overrides: list[str] | tuple = (), capacity_gib: float | None = None) -> Planned:
     """`capacity_gib`: the GPU's memory as measured (the launcher's nvidia-smi), `gpu` then only its name."""
     if gpus < 1 or nodes < 1:

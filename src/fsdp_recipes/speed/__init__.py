@@ -19,7 +19,7 @@ Optional, with the defaults of SpeedOption:
     check_model_config(cfg, config) `make plan` and the option's own check_config: the settings against the model's
                                     transformers config (YaRN against its trained length)
     launch_overrides(field, gpus, planner_pick)  the launcher, before the ranks start: (overrides, line) for a setting
-                                    the planner decides (planner_pick() -> (choice, why), planning/checkpointing.py)
+                                    the planner decides (planner_pick() -> (choice, why), planning/launch_pick.py)
     smoke(field, gpus)              `make smoke`: (overrides, note) where the option cannot run on this machine;
                                     field(name, default) reads the recipe's setting (config/recipes.py Recipe)
     settle(cfg)                     in the ranks, before run_args.json records the settings as they will run

@@ -84,7 +84,7 @@ def check_config(cfg) -> None:
 
 def launch_overrides(field, gpus: int, planner_pick) -> tuple[list[str], str | None]:
     """In the launcher, before the ranks start: `auto` becomes the planner's pick for the GPUs here
-    (`planner_pick()`: planning/checkpointing.py, the recipe planned as `make plan` plans it); without GPUs, full,
+    (`planner_pick()`: planning/launch_pick.py, the recipe planned as `make plan` plans it); without GPUs, full,
     TRL's default (the planner plans GPU memory). Returns the override the ranks get and the line that says so."""
     if str(field(SETTING, "")) != "auto":
         return [], None
