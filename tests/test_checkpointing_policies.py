@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
+from test_configs import YamlReads
 from fsdp_recipes.config.option_registry import ActivationCheckpointingArguments
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.planning import plan
@@ -256,7 +257,11 @@ def test_the_launcher_resolves_auto_for_the_gpus_it_finds(monkeypatch):
     monkeypatch.setattr(hardware, "nvidia_smi", lambda *args: "81559\n")
     for overrides, gpus, expected in (([], 1, "none"), (["--per_device_train_batch_size", "2"], 1, "every_2")):
         recipe = recipes.load("llama-3.1-8b-lora", overrides)
-        decided, notes = speed.launch_overrides(recipe.field, gpus, lambda: launch_pick.checkpointing_pick(recipe, gpus))
+        with monkeypatch.context() as reading:  # the planner plans the recipe the launcher loaded: no YAML read again
+            reads = YamlReads(reading)
+            decided, notes = speed.launch_overrides(recipe.field, gpus,
+                                                    lambda: launch_pick.checkpointing_pick(recipe, gpus))
+        assert not reads.counts
         assert decided == ["--activation_checkpointing_policy", expected]
         assert notes[0].startswith(f"activation checkpointing: auto -> {expected} (the fastest that fits")
     decided, notes = speed.launch_overrides(recipe.field, 0, None)  # no GPUs: TRL's default, no plan

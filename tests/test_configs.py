@@ -128,3 +128,51 @@ def test_a_cp_recipes_comments_suggest_no_attention_the_launcher_refuses_under_c
                 with pytest.raises(UserError):  # only a name the launcher refuses makes the hint wrong
                     refuse_other_than_sdpa_under_cp(attn, acc, acc_path)
                 pytest.fail(f"recipes/{name}: {line.strip()!r} suggests {attn}, which its cp mesh refuses")
+
+
+class YamlReads:
+    """Which YAML files the pack's own code reads, counted by path, while it runs (Path.read_text, open); a read by
+    a library (accelerate's own loader, which `accelerate launch` runs as well) is not the pack's."""
+
+    def __init__(self, monkeypatch) -> None:
+        import builtins
+        import collections
+        from pathlib import Path
+
+        self.counts = collections.Counter()
+        read_text, opened = Path.read_text, builtins.open
+
+        def counted(path, frame) -> None:
+            if str(path).endswith((".yaml", ".yml")) and frame.f_globals.get("__name__", "").startswith("fsdp_recipes"):
+                self.counts[Path(path).resolve()] += 1
+
+        def read_text_counted(path, *a, **k):
+            counted(path, sys._getframe(1))
+            return read_text(path, *a, **k)
+
+        def open_counted(file, *a, **k):
+            counted(file, sys._getframe(1))
+            return opened(file, *a, **k)
+
+        monkeypatch.setattr(Path, "read_text", read_text_counted)
+        monkeypatch.setattr(builtins, "open", open_counted)
+
+
+def test_the_launcher_reads_the_recipe_once(monkeypatch, capsys, cache_dir):
+    """Issue 56's "the recipe read once": from the command line to the ranks' start, the launcher reads the trainer
+    YAML and the accelerate YAML once each and parses the configuration once; the ranks then take the settings file
+    (test above). The counter is shown to count: a second recipes.load reads both files again."""
+    from conftest import RanksWouldStart, launcher_until_ranks
+    from fsdp_recipes.config import run_config
+
+    folder = (REPO / "recipes" / "tiny-cpu-lora").resolve()
+    parses = []
+    parse = run_config.parse_args
+    monkeypatch.setattr(run_config, "parse_args", lambda *a, **k: parses.append(a) or parse(*a, **k))
+    reads = YamlReads(monkeypatch)
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks(["tiny-cpu-lora", "--max_steps", "3"], monkeypatch, capsys)
+    assert reads.counts == {folder / "sft.yaml": 1, folder / "accelerate.yaml": 1}
+    assert len(parses) == 1
+    recipes.load(folder)
+    assert reads.counts == {folder / "sft.yaml": 2, folder / "accelerate.yaml": 2}
