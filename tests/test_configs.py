@@ -176,3 +176,22 @@ def test_the_launcher_reads_the_recipe_once(monkeypatch, capsys, cache_dir):
     assert len(parses) == 1
     recipes.load(folder)
     assert reads.counts == {folder / "sft.yaml": 2, folder / "accelerate.yaml": 2}
+
+
+def test_the_launchers_early_settings_are_typed_as_the_full_parse_types_them():
+    """Recipe.early: the YAML's values with the command line's on top, typed before TRL's classes are imported. The
+    command line's "false" is False (a string would be true), numbers are numbers, PackArguments' defaults fill
+    in, and a value the full parse would refuse is one line here too."""
+    tiny = recipes.load(REPO / "recipes" / "tiny-cpu-lora", ["--tiny_assets", "false", "--min_gpus=2",
+                                                               "--output_dir", "/tmp/elsewhere"])
+    early = tiny.early
+    assert (early.tiny_assets, early.min_gpus, early.output_dir) == (False, 2, "/tmp/elsewhere")
+    assert (early.smollm2_assets, early.addition_preferences, early.continues_from) == (False, False, None)
+    assert early.dataset_name == "$FSDP_RECIPES_CACHE/tiny-arith"  # the YAML's, expanded where it is used
+    assert recipes.load(REPO / "recipes" / "tiny-cpu-lora").early.tiny_assets is True  # the YAML's `true`
+    tiny.overrides += ["--addition_preferences", "Y"]
+    assert tiny.early.addition_preferences is True  # read as the overrides stand now
+    with pytest.raises(UserError, match=r"^tiny_assets: 'maybe' is not yes or no\. Fix: --tiny_assets true"):
+        recipes.load(REPO / "recipes" / "tiny-cpu-lora", ["--tiny_assets", "maybe"]).early
+    with pytest.raises(UserError, match=r"^min_gpus: 'two' is not a whole number\. Fix: --min_gpus 2"):
+        recipes.load(REPO / "recipes" / "tiny-cpu-lora", ["--min_gpus", "two"]).early

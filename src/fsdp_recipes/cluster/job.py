@@ -53,7 +53,7 @@ def recipe_facts(folder: Path) -> RecipeFacts:
         sharding=str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")),
         dp_replicate=int(par.get("parallelism_config_dp_replicate_size", 1)),
         dp_shard=int(par.get("parallelism_config_dp_shard_size", 0)) or None,
-        min_gpus=int(loaded.field("min_gpus", 0)),
+        min_gpus=loaded.early.min_gpus,
         grace_s=grace_seconds(loaded),
     )
 

@@ -16,11 +16,13 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config.accelerate_yaml import read_accelerate_config, take_wrap_override
 from fsdp_recipes.config.argv import override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
+from fsdp_recipes.config.run_config import PackArguments
 from fsdp_recipes.config.value_checks import check_training_values
 from fsdp_recipes.config.yaml_keys import load_yaml, remembered_values
 from fsdp_recipes.errors import UserError, cli
@@ -86,6 +88,52 @@ def config_file(folder: Path) -> Path:
     return files[0]
 
 
+def as_bool(key: str, value: Any) -> bool:
+    """A yes/no setting read as the full parse reads it (transformers' HfArgumentParser `string_to_bool`)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if str(value).lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise UserError(f"{key}: '{value}' is not yes or no. Fix: --{key} true (or false).")
+
+
+def as_int(key: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key}: '{value}' is not a whole number. Fix: --{key} 2, say.") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class EarlyFields:
+    """The settings the launcher's first checks read before the full parse (which imports TRL's classes, while the
+    ranks import): the YAML's values with the command line's on top, typed as that parse types them; the pack's
+    defaults are PackArguments' (config/run_config.py)."""
+
+    model_name_or_path: str | None
+    model_revision: str | None
+    dataset_name: str | None
+    output_dir: str | None
+    continues_from: str | None
+    min_gpus: int
+    tiny_assets: bool
+    smollm2_assets: bool
+    addition_preferences: bool
+
+    @classmethod
+    def read(cls, field: Callable[[str, Any], Any]) -> EarlyFields:
+        pack = {f.name: f.default for f in dataclasses.fields(PackArguments)}
+        typed = {bool: as_bool, int: as_int}
+        values = {}
+        for f in dataclasses.fields(cls):
+            value = field(f.name, pack.get(f.name))
+            kind = {"bool": bool, "int": int}.get(str(f.type))
+            values[f.name] = typed[kind](f.name, value) if kind else (None if value is None else str(value))
+        return cls(**values)
+
+
 @dataclasses.dataclass
 class Recipe:
     """One recipe as loaded once by the launcher and shared by everything after it."""
@@ -112,6 +160,11 @@ class Recipe:
     def field(self, key: str, default: Any = None) -> Any:
         """A field as the run will see it before the full parse: the command line's value, else the YAML's."""
         return override(self.overrides, key, self.raw.get(key, default))
+
+    @property
+    def early(self) -> EarlyFields:
+        """The settings the launcher reads before the full parse, typed (EarlyFields), as the overrides stand now."""
+        return EarlyFields.read(self.field)
 
     def argv(self) -> list[str]:
         """The recipe as a parse reads it (config/run_config.py): the trainer YAML and the overrides."""

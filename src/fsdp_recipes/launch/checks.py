@@ -31,7 +31,7 @@ def check_launch(recipe: Recipe) -> None:
     machines = job_machines(acc)
     # The GPU requirement before the recipe YAML: a GPU recipe's settings (bf16, hub model) cannot be checked
     # on CPU. min_gpus counts the whole job; each of its nodes runs this launcher with its share.
-    min_gpus = int(recipe.field("min_gpus", 0))
+    min_gpus = recipe.early.min_gpus
     per_node = hardware.gpus_per_node(min_gpus, machines)
     if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
         hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
@@ -49,9 +49,9 @@ def check_data_found(recipe: Recipe) -> None:
     within 5 s); a `datasets:` mixture and a hub id are checked with the recipe (check_recipe), as is data the
     checks build: the tiny and SmolLM2 assets in the pack's cache, and DPO's pairs from the SFT model's answers
     (addition_preferences), written where dataset_name says."""
-    name = recipe.field("dataset_name")
-    builds = str(recipe.field("addition_preferences", False)).lower() in ("true", "yes", "t", "y", "1")  # argparse's
-    if builds or not isinstance(name, str):
+    early = recipe.early
+    name = early.dataset_name
+    if early.addition_preferences or name is None:
         return
     if model_check.looks_local(path := expand(name, "dataset_name")) and not in_pack_cache(path):
         files.check_found(path)
@@ -62,13 +62,14 @@ def check_model_found(recipe: Recipe) -> None:
     (from_pretrained in a rank retries the hub for most of a minute before it fails). Not for a smoke run, which
     trains a tiny model instead, nor for a model the pack builds in its cache during the checks (tiny_assets,
     smollm2_assets)."""
-    model = recipe.field("model_name_or_path")
-    if smoke.active() or not isinstance(model, str):
+    early = recipe.early
+    model = early.model_name_or_path
+    if smoke.active() or model is None:
         return  # no model: the recipe's parse names the missing field
     path = expand(model, "model_name_or_path")
     if in_pack_cache(path):
         return
-    model_check.check_model_found(path, recipe.field("continues_from"), recipe.field("model_revision"))
+    model_check.check_model_found(path, early.continues_from, early.model_revision)
 
 
 def warn(recipe: Recipe, lines: list[str]) -> None:

@@ -24,8 +24,8 @@ def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = No
     the command names it, so that a busy folder is one line at once (issue 42: lock mistakes within 5 s), else
     (`output_dir`: TrainingArguments' default, once parsed) in claim_output_dir. The folder locked, or None. On a
     multi-node job the first node's launcher locks."""
-    out = output_dir or recipe.field("output_dir")
-    if not isinstance(out, str) or not out or not first_node():
+    out = output_dir or recipe.early.output_dir
+    if not out or not first_node():
         return None
     out = expand(out, "output_dir")
     lock = output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides]))

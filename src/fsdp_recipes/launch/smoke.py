@@ -111,12 +111,13 @@ def model_source(recipe: Recipe) -> tuple[Path, str] | None:
     (a local folder's, or a hub id's in the hub cache), else the recipe's `model_config.json` where the model is not
     here and that copy is of it (or of the model another run or the pack's assets will make). None for a recipe
     whose model is the tiny one already (tiny_assets)."""
-    model = expand(str(recipe.field("model_name_or_path")), "model_name_or_path")
+    early = recipe.early
+    model = expand(str(early.model_name_or_path), "model_name_or_path")
     shipped = recipe.folder / "model_config.json"
     in_cache = Path(model).absolute().is_relative_to(cache_dir().absolute())  # the pack's assets
-    if in_cache and recipe.field("tiny_assets") and not shipped.is_file():
+    if in_cache and early.tiny_assets and not shipped.is_file():
         return None  # the tiny model already
-    own = model_check.model_config_json(model, recipe.field("model_revision"))
+    own = model_check.model_config_json(model, early.model_revision)
     if own is not None:
         arch = (json.loads(own.read_text()).get("architectures") or ["?"])[0]
         return own, f"{model} ({arch}, its own config.json {own})"
@@ -126,7 +127,7 @@ def model_source(recipe: Recipe) -> tuple[Path, str] | None:
                         f"model of. Fix: `hf download {model} config.json` (a few KB), or save the model's "
                         f"config.json as {shipped}.")
     copy = json.loads(shipped.read_text())
-    made_later = recipe.field("continues_from") or in_cache  # another run's model, or the pack's to prepare
+    made_later = early.continues_from or in_cache  # another run's model, or the pack's to prepare
     if copy.get("_name_or_path") != model and not made_later:  # a copied recipe pointed at another model
         raise UserError(f"{shipped} is the config of {copy.get('_name_or_path')}, but the recipe trains {model}, "
                         "which is not here (no folder with config.json, not in the hub cache): a smoke run would "
@@ -203,12 +204,12 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
         say(f"model: {source[1]} -> a tiny {SHAPE['num_hidden_layers']}-layer model of that architecture, in "
             f"{model_dir(folder)}")
         smoke_args = ["--model_name_or_path", str(model_dir(folder)), *smoke_args]
-    say(f"data: {recipe.field('dataset_name')} -> {data} (local synthetic {recipe.trainer} data)")
+    say(f"data: {recipe.early.dataset_name} -> {data} (local synthetic {recipe.trainer} data)")
     for field, value in kind.SMOKE_SETTINGS.items():  # GRPO: a reward the synthetic data can feed
         if recipe.field(field) != value:
             smoke_args += [f"--{field}", *(value if isinstance(value, list) else [str(value)])]
             say(f"{field}: {recipe.field(field)} -> {value}")
-    if recipe.field("smollm2_assets") or recipe.field("addition_preferences"):  # the tiny model answers no additions
+    if recipe.early.smollm2_assets or recipe.early.addition_preferences:  # the tiny model answers no additions
         smoke_args += ["--smollm2_assets", "false", "--addition_preferences", "false"]
     options, notes = speed.smoke(recipe.field, gpus)  # what this machine cannot run (speed/)
     smoke_args += options
