@@ -32,6 +32,7 @@ from fsdp_recipes.patches.peft_fsdp import (
     prepare_wrapped_embeddings_for_fsdp2,
     strip_fsdp1_wrapper_names,
 )
+from fsdp_recipes.patches.resume_at_end import no_step_past_max_steps
 from fsdp_recipes.speed import context_parallel
 from fsdp_recipes.train import console, failure_record, kinds, tensor_parallel
 from fsdp_recipes.train.preemption import PreemptionCallback
@@ -51,6 +52,10 @@ def make_trainer_class(kind: str = kinds.DEFAULT):
 
         token_counter = None
         run_report = None  # RunReportCallback: its tokens/s, MFU and peak memory go into every training log
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            no_step_past_max_steps(self)  # resumed at its last step, it trains none past it (resume_at_end.py)
 
         def log(self, logs, *args, **kwargs):
             # Here, not in the report's on_log: Trainer.log hands the logs to the `report_to` integrations
