@@ -249,6 +249,44 @@ def test_grace_period_bounds_a_slow_save_and_the_relaunch_resumes_exactly(tmp_pa
     assert_resumed_exactly(straight, out, first)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # TRL's SFTConfig: gradient_checkpointing's new name
+def test_a_run_resumed_at_its_last_step_trains_no_step_past_it(tmp_path, cache_dir):
+    """The relaunch of a run preempted at its last step (a signal during step N-1 or N: the ranks stop one step later,
+    save checkpoint-N and exit 75) resumes from checkpoint-N with N == max_steps. The Trainer checks max_steps only
+    after a step, so in the middle of an epoch it trained step N+1 (`[train] step 5/4`, measured through the
+    launcher under FSDP2 and under tp, 2026-11-29); the pack's trainer trains none (patches/resume_at_end.py). In
+    process, the pack's SFT trainer on one process: 12 rows, 2 a step, max_steps 3."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig
+
+    from fsdp_recipes.patches import guard
+    from fsdp_recipes.train.build import make_trainer_class
+
+    model_dir = cache_dir / "tiny-mistral"
+    rows = Dataset.from_dict({"input_ids": torch.randint(4, 268, (12, 16), generator=torch.Generator().manual_seed(0))
+                              .tolist()})
+
+    def trainer():
+        config = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, max_length=16,
+                           learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, save_steps=100,
+                           report_to=[], use_cpu=True, disable_tqdm=True)
+        return make_trainer_class("sft")(model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+                                         args=config, train_dataset=rows,
+                                         processing_class=AutoTokenizer.from_pretrained(model_dir))
+
+    first = trainer()
+    first.train()  # the Trainer saves checkpoint-3 at max_steps
+    relaunched = trainer()
+    relaunched.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    assert relaunched.state.global_step == 3
+    assert [h["step"] for h in relaunched.state.log_history if "loss" in h] == [1, 2, 3]
+    assert [p.name for p in checkpoints.checkpoint_dirs(tmp_path)] == ["checkpoint-3"]
+    for (name, p), q in zip(first.model.named_parameters(), relaunched.model.parameters()):
+        assert torch.equal(p, q), name  # the checkpoint's weights (a constant rate: a 4th step would move them)
+    assert "resume_at_end.no_step_past_max_steps" in [p["patch"] for p in guard.APPLIED]
+
+
 def test_latest_complete_skips_unmarked(tmp_path):
     for step, complete in ((10, True), (20, True), (30, False)):
         d = tmp_path / f"checkpoint-{step}"

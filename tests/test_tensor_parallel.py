@@ -1,8 +1,10 @@
 """Tensor parallel beside FSDP2 (train/tensor_parallel.py, patches/tensor_parallel.py) on CPU over gloo: the tiny
 Mistral on a tp 2 x dp_shard 2 mesh of 4 processes against one process: loss and every gradient, full fine-tuning
 and LoRA; the final save gathered from the DTensors; a distributed checkpoint saved at that mesh and loaded at
-another (dp_shard 4); and a preempted Trainer run resumed exactly from the pack's checkpoint (4 steps straight against
-2 + 2). The 4 ranks are forks of this process (nothing to import again): one test, 19-25 s on 2 cores.
+another (dp_shard 4); a preempted Trainer run resumed exactly from the pack's checkpoint (4 steps straight against
+2 + 2), one resumed at its last step (no step past max_steps), and one saved on tp 2 x dp_shard 1 (2 forked ranks
+first) resumed at dp_shard 2. The ranks are forks of this process (nothing to import again): one test, 19-25 s on 2
+cores (measured 13.7 s before the last two resumes and 20.6 s with them, the same quiet hour).
 The pack's launch of the same mesh (its recipe, Trainer and final save) was checked by hand (docs/training.md)."""
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ TP, DP = 2, 2
 BATCH, LENGTH = 4, 24
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-5  # float32; measured 2026-11-29: loss 1e-6, gradients 3.3e-7 at most
 RESUME_STEPS, RESUME_TOL = 4, 1e-6  # the same ranks, shards and reduction order: measured equal to the last bit
+RESHARD_TOL = 1e-5  # resumed at another dp_shard: other shards, another reduction order
 
 
 def rows() -> torch.Tensor:
@@ -81,16 +84,45 @@ def worst(model, grads: dict) -> float:
     return max((gathered[n] - grads[n]).abs().max().item() for n in grads)
 
 
+def join(rank: int, world: int, port: int) -> None:
+    """This fork as rank `rank` of a tp 2 x dp_shard world/2 mesh, as `accelerate launch` starts one."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), ACCELERATE_USE_PARALLELISM_CONFIG="true",
+                      PARALLELISM_CONFIG_TP_SIZE=str(TP), PARALLELISM_CONFIG_DP_SHARD_SIZE=str(world // TP))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def save_on_one_tp_group(rank: int, world: int, port: int, out_dir: str) -> None:
+    """tp 2 x dp_shard 1 (2 ranks): the resume test's first 2 steps with the same 4 rows a step (4 a rank), then a
+    checkpoint and a stop, which the 4 ranks resume at dp_shard 2 (`resume`)."""
+    import torch.distributed as dist
+
+    join(rank, world, port)
+    tensor_parallel.set_up_process()
+    trainer(f"{out_dir}/one-group", save_steps=RESUME_STEPS // 2, callbacks=[preempted()], batch=4).train()
+    dist.destroy_process_group()
+
+
+def preempted():
+    """Stops the run once it saved a checkpoint, as a preemption does."""
+    from transformers import TrainerCallback
+
+    class Preempted(TrainerCallback):
+        def on_save(self, args, state, control, **kwargs):
+            control.should_training_stop = True
+
+    return Preempted()
+
+
 def rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, ref: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
     from transformers import AutoModelForCausalLM, Trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), ACCELERATE_USE_PARALLELISM_CONFIG="true",
-                      PARALLELISM_CONFIG_TP_SIZE=str(TP), PARALLELISM_CONFIG_DP_SHARD_SIZE=str(DP))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join(rank, world, port)
     result = {}
     mesh = tensor_parallel.set_up_process()  # as a rank of `accelerate launch` does: the patches
     config = tensor_parallel.distributed_config(mesh)
@@ -137,51 +169,63 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, out_dir: str, re
     dist.destroy_process_group()
 
 
-def trainer(out_dir: str, save_steps: int, callbacks=()):
-    """The Trainer of a tp run on 16 rows (2 a rank, 4 steps an epoch) with AdamW and a decaying schedule, so that a
-    resume that lost the optimizer's moments, the schedule or the data position trains other losses."""
+def trainer(out_dir: str, save_steps: int | None, callbacks=(), batch: int = 2):
+    """The Trainer of a tp run on 24 rows (2 a rank, 6 steps an epoch: the run's 4 steps end mid-epoch, as most runs
+    do) with AdamW and a decaying schedule, so that a resume that lost the optimizer's moments, the schedule or the
+    data position trains other losses."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
     from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback
+    from fsdp_recipes.patches.resume_at_end import no_step_past_max_steps
 
-    ids = torch.randint(4, 268, (16, LENGTH), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.randint(4, 268, (24, LENGTH), generator=torch.Generator().manual_seed(2)).tolist()
     model = AutoModelForCausalLM.from_pretrained(
         os.environ["TP_TEST_MODEL"], dtype=torch.float32,
         distributed_config=tensor_parallel.distributed_config(tensor_parallel.mesh_from_env()))
-    args = TrainingArguments(output_dir=out_dir, max_steps=RESUME_STEPS, per_device_train_batch_size=2,
-                             learning_rate=1e-2, lr_scheduler_type="linear", logging_steps=1, save_steps=save_steps,
+    args = TrainingArguments(output_dir=out_dir, max_steps=RESUME_STEPS, per_device_train_batch_size=batch,
+                             learning_rate=1e-2, lr_scheduler_type="linear", logging_steps=1,
+                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                              save_only_model=True, report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
     built = Trainer(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": ids, "labels": ids}),
                     callbacks=[CompletionMarkerCallback(), *callbacks])  # the pack's order (train/build.py)
     tensor_parallel.prepare_trainer(built)
+    no_step_past_max_steps(built)  # as every trainer of the pack's (train/build.py make_trainer_class)
     return built
 
 
 def resume(out_dir: str, rank: int) -> dict:
-    """4 steps straight; 2 steps, a checkpoint and a stop (a preemption); a fresh trainer resumed for the last 2."""
-    from transformers import TrainerCallback
-
+    """4 steps straight; 2 steps, a checkpoint and a stop (a preemption); a fresh trainer resumed for the last 2. Then
+    the relaunch of a run preempted at its last step: a fresh trainer resumed from the straight run's checkpoint-4
+    (the Trainer saves one at max_steps, as a preemption seen at the last step does) trains no step. And the
+    checkpoint of 2 steps on one tp group (tp 2 x dp_shard 1, `save_on_one_tp_group`) resumed here at dp_shard 2
+    with the same rows a step: DCP reshards the weights and AdamW's state, the Trainer skips the trained rows. (The
+    tiny model draws no random numbers in training, so its RNG files do not matter here: resume_settings.py MESH.)"""
     from fsdp_recipes.checkpoint import markers
     from fsdp_recipes.checkpoint.resume_check import ResumeCheckCallback
-
-    class Preempted(TrainerCallback):
-        def on_save(self, args, state, control, **kwargs):
-            control.should_training_stop = True
 
     def losses(done):
         return [h["loss"] for h in done.state.log_history if "loss" in h]
 
     straight = trainer(f"{out_dir}/straight", save_steps=100)
     straight.train()
-    cut = trainer(f"{out_dir}/cut", save_steps=RESUME_STEPS // 2, callbacks=[Preempted()])
+    cut = trainer(f"{out_dir}/cut", save_steps=RESUME_STEPS // 2, callbacks=[preempted()])
     cut.train()
     ckpt = markers.latest_complete(f"{out_dir}/cut")  # the marker is written after the pack's part (markers.py)
     order = [type(c).__name__ for c in cut.callback_handler.callbacks]
     # the pack's resume check verifies every AdamW state's step count after the load (resume_check.py)
-    resumed = trainer(f"{out_dir}/cut", save_steps=100, callbacks=[ResumeCheckCallback(str(ckpt), peft=False)])
+    resumed = trainer(f"{out_dir}/cut", save_steps=None, callbacks=[ResumeCheckCallback(str(ckpt), peft=False)])
     resumed.train(resume_from_checkpoint=str(ckpt))
+    at_end = trainer(f"{out_dir}/straight", save_steps=100)
+    at_end.train(resume_from_checkpoint=f"{out_dir}/straight/checkpoint-{RESUME_STEPS}")
+    grown = trainer(f"{out_dir}/one-group", save_steps=None)
+    grown.train(resume_from_checkpoint=f"{out_dir}/one-group/checkpoint-{RESUME_STEPS // 2}")
+    live = dict(straight.model.named_parameters())
+    at_end_weights = max((full(p) - full(live[n])).abs().max().item() for n, p in at_end.model.named_parameters())
     return {"straight": losses(straight), "resumed": losses(resumed), "checkpoint": ckpt.name,
+            "grown": losses(grown),
+            "at_end": [at_end.state.global_step, losses(at_end), at_end_weights, sorted(
+                p.name for p in markers.checkpoint_dirs(f"{out_dir}/straight"))],
             "readable": markers.unreadable(ckpt), "files": sorted(p.name for p in ckpt.iterdir()),
             "pack_first": order.index("TensorParallelCheckpoints") < order.index("CompletionMarkerCallback")}
 
@@ -195,6 +239,7 @@ def test_tp_beside_fsdp2_trains_saves_and_reshards_as_one_process(cache_dir, tmp
     monkeypatch.setenv("TP_TEST_MODEL", model_dir)
     ref = reference(model_dir)
     # forks: the ranks share this process's imports (spawn would import torch and transformers 4 more times)
+    mp.start_processes(save_on_one_tp_group, args=(TP, free_port(), str(tmp_path)), nprocs=TP, start_method="fork")
     mp.start_processes(rank_main, args=(TP * DP, free_port(), model_dir, str(tmp_path), ref), nprocs=TP * DP,
                        start_method="fork")
     got = json.loads((tmp_path / "result.json").read_text())
@@ -211,6 +256,15 @@ def test_tp_beside_fsdp2_trains_saves_and_reshards_as_one_process(cache_dir, tmp
         set(got["files"])
     assert len(got["straight"]) == len(got["resumed"]) == RESUME_STEPS
     assert max(abs(a - b) for a, b in zip(got["straight"], got["resumed"])) <= RESUME_TOL
+    # resumed at its last step (a preemption seen there), a run trains no step past max_steps: its log is the
+    # checkpoint's, its weights the straight run's, and no checkpoint-5 (patches/resume_at_end.py)
+    step, logged, weights, checkpoints = got["at_end"]
+    assert step == RESUME_STEPS and logged == got["straight"] and weights == 0.0
+    assert checkpoints == [f"checkpoint-{RESUME_STEPS}"]
+    # saved on one tp group (tp 2 x dp_shard 1), resumed on two (tp 2 x dp_shard 2) with the same rows a step: the
+    # 4 losses of the run that never stopped (measured 1.4e-6 apart at most)
+    grown = got["grown"]
+    assert len(grown) == RESUME_STEPS and max(abs(a - b) for a, b in zip(got["straight"], grown)) <= RESHARD_TOL
 
 
 def cfg(use_peft=True, modules_to_save=None, save_strategy="steps", save_only_model=False):
@@ -301,3 +355,40 @@ def test_a_tp_trainers_resume_hands_its_checkpoint_to_the_pack(monkeypatch):
 
     with pytest.raises(guard.PatchTargetChanged, match="_load_from_checkpoint now takes"):
         patches.resume_through(Changed.__new__(Changed), seen.append)
+
+
+def test_a_tp_checkpoint_resumes_at_another_dp_shard_and_refuses_another_tp_in_one_line(monkeypatch):
+    """checkpoint/resume_settings.py MESH: another dp_shard resumes (the forked test above resumes tp 2 x dp_shard 1 at
+    dp_shard 2) when the rows of a step stay the same, which the global batch counts over the data-parallel ranks
+    (world / tp); another tp size, or tp resumed from a checkpoint without it (or the reverse), is one line naming
+    both meshes and the fix, even under override_resumed_settings. The rank records the mesh accelerate launch passed."""
+    from fsdp_recipes.checkpoint.resume_settings import check, current
+
+    def run(per_device):
+        training = types.SimpleNamespace(per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
+                                         max_steps=4)
+        return types.SimpleNamespace(training=training, script=types.SimpleNamespace(dataset_name="d"), trainer="sft",
+                                     model=types.SimpleNamespace(dtype="float32"), pack=types.SimpleNamespace())
+
+    tp_env(monkeypatch, tp=2, dp_shard=1)
+    saved = current(run(4), 2, mesh=tensor_parallel.mesh_from_env())  # as the rank records it (train/entry.py)
+    assert saved["mesh"] == {"tp": 2, "dp_shard": 1} and saved["global_batch"] == 4  # one group: 4 rows a step
+    assert check("out/checkpoint-2", 2, saved, current(run(2), 4, mesh=Mesh(dp_shard=2, tp=2)), False) == {}
+    with pytest.raises(UserError, match=r"with other settings \(global_batch 4 -> 8\)"):  # 2 groups of 4 rows
+        check("out/checkpoint-2", 2, saved, current(run(4), 4, mesh=Mesh(dp_shard=2, tp=2)), override=False)
+    for world, now, named in ((4, Mesh(dp_shard=1, tp=4), "the mesh tp 4 x dp_shard 1"),
+                              (2, Mesh(dp_shard=2), "a mesh without tensor parallel")):
+        for override in (False, True):
+            with pytest.raises(UserError, match=rf"^cannot resume from out/checkpoint-2 on {named}: it was saved on "
+                                                rf"the mesh tp 2 x dp_shard 1, and .*\. Fix: relaunch with "
+                                                r"parallelism_config_tp_size 2 \(dp_shard may change, with a "
+                                                r"per_device_train_batch_size that keeps the global batch\), or a new "
+                                                r"--output_dir to start over\.$"):
+                check("out/checkpoint-2", 2, saved, current(run(4), world, mesh=now), override)
+    fsdp = current(run(2), 2, mesh=Mesh(dp_shard=2))  # a mesh that splits no layers records none
+    assert fsdp["mesh"] is None and fsdp["global_batch"] == 4
+    with pytest.raises(UserError, match=r"^cannot resume from out/checkpoint-2 on the mesh tp 2 x dp_shard 1: it was "
+                                        r"saved on a mesh without tensor parallel, and its state is the FSDP path's, "
+                                        r".* Fix: relaunch with no parallelism_config_tp_size, as it was saved, or a "
+                                        r"new --output_dir"):
+        check("out/checkpoint-2", 2, fsdp, saved, override=False)

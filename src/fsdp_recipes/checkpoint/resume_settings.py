@@ -47,20 +47,33 @@ OVERRIDABLE = (*OVERRIDABLE, *EVAL_ROWS)
 # the field to the split it found under one of the usual names (data/loading.py EVAL_NAMES) when `test` is missing;
 # any of those names finds the same split of the data's own (never training rows), so they compare equal
 USUAL_EVAL_NAMES = ("test", "validation", "valid", "eval", "dev")
-FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer")
+FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer",
+         "mesh")
+# A tensor-parallel run's mesh ({"tp": 2, "dp_shard": 2}; None without tp). Its checkpoint resumes at another dp_shard:
+# DCP reshards the weights and AdamW's state, and every tp group keeps its ranks' RNG streams (rng_state_<rank>.pth:
+# group g is ranks g*tp..g*tp+tp-1 at any dp_shard, and a group the checkpoint did not have starts its ranks alike),
+# so the group's ranks still draw the same dropout masks. Another tp size would mix the streams of different groups
+# in one (silently other training, not a failure), and a checkpoint without tp resumed with it (or the reverse) has
+# the other path's files (checkpoint/tensor_parallel_state.py): the mesh's tp is FIXED, refused in one line.
+MESH = "mesh"
 LENGTH = ("max_steps", "num_train_epochs")
 OPTIONS_FIXED = "fixed_by_options"  # the settings' entry naming the speed options' fixed settings (speed/)
 
 
-def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_settings: tuple[str, ...] = ()) -> dict:
+def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_settings: tuple[str, ...] = (),
+            mesh=None) -> dict:
     """This command's values of every compared setting, JSON-ready (saved into each checkpoint's identity). `cfg`:
     the parsed recipe (config/run_config.RunConfig, a layer beside this one).
     `kind_settings`: the trainer kind's own (train/kinds/<kind>.py RESUME_SETTINGS), compared like OVERRIDABLE;
-    `option_settings`: the speed options' (speed.resume_settings(): 4-bit loading's layout), FIXED like the dtype."""
+    `option_settings`: the speed options' (speed.resume_settings(): 4-bit loading's layout), FIXED like the dtype;
+    `mesh`: the run's device mesh (config/mesh.py Mesh, or None), recorded when it splits layers (MESH above)."""
     t = cfg.training
-    values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
+    tp = mesh.tp if mesh is not None and mesh.tp > 1 else 1
+    # the rows of a step: a tp group's ranks share theirs, so the data-parallel ranks are world_size / tp
+    values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * (world_size // tp),
               "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer,
-              OPTIONS_FIXED: list(option_settings)}
+              OPTIONS_FIXED: list(option_settings),
+              MESH: {"tp": tp, "dp_shard": mesh.dp_shard} if tp > 1 else None}
     sources = (t, cfg.model, getattr(cfg, "kind_args", None), *getattr(cfg, "option_args", ()),
                getattr(cfg, "script", None), getattr(cfg, "pack", None), getattr(cfg, "mixture", None))
     for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings, *option_settings):
@@ -88,7 +101,21 @@ def length(settings: dict) -> tuple[str, float]:
 def changes(saved: dict, now: dict) -> dict[str, list]:
     """{name: [saved, now]} for every compared setting that differs (the length excluded)."""
     return {k: [saved[k], now.get(k)] for k in saved
-            if k not in LENGTH and k != OPTIONS_FIXED and k in now and saved[k] != now[k]}
+            if k not in LENGTH and k != OPTIONS_FIXED and k in now and differs(k, saved[k], now[k])}
+
+
+def differs(name: str, saved, now) -> bool:
+    if name == MESH:  # another dp_shard resumes (MESH above): only the tp size is fixed
+        return tp_of(saved) != tp_of(now)
+    return saved != now
+
+
+def tp_of(mesh: dict | None) -> int:
+    return (mesh or {}).get("tp", 1)
+
+
+def mesh_described(mesh: dict | None) -> str:
+    return f"the mesh tp {mesh['tp']} x dp_shard {mesh['dp_shard']}" if mesh else "a mesh without tensor parallel"
 
 
 def is_fixed(name: str, now: dict) -> bool:
@@ -98,6 +125,20 @@ def is_fixed(name: str, now: dict) -> bool:
 
 def described(diff: dict[str, list]) -> str:
     return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())
+
+
+def refuse_another_mesh(checkpoint: str, saved: dict | None, now: dict | None) -> None:
+    """A tensor-parallel checkpoint resumes at its own tp size only (MESH above says why)."""
+    if saved and now:
+        why = ("its tp groups' RNG streams (rng_state_<rank>.pth) would mix in groups of another size, whose ranks must "
+               "draw the same dropout masks")
+    else:
+        why = f"its state is the {'tensor-parallel' if saved else 'FSDP'} path's, which the other path does not read"
+    fix = (f"parallelism_config_tp_size {saved['tp']} (dp_shard may change, with a per_device_train_batch_size that "
+           "keeps the global batch)" if saved else "no parallelism_config_tp_size, as it was saved")
+    raise UserError(f"cannot resume from {checkpoint} on {mesh_described(now)}: it was saved on "
+                    f"{mesh_described(saved)}, and {why}. Fix: relaunch with {fix}, or a new --output_dir to start "
+                    "over.")
 
 
 def eval_rows_changed(changed: dict | None) -> dict[str, list]:
@@ -113,6 +154,8 @@ def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: b
         return {}
     fix = "Fix: resume with the checkpoint's values, or use a new --output_dir"
     diff = changes(saved, now)
+    if MESH in diff:
+        refuse_another_mesh(checkpoint, *diff[MESH])
     fixed = {k: v for k, v in diff.items() if is_fixed(k, now)}
     if fixed:
         raise UserError(f"cannot resume from {checkpoint} with {described(fixed)}: the checkpoint's optimizer state "

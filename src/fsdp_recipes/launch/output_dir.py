@@ -11,6 +11,7 @@ from pathlib import Path
 # import the same in parallel.
 from fsdp_recipes.checkpoint import output_lock, resume_choice
 from fsdp_recipes.config.job import first_node, job_processes
+from fsdp_recipes.config.mesh import mesh_of
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.launch import smoke
@@ -50,7 +51,8 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: st
     from fsdp_recipes.checkpoint import previous_run, resume_settings
 
     out = cfg.training.output_dir
-    now = resume_settings.current(cfg, job_processes(recipe.accelerate), kinds.load(cfg.trainer).RESUME_SETTINGS)
+    now = resume_settings.current(cfg, job_processes(recipe.accelerate), kinds.load(cfg.trainer).RESUME_SETTINGS,
+                                  mesh=mesh_of(recipe.accelerate, recipe.accelerate_path))
     if locked is None or Path(out).resolve() != Path(locked).resolve():  # the lock first: the folder is read under it
         lock_output_dir(recipe, held, out)
     first = first_node()

@@ -137,7 +137,7 @@ def train_once(argv: list[str] | None = None) -> tuple[int, object]:
     speed.settle(cfg)  # recorded as it will run (a 4-bit base's storage dtype)
     # what this run's checkpoints record and a later resume or rerun compares with (checkpoint/resume_settings.py)
     settings = resume_settings.current(cfg, int(os.environ.get("WORLD_SIZE", "1")), kind.RESUME_SETTINGS,
-                                       speed.resume_settings())
+                                       speed.resume_settings(), mesh=tensor_parallel.mesh_from_env())
     resume, changed = checkpoint_to_resume(cfg, settings, say=(lambda line: print(f"[train] {line}", flush=True))
                                            if is_main else None)
     if resume and is_main:
