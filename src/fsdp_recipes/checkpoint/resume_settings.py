@@ -115,7 +115,7 @@ def tp_of(mesh: dict | None) -> int:
 
 
 def mesh_described(mesh: dict | None) -> str:
-    return f"the mesh tp {mesh['tp']} x dp_shard {mesh['dp_shard']}" if mesh else "a mesh without tensor parallel"
+    return f"the mesh {shown(MESH, mesh)}" if mesh else "a mesh without tensor parallel"
 
 
 def is_fixed(name: str, now: dict) -> bool:
@@ -124,7 +124,13 @@ def is_fixed(name: str, now: dict) -> bool:
 
 
 def described(diff: dict[str, list]) -> str:
-    return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in diff.items())
+    return ", ".join(f"{k} {shown(k, old)} -> {shown(k, new)}" for k, (old, new) in diff.items())
+
+
+def shown(name: str, value) -> str:
+    if name == MESH:
+        return f"tp {value['tp']} x dp_shard {value['dp_shard']}" if value else "without tp"
+    return repr(value)
 
 
 def refuse_another_mesh(checkpoint: str, saved: dict | None, now: dict | None) -> None:
