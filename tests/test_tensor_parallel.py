@@ -361,7 +361,8 @@ def test_a_tp_checkpoint_resumes_at_another_dp_shard_and_refuses_another_tp_in_o
     """checkpoint/resume_settings.py MESH: another dp_shard resumes (the forked test above resumes tp 2 x dp_shard 1 at
     dp_shard 2) when the rows of a step stay the same, which the global batch counts over the data-parallel ranks
     (world / tp); another tp size, or tp resumed from a checkpoint without it (or the reverse), is one line naming
-    both meshes and the fix, even under override_resumed_settings. The rank records the mesh accelerate launch passed."""
+    both meshes and the fix, even under override_resumed_settings. The rank records the mesh accelerate launch
+    passed."""
     from fsdp_recipes.checkpoint.resume_settings import check, current
 
     def run(per_device):

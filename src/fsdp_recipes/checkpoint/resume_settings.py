@@ -136,8 +136,8 @@ def shown(name: str, value) -> str:
 def refuse_another_mesh(checkpoint: str, saved: dict | None, now: dict | None) -> None:
     """A tensor-parallel checkpoint resumes at its own tp size only (MESH above says why)."""
     if saved and now:
-        why = ("its tp groups' RNG streams (rng_state_<rank>.pth) would mix in groups of another size, whose ranks must "
-               "draw the same dropout masks")
+        why = ("its tp groups' RNG streams (rng_state_<rank>.pth) would mix in groups of another size, whose ranks "
+               "must draw the same dropout masks")
     else:
         why = f"its state is the {'tensor-parallel' if saved else 'FSDP'} path's, which the other path does not read"
     fix = (f"parallelism_config_tp_size {saved['tp']} (dp_shard may change, with a per_device_train_batch_size that "
