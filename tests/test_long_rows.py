@@ -216,19 +216,23 @@ def test_comms_counts_cp_ring_hops_and_tp_all_reduces():
     # 2 micro-batches x 1,024 tokens = 2,048 a step; K and V of a layer: 2 x 2,048 x 8 / tp x 2 B = 32,768;
     # 3 passes (forward; backward K/V and their gradients) x 2 layers: 196,608; each GPU sends (cp - 1)/cp of it
     assert by["ring K/V (cp)"].payload == 196_608 and by["ring K/V (cp)"].sent == 98_304
-    # 4 all-reduces a layer (2 forward, 2 backward) of the GPU's 1,024 tokens x 16 x 2 B = 32,768, x 2 layers:
-    # 262,144; an all-reduce over 2 sends 2 x (2 - 1)/2 of it
-    assert by["all-reduce (tp)"].payload == 262_144 and by["all-reduce (tp)"].sent == 262_144
+    # the GPU's 1,024 tokens (2,048 / cp) x hidden 16 = 16,384 elements an all-reduce. Per layer 2 in the forward
+    # (o_proj, down_proj) and 5 in the backward (q, k, v, gate, up input gradients), plus 2 outside the layers
+    # (embedding output, LM head input gradient), as measured on tiny Mistral (comms.py): (2 x 2 + 2 x 5 + 2) = 16
+    # all-reduces x 16,384 x 2 B = 524,288; an all-reduce over 2 sends 2 x (2 - 1)/2 of it
+    assert by["all-reduce (tp)"].payload == 524_288 and by["all-reduce (tp)"].sent == 524_288
+    # the LM head's logits gathered over tp: 1,024 tokens x vocab 64 x 2 B = 131,072, each GPU sending half
+    assert by["all-gather logits (tp)"].payload == 131_072 and by["all-gather logits (tp)"].sent == 65_536
     # FSDP's all-gather: 2 micro-batches x (2 x 2 layers x 3,000 + 2,000) x 2 B = 56,000, split by tp: 28,000
     assert by["all-gather"].payload == 28_000
     again = {c.op: c for c in comms.estimate(SHAPE, t, dataclasses.replace(w, recompute=True), h100).collectives}
-    # the recompute adds one ring pass (4 x 65,536) and two all-reduces (6 x 65,536)
-    assert again["ring K/V (cp)"].payload == 262_144 and again["all-reduce (tp)"].payload == 393_216
+    # the recompute adds one ring pass (4 x 65,536) and two forward all-reduces a layer (20 x 32,768)
+    assert again["ring K/V (cp)"].payload == 262_144 and again["all-reduce (tp)"].payload == 655_360
     # the ops policy saves each layer's attention output: its recompute re-runs the projections and the MLP (the
     # two all-reduces) but not SDPA, so no fourth ring pass
     ops = dataclasses.replace(w, recompute=True, attention_saved=True)
     saved = {c.op: c for c in comms.estimate(SHAPE, t, ops, h100).collectives}
-    assert saved["ring K/V (cp)"].payload == 196_608 and saved["all-reduce (tp)"].payload == 393_216
+    assert saved["ring K/V (cp)"].payload == 196_608 and saved["all-reduce (tp)"].payload == 655_360
 
 
 @pytest.mark.parametrize("ops, saved", [(True, True), (False, False)])

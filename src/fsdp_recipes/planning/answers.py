@@ -7,7 +7,7 @@ import dataclasses
 
 from fsdp_recipes.config import accelerate_yaml
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.planning import comms, duration, fit, mesh_fit
+from fsdp_recipes.planning import comms, duration, fit, mesh_fit, mesh_lines
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB, budget
 
@@ -34,8 +34,7 @@ def fit_section(p) -> str:
              "  " + boundary(fit.batch(m, s, t.max_length or 1024, usable), usable),
              "  " + boundary(fit.length(m, s, t.per_device_train_batch_size, usable, limit), usable),
              "  " + fit.checkpointing(m, s, usable)]
-    kept = f" (the recipe's tp {s.tp} x cp {s.cp} kept)" if s.tp * s.cp > 1 else ""
-    lines += ["  " + line + kept for line in topology_answer(p)]
+    lines += ["  " + line for line in topology_answer(p)]
     lines += ["  " + line for line in mesh_answer(p)]
     return "\n".join(lines)
 
@@ -45,6 +44,8 @@ def mesh_answer(p) -> list[str]:
     m, s, usable = p.shape, p.setup, p.usable
     if p.fits and s.tp * s.cp == 1:
         return [f"mesh: none needed (FSDP over {p.gpus} fits)"]
+    if s.tp * s.cp > 1:
+        return recipe_mesh_answer(p)
     config = p.model.config
     flat = dataclasses.replace(s, tp=1, cp=1)
     alone = fit.smallest_fsdp_world(m, dataclasses.replace(flat, strategy="FSDP"), usable, p.gpus * 1024)
@@ -65,17 +66,53 @@ def mesh_answer(p) -> list[str]:
     return lines
 
 
+def recipe_mesh_answer(p) -> list[str]:
+    """A recipe with a mesh keeps it (the search's other meshes would drop its tp or cp): here where it fits, else
+    at the fewest nodes of at least tp x cp GPUs where it does and the launcher starts it."""
+    m, s = p.shape, p.setup
+    split = mesh_lines.Split.of(s)
+    alone = fit.smallest_fsdp_world(m, dataclasses.replace(s, tp=1, cp=1, strategy="FSDP"), p.usable, p.gpus * 1024)
+    versus = f"FSDP alone needs {alone} GPUs" if alone else "FSDP alone fits no GPU count (a row's activations)"
+    if split.dp_replicate > 1:
+        return [f"mesh: the recipe's own, {split.short()}; {versus}"]
+    per_node = mesh_node(p.gpus, split.tp * split.cp)
+    here = p.fits and p.gpus % (split.tp * split.cp) == 0  # a node too small for tp x cp: whole nodes proposed
+    a = mesh_fit.MeshAnswer(p.nodes, p.gpus, s.tp, s.cp, p.budgets[p.own]["total"]) if here else next(
+        (mesh_fit.MeshAnswer(n, per_node, s.tp, s.cp, t) for n in range(1, 129)
+         if (t := fit.total(m, mesh_fit.meshed(s, n * per_node, s.tp, s.cp))) <= p.usable
+         and mesh_lines.refusal(p, n, per_node) is None), None)
+    if a is None:
+        return [f"mesh: the recipe's tp {s.tp} x cp {s.cp} fits no job up to 128 nodes of {per_node} ({versus})"]
+    lines = [f"mesh: {a.describe()}, the recipe's own mesh" + ("" if here else " on nodes that hold it") +
+             f"; {versus}",
+             f"  accelerate.yaml: {mesh_fit.accelerate_keys(a)}"]
+    if a.cp > 1:
+        lines.append(f"  recipe: {mesh_fit.recipe_keys(p.cfg.training, a.cp)} (context parallel splits whole "
+                     "padded rows)")
+    return lines
+
+
+def mesh_node(gpus: int, step: int) -> int:
+    """The node size a topology answer counts in: the planned node, at least an HGX board of 8, and at least the
+    mesh's tp x cp (a multiple of it), which stays inside a node."""
+    node = max(gpus, NODE_GPUS, step)
+    return -(-node // step) * step
+
+
 def topology_answer(p) -> list[str]:
     """The smallest topology that fits, for the recipe's strategy."""
     m, s, usable = p.shape, p.setup, p.usable
     if p.own == "HSDP":
-        shard = fit.smallest_shard(m, s, usable, p.gpus)
+        # a shard group of dp_shard x cp inside a node, dp_shard at least 2 (config/mesh.py refuses replicas of 1)
+        shard = next((n for n in range(2 * s.cp, p.gpus // s.tp + 1, s.cp)
+                      if fit.total(m, dataclasses.replace(s, shard=n)) <= usable), None)
         if shard is None:
             world = fit.smallest_fsdp_world(m, s, usable, p.gpus * 1024)
             alt = f"; one-dimensional FSDP over {world} GPUs would (see --comms)" if world else ""
             return [f"smallest topology: no node count fits under HSDP (per-GPU memory is set by the shard group, "
                     f"at most the {p.gpus} GPUs of a node; more nodes add replicas, not memory){alt}"]
-        return [f"smallest topology: NODES=2 GPUS={shard} (HSDP: a shard group of {shard} in each node, "
+        mesh = f", dp_shard {shard // s.cp} x cp {s.cp}" if s.cp > 1 else ""
+        return [f"smallest topology: NODES=2 GPUS={shard * s.tp} (HSDP: a shard group of {shard}{mesh} in each node, "
                 "replicated over the nodes; HSDP needs 2 nodes or more)"]
     if p.own in ("DDP", "single"):
         if p.fits:
@@ -83,7 +120,8 @@ def topology_answer(p) -> list[str]:
         world = fit.smallest_fsdp_world(m, s, usable, p.gpus * 1024)
         alt = f"; FSDP over {world} GPUs would" if world else ""
         return [f"smallest topology: none under {p.own}: every GPU holds the whole model, whatever the count{alt}"]
-    node = max(p.gpus, NODE_GPUS)  # GPUS names this node; a bigger answer is stated in nodes of the usual board
+    step = s.tp * s.cp  # a mesh's world is a multiple of tp x cp (fit.smallest_fsdp_world), inside a node
+    node = mesh_node(p.gpus, step)  # GPUS names this node; a bigger answer is stated in nodes of the usual board
     world = fit.smallest_fsdp_world(m, s, usable, node * 1024)
     if world is None:
         return [f"smallest topology: none up to {node * 1024} GPUs"]
@@ -94,7 +132,6 @@ def topology_answer(p) -> list[str]:
             return ["smallest topology: GPUS=2 NODES=1 (1 GPU holds it, but the launcher refuses FSDP1 "
                     "LoRA on one process: see docs/training.md)"]
         return ["smallest topology: GPUS=1 NODES=1"]
-    step = s.tp * s.cp  # a mesh's world is a multiple of tp x cp (fit.smallest_fsdp_world)
     if world <= node and world == step:
         return [f"smallest topology: GPUS={world} NODES=1 (the fewest the recipe's mesh runs on)"]
     if world <= node:
@@ -102,15 +139,27 @@ def topology_answer(p) -> list[str]:
         less = fit.total(m, dataclasses.replace(s, shard=fewer // s.tp, world=fewer))
         return [f"smallest topology: GPUS={world} NODES=1 (FSDP over {world}; {fewer} would need {gib(less)} GiB)"]
     nodes = -(-world // node)
-    return [f"smallest topology: {world} GPUs: NODES={nodes} GPUS={node} (one-dimensional FSDP across nodes: "
-            "see --comms for what that costs, and HSDP's memory for the alternative)"]
+    if step == 1:
+        return [f"smallest topology: {world} GPUs: NODES={nodes} GPUS={node} (one-dimensional FSDP across nodes: "
+                "see --comms for what that costs, and HSDP's memory for the alternative)"]
+    # the mesh kept on whole nodes: tp x cp inside each, FSDP's dp_shard across them; HSDP only where it launches
+    split = mesh_lines.Split(1, nodes * node // step, s.tp, s.cp)
+    refused = mesh_lines.refusal(p, nodes, node)
+    if refused:
+        return [f"smallest topology: {world} GPUs, but the launcher refuses the recipe's mesh on NODES={nodes} "
+                f"GPUS={node} ({mesh_lines.first_clause(refused)})"]
+    hsdp = mesh_lines.hsdp_refusal(p, nodes, node)
+    alt = ("; HSDP with the mesh kept is refused by the launcher" if hsdp else
+           "; HSDP with the mesh kept is the alternative (see --comms)")
+    return [f"smallest topology: {world} GPUs: NODES={nodes} GPUS={node} ({split.short()}: tp x cp inside each "
+            f"node, FSDP's all-gathers across the nodes, see --comms{alt})"]
 
 
 def topology(p, nodes: int | None = None, strategy: str | None = None) -> comms.Topology:
     fsdp = p.acc.get("fsdp_config") or {}
     nodes = nodes or p.nodes
     strategy = strategy or p.own
-    tp, cp = (p.setup.tp, p.setup.cp) if strategy == p.own else (1, 1)
+    tp, cp = p.setup.tp, p.setup.cp  # a mesh's, in every layout (scale_section offers only those it starts)
     shard = {"FSDP": p.gpus * nodes // tp, "HSDP": p.setup.shard}.get(strategy, 1)
     reshard = fsdp.get("fsdp_reshard_after_forward", True)
     if str(fsdp.get("fsdp_sharding_strategy", "")).upper() == "SHARD_GRAD_OP":  # FSDP1's ZeRO-2
@@ -123,9 +172,14 @@ def work(p, mfu: float) -> comms.Work:
     master = 4 if s.mixed_precision else s.load_bytes
     # FSDP under accelerate's bf16 policy reduces in bf16 (param_dtype = reduce_dtype); DDP in the gradients' dtype
     reduce = s.compute_bytes if p.own in ("FSDP", "HSDP") and s.mixed_precision else master
+    gather, widths = s.compute_bytes, {}
+    if s.tp > 1:  # transformers' FSDP2 without a mixed-precision policy: the weights' dtype (comms.py, measured);
+        gather = s.load_bytes  # LoRA's adapters are fp32 (PEFT upcasts them), a full fine-tune's weights its load
+        reduce = 4 if p.cfg.model.use_peft else s.load_bytes
+        widths = dict(activation_bytes=s.compute_bytes, residual_bytes=s.load_bytes)
     return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, t.max_length or 1024,
-                      s.compute_bytes, reduce, mfu, recompute=s.checkpointed,
-                      attention_saved=s.checkpointed and s.checkpoint_ops)
+                      gather, reduce, mfu, recompute=s.checkpointed,
+                      attention_saved=s.checkpointed and s.checkpoint_ops, **widths)
 
 
 def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:
@@ -136,14 +190,17 @@ def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:
     e = comms.estimate(p.shape, t, w, f)
     gather = f"all-gather at {w.gather_bytes} B/parameter, " if p.own in ("FSDP", "HSDP") else ""
     group = f"shard group {t.shard}" if p.own in ("FSDP", "HSDP") else "no sharding"
+    if t.tp * t.cp > 1:
+        group = f"the mesh {mesh_lines.Split.of(p.setup).short()}"
     lines = [f"communication per optimizer step, per GPU: {p.own}, {group}, {t.nodes} node(s) x {t.gpus}; "
              f"{w.accumulation} micro-batch(es) of {w.micro_batch} x {w.max_length:,} tokens; {gather}gradients "
              f"reduced at {w.reduce_bytes} B",
              "", comms.table(e), "",
              f"network between nodes: {f.network} = {f.network_gbps:g} GB/s per GPU per direction"
              + ("" if t.nodes > 1 else " (unused on one node)")]
+    lines += mesh_lines.comms_scope(p, t, w)
     lines += compute_lines(e, w, f, mfu)
-    lines += [f"warning: {x}" for x in e.warnings]
+    lines += [f"warning: {x}" for x in e.warnings + mesh_lines.comms_warnings(p, t)]
     return "\n".join(lines), e
 
 
@@ -156,7 +213,10 @@ def compute_lines(e: comms.Estimate, w: comms.Work, f: Fabric, mfu: float) -> li
         f"TFLOP/s = {e.compute_s:,.2f} s",
         f"communication: {e.comm_s:,.2f} s at nominal link rates (a lower bound: no latency, no contention)",
         f"verdict: {e.verdict} (communication {e.comm_s:,.2f} s vs compute {e.compute_s:,.2f} s per step; the "
-        "collectives overlap compute, so the step takes about the longer)",
+        "collectives overlap compute, so the step takes about the longer)" if not e.exposed_s else
+        f"verdict: {e.verdict} (overlapped communication {e.overlapped_s:,.2f} s vs compute {e.compute_s:,.2f} s; "
+        f"tp's {e.exposed_s:,.2f} s is exposed, on each layer's critical path: the step takes about "
+        f"{max(e.overlapped_s, e.compute_s) + e.exposed_s:,.2f} s, the longer plus the exposed)",
     ]
 
 
@@ -179,6 +239,10 @@ def scale_section(p, f: Fabric, mfu: float, node_counts: list[int]) -> str:
     if f.node is None:
         raise UserError(f"no interconnect figures for the {f.gpu}. Fix: another --gpu (see fabric.py).")
     layouts = ["DDP"] if p.own in ("DDP", "single") else ["FSDP", "HSDP"]
+    split = mesh_lines.Split.of(p.setup)
+    if split.meshed and split.dp_replicate == 1:  # the mesh kept; HSDP beside it where the launcher starts it
+        refused = p.gpus % (split.tp * split.cp) or mesh_lines.hsdp_refusal(p, 2)
+        layouts = ["FSDP"] if refused else ["FSDP", "HSDP"]
     rows = ["| nodes | GPUs | layout | memory (GiB/GPU) | all-gather | reduce-scatter | all-reduce | "
             "communication (s) | compute (s) | bound |", "|---:|---:|---|---:|---|---|---|---:|---:|---|"]
     w = work(p, mfu)
@@ -188,11 +252,13 @@ def scale_section(p, f: Fabric, mfu: float, node_counts: list[int]) -> str:
                 continue
             t = topology(p, n, layout)
             if layout == "HSDP":
-                t = dataclasses.replace(t, shard=p.gpus)
+                t = dataclasses.replace(t, shard=p.gpus // t.tp)
             e = comms.estimate(p.shape, t, w, f)
             mem = budget(p.shape, dataclasses.replace(p.setup, shard=t.shard, world=t.world, strategy=layout))
             by = {c.op: c for c in e.collectives}
             label = {"FSDP": f"FSDP over {t.shard}", "HSDP": f"HSDP {t.shard} x {n}", "DDP": f"DDP over {t.world}"}
+            if split.meshed:
+                label = {k: v + f", tp {t.tp} x cp {t.cp}" for k, v in label.items()}
             compute = f"{e.compute_s:,.2f}" if e.compute_s is not None else "n/a"
             rows.append(f"| {n} | {t.world} | {label[layout]} | {gib(mem['total'])} | {short(by.get('all-gather'))} | "
                         f"{short(by.get('reduce-scatter'))} | {short(by.get('all-reduce'))} | {e.comm_s:,.2f} | "
@@ -200,6 +266,9 @@ def scale_section(p, f: Fabric, mfu: float, node_counts: list[int]) -> str:
     head = (f"scaling {p.recipe.name} over nodes of {p.gpus} {p.gpu}, network {f.network}: per GPU per optimizer step "
             f"({w.accumulation} x {w.micro_batch} x {w.max_length:,} tokens per GPU, so the global batch grows with "
             "the GPUs)")
+    if split.meshed:
+        head += (f"; the recipe's tp {split.tp} x cp {split.cp} kept in every layout" +
+                 ("" if "HSDP" in layouts else ", and no HSDP row: the launcher refuses HSDP beside it"))
     return head + "\n\n" + "\n".join(rows)
 
 
@@ -228,7 +297,8 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
     e = comms.estimate(p.shape, topology(p), work(p, mfu), f) if f.node is not None else None
     # attention at the rows' mean length, not max_length: rows are padded only to the longest in their batch
     fpt = comms.flops_per_token(p.shape, data.tokens_per_row)
-    d = duration.estimate(data, steps, read, fpt, world, f.peak_flops if e else None, mfu, e.comm_s if e else 0.0)
+    d = duration.estimate(data, steps, read, fpt, world, f.peak_flops if e else None, mfu,
+                          e.overlapped_s if e else 0.0, e.exposed_s if e else 0.0)
     run = f"max_steps {t.max_steps}" if t.max_steps > 0 else f"{t.num_train_epochs:g} epoch(s)"
     lines = [f"how long: {data.source}",
              f"  steps: {steps:,} ({run}, global batch {global_batch} = {t.per_device_train_batch_size} x "
@@ -240,5 +310,6 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
     else:
         lines.append(f"  time: {span(d.seconds)} = {steps:,} steps x {d.step_seconds:,.3g} s (per step the "
                      f"longer of compute at {mfu:.0%} MFU, an assumption until a GPU run measures it, and "
-                     f"communication {e.comm_s:,.2f} s)")
+                     f"communication {e.overlapped_s:,.2f} s" + (f", plus tp's exposed {e.exposed_s:,.2f} s)"
+                                                                  if e.exposed_s else ")"))
     return "\n".join(lines)

@@ -14,6 +14,22 @@ What runs, per optimizer step of k = gradient_accumulation_steps micro-batches (
 - HSDP: the reduce-scatter runs in the shard group (inside a node), then each GPU all-reduces its gradient shard
   (1/shard of the gradients) with its replicas across nodes.
 - DDP: one all-reduce of every trainable gradient per step (no_sync on the others), in the gradients' dtype.
+- A tensor-parallel mesh (train/tensor_parallel.py: transformers' FSDP2 over dp_shard, its tp plan over tp): FSDP
+  gathers and reduce-scatters over the dp_shard group only, each tensor 1/tp of the layer, in the weights' own dtype
+  (transformers' fully_shard gets no mixed-precision policy: fp32 for a full fine-tune, which config/mesh.py
+  requires, bf16 for a bf16 LoRA base); the embedding, resharded after the forward, is gathered again in the
+  backward. tp's own collectives, per micro-batch, on the GPU's tokens (its 1/cp share) x hidden: 2 all-reduces a
+  layer in the forward (the row-wise o_proj and down_proj outputs) at the compute width, 5 in the backward (the
+  input gradients of the column-wise q, k, v, gate and up projections, one each) in the residual stream's dtype
+  (the weights'), one each outside the layers (the vocab-split embedding's output, the LM head's input gradient),
+  and an all-gather of the column-wise LM head's logits at the compute width; a recomputed layer adds its forward
+  two. Measured on CPU (2026-11-29, tiny Mistral, tp 2 x dp_shard 2, fp32 weights under bf16 autocast, collectives
+  recorded by dispatch): forward 8 + 1 fp32 all-reduces of 2 x 16 x 256 and 1 logits all-gather; backward 21 fp32
+  all-reduces (4 layers x 5 + 1); FSDP's all-gathers fp32, 1/tp of a layer. Not modelled: LoRA's r-wide
+  all-reduces (its A on the row-wise projections), a LoRA first layer's 3 attention input gradients it skips
+  (frozen embedding), and the adapters' gradient sync over the dp ranks (counted as FSDP's reduce-scatter).
+  tp's collectives sit on each layer's critical path (the next matmul waits for them), so they are counted as
+  exposed: added to the step, not overlapped with compute as FSDP's prefetched all-gathers are.
 
 Bytes each GPU sends (and receives) for a collective over n GPUs of a payload of S bytes, by NCCL's ring algorithm:
 all-gather and reduce-scatter (n-1)/n x S, all-reduce 2(n-1)/n x S (NCCL's "bus bandwidth" factors, nccl-tests
@@ -69,6 +85,16 @@ class Work:
     # the `ops` policy: each checkpointed layer saves its attention output, so its recompute skips SDPA (and cp's
     # ring) and re-runs the projections and the MLP (tp's all-reduces) only
     attention_saved: bool = False
+    activation_bytes: int | None = None  # a matmul output (the compute width); None: gather_bytes
+    residual_bytes: int | None = None  # the residual stream between layers (the weights' dtype); None: gather_bytes
+
+    @property
+    def activation(self) -> int:
+        return self.activation_bytes or self.gather_bytes
+
+    @property
+    def residual(self) -> int:
+        return self.residual_bytes or self.gather_bytes
 
     @property
     def tokens(self) -> int:
@@ -83,6 +109,7 @@ class Collective:
     sent: int  # bytes each GPU sends per step: the ring factor x payload
     link: str
     gbps: float  # GB/s per GPU per direction
+    exposed: bool = False  # on the critical path (tp's): added to the step, not overlapped with compute
 
     @property
     def seconds(self) -> float:
@@ -101,10 +128,19 @@ class Estimate:
         return sum(c.seconds for c in self.collectives)
 
     @property
+    def exposed_s(self) -> float:
+        """Communication the step waits for (tp's), on top of the longer of compute and the overlapped rest."""
+        return sum(c.seconds for c in self.collectives if c.exposed)
+
+    @property
+    def overlapped_s(self) -> float:
+        return self.comm_s - self.exposed_s
+
+    @property
     def verdict(self) -> str:
         if self.compute_s is None:
             return "unknown (no dense bf16 peak for this GPU)"
-        return "communication-bound" if self.comm_s > self.compute_s else "compute-bound"
+        return "communication-bound" if self.overlapped_s > self.compute_s else "compute-bound"
 
 
 def ring_bytes(op: str, n: int, payload: int) -> int:
@@ -150,26 +186,31 @@ def reduced_params(m: ModelShape, t: Topology) -> int:
 
 
 def mesh_collectives(m: ModelShape, t: Topology, w: Work, f: Fabric) -> list[Collective]:
-    """A mesh's own collectives per optimizer step, each group inside a node (accelerate's mesh puts tp innermost,
-    then cp): context parallel's ring passes each layer's K and V chunks round the cp ranks, once in the forward and
-    twice in the backward (K and V again, and their gradients), once more in a checkpointed layer's recompute
-    where it re-runs attention (the full and every_k policies; ops saves attention's output);
-    tensor parallel all-reduces a layer's output activations twice in its forward (after attention's o_proj and the
-    MLP's down_proj) and twice in its backward (the input gradients of q/k/v and gate/up), twice more with
-    recompute. A ring pass sends (cp - 1)/cp of the row's K and V (as an all-gather does); an all-reduce
-    2 (tp - 1)/tp of the GPU's tokens' activations (their 1/cp share)."""
+    """A mesh's own collectives per optimizer step, each group inside a node where the node holds tp x cp
+    (accelerate's mesh puts tp innermost, then cp): context parallel's ring passes each layer's K and V chunks round
+    the cp ranks, once in the forward and twice in the backward (K and V again, and their gradients), once more in
+    a checkpointed layer's recompute where it re-runs attention (the full and every_k policies; ops saves
+    attention's output); a ring pass sends (cp - 1)/cp of the row's K and V (as an all-gather does). Tensor
+    parallel's all-reduces and logits all-gather as the module docstring counts them (measured on CPU), each
+    2 (tp - 1)/tp (all-reduce) or (tp - 1)/tp (all-gather) of the GPU's tokens' (their 1/cp share) activations."""
     out = []
     rows = w.accumulation * w.micro_batch * w.max_length  # tokens of the rows a cp group shares, per step
     if t.cp > 1:
         passes = 3 + (1 if w.recompute and not w.attention_saved else 0)
-        payload = m.layers * passes * rows * 2 * m.kv_dim // t.tp * w.gather_bytes
-        name, gbps = link(f, t.cp * t.tp, spans_nodes=False)
+        payload = m.layers * passes * rows * 2 * m.kv_dim // t.tp * w.activation
+        name, gbps = link(f, t.cp * t.tp, spans_nodes=t.cp * t.tp > t.gpus)
         out.append(Collective("ring K/V (cp)", t.cp, payload, ring_bytes("all-gather", t.cp, payload), name, gbps))
     if t.tp > 1:
-        reductions = 4 + (2 if w.recompute else 0)
-        payload = m.layers * reductions * rows // t.cp * m.hidden * w.gather_bytes
-        name, gbps = link(f, t.tp, spans_nodes=False)
-        out.append(Collective("all-reduce (tp)", t.tp, payload, ring_bytes("all-reduce", t.tp, payload), name, gbps))
+        local = rows // t.cp * m.hidden  # the GPU's tokens x hidden: one all-reduce's elements
+        forward = m.layers * (2 + (2 if w.recompute else 0)) * w.activation  # o_proj, down_proj (and again)
+        backward = (m.layers * 5 + 2) * w.residual  # q, k, v, gate, up input gradients; embedding, LM head input
+        payload = local * (forward + backward)
+        name, gbps = link(f, t.tp, spans_nodes=t.tp > t.gpus)
+        out.append(Collective("all-reduce (tp)", t.tp, payload, ring_bytes("all-reduce", t.tp, payload), name, gbps,
+                              exposed=True))
+        logits = rows // t.cp * m.vocab * w.activation  # the column-wise LM head's output, gathered whole
+        out.append(Collective("all-gather logits (tp)", t.tp, logits, ring_bytes("all-gather", t.tp, logits), name,
+                              gbps, exposed=True))
     return out
 
 
@@ -181,11 +222,13 @@ def estimate(m: ModelShape, t: Topology, w: Work, f: Fabric) -> Estimate:
         spans = t.strategy == "FSDP" and t.nodes > 1  # 1-D FSDP over several nodes
         name, gbps = link(f, t.shard, spans)
         per_layer = 2 if t.reshard_after_forward else 1
-        gathered = w.accumulation * (per_layer * m.layers * m.layer_params + m.root_params) * w.gather_bytes // t.tp
+        again = m.embedding if t.tp > 1 and not m.tied else 0  # transformers reshards it after the forward
+        gathered = (w.accumulation * (per_layer * m.layers * m.layer_params + m.root_params + again) * w.gather_bytes
+                    // t.tp)
         out.append(Collective("all-gather", t.shard, gathered, ring_bytes("all-gather", t.shard, gathered), name, gbps))
         out.append(Collective("reduce-scatter", t.shard, grads, ring_bytes("reduce-scatter", t.shard, grads), name,
                               gbps))
-        if spans:
+        if spans and t.tp * t.cp == 1:  # a mesh's layout across nodes: answers.py says what the launcher allows
             warnings.append(
                 f"one-dimensional FSDP across {t.nodes} nodes: every layer's all-gathers and the reduce-scatter cross "
                 f"the network ({f.network_gbps:g} GB/s per GPU) instead of {f.node.link if f.node else 'the node'}. "
@@ -219,8 +262,8 @@ def table(e: Estimate) -> str:
     rows = ["| collective | GPUs | payload per step (GB) | sent per GPU (GB) | link | GB/s per GPU | seconds |",
             "|---|---:|---:|---:|---|---:|---:|"]
     for c in e.collectives:
-        rows.append(f"| {c.op} | {c.group} | {gb(c.payload)} | {gb(c.sent)} | {c.link} | {c.gbps:g} | "
-                    f"{c.seconds:.3f} |")
+        rows.append(f"| {c.op}{' (exposed)' if c.exposed else ''} | {c.group} | {gb(c.payload)} | {gb(c.sent)} | "
+                    f"{c.link} | {c.gbps:g} | {c.seconds:.3f} |")
     if not e.collectives:
         rows.append("| none (one GPU, or nothing sharded) | | | | | | 0.000 |")
     return "\n".join(rows)

@@ -54,13 +54,14 @@ def steps(rows: int, micro_batch: int, data_parallel: int, accumulation: int, ep
 
 
 def estimate(data: Data, step_count: int, rows_read: int, flops_per_token: float, world: int,
-             peak: float | None, mfu: float, comm_per_step_s: float) -> Duration:
-    """Tokens the run trains on and its wall-clock time: per step max(compute, communication), times steps."""
+             peak: float | None, mfu: float, comm_per_step_s: float, exposed_per_step_s: float = 0.0) -> Duration:
+    """Tokens the run trains on and its wall-clock time: per step max(compute, communication) plus the communication
+    that compute waits for (tensor parallel's, comms.py), times steps."""
     tokens = int(round(rows_read * data.tokens_per_row))
     if not peak:
         return Duration(step_count, tokens, None, None)
     compute_per_step = (tokens / step_count) * flops_per_token / (world * peak * mfu)
-    per_step = max(compute_per_step, comm_per_step_s)
+    per_step = max(compute_per_step, comm_per_step_s) + exposed_per_step_s
     return Duration(step_count, tokens, per_step * step_count, per_step)
 
 

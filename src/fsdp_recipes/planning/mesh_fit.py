@@ -96,12 +96,16 @@ def recipe_keys(training, cp: int) -> str:
     return ", ".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}" for k, v in keys.items())
 
 
-def refusal(acc: dict, cfg, world: int, tp: int, cp: int, heads: int, kv_heads: int, max_length: int) -> str | None:
+def refusal(acc: dict, cfg, world: int, tp: int, cp: int, heads: int, kv_heads: int, max_length: int,
+            replicate: int = 1) -> str | None:
     """The launcher's one line against the recipe on a dp_shard x tp x cp mesh of `world` GPUs (config/mesh.py's
-    checks, as launch/checks.py runs them), with a cp mesh's recipe keys applied; None when it would start."""
+    checks, as launch/checks.py runs them), with a cp mesh's recipe keys applied; None when it would start.
+    `replicate`: HSDP's dp_replicate (the mesh replicated over that many shard groups)."""
     path = "accelerate.yaml"
-    sizes = {f"{mesh.PREFIX}dp_shard_size": world // (tp * cp), f"{mesh.PREFIX}tp_size": tp,
+    sizes = {f"{mesh.PREFIX}dp_shard_size": world // (replicate * tp * cp), f"{mesh.PREFIX}tp_size": tp,
              f"{mesh.PREFIX}cp_size": cp}
+    if replicate > 1:
+        sizes[f"{mesh.PREFIX}dp_replicate_size"] = replicate
     proposed = dict(acc, distributed_type="FSDP", parallelism_config=sizes)
     recipe = cfg
     if cfg is not None and cp > 1:  # checked as the answer proposes it: the cp keys set

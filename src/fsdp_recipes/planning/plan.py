@@ -30,7 +30,7 @@ from fsdp_recipes import speed
 from fsdp_recipes.assets.tiny_assets import ensure_assets
 from fsdp_recipes.config import accelerate_yaml, mesh, model_check, recipes, run_config, value_checks, yaml_keys
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.planning import answers, checkpointing, comms, fabric, memory_budget
+from fsdp_recipes.planning import answers, checkpointing, comms, fabric, memory_budget, mesh_lines
 from fsdp_recipes.planning.memory_budget import GIB
 from fsdp_recipes.train import kinds
 
@@ -289,6 +289,7 @@ def report(p: Planned) -> str:
             f"{m.active / 1e9:.2f}B active per token ({m.top_k} of {m.experts} experts: FLOPs and MFU count these; "
             "memory all), " if m.experts else "") +
         f"{m.trainable / 1e9:.3f}B trainable ({'LoRA' if model_args.use_peft else 'full fine-tuning'})",
+        mesh_lines.header(p) if mesh_lines.Split.of(p.setup).meshed else
         f"topology {nodes} node(s) x {gpus} {p.gpu} ({p.capacity:.1f} GiB each); recipe strategy {own}, "
         f"parameters sharded over {p.runs[own].shard} GPU(s)",
         f"global batch {training.per_device_train_batch_size} per GPU x {training.gradient_accumulation_steps} "
@@ -299,7 +300,7 @@ def report(p: Planned) -> str:
         table(p.budgets, p.capacity),
         "",
         f"decision rule (fits under DDP -> DDP; one node -> FSDP; several nodes -> HSDP): "
-        f"{decide(p.budgets, nodes, p.usable)}",
+        f"{mesh_lines.decision(p) if mesh_lines.Split.of(p.setup).meshed else decide(p.budgets, nodes, p.usable)}",
     ]
     s = p.runs[own]
     if s.tp * s.cp > 1:
