@@ -61,6 +61,8 @@ RUN_HERE = {
     'make plan RECIPE=llama-3.1-8b-lora-128k GPUS=8 GPU=H100 ARGS="--fit --comms"': 0,
     'make plan RECIPE=llama-3.1-70b-qlora-2xh100 GPUS=8 NODES=2 GPU=H100 ARGS="--load_in_4bit false --use_peft false '
     '--min_gpus 1 --fit"': 1,
+    # the 70B tp recipe's mesh in the plan's words and its --comms (docs/planner.md, "Meshes")
+    'make plan RECIPE=llama-3.1-70b-full-tp GPUS=8 NODES=2 GPU=H200 ARGS="--comms"': 0,
     # NeMo Automodel's setting for the 8B LoRA job on one H100 (docs/planner.md, activation checkpointing)
     'make plan RECIPE=llama-3.1-8b-lora GPUS=1 GPU=H100 ARGS="--per_device_train_batch_size 2 --lora_dropout 0 '
     '--activation_checkpointing_policy auto"': 0,
