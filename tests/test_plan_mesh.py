@@ -12,6 +12,7 @@ intermediate 28672, vocab 128256. A layer: q, o 8192 x 8192 + k, v 8192 x 1024 +
 import contextlib
 import functools
 import io
+from dataclasses import replace
 
 import pytest
 
@@ -150,17 +151,18 @@ def test_tp_comms_counts_fp32_gathers_over_dp_shard_and_exposed_activation_all_r
     assert f"{gathered / 1e9:,.2f}" == "4,481.82"
     # every fp32 gradient / tp 8, reduce-scattered once a step over 2: 70,553,706,496 x 4 / 8 = 35.28 GB
     assert table_row(out, "reduce-scatter")[1:3] == [f"{PARAMS_70B * 4 / 8 / 1e9:,.2f}", "17.64"]
-    # tp's all-reduces, per micro-batch on 4,096 tokens x 8,192: forward 2 a layer at 2 B (bf16 autocast), backward
-    # 5 a layer + 2 outside at 4 B (the fp32 residual stream): 64 x 4,096 x 8,192 x (80 x 2 x 2 + 402 x 4)
-    reduced = 64 * 4096 * 8192 * (80 * 2 * 2 + (80 * 5 + 2) * 4)  # 4,140,348,473,344 B
+    # tp's all-reduces, per micro-batch on 4,096 tokens x 8,192: forward 2 a layer at 2 B (bf16 autocast), and 2
+    # more in each of the 20 layers every_4 recomputes (the recipe's pick: layers 0, 4, ..., 76); backward 5 a layer
+    # + 2 outside at 4 B (the fp32 residual stream): 64 x 4,096 x 8,192 x ((80 + 20) x 2 x 2 + 402 x 4)
+    reduced = 64 * 4096 * 8192 * ((80 + 20) * 2 * 2 + (80 * 5 + 2) * 4)  # 4,312,147,165,184 B
     row = table_row(out, "all-reduce (tp) (exposed)")
-    assert row[:3] == ["8", f"{reduced / 1e9:,.2f}", f"{reduced * 2 * 7 / 8 / 1e9:,.2f}"] == ["8", "4,140.35",
-                                                                                               "7,245.61"]
-    assert row[3] == "NVLink 4" and row[5] == f"{reduced * 2 * 7 / 8 / 450e9:.3f}" == "16.101"
+    assert row[:3] == ["8", f"{reduced / 1e9:,.2f}", f"{reduced * 2 * 7 / 8 / 1e9:,.2f}"] == ["8", "4,312.15",
+                                                                                               "7,546.26"]
+    assert row[3] == "NVLink 4" and row[5] == f"{reduced * 2 * 7 / 8 / 450e9:.3f}" == "16.769"
     # the LM head's logits gathered over tp: 64 x 4,096 tokens x 128,256 x 2 B = 67.24 GB
     assert table_row(out, "all-gather logits (tp) (exposed)")[1] == f"{64 * 4096 * 128256 * 2 / 1e9:,.2f}"
-    # the step: max(compute 37.21 s, overlapped 44.818 + 0.353 s) + exposed 16.101 + 0.131 s = 61.40 s
-    assert "the step takes about 61.40 s" in line(out, "verdict")
+    # the step: max(compute 37.21 s, overlapped 44.818 + 0.353 s) + exposed 16.769 + 0.131 s = 62.07 s
+    assert "the step takes about 62.07 s" in line(out, "verdict")
     assert line(out, "modelled for tp 8: FSDP's all-gathers and reduce-scatters over dp_shard x cp = 2 only")
     assert line(out, "not modelled for tp:").startswith("not modelled for tp: the latency of 562 all-reduces")
     assert "HSDP with the mesh kept is refused by the launcher" in line(out, "warning:")
@@ -191,3 +193,36 @@ def test_exposed_collectives_add_to_the_step():
     assert "all-gather" not in by  # FSDP over 1: nothing to gather
     # both exposed: over NVLink 4 (450 GB/s) 917,504 x 2 x 1/2 + 131,072 x 1/2 = 983,040 B
     assert e.exposed_s == pytest.approx(983_040 / 450e9) and e.overlapped_s == 0
+
+
+# ------------------------------------------------------------------ the bf16 weight copies autocast keeps under tp
+
+
+def test_tp_with_fp32_weights_counts_autocasts_kept_bf16_copies():
+    """A made-up model: 2 layers of 3,000 parameters (2 norms of hidden 16: 2,968 in linears), vocab 64 (an LM head
+    of 64 x 16 = 1,024); tp 2, fp32 weights under bf16."""
+    shape = memory_budget.ModelShape(
+        params=8000, trainable=8000, layers=2, hidden=16, q_dim=16, kv_dim=8, intermediate=32, vocab=64,
+        layer_params=3000, layer_trainable=3000, root_params=2000, lora_dropout_width=0, lora_rank_width=0)
+    s = memory_budget.Setup(shard=2, world=4, strategy="FSDP", load_bytes=4, compute_bytes=2, mixed_precision=True,
+                            tokens=1024, checkpointed=False, optimizer_bytes=8, runtime_bytes=0, tp=2)
+    # no checkpointing: both layers' linears and the LM head, 1/tp at 2 B: (2 x 2,968 + 1,024) x 2 / 2 = 6,960
+    assert memory_budget.budget(shape, s)["tp_autocast_weight_copies"] == 6_960
+    # every layer checkpointed: only the layer being recomputed holds its copy, and the head: 2,968 + 1,024 = 3,992
+    full = memory_budget.budget(shape, replace(s, checkpointed=True))
+    assert full["tp_autocast_weight_copies"] == 3_992
+    # a bf16 load (LoRA's base) has nothing to cast; nor does FSDP without tp (its mixed-precision policy gathers bf16)
+    assert "tp_autocast_weight_copies" not in memory_budget.budget(shape, replace(s, load_bytes=2))
+    assert "tp_autocast_weight_copies" not in memory_budget.budget(shape, replace(s, tp=1))
+
+
+def test_the_70b_tp_recipe_no_longer_fits_without_checkpointing():
+    """On its 2 nodes of 8 H200 the copies are (80 x (855,654,400 - 2 x 8192) + 128,256 x 8192) x 2 B / 8 =
+    17,375,178,752 B = 16.18 GiB a GPU without checkpointing, which takes `none` over the 125.8 usable: the pick is
+    every_4 (20 layers checkpointed, 61 copies)."""
+    _, out = planned(*TP_H200)
+    copies = (80 * (LAYER_70B - 2 * 8192) + 128256 * 8192) * 2 / 8
+    assert f"{copies / 2**30:.2f}" == "16.18"
+    every_4 = (61 * (LAYER_70B - 2 * 8192) + 128256 * 8192) * 2 / 8
+    assert line(out, "| tp autocast weight copies |").startswith(f"| tp autocast weight copies | {every_4 / 2**30:.1f} |")
+    assert line(out, "activation checkpointing (").endswith("-> pick every_4 (the fastest that fits)")

@@ -178,7 +178,7 @@ def work(p, mfu: float) -> comms.Work:
         reduce = 4 if p.cfg.model.use_peft else s.load_bytes
         widths = dict(activation_bytes=s.compute_bytes, residual_bytes=s.load_bytes)
     return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, t.max_length or 1024,
-                      gather, reduce, mfu, recompute=s.checkpointed,
+                      gather, reduce, mfu, recompute=s.checkpointed, recompute_every=s.checkpoint_every,
                       attention_saved=s.checkpointed and s.checkpoint_ops, **widths)
 
 

@@ -81,12 +81,17 @@ class Work:
     gather_bytes: int  # bytes per parameter all-gathered (the compute width under mixed precision)
     reduce_bytes: int  # bytes per gradient element reduced
     mfu: float = DEFAULT_MFU
-    recompute: bool = False  # activation checkpointing: each layer's forward runs again in the backward
+    recompute: bool = False  # activation checkpointing: a checkpointed layer's forward runs again in the backward
+    recompute_every: int = 1  # every k-th layer is checkpointed (the every_<k> policies; 1: all of them)
     # the `ops` policy: each checkpointed layer saves its attention output, so its recompute skips SDPA (and cp's
     # ring) and re-runs the projections and the MLP (tp's all-reduces) only
     attention_saved: bool = False
     activation_bytes: int | None = None  # a matmul output (the compute width); None: gather_bytes
     residual_bytes: int | None = None  # the residual stream between layers (the weights' dtype); None: gather_bytes
+
+    def recomputed(self, layers: int) -> int:
+        """Layers whose forward runs again: 0, k, 2k, ... (memory_budget's count)."""
+        return -(-layers // self.recompute_every) if self.recompute else 0
 
     @property
     def activation(self) -> int:
@@ -196,13 +201,13 @@ def mesh_collectives(m: ModelShape, t: Topology, w: Work, f: Fabric) -> list[Col
     out = []
     rows = w.accumulation * w.micro_batch * w.max_length  # tokens of the rows a cp group shares, per step
     if t.cp > 1:
-        passes = 3 + (1 if w.recompute and not w.attention_saved else 0)
-        payload = m.layers * passes * rows * 2 * m.kv_dim // t.tp * w.activation
+        passes = 3 * m.layers + (0 if w.attention_saved else w.recomputed(m.layers))
+        payload = passes * rows * 2 * m.kv_dim // t.tp * w.activation
         name, gbps = link(f, t.cp * t.tp, spans_nodes=t.cp * t.tp > t.gpus)
         out.append(Collective("ring K/V (cp)", t.cp, payload, ring_bytes("all-gather", t.cp, payload), name, gbps))
     if t.tp > 1:
         local = rows // t.cp * m.hidden  # the GPU's tokens x hidden: one all-reduce's elements
-        forward = m.layers * (2 + (2 if w.recompute else 0)) * w.activation  # o_proj, down_proj (and again)
+        forward = 2 * (m.layers + w.recomputed(m.layers)) * w.activation  # o_proj, down_proj (and recomputed)
         backward = (m.layers * 5 + 2) * w.residual  # q, k, v, gate, up input gradients; embedding, LM head input
         payload = local * (forward + backward)
         name, gbps = link(f, t.tp, spans_nodes=t.tp > t.gpus)

@@ -85,6 +85,15 @@ in the load dtype (transformers' bitsandbytes quantizer keeps the output layer).
 for its matmul: the largest linear of a layer, once, is the working copy (QLoRA paper, Dettmers et al. 2023, section 3;
 bitsandbytes' Linear4bit).
 
+Tensor parallel with weights wider than the compute (a full fine-tune's fp32 weights under bf16, which config/mesh.py
+requires): transformers' FSDP2 under tp has no mixed-precision policy, so autocast casts each linear's 1/tp weight
+to bf16 for its matmul, and autograd keeps that copy for the backward, outside FSDP's resharding: every layer whose
+activations are kept holds its copy from its forward to its backward (a checkpointed one only while it is
+recomputed), and the LM head its one. Measured on CPU (2026-11-29, tiny Mistral, tp 2 x dp_shard 2, fp32 under bf16
+autocast, autograd's saved tensors): 2,968,576 B of bf16 weight copies, the 4 layers' linears and the LM head at
+1/tp x 2 B, exactly. (A plain DDP or one-process run of fp32 weights under autocast would keep the same copies,
+undivided: not counted here, not measured.)
+
 Runtime: CUDA context, NCCL and allocator slack, 2 GiB per GPU (a typical figure for H100 nodes, not
 measured by this pack); 0 on CPU.
 """
@@ -327,6 +336,11 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
                                                                  * s.compute_bytes + m.vocab * 4))
     elif s.generation == "vllm":  # the engine's weights and KV cache, in the GPU share it is given
         parts["vllm_engine"] = s.vllm_bytes
+    if s.tp > 1 and s.mixed_precision and s.load_bytes > s.compute_bytes:  # autocast's kept copies (docstring)
+        kept = m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every) if s.checkpointed else 0
+        copies = m.layers - kept + (1 if kept else 0)
+        parts["tp_autocast_weight_copies"] = ((copies * (m.layer_params - 2 * m.hidden) + m.vocab * m.hidden)
+                                              * s.compute_bytes / s.tp)
     if s.cp > 1:  # ring attention: a layer's K and V chunks, the one computed on and the one arriving
         parts["cp_ring_buffers"] = 2 * 2 * tokens * m.kv_dim / s.tp * s.compute_bytes
     parts = {k: int(math.ceil(v)) for k, v in parts.items()}

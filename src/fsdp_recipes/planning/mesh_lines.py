@@ -134,7 +134,8 @@ def comms_scope(p, t, w) -> list[str]:
             "gradient: transformers' FSDP2 under tp has no mixed-precision policy), the embedding gathered again in "
             "the backward",
             f"modelled for tp {t.tp}, per micro-batch on the GPU's {tokens:,} tokens x {p.shape.hidden:,}: 2 "
-            f"all-reduces a layer in the forward at {w.activation} B" + (" (2 more recomputed)" if w.recompute else "")
+            f"all-reduces a layer in the forward at {w.activation} B" +
+            (f" (2 more in each of the {w.recomputed(p.shape.layers)} recomputed)" if w.recompute else "")
             + f", 5 in the backward at {w.residual} B (the residual stream's dtype), 1 each for the embedding and the "
             f"LM head's input, and the logits all-gathered at {w.activation} B: exposed (the next matmul waits for "
             "them), so added to the step rather than overlapped",
@@ -148,7 +149,7 @@ def comms_scope(p, t, w) -> list[str]:
         lines += [
             f"modelled for cp {t.cp}: FSDP over dp_shard x cp = {t.shard} at {w.gather_bytes} B, as without cp; the "
             f"ring passing each layer's K/V of the micro-batch's whole rows ({w.micro_batch * w.max_length:,} tokens; "
-            f"each GPU computes {tokens:,}), 3 passes a layer (4 where attention is recomputed) at {w.activation} B, "
+            f"each GPU computes {tokens:,}), 3 passes a layer (4 in a layer whose attention is recomputed) at {w.activation} B, "
             "counted as overlapped with attention",
             "not modelled for cp: torch's default all-gather rotation (K/V gathered before the chunks' attention, "
             "partly exposed), the loss's and token counts' all-reduces (scalars), and the all-to-all form a CPU runs",
