@@ -26,6 +26,7 @@ EMBEDDING_70B = 128256 * 8192  # 1,050,673,152
 PARAMS_70B = 80 * LAYER_70B + ROOT_70B  # 70,553,706,496
 TP_H200 = ("llama-3.1-70b-full-tp", "--gpus", "8", "--nodes", "2", "--gpu", "H200", "--fit", "--comms")
 CP_H100 = ("llama-3.1-8b-lora-128k", "--gpus", "8", "--gpu", "H100", "--fit", "--comms")
+CP_2_NODES = ("llama-3.1-8b-lora-128k", "--gpus", "8", "--nodes", "2", "--gpu", "H100", "--comms")
 
 
 @functools.cache
@@ -101,7 +102,7 @@ def test_the_decision_offers_hsdp_with_cp_kept_where_the_launcher_starts_it():
     # one-node plan's FSDP group of 8, so its memory is the one-node plan's total
     _, one_node = planned(*CP_H100)
     total = line(one_node, "fits:").split()[1]
-    _, out = planned("llama-3.1-8b-lora-128k", "--gpus", "8", "--nodes", "2", "--gpu", "H100")
+    _, out = planned(*CP_2_NODES)
     assert line(out, "decision rule").endswith(
         "HSDP with the mesh kept (dp_replicate 2 x dp_shard 4 x tp 1 x cp 2, a shard group of 8 in each node) fits: "
         f"{total} GiB per GPU")
@@ -174,6 +175,23 @@ def test_cp_comms_says_what_it_models():
     assert line(out, "modelled for cp 2:").startswith("modelled for cp 2: FSDP over dp_shard x cp = 8 at 2 B")
     assert line(out, "not modelled for cp:")
     assert "(exposed)" not in out  # the ring is counted as overlapped with attention
+
+
+def test_a_cp_mesh_across_nodes_is_told_the_hsdp_the_launcher_starts():
+    """16 GPUs, FSDP over dp_shard 8 x cp 2 across 2 nodes: one warning, whose fix keeps cp 2 (dp_replicate 2 x
+    dp_shard 16 / (2 x 2) = 4), checked by config/mesh.py as the launcher checks it; no PCIe warning (the FSDP group
+    spans nodes, it is not a larger NVLink group)."""
+    _, out = planned(*CP_2_NODES)
+    warning = line(out, "warning:")
+    assert warning.endswith("Fix: HSDP with the mesh kept (parallelism_config_dp_replicate_size: 2, "
+                            "parallelism_config_dp_shard_size: 4)")
+    recipe = REPO / "recipes" / "llama-3.1-8b-lora-128k"
+    acc = yaml_keys.load_yaml(recipe / "accelerate.yaml")
+    acc["parallelism_config"] = dict(acc["parallelism_config"], parallelism_config_dp_replicate_size=2,
+                                     parallelism_config_dp_shard_size=4)
+    cfg = plan.load_recipe("llama-3.1-8b-lora-128k", REPO / "recipes", world_size=16)[2]
+    mesh.check_mesh_fits(mesh.check_mesh(acc, "accelerate.yaml", 16), "accelerate.yaml", 32, 8,
+                         cfg.training.max_length, cfg, on_gpus=True)
 
 
 def test_exposed_collectives_add_to_the_step():

@@ -233,7 +233,9 @@ def estimate(m: ModelShape, t: Topology, w: Work, f: Fabric) -> Estimate:
         out.append(Collective("all-gather", t.shard, gathered, ring_bytes("all-gather", t.shard, gathered), name, gbps))
         out.append(Collective("reduce-scatter", t.shard, grads, ring_bytes("reduce-scatter", t.shard, grads), name,
                               gbps))
-        if spans and t.tp * t.cp == 1:  # a mesh's layout across nodes: answers.py says what the launcher allows
+        if spans and t.tp * t.cp > 1:
+            pass  # a mesh's layout across nodes: mesh_lines.comms_warnings says what the launcher allows instead
+        elif spans:
             warnings.append(
                 f"one-dimensional FSDP across {t.nodes} nodes: every layer's all-gathers and the reduce-scatter cross "
                 f"the network ({f.network_gbps:g} GB/s per GPU) instead of {f.node.link if f.node else 'the node'}. "
