@@ -89,8 +89,8 @@ Tensor parallel with weights wider than the compute (a full fine-tune's fp32 wei
 requires): transformers' FSDP2 under tp has no mixed-precision policy, so autocast casts each linear's 1/tp weight
 to bf16 for its matmul, and autograd keeps that copy for the backward, outside FSDP's resharding: every layer whose
 activations are kept holds its copy from its forward to its backward (a checkpointed one only while it is
-recomputed), and the LM head its one. Measured on CPU (2026-11-29, tiny Mistral, tp 2 x dp_shard 2, fp32 under bf16
-autocast, autograd's saved tensors): 2,968,576 B of bf16 weight copies, the 4 layers' linears and the LM head at
+recomputed), and the LM head its one. Measured on CPU (bench/tp_cpu_collectives.py, 2026-11-29: tiny Mistral, tp 2 x
+dp_shard 2, fp32 under bf16 autocast, autograd's saved tensors): 2,968,576 B of bf16 weight copies, the 4 layers' linears and the LM head at
 1/tp x 2 B, exactly. (A plain DDP or one-process run of fp32 weights under autocast would keep the same copies,
 undivided: not counted here, not measured.)
 

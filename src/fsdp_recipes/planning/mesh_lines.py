@@ -139,7 +139,8 @@ def comms_scope(p, t, w) -> list[str]:
             + f", 5 in the backward at {w.residual} B (the residual stream's dtype), 1 each for the embedding and the "
             f"LM head's input, and the logits all-gathered at {w.activation} B: exposed (the next matmul waits for "
             "them), so added to the step rather than overlapped",
-            "  these counts and dtypes were measured on CPU (tiny Mistral, tp 2 x dp_shard 2, collectives recorded); "
+            "  these counts and dtypes were measured on CPU (bench/tp_cpu_collectives.py: tiny Mistral, tp 2 x "
+            "dp_shard 2); "
             "NCCL's speed and any overlap on GPUs are not",
             f"not modelled for tp: the latency of {7 * p.shape.layers + 2:,} all-reduces a micro-batch (a bandwidth "
             "bound only), LoRA's r-wide all-reduces and its adapters' gradient sync over the dp ranks (counted as "
