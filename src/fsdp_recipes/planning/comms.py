@@ -24,8 +24,9 @@ What runs, per optimizer step of k = gradient_accumulation_steps micro-batches (
   (the weights'), one each outside the layers (the vocab-split embedding's output, the LM head's input gradient),
   and an all-gather of the column-wise LM head's logits at the compute width; a recomputed layer adds its forward
   two. Measured on CPU (bench/tp_cpu_collectives.py, 2026-11-29: tiny Mistral, tp 2 x dp_shard 2, fp32 weights
-  under bf16 autocast, collectives recorded by dispatch): forward 8 + 1 fp32 all-reduces of 2 x 16 x 256 and 1 logits all-gather; backward 21 fp32
-  all-reduces (4 layers x 5 + 1); FSDP's all-gathers fp32, 1/tp of a layer. Not modelled: LoRA's r-wide
+  under bf16 autocast, collectives recorded by dispatch): forward 8 bf16 all-reduces of tokens x hidden (4 layers
+  x 2), 1 fp32 (the embedding's) and 1 logits all-gather; backward 21 fp32 all-reduces (4 layers x 5 + 1); FSDP's
+  all-gathers and reduce-scatters fp32, 1/tp of a layer. Not modelled: LoRA's r-wide
   all-reduces (its A on the row-wise projections), a LoRA first layer's 3 attention input gradients it skips
   (frozen embedding), and the adapters' gradient sync over the dp ranks (counted as FSDP's reduce-scatter).
   tp's collectives sit on each layer's critical path (the next matmul waits for them), so they are counted as

@@ -129,8 +129,8 @@ def comms_scope(p, t, w) -> list[str]:
     lines = []
     if t.tp > 1:
         lines += [
-            f"modelled for tp {t.tp}: FSDP's all-gathers and reduce-scatters over dp_shard x cp = {t.shard} only, 1/{t.tp} "
-            f"of each layer, in the weights' dtype ({w.gather_bytes} B a parameter gathered, {w.reduce_bytes} B a "
+            f"modelled for tp {t.tp}: FSDP's all-gathers and reduce-scatters over dp_shard x cp = {t.shard} only, "
+            f"1/{t.tp} of each layer, in the weights' dtype ({w.gather_bytes} B a parameter gathered, {w.reduce_bytes} B a "
             "gradient: transformers' FSDP2 under tp has no mixed-precision policy), the embedding gathered again in "
             "the backward",
             f"modelled for tp {t.tp}, per micro-batch on the GPU's {tokens:,} tokens x {p.shape.hidden:,}: 2 "
@@ -143,15 +143,15 @@ def comms_scope(p, t, w) -> list[str]:
             "dp_shard 2); "
             "NCCL's speed and any overlap on GPUs are not",
             f"not modelled for tp: the latency of {7 * p.shape.layers + 2:,} all-reduces a micro-batch (a bandwidth "
-            "bound only), LoRA's r-wide all-reduces and its adapters' gradient sync over the dp ranks (counted as "
-            "FSDP's reduce-scatter)",
+            "bound only)" + (", LoRA's r-wide all-reduces and its adapters' gradient sync over the dp ranks (counted "
+                             "as FSDP's reduce-scatter)" if p.cfg.model.use_peft else ""),
         ]
     if t.cp > 1:
         lines += [
             f"modelled for cp {t.cp}: FSDP over dp_shard x cp = {t.shard} at {w.gather_bytes} B, as without cp; the "
             f"ring passing each layer's K/V of the micro-batch's whole rows ({w.micro_batch * w.max_length:,} tokens; "
-            f"each GPU computes {tokens:,}), 3 passes a layer (4 in a layer whose attention is recomputed) at {w.activation} B, "
-            "counted as overlapped with attention",
+            f"each GPU computes {tokens:,}), 3 passes a layer (4 in a layer whose attention is recomputed) at "
+            f"{w.activation} B, counted as overlapped with attention",
             "not modelled for cp: torch's default all-gather rotation (K/V gathered before the chunks' attention, "
             "partly exposed), the loss's and token counts' all-reduces (scalars), and the all-to-all form a CPU runs",
         ]
