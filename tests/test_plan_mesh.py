@@ -18,6 +18,7 @@ import pytest
 
 from conftest import REPO
 from fsdp_recipes.config import mesh, yaml_keys
+from fsdp_recipes.errors import UserError
 from fsdp_recipes.planning import comms, fabric, memory_budget, plan
 
 LAYER_70B = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192  # 855,654,400
@@ -136,6 +137,35 @@ def test_the_proposed_mesh_is_one_config_mesh_starts(argv):
     checked = mesh.check_mesh(acc, "accelerate.yaml", nodes * gpus)  # raises the launcher's one line if refused
     mesh.check_mesh_fits(checked, "accelerate.yaml", 64 if "70b" in argv[0] else 32, 8, cfg.training.max_length,
                          cfg, on_gpus=True)
+
+
+def test_hsdp_with_cp_never_proposes_a_replica_of_one_shard(tmp_path):
+    """The 128k recipe as HSDP (dp_replicate 2 x dp_shard 4 x cp 2 on 2 nodes of 8). By memory a shard group of 2
+    would do (cp 2 alone on 2 GPUs plans 67.0 GiB of 71.6), but that leaves dp_shard 1 in each replica, which
+    config/mesh.py refuses; so the smallest is 4 a node: dp_shard 2 x cp 2."""
+    import shutil
+
+    recipe = tmp_path / "hsdp-cp"
+    shutil.copytree(REPO / "recipes" / "llama-3.1-8b-lora-128k", recipe)
+    acc = (recipe / "accelerate.yaml").read_text().replace("num_machines: 1", "num_machines: 2")
+    acc = acc.replace("num_processes: 8", "num_processes: 16").replace(
+        "parallelism_config:\n", "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n")
+    (recipe / "accelerate.yaml").write_text(acc)
+    _, out = planned(str(recipe), "--gpus", "8", "--nodes", "2", "--gpu", "H100", "--fit")
+    assert line(out, "topology").endswith("recipe strategy HSDP with a mesh: replicated over 2 (HSDP) x FSDP over "
+                                          "dp_shard 4 x cp 2 = 16 GPUs; each row's tokens split over the 2 cp ranks")
+    assert line(out, "smallest topology").startswith(
+        "smallest topology: NODES=2 GPUS=4 (HSDP: a shard group of 4, dp_shard 2 x cp 2 in each node")
+    _, two = planned("llama-3.1-8b-lora-128k", "--gpus", "2", "--gpu", "H100")
+    assert line(two, "fits:").startswith("fits: 67.0 GiB")
+    sizes = yaml_keys.load_yaml(recipe / "accelerate.yaml")
+    for dp_shard, world in ((1, 4), (2, 8)):  # the launcher's checks: refused, then started
+        sizes["parallelism_config"]["parallelism_config_dp_shard_size"] = dp_shard
+        if dp_shard == 1:
+            with pytest.raises(UserError, match="dp_replicate 2 with dp_shard 1"):
+                mesh.check_mesh(sizes, "accelerate.yaml", world)
+        else:
+            mesh.check_mesh(sizes, "accelerate.yaml", world)
 
 
 # ------------------------------------------------------------------ 3. --comms under tp and cp

@@ -103,9 +103,10 @@ def topology_answer(p) -> list[str]:
     """The smallest topology that fits, for the recipe's strategy."""
     m, s, usable = p.shape, p.setup, p.usable
     if p.own == "HSDP":
-        # a shard group of dp_shard x cp inside a node, dp_shard at least 2 (config/mesh.py refuses replicas of 1)
-        shard = next((n for n in range(2 * s.cp, p.gpus // s.tp + 1, s.cp)
-                      if fit.total(m, dataclasses.replace(s, shard=n)) <= usable), None)
+        shard = fit.smallest_shard(m, s, usable, p.gpus)
+        if s.cp > 1:  # a shard group of dp_shard x cp, dp_shard at least 2 (config/mesh.py refuses replicas of 1)
+            shard = next((n for n in range(2 * s.cp, p.gpus // s.tp + 1, s.cp)
+                          if fit.total(m, dataclasses.replace(s, shard=n)) <= usable), None)
         if shard is None:
             world = fit.smallest_fsdp_world(m, s, usable, p.gpus * 1024)
             alt = f"; one-dimensional FSDP over {world} GPUs would (see --comms)" if world else ""
