@@ -25,7 +25,8 @@ LAYER_70B = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192  # 8
 ROOT_70B = 2 * 128256 * 8192 + 8192  # 2,101,354,496
 EMBEDDING_70B = 128256 * 8192  # 1,050,673,152
 PARAMS_70B = 80 * LAYER_70B + ROOT_70B  # 70,553,706,496
-TP_H200 = ("llama-3.1-70b-full-tp", "--gpus", "8", "--nodes", "2", "--gpu", "H200", "--fit", "--comms")
+TP_H200 = ("llama-3.1-70b-full-tp", "--gpus", "8", "--nodes", "2", "--gpu", "H200", "--fit", "--comms",
+           "--scale", "2,4")
 CP_H100 = ("llama-3.1-8b-lora-128k", "--gpus", "8", "--gpu", "H100", "--fit", "--comms")
 CP_2_NODES = ("llama-3.1-8b-lora-128k", "--gpus", "8", "--nodes", "2", "--gpu", "H100", "--comms")
 
@@ -107,6 +108,16 @@ def test_the_decision_offers_hsdp_with_cp_kept_where_the_launcher_starts_it():
     assert line(out, "decision rule").endswith(
         "HSDP with the mesh kept (dp_replicate 2 x dp_shard 4 x tp 1 x cp 2, a shard group of 8 in each node) fits: "
         f"{total} GiB per GPU")
+
+
+def test_scale_keeps_tp_and_offers_no_hsdp_the_launcher_refuses():
+    # 2 and 4 nodes of 8 with tp 8: dp_shard 2 and 4, one row each; HSDP with tp 8 kept is refused (dp_shard 1 a
+    # replica), so no HSDP row (it was offered without tp before)
+    _, out = planned(*TP_H200)
+    assert "no HSDP row: the launcher refuses HSDP beside it" in line(out, "scaling")
+    assert line(out, "| 2 | 16 |").startswith("| 2 | 16 | FSDP over 2, tp 8 x cp 1 |")
+    assert line(out, "| 4 | 32 |").startswith("| 4 | 32 | FSDP over 4, tp 8 x cp 1 |")
+    assert "| HSDP" not in out
 
 
 @pytest.mark.parametrize("gpus, nodes", [("8", "1"), ("4", "4")])

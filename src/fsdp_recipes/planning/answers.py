@@ -269,7 +269,9 @@ def scale_section(p, f: Fabric, mfu: float, node_counts: list[int]) -> str:
             "the GPUs)")
     if split.meshed:
         head += (f"; the recipe's tp {split.tp} x cp {split.cp} kept in every layout" +
-                 ("" if "HSDP" in layouts else ", and no HSDP row: the launcher refuses HSDP beside it"))
+                 ("" if "HSDP" in layouts else ", and no HSDP row: the launcher refuses HSDP beside it") +
+                 ("; tp's own collectives are in the communication column (exposed: added to the step, while the "
+                  "bound compares the overlapped rest with compute)" if split.tp > 1 else ""))
     return head + "\n\n" + "\n".join(rows)
 
 
