@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_recipes import api
+
 TP, DP = 2, 2
 ROWS, LENGTH = 3, 11  # 33 tokens: no activation shares a weight's shape
 
@@ -74,9 +76,7 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> Non
                       PARALLELISM_CONFIG_TP_SIZE=str(TP), PARALLELISM_CONFIG_DP_SHARD_SIZE=str(DP))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from fsdp_recipes.train import tensor_parallel
-
-    config = tensor_parallel.distributed_config(tensor_parallel.set_up_process())
+    config = api.tensor_parallel_config(api.set_up_tensor_parallel())
     ids = torch.randint(4, 268, (ROWS, LENGTH), generator=torch.Generator().manual_seed(0))
     result = {"tokens_per_rank": ROWS * LENGTH, "tp": TP, "dp_shard": DP}
     for kind, dtype in (("full_fp32", torch.float32), ("lora_bf16_base", torch.bfloat16)):
@@ -113,13 +113,10 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> Non
 def main() -> int:
     import torch.multiprocessing as mp
 
-    from fsdp_recipes.assets.tiny_assets import ensure_assets
-    from fsdp_recipes.dist import free_port
-
-    model_dir = str(ensure_assets(quiet=True)["model"])
+    model_dir = str(api.ensure_tiny_assets(quiet=True)["model"])
     stamp = time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
     out = Path(__file__).parent / "results" / f"tp-cpu-collectives-{stamp}.json"
-    mp.start_processes(rank_main, args=(TP * DP, free_port(), model_dir, str(out)), nprocs=TP * DP,
+    mp.start_processes(rank_main, args=(TP * DP, api.free_port(), model_dir, str(out)), nprocs=TP * DP,
                        start_method="fork")
     print(out)
     return 0

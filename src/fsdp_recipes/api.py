@@ -52,6 +52,10 @@ EXPORTS: dict[str, str] = {
     "exit_without_teardown": "fsdp_recipes.train.entry:exit_without_teardown",
     "accelerate_cmd": "fsdp_recipes.launch.ranks:accelerate_cmd",
     "enable_cpu_fsdp": "fsdp_recipes.patches.cpu_fsdp:enable",  # FSDP on gloo, before the process group
+    # tensor parallel as the entry point sets it up: the mesh, then transformers' DistributedConfig for from_pretrained
+    "set_up_tensor_parallel": "fsdp_recipes.train.tensor_parallel:set_up_process",
+    "tensor_parallel_config": "fsdp_recipes.train.tensor_parallel:distributed_config",
+    "free_port": "fsdp_recipes.dist:free_port",
     "rank": "fsdp_recipes.dist:rank",
     "barrier": "fsdp_recipes.dist:barrier",
     "gather_objects": "fsdp_recipes.dist:gather_objects",
