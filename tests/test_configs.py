@@ -164,11 +164,15 @@ def test_the_launcher_reads_the_recipe_once(monkeypatch, capsys, cache_dir):
     (test above). The counter is shown to count: a second recipes.load reads both files again."""
     from conftest import RanksWouldStart, launcher_until_ranks
     from fsdp_recipes.config import run_config
+    from fsdp_recipes.launch import launcher  # noqa: F401 (its modules imported, to be counted)
+    from fsdp_recipes.train import run_checks  # noqa: F401 (imported by the launcher's checks when they run)
 
     folder = (REPO / "recipes" / "tiny-cpu-lora").resolve()
     parses = []
     parse = run_config.parse_args
-    monkeypatch.setattr(run_config, "parse_args", lambda *a, **k: parses.append(a) or parse(*a, **k))
+    for module in [m for name, m in sys.modules.items() if name.startswith("fsdp_recipes")]:
+        if getattr(module, "parse_args", None) is parse:  # `from ...run_config import parse_args` too
+            monkeypatch.setattr(module, "parse_args", lambda *a, **k: parses.append(a) or parse(*a, **k))
     reads = YamlReads(monkeypatch)
     with pytest.raises(RanksWouldStart):
         launcher_until_ranks(["tiny-cpu-lora", "--max_steps", "3"], monkeypatch, capsys)
