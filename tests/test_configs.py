@@ -160,8 +160,10 @@ class YamlReads:
 
 def test_the_launcher_reads_the_recipe_once(monkeypatch, capsys, cache_dir):
     """Issue 56's "the recipe read once": from the command line to the ranks' start, the launcher reads the trainer
-    YAML and the accelerate YAML once each and parses the configuration once; the ranks then take the settings file
-    (test above). The counter is shown to count: a second recipes.load reads both files again."""
+    YAML and the accelerate YAML once each and parses the configuration once (here, without GPUs; with GPUs and
+    activation checkpointing `auto`, the planner parses its own view of the same Recipe once more, reading no file:
+    test_checkpointing_policies); the ranks then take the settings file (test above). The counter is shown to count:
+    a second recipes.load reads both files again."""
     from conftest import RanksWouldStart, launcher_until_ranks
     from fsdp_recipes.config import run_config
     from fsdp_recipes.launch import launcher  # noqa: F401 (its modules imported, to be counted)
@@ -195,7 +197,23 @@ def test_the_launchers_early_settings_are_typed_as_the_full_parse_types_them():
     assert recipes.load(REPO / "recipes" / "tiny-cpu-lora").early.tiny_assets is True  # the YAML's `true`
     tiny.overrides += ["--addition_preferences", "Y"]
     assert tiny.early.addition_preferences is True  # read as the overrides stand now
+    bare = recipes.load(REPO / "recipes" / "tiny-cpu-lora", ["--smollm2_assets", "--max_steps", "3"])
+    assert bare.early.smollm2_assets is True  # a bare yes/no flag, as HfArgumentParser reads it (const True)
+    assert parse_args([*bare.argv(), "--use_cpu", "true"]).pack.smollm2_assets is True  # the full parse agrees
     with pytest.raises(UserError, match=r"^tiny_assets: 'maybe' is not yes or no\. Fix: --tiny_assets true"):
         recipes.load(REPO / "recipes" / "tiny-cpu-lora", ["--tiny_assets", "maybe"]).early
     with pytest.raises(UserError, match=r"^min_gpus: 'two' is not a whole number\. Fix: --min_gpus 2"):
         recipes.load(REPO / "recipes" / "tiny-cpu-lora", ["--min_gpus", "two"]).early
+
+
+def test_an_empty_yaml_value_is_the_full_parses_default(tmp_path):
+    """`min_gpus:` and `smollm2_assets:` left empty: the full parse reads None as the field's default, and so does
+    Recipe.early (PackArguments' 0 and False), not a refusal."""
+    import shutil
+
+    folder = tmp_path / "empty-values"
+    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", folder)
+    with (folder / "sft.yaml").open("a") as f:
+        f.write("\nmin_gpus:\nsmollm2_assets:\n")
+    early = recipes.load(folder).early
+    assert (early.min_gpus, early.smollm2_assets) == (0, False)

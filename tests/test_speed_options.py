@@ -158,6 +158,13 @@ def test_liger_without_its_package_is_one_line_and_off_in_a_cpu_smoke_run(cache_
     overrides, notes = speed.smoke(lambda name, default=None: {"use_liger_kernel": True}.get(name, default), gpus=0)
     assert overrides == ["--use_liger_kernel", "false"] and notes == [
         "liger: its Triton kernels need CUDA and liger-kernel -> off"]
+    # the command line's "yes" (or a bare flag) is on, as the full parse reads it: off in the smoke run too
+    from fsdp_recipes.config import recipes
+
+    said = recipes.load(REPO / "recipes" / "tiny-cpu-lora", ["--use_liger_kernel", "yes"])
+    assert speed.smoke(said.field, gpus=0)[0] == ["--use_liger_kernel", "false"]
+    bare = recipes.load(REPO / "recipes" / "tiny-cpu-lora", ["--use_liger_kernel"])
+    assert speed.smoke(bare.field, gpus=0)[0] == ["--use_liger_kernel", "false"]
 
 
 SPEED = REPO / "src" / "fsdp_recipes" / "speed"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from enum import Enum
+
 from transformers import TrainerCallback
 
 from fsdp_recipes.errors import UserError

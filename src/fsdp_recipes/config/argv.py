@@ -4,18 +4,43 @@ trainer kind): `--key v` / `--key=v`, as the full parse will read them."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+from fsdp_recipes.errors import UserError
 
 
 def override(argv: list[str], key: str, default):
     """The value of `--key v` / `--key=v` among command-line overrides, else `default`: for the few settings the
-    launcher needs before the recipe is parsed (torchrun's grace period, the node count)."""
+    launcher needs before the recipe is parsed (torchrun's grace period, the node count). A yes/no setting (a bool
+    `default`) given bare, `--key`, is True, as transformers' HfArgumentParser reads it (nargs "?", const True)."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    parser.add_argument(f"--{key}", default=default)
+    if isinstance(default, bool):
+        parser.add_argument(f"--{key}", default=default, nargs="?", const=True)
+    else:
+        parser.add_argument(f"--{key}", default=default)
     try:
         known, _ = parser.parse_known_args(argv)
     except argparse.ArgumentError:  # `--key` with no value: the full parse names the mistake
         return default
     return getattr(known, key)
+
+
+def as_bool(key: str, value: Any) -> bool:
+    """A yes/no setting read as the full parse reads it (transformers' HfArgumentParser `string_to_bool`)."""
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("yes", "true", "t", "y", "1"):
+        return True
+    if str(value).lower() in ("no", "false", "f", "n", "0"):
+        return False
+    raise UserError(f"{key}: '{value}' is not yes or no. Fix: --{key} true (or false).")
+
+
+def as_int(key: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key}: '{value}' is not a whole number. Fix: --{key} 2, say.") from None
 
 
 def given(argv: list[str], *keys: str) -> bool:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdp_recipes.config.accelerate_yaml import read_accelerate_config, take_wrap_override
-from fsdp_recipes.config.argv import override
+from fsdp_recipes.config.argv import as_bool, as_int, override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
 from fsdp_recipes.config.run_config import PackArguments
 from fsdp_recipes.config.value_checks import check_training_values
@@ -88,24 +88,6 @@ def config_file(folder: Path) -> Path:
     return files[0]
 
 
-def as_bool(key: str, value: Any) -> bool:
-    """A yes/no setting read as the full parse reads it (transformers' HfArgumentParser `string_to_bool`)."""
-    if isinstance(value, bool):
-        return value
-    if str(value).lower() in ("yes", "true", "t", "y", "1"):
-        return True
-    if str(value).lower() in ("no", "false", "f", "n", "0"):
-        return False
-    raise UserError(f"{key}: '{value}' is not yes or no. Fix: --{key} true (or false).")
-
-
-def as_int(key: str, value: Any) -> int:
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise UserError(f"{key}: '{value}' is not a whole number. Fix: --{key} 2, say.") from None
-
-
 @dataclasses.dataclass(frozen=True)
 class EarlyFields:
     """The settings the launcher's first checks read before the full parse (which imports TRL's classes, while the
@@ -125,12 +107,14 @@ class EarlyFields:
     @classmethod
     def read(cls, field: Callable[[str, Any], Any]) -> EarlyFields:
         pack = {f.name: f.default for f in dataclasses.fields(PackArguments)}
-        typed = {bool: as_bool, int: as_int}
+        typed = {"bool": as_bool, "int": as_int}
         values = {}
         for f in dataclasses.fields(cls):
-            value = field(f.name, pack.get(f.name))
-            kind = {"bool": bool, "int": int}.get(str(f.type))
-            values[f.name] = typed[kind](f.name, value) if kind else (None if value is None else str(value))
+            value = field(f.name, pack.get(f.name))  # a bool default: a bare `--key` is True (config/argv.py)
+            if value is None:  # `key:` left empty in the YAML: the full parse's default
+                value = pack.get(f.name)
+            convert = typed.get(str(f.type))
+            values[f.name] = convert(f.name, value) if convert else (None if value is None else str(value))
         return cls(**values)
 
 
@@ -160,6 +144,10 @@ class Recipe:
     def field(self, key: str, default: Any = None) -> Any:
         """A field as the run will see it before the full parse: the command line's value, else the YAML's."""
         return override(self.overrides, key, self.raw.get(key, default))
+
+    def differing(self, settings: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """{field: (its value now, the value in `settings`)} for each of `settings` the recipe sets otherwise."""
+        return {key: (self.field(key), value) for key, value in settings.items() if self.field(key) != value}
 
     @property
     def early(self) -> EarlyFields:

@@ -37,13 +37,13 @@ from pathlib import Path
 # import the same in parallel.
 from fsdp_recipes import library_logs, speed
 from fsdp_recipes.config import handoff, hardware, placement, recipes
+from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import smoke, summary
 from fsdp_recipes.launch.checks import check_data_found, check_launch, check_model_found, check_recipe
 from fsdp_recipes.launch.ending import how_it_ended, records_exit_code, summarise
-from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
 from fsdp_recipes.launch.output_dir import claim_output_dir, lock_output_dir
 from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command, settings_file

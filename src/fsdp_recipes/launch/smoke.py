@@ -205,10 +205,9 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
             f"{model_dir(folder)}")
         smoke_args = ["--model_name_or_path", str(model_dir(folder)), *smoke_args]
     say(f"data: {recipe.early.dataset_name} -> {data} (local synthetic {recipe.trainer} data)")
-    for field, value in kind.SMOKE_SETTINGS.items():  # GRPO: a reward the synthetic data can feed
-        if recipe.field(field) != value:
-            smoke_args += [f"--{field}", *(value if isinstance(value, list) else [str(value)])]
-            say(f"{field}: {recipe.field(field)} -> {value}")
+    for field, (now, value) in recipe.differing(kind.SMOKE_SETTINGS).items():  # GRPO: a reward the data can feed
+        smoke_args += [f"--{field}", *(value if isinstance(value, list) else [str(value)])]
+        say(f"{field}: {now} -> {value}")
     if recipe.early.smollm2_assets or recipe.early.addition_preferences:  # the tiny model answers no additions
         smoke_args += ["--smollm2_assets", "false", "--addition_preferences", "false"]
     options, notes = speed.smoke(recipe.field, gpus)  # what this machine cannot run (speed/)

@@ -45,8 +45,8 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
-from fsdp_recipes.config.option_registry import OPTIONS as REGISTERED
 from fsdp_recipes import registry
+from fsdp_recipes.config.option_registry import OPTIONS as REGISTERED
 from fsdp_recipes.registry import members_of
 
 

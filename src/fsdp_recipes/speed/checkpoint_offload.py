@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 
+from fsdp_recipes.config.argv import as_bool
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.speed import activation_checkpointing as ac
 from fsdp_recipes.speed import attention
@@ -70,7 +71,7 @@ def check_launch(cfg, acc: dict, path) -> None:
 
 
 def smoke(field, gpus: int) -> tuple[list[str], str | None]:
-    if str(field("activation_checkpointing_offload", False)).lower() in ("true", "1") and not gpus:
+    if as_bool("activation_checkpointing_offload", field("activation_checkpointing_offload", False)) and not gpus:
         return (["--activation_checkpointing_offload", "false"],
                 "activation checkpointing offload: pinned host memory needs a GPU -> off")
     return [], None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 
 from fsdp_recipes.config import hardware
+from fsdp_recipes.config.argv import as_bool
 from fsdp_recipes.errors import UserError
 
 MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada and Hopper (torch._scaled_mm refuses older GPUs)
@@ -71,7 +72,7 @@ def check_device() -> None:
 
 def smoke(field, gpus: int) -> tuple[list[str], str | None]:
     """float8 itself runs on CPU (torch's reference float8 matmul) when torchao is there: then it is kept."""
-    if str(field("float8", False)).lower() in ("true", "1") and importlib.util.find_spec("torchao") is None:
+    if as_bool("float8", field("float8", False)) and importlib.util.find_spec("torchao") is None:
         return ["--float8", "false"], "float8: torchao is not installed here -> off (pip install torchao to " \
                                       "smoke-test that path too)"
     return [], None

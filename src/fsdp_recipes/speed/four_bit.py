@@ -164,8 +164,8 @@ def load_4bit(model_path: str, model_args, dequantise: bool = False):
     turned back into a plain one in the compute dtype (transformers' dequantize(), which also drops the config's
     quantization_config): the 4-bit model's own weights in full precision, plain from_pretrained from then on."""
     import transformers
-    from trl import get_quantization_config
     from transformers import AutoModelForCausalLM
+    from trl import get_quantization_config
 
     transformers.utils.logging.disable_progress_bar()  # as generation.generate: no bars inside the summary
     settings = recorded(model_args)

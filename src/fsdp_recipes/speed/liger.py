@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 
+from fsdp_recipes.config.argv import as_bool
 from fsdp_recipes.errors import UserError
 
 FIELDS = ("use_liger_kernel", "liger_kernel_config")
@@ -24,7 +25,8 @@ def check_installed(cfg) -> None:
 
 
 def smoke(field, gpus: int) -> tuple[list[str], str | None]:
-    if str(field("use_liger_kernel", False)).lower() in ("true", "1") and not (gpus and importlib.util.find_spec("liger_kernel")):
+    on = as_bool("use_liger_kernel", field("use_liger_kernel", False))
+    if on and not (gpus and importlib.util.find_spec("liger_kernel")):
         return ["--use_liger_kernel", "false"], "liger: its Triton kernels need CUDA and liger-kernel -> off"
     return [], None
 
