@@ -251,6 +251,19 @@ def test_a_cp_checkpoint_resumes_at_another_cp_with_the_same_rows_a_step_and_ref
             r"with per_device_train_batch_size x gradient_accumulation_steps = 2 \(the same rows a step\), or a "
             r"new --output_dir, or --override_resumed_settings true to apply the new values from step 3\.$")):
         check(ckpt, 2, saved, dp_shard_4, override=False)
+    # a finished cp run continued to a longer max_steps on that mesh: the same line's reason and fix
+    from pathlib import Path
+
+    from fsdp_recipes.checkpoint import previous_run
+
+    finished = previous_run.Previous("completed", 2, "2026-11-29", saved, Path("out/checkpoint-2"), [])
+    longer = {**dp_shard_4, "max_steps": 8}
+    with pytest.raises(UserError, match=r"cannot continue to max_steps=8: this command also changes global_batch 8 -> "
+                                        r"16: it was saved on the mesh dp_shard 2 x cp 2, 8 rows a step, .* Fix: "
+                                        r"relaunch with per_device_train_batch_size x gradient_accumulation_steps = 2 "
+                                        r"\(the same rows a step\), or a new --output_dir, or --overwrite_output_dir"):
+        previous_run.decide("out", finished, longer)
+    assert previous_run.decide("out", finished, {**current(run(2), 4, mesh=Mesh(dp_shard=4)), "max_steps": 8}) is None
     # the override applies the new global batch, and the report says so (never silent)
     assert check(ckpt, 2, saved, dp_shard_4, override=True)["changed"] == {"global_batch": [8, 16]}
     # 8 rows a step do not split over 3 data-parallel ranks: the fix says what mesh would keep them
