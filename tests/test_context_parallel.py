@@ -282,6 +282,10 @@ def test_a_cp_checkpoint_resumes_at_another_cp_with_the_same_rows_a_step_and_ref
     with pytest.raises(UserError, match=r"it was saved on a mesh without tp or cp, 8 rows a step, and a step on the "
                                         r"mesh dp_shard 2 x cp 2 reads 4 "):
         check(ckpt, 2, fsdp, current(run(2), 4, mesh=Mesh(dp_shard=2, cp=2)), override=False)
+    # a cp checkpoint saved before its mesh was recorded (mesh null, every rank counted): refused without naming one
+    unrecorded = {k: v for k, v in saved.items() if k != "data_parallel_ranks"} | {"mesh": None, "global_batch": 16}
+    with pytest.raises(UserError, match=r"with other settings \(global_batch 16 -> 8\): the checkpoint holds the old"):
+        check(ckpt, 2, unrecorded, saved, override=False)
     # tp against a cp checkpoint: the tp rule's line (the FSDP path's state), even under the override
     with pytest.raises(UserError, match=rf"^cannot resume from {ckpt} on the mesh tp 2 x dp_shard 2: it was saved on "
                                         r"the mesh dp_shard 2 x cp 2, and its state is the FSDP path's, .* Fix: "

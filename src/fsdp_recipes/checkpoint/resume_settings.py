@@ -168,8 +168,10 @@ def refuse_another_mesh(checkpoint: str, saved: dict | None, now: dict | None) -
 
 def other_rows(saved: dict, now: dict, diff: dict[str, list]) -> tuple[str, str] | None:
     """(why, fix) of a global batch changed beside the mesh (another cp or dp_shard; MESH above), naming both meshes
-    and the per-device batch that keeps the rows of a step; None for another change."""
-    if "global_batch" not in diff or MESH not in saved or saved[MESH] == now.get(MESH):
+    and the per-device batch that keeps the rows of a step; None for another change. A checkpoint without
+    DATA_PARALLEL was saved before a cp mesh was recorded (its `null` may be cp's, its global batch every rank's):
+    its meshes are not named."""
+    if "global_batch" not in diff or DATA_PARALLEL not in saved or saved.get(MESH) == now.get(MESH):
         return None
     (was, asked), ranks = diff["global_batch"], now.get(DATA_PARALLEL)
     why = (f"it was saved on {mesh_described(saved[MESH], 'tp or cp')}, {was} rows a step, and a step on "
