@@ -215,3 +215,86 @@ def test_a_cp_groups_ranks_count_a_batch_once_through_install_and_the_report(mon
     totals = reports[0].counters_so_far(10.0)
     assert (totals["non_padding"], totals["padded"], totals["sequences"], totals["squared_lengths"]) == \
         (1000, 1024, 2, 2 * 500 * 500), totals
+
+
+def test_a_cp_checkpoint_resumes_at_another_cp_with_the_same_rows_a_step_and_refuses_other_rows_in_one_line(
+        monkeypatch):
+    """checkpoint/resume_settings.py MESH under context parallel: a cp group's ranks share their rows, so the global
+    batch a checkpoint records counts the data-parallel ranks, processes / (tp x cp) (config/mesh.py
+    data_parallel_size). Another cp size, cp 1 included, resumes with the same rows a step (the state is FSDP's at
+    any cp); another global batch beside another mesh is one line naming both meshes and the per-device batch that
+    keeps it (a cp 2 x dp_shard 2 run relaunched as dp_shard 4 at the same per-device batch read 16 rows a step, not
+    8, and compared equal); tp against a cp checkpoint is the tp rule's line. The rank records the mesh accelerate
+    launch passed, cp included."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.checkpoint.resume_settings import check, current
+    from fsdp_recipes.config.mesh import Mesh
+    from fsdp_recipes.errors import UserError
+
+    def run(per_device):
+        training = SimpleNamespace(per_device_train_batch_size=per_device, gradient_accumulation_steps=1, max_steps=4)
+        return SimpleNamespace(training=training, script=SimpleNamespace(dataset_name="d"), trainer="sft",
+                               model=SimpleNamespace(dtype="float32"), pack=SimpleNamespace())
+
+    ckpt = "out/checkpoint-2"
+    saved = current(run(4), 4, mesh=Mesh(dp_shard=2, cp=2))
+    # 2 cp groups of 4 rows each: 8 rows a step, not 4 x 4 processes
+    assert saved["global_batch"] == 8 and saved["mesh"] == {"tp": 1, "dp_shard": 2, "cp": 2}
+    dp_shard_4 = current(run(4), 4, mesh=Mesh(dp_shard=4))  # the same per-device batch on 4 data-parallel ranks
+    assert dp_shard_4["global_batch"] == 16
+    with pytest.raises(UserError, match=(
+            rf"^cannot resume from {ckpt} with other settings \(global_batch 8 -> 16\): it was saved on the mesh "
+            r"dp_shard 2 x cp 2, 8 rows a step, and a step on a mesh without tp or cp reads 16 "
+            r"\(per_device_train_batch_size x gradient_accumulation_steps x the 4 data-parallel ranks, processes "
+            r"/ \(tp x cp\)\), so the run would go on with other steps than it was saved with\. Fix: relaunch "
+            r"with per_device_train_batch_size x gradient_accumulation_steps = 2 \(the same rows a step\), or a "
+            r"new --output_dir, or --override_resumed_settings true to apply the new values from step 3\.$")):
+        check(ckpt, 2, saved, dp_shard_4, override=False)
+    # a finished cp run continued to a longer max_steps on that mesh: the same line's reason and fix
+    from pathlib import Path
+
+    from fsdp_recipes.checkpoint import previous_run
+
+    finished = previous_run.Previous("completed", 2, "2026-11-29", saved, Path("out/checkpoint-2"), [])
+    longer = {**dp_shard_4, "max_steps": 8}
+    with pytest.raises(UserError, match=r"cannot continue to max_steps=8: this command also changes global_batch 8 -> "
+                                        r"16: it was saved on the mesh dp_shard 2 x cp 2, 8 rows a step, .* Fix: "
+                                        r"relaunch with per_device_train_batch_size x gradient_accumulation_steps = 2 "
+                                        r"\(the same rows a step\), or a new --output_dir, or --overwrite_output_dir"):
+        previous_run.decide("out", finished, longer)
+    assert previous_run.decide("out", finished, {**current(run(2), 4, mesh=Mesh(dp_shard=4)), "max_steps": 8}) is None
+    # the override applies the new global batch, and the report says so (never silent)
+    assert check(ckpt, 2, saved, dp_shard_4, override=True)["changed"] == {"global_batch": [8, 16]}
+    # 8 rows a step do not split over 3 data-parallel ranks: the fix says what mesh would keep them
+    with pytest.raises(UserError, match=r"a step on the mesh dp_shard 3 x cp 2 reads 12 .* Fix: relaunch on a mesh "
+                                        r"whose data-parallel ranks divide 8 \(no per-device batch keeps 8 rows a step "
+                                        r"over 3\)"):
+        check(ckpt, 2, saved, current(run(4), 6, mesh=Mesh(dp_shard=3, cp=2)), override=False)
+    # the same 8 rows a step resume: cp 1 (dp_shard 4 at 2 a rank, 2 processes at 4, plain FSDP), cp 4, cp 2 at 4 x 2
+    for world, mesh, per_device in ((4, Mesh(dp_shard=4), 2), (2, Mesh(dp_shard=2), 4), (2, None, 4),
+                                    (8, Mesh(dp_shard=2, cp=4), 4), (8, Mesh(dp_shard=4, cp=2), 2)):
+        assert check(ckpt, 2, saved, current(run(per_device), world, mesh=mesh), override=False) == {}
+    # a plain FSDP checkpoint resumes on a cp mesh with the same rows a step, and names both meshes otherwise
+    fsdp = current(run(2), 4)
+    assert fsdp["mesh"] is None and fsdp["global_batch"] == 8
+    assert check(ckpt, 2, fsdp, saved, override=False) == {}
+    with pytest.raises(UserError, match=r"it was saved on a mesh without tp or cp, 8 rows a step, and a step on the "
+                                        r"mesh dp_shard 2 x cp 2 reads 4 "):
+        check(ckpt, 2, fsdp, current(run(2), 4, mesh=Mesh(dp_shard=2, cp=2)), override=False)
+    # a cp checkpoint saved before its mesh was recorded (mesh null, every rank counted): refused without naming one
+    unrecorded = {k: v for k, v in saved.items() if k != "data_parallel_ranks"} | {"mesh": None, "global_batch": 16}
+    with pytest.raises(UserError, match=r"with other settings \(global_batch 16 -> 8\): the checkpoint holds the old"):
+        check(ckpt, 2, unrecorded, saved, override=False)
+    # tp against a cp checkpoint: the tp rule's line (the FSDP path's state), even under the override
+    with pytest.raises(UserError, match=rf"^cannot resume from {ckpt} on the mesh tp 2 x dp_shard 2: it was saved on "
+                                        r"the mesh dp_shard 2 x cp 2, and its state is the FSDP path's, .* Fix: "
+                                        r"relaunch with no parallelism_config_tp_size, as it was saved"):
+        check(ckpt, 2, saved, current(run(4), 4, mesh=Mesh(dp_shard=2, tp=2)), override=True)
+    # what a rank records (train/entry.py): the mesh accelerate launch passed, cp included
+    from fsdp_recipes.config.mesh import launched_mesh
+
+    for name, size in (("USE_PARALLELISM_CONFIG", "true"), ("DP_SHARD_SIZE", "2"), ("CP_SIZE", "2")):
+        monkeypatch.setenv(("ACCELERATE_" if name.startswith("USE") else "PARALLELISM_CONFIG_") + name, size)
+    assert launched_mesh() == Mesh(dp_shard=2, cp=2)
+    assert current(run(4), 4, mesh=launched_mesh()) == saved

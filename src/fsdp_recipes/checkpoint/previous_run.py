@@ -77,17 +77,21 @@ def decide(output_dir: str | Path, previous: Previous | None, now: dict, overrid
     if longer and at_end and resumes and (not changed or override and not fixed):
         return None  # continue from its last checkpoint: checkpoint_to_resume checks and reports the rest
     if longer:
+        fix = "Fix: a new --output_dir"
         unreadable = [f"{c.name} cannot be read ({why})" for c, why in previous.unreadable
                       if markers.step_of(c) == previous.steps]
         if not resumes:
             why = "this command does not resume (auto_resume false), so it would start over on top of it"
         elif at_end:
             why = f"this command also changes {resume_settings.described(changed)}"
+            batch = resume_settings.other_rows(saved, now, changed)  # the global batch beside another mesh
+            if batch:
+                why, fix = f"{why}: {batch[0]}", batch[1]
         else:
             why = unreadable[0] if unreadable else ("it saved no checkpoint at its last step (save_strategy \"no\", "
                                                     "or save_steps that do not divide max_steps)")
         raise UserError(f"{done}; it cannot continue to {'='.join(map(str, resume_settings.length(now)))}: {why}. "
-                        f"Fix: a new --output_dir, or --overwrite_output_dir true to replace it"
+                        f"{fix}, or --overwrite_output_dir true to replace it"
                         f"{', or --override_resumed_settings true' if at_end and resumes and not fixed else ''}.")
     (name, was), (_, asked) = resume_settings.length(saved), resume_settings.length(now)
     differences = {**changed, **({name: [was, asked]} if was != asked else {})}

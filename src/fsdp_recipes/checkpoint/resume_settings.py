@@ -50,15 +50,25 @@ OVERRIDABLE = (*OVERRIDABLE, *EVAL_ROWS)
 USUAL_EVAL_NAMES = ("test", "validation", "valid", "eval", "dev")
 FIXED = ("optim", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "dtype", "bf16", "fp16", "trainer",
          "mesh")
-# A tensor-parallel run's mesh ({"tp": 2, "dp_shard": 2}; None without tp). Its checkpoint resumes at another dp_shard:
+# The mesh of a run that splits layers (tp) or rows (cp): {"tp": 2, "dp_shard": 2}, {"tp": 1, "dp_shard": 2, "cp": 2}
+# (cp and dp_replicate when above 1); None without either. A tensor-parallel checkpoint resumes at another dp_shard:
 # DCP reshards the weights and AdamW's state, and every tp group keeps its ranks' RNG streams (rng_state_<rank>.pth:
 # group g is ranks g*tp..g*tp+tp-1 at any dp_shard, and a group the checkpoint did not have starts its ranks alike),
 # so the group's ranks still draw the same dropout masks. Another tp size would mix the streams of different groups
 # in one (silently other training, not a failure), and a checkpoint without tp resumed with it (or the reverse) has
 # the other path's files (checkpoint/tensor_parallel_state.py): the mesh's tp is FIXED, refused in one line.
+# Another cp size (cp 1 included) resumes: the checkpoint is FSDP's at any cp (its FSDP shards over dp_shard x cp, and
+# DCP reshards a sharded one, as at another number of processes), a cp group's ranks read the same rows whatever their
+# RNG streams (accelerate's loader shards the seeded order over the data-parallel ranks), and each rank draws dropout
+# for its own tokens. What a step reads may not change silently: the global batch counts the data-parallel ranks,
+# processes / (tp x cp) (config/mesh.py data_parallel_size), and another one beside another mesh is refused in one
+# line naming both meshes and the per-device batch that keeps it (other_rows).
 MESH = "mesh"
+# how many ranks read rows of their own (the global batch's divisor): not compared, the refusal's fix reads it
+DATA_PARALLEL = "data_parallel_ranks"
 LENGTH = ("max_steps", "num_train_epochs")
 OPTIONS_FIXED = "fixed_by_options"  # the settings' entry naming the speed options' fixed settings (speed/)
+NOT_COMPARED = (OPTIONS_FIXED, DATA_PARALLEL)
 
 
 def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_settings: tuple[str, ...] = (),
@@ -67,14 +77,14 @@ def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_se
     the parsed recipe (config/run_config.RunConfig, a layer beside this one).
     `kind_settings`: the trainer kind's own (train/kinds/<kind>.py RESUME_SETTINGS), compared like OVERRIDABLE;
     `option_settings`: the speed options' (speed.resume_settings(): 4-bit loading's layout), FIXED like the dtype;
-    `mesh`: the run's device mesh (config/mesh.py Mesh, or None), recorded when it splits layers (MESH above)."""
+    `mesh`: the run's device mesh (config/mesh.py Mesh, or None), recorded when it splits layers or rows (MESH
+    above)."""
     t = cfg.training
-    tp = mesh.tp if mesh is not None and mesh.tp > 1 else 1
-    # the rows of a step: a tp group's ranks share theirs, so the data-parallel ranks are world_size / tp
-    values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * (world_size // tp),
+    # the rows of a step: a tp group's ranks share theirs, and so do a cp group's (config/mesh.py data_parallel_size)
+    data_parallel = world_size if mesh is None else mesh.data_parallel_size(world_size)
+    values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * data_parallel,
               "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer,
-              OPTIONS_FIXED: list(option_settings),
-              MESH: {"tp": tp, "dp_shard": mesh.dp_shard} if tp > 1 else None}
+              OPTIONS_FIXED: list(option_settings), MESH: recorded_mesh(mesh), DATA_PARALLEL: data_parallel}
     sources = (t, cfg.model, getattr(cfg, "kind_args", None), *getattr(cfg, "option_args", ()),
                getattr(cfg, "script", None), getattr(cfg, "pack", None), getattr(cfg, "mixture", None))
     for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings, *option_settings):
@@ -92,6 +102,14 @@ def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_se
     return values
 
 
+def recorded_mesh(mesh) -> dict | None:
+    """A checkpoint's record of `mesh` (MESH above): tp and dp_shard, then cp and dp_replicate where above 1."""
+    if mesh is None or mesh.tp == mesh.cp == 1:
+        return None
+    return {"tp": mesh.tp, "dp_shard": mesh.dp_shard, **({"cp": mesh.cp} if mesh.cp > 1 else {}),
+            **({"dp_replicate": mesh.dp_replicate} if mesh.dp_replicate > 1 else {})}
+
+
 def length(settings: dict) -> tuple[str, float]:
     """The run's length as the Trainer reads it: max_steps when positive, else the epochs."""
     if (settings.get("max_steps") or 0) > 0:
@@ -102,7 +120,7 @@ def length(settings: dict) -> tuple[str, float]:
 def changes(saved: dict, now: dict) -> dict[str, list]:
     """{name: [saved, now]} for every compared setting that differs (the length excluded)."""
     return {k: [saved[k], now.get(k)] for k in saved
-            if k not in LENGTH and k != OPTIONS_FIXED and k in now and differs(k, saved[k], now[k])}
+            if k not in LENGTH and k not in NOT_COMPARED and k in now and differs(k, saved[k], now[k])}
 
 
 def differs(name: str, saved, now) -> bool:
@@ -115,8 +133,8 @@ def tp_of(mesh: dict | None) -> int:
     return (mesh or {}).get("tp", 1)
 
 
-def mesh_described(mesh: dict | None) -> str:
-    return f"the mesh {shown(MESH, mesh)}" if mesh else "a mesh without tensor parallel"
+def mesh_described(mesh: dict | None, without: str = "tensor parallel") -> str:
+    return f"the mesh {shown(MESH, mesh)}" if mesh else f"a mesh without {without}"
 
 
 def is_fixed(name: str, now: dict) -> bool:
@@ -129,23 +147,45 @@ def described(diff: dict[str, list]) -> str:
 
 
 def shown(name: str, value) -> str:
-    if name == MESH:
-        return f"tp {value['tp']} x dp_shard {value['dp_shard']}" if value else "without tp"
+    if name == MESH:  # tp 2 x dp_shard 2; dp_shard 2 x cp 2
+        return " x ".join(f"{k} {v}" for k, v in value.items() if k != "tp" or v > 1) if value else "without tp or cp"
     return repr(value)
 
 
 def refuse_another_mesh(checkpoint: str, saved: dict | None, now: dict | None) -> None:
     """A tensor-parallel checkpoint resumes at its own tp size only (MESH above says why)."""
-    if saved and now:
+    if tp_of(saved) > 1 and tp_of(now) > 1:
         why = ("its tp groups' RNG streams (rng_state_<rank>.pth) would mix in groups of another size, whose ranks "
                "must draw the same dropout masks")
     else:
-        why = f"its state is the {'tensor-parallel' if saved else 'FSDP'} path's, which the other path does not read"
+        why = (f"its state is the {'tensor-parallel' if tp_of(saved) > 1 else 'FSDP'} path's, which the other path "
+               "does not read")
     fix = (f"parallelism_config_tp_size {saved['tp']} (dp_shard may change, with a per_device_train_batch_size that "
-           "keeps the global batch)" if saved else "no parallelism_config_tp_size, as it was saved")
+           "keeps the global batch)" if tp_of(saved) > 1 else "no parallelism_config_tp_size, as it was saved")
     raise UserError(f"cannot resume from {checkpoint} on {mesh_described(now)}: it was saved on "
                     f"{mesh_described(saved)}, and {why}. Fix: relaunch with {fix}, or a new --output_dir to start "
                     "over.")
+
+
+def other_rows(saved: dict, now: dict, diff: dict[str, list]) -> tuple[str, str] | None:
+    """(why, fix) of a global batch changed beside the mesh (another cp or dp_shard; MESH above), naming both meshes
+    and the per-device batch that keeps the rows of a step; None for another change. A checkpoint without
+    DATA_PARALLEL was saved before a cp mesh was recorded (its `null` may be cp's, its global batch every rank's):
+    its meshes are not named."""
+    if "global_batch" not in diff or DATA_PARALLEL not in saved or saved.get(MESH) == now.get(MESH):
+        return None
+    (was, asked), ranks = diff["global_batch"], now.get(DATA_PARALLEL)
+    why = (f"it was saved on {mesh_described(saved[MESH], 'tp or cp')}, {was} rows a step, and a step on "
+           f"{mesh_described(now.get(MESH), 'tp or cp')} reads {asked} (per_device_train_batch_size x "
+           f"gradient_accumulation_steps x the {ranks} data-parallel ranks, processes / (tp x cp)), so the run "
+           "would go on with other steps than it was saved with")
+    if ranks and was % ranks == 0:
+        fix = (f"Fix: relaunch with per_device_train_batch_size x gradient_accumulation_steps = {was // ranks} "
+               "(the same rows a step), or a new --output_dir")
+    else:
+        fix = (f"Fix: relaunch on a mesh whose data-parallel ranks divide {was} (no per-device batch keeps {was} rows "
+               f"a step over {ranks}), or a new --output_dir")
+    return why, fix
 
 
 def eval_rows_changed(changed: dict | None) -> dict[str, list]:
@@ -172,10 +212,12 @@ def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: b
         raise UserError(f"cannot resume from {checkpoint}: it is at step {step}, past max_steps {total}. Fix: "
                         f"--max_steps {step} or more, or a new --output_dir.")
     if diff and not override:
-        rows = eval_rows_changed({"changed": diff})
+        rows, batch = eval_rows_changed({"changed": diff}), other_rows(saved, now, diff)
         why = (f"{described(rows)} chooses other eval rows than the first part held out, so rows it trained on would "
-               "be scored as held out" if rows else
+               "be scored as held out" if rows else batch[0] if batch else
                "the checkpoint holds the old ones and the run would keep some of them while its report said otherwise")
+        if batch and not rows:
+            fix = batch[1]
         raise UserError(f"cannot resume from {checkpoint} with other settings ({described(diff)}): {why}. "
                         f"{fix}, or --override_resumed_settings true to apply the new values from step {step + 1}"
                         + (" (the summary then scores no rows as held out)" if rows else "") + ".")

@@ -18,6 +18,7 @@ accelerate's ParallelismConfig reads them), checked before any rank starts, one 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from fsdp_recipes.config import hardware
@@ -25,6 +26,7 @@ from fsdp_recipes.config.kind_registry import TRAINERS
 from fsdp_recipes.errors import UserError
 
 PREFIX = "parallelism_config_"
+ENV = "PARALLELISM_CONFIG_"  # what `accelerate launch` passes each rank of the YAML's parallelism_config
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,10 @@ class Mesh:
 
     def describe(self) -> str:
         return " x ".join(f"{name} {size}" for name, size in vars(self).items())
+
+    def data_parallel_size(self, world: int) -> int:
+        """data_parallel_size below, for a layer that may not import this module (checkpoint/resume_settings.py)."""
+        return data_parallel_size(world, self)
 
 
 def mesh_of(acc: dict, path) -> Mesh | None:
@@ -60,6 +66,24 @@ def mesh_of(acc: dict, path) -> Mesh | None:
             raise UserError(f"{path}: {PREFIX}{name}_size is {sizes[name]}; a mesh dimension has at least 1 rank. "
                             f"Fix: 1 turns the dimension off.")
     return Mesh(**sizes)
+
+
+def launched_mesh() -> Mesh | None:
+    """The mesh `accelerate launch` passed to this rank (PARALLELISM_CONFIG_<NAME>_SIZE, from the YAML's
+    parallelism_config, as accelerate's ParallelismConfig reads them), else None: the same Mesh mesh_of gives the
+    launcher from the YAML."""
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
+        return None
+    return Mesh(**{name: int(os.environ.get(f"{ENV}{name.upper()}_SIZE", "1")) for name in Mesh.__dataclass_fields__})
+
+
+def data_parallel_size(world: int, mesh=None) -> int:
+    """The ranks that read rows of their own, of `world`: a tp group's ranks share their rows, and so do a cp
+    group's (each holds a share of every row's tokens; accelerate's data loader shards over dp_replicate x dp_shard),
+    so world / (tp x cp). A step reads per_device_train_batch_size x gradient_accumulation_steps x this many rows:
+    the global batch a resume compares (checkpoint/resume_settings.py) and the planner reports. `mesh`: a Mesh, the
+    planner's Setup (anything with tp and cp), or None (no mesh: every rank its own rows)."""
+    return world if mesh is None else world // (mesh.tp * mesh.cp)
 
 
 def check_mesh(acc: dict, path, processes: int) -> Mesh | None:

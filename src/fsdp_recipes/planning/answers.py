@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from fsdp_recipes.config import accelerate_yaml
+from fsdp_recipes.config.mesh import data_parallel_size
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.planning import comms, duration, fit, mesh_fit, mesh_lines
 from fsdp_recipes.planning.fabric import Fabric
@@ -292,7 +293,7 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
         data = duration.Data(rows, float(max_length), f"{rows:,} rows (given); tokens per row unknown: every row "
                                                       f"max_length ({max_length:,}) long, the worst case")
     world = p.gpus * p.nodes
-    dp = world // (p.setup.tp * p.setup.cp)  # a mesh's tp and cp ranks share their rows; all of them compute
+    dp = data_parallel_size(world, p.setup)  # a mesh's tp and cp ranks share their rows; all of them compute
     global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
     steps = duration.steps(rows, t.per_device_train_batch_size, dp, t.gradient_accumulation_steps,
                            t.num_train_epochs, t.max_steps)

@@ -282,7 +282,7 @@ def plan(name: str, gpus: int, nodes: int, gpu: str, recipes_root: Path | None =
 def report(p: Planned) -> str:
     training, model_args, pack, m = p.cfg.training, p.cfg.model, p.cfg.pack, p.shape
     gpus, nodes, own = p.gpus, p.nodes, p.own
-    dp = gpus * nodes // (p.setup.tp * p.setup.cp)  # a mesh's tp and cp ranks share their rows
+    dp = mesh.data_parallel_size(gpus * nodes, p.setup)  # a mesh's tp and cp ranks share their rows
     global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * dp
     lines = [
         f"recipe {p.recipe.name}: {type(p.model).__name__}, {m.params / 1e9:.2f}B parameters, " + (

@@ -17,6 +17,7 @@ import time
 from fsdp_recipes import dist, library_logs, speed
 from fsdp_recipes.checkpoint.resume_choice import checkpoint_to_resume
 from fsdp_recipes.checkpoint.shared_dir import check_output_dir_shared
+from fsdp_recipes.config.mesh import launched_mesh
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, cli
 from fsdp_recipes.patches import cpu_fsdp, guard
@@ -137,7 +138,7 @@ def train_once(argv: list[str] | None = None) -> tuple[int, object]:
     speed.settle(cfg)  # recorded as it will run (a 4-bit base's storage dtype)
     # what this run's checkpoints record and a later resume or rerun compares with (checkpoint/resume_settings.py)
     settings = resume_settings.current(cfg, int(os.environ.get("WORLD_SIZE", "1")), kind.RESUME_SETTINGS,
-                                       speed.resume_settings(), mesh=tensor_parallel.mesh_from_env())
+                                       speed.resume_settings(), mesh=launched_mesh())
     resume, changed = checkpoint_to_resume(cfg, settings, say=(lambda line: print(f"[train] {line}", flush=True))
                                            if is_main else None)
     if resume and is_main:

@@ -34,20 +34,15 @@ from fsdp_recipes.checkpoint import tensor_parallel_state as tp_state
 from fsdp_recipes.checkpoint.markers import CompletionMarkerCallback
 from fsdp_recipes.checkpoint.resume_check import adapter_key
 from fsdp_recipes.checkpoint.save_check import IncompleteSave, open_saved, without_tied_copies
-from fsdp_recipes.config.mesh import Mesh, check_tensor_parallel_lora
+from fsdp_recipes.config.mesh import Mesh, check_tensor_parallel_lora, launched_mesh
 from fsdp_recipes.dist import all_reduce, barrier
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.patches import tensor_parallel as patches
 
-ENV = "PARALLELISM_CONFIG_"
-
-
 def mesh_from_env() -> Mesh | None:
-    """The mesh `accelerate launch` passed to this rank from the YAML's parallelism_config, if it splits layers."""
-    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() != "true":
-        return None
-    mesh = Mesh(**{name: int(os.environ.get(f"{ENV}{name.upper()}_SIZE", "1")) for name in Mesh.__dataclass_fields__})
-    return mesh if mesh.tp > 1 else None
+    """The mesh `accelerate launch` passed to this rank (config/mesh.py launched_mesh), if it splits layers."""
+    mesh = launched_mesh()
+    return mesh if mesh is not None and mesh.tp > 1 else None
 
 
 def set_up_process() -> Mesh | None:
