@@ -13,6 +13,7 @@ and the summary read that object instead of the files.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -77,6 +78,10 @@ def resolve(name_or_path: str) -> Path:
                             "make the other a recipe folder of its own.")
     if path.is_dir():
         raise UserError(f"{path} is not a recipe folder: missing {', '.join(missing_files(path))}.")
+    close = difflib.get_close_matches(name_or_path, available(), n=1)
+    if close:
+        raise UserError(f"unknown recipe '{name_or_path}'. Fix: did you mean RECIPE={close[0]}? (all of them: "
+                        f"`make help`)")
     raise UserError(f"unknown recipe '{name_or_path}'. Available: {names}. Fix: RECIPE=<one of those> (see `make help`).")
 
 
@@ -209,13 +214,14 @@ def check_keys_early(kind: str, raw: dict, path: Path, overrides: list[str]) -> 
 
 
 def describe(recipe: Path) -> str:
-    """The first sentence-line of the recipe README after its title."""
+    """The recipe README's first paragraph after its title, on one line (its first line alone stopped mid-sentence
+    where the paragraph wraps), markdown links as their text."""
+    import re
+
     readme = recipe / "README.md"
-    if readme.is_file():
-        for line in readme.read_text().splitlines():
-            if line.strip() and not line.startswith("#"):
-                return line.strip()
-    return ""
+    text = readme.read_text() if readme.is_file() else ""
+    paragraph = next((p for p in re.split(r"\n\s*\n", text) if p.strip() and not p.lstrip().startswith("#")), "")
+    return re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", " ".join(paragraph.split()))
 
 
 @cli
