@@ -9,6 +9,7 @@ launcher, for the process's own exit code and streams.
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -107,6 +108,21 @@ def test_gpu_recipe_on_cpu_names_the_cpu_alternative(cache_dir, checks):
     res = checks(["mistral-small-lora"])
     assert_one_line_error(res, "needs 8 GPU(s) and this machine has 0")
     assert "make smoke RECIPE=mistral-small-lora" in res.stderr
+
+
+def test_a_gpu_recipe_copied_elsewhere_names_the_smoke_command_that_runs_there(tmp_path, monkeypatch):
+    """A recipe folder copied out of the repository and launched by its path: `make smoke RECIPE=<its name>` finds no
+    such recipe there (nor a Makefile); its own launch.sh runs the smoke test."""
+    from fsdp_recipes.config import hardware
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 0)
+    with pytest.raises(UserError, match=rf"Fix: run it on a GPU node, or test it on CPU with `FSDP_RECIPES_SMOKE=1 "
+                                        rf"{tmp_path}/m7/launch.sh`"):
+        hardware.check_gpus(8, "m7", folder=tmp_path / "m7")
+    monkeypatch.chdir(REPO)
+    with pytest.raises(UserError, match=r"test it on CPU with `make smoke RECIPE=mistral-7b-full`"):
+        hardware.check_gpus(8, "mistral-7b-full", folder=Path("recipes/mistral-7b-full"))
 
 
 def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir, checks):

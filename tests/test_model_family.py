@@ -122,6 +122,7 @@ def test_smoke_builds_the_recipes_model_not_its_stale_copy(qwen, tmp_path, monke
     assert tiny["architectures"] == ["Qwen2ForCausalLM"] and tiny["num_hidden_layers"] == 2
     assert f"[smoke] model: {qwen} (Qwen2ForCausalLM, its own config.json {qwen}/config.json)" in out
     assert "[launch] FSDP wraps each Qwen2DecoderLayer (2 of them) in Qwen2ForCausalLM" in out
+    assert f"[smoke] accelerate: {folder}/accelerate.yaml with 8 process(es)" in out  # not recipes/<name>/...
     stale = copied("llama-3.1-8b-lora", tmp_path / "stale", wrap="LlamaDecoderLayer", model_name_or_path=str(qwen))
     monkeypatch.setenv("FSDP_RECIPES_SMOKE", "1")
     line = one_line(launcher_checks([str(stale), "--output_dir", str(tmp_path / "run")], monkeypatch, capsys))
