@@ -49,6 +49,16 @@ def test_only_the_listed_upstream_warning_is_kept_off_the_console(tmp_path):
     assert f"FutureWarning: {PEFT_WARNING}" not in res.stderr
 
 
+def test_upstream_warnings_no_recipe_can_act_on_stay_in_the_log():
+    """As torch 2.13 (an FSDP1 recipe's every save: 6 on the console of a 3-step `make smoke
+    RECIPE=mistral-small-lora`) and peft 0.21 (LoRA on GPT-2's Conv1D layers) word them."""
+    fsdp1 = ("FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated. Please use APIs, "
+             "get_state_dict() and set_state_dict(), which can support different parallelisms, FSDP1, FSDP2, DDP.")
+    assert console.log_only(FutureWarning, fsdp1) and not console.log_only(UserWarning, fsdp1)
+    assert console.log_only(UserWarning, "fan_in_fan_out is set to False but the target module is `Conv1D`. Setting "
+                                         "fan_in_fan_out to True.")
+
+
 @pytest.mark.parametrize("under_launcher", [True, False])
 def test_details_go_to_the_rank_log_file_or_stderr(tmp_path, monkeypatch, capsys, under_launcher):
     if under_launcher:
