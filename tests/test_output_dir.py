@@ -116,6 +116,17 @@ def test_another_base_model_is_never_already_complete(tmp_path, monkeypatch):
         decide("out", previous, dict(settings), model={**same, "model_name_or_path": str(tmp_path / "cache/qwen3")})
 
 
+def test_an_unfinished_run_never_resumes_with_another_lora_scale(copy, monkeypatch, capsys):
+    """lora_alpha (with r, the adapter's scale) and DoRA or rsLoRA change what the checkpoint's adapter weights
+    compute: a resume with another was not refused (the checkpoint's identity compared r, the targets and
+    modules_to_save only)."""
+    metrics = json.loads((copy / "metrics.json").read_text())
+    (copy / "metrics.json").write_text(json.dumps({**metrics, "status": "preempted"}))
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(copy), "--max_steps", "6", "--lora_alpha", "64"],
+                                     monkeypatch, capsys))
+    assert "cannot resume from" in line and "its LoRA lora_alpha is 32 and this run's is 64" in line
+
+
 def test_a_finished_run_without_a_last_checkpoint_cannot_continue(copy, monkeypatch, capsys):
     """The default recipe saves no checkpoint (save_strategy "no"): a larger max_steps has nothing to continue from."""
     for ckpt in markers.checkpoint_dirs(copy):
