@@ -98,3 +98,16 @@ def test_a_mistyped_recipe_names_the_nearest_one():
         resolve("tiny-cpu-lorra")
     with pytest.raises(UserError, match=r"^unknown recipe 'nope'\. Available: ddp-baseline, "):
         resolve("nope")
+
+
+def test_a_reader_that_closes_the_pipe_is_no_traceback():
+    """`make plan ... | head -2` printed a 15-line BrokenPipeError traceback."""
+    script = ("from fsdp_recipes.errors import cli\n"
+              "main = cli(lambda: [print('a line of a long report') for _ in range(200_000)])\n"
+              "main()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "a line of a long report\n"
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and err == "", err
