@@ -137,3 +137,20 @@ def test_a_diverted_record_whose_sink_fails_still_reaches_the_console(caplog):
     with caplog.at_level(logging.WARNING, logger=logger.name):
         logger.warning("Failed to load %s", "a kernel")
     assert [r.getMessage() for r in caplog.records] == ["Failed to load a kernel"]
+
+
+def test_a_fast_runs_checkpoint_ordering_note_stays_in_the_log():
+    """transformers 5.23 orders checkpoints saved under a second apart (every smoke run's) by their number and says
+    "mtime may not be reliable on this filesystem": on the console of `make smoke`, about a file system that is fine."""
+    import logging
+
+    from fsdp_recipes.library_logs import LOG_ONLY_RECORDS, Diverted
+
+    kept = []
+    logger = logging.getLogger("test_console.mtime")
+    for name, pattern in LOG_ONLY_RECORDS:
+        if name == "transformers.trainer_utils":
+            logger.addFilter(Diverted(pattern, kept.append))
+    logger.warning("mtime may not be reliable on this filesystem, falling back to numerical ordering")
+    assert kept == ["WARNING test_console.mtime: mtime may not be reliable on this filesystem, falling back to "
+                    "numerical ordering"]
