@@ -149,9 +149,9 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
 
     from fsdp_recipes.checkpoint import markers as checkpoints
 
-    ident = checkpoints.identity(str(cache_dir / "tiny-mistral"), LoraConfig(
-        r=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        modules_to_save=["lm_head"]))
+    ident = checkpoints.identity(str(cache_dir / "tiny-mistral"), LoraConfig(  # tiny-cpu-lora's adapter
+        r=32, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"], modules_to_save=["lm_head"]))
     for key, value in changes.items():
         section, field = key.split("__")
         if field:
@@ -167,6 +167,7 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
 
 @pytest.mark.parametrize("changes, fragment", [
     ({"peft__r": 8}, "its LoRA r is 8 and this run's is 32"),
+    ({"peft__lora_alpha": 16}, "its LoRA lora_alpha is 16 and this run's is 32"),
     ({"peft__": None}, "it is a full fine-tuning checkpoint and this run is LoRA"),
     ({"architecture__hidden_size": 512}, "it was trained on another model (hidden_size 512 vs 256)"),
 ])
