@@ -111,3 +111,12 @@ def test_a_reader_that_closes_the_pipe_is_no_traceback():
     proc.stdout.close()  # as head does after its lines
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141 and err == "", err
+
+
+def test_a_folder_that_is_not_a_recipe_names_what_it_lacks_and_the_fix(tmp_path):
+    from fsdp_recipes.config.recipes import resolve
+    from fsdp_recipes.errors import UserError
+
+    (tmp_path / "sft.yaml").write_text("max_steps: 2\n")
+    with pytest.raises(UserError, match=r"is not a recipe folder: missing accelerate\.yaml\. Fix: copy the missing "):
+        resolve(str(tmp_path))

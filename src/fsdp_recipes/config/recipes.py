@@ -77,7 +77,9 @@ def resolve(name_or_path: str) -> Path:
             raise UserError(f"{folder} holds {found}: a recipe trains with one trainer. Fix: keep one of them, and "
                             "make the other a recipe folder of its own.")
     if path.is_dir():
-        raise UserError(f"{path} is not a recipe folder: missing {', '.join(missing_files(path))}.")
+        raise UserError(f"{path} is not a recipe folder: missing {', '.join(missing_files(path))}. Fix: copy the "
+                        f"missing file(s) from the recipe the folder came from (recipes/<name>/; `make help` lists "
+                        f"them), or point at a recipe folder.")
     close = difflib.get_close_matches(name_or_path, available(), n=1)
     if close:
         raise UserError(f"unknown recipe '{name_or_path}'. Fix: did you mean RECIPE={close[0]}? (all of them: "
