@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import sys
 from pathlib import Path
 from collections.abc import Callable
@@ -218,8 +219,6 @@ def check_keys_early(kind: str, raw: dict, path: Path, overrides: list[str]) -> 
 def describe(recipe: Path) -> str:
     """The recipe README's first paragraph after its title, on one line (its first line alone stopped mid-sentence
     where the paragraph wraps), markdown links as their text."""
-    import re
-
     readme = recipe / "README.md"
     text = readme.read_text() if readme.is_file() else ""
     paragraph = next((p for p in re.split(r"\n\s*\n", text) if p.strip() and not p.lstrip().startswith("#")), "")
