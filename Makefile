@@ -91,8 +91,11 @@ wheel: $(STAMP) ## build dist/fsdp_recipes-<version>-py3-none-any.whl: what anot
 	@rm -rf build
 	@echo "[wheel] $$(ls dist/fsdp_recipes-*.whl): pip install it into any environment with Python >= 3.10; it keeps what is there inside pyproject.toml's ranges"
 
+# The recipe's folder: recipes/<RECIPE>, or RECIPE itself when it is a path to a recipe folder (a copy elsewhere),
+# which `recipes check` and `make plan` take too.
+RECIPE_DIR = $(if $(wildcard recipes/$(RECIPE)/launch.sh),recipes/$(RECIPE),$(RECIPE))
 # A 4-bit recipe (load_in_4bit in its YAML or ARGS) gets $(QLORA_SITE) on its PYTHONPATH; the others never import it.
-WITH_BNB = $(if $(or $(shell grep -ls '^load_in_4bit: true' recipes/$(RECIPE)/*.yaml 2>/dev/null),$(findstring load_in_4bit,$(ARGS))),PYTHONPATH="$(abspath $(QLORA_SITE))$${PYTHONPATH:+:$$PYTHONPATH}")
+WITH_BNB = $(if $(or $(shell grep -ls '^load_in_4bit: true' $(RECIPE_DIR)/*.yaml 2>/dev/null),$(findstring load_in_4bit,$(ARGS))),PYTHONPATH="$(abspath $(QLORA_SITE))$${PYTHONPATH:+:$$PYTHONPATH}")
 
 # EXIT_CODE_FILE=<path>: make exits 2 for any failure; the launch's own exit code goes to this file (0 completed,
 # 2 a mistake found before training, 1 a failed run, 3 a failed gate, 4 diverged, 75 preempted: run it again,
@@ -108,11 +111,11 @@ OR_EXIT_CODE = $(if $(EXIT_CODE_FILE),|| { rc=$$?; echo $$rc > "$(EXIT_CODE_FILE
 
 finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML; EXIT_CODE_FILE=<path>: the exit code
 	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_EXIT_CODE) $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_EXIT_CODE) $(WITH_BNB) bash $(RECIPE_DIR)/launch.sh $(ARGS)
 
 smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
 	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
-	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_EXIT_CODE) $(WITH_BNB) bash recipes/$(RECIPE)/launch.sh $(ARGS)
+	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_EXIT_CODE) $(WITH_BNB) bash $(RECIPE_DIR)/launch.sh $(ARGS)
 
 plan: $(STAMP) ## RECIPE GPUS=8 NODES=1 GPU=H100 [ARGS="--fit --comms --time --max_length 8192 ..."]: will it fit? launches nothing
 	@$(CLI) plan $(RECIPE) --gpus $(GPUS) --nodes $(NODES) --gpu $(GPU) $(ARGS)

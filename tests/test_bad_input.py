@@ -9,6 +9,7 @@ launcher, for the process's own exit code and streams.
 import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -109,6 +110,21 @@ def test_gpu_recipe_on_cpu_names_the_cpu_alternative(cache_dir, checks):
     assert "make smoke RECIPE=mistral-small-lora" in res.stderr
 
 
+def test_a_gpu_recipe_copied_elsewhere_names_the_smoke_command_that_runs_there(tmp_path, monkeypatch):
+    """A recipe folder copied out of the repository and launched by its path: `make smoke RECIPE=<its name>` finds no
+    such recipe there (nor a Makefile); its own launch.sh runs the smoke test."""
+    from fsdp_recipes.config import hardware
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.setattr(hardware, "gpu_count", lambda: 0)
+    with pytest.raises(UserError, match=rf"Fix: run it on a GPU node, or test it on CPU with `FSDP_RECIPES_SMOKE=1 "
+                                        rf"{tmp_path}/m7/launch.sh`"):
+        hardware.check_gpus(8, "m7", folder=tmp_path / "m7")
+    monkeypatch.chdir(REPO)
+    with pytest.raises(UserError, match=r"test it on CPU with `make smoke RECIPE=mistral-7b-full`"):
+        hardware.check_gpus(8, "mistral-7b-full", folder=Path("recipes/mistral-7b-full"))
+
+
 def test_fsdp1_keys_in_fsdp2_config(recipe, cache_dir, checks):
     acc = recipe / "accelerate.yaml"
     data = yaml.safe_load(acc.read_text())
@@ -133,9 +149,9 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
 
     from fsdp_recipes.checkpoint import markers as checkpoints
 
-    ident = checkpoints.identity(str(cache_dir / "tiny-mistral"), LoraConfig(
-        r=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-        modules_to_save=["lm_head"]))
+    ident = checkpoints.identity(str(cache_dir / "tiny-mistral"), LoraConfig(  # tiny-cpu-lora's adapter
+        r=32, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                             "down_proj"], modules_to_save=["lm_head"]))
     for key, value in changes.items():
         section, field = key.split("__")
         if field:
@@ -151,6 +167,7 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
 
 @pytest.mark.parametrize("changes, fragment", [
     ({"peft__r": 8}, "its LoRA r is 8 and this run's is 32"),
+    ({"peft__lora_alpha": 16}, "its LoRA lora_alpha is 16 and this run's is 32"),
     ({"peft__": None}, "it is a full fine-tuning checkpoint and this run is LoRA"),
     ({"architecture__hidden_size": 512}, "it was trained on another model (hidden_size 512 vs 256)"),
 ])

@@ -76,3 +76,47 @@ def test_the_makefile_calls_the_cli():
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "-m fsdp_recipes.cli job --launcher slurm tiny-cpu-lora --nodes 1 --gpus 8" in res.stdout
+
+
+def test_recipes_list_describes_a_recipe_by_its_whole_first_paragraph(tmp_path):
+    """A README paragraph wrapped over lines was cut at its first line ("... 12.9B active per token:"), and a link
+    was listed as markdown."""
+    from fsdp_recipes.config.recipes import describe
+
+    (tmp_path / "README.md").write_text("# moe\n\nLoRA on a mixture of experts (46.7B parameters, 12.9B active per "
+                                        "token:\n2 of 8 experts), as [the default](../d/README.md).\n\n- **Hardware**: "
+                                        "8 GPUs\n")
+    assert describe(tmp_path) == ("LoRA on a mixture of experts (46.7B parameters, 12.9B active per token: 2 of 8 "
+                                  "experts), as the default.")
+
+
+def test_a_mistyped_recipe_names_the_nearest_one():
+    from fsdp_recipes.config.recipes import resolve
+    from fsdp_recipes.errors import UserError
+
+    with pytest.raises(UserError, match=r"^unknown recipe 'tiny-cpu-lorra'\. Fix: did you mean RECIPE=tiny-cpu-lora\?"):
+        resolve("tiny-cpu-lorra")
+    with pytest.raises(UserError, match=r"^unknown recipe 'nope'\. Available: ddp-baseline, "):
+        resolve("nope")
+
+
+def test_a_reader_that_closes_the_pipe_is_no_traceback():
+    """`make plan ... | head -2` printed a 15-line BrokenPipeError traceback."""
+    script = ("from fsdp_recipes.errors import cli\n"
+              "main = cli(lambda: [print('a line of a long report') for _ in range(200_000)])\n"
+              "main()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline() == "a line of a long report\n"
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141 and err == "", err
+
+
+def test_a_folder_that_is_not_a_recipe_names_what_it_lacks_and_the_fix(tmp_path):
+    from fsdp_recipes.config.recipes import resolve
+    from fsdp_recipes.errors import UserError
+
+    (tmp_path / "sft.yaml").write_text("max_steps: 2\n")
+    with pytest.raises(UserError, match=r"is not a recipe folder: missing accelerate\.yaml\. Fix: copy the missing "):
+        resolve(str(tmp_path))

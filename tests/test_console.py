@@ -49,6 +49,16 @@ def test_only_the_listed_upstream_warning_is_kept_off_the_console(tmp_path):
     assert f"FutureWarning: {PEFT_WARNING}" not in res.stderr
 
 
+def test_upstream_warnings_no_recipe_can_act_on_stay_in_the_log():
+    """As torch 2.13 (an FSDP1 recipe's every save: 6 on the console of a 3-step `make smoke
+    RECIPE=mistral-small-lora`) and peft 0.21 (LoRA on GPT-2's Conv1D layers) word them."""
+    fsdp1 = ("FSDP.state_dict_type() and FSDP.set_state_dict_type() are being deprecated. Please use APIs, "
+             "get_state_dict() and set_state_dict(), which can support different parallelisms, FSDP1, FSDP2, DDP.")
+    assert console.log_only(FutureWarning, fsdp1) and not console.log_only(UserWarning, fsdp1)
+    assert console.log_only(UserWarning, "fan_in_fan_out is set to False but the target module is `Conv1D`. Setting "
+                                         "fan_in_fan_out to True.")
+
+
 @pytest.mark.parametrize("under_launcher", [True, False])
 def test_details_go_to_the_rank_log_file_or_stderr(tmp_path, monkeypatch, capsys, under_launcher):
     if under_launcher:
@@ -127,3 +137,20 @@ def test_a_diverted_record_whose_sink_fails_still_reaches_the_console(caplog):
     with caplog.at_level(logging.WARNING, logger=logger.name):
         logger.warning("Failed to load %s", "a kernel")
     assert [r.getMessage() for r in caplog.records] == ["Failed to load a kernel"]
+
+
+def test_a_fast_runs_checkpoint_ordering_note_stays_in_the_log():
+    """transformers 5.23 orders checkpoints saved under a second apart (every smoke run's) by their number and says
+    "mtime may not be reliable on this filesystem": on the console of `make smoke`, about a file system that is fine."""
+    import logging
+
+    from fsdp_recipes.library_logs import LOG_ONLY_RECORDS, Diverted
+
+    kept = []
+    logger = logging.getLogger("test_console.mtime")
+    for name, pattern in LOG_ONLY_RECORDS:
+        if name == "transformers.trainer_utils":
+            logger.addFilter(Diverted(pattern, kept.append))
+    logger.warning("mtime may not be reliable on this filesystem, falling back to numerical ordering")
+    assert kept == ["WARNING test_console.mtime: mtime may not be reliable on this filesystem, falling back to "
+                    "numerical ordering"]

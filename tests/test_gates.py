@@ -86,6 +86,17 @@ def test_exit_codes_and_the_one_line():
     assert exit_code({**failed, "status": "preempted"}) == 0  # judged when the run completes
 
 
+def test_a_value_just_past_its_gate_is_not_printed_as_the_gate():
+    """0.952% MFU under the default recipe's 1% floor printed "MFU 1.0%, gate >= 1%: FAIL" (a 10-step CPU run)."""
+    low = gates.evaluate(report(mfu=0.00952), {"mfu_min": 0.01, "gates_warn_only": True}, [])
+    assert "gate        MFU 0.95%, gate >= 1% (mfu_min): FAIL" in gates.lines(low)
+    assert "mfu 0.95% against mfu_min 1%" in gates.verdict_line(low)
+    high = gates.evaluate(report(rss=GIB, host=4 * GIB - 2**20, ranks=2), {"peak_memory_max_fraction": 0.5}, [])
+    assert "gate        peak memory 50.01% of capacity, gate <= 50%" in "\n".join(gates.lines(high))
+    fine = gates.evaluate(report(mfu=0.3), {"mfu_min": 0.01}, [])
+    assert "gate        MFU 30.0%, gate >= 1% (mfu_min): pass" in gates.lines(fine)
+
+
 def test_the_step_line_says_a_diverging_loss():
     from types import SimpleNamespace
 

@@ -135,3 +135,18 @@ def test_make_finetune_writes_the_launchers_own_exit_code_where_exit_code_file_s
     unknown = make_target(tmp_path, "finetune", "RECIPE=nope", f"EXIT_CODE_FILE={files[3]}")
     _, err = unknown.communicate(timeout=120)
     assert unknown.returncode == 2 and "unknown recipe 'nope'" in err and files[3].read_text() == "2\n", err
+
+
+def test_make_finetune_and_smoke_take_a_recipe_folder_by_its_path_as_make_plan_does(tmp_path):
+    """`recipes check` passed a copied folder's path, then bash looked for recipes//tmp/.../launch.sh (exit 127)."""
+    folder = shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", tmp_path / "my-recipe")
+    venv = Path(sys.executable).parent.parent
+    clean = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    for target, recipe, runs in [("finetune", str(folder), folder / "launch.sh"),
+                                 ("smoke", str(folder), folder / "launch.sh"),
+                                 ("finetune", "tiny-cpu-lora", "recipes/tiny-cpu-lora/launch.sh")]:
+        res = subprocess.run(["make", "--no-print-directory", "-n", "-o", f"{venv}/.installed", target,
+                              f"VENV={venv}", f"RECIPE={recipe}"], cwd=REPO, capture_output=True, text=True,
+                             timeout=60, env=clean)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.splitlines()[-1].endswith(f" bash {runs} "), res.stdout

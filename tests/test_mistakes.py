@@ -132,6 +132,12 @@ def empty_file(recipe, tmp):
     return ["--dataset_name", str(tmp / "empty.jsonl"), "--eval_strategy", "no"]
 
 
+def empty_folder(recipe, tmp):
+    """A folder without a data file: datasets' EmptyDatasetError was told to check that "the file" is valid."""
+    (tmp / "data").mkdir()
+    return ["--dataset_name", str(tmp / "data"), "--eval_strategy", "no"]
+
+
 def no_chat_template(recipe, tmp, cache=None):
     model = tmp / "model-without-template"
     shutil.copytree(os.environ["FSDP_RECIPES_CACHE"] + "/tiny-mistral", model)
@@ -172,8 +178,9 @@ CASES = {
     "data-malformed-json-line": (data_case([qa(), qa(), '{"prompt": [{"role": "user", "content": "3 + 3?"}'],
                                            name="bad.jsonl"), "bad.jsonl:3: "),
     "data-empty-file": (empty_file, "empty"),
+    "data-empty-folder": (empty_folder, "the dataset folder"),
     "data-unknown-role": (data_case([qa(), qa(role="bot")]), "train.jsonl:2: role 'bot' is not one of"),
-    "data-non-string-content": (data_case([qa(a=42), qa(a=7)]), "train.jsonl:1: a assistant turn's content is int"),
+    "data-non-string-content": (data_case([qa(a=42), qa(a=7)]), "train.jsonl:1: an assistant turn's content is int"),
     "data-no-assistant-turn": (data_case([{"messages": [{"role": "user", "content": "hi"}]}] * 3),
                                "has an assistant turn"),
     "data-all-truncated": (lambda r, t: [*data_case([qa(q="long " * 100)] * 4)(r, t), "--max_length", "16"],

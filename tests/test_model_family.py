@@ -122,6 +122,7 @@ def test_smoke_builds_the_recipes_model_not_its_stale_copy(qwen, tmp_path, monke
     assert tiny["architectures"] == ["Qwen2ForCausalLM"] and tiny["num_hidden_layers"] == 2
     assert f"[smoke] model: {qwen} (Qwen2ForCausalLM, its own config.json {qwen}/config.json)" in out
     assert "[launch] FSDP wraps each Qwen2DecoderLayer (2 of them) in Qwen2ForCausalLM" in out
+    assert f"[smoke] accelerate: {folder}/accelerate.yaml with 8 process(es)" in out  # not recipes/<name>/...
     stale = copied("llama-3.1-8b-lora", tmp_path / "stale", wrap="LlamaDecoderLayer", model_name_or_path=str(qwen))
     monkeypatch.setenv("FSDP_RECIPES_SMOKE", "1")
     line = one_line(launcher_checks([str(stale), "--output_dir", str(tmp_path / "run")], monkeypatch, capsys))
@@ -289,3 +290,26 @@ def test_a_model_named_on_the_command_line_gets_its_own_wrap_class(qwen, tmp_pat
     line = one_line(launcher_checks([str(folder), "--model_name_or_path", str(qwen), "--output_dir",
                                      str(tmp_path / "run")], monkeypatch, capsys))
     assert "is MistralDecoderLayer, which Qwen2ForCausalLM does not have" in line
+
+
+def test_lora_targets_that_match_nothing_list_what_lora_can_target(qwen):
+    """The list the fix points at: GPT-2's projections are transformers' Conv1D (c_attn, c_fc, c_proj), which PEFT
+    targets like Linear layers (its all-linear takes both), and the LM head is left out (a LoRA on it is refused
+    before launch: check_lora_on_output_layer). It listed `lm_head` alone for GPT-2, the one name refused next."""
+    from transformers import GPT2Config
+    from trl import ModelConfig
+
+    from fsdp_recipes.config import model_check
+    from fsdp_recipes.errors import UserError
+
+    gpt2 = model_check.meta_model(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64))
+    qwen2 = model_check.meta_model(model_check.load_config(qwen / "config.json"))
+    lora = ModelConfig(use_peft=True, lora_target_modules=["q_proj", "v_proj"])
+    with pytest.raises(UserError) as refused:
+        model_check.check_recipe_fits_model(gpt2, fsdp2(), "acc.yaml", lora)
+    assert "match no module of GPT2LMHeadModel (its linear layers: c_attn, c_fc, c_proj). Fix:" in str(refused.value)
+    lora = ModelConfig(use_peft=True, lora_target_modules=["qkv", "v_proj"])
+    with pytest.raises(UserError) as refused:
+        model_check.check_recipe_fits_model(qwen2, fsdp2(), "acc.yaml", lora)
+    assert ("['qkv'] match no module of Qwen2ForCausalLM (its linear layers: down_proj, gate_proj, k_proj, o_proj, "
+            "q_proj, up_proj, v_proj). Fix:") in str(refused.value)  # its untied lm_head left out

@@ -85,6 +85,48 @@ def test_other_settings_never_replace_a_finished_run(finished, monkeypatch, caps
     assert files(finished) == before
 
 
+def test_another_adapter_or_full_fine_tuning_is_never_already_complete(finished, monkeypatch, capsys):
+    """The base model and the adapter are run_args.json's model_args, not resume_settings: a relaunch with another
+    LoRA rank, or full fine-tuning, said "already complete with this command's settings" and exited 0."""
+    before = files(finished)
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--lora_r", "8"], monkeypatch, capsys))
+    assert "holds a finished run (4 steps" in line and "with other settings (lora_r 32 -> 8)" in line
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--max_steps", "6", "--use_peft", "false"],
+                                     monkeypatch, capsys))
+    assert "cannot continue to max_steps=6: this command also changes use_peft True -> False" in line
+    assert "--override_resumed_settings" not in line  # no override continues another model's run
+    assert files(finished) == before
+
+
+def test_another_base_model_is_never_already_complete(tmp_path, monkeypatch):
+    """The model path as the user writes it ($FSDP_RECIPES_CACHE, ~) or as run_args.json records it (expanded)."""
+    from fsdp_recipes.checkpoint.previous_run import Previous, decide, trained
+    from fsdp_recipes.errors import UserError
+
+    settings = {"learning_rate": 1e-3, "max_steps": 4, "num_train_epochs": 3.0}
+    lora = {"use_peft": True, "lora_r": 16, "lora_alpha": 32, "lora_target_modules": ["v_proj", "q_proj"]}
+    saved = trained({"model_name_or_path": str(tmp_path / "cache/tiny-mistral"), **lora})
+    previous = Previous("completed", 4, "2026-11-29T05:00:00", settings, None, [], saved)
+    monkeypatch.setenv("FSDP_RECIPES_CACHE", str(tmp_path / "cache"))
+    same = trained({"model_name_or_path": "$FSDP_RECIPES_CACHE/tiny-mistral/", **lora,
+                    "lora_target_modules": ["q_proj", "v_proj"]})
+    assert "already complete" in decide("out", previous, dict(settings), model=same)
+    with pytest.raises(UserError, match=r"with other settings \(model_name_or_path '.*/cache/tiny-mistral' -> "
+                                        r"'.*/cache/qwen3'\); a new run there would replace it"):
+        decide("out", previous, dict(settings), model={**same, "model_name_or_path": str(tmp_path / "cache/qwen3")})
+
+
+def test_an_unfinished_run_never_resumes_with_another_lora_scale(copy, monkeypatch, capsys):
+    """lora_alpha (with r, the adapter's scale) and DoRA or rsLoRA change what the checkpoint's adapter weights
+    compute: a resume with another was not refused (the checkpoint's identity compared r, the targets and
+    modules_to_save only)."""
+    metrics = json.loads((copy / "metrics.json").read_text())
+    (copy / "metrics.json").write_text(json.dumps({**metrics, "status": "preempted"}))
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(copy), "--max_steps", "6", "--lora_alpha", "64"],
+                                     monkeypatch, capsys))
+    assert "cannot resume from" in line and "its LoRA lora_alpha is 32 and this run's is 64" in line
+
+
 def test_a_finished_run_without_a_last_checkpoint_cannot_continue(copy, monkeypatch, capsys):
     """The default recipe saves no checkpoint (save_strategy "no"): a larger max_steps has nothing to continue from."""
     for ckpt in markers.checkpoint_dirs(copy):

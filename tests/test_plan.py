@@ -114,6 +114,7 @@ def test_bad_input_is_one_line(args, message, monkeypatch, capsys):
     assert "Traceback" not in res.stderr
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], res.stderr
+    assert "Fix:" in lines[0], lines[0]  # the problem and the fix (errors.py)
 
 
 @pytest.mark.slow

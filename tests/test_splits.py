@@ -245,7 +245,7 @@ def test_every_sft_format_is_scored_after_its_conversion(tmp_path, monkeypatch, 
     asked = prompt if isinstance(prompt, str) else prompt[-1]["content"]
     assert asked == "What is 4 + 1?" and reference.strip() == "5"
     assert "exact match on 2 eval prompts: base model 0/2 (0.0-65.8%) -> trained 2/2 (34.2-100.0%)" in out
-    assert "held-out loss on 2 eval rows" in out
+    assert "loss on 2 eval rows" in out  # "held-out" where the training rows are others: not these 3 copies
     written = json.loads((run / "sample_generations.json").read_text())
     assert [(ex["expected"], ex["trained"]) for ex in written["examples"]] == [("5", "5")] * 2
 

@@ -228,6 +228,17 @@ def test_93_to_92_of_the_same_100_reads_no_change():
         "(p < 0.05)"]
 
 
+def test_eval_rows_the_training_data_holds_are_no_held_out_loss():
+    """Every smoke run's and the tests' recipe's eval rows are among its training rows (tiny-arith draws both from
+    100 facts): the summary said "held-out loss on 64 eval rows", then "64 of these 64 ... are not held out"."""
+    check = {**fabricated_check({"base": [False] * 4, "sft": [True] * 4}, {"base": 2.0, "sft": 0.5}),
+             "eval_rows_in_train": 4}
+    lines = summary.eval_lines(check)
+    assert lines[0].startswith("loss on 4 eval rows (12 answer tokens): base model 2.000"), lines[0]
+    assert summary.rows_note(check) == ["            4 of these 4 eval rows also appear in the training data: their "
+                                        "answers are not held out"]
+
+
 def test_a_chain_of_stages_reads_base_sft_then_the_stage_each_step_judged_on_the_same_prompts():
     """DPO, GRPO, KTO, RLOO after SFT: base -> sft -> <kind>. 10 prompts: the base model right on none, SFT on 7
     (7 right only after: p = 2/2^7 = 0.0156), DPO on 6 of those 7 (1 right only before: p = 1)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 EXIT_USER_ERROR = 2  # a mistake the user can fix, found before training
@@ -10,6 +11,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: a checkpoint was saved on a signal; the same command resumes from it
 EXIT_GATE_FAILED = 3  # trained and saved, but below the recipe's MFU floor or over its memory ceiling (metrics/gates.py)
 EXIT_DIVERGED = 4  # trained and saved, but the loss diverged: the weights are not worth using
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a command whose reader closed the pipe
 
 
 class UserError(Exception):
@@ -31,5 +33,9 @@ def cli(main):
         except UserError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(err.exit_code)
+        except BrokenPipeError:  # `fsdp-recipes plan ... | head`: the reader has what it wanted and left
+            # Python's flush of stdout at exit would raise again (the idiom of the signal module's docs)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(EXIT_BROKEN_PIPE)
 
     return wrapper

@@ -20,6 +20,9 @@ LOG_ONLY_RECORDS = [
     # transformers 5.23's Trainer under a cp mesh (speed/context_parallel.py): its own CP inputs, made as designed
     # from every batch TRL's collator gives it (which has neither); nothing a recipe can set
     ("transformers.trainer", r"^(Shift labels|Position IDs) not found in the inputs"),
+    # transformers 5.23, rotating checkpoints saved under a second apart (a smoke run's, a tiny model's): it orders
+    # them by their number and blames the file system, which is fine
+    ("transformers.trainer_utils", r"^mtime may not be reliable on this filesystem"),
 ]
 
 # Upstream warnings (the warnings module, not logging) of the same sort, matched by category and message: every other
@@ -37,6 +40,11 @@ LOG_ONLY_WARNINGS = [
     # torch 2.13's DeviceMesh, when accelerate 1.15 slices the flattened dp_shard x cp dimension it shards FSDP over
     # (a parallelism_config with cp): accelerate's bookkeeping to change, not the recipe's
     (UserWarning, r"Slicing a flattened dim from root mesh will be deprecated"),
+    # torch 2.13's FSDP1, when accelerate 1.15 saves or loads an FSDP1 model's state dict (every checkpoint and the
+    # final save of an FSDP1 recipe: 6 times in a 3-step smoke run)
+    (FutureWarning, r"FSDP\.state_dict_type\(\) and FSDP\.set_state_dict_type\(\) are being deprecated"),
+    # peft 0.21 on GPT-2's Conv1D layers: it sets fan_in_fan_out itself, which TRL's ModelConfig cannot set
+    (UserWarning, r"fan_in_fan_out is set to False but the target module is `Conv1D`"),
 ]
 
 

@@ -21,7 +21,9 @@ MARKER = "checkpoint_complete"
 IDENTITY = "checkpoint_identity.json"  # what was trained: checked before a resume loads any weight
 ARCH_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "vocab_size")
-PEFT_KEYS = ("r", "target_modules", "modules_to_save")
+# the adapter's shape, and what makes its weights compute another function: the scale (alpha over r, or over its
+# root under rsLoRA) and DoRA's magnitudes
+PEFT_KEYS = ("r", "target_modules", "modules_to_save", "lora_alpha", "use_rslora", "use_dora")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -136,7 +138,8 @@ def check_compatible(ckpt: Path, current: dict) -> None:
         raise UserError(f"cannot resume from {ckpt}: it is a {kinds[saved['peft'] is not None]} checkpoint and "
                         f"this run is {kinds[current['peft'] is not None]}. {fix}")
     for key in PEFT_KEYS if saved["peft"] else ():
-        if saved["peft"][key] != current["peft"][key]:
+        # a key an identity written before it was compared is unknown, not a difference
+        if key in saved["peft"] and saved["peft"][key] != current["peft"][key]:
             raise UserError(f"cannot resume from {ckpt}: its LoRA {key} is {saved['peft'][key]} and this run's is "
                             f"{current['peft'][key]}. {fix}")
     if saved["architecture"] and current["architecture"] and saved["architecture"] != current["architecture"]:

@@ -15,6 +15,7 @@ The launcher calls `decide` while it holds the output_dir's lock (output_lock.py
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,12 @@ from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
 from fsdp_recipes.errors import UserError
 
 REPORT, ARGS = "metrics.json", "run_args.json"
+# What a run trained, besides the settings resume_settings compares: the base model and the adapter (run_args.json's
+# model_args, TRL's ModelConfig fields). A command with another one is another run, never "already complete"; a
+# resume of another model or adapter shape is checkpoint/markers.py check_compatible's to refuse.
+MODEL = ("model_name_or_path", "use_peft")
+ADAPTER = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_target_parameters",
+           "lora_modules_to_save", "use_rslora", "use_dora")
 
 
 @dataclass
@@ -34,6 +41,7 @@ class Previous:
     settings: dict | None  # run_args.json's resume_settings: what the run was trained with
     last_checkpoint: Path | None  # the newest complete, readable one
     unreadable: list[tuple[Path, str]]  # newer complete ones that cannot be read, with why
+    model: dict | None = None  # trained(run_args.json's model_args): the base model and the adapter
 
 
 def read(output_dir: Path) -> Previous | None:
@@ -46,17 +54,39 @@ def read(output_dir: Path) -> Previous | None:
     if metrics.get("provisional"):
         status = "running?"  # a rank's report before its end: the run died, or is still running elsewhere
     last, bad = markers.usable(output_dir)
-    return Previous(status, metrics.get("steps"), metrics.get("finished_at"), _json(args).get("resume_settings"),
-                    last, bad)
+    recorded = _json(args)
+    return Previous(status, metrics.get("steps"), metrics.get("finished_at"), recorded.get("resume_settings"),
+                    last, bad, trained(recorded.get("model_args")))
+
+
+def trained(model_args) -> dict | None:
+    """The base model and the adapter of a ModelConfig (or of its run_args.json dict), comparable: the model's path
+    expanded ($FSDP_RECIPES_CACHE, ~), lists sorted; the adapter's fields only under LoRA."""
+    if model_args is None:
+        return None
+    get = model_args.get if isinstance(model_args, dict) else lambda k: getattr(model_args, k, None)
+    names = MODEL + (ADAPTER if get("use_peft") else ())
+    out = {k: sorted(get(k)) if isinstance(get(k), (list, tuple, set)) else get(k) for k in names}
+    if isinstance(out["model_name_or_path"], str):
+        out["model_name_or_path"] = os.path.normpath(os.path.expanduser(os.path.expandvars(out["model_name_or_path"])))
+    return out
+
+
+def model_changes(saved: dict | None, now: dict | None) -> dict[str, list]:
+    """{name: [saved, now]} for the base model and adapter fields that differ (none when either is unknown)."""
+    if not saved or not now:
+        return {}
+    names = MODEL if saved.get("use_peft") != now.get("use_peft") else dict.fromkeys([*saved, *now])
+    return {k: [saved.get(k), now.get(k)] for k in names if saved.get(k) != now.get(k)}
 
 
 def decide(output_dir: str | Path, previous: Previous | None, now: dict, override: bool = False,
-           resumes: bool = True) -> str | None:
+           resumes: bool = True, model: dict | None = None) -> str | None:
     """None: go on (train, resume or continue). A string: the run is already complete, nothing to do (the line
     to print). Raises UserError for a command that would replace a finished run. `previous`: read(output_dir);
     `now`: this command's resume_settings.current; `override`: its override_resumed_settings; `resumes`: whether
     the command resumes from a checkpoint at all (auto_resume, or resume_from_checkpoint): without, it would start
-    over."""
+    over; `model`: trained(its ModelConfig), another base model or adapter than the run's never continues it."""
     if previous is None or previous.status != "completed":
         return None  # nothing there, or an unfinished run: resumed from its checkpoint, or started over
     done = f"{output_dir} holds a finished run ({previous.steps} steps, completed {previous.finished_at}, {REPORT})"
@@ -65,7 +95,8 @@ def decide(output_dir: str | Path, previous: Previous | None, now: dict, overrid
         raise UserError(f"{done}, whose settings were not recorded (an earlier version of the pack), so this command "
                         f"cannot be told apart from one that would replace it. Fix: a new --output_dir, or "
                         f"--overwrite_output_dir true to replace it.")
-    changed = resume_settings.changes(saved, now)
+    other_model = model_changes(previous.model, model)
+    changed = {**resume_settings.changes(saved, now), **other_model}
     longer = _longer(saved, now)
     final = previous.last_checkpoint
     at_end = final is not None and markers.step_of(final) == previous.steps
@@ -73,7 +104,7 @@ def decide(output_dir: str | Path, previous: Previous | None, now: dict, overrid
         more = f"; to train longer: a larger --max_steps (continues from {final.name})" if at_end else ""
         return (f"{done}: already complete with this command's settings; nothing to do. To train again: a new "
                 f"--output_dir, or --overwrite_output_dir true{more}")
-    fixed = [k for k in changed if resume_settings.is_fixed(k, now)]
+    fixed = [k for k in changed if resume_settings.is_fixed(k, now) or k in other_model]
     if longer and at_end and resumes and (not changed or override and not fixed):
         return None  # continue from its last checkpoint: checkpoint_to_resume checks and reports the rest
     if longer:

@@ -8,6 +8,7 @@ import glob
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 from fsdp_recipes.errors import UserError
 
@@ -70,7 +71,16 @@ def gpus_per_node(min_gpus: int, nodes: int) -> int:
 
 
 
-def check_gpus(min_gpus: int, recipe: str, nodes: int = 1) -> None:
+def smoke_command(recipe: str, folder: Path | None = None) -> str:
+    """How to smoke-test the recipe from here: `make smoke` in this repository (a folder under ./recipes beside a
+    Makefile), else the folder's own launch.sh (a recipe copied elsewhere, which make cannot find by its name)."""
+    if folder is None or (Path("Makefile").is_file() and Path(folder).absolute() == Path("recipes", recipe).absolute()):
+        return f"make smoke RECIPE={recipe}"
+    return f"FSDP_RECIPES_SMOKE=1 {Path(folder) / 'launch.sh'}"
+
+
+def check_gpus(min_gpus: int, recipe: str, nodes: int = 1, folder: Path | None = None) -> None:
+    """`folder`: the recipe's, for the smoke command the fix names (smoke_command)."""
     per_node = gpus_per_node(min_gpus, nodes)
     if per_node <= 0:  # a CPU recipe: no need to import torch to count
         return
@@ -79,7 +89,8 @@ def check_gpus(min_gpus: int, recipe: str, nodes: int = 1) -> None:
         need = f"{per_node} GPU(s)" + (f" per node (min_gpus {min_gpus} over {nodes} nodes)" if nodes > 1 else "")
         raise UserError(
             f"recipe {recipe} needs {need} and this machine has {found}. Fix: run it on a GPU node, or "
-            f"test it on CPU with `make smoke RECIPE={recipe}` (a tiny model of the same architecture, 2 processes)."
+            f"test it on CPU with `{smoke_command(recipe, folder)}` (a tiny model of the same architecture, 2 "
+            "processes)."
         )
 
 

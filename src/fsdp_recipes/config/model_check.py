@@ -228,6 +228,7 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_comm
     """The FSDP wrap class and the LoRA target modules / parameters / modules_to_save exist in `model`. Returns
     check_wrap_classes' answer."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
     arch = type(model).__name__
     wrap = check_wrap_classes(model, acc, acc_path, wrap_on_command_line, model_named)
@@ -235,7 +236,11 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_comm
         return wrap
     expert_lora.check(model, acc, acc_path, model_args)  # LoRA on fused MoE experts: before "matches no module"
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    # what PEFT's all-linear targets: Linear and transformers' Conv1D (GPT-2's c_attn ...), not the LM head, whose
+    # LoRA check_lora_on_output_layer refuses
+    head = model.get_output_embeddings()
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                     if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head})
     targets = model_args.lora_target_modules
     if isinstance(targets, str) and targets != "all-linear":
         # One string is a regular expression PEFT matches against full module names (`--lora_target_modules

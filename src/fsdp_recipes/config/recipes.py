@@ -13,7 +13,9 @@ and the summary read that object instead of the files.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +78,13 @@ def resolve(name_or_path: str) -> Path:
             raise UserError(f"{folder} holds {found}: a recipe trains with one trainer. Fix: keep one of them, and "
                             "make the other a recipe folder of its own.")
     if path.is_dir():
-        raise UserError(f"{path} is not a recipe folder: missing {', '.join(missing_files(path))}.")
+        raise UserError(f"{path} is not a recipe folder: missing {', '.join(missing_files(path))}. Fix: copy the "
+                        f"missing file(s) from the recipe the folder came from (recipes/<name>/; `make help` lists "
+                        f"them), or point at a recipe folder.")
+    close = difflib.get_close_matches(name_or_path, available(), n=1)
+    if close:
+        raise UserError(f"unknown recipe '{name_or_path}'. Fix: did you mean RECIPE={close[0]}? (all of them: "
+                        f"`make help`)")
     raise UserError(f"unknown recipe '{name_or_path}'. Available: {names}. Fix: RECIPE=<one of those> (see `make help`).")
 
 
@@ -197,13 +205,12 @@ def check_keys_early(kind: str, raw: dict, path: Path, overrides: list[str]) -> 
 
 
 def describe(recipe: Path) -> str:
-    """The first sentence-line of the recipe README after its title."""
+    """The recipe README's first paragraph after its title, on one line (its first line alone stopped mid-sentence
+    where the paragraph wraps), markdown links as their text."""
     readme = recipe / "README.md"
-    if readme.is_file():
-        for line in readme.read_text().splitlines():
-            if line.strip() and not line.startswith("#"):
-                return line.strip()
-    return ""
+    text = readme.read_text() if readme.is_file() else ""
+    paragraph = next((p for p in re.split(r"\n\s*\n", text) if p.strip() and not p.lstrip().startswith("#")), "")
+    return re.sub(r"\[([^]]*)\]\([^)]*\)", r"\1", " ".join(paragraph.split()))
 
 
 @cli

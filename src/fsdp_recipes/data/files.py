@@ -97,6 +97,9 @@ def explain_load_failure(path: Path, err: Exception) -> UserError:
             return UserError(f"malformed JSON line in the dataset: {bad}. Fix: correct or remove that line "
                              "(one JSON object per line).")
     cause = err.__cause__ or err
+    if path.is_dir() and type(cause).__name__ == "EmptyDatasetError":  # datasets found no data file in the folder
+        return UserError(f"the dataset folder {path} holds no data file. Fix: put the rows in it as train.jsonl (and "
+                         "validation.jsonl), or point dataset_name at a file.")
     first = next((x.strip() for x in str(cause).splitlines() if x.strip()), type(cause).__name__)
     return UserError(f"cannot read the dataset {path}: {type(cause).__name__}: {first}. Fix: check that the "
                      "file is valid JSON Lines / JSON / Parquet / CSV.")

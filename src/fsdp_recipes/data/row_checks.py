@@ -57,7 +57,8 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
             content = turn.get("content")
             if not isinstance(content, str) and not (content is None and turn.get("tool_calls")):
                 fix = quoted("content", content) if is_number(content) else "make every content a string"
-                raise UserError(f"{row_at(where, split, i)}: a {role} turn's content is {type(content).__name__}"
+                turn_of = f"{'an' if role == 'assistant' else 'a'} {role} turn"
+                raise UserError(f"{row_at(where, split, i)}: {turn_of}'s content is {type(content).__name__}"
                                 f"{f' {content!r}' if is_number(content) else ''}, not text. Fix: {fix}.")
         if not any(t.get("role") == "assistant" for t in turns):
             without_assistant += 1

@@ -34,7 +34,8 @@ def check_launch(recipe: Recipe) -> None:
     min_gpus = recipe.early.min_gpus
     per_node = hardware.gpus_per_node(min_gpus, machines)
     if per_node > 0 and ((hint := hardware.gpu_count_hint()) is None or hint < per_node):
-        hardware.check_gpus(min_gpus, recipe.name, machines)  # torch's count now: no ranks start without GPUs
+        # torch's count now: no ranks start without GPUs
+        hardware.check_gpus(min_gpus, recipe.name, machines, recipe.folder)
     mesh.check_mesh(acc, recipe.accelerate_path, job_processes(acc))  # the product of its sizes, first
     accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
 

@@ -64,7 +64,8 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: st
         say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
     if not replace:  # every node decides alike (read-only), so none starts ranks that would wait for the others
         resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
-        if done := previous_run.decide(out, previous, now, cfg.pack.override_resumed_settings, resumes):
+        if done := previous_run.decide(out, previous, now, cfg.pack.override_resumed_settings, resumes,
+                                       previous_run.trained(cfg.model)):
             return done
     elif not first:
         return None  # the first node is emptying output_dir: there is nothing of the old run to resume

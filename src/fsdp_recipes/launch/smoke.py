@@ -218,7 +218,7 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
     where = f"{gpus} GPU(s)" if gpus else "CPU"
     path = cache_dir() / "smoke" / f"{recipe.name}.accelerate.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# recipes/{recipe.name}/accelerate.yaml scaled for a smoke test on {where} "
+    path.write_text(f"# {recipe.accelerate_path} scaled for a smoke test on {where} "
                     "(fsdp_recipes.launch.smoke)\n" + yaml.safe_dump(scaled, sort_keys=True))
     meshed = any(int((acc.get("parallelism_config") or {}).get(f"parallelism_config_{d}_size", 1)) > 1
                  for d in ("tp", "cp"))
@@ -231,7 +231,7 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
         dropped = f" as dp_shard {shard} x cp {cp}" + ("" if gpus else " (context parallel: the all-to-all form on CPU)")
     if int(split.get("parallelism_config_tp_size", 1)) > 1:  # tensor parallel kept: each layer split over 2 ranks
         dropped = f" as dp_shard {split['parallelism_config_dp_shard_size']} x tp 2" + ("" if gpus else " (over gloo)")
-    say(f"accelerate: recipes/{recipe.name}/accelerate.yaml with {acc.get('num_processes', 1)} process(es) on "
+    say(f"accelerate: {recipe.accelerate_path} with {acc.get('num_processes', 1)} process(es) on "
         f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one's {where} "
         f"({path}){dropped}")
     say(f"run: {STEPS} steps with a checkpoint at step 2, in runs/smoke/{recipe.name}")

@@ -80,6 +80,19 @@ def percent(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
+def gate_percent(g: dict, key: str, op: str) -> str:
+    """A gate's value with the decimals (1 to 4) that read as its verdict: an MFU of 0.95% under a 1% floor is
+    "0.95%", not "1.0%" beside "gate >= 1%: FAIL"."""
+    value, limit = g["value"], g[key]
+    if value is None:
+        return percent(value)
+    for digits in range(1, 5):
+        shown = round(100 * value, digits)
+        if (shown >= 100 * limit if op == ">=" else shown <= 100 * limit) == g["passed"]:
+            break
+    return f"{100 * value:.{digits}f}%"
+
+
 def lines(gates: dict) -> list[str]:
     """The summary's lines for the verdicts (empty for a run with no gates, no warning and no divergence)."""
     out = []
@@ -87,7 +100,7 @@ def lines(gates: dict) -> list[str]:
         g = gates.get(name)
         if not g:
             continue
-        value = percent(g["value"]) + (" of capacity" if name == "peak_memory" and g["value"] is not None else "")
+        value = gate_percent(g, key, op) + (" of capacity" if name == "peak_memory" and g["value"] is not None else "")
         limit = f"{op} {100 * g[key]:g}% ({field}" + (f"; {g['of']})" if name == "peak_memory" else ")")
         out.append(f"gate        {label} {value}, gate {limit}: {'pass' if g['passed'] else 'FAIL'}")
     if gates.get("failed") and not gates.get("enforced", True):
@@ -105,7 +118,7 @@ def verdict_line(verdicts: dict) -> str:
     if verdicts.get("diverged"):
         return (f"the run diverged: {verdicts['diverged']} (exit code {EXIT_DIVERGED}). Fix: lower learning_rate or "
                 "raise warmup_steps and train again; divergence_factor: 0 switches the test off")
-    failed = [f"{name} {percent(verdicts[name]['value'])} against {GATES[name][1]} "
+    failed = [f"{name} {gate_percent(verdicts[name], GATES[name][2], GATES[name][3])} against {GATES[name][1]} "
               f"{100 * verdicts[name][GATES[name][2]]:g}%" for name in verdicts["failed"]]
     return (f"the run trained and saved, but failed its gate(s): {'; '.join(failed)} (exit code {EXIT_GATE_FAILED}). "
             "Fix: tune the run (bench/README.md: the GPU ladder), or change the gate in the recipe; gates_warn_only: "

@@ -252,7 +252,8 @@ def prepare(name: str | recipes.Recipe, gpus: int, nodes: int, gpu: str, recipes
             overrides: list[str] | tuple = (), capacity_gib: float | None = None) -> Planned:
     """`capacity_gib`: the GPU's memory as measured (the launcher's nvidia-smi), `gpu` then only its name."""
     if gpus < 1 or nodes < 1:
-        raise UserError(f"GPUS={gpus} NODES={nodes}: both must be at least 1.")
+        raise UserError(f"GPUS={gpus} NODES={nodes}: both must be at least 1. Fix: the GPUs of a node and the nodes "
+                        f"to plan for, e.g. GPUS=8 NODES=1 (fsdp-recipes plan: --gpus 8 --nodes 1).")
     gpu_key, capacity, bf16_ok = gpu_spec(gpu) if capacity_gib is None else (gpu, capacity_gib, True)
     recipe, acc, cfg, model = load_recipe(name, recipes_root, overrides, world_size=gpus * nodes)
     training, model_args = cfg.training, cfg.model

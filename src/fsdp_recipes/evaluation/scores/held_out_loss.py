@@ -33,5 +33,6 @@ def lines(check: dict) -> list[str]:
     scored = "answer tokens" if check["n"] else "tokens"
     per_stage = " -> ".join(f"{name} {s['loss']:.3f}" + (f" (perplexity {s['perplexity']:.3g})" if s.get(
         "perplexity") is not None else "") for name, s in zip(names(check), chain))
-    label = "held-out loss" if held else "loss"
+    # rows the training data also holds (summary.rows_note names them): their loss is no held-out loss
+    label = "held-out loss" if held and not check.get("eval_rows_in_train") else "loss"
     return [f"{label} on {rows} ({loss['tokens']:,} {scored}{cut}): {per_stage}"]
