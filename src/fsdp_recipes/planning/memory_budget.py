@@ -266,7 +266,7 @@ def activations_per_token_per_layer(m: ModelShape, s: Setup) -> float:
     norms = 2 * m.hidden * (4 + c)
     if wide_weights_under_autocast(s):  # the fp32 residual stream (docstring): each norm keeps its fp32 input and
         # its fp32 normalized tensor (the trained weight's multiply), and autocast casts its output to c once for each
-        # projection that reads it (q, k, v; gate, up): 5 h-wide copies, none split by tp
+        # projection that reads it (q, k, v; gate, up): 5 h-wide copies, none split by tp (a dense layer's count)
         norms = 2 * m.hidden * 2 * residual_bytes(s) + 5 * c * m.hidden
     # dense: gate, up, SiLU(gate), product; a mixture of experts: those, the routed input and output and the routing
     # weight per route, the block's input (the router's), the router's fp32 probabilities and the routes' int64 indices
