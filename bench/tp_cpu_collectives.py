@@ -83,13 +83,17 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> Non
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, distributed_config=config)
         if kind.startswith("lora"):
             model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        shards, saved = weight_shards(model), {}
+        shards, saved, where = weight_shards(model), {}, ["root"]
+        for i, layer in enumerate(model.base_model.model.model.layers if kind.startswith("lora") else
+                                  model.model.layers):  # which decoder layer each saved tensor is saved in
+            layer.register_forward_pre_hook(lambda module, args, i=i: where.__setitem__(0, f"layer {i}"))
+            layer.register_forward_hook(lambda module, args, out: where.__setitem__(0, "root"))
 
         def pack(t):
             from torch.distributed.tensor import DTensor
 
             local = t.to_local() if isinstance(t, DTensor) else t
-            saved.setdefault(local.untyped_storage().data_ptr(), local)
+            saved.setdefault(local.untyped_storage().data_ptr(), (where[0], local))
             return t
 
         forward, backward = Collectives(), Collectives()
@@ -101,10 +105,20 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, out: str) -> Non
         # after the forward: FSDP has freed its gathered parameters' storage (resized to 0), so what still holds
         # bytes is what autograd keeps; a weight-shaped bf16 one is a copy (fp32 weights) or the gathered bf16
         # parameter itself (a bf16 base: FSDP frees it, 0 bytes)
-        copies = [t.untyped_storage().nbytes() for t in saved.values()
+        copies = [t.untyped_storage().nbytes() for _, t in saved.values()
                   if t.dtype == torch.bfloat16 and tuple(t.shape) in shards and t.untyped_storage().nbytes()]
+        # the rest, per token: what a decoder layer keeps for its backward (layer 1: neither end), by dtype and
+        # width (the last dimension), and what the root keeps (the final norm's, the LM head's, the loss's)
+        activations = collections.defaultdict(collections.Counter)
+        for place, t in saved.values():
+            if t.untyped_storage().nbytes() and not (t.dtype == torch.bfloat16 and tuple(t.shape) in shards):
+                key = f"{str(t.dtype).removeprefix('torch.')} x {t.shape[-1] if t.dim() else 1}"
+                activations[place][key] += t.untyped_storage().nbytes() / (ROWS * LENGTH)
         result[kind] = {"forward": forward.rows(), "backward": backward.rows(),
-                        "bf16_weight_copies_saved": len(copies), "bf16_weight_copy_bytes": sum(copies)}
+                        "bf16_weight_copies_saved": len(copies), "bf16_weight_copy_bytes": sum(copies),
+                        "layer_1_activations_per_token": dict(sorted(activations["layer 1"].items())),
+                        "layer_1_activation_bytes_per_token": sum(activations["layer 1"].values()),
+                        "root_activations_per_token": dict(sorted(activations["root"].items()))}
     if rank == 0:
         Path(out).write_text(json.dumps(result, indent=1) + "\n")
     dist.destroy_process_group()

@@ -93,6 +93,15 @@ recomputed), and the LM head its one. Measured on CPU (bench/tp_cpu_collectives.
 dp_shard 2, fp32 under bf16 autocast, autograd's saved tensors): 2,968,576 B of bf16 weight copies, the 4 layers' linears and the LM head at
 1/tp x 2 B, exactly. (A plain DDP or one-process run of fp32 weights under autocast would keep the same copies,
 undivided: not counted here, not measured.)
+The same weights keep the residual stream in fp32 (the embedding's output, and each layer's sum of it and a bf16
+projection), so what a layer saves around its norms is wider than the per_layer formula's 2h(4 + c): each norm keeps
+its fp32 input (no copy to make) and its fp32 normalized tensor (the trained weight's multiply), 2 x 2 x 4h, and
+autocast casts the norm's output to bf16 once for each projection reading it, q, k, v, gate and up (5ch; none is
+split by tp): 26h a layer at c = 2 instead of 12h. A checkpointed layer's input is fp32 (4h), the final norm adds
+the LM head's cast (c h), and FSDP gathers the fp32 weights (4 B). Measured by the same bench (2026-11-29, its
+layer_1_activations_per_token): layer 1 of 4 keeps 10,192 B per token on a rank, the formula's 6,656 + 3,520 =
+10,176 and 16 B of per-row scalars (2 rsqrt, the attention's log-sum-exp); tests/test_tp_activations.py measures
+it again in-process, one process without tp.
 
 Runtime: CUDA context, NCCL and allocator slack, 2 GiB per GPU (a typical figure for H100 nodes, not
 measured by this pack); 0 on CPU.
@@ -238,11 +247,27 @@ def shape_of(model, model_args, **decided) -> ModelShape:
     )
 
 
+def wide_weights_under_autocast(s: Setup) -> bool:
+    """tp with weights wider than the compute (config/mesh.py's fp32 full fine-tune under bf16): nothing casts them
+    down before the matmuls (transformers' FSDP2 under tp has no mixed-precision policy), autocast does, per op."""
+    return s.tp > 1 and s.mixed_precision and s.load_bytes > s.compute_bytes
+
+
+def residual_bytes(s: Setup) -> int:
+    """Bytes per element of the residual stream between layers: the embedding's output and each layer's sum keep
+    the weights' dtype when nothing casts the weights (fp32 under tp), else the compute width."""
+    return s.load_bytes if wide_weights_under_autocast(s) else s.compute_bytes
+
+
 def activations_per_token_per_layer(m: ModelShape, s: Setup) -> float:
     """Bytes one token leaves in one layer; under tp the head- and MLP-wide tensors are split over the tp ranks
     (transformers' tp_plan: q, k, v, gate, up column-wise), the norms' hidden-wide ones are not."""
     c = s.compute_bytes
     norms = 2 * m.hidden * (4 + c)
+    if wide_weights_under_autocast(s):  # the fp32 residual stream (docstring): each norm keeps its fp32 input and
+        # its fp32 normalized tensor (the trained weight's multiply), and autocast casts its output to c once for each
+        # projection that reads it (q, k, v; gate, up): 5 h-wide copies, none split by tp (a dense layer's count)
+        norms = 2 * m.hidden * 2 * residual_bytes(s) + 5 * c * m.hidden
     # dense: gate, up, SiLU(gate), product; a mixture of experts: those, the routed input and output and the routing
     # weight per route, the block's input (the router's), the router's fp32 probabilities and the routes' int64 indices
     mlp, routing = 4 * m.intermediate, 0
@@ -258,7 +283,7 @@ def checkpoint_inputs(m: ModelShape, s: Setup) -> float:
     if not s.checkpointed:
         return 0
     kept = m.layers // s.checkpoint_every + (1 if m.layers % s.checkpoint_every else 0)  # layers 0, k, 2k, ...
-    return kept * (m.hidden * s.compute_bytes + (m.q_dim * s.compute_bytes / s.tp if s.checkpoint_ops else 0))
+    return kept * (m.hidden * residual_bytes(s) + (m.q_dim * s.compute_bytes / s.tp if s.checkpoint_ops else 0))
 
 
 def layer_activations(m: ModelShape, s: Setup, per_layer: float) -> float:
@@ -304,11 +329,15 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     activations = tokens * layer_activations(m, s, per_layer)
     # the fused head's backward accumulates in fp32: the hidden states' gradient, and the head's when it trains
     head_grads = tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 / s.tp if m.trainable == m.params else 0)
-    activations += tokens * m.hidden * 4 * 2 + logits(m, s) + head_grads  # + final norm (fp32)
+    # + the final norm's fp32 tensors, and under tp with fp32 weights the LM head's autocast copy of its output
+    final_norm = m.hidden * (4 * 2 + (s.compute_bytes if wide_weights_under_autocast(s) else 0))
+    activations += tokens * final_norm + logits(m, s) + head_grads
+    # FSDP gathers at the compute width, but under tp at the weights' own (no mixed-precision policy: docstring)
+    gather = s.load_bytes if wide_weights_under_autocast(s) else s.compute_bytes
     if s.strategy in ("FSDP", "HSDP"):
         gathered = (2 * m.layer_params + m.root_params) if s.reshard_after_forward else m.params
         four_bit = (2 * m.layer_quantized if s.reshard_after_forward else m.quantized) if s.quant_bytes else 0
-        comm = ((gathered - four_bit) * s.compute_bytes + four_bit * s.quant_bytes + m.layer_trainable * master) / s.tp
+        comm = ((gathered - four_bit) * gather + four_bit * s.quant_bytes + m.layer_trainable * master) / s.tp
     elif s.strategy == "DDP":
         comm = m.trainable * master
     else:
@@ -322,7 +351,7 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
         if s.reference == "copy":
             reference = m.params * s.load_bytes / shard
             if s.strategy in ("FSDP", "HSDP"):
-                reference += (2 * m.layer_params + m.root_params) * s.compute_bytes / s.tp
+                reference += (2 * m.layer_params + m.root_params) * gather / s.tp
         parts["reference_model"] = reference
     if m.merged_copy:  # PEFT's ParamWrapper: each layer's merged copy of its LoRA-targeted tensors (docstring)
         copies = m.layers + 1
@@ -336,7 +365,7 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
                                                                  * s.compute_bytes + m.vocab * 4))
     elif s.generation == "vllm":  # the engine's weights and KV cache, in the GPU share it is given
         parts["vllm_engine"] = s.vllm_bytes
-    if s.tp > 1 and s.mixed_precision and s.load_bytes > s.compute_bytes:  # autocast's kept copies (docstring)
+    if wide_weights_under_autocast(s):  # autocast's kept copies of the weights (docstring)
         kept = m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every) if s.checkpointed else 0
         copies = m.layers - kept + (1 if kept else 0)
         parts["tp_autocast_weight_copies"] = ((copies * (m.layer_params - 2 * m.hidden) + m.vocab * m.hidden)
