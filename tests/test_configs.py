@@ -76,6 +76,9 @@ def test_a_list_field_is_emptied_with_none_and_the_ranks_get_it_empty(tmp_path):
         handoff.write(launcher.settings, tmp_path / "settings.json")
         rank = parse_args(handoff.rank_argv(tmp_path / "settings.json"))
         assert rank.model.lora_modules_to_save is None and rank.resolved() == launcher.resolved()
+    # the other list flags pass as written, `--field=value` included
+    assert parse_args(["--config", tiny, "--lora_target_modules=q_proj", "--lora_modules_to_save", "lm_head",
+                       "embed_tokens"]).model.lora_target_modules == "q_proj"  # TRL's ModelConfig unwraps one module
     # a list default of [] empties to []
     assert parse_args(["--config", tiny, "--include_for_metrics", "none"]).training.include_for_metrics == []
 

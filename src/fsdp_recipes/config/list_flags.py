@@ -47,5 +47,5 @@ def take_empty_lists(parser, argv: list[str]) -> tuple[list[str], dict]:
                                 f"beside other values. {fix}")
             emptied[name] = _empty_value(name, lists[name])
             continue
-        kept.extend([arg, *values])
+        kept.extend([arg] if eq else [arg, *values])  # as written: `--field=v` keeps its one value in it
     return kept, emptied
