@@ -109,11 +109,21 @@ endif
 WITH_EXIT_CODE = $(if $(EXIT_CODE_FILE),FSDP_RECIPES_EXIT_CODE_FILE="$(abspath $(EXIT_CODE_FILE))")
 OR_EXIT_CODE = $(if $(EXIT_CODE_FILE),|| { rc=$$?; echo $$rc > "$(EXIT_CODE_FILE)"; exit $$rc; })
 
+# GPUS is the job's GPUs per node for make plan, job and k8s. make finetune and make smoke run on this machine, where
+# placement (config/placement.py) decides the processes from the GPUs it shows: a GPUS= typed for them is refused in
+# one line (exit 2, as any mistake found before training), never silently ignored. Only a command-line GPUS: one in
+# the environment may be a scheduler's.
+comma := ,
+GPU_IDS = $(shell seq -s, 0 $$(( $(GPUS) - 1 )) 2>/dev/null)
+REFUSE_GPUS = $(if $(and $(filter command line,$(origin GPUS)),$(GPUS)),@echo 'error: $(1) Fix: $(2)' >&2; $(if $(EXIT_CODE_FILE),echo 2 > "$(abspath $(EXIT_CODE_FILE))";) exit 2)
+
 finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML; EXIT_CODE_FILE=<path>: the exit code
+	$(call REFUSE_GPUS,GPUS=$(GPUS) is for make plan/job/k8s: make finetune takes the GPUs this machine shows (one process each$(comma) up to the count in its accelerate.yaml; config/placement.py).,CUDA_VISIBLE_DEVICES=$(or $(GPU_IDS),<ids>) make finetune RECIPE=$(RECIPE) (those GPUs$(comma) the same global batch)$(comma) or FSDP_RECIPES_LAUNCH_ARGS="--num_processes $(GPUS)" (that many processes as the recipe is written).)
 	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_EXIT_CODE) $(WITH_BNB) bash $(RECIPE_DIR)/launch.sh $(ARGS)
 
 smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
+	$(call REFUSE_GPUS,GPUS=$(GPUS) does not apply to make smoke: it runs the recipe on CPU$(comma) 2 processes.,drop GPUS; make finetune RECIPE=$(RECIPE) runs it on the GPUs of this machine.)
 	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_EXIT_CODE) $(WITH_BNB) bash $(RECIPE_DIR)/launch.sh $(ARGS)
 

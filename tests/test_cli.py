@@ -78,6 +78,26 @@ def test_the_makefile_calls_the_cli():
     assert "-m fsdp_recipes.cli job --launcher slurm tiny-cpu-lora --nodes 1 --gpus 8" in res.stdout
 
 
+@pytest.mark.parametrize("target, fix", [
+    ("finetune", "Fix: CUDA_VISIBLE_DEVICES=0,1 make finetune RECIPE=tiny-cpu-lora (those GPUs, the same global batch), "
+                 "or FSDP_RECIPES_LAUNCH_ARGS=\"--num_processes 2\""),
+    ("smoke", "Fix: drop GPUS; make finetune RECIPE=tiny-cpu-lora runs it"),
+])
+def test_gpus_given_to_a_target_that_runs_here_is_refused_not_ignored(target, fix, tmp_path):
+    """GPUS is make plan's, job's and k8s's: `make finetune GPUS=2` silently ran on what placement chose. Refused in
+    one line, exit 2 (also in EXIT_CODE_FILE) before the recipe is looked at; without it the target runs as before."""
+    make = ["make", "--no-print-directory", f"VENV={Path(sys.prefix)}", "-o", str(Path(sys.prefix) / ".installed"),
+            target, "RECIPE=tiny-cpu-lora"]
+    res = subprocess.run([*make, "GPUS=2", f"EXIT_CODE_FILE={tmp_path / 'rc'}"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and fix in errors[0], res.stderr
+    assert errors[0].startswith(f"error: GPUS=2 ") and (tmp_path / "rc").read_text().strip() == "2"
+    assert "recipes check" not in res.stdout + res.stderr
+    plain = subprocess.run(["make", "-n", *make[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0 and "GPUS" not in plain.stdout and "launch.sh" in plain.stdout, plain.stderr
+
+
 def test_recipes_list_describes_a_recipe_by_its_whole_first_paragraph(tmp_path):
     """A README paragraph wrapped over lines was cut at its first line ("... 12.9B active per token:"), and a link
     was listed as markdown."""

@@ -65,6 +65,37 @@ def test_ranks_build_their_configuration_from_the_launchers_reading_alone(tmp_pa
         3e-4, False, ["q_proj", "v_proj"])
 
 
+def test_a_list_field_is_emptied_with_none_and_the_ranks_get_it_empty(tmp_path):
+    """tiny-cpu-lora's YAML sets lora_modules_to_save: [lm_head]; `--lora_modules_to_save none` (transformers'
+    `--report_to none`) makes it None, as the launcher reads it and as the ranks rebuild it from the handoff."""
+    tiny = str(REPO / "recipes/tiny-cpu-lora/sft.yaml")
+    for spelling in (["--lora_modules_to_save", "none"], ["--lora_modules_to_save=None"]):
+        launcher = parse_args(["--config", tiny, *spelling, "--max_steps", "5"])
+        assert launcher.model.lora_modules_to_save is None and launcher.settings["lora_modules_to_save"] is None
+        assert launcher.training.max_steps == 5  # the flags after it still apply
+        handoff.write(launcher.settings, tmp_path / "settings.json")
+        rank = parse_args(handoff.rank_argv(tmp_path / "settings.json"))
+        assert rank.model.lora_modules_to_save is None and rank.resolved() == launcher.resolved()
+    # the other list flags pass as written, `--field=value` included
+    assert parse_args(["--config", tiny, "--lora_target_modules=q_proj", "--lora_modules_to_save", "lm_head",
+                       "embed_tokens"]).model.lora_target_modules == "q_proj"  # TRL's ModelConfig unwraps one module
+    # a list default of [] empties to []
+    assert parse_args(["--config", tiny, "--include_for_metrics", "none"]).training.include_for_metrics == []
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lora_modules_to_save"], r"^--lora_modules_to_save is given no value\. Fix: --lora_modules_to_save <value> "
+                                 r"\[<value> \.\.\.\], or --lora_modules_to_save none for no values\.$"),
+    (["--lora_modules_to_save", "--max_steps", "5"], r"^--lora_modules_to_save is given no value\."),
+    (["--lora_modules_to_save="], r"^--lora_modules_to_save is given no value\."),
+    (["--lora_modules_to_save", "none", "lm_head"], r"^--lora_modules_to_save none lm_head: `none` empties the list, "
+                                                    r"so it cannot stand beside other values\. Fix: "),
+])
+def test_an_ambiguous_list_flag_is_one_line(flags, message):
+    with pytest.raises(UserError, match=message):
+        parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), *flags])
+
+
 def test_a_missing_settings_file_is_one_line(tmp_path):
     with pytest.raises(UserError, match=r"^--recipe_settings .*missing.json cannot be read .* Fix: start the ranks "
                                         r"with the launcher"):

@@ -240,6 +240,25 @@ def test_a_conversation_that_ends_on_a_user_turn_is_a_warning_with_its_line(tmp_
                       "rows, or assistant_only_loss: true"]
 
 
+def test_rows_that_answer_nothing_are_one_counted_warning_with_the_first_ones_line(tmp_path):
+    """A row with no assistant turn, and one whose only assistant turn is empty (`"content": ""`: under
+    assistant_only_loss it trains no token; it was not counted), are the same warning."""
+    empty = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}
+    path = write_jsonl(tmp_path / "chat.jsonl", [turns("user", "assistant"), turns("user"), empty,
+                                                 turns("user", "assistant")])
+    _, warned = checked(path)
+    assert warned == [f"2 of 4 rows of the `train` split have no assistant turn (or only empty ones; first: "
+                      f"{path}:2); they teach nothing"]
+
+
+def test_an_empty_conversation_is_one_line_with_its_line(tmp_path):
+    """`"messages": []` was counted as a row without an assistant turn, then the token-length check (launcher and
+    make data) stopped on the chat template's "Cannot apply chat template to an empty conversation" as an internal
+    error, and TRL would in every rank."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [turns("user", "assistant"), {"messages": []}])
+    assert refusal(path) == f"{path}:2: `messages` holds no turns. Fix: give the row its turns, or remove the row."
+
+
 # ------------------------------------------------------------------------------------------------ files and types
 
 @pytest.mark.parametrize("name", ["array.jsonl", "array.json"])

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fsdp_recipes.config import handoff, yaml_keys
+from fsdp_recipes.config import handoff, list_flags, yaml_keys
 from fsdp_recipes.config.argv import given, override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
 from fsdp_recipes.config.option_registry import OPTIONS, argument_classes
@@ -285,6 +285,8 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
         os.environ[key] = str(value)
     parser = TrlParser(types)
     parser.error = _one_line  # argparse's error() prints the whole usage (160 lines) before its message
+    argv, emptied = list_flags.take_empty_lists(parser, argv)  # `--lora_modules_to_save none`: as if the YAML said so
+    raw.update(emptied)
     settings = {**raw, **({"env": env} if env else {}), **given_values(parser, argv, known)}
     parser.set_defaults_with_config(**raw)
     check_step_counts(raw, argv)

@@ -42,13 +42,17 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
         check_text_rows(ds, where, split)
         return []
     cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
-    without_assistant, user_last = 0, []
+    without_answer, user_last = [], []
     for i, row in enumerate(ds.select_columns(cols)):
         for c in cols:
             if not isinstance(row[c], list):
                 raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row[c])}, not a list of chat turns as "
                                 f"in the other rows. Fix: give the row its {c} turns, or remove the row.")
         turns = [t for c in cols for t in row[c]]
+        if not turns:  # `"messages": []`: chat templates refuse an empty conversation (in the ranks, a traceback)
+            raise UserError(f"{row_at(where, split, i)}: {' and '.join(f'`{c}`' for c in cols)} "
+                            f"{'holds' if len(cols) == 1 else 'hold'} no turns. Fix: give the row its turns, or remove "
+                            "the row.")
         for turn in turns:
             role = turn.get("role") if isinstance(turn, dict) else None
             if role not in ROLES:
@@ -60,22 +64,28 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
                 turn_of = f"{'an' if role == 'assistant' else 'a'} {role} turn"
                 raise UserError(f"{row_at(where, split, i)}: {turn_of}'s content is {type(content).__name__}"
                                 f"{f' {content!r}' if is_number(content) else ''}, not text. Fix: {fix}.")
-        if not any(t.get("role") == "assistant" for t in turns):
-            without_assistant += 1
+        if not any(answers(t) for t in turns):
+            without_answer.append(i)
         elif "messages" in row and turns[-1].get("role") == "user":
             user_last.append(i)
-    if without_assistant == len(ds):
-        raise UserError(f"no row of the `{split}` split of {where} has an assistant turn, so there is nothing to "
-                        "learn. Fix: add the assistant's answers (role: assistant).")
+    if len(without_answer) == len(ds):
+        raise UserError(f"no row of the `{split}` split of {where} has an assistant turn that answers (text or tool "
+                        "calls), so there is nothing to learn. Fix: add the assistant's answers (role: assistant).")
     warned = []
-    if without_assistant:
-        warned.append(f"{without_assistant} of {len(ds)} rows of the `{split}` split have no assistant turn; they "
-                      "teach nothing")
+    if without_answer:
+        warned.append(f"{len(without_answer)} of {len(ds)} rows of the `{split}` split have no assistant turn (or "
+                      f"only empty ones; first: {row_at(where, split, without_answer[0])}); they teach nothing")
     if user_last:  # OpenAI trains the assistant's turns only; TRL trains every token unless assistant_only_loss
         warned.append(f"{len(user_last)} of {len(ds)} rows of the `{split}` split end on a user turn that nothing "
                       f"answers (first: {row_at(where, split, user_last[0])}): unless assistant_only_loss, the model "
                       "learns to write it. Fix: drop the last turn of those rows, or assistant_only_loss: true")
     return warned
+
+
+def answers(turn: dict) -> bool:
+    """An assistant turn that says something: text, or tool calls. `"content": ""` answers nothing: under
+    assistant_only_loss the row trains no token."""
+    return turn.get("role") == "assistant" and (bool((turn.get("content") or "").strip()) or bool(turn.get("tool_calls")))
 
 
 def kind_of(value) -> str:
