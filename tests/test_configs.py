@@ -1,6 +1,7 @@
 """Every accelerate YAML loads with accelerate's own loader, every recipe YAML with TRL's parser, and the
 recipes' accelerate copies match accelerate_configs/."""
 
+import os
 import subprocess
 import sys
 
@@ -224,7 +225,7 @@ def test_the_launchers_early_settings_are_typed_as_the_full_parse_types_them():
     early = tiny.early
     assert (early.tiny_assets, early.min_gpus, early.output_dir) == (False, 2, "/tmp/elsewhere")
     assert (early.smollm2_assets, early.addition_preferences, early.continues_from) == (False, False, None)
-    assert early.dataset_name == "$FSDP_RECIPES_CACHE/tiny-arith"  # the YAML's, expanded where it is used
+    assert early.dataset_name == os.environ["FSDP_RECIPES_CACHE"] + "/tiny-arith"  # expanded, as the parse does
     assert recipes.load(REPO / "recipes" / "tiny-cpu-lora").early.tiny_assets is True  # the YAML's `true`
     tiny.overrides += ["--addition_preferences", "Y"]
     assert tiny.early.addition_preferences is True  # read as the overrides stand now

@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 from fsdp_recipes.config.accelerate_yaml import read_accelerate_config, take_wrap_override
 from fsdp_recipes.config.argv import as_bool, as_int, override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
-from fsdp_recipes.config.run_config import PackArguments
+from fsdp_recipes.config.run_config import PATH_FIELDS, PackArguments
 from fsdp_recipes.config.value_checks import check_training_values
 from fsdp_recipes.config.yaml_keys import load_yaml, remembered_values
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.paths import cache_dir, expand
 
 if TYPE_CHECKING:
     from fsdp_recipes.config.run_config import RunConfig
@@ -99,8 +99,8 @@ def config_file(folder: Path) -> Path:
 @dataclasses.dataclass(frozen=True)
 class EarlyFields:
     """The settings the launcher's first checks read before the full parse (which imports TRL's classes, while the
-    ranks import): the YAML's values with the command line's on top, typed as that parse types them; the pack's
-    defaults are PackArguments' (config/run_config.py)."""
+    ranks import): the YAML's values with the command line's on top, typed as that parse types them, paths expanded
+    as it expands them (PATH_FIELDS); the pack's defaults are PackArguments' (config/run_config.py)."""
 
     model_name_or_path: str | None
     model_revision: str | None
@@ -123,6 +123,8 @@ class EarlyFields:
                 value = pack.get(f.name)
             convert = typed.get(str(f.type))
             values[f.name] = convert(f.name, value) if convert else (None if value is None else str(value))
+            if f.name in PATH_FIELDS:
+                values[f.name] = expand(values[f.name], f.name)
         return cls(**values)
 
 

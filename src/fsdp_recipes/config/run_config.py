@@ -30,6 +30,11 @@ if TYPE_CHECKING:  # TRL is imported lazily: the launcher's light path must not 
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments
 
 
+# the settings that name a path: `~` and `$VARS` expanded by the parse (YAML and TRL's parser expand neither), and by
+# the launcher's early reading (config/recipes.py EarlyFields)
+PATH_FIELDS = ("model_name_or_path", "dataset_name", "output_dir", "prometheus_textfile")
+
+
 @dataclass
 class PackArguments:
     """Fields the pack adds to TRL's; they live in the same recipe YAML."""
@@ -308,10 +313,10 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
 
         named = {k for k in RENAMED_TRAINING_FIELDS if given(argv, k)} | (set(raw) & set(RENAMED_TRAINING_FIELDS))
         apply_new_training_field_names(renamed[0], training, named)
-    model.model_name_or_path = expand(model.model_name_or_path, "model_name_or_path")
-    script.dataset_name = expand(script.dataset_name, "dataset_name")
-    training.output_dir = expand(training.output_dir, "output_dir")
-    pack.prometheus_textfile = expand(pack.prometheus_textfile, "prometheus_textfile")
+    for args in (model, script, training, pack):
+        for name in PATH_FIELDS:
+            if hasattr(args, name):
+                setattr(args, name, expand(getattr(args, name), name))
     if not model.model_name_or_path:
         raise UserError("no model configured. Fix: set model_name_or_path (a directory or a hub id) in the recipe.")
     return RunConfig(script, training, model, mixture, pack, kind_args, option_args, settings)

@@ -17,7 +17,7 @@ from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.data import files, length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.launch import smoke
 from fsdp_recipes.launch.lines import say
-from fsdp_recipes.paths import cache_dir, expand
+from fsdp_recipes.paths import cache_dir
 from fsdp_recipes.train import kinds, run_checks
 
 
@@ -54,8 +54,8 @@ def check_data_found(recipe: Recipe) -> None:
     name = early.dataset_name
     if early.addition_preferences or name is None:
         return
-    if model_check.looks_local(path := expand(name, "dataset_name")) and not in_pack_cache(path):
-        files.check_found(path)
+    if model_check.looks_local(name) and not in_pack_cache(name):
+        files.check_found(name)
 
 
 def check_model_found(recipe: Recipe) -> None:
@@ -67,10 +67,9 @@ def check_model_found(recipe: Recipe) -> None:
     model = early.model_name_or_path
     if smoke.active() or model is None:
         return  # no model: the recipe's parse names the missing field
-    path = expand(model, "model_name_or_path")
-    if in_pack_cache(path):
+    if in_pack_cache(model):
         return
-    model_check.check_model_found(path, early.continues_from, early.model_revision)
+    model_check.check_model_found(model, early.continues_from, early.model_revision)
 
 
 def warn(recipe: Recipe, lines: list[str]) -> None:

@@ -16,7 +16,6 @@ from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.launch import smoke
 from fsdp_recipes.launch.lines import say
-from fsdp_recipes.paths import expand
 from fsdp_recipes.train import kinds
 
 
@@ -28,7 +27,6 @@ def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = No
     out = output_dir or recipe.early.output_dir
     if not out or not first_node():
         return None
-    out = expand(out, "output_dir")
     lock = output_lock.OutputLock(out, shlex.join(["launch", recipe.name, *recipe.overrides]))
     if output_dir is None:  # before the checks: a folder that cannot be made is theirs to name (config/value_checks)
         try:

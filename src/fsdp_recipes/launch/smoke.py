@@ -39,7 +39,7 @@ from fsdp_recipes.config import model_check
 from fsdp_recipes.config.model_check import load_config
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.paths import cache_dir, expand
+from fsdp_recipes.paths import cache_dir
 from fsdp_recipes.train import kinds
 
 ENV = "FSDP_RECIPES_SMOKE"
@@ -112,7 +112,7 @@ def model_source(recipe: Recipe) -> tuple[Path, str] | None:
     here and that copy is of it (or of the model another run or the pack's assets will make). None for a recipe
     whose model is the tiny one already (tiny_assets)."""
     early = recipe.early
-    model = expand(str(early.model_name_or_path), "model_name_or_path")
+    model = str(early.model_name_or_path)
     shipped = recipe.folder / "model_config.json"
     in_cache = Path(model).absolute().is_relative_to(cache_dir().absolute())  # the pack's assets
     if in_cache and early.tiny_assets and not shipped.is_file():
