@@ -118,7 +118,7 @@ GPU_IDS = $(shell seq -s, 0 $$(( $(GPUS) - 1 )) 2>/dev/null)
 REFUSE_GPUS = $(if $(and $(filter command line,$(origin GPUS)),$(GPUS)),@echo 'error: $(1) Fix: $(2)' >&2; $(if $(EXIT_CODE_FILE),echo 2 > "$(abspath $(EXIT_CODE_FILE))";) exit 2)
 
 finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML; EXIT_CODE_FILE=<path>: the exit code
-	$(call REFUSE_GPUS,GPUS=$(GPUS) is for make plan/job/k8s: make finetune takes the GPUs this machine shows (one process each$(comma) up to the count in its accelerate.yaml; config/placement.py).,CUDA_VISIBLE_DEVICES=$(or $(GPU_IDS),<ids>) make finetune RECIPE=$(RECIPE) (those GPUs$(comma) the same global batch)$(comma) or FSDP_RECIPES_LAUNCH_ARGS="--num_processes $(GPUS)" (that many processes as the recipe is written).)
+	$(call REFUSE_GPUS,GPUS=$(GPUS) is for make plan/job/k8s: make finetune takes the GPUs this machine shows (one process each$(comma) up to the count in its accelerate.yaml; config/placement.py).,CUDA_VISIBLE_DEVICES=$(or $(GPU_IDS),<ids>) make finetune RECIPE=$(RECIPE) (those GPUs$(comma) the same global batch)$(comma) or FSDP_RECIPES_LAUNCH_ARGS="--num_processes $(or $(if $(GPU_IDS),$(GPUS)),<n>)" (that many processes as the recipe is written)$(if $(GPU_IDS),,; to run without GPUs: make smoke RECIPE=$(RECIPE)).)
 	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_EXIT_CODE) $(WITH_BNB) bash $(RECIPE_DIR)/launch.sh $(ARGS)
 

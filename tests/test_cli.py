@@ -96,6 +96,10 @@ def test_gpus_given_to_a_target_that_runs_here_is_refused_not_ignored(target, fi
     assert "recipes check" not in res.stdout + res.stderr
     plain = subprocess.run(["make", "-n", *make[1:]], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 0 and "GPUS" not in plain.stdout and "launch.sh" in plain.stdout, plain.stderr
+    if target == "finetune":  # GPUS=0 names no process count of 0, and the way to run without GPUs
+        zero = subprocess.run([*make, "GPUS=0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert zero.returncode == 2 and "--num_processes 0" not in zero.stderr, zero.stderr
+        assert '--num_processes <n>"' in zero.stderr and "make smoke RECIPE=tiny-cpu-lora" in zero.stderr
 
 
 def test_recipes_list_describes_a_recipe_by_its_whole_first_paragraph(tmp_path):
@@ -116,6 +120,11 @@ def test_a_mistyped_recipe_names_the_nearest_one():
 
     with pytest.raises(UserError, match=r"^unknown recipe 'tiny-cpu-lorra'\. Fix: did you mean RECIPE=tiny-cpu-lora\?"):
         resolve("tiny-cpu-lorra")
+    # a family's prefix: every recipe of it, not the one closest spelling
+    with pytest.raises(UserError, match=r"did you mean RECIPE=mistral-7b-full or RECIPE=mistral-large-hsdp or "
+                                        r"RECIPE=mistral-large-qlora-4xh100 or RECIPE=mistral-small-lora or "
+                                        r"RECIPE=mistral-small-lora-2xh200\?"):
+        resolve("mistral")
     with pytest.raises(UserError, match=r"^unknown recipe 'nope'\. Available: ddp-baseline, "):
         resolve("nope")
 
@@ -131,6 +140,13 @@ def test_a_reader_that_closes_the_pipe_is_no_traceback():
     proc.stdout.close()  # as head does after its lines
     err = proc.stderr.read()
     assert proc.wait(timeout=60) == 141 and err == "", err
+    # another pipe or socket that breaks is a failure, not a reader gone: its traceback stays (stdout still read)
+    script = ("import socket\nfrom fsdp_recipes.errors import cli\n"
+              "def main():\n    a, b = socket.socketpair()\n    b.close()\n    print('step 1')\n"
+              "    for _ in range(3):\n        a.send(b'x' * 65536)\n"
+              "cli(main)()\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "BrokenPipeError" in done.stderr and done.stdout == "step 1\n", done
 
 
 def test_a_folder_that_is_not_a_recipe_names_what_it_lacks_and_the_fix(tmp_path):

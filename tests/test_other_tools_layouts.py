@@ -241,14 +241,15 @@ def test_a_conversation_that_ends_on_a_user_turn_is_a_warning_with_its_line(tmp_
 
 
 def test_rows_that_answer_nothing_are_one_counted_warning_with_the_first_ones_line(tmp_path):
-    """A row with no assistant turn, and one whose only assistant turn is empty (`"content": ""`: under
-    assistant_only_loss it trains no token; it was not counted), are the same warning."""
+    """A row with no assistant turn, and one whose only assistant turn is empty (`"content": ""`, which still trains
+    its end-of-turn token: it was not counted), are the same warning."""
     empty = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}
     path = write_jsonl(tmp_path / "chat.jsonl", [turns("user", "assistant"), turns("user"), empty,
                                                  turns("user", "assistant")])
     _, warned = checked(path)
     assert warned == [f"2 of 4 rows of the `train` split have no assistant turn (or only empty ones; first: "
-                      f"{path}:2); they teach nothing"]
+                      f"{path}:2): they teach no answer, and an empty one still trains its end-of-turn token (the "
+                      "model learns to say nothing). Fix: fill in or drop those rows"]
 
 
 def test_an_empty_conversation_is_one_line_with_its_line(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import select
 import sys
 
 EXIT_USER_ERROR = 2  # a mistake the user can fix, found before training
@@ -33,9 +34,22 @@ def cli(main):
         except UserError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(err.exit_code)
-        except BrokenPipeError:  # `fsdp-recipes plan ... | head`: the reader has what it wanted and left
-            # Python's flush of stdout at exit would raise again (the idiom of the signal module's docs)
+        except BrokenPipeError:
+            if not reader_left_stdout():  # another pipe or socket broke: a failure, with its traceback
+                raise
+            # `fsdp-recipes plan ... | head`: the reader has what it wanted and left. Python's flush of stdout at exit
+            # would raise again (the idiom of the signal module's docs)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(EXIT_BROKEN_PIPE)
 
     return wrapper
+
+
+def reader_left_stdout() -> bool:
+    """Whether stdout is a pipe whose reader closed it: its write end then polls POLLERR (Linux, macOS)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or no real stdout
+        return False

@@ -81,10 +81,12 @@ def resolve(name_or_path: str) -> Path:
         raise UserError(f"{path} is not a recipe folder: missing {', '.join(missing_files(path))}. Fix: copy the "
                         f"missing file(s) from the recipe the folder came from (recipes/<name>/; `make help` lists "
                         f"them), or point at a recipe folder.")
-    close = difflib.get_close_matches(name_or_path, available(), n=1)
+    # a prefix names a family (mistral: six recipes): all of them; else the one closest spelling
+    close = [n for n in available() if n.startswith(name_or_path)] or difflib.get_close_matches(
+        name_or_path, available(), n=1)
     if close:
-        raise UserError(f"unknown recipe '{name_or_path}'. Fix: did you mean RECIPE={close[0]}? (all of them: "
-                        f"`make help`)")
+        raise UserError(f"unknown recipe '{name_or_path}'. Fix: did you mean "
+                        f"{' or '.join(f'RECIPE={n}' for n in close)}? (all of them: `make help`)")
     raise UserError(f"unknown recipe '{name_or_path}'. Available: {names}. Fix: RECIPE=<one of those> (see `make help`).")
 
 

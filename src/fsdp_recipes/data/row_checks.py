@@ -74,7 +74,9 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
     warned = []
     if without_answer:
         warned.append(f"{len(without_answer)} of {len(ds)} rows of the `{split}` split have no assistant turn (or "
-                      f"only empty ones; first: {row_at(where, split, without_answer[0])}); they teach nothing")
+                      f"only empty ones; first: {row_at(where, split, without_answer[0])}): they teach no answer, "
+                      "and an empty one still trains its end-of-turn token (the model learns to say nothing). Fix: "
+                      "fill in or drop those rows")
     if user_last:  # OpenAI trains the assistant's turns only; TRL trains every token unless assistant_only_loss
         warned.append(f"{len(user_last)} of {len(ds)} rows of the `{split}` split end on a user turn that nothing "
                       f"answers (first: {row_at(where, split, user_last[0])}): unless assistant_only_loss, the model "
@@ -83,9 +85,10 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
 
 
 def answers(turn: dict) -> bool:
-    """An assistant turn that says something: text, or tool calls. `"content": ""` answers nothing: under
-    assistant_only_loss the row trains no token."""
-    return turn.get("role") == "assistant" and (bool((turn.get("content") or "").strip()) or bool(turn.get("tool_calls")))
+    """An assistant turn that says something: text, or tool calls. `"content": ""` answers nothing, and TRL's training
+    templates still train its end-of-turn token (inside `{% generation %}`)."""
+    said = bool((turn.get("content") or "").strip()) or bool(turn.get("tool_calls"))
+    return turn.get("role") == "assistant" and said
 
 
 def kind_of(value) -> str:

@@ -144,8 +144,9 @@ def comms_scope(p, t, w) -> list[str]:
             "NCCL's speed and any overlap on GPUs are not",
             # 7 a layer (2 forward, 5 backward), the embedding's and the LM head's, and 2 in each recomputed layer
             f"not modelled for tp: the latency of {7 * p.shape.layers + 2 + 2 * w.recomputed(p.shape.layers):,} "
-            "all-reduces a micro-batch (a bandwidth bound only)" + (", LoRA's r-wide all-reduces and its adapters' gradient sync over the dp ranks (counted "
-                             "as FSDP's reduce-scatter)" if p.cfg.model.use_peft else ""),
+            "all-reduces a micro-batch (a bandwidth bound only)" + (
+                ", LoRA's r-wide all-reduces and its adapters' gradient sync over the dp ranks (counted as FSDP's "
+                "reduce-scatter)" if p.cfg.model.use_peft else ""),
         ]
     if t.cp > 1:
         lines += [
