@@ -81,8 +81,9 @@ def percent(value: float | None) -> str:
 
 
 def gate_percent(g: dict, key: str, op: str) -> str:
-    """A gate's value with the decimals (1 to 4) that read as its verdict: an MFU of 0.95% under a 1% floor is
-    "0.95%", not "1.0%" beside "gate >= 1%: FAIL"."""
+    """A gate's value with the decimals (1 to 4) that read as its verdict: an MFU of 0.952% under a 1% floor is
+    "0.95%", not "1.0%" beside "gate >= 1%: FAIL". A value within 0.00005 points of the limit on the failing side
+    still reads as the limit at 4 decimals; the verdict beside it says which side."""
     value, limit = g["value"], g[key]
     if value is None:
         return percent(value)
