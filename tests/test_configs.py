@@ -84,6 +84,16 @@ def test_a_list_field_is_emptied_with_none_and_the_ranks_get_it_empty(tmp_path):
     assert parse_args(["--config", tiny, "--include_for_metrics", "none"]).training.include_for_metrics == []
 
 
+def test_the_last_list_flag_wins_as_in_argparse():
+    tiny = str(REPO / "recipes/tiny-cpu-lora/sft.yaml")
+    model = lambda *flags: parse_args(["--config", tiny, *flags]).model
+    assert model("--lora_modules_to_save", "lm_head", "--lora_modules_to_save", "none").lora_modules_to_save is None
+    assert model("--lora_modules_to_save", "none", "--lora_modules_to_save", "lm_head").lora_modules_to_save == [
+        "lm_head"]
+    assert model("--lora_modules_to_save", "none", "--max_steps", "5", "--lora_modules_to_save=embed_tokens",
+                 ).lora_modules_to_save == ["embed_tokens"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--lora_modules_to_save"], r"^--lora_modules_to_save is given no value\. Fix: --lora_modules_to_save <value> "
                                  r"\[<value> \.\.\.\], or --lora_modules_to_save none for no values\.$"),
@@ -91,6 +101,12 @@ def test_a_list_field_is_emptied_with_none_and_the_ranks_get_it_empty(tmp_path):
     (["--lora_modules_to_save="], r"^--lora_modules_to_save is given no value\."),
     (["--lora_modules_to_save", "none", "lm_head"], r"^--lora_modules_to_save none lm_head: `none` empties the list, "
                                                     r"so it cannot stand beside other values\. Fix: "),
+    # None is PEFT's per-architecture default targets (none for qwen3_moe), not no modules; the planner counts 0
+    (["--lora_target_modules", "none"], r"^--lora_target_modules none: lora_target_modules cannot be emptied: None is "
+                                        r"PEFT's default target modules .* Fix: name the modules, .* or --use_peft "
+                                        r"false for full fine-tuning\.$"),
+    (["--label_names=None"], r"^--label_names none: label_names cannot be emptied: None is transformers' default "
+                             r"label names .* Fix: name them, --label_names labels\.$"),
 ])
 def test_an_ambiguous_list_flag_is_one_line(flags, message):
     with pytest.raises(UserError, match=message):

@@ -116,6 +116,22 @@ def test_another_base_model_is_never_already_complete(tmp_path, monkeypatch):
         decide("out", previous, dict(settings), model={**same, "model_name_or_path": str(tmp_path / "cache/qwen3")})
 
 
+def test_an_adapter_field_an_older_run_never_recorded_is_unknown_not_a_difference():
+    """run_args.json of a TRL version before use_dora: its model_args lack the key; the same command (TRL's
+    ModelConfig, use_dora False) is the same run, while a field both record and that differs still refuses."""
+    from trl import ModelConfig
+    from fsdp_recipes.checkpoint.previous_run import Previous, decide, trained
+    from fsdp_recipes.errors import UserError
+
+    settings = {"learning_rate": 1e-3, "max_steps": 4, "num_train_epochs": 3.0}
+    now = ModelConfig(model_name_or_path="/models/tiny", use_peft=True, lora_r=16, lora_target_modules=["q_proj"])
+    older = {k: v for k, v in vars(now).items() if k != "use_dora"}
+    previous = Previous("completed", 4, "2026-11-29T05:00:00", settings, None, [], trained(older))
+    assert "already complete" in decide("out", previous, dict(settings), model=trained(now))
+    with pytest.raises(UserError, match=r"with other settings \(lora_r 16 -> 8\)"):
+        decide("out", previous, dict(settings), model={**trained(now), "lora_r": 8})
+
+
 def test_an_unfinished_run_never_resumes_with_another_lora_scale(copy, monkeypatch, capsys):
     """lora_alpha (with r, the adapter's scale) and DoRA or rsLoRA change what the checkpoint's adapter weights
     compute: a resume with another was not refused (the checkpoint's identity compared r, the targets and

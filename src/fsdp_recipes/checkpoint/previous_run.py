@@ -65,19 +65,22 @@ def trained(model_args) -> dict | None:
     if model_args is None:
         return None
     get = model_args.get if isinstance(model_args, dict) else lambda k: getattr(model_args, k, None)
-    names = MODEL + (ADAPTER if get("use_peft") else ())
+    has = model_args.__contains__ if isinstance(model_args, dict) else lambda k: hasattr(model_args, k)
+    names = [k for k in MODEL + (ADAPTER if get("use_peft") else ()) if has(k)]  # one a run never recorded: unknown
     out = {k: sorted(get(k)) if isinstance(get(k), (list, tuple, set)) else get(k) for k in names}
-    if isinstance(out["model_name_or_path"], str):
+    if isinstance(out.get("model_name_or_path"), str):
         out["model_name_or_path"] = os.path.normpath(os.path.expanduser(os.path.expandvars(out["model_name_or_path"])))
     return out
 
 
 def model_changes(saved: dict | None, now: dict | None) -> dict[str, list]:
-    """{name: [saved, now]} for the base model and adapter fields that differ (none when either is unknown)."""
+    """{name: [saved, now]} for the base model and adapter fields that differ (none when either is unknown). A field
+    missing on either side (a run_args.json of a TRL or pack version without it) is unknown, not a difference, as
+    markers.check_compatible treats a checkpoint's identity."""
     if not saved or not now:
         return {}
-    names = MODEL if saved.get("use_peft") != now.get("use_peft") else dict.fromkeys([*saved, *now])
-    return {k: [saved.get(k), now.get(k)] for k in names if saved.get(k) != now.get(k)}
+    names = MODEL if saved.get("use_peft") != now.get("use_peft") else saved
+    return {k: [saved[k], now[k]] for k in names if k in saved and k in now and saved[k] != now[k]}
 
 
 def decide(output_dir: str | Path, previous: Previous | None, now: dict, override: bool = False,
