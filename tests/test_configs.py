@@ -221,7 +221,9 @@ def test_the_launcher_reads_the_recipe_once(monkeypatch, capsys, cache_dir):
     parses = []
     parse = run_config.parse_args
     for module in [m for name, m in sys.modules.items() if name.startswith("fsdp_recipes")]:
-        if getattr(module, "parse_args", None) is parse:  # `from ...run_config import parse_args` too
+        # `from ...run_config import parse_args` too; vars(), not getattr: fsdp_recipes.api's __getattr__ would
+        # import and keep the patched one for good
+        if vars(module).get("parse_args") is parse:
             monkeypatch.setattr(module, "parse_args", lambda *a, **k: parses.append(a) or parse(*a, **k))
     reads = YamlReads(monkeypatch)
     with pytest.raises(RanksWouldStart):
