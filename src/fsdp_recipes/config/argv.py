@@ -25,15 +25,19 @@ def override(argv: list[str], key: str, default):
     return getattr(known, key)
 
 
+def yes_or_no(value: Any) -> bool | None:
+    """A yes/no word as transformers' HfArgumentParser reads it (`string_to_bool`), else None."""
+    word = str(value).lower()
+    return True if word in ("yes", "true", "t", "y", "1") else False if word in ("no", "false", "f", "n", "0") else None
+
+
 def as_bool(key: str, value: Any) -> bool:
-    """A yes/no setting read as the full parse reads it (transformers' HfArgumentParser `string_to_bool`)."""
+    """A yes/no setting read as the full parse reads it, or its one line."""
     if isinstance(value, bool):
         return value
-    if str(value).lower() in ("yes", "true", "t", "y", "1"):
-        return True
-    if str(value).lower() in ("no", "false", "f", "n", "0"):
-        return False
-    raise UserError(f"{key}: '{value}' is not yes or no. Fix: --{key} true (or false).")
+    if (read := yes_or_no(value)) is None:
+        raise UserError(f"{key}: '{value}' is not yes or no. Fix: --{key} true (or false).")
+    return read
 
 
 def as_int(key: str, value: Any) -> int:

@@ -159,7 +159,8 @@ class Recipe:
 
     def differing(self, settings: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """{field: (its value now, the value in `settings`)} for each of `settings` the recipe sets otherwise."""
-        return {key: (self.field(key), value) for key, value in settings.items() if self.field(key) != value}
+        now = {key: self.field(key) for key in settings}
+        return {key: (now[key], value) for key, value in settings.items() if now[key] != value}
 
     @property
     def early(self) -> EarlyFields:

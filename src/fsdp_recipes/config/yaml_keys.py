@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from fsdp_recipes.config.argv import yes_or_no
 from fsdp_recipes.config.option_registry import OPTIONS
 from fsdp_recipes.errors import UserError
 
@@ -144,10 +145,8 @@ def _as(kind: str | None, value, flag: str):
     if kind is None or not isinstance(value, str):
         return value
     if kind == "bool":
-        if value.lower() in ("yes", "true", "t", "y", "1"):
-            return True
-        if value.lower() in ("no", "false", "f", "n", "0"):
-            return False
+        if (read := yes_or_no(value)) is not None:
+            return read
     else:
         try:
             return SCALARS[kind](value)

@@ -204,11 +204,12 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
         say(f"model: {source[1]} -> a tiny {SHAPE['num_hidden_layers']}-layer model of that architecture, in "
             f"{model_dir(folder)}")
         smoke_args = ["--model_name_or_path", str(model_dir(folder)), *smoke_args]
-    say(f"data: {recipe.early.dataset_name} -> {data} (local synthetic {recipe.trainer} data)")
+    early = recipe.early
+    say(f"data: {early.dataset_name} -> {data} (local synthetic {recipe.trainer} data)")
     for field, (now, value) in recipe.differing(kind.SMOKE_SETTINGS).items():  # GRPO: a reward the data can feed
         smoke_args += [f"--{field}", *(value if isinstance(value, list) else [str(value)])]
         say(f"{field}: {now} -> {value}")
-    if recipe.early.smollm2_assets or recipe.early.addition_preferences:  # the tiny model answers no additions
+    if early.smollm2_assets or early.addition_preferences:  # the tiny model answers no additions
         smoke_args += ["--smollm2_assets", "false", "--addition_preferences", "false"]
     options, notes = speed.smoke(recipe.field, gpus)  # what this machine cannot run (speed/)
     smoke_args += options
