@@ -18,6 +18,12 @@ def cache_dir() -> Path:
     return path
 
 
+def same_path_key(path: str) -> str:
+    """A recipe path as comparable text: `$FSDP_RECIPES_CACHE/...` and `~/...` as the YAML writes them, expanded and
+    normalised, an unset variable left as it is (a comparison, not a path to open: expand() refuses those)."""
+    return os.path.normpath(os.path.expanduser(os.path.expandvars(path)))
+
+
 def expand(value: str | None, what: str = "a recipe path") -> str | None:
     """Expand `~` and `$VARS` in a path-like recipe value (YAML has no such expansion; TRL's parser neither).
 

@@ -15,7 +15,6 @@ The launcher calls `decide` while it holds the output_dir's lock (output_lock.py
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 from fsdp_recipes.checkpoint import markers, resume_settings
 from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.paths import same_path_key
 
 REPORT, ARGS = "metrics.json", "run_args.json"
 # What a run trained, besides the settings resume_settings compares: the base model and the adapter (run_args.json's
@@ -69,7 +69,7 @@ def trained(model_args) -> dict | None:
     names = [k for k in MODEL + (ADAPTER if get("use_peft") else ()) if has(k)]  # one a run never recorded: unknown
     out = {k: sorted(get(k)) if isinstance(get(k), (list, tuple, set)) else get(k) for k in names}
     if isinstance(out.get("model_name_or_path"), str):
-        out["model_name_or_path"] = os.path.normpath(os.path.expanduser(os.path.expandvars(out["model_name_or_path"])))
+        out["model_name_or_path"] = same_path_key(out["model_name_or_path"])
     return out
 
 

@@ -28,7 +28,7 @@ from fsdp_recipes.config.run_config import PATH_FIELDS, PackArguments
 from fsdp_recipes.config.value_checks import check_training_values
 from fsdp_recipes.config.yaml_keys import load_yaml, remembered_values
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.paths import cache_dir, expand
+from fsdp_recipes.paths import cache_dir, expand, same_path_key
 
 if TYPE_CHECKING:
     from fsdp_recipes.config.run_config import RunConfig
@@ -187,13 +187,10 @@ def load(name_or_path: str | Path, overrides: list[str] = (), check_keys: bool =
         check_keys_early(kind, raw, path, overrides)
     model = override(overrides, "model_name_or_path", None)
     own = raw.get("model_name_or_path")
-    user_model = model if model is not None and (own is None or _expanded(model) != _expanded(str(own))) else None
+    named_other = model is not None and (own is None or same_path_key(model) != same_path_key(str(own)))
+    user_model = model if named_other else None
     return Recipe(folder, kind, path, raw, acc_path, acc, overrides, options, accelerate_written=written,
                   user_model=user_model)
-
-
-def _expanded(path: str) -> str:  # $FSDP_RECIPES_CACHE/... and ~/... as the YAML writes them
-    return os.path.normpath(os.path.expanduser(os.path.expandvars(path)))
 
 
 def check_keys_early(kind: str, raw: dict, path: Path, overrides: list[str]) -> None:
