@@ -223,6 +223,17 @@ def test_the_reference_is_the_last_assistant_turn_of_a_longer_conversation(tmp_p
     assert "exact match on 2 eval prompts: base model 0/2" in out
 
 
+def test_the_summary_reads_a_carved_alpaca_file_after_the_launchers_checks(tmp_path, monkeypatch, capsys):
+    """The launcher checks the data, then summarises, in one process: the summary's load of the whole file once
+    named its rows by the checks' carved-off split and failed at the first held-out row (IndexError: list index
+    out of range, after a finished run)."""
+    rows = [{"instruction": f"What is {i} + 1?", "input": "", "output": str(i + 1)} for i in range(8)]
+    data = write_jsonl(tmp_path / "alpaca.jsonl", rows)
+    load(data, eval_split_size=0.5)  # the launcher's checks
+    run, calls, out = summarised(tmp_path, monkeypatch, capsys, data, eval_split_size=0.5)
+    assert "exact match on 4 eval prompts: base model 0/4 (0.0-49.0%) -> trained 4/4" in out
+
+
 SFT_FORMATS = {  # a row of each SFT format the pack reads, whose reference answer is "5" to "What is 4 + 1?"
     "messages": {"messages": [{"role": "user", "content": "What is 4 + 1?"}, {"role": "assistant", "content": "5"}]},
     "sharegpt": {"conversations": [{"from": "human", "value": "What is 4 + 1?"}, {"from": "gpt", "value": "5"}]},

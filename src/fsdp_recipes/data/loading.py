@@ -91,6 +91,9 @@ def load_raw(script_args, dataset_args, pack=None, text_field: str = "text", see
     format detected from its columns and first row); NOTES says what was found."""
     import datasets
 
+    # An earlier load's rows (the launcher's checks before the summary's load, in one process) would name this
+    # load's rows by that load's carved-off split: its lines, and an index past its end for the rows it held out.
+    rows.clear()
     declared = getattr(pack, "dataset_format", None)
     if dataset_args.datasets:
         return load_mixture(dataset_args, declared, text_field, seed)
@@ -266,7 +269,6 @@ def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, se
     run's, which chooses the held-out rows."""
     NOTES.clear()
     WARNINGS.clear()
-    rows.clear()
     ds = load_raw(script_args, dataset_args, pack, text_field, seed)
     where = script_args.dataset_name or "mixture"
     splits = list(ds.keys())
