@@ -166,6 +166,36 @@ def test_pairs_need_a_mistake(tmp_path, monkeypatch):
     assert not (tmp_path / "pairs" / prefs.STAMP).exists()
 
 
+def test_pairs_never_replace_data_they_did_not_write(tmp_path, monkeypatch):
+    """`--dataset_name mine/` on the DPO demo, addition_preferences left on: the user's train.jsonl and test.jsonl
+    were replaced by the demo's pairs and trained on, exit 0. Now one line before any answer is generated; a folder
+    the demo stamped (for another model, or stopped half-way) is still rewritten."""
+    from fsdp_recipes.assets import addition_preferences as prefs
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.setenv(prefs.QUESTIONS_ENV, "4,2")
+    asked = []
+    wrong = lambda model, prompts, batch_size: asked.append(len(prompts)) or ["0"] * len(prompts)  # noqa: E731
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    one_file = tmp_path / "pairs.jsonl"
+    one_file.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    for data in (mine, one_file):
+        with pytest.raises(UserError, match=f"replace what {data} holds .* Fix: --addition_preferences false"):
+            prefs.ensure(str(tmp_path / "model"), str(data), wrong, quiet=True)
+    assert asked == [] and sorted(p.name for p in mine.iterdir()) == ["train.jsonl"]
+    assert one_file.read_text() == '{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+    ours = tmp_path / "ours"
+    prefs.ensure(str(tmp_path / "model"), str(ours), wrong, quiet=True)  # absent: written
+    (ours / "test.jsonl").unlink()
+    (ours / prefs.STAMP).write_text('{"writing": {}}')  # stopped half-way: still the demo's, rewritten
+    prefs.ensure(str(tmp_path / "model"), str(ours), wrong, quiet=True)
+    assert asked == [4, 2, 4, 2] and prefs.is_current(ours, tmp_path / "model")
+
+
 def test_every_registered_kind_provides_the_interface():
     """The registry is built from the kind modules at import: each registered kind has every member the launcher,
     checks, planner, smoke run, resume comparison, summary and run report ask for, of the right sort."""

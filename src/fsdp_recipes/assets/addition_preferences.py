@@ -97,6 +97,9 @@ def write(model: Path, out: Path, generate: Callable, say=print) -> dict[str, in
                             f"is no mistake to make a preference pair from. Fix: raise {QUESTIONS_ENV} (more "
                             "questions), or train DPO on other pairs (dataset_name, addition_preferences: false).")
         out.mkdir(parents=True, exist_ok=True)
+        # a stamp before the first file, which no model matches: a folder this stops half-way in stays this module's
+        # to rewrite (check_target), and is never current
+        (out / STAMP).write_text(json.dumps({"writing": source_of(model)}))
         tmp = out / f".{split}.jsonl.tmp"
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(out / f"{split}.jsonl")
@@ -108,6 +111,16 @@ def write(model: Path, out: Path, generate: Callable, say=print) -> dict[str, in
     return counts
 
 
+def check_target(out: Path) -> None:
+    """`out` (dataset_name) is a folder this module may write its pairs into: absent, empty, or stamped by it. A
+    user's own data there (dataset_name given on the command line, addition_preferences left on) was replaced by
+    the demo's pairs, and trained on without a word."""
+    if out.exists() and not (out / STAMP).is_file() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"addition_preferences is on, and it would replace what {out} holds (dataset_name: data it "
+                        "did not write) with addition pairs from the SFT model's answers. Fix: --addition_preferences "
+                        f"false (or addition_preferences: false in the recipe) to train on {out} itself.")
+
+
 def ensure(model: str, out: str, generate: Callable, quiet: bool = False) -> Path:
     """The pairs for `model` in `out`, made when missing or made from another model (write)."""
     model_dir, out_dir = Path(model), Path(out)
@@ -116,6 +129,7 @@ def ensure(model: str, out: str, generate: Callable, quiet: bool = False) -> Pat
                         "recipe first (make finetune RECIPE=smollm2-135m-lora), or point model_name_or_path at its "
                         "merged/ folder.")
     if not is_current(out_dir, model_dir):
+        check_target(out_dir)
         say = (lambda *a: None) if quiet else (lambda *a: print("[addition-preferences]", *a, flush=True))
         say(f"answering the addition questions with {model_dir} to build preference pairs (once per model)")
         write(model_dir, out_dir, generate, say)
