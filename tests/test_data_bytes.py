@@ -91,3 +91,33 @@ def test_a_malformed_line_after_a_bom_and_blank_lines_is_named_by_its_line(tmp_p
     path = write(tmp_path / "d.jsonl", [json.dumps(chat(0)), "", '{"prompt": "x"'], bom=True, newline="\r\n")
     with pytest.raises(UserError, match=f"malformed JSON line in the dataset: {path}:3: "):
         load(path)
+
+
+@pytest.mark.parametrize("sep, name", [(";", "semicolons"), ("\t", "tabs")])
+def test_a_csv_file_separated_otherwise_than_by_commas_is_one_line_naming_the_separator(tmp_path, sep, name):
+    """A spreadsheet's CSV in many locales: datasets read `prompt;completion` as one column, and the line said the
+    columns were wrong (SFT needs prompt + completion ...), not why."""
+    data = write(tmp_path / "wine.csv", [f"prompt{sep}completion", f"Wine 1?{sep} class_0", f"Wine 2?{sep} class_1"])
+    with pytest.raises(UserError, match=f"wine.csv:1: the header `prompt{sep}completion` separates its columns "
+                                        f"with {name}, .* Fix: save the file with commas"):
+        load(data)
+    assert load(write(tmp_path / "ok.csv", ["prompt,completion", "a;b, c"]))[0] == {"prompt": "a;b",
+                                                                                     "completion": " c"}
+
+
+def test_a_folder_that_is_not_a_dataset_is_named_for_what_it_is(tmp_path):
+    """A model folder given as dataset_name (CastError: Couldn't cast), and a folder of data files with different
+    columns (KeyError: Field "150" does not exist), each said `check that the file is valid JSON Lines`."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128, "chat_template": "x"}))
+    (model / "model.safetensors").write_bytes(b"\0" * 16)
+    with pytest.raises(UserError, match=f"the dataset {model} is a model folder .* a model goes in model_name_or_path"):
+        load(model)
+    mixed = tmp_path / "mixed"
+    write(mixed / "iris.csv", ["sepal,species", "5.1,setosa"])
+    write(mixed / "wine.csv", ["alcohol,proline,class", "14.2,1065,0"])
+    with pytest.raises(UserError, match=r"datasets reads its 2 data files \(iris.csv, wine.csv\) together, .* Fix: "
+                                        "point dataset_name at one file"):
+        load(mixed)

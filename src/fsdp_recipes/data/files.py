@@ -42,6 +42,15 @@ def check_found(name: str) -> Path:
     return path
 
 
+def check_not_a_model(path: Path) -> None:
+    """A model folder given as dataset_name: datasets reads its JSON files (config.json, tokenizer_config.json) as
+    rows, failing (CastError: Couldn't cast) or loading a row of settings."""
+    if path.is_dir() and (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        raise UserError(f"the dataset {path} is a model folder (config.json and weights), not data. Fix: point "
+                        "dataset_name at your data (a file, or a folder of train.jsonl and validation.jsonl); a "
+                        "model goes in model_name_or_path.")
+
+
 def check_file_bytes(path: Path) -> None:
     """What `datasets` would read wrongly or refuse without naming the file: a byte that is not UTF-8 (pyarrow loads
     it, and the row fails to decode when it is read, in a rank) and a file of blank lines only ("corresponds to no
@@ -63,6 +72,30 @@ def check_file_bytes(path: Path) -> None:
     if blank and path.stat().st_size:
         raise UserError(f"the dataset file {path} holds only blank lines, no rows. Fix: put the rows in it, or remove "
                         "it.")
+    check_csv_separator(path)
+
+
+CSV_SEPARATORS = {";": "semicolons", "\t": "tabs", "|": "vertical bars"}
+
+
+def check_csv_separator(path: Path) -> None:
+    """A CSV file whose columns another character separates (semicolons, as spreadsheets save CSV in many locales;
+    tabs): datasets reads commas only, so its header became one column named `prompt;completion` and the error said
+    the columns were wrong, not why."""
+    if path.suffix != ".csv":
+        return
+    import csv
+
+    with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
+        header = next(csv.reader(f), [])
+    if len(header) != 1:
+        return
+    for sep, name in CSV_SEPARATORS.items():
+        if len([c for c in header[0].split(sep) if c.strip()]) > 1:
+            raise UserError(f"{path}:1: the header `{header[0]}` separates its columns with {name}, and datasets "
+                            "reads a CSV file's columns separated by commas (it read one column). Fix: save the file "
+                            f"with commas (pandas: pd.read_csv(path, sep={sep!r}).to_csv(path, index=False)), or as "
+                            "JSON Lines.")
 
 
 def find_bad_json_line(path: Path) -> str | None:
@@ -101,5 +134,12 @@ def explain_load_failure(path: Path, err: Exception) -> UserError:
         return UserError(f"the dataset folder {path} holds no data file. Fix: put the rows in it as train.jsonl (and "
                          "validation.jsonl), or point dataset_name at a file.")
     first = next((x.strip() for x in str(cause).splitlines() if x.strip()), type(cause).__name__)
+    if path.is_dir() and len(found := local_files(path)) > 1:  # datasets joins a folder's files into its splits
+        shown = ", ".join(str(f.relative_to(path)) for f in found[:4]) + (f" and {len(found) - 4} more"
+                                                                          if len(found) > 4 else "")
+        return UserError(f"cannot read the dataset folder {path}: datasets reads its {len(found)} data files "
+                         f"({shown}) together, as the splits their names say, and they do not fit together "
+                         f"({type(cause).__name__}: {first}). Fix: point dataset_name at one file, or keep only "
+                         "train, validation and test files with the same columns in the folder.")
     return UserError(f"cannot read the dataset {path}: {type(cause).__name__}: {first}. Fix: check that the "
                      "file is valid JSON Lines / JSON / Parquet / CSV.")

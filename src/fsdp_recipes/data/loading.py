@@ -21,7 +21,8 @@ from pathlib import Path
 
 from fsdp_recipes.config.model_check import looks_local
 from fsdp_recipes.data import declaration, formats, rows
-from fsdp_recipes.data.files import check_file_bytes, check_found, explain_load_failure, file_builder, local_files
+from fsdp_recipes.data.files import (check_file_bytes, check_found, check_not_a_model, explain_load_failure,
+                                     file_builder, local_files)
 from fsdp_recipes.data.spec import DOCS
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import expand
@@ -44,6 +45,7 @@ def load_local(path: Path, config_name: str | None = None):
     if path.is_file() and file_builder(path) is None:
         raise UserError(f"cannot read {path}: use a .json, .jsonl, .parquet or .csv file (or a .json, .jsonl or "
                         f".csv file compressed: .gz, .bz2, .xz, .zst).")
+    check_not_a_model(path)
     files = local_files(path)
     for f in files:
         check_file_bytes(f)  # a byte that is not UTF-8, a file of blank lines: one line, file and line
