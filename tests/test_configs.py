@@ -267,3 +267,18 @@ def test_an_empty_yaml_value_is_the_full_parses_default(tmp_path):
         f.write("\nmin_gpus:\nsmollm2_assets:\n")
     early = recipes.load(folder).early
     assert (early.min_gpus, early.smollm2_assets) == (0, False)
+
+
+def test_a_library_validation_error_is_one_line_with_its_whole_message(monkeypatch):
+    """TrainingArguments' own checks: load_best_model_at_end's message ends its first line with "but found" and
+    lists the strategies below (the line said only "... but found."); bf16 on a machine without a GPU asked to
+    "assign use_cpu" without naming the flag."""
+    import transformers
+
+    sft = str(REPO / "recipes" / "tiny-cpu-lora" / "sft.yaml")
+    with pytest.raises(UserError, match=r"but found - Evaluation strategy: \S+ - Save strategy: \S+\. Fix"):
+        parse_args(["--config", sft, "--save_strategy", "no", "--load_best_model_at_end", "true"])
+    monkeypatch.setattr(transformers.training_args, "is_torch_bf16_gpu_available", lambda: False)
+    with pytest.raises(UserError, match="bf16 is on and torch sees no GPU with bf16.* Fix: add --use_cpu true"):
+        parse_args(["--config", sft, "--bf16", "true"])
+    assert parse_args(["--config", sft, "--bf16", "true", "--use_cpu", "true"]).training.bf16

@@ -298,7 +298,11 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
     try:
         script, training, model, mixture, pack, *rest = parser.parse_args_into_dataclasses(argv)
     except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
-        first = str(err).splitlines()[0]
+        # the whole message, its lines joined: some end their first line with "but found" and list what below
+        first = " ".join(x.strip() for x in str(err).splitlines() if x.strip())
+        if "support bf16/gpu" in first:  # transformers' words ask for use_cpu without saying it is a setting here
+            raise UserError("bf16 is on and torch sees no GPU with bf16: transformers takes bf16 on a CPU only with "
+                            "use_cpu. Fix: add --use_cpu true (bf16 autocast on the CPU), or --bf16 false.") from None
         layout = ""
         if world_size is not None and ("num_generations" in first or "global batch" in first):
             layout = (f" (as the ranks see it: {world_size} process(es) x per_device_train_batch_size, times "
