@@ -121,3 +121,20 @@ def test_a_folder_that_is_not_a_dataset_is_named_for_what_it_is(tmp_path):
     with pytest.raises(UserError, match=r"datasets reads its 2 data files \(iris.csv, wine.csv\) together, .* Fix: "
                                         "point dataset_name at one file"):
         load(mixed)
+
+
+def test_a_binary_file_under_a_text_files_name_is_named_for_what_it_is(tmp_path):
+    """A Parquet file saved as .jsonl was 'byte 0xb4 at column 45 is not UTF-8 (... Latin-1 or Windows-1252). Fix:
+    iconv'; a gzip file without .gz likewise."""
+    import gzip
+
+    import pandas as pd
+
+    pd.DataFrame({"prompt": ["2 + 2 ="], "completion": [" 4"]}).to_parquet(tmp_path / "rows.jsonl")
+    with pytest.raises(UserError, match=r"rows.jsonl is a Parquet file .* Fix: rename it to rows.parquet\.$"):
+        load(tmp_path / "rows.jsonl")
+    (tmp_path / "zipped.jsonl").write_bytes(gzip.compress(json.dumps(chat(0)).encode()))
+    with pytest.raises(UserError, match=r"zipped.jsonl is gzip-compressed .* Fix: rename it to zipped.jsonl.gz\.$"):
+        load(tmp_path / "zipped.jsonl")
+    (tmp_path / "zipped.jsonl").rename(tmp_path / "zipped.jsonl.gz")
+    assert len(load(tmp_path / "zipped.jsonl.gz")) == 1  # the name the line gives is one datasets reads

@@ -42,6 +42,16 @@ def check_found(name: str) -> Path:
     return path
 
 
+# a binary file under a text file's name: (its first bytes, what it is, the fix), the fix given the file's path.
+# Without this, its first byte that is not UTF-8 was blamed on an encoding (iconv -f cp1252).
+MAGIC = ((b"PAR1", "a Parquet file", lambda p: f"rename it to {p.with_suffix('.parquet').name}"),
+         *((magic, f"{name}-compressed", lambda p, s=suffix: f"rename it to {p.name}{s}")
+           for magic, name, suffix in ((b"\x1f\x8b", "gzip", ".gz"), (b"\xfd7zX", "xz", ".xz"),
+                                       (b"(\xb5/\xfd", "zstd", ".zst"), (b"BZh", "bzip2", ".bz2"))),
+         (b"PK\x03\x04", "a zip archive (an Excel workbook is one)",
+          lambda p: "export the sheet as CSV (comma-separated) or the rows as JSON Lines"))
+
+
 def check_not_a_model(path: Path) -> None:
     """A model folder given as dataset_name: datasets reads its JSON files (config.json, tokenizer_config.json) as
     rows, failing (CastError: Couldn't cast) or loading a row of settings."""
@@ -58,6 +68,12 @@ def check_file_bytes(path: Path) -> None:
     binary: not scanned."""
     if path.suffix not in (".json", ".jsonl", ".csv"):
         return
+    with open(path, "rb") as f:
+        head = f.read(4)
+    for magic, kind, fix in MAGIC:
+        if head.startswith(magic):
+            raise UserError(f"the dataset file {path} is {kind} (its first bytes say so), not the text its name says. "
+                            f"Fix: {fix(path)}.")
     with open(path, "rb") as f:
         blank = True
         for number, line in enumerate(f, 1):
