@@ -140,7 +140,7 @@ k8s: $(STAMP) ## RECIPE NODES GPUS [K8S_ARGS]: Kubeflow PyTorchJob, TrainJob and
 	@$(CLI) job --launcher k8s $(RECIPE) --nodes $(NODES) --gpus $(GPUS) $(K8S_ARGS)
 
 report: $(STAMP) ## RUNS="runs/a runs/b" [ARGS="--out DIR"]: report.md, loss/throughput/memory PNGs in the runs' common parent
-	@if [ -z "$(RUNS)" ]; then echo 'error: make report needs RUNS="runs/a runs/b"' >&2; exit 2; fi
+	@if [ -z "$(RUNS)" ]; then echo 'error: make report needs the runs to compare. Fix: make report RUNS="runs/a runs/b"' >&2; exit 2; fi
 	@$(CLI) report $(RUNS) $(ARGS)
 
 tiny-assets: $(STAMP) ## build the tiny model, tokenizer and dataset into the cache (FSDP_RECIPES_CACHE)

@@ -30,6 +30,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["plan"], "error: the following arguments are required: recipe. Fix: see `fsdp-recipes plan --help`."),
     (["report", "runs/a", "--outt", "x"], "error: unrecognized arguments: --outt x. Fix: see `fsdp-recipes report "
                                           "--help`."),
+    (["plan", "mistral-7b-full", "--gpus", "abc"], "error: --gpus takes a whole number, not 'abc'. Fix: --gpus <n> "
+                                                   "(make: GPUS=<n>)."),  # make plan GPUS=abc
     (["recipes", "check", "no-such-recipe"], None),  # the recipes module's own one line
 ])
 def test_a_mistake_is_one_line_and_exit_2(args, line):

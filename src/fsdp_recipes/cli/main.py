@@ -14,6 +14,7 @@ import argparse
 import difflib
 import importlib
 import os
+import re
 import sys
 from contextlib import contextmanager
 
@@ -36,6 +37,10 @@ def find(name: str) -> Command:
     raise UserError(f"no command '{name}'. Fix: {fix} (`{PROG} --help` lists them).")
 
 
+NOT_A_NUMBER = re.compile(r"argument (--[\w-]+): invalid int value: '(.*)'")
+MAKE_VARIABLES = {"--gpus": "GPUS", "--nodes": "NODES"}  # the Makefile's variables that hand these flags on
+
+
 @contextmanager
 def as_command(command: Command):
     """The command's own parser named `fsdp-recipes <command>` in its help, and its usage errors (argparse's
@@ -43,6 +48,11 @@ def as_command(command: Command):
     argv0, error = sys.argv[0], argparse.ArgumentParser.error
 
     def one_line(parser, message):
+        bad = NOT_A_NUMBER.fullmatch(message)
+        if bad:  # `make plan GPUS=abc` said "argument --gpus: invalid int value", a flag make's user never typed
+            flag, value = bad.groups()
+            make = f" (make: {MAKE_VARIABLES[flag]}=<n>)" if flag in MAKE_VARIABLES else ""
+            raise UserError(f"{flag} takes a whole number, not '{value}'. Fix: {flag} <n>{make}.")
         raise UserError(f"{message}. Fix: see `{parser.prog} --help`.")
 
     sys.argv[0] = f"{PROG} {command.name}"  # argparse's default prog
