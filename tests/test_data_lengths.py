@@ -365,3 +365,22 @@ def test_make_data_on_preference_pairs(tmp_path, cache_dir, capsys, monkeypatch)
     shown = [line for line in lines if line.startswith("[data] example ")]
     assert [line.split(": ")[0] for line in shown] == ["[data] example 1 of 2 (train row 1), label true",
                                                        "[data] example 2 of 2 (train row 2), label false"], shown
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path, cache_dir):
+    """A model saved with model.save_pretrained alone: transformers' "Couldn't instantiate the backend tokenizer
+    from one of:" became 'ValueError while checking the recipe ... Fix: correct the setting or file it names'."""
+    import shutil
+    from types import SimpleNamespace
+
+    model = tmp_path / "model-only"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(cache_dir / "tiny-mistral" / name, model / name)
+    cfg = SimpleNamespace(model=SimpleNamespace(model_name_or_path=str(model)), training=SimpleNamespace())
+    with pytest.raises(UserError, match=rf"model_name_or_path {model} holds no tokenizer .* Fix: save the tokenizer "
+                                        r"there too \(tokenizer.save_pretrained"):
+        recipe_tokenizer.load_tokenizer(cfg)
+    shutil.copy(cache_dir / "tiny-mistral" / "tokenizer.json", model / "tokenizer.json")
+    shutil.copy(cache_dir / "tiny-mistral" / "tokenizer_config.json", model / "tokenizer_config.json")
+    assert recipe_tokenizer.load_tokenizer(cfg)[0] is not None

@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from fsdp_recipes.config.model_check import looks_local
 from fsdp_recipes.errors import UserError
 
@@ -36,6 +39,19 @@ def chat_template(tokenizer, training) -> str | None:
                         "false.") from None
 
 
+# the files one of transformers' tokenizers loads from (tokenizer_config.json alone names a class, and loads none)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_has_tokenizer(folder: Path) -> None:
+    """A model folder without a tokenizer (a model's save_pretrained writes none): transformers said "Couldn't
+    instantiate the backend tokenizer from one of:" and stopped there."""
+    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise UserError(f"model_name_or_path {folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): a "
+                        "model's save_pretrained does not write one. Fix: save the tokenizer there too "
+                        f"(tokenizer.save_pretrained(\"{folder}\")).")
+
+
 def load_tokenizer(cfg, cached: bool = True):
     """The recipe's tokenizer with the chat template the trainer uses, and that template (chat_template): from the
     model's folder or, with `cached`, a hub id's files already on this machine; (None, None) when neither."""
@@ -43,7 +59,11 @@ def load_tokenizer(cfg, cached: bool = True):
 
     model = cfg.model.model_name_or_path
     if looks_local(model):
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError):
+            check_has_tokenizer(Path(os.path.expandvars(os.path.expanduser(model))))
+            raise
     elif not cached:
         return None, None
     else:
