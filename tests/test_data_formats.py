@@ -71,6 +71,22 @@ def test_a_clean_alpaca_file_is_converted_without_looking_up_its_rows_lines(tmp_
         load(write_jsonl(tmp_path / "alpaca2.jsonl", bad))  # line 1: the stand-in above names the index
 
 
+def test_a_chat_file_is_read_once_to_name_its_rows(tmp_path, monkeypatch):
+    """Each converted turn is handed its row's place (file:line): finding it read the file up to the row, for every
+    turn, so a 20,000-row ShareGPT file took a minute (and a carved one's summary failed on the stale rows)."""
+    import builtins
+
+    from fsdp_recipes.data import rows
+
+    data = write_jsonl(tmp_path / "sg.jsonl", [sharegpt(i) for i in range(40)])
+    opened = []
+    monkeypatch.setattr(rows, "open", lambda path, *a, **k: opened.append(path) or builtins.open(path, *a, **k),
+                        raising=False)
+    train, _ = load(data)
+    assert len(train) == 40 and len(opened) <= 3  # its layout and its lines, each read once
+    assert rows.line_of(data, 39) == 40 and rows.place_of(data, 0) == f"{data}:1"
+
+
 def test_prompt_response_text_and_messages(tmp_path):
     train, _ = load(write_jsonl(tmp_path / "pr.jsonl", [{"prompt": "2 + 2 =", "response": " 4"}] * 2))
     assert train[0] == {"prompt": "2 + 2 =", "completion": " 4"}

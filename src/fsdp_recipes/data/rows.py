@@ -35,6 +35,10 @@ def file_layout(path: Path) -> str | None:
         return "csv"
     if path.suffix not in (".json", ".jsonl") or not path.is_file():
         return None
+    return read_once(path, "layout", first_row_layout)
+
+
+def first_row_layout(path: Path) -> str:
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         for line in f:
             if line.strip():
@@ -45,30 +49,55 @@ def file_layout(path: Path) -> str | None:
 def line_of(path: Path, index: int) -> int:
     """The line (as an editor counts them, from 1) of row `index` of a JSON Lines file: datasets skips blank lines,
     so row i is the i-th line that is not blank."""
-    with open(path, encoding="utf-8-sig", errors="replace") as f:
-        row = -1
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                row += 1
-                if row == index:
-                    return number
-    return index + 1
+    starts = row_starts(path, "lines")
+    return starts[index] if index < len(starts) else index + 1
 
 
 def csv_line_of(path: Path, index: int) -> int:
     """The line where row `index` of a CSV file starts (the header is line 1; a quoted cell may span lines, and
     blank lines are skipped, as pandas reads it)."""
+    starts = row_starts(path, "csv")
+    return starts[index] if index < len(starts) else index + 2
+
+
+# (path, what) -> ((mtime, size), what the file says): a format's conversion names every row it converts (data/chat.py
+# hands each turn its row's place), and reading the file (up to the row) for each made a 20,000-row ShareGPT or
+# Alpaca file take a minute to convert; read once while the file is unchanged
+READ: dict[tuple[Path, str], tuple[tuple[int, int], object]] = {}
+
+
+def read_once(path: Path, what: str, read):
+    """`read(path)`, remembered while the file's time and size stay the same."""
+    stat = path.stat()
+    stamp = (stat.st_mtime_ns, stat.st_size)
+    cached = READ.get((path, what))
+    if cached is None or cached[0] != stamp:
+        cached = READ[(path, what)] = (stamp, read(path))
+    return cached[1]
+
+
+def row_starts(path: Path, layout: str) -> list[int]:
+    """The line (from 1) each row of a JSON Lines ("lines") or CSV ("csv") file starts on."""
+    return read_once(path, layout, csv_starts if layout == "csv" else lines_starts)
+
+
+def lines_starts(path: Path) -> list[int]:
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        return [number for number, line in enumerate(f, 1) if line.strip()]
+
+
+def csv_starts(path: Path) -> list[int]:
     import csv
 
+    starts = []
     with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:
-        reader, start, record = csv.reader(f), 1, -1
+        reader, start, header = csv.reader(f), 1, True
         for cells in reader:
-            if cells:
-                if record == index:
-                    return start
-                record += 1
+            if cells and not header:
+                starts.append(start)
+            header = header and not cells
             start = reader.line_num + 1
-    return index + 2
+    return starts
 
 
 def place_of(path: Path, index: int) -> str:
