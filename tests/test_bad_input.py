@@ -170,6 +170,9 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
     ({"peft__lora_alpha": 16}, "its LoRA lora_alpha is 16 and this run's is 32"),
     ({"peft__": None}, "it is a full fine-tuning checkpoint and this run is LoRA"),
     ({"architecture__hidden_size": 512}, "it was trained on another model (hidden_size 512 vs 256)"),
+    # a Falcon run's checkpoint, whose LoRA targets Falcon's layers: the model is what differs, not the targets
+    ({"architecture__model_type": "falcon", "peft__target_modules": ["dense", "query_key_value"]},
+     "it was trained on another model (model_type falcon vs mistral)"),
 ])
 def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, changes, fragment, checks):
     out = tmp_path / "run"

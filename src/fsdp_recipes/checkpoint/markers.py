@@ -133,6 +133,11 @@ def check_compatible(ckpt: Path, current: dict) -> None:
     if saved is None:
         return  # a checkpoint written by something else: the Trainer's own checks apply
     fix = "Fix: use a new output_dir, --auto_resume false, or the checkpoint's settings."
+    # the model first: another model's checkpoint differs in its LoRA targets too, which would be named instead
+    if saved["architecture"] and current["architecture"] and saved["architecture"] != current["architecture"]:
+        diff = [k for k in ARCH_KEYS if saved["architecture"].get(k) != current["architecture"].get(k)]
+        raise UserError(f"cannot resume from {ckpt}: it was trained on another model ({diff[0]} "
+                        f"{saved['architecture'][diff[0]]} vs {current['architecture'][diff[0]]}). {fix}")
     if (saved["peft"] is None) != (current["peft"] is None):
         kinds = ["full fine-tuning", "LoRA"]
         raise UserError(f"cannot resume from {ckpt}: it is a {kinds[saved['peft'] is not None]} checkpoint and "
@@ -142,10 +147,6 @@ def check_compatible(ckpt: Path, current: dict) -> None:
         if key in saved["peft"] and saved["peft"][key] != current["peft"][key]:
             raise UserError(f"cannot resume from {ckpt}: its LoRA {key} is {saved['peft'][key]} and this run's is "
                             f"{current['peft'][key]}. {fix}")
-    if saved["architecture"] and current["architecture"] and saved["architecture"] != current["architecture"]:
-        diff = [k for k in ARCH_KEYS if saved["architecture"].get(k) != current["architecture"].get(k)]
-        raise UserError(f"cannot resume from {ckpt}: it was trained on another model ({diff[0]} "
-                        f"{saved['architecture'][diff[0]]} vs {current['architecture'][diff[0]]}). {fix}")
 
 
 class CompletionMarkerCallback(TrainerCallback):
