@@ -87,6 +87,17 @@ def test_a_chat_file_is_read_once_to_name_its_rows(tmp_path, monkeypatch):
     assert rows.line_of(data, 39) == 40 and rows.place_of(data, 0) == f"{data}:1"
 
 
+def test_sft_on_labelled_answers_refuses_the_undesirable_ones(tmp_path):
+    """KTO's rows under an SFT recipe: the answers labelled false were trained on as the answers to give (exit 0)."""
+    rows = [{"prompt": f"What is {i} + 1?", "completion": f" {i + (1 if i % 3 else 2)}", "label": i % 3 != 0}
+            for i in range(6)]
+    with pytest.raises(UserError, match=r"labelled answers \(`label`\), 2 of its 6 rows labelled undesirable .* Fix: "
+                                        "train it with a KTO recipe"):
+        load(write_jsonl(tmp_path / "kto.jsonl", rows))
+    good = [r for r in rows if r["label"]]
+    assert len(load(write_jsonl(tmp_path / "good.jsonl", good))[0]) == 4  # only desirable answers: SFT takes them
+
+
 def test_prompt_response_text_and_messages(tmp_path):
     train, _ = load(write_jsonl(tmp_path / "pr.jsonl", [{"prompt": "2 + 2 =", "response": " 4"}] * 2))
     assert train[0] == {"prompt": "2 + 2 =", "completion": " 4"}

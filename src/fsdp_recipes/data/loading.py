@@ -200,6 +200,21 @@ def check_columns(ds, where: str, text_field: str = "text") -> None:
             f"your columns with `dataset_format:` (e.g. `prompt_completion prompt=question completion=answer`; "
             f"{DOCS}), or set dataset_text_field."
         )
+    check_no_undesirable_answers(ds, where)
+
+
+def check_no_undesirable_answers(ds, where: str) -> None:
+    """KTO's labelled answers under SFT: TRL's SFTTrainer reads prompt + completion and drops `label`, so the answers
+    labelled undesirable were trained on as the ones to give, without a word."""
+    if "label" not in (ds.column_names or []) or not hasattr(ds, "__len__"):
+        return
+    labels = ds["label"]
+    bad = sum(v is False for v in labels)
+    if bad:
+        raise UserError(f"dataset {where} holds labelled answers (`label`), {bad} of its {len(labels)} rows labelled "
+                        "undesirable (false), and SFT would train on those answers as on the good ones. Fix: train "
+                        "it with a KTO recipe (trainer: kto, e.g. smollm2-135m-kto), or keep only the rows labelled "
+                        "true.")
 
 
 def carve_size(size: float, n: int) -> int:
