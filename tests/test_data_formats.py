@@ -96,6 +96,7 @@ def test_sft_on_labelled_answers_refuses_the_undesirable_ones(tmp_path):
         load(write_jsonl(tmp_path / "kto.jsonl", rows))
     good = [r for r in rows if r["label"]]
     assert len(load(write_jsonl(tmp_path / "good.jsonl", good))[0]) == 4  # only desirable answers: SFT takes them
+    assert len(load(tmp_path / "kto.jsonl", "prompt_completion")[0]) == 6  # declared: the label is not the point
 
 
 def test_prompt_response_text_and_messages(tmp_path):

@@ -297,7 +297,8 @@ def test_csv_cells_are_read_as_the_text_they_are(tmp_path):
     train, _ = checked(path, "prompt_completion")
     assert train["completion"] == ["2", "007", "6.50"]
     mixture = DatasetMixtureConfig(datasets=[DatasetConfig(path="csv", data_files=str(path))])  # a source too
-    train, _ = loading.load_sft_datasets(ScriptArguments(dataset_name=None), mixture, False, pack=PackArguments())
+    train, _ = loading.load_sft_datasets(ScriptArguments(dataset_name=None), mixture, False,
+                                         pack=PackArguments(dataset_format="prompt_completion"))  # label: not trained
     assert train["completion"] == ["2", "007", "6.50"]
     path.write_text('prompt,completion\nWhat is 1 + 1?,2\n"What is\n3 + 4?",\n')  # the second row's answer empty
     line = refusal(path)

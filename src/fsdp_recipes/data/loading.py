@@ -205,8 +205,10 @@ def check_columns(ds, where: str, text_field: str = "text") -> None:
 
 def check_no_undesirable_answers(ds, where: str) -> None:
     """KTO's labelled answers under SFT: TRL's SFTTrainer reads prompt + completion and drops `label`, so the answers
-    labelled undesirable were trained on as the ones to give, without a word."""
-    if "label" not in (ds.column_names or []) or not hasattr(ds, "__len__"):
+    labelled undesirable were trained on as the ones to give, without a word. Rows read as labelled answers only: a
+    declared `dataset_format: prompt_completion` says the label is not what to train on."""
+    if "label" not in (ds.column_names or []) or not hasattr(ds, "__len__") \
+            or "unpaired_preference" not in rows.READ_AS.values():
         return
     labels = ds["label"]
     bad = sum(v is False for v in labels)
