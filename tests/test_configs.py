@@ -282,3 +282,5 @@ def test_a_library_validation_error_is_one_line_with_its_whole_message(monkeypat
     with pytest.raises(UserError, match="bf16 is on and torch sees no GPU with bf16.* Fix: add --use_cpu true"):
         parse_args(["--config", sft, "--bf16", "true"])
     assert parse_args(["--config", sft, "--bf16", "true", "--use_cpu", "true"]).training.bf16
+    with pytest.raises(UserError, match=r"\['prompt=question'\] on the command line belong to no flag. Fix: quote"):
+        parse_args(["--config", sft, "--dataset_format", "prompt_completion", "prompt=question"])  # unquoted

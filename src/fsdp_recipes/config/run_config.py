@@ -300,6 +300,10 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
     except ValueError as err:  # HfArgumentParser / TrainingArguments.__post_init__ validation
         # the whole message, its lines joined: some end their first line with "but found" and list what below
         first = " ".join(x.strip() for x in str(err).splitlines() if x.strip())
+        if "are not used by the HfArgumentParser" in first:  # a value with spaces, unquoted: its words after the first
+            raise UserError(f"{first.split(': ', 1)[-1]} on the command line belong to no flag. Fix: quote a value "
+                            "that has spaces (--dataset_format 'prompt_completion prompt=question'), or remove "
+                            "them.") from None
         if "support bf16/gpu" in first:  # transformers' words ask for use_cpu without saying it is a setting here
             raise UserError("bf16 is on and torch sees no GPU with bf16: transformers takes bf16 on a CPU only with "
                             "use_cpu. Fix: add --use_cpu true (bf16 autocast on the CPU), or --bf16 false.") from None
