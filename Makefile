@@ -105,6 +105,9 @@ EXIT_CODE_FILE ?=
 ifneq ($(EXIT_CODE_FILE),)
 $(shell rm -f "$(EXIT_CODE_FILE)")
 endif
+# EXIT_CODE_FILE in a folder that does not exist: the launcher found out only when it wrote the code, after the whole
+# run (a warning); refused before anything starts
+REFUSE_EXIT_CODE_DIR = $(if $(EXIT_CODE_FILE),$(if $(wildcard $(dir $(abspath $(EXIT_CODE_FILE)))),,@echo 'error: EXIT_CODE_FILE=$(EXIT_CODE_FILE) is in a folder that does not exist ($(dir $(abspath $(EXIT_CODE_FILE)))), where the exit code cannot be written. Fix: create that folder first, or name a file in one that exists.' >&2; exit 2))
 # the launcher writes it (launch/ending.py); a step before it writes its own failure
 WITH_EXIT_CODE = $(if $(EXIT_CODE_FILE),FSDP_RECIPES_EXIT_CODE_FILE="$(abspath $(EXIT_CODE_FILE))")
 OR_EXIT_CODE = $(if $(EXIT_CODE_FILE),|| { rc=$$?; echo $$rc > "$(EXIT_CODE_FILE)"; exit $$rc; })
@@ -118,11 +121,13 @@ GPU_IDS = $(shell seq -s, 0 $$(( $(GPUS) - 1 )) 2>/dev/null)
 REFUSE_GPUS = $(if $(and $(filter command line,$(origin GPUS)),$(GPUS)),@echo 'error: $(1) Fix: $(2)' >&2; $(if $(EXIT_CODE_FILE),echo 2 > "$(abspath $(EXIT_CODE_FILE))";) exit 2)
 
 finetune: $(STAMP) ## run RECIPE (default smollm2-135m-lora) end to end; ARGS="--max_steps 20" overrides its YAML; EXIT_CODE_FILE=<path>: the exit code
+	$(REFUSE_EXIT_CODE_DIR)
 	$(call REFUSE_GPUS,GPUS=$(GPUS) is for make plan/job/k8s: make finetune takes the GPUs this machine shows (one process each$(comma) up to the count in its accelerate.yaml; config/placement.py).,CUDA_VISIBLE_DEVICES=$(or $(GPU_IDS),<ids>) make finetune RECIPE=$(RECIPE) (those GPUs$(comma) the same global batch)$(comma) or FSDP_RECIPES_LAUNCH_ARGS="--num_processes $(or $(if $(GPU_IDS),$(GPUS)),<n>)" (that many processes as the recipe is written)$(if $(GPU_IDS),,; to run without GPUs: make smoke RECIPE=$(RECIPE)).)
 	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(WITH_EXIT_CODE) $(WITH_BNB) bash $(RECIPE_DIR)/launch.sh $(ARGS)
 
 smoke: $(STAMP) ## RECIPE on CPU: its own accelerate YAML and launch path, a tiny model of its architecture, 2 processes
+	$(REFUSE_EXIT_CODE_DIR)
 	$(call REFUSE_GPUS,GPUS=$(GPUS) does not apply to make smoke: it runs the recipe on CPU$(comma) 2 processes.,drop GPUS; make finetune RECIPE=$(RECIPE) runs it on the GPUs of this machine.)
 	@$(CLI) recipes check $(RECIPE) $(OR_EXIT_CODE)
 	@PATH="$(abspath $(VENV))/bin:$$PATH" FSDP_RECIPES_SMOKE=1 $(WITH_EXIT_CODE) $(WITH_BNB) bash $(RECIPE_DIR)/launch.sh $(ARGS)

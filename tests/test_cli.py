@@ -158,3 +158,17 @@ def test_a_folder_that_is_not_a_recipe_names_what_it_lacks_and_the_fix(tmp_path)
     (tmp_path / "sft.yaml").write_text("max_steps: 2\n")
     with pytest.raises(UserError, match=r"is not a recipe folder: missing accelerate\.yaml\. Fix: copy the missing "):
         resolve(str(tmp_path))
+
+
+def test_an_exit_code_file_in_a_missing_folder_is_refused_before_the_run(tmp_path):
+    """make finetune EXIT_CODE_FILE=<missing folder>/rc trained the whole run, then warned that the code could not be
+    written: a job script waiting on that file never saw it."""
+    missing = tmp_path / "no-such-folder" / "rc"
+    res = subprocess.run(["make", "--no-print-directory", f"VENV={Path(sys.prefix)}", "-o",
+                          str(Path(sys.prefix) / ".installed"), "finetune", "RECIPE=tiny-cpu-lora",
+                          f"EXIT_CODE_FILE={missing}"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1, res.stdout + res.stderr
+    assert errors[0].startswith(f"error: EXIT_CODE_FILE={missing} is in a folder that does not exist") and \
+        "Fix: create that folder first" in errors[0]
+    assert "[launch]" not in res.stdout
