@@ -138,3 +138,16 @@ def test_a_binary_file_under_a_text_files_name_is_named_for_what_it_is(tmp_path)
         load(tmp_path / "zipped.jsonl")
     (tmp_path / "zipped.jsonl").rename(tmp_path / "zipped.jsonl.gz")
     assert len(load(tmp_path / "zipped.jsonl.gz")) == 1  # the name the line gives is one datasets reads
+
+
+def test_a_missing_dataset_names_a_close_file_and_the_tiny_builder_only_for_the_cache(tmp_path, cache_dir):
+    """`dataset not found: data/iris_alpaka.jsonl. Fix: ... build the tiny default's data with tiny_assets` for a
+    user's own misspelt file."""
+    write(tmp_path / "iris_alpaca.jsonl", [json.dumps(chat(0))])
+    with pytest.raises(UserError, match=rf"dataset not found: {tmp_path}/iris_alpaka.jsonl. Fix: did you mean "
+                                        rf"{tmp_path}/iris_alpaca.jsonl\?$"):
+        load(tmp_path / "iris_alpaka.jsonl")
+    with pytest.raises(UserError, match=r"Fix: check dataset_name \(a file, or a folder of train.jsonl"):
+        load(tmp_path / "wine.csv")
+    with pytest.raises(UserError, match="tiny_assets"):
+        load(cache_dir / "no-such-data")

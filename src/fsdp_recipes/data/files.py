@@ -37,9 +37,26 @@ def check_found(name: str) -> Path:
     """A local dataset_name that names nothing is one line (the launcher asks before the ranks start too)."""
     path = Path(name)
     if not path.exists():
-        raise UserError(f"dataset not found: {path}. Fix: check dataset_name, or build the tiny default's data with "
-                        "`python -m fsdp_recipes.assets.tiny_assets`.")
+        fix = fix_for_missing(path)
+        raise UserError(f"dataset not found: {path}. Fix: {fix}{'' if fix.endswith('?') else '.'}")
     return path
+
+
+def fix_for_missing(path: Path) -> str:
+    """A close name beside the missing path (a typo), else the tiny default's builder where the path is in the
+    pack's cache; else to check dataset_name (the builder was named for any path, a user's own file too)."""
+    import difflib
+
+    from fsdp_recipes.paths import cache_dir
+
+    parent = path.parent if str(path.parent) else Path(".")
+    if parent.is_dir():
+        close = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=1, cutoff=0.75)
+        if close:
+            return f"did you mean {parent / close[0] if str(path.parent) not in ('', '.') else close[0]}?"
+    if cache_dir().resolve() in path.absolute().parents:
+        return "check dataset_name, or build the tiny default's data with `python -m fsdp_recipes.assets.tiny_assets`"
+    return "check dataset_name (a file, or a folder of train.jsonl and validation.jsonl)"
 
 
 # a binary file under a text file's name: (its first bytes, what it is, the fix), the fix given the file's path.
