@@ -162,6 +162,15 @@ def test_the_preference_layouts_pass_through(tmp_path):
     assert train[0] == labelled[0] and "labelled answers (prompt, completion, label)" in loading.NOTES[0]
 
 
+@pytest.mark.parametrize("kind", [dpo, kto], ids=["dpo", "kto"])
+def test_sft_data_under_a_preference_kind_is_named_as_the_file_holds_it(tmp_path, kind):
+    """DPO on an Alpaca file said it 'has columns ['completion', 'prompt']', which the file does not have."""
+    script = ScriptArguments(dataset_name=str(write_jsonl(tmp_path / "alpaca.jsonl", [alpaca(i) for i in range(3)])))
+    with pytest.raises(UserError, match=r"alpaca.jsonl holds Alpaca rows \(SFT data\), read as columns \['completion', "
+                                        r"'prompt'\], but (DPO|KTO) needs"):
+        loading.load_splits(script, DatasetMixtureConfig(), False, kind.check_columns)
+
+
 def test_a_mixture_converts_each_source_from_its_own_format(tmp_path):
     sg = write_jsonl(tmp_path / "sg.jsonl", [sharegpt(i) for i in range(3)])
     al = write_jsonl(tmp_path / "al.jsonl", [alpaca(i) for i in range(2)])

@@ -203,6 +203,16 @@ def check_columns(ds, where: str, text_field: str = "text") -> None:
     check_no_undesirable_answers(ds, where)
 
 
+def held_columns(ds, where: str) -> str:
+    """A split's columns as a trainer kind's column error tells them: where the pack converted the file's format,
+    the format too (DPO on an Alpaca file named columns ['completion', 'prompt'], which the file does not have)."""
+    cols = sorted(ds.column_names or [])
+    read = {name for (w, split), name in rows.READ_AS.items() if w == where and (w, split) in rows.CONVERTED}
+    if len(read) != 1:
+        return f"has columns {cols}"
+    return f"holds {formats.load(read.pop()).LABEL} rows (SFT data), read as columns {cols}"
+
+
 def check_no_undesirable_answers(ds, where: str) -> None:
     """KTO's labelled answers under SFT: TRL's SFTTrainer reads prompt + completion and drops `label`, so the answers
     labelled undesirable were trained on as the ones to give, without a word. Rows read as labelled answers only: a

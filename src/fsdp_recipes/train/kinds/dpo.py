@@ -62,7 +62,7 @@ def load_datasets(cfg, want_eval: bool | None = None):
 def check_columns(ds, where: str) -> None:
     cols = set(ds.column_names or [])
     if not {"chosen", "rejected"} <= cols:
-        raise UserError(f"dataset {where} has columns {sorted(cols)}, but DPO needs `prompt`, `chosen` and "
+        raise UserError(f"dataset {where} {loading.held_columns(ds, where)}, but DPO needs `prompt`, `chosen` and "
                         "`rejected` (or `chosen` and `rejected` with the prompt inside them). Fix: rename the columns, "
                         "or use an SFT recipe for this data.")
 

@@ -93,7 +93,7 @@ def paired(ds) -> bool:
 def check_columns(ds, where: str) -> None:
     cols = set(ds.column_names or [])
     if not (LABELS <= cols or paired(ds)):
-        raise UserError(f"dataset {where} has columns {sorted(cols)}, but KTO needs `prompt`, `completion` and "
+        raise UserError(f"dataset {where} {loading.held_columns(ds, where)}, but KTO needs `prompt`, `completion` and "
                         "`label` (true for a good answer, false for a bad one), or preference pairs (`prompt`, "
                         "`chosen`, `rejected`). Fix: rename the columns, or use an SFT recipe for this data.")
 
