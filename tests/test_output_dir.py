@@ -197,12 +197,17 @@ def test_an_unreadable_newest_checkpoint_is_named_and_the_previous_one_used(copy
 
 
 def test_overwrite_output_dir_replaces_the_run(copy, monkeypatch, capsys):
+    """The run's files go; the user's own files in that folder stay (a run writes beside them, and the overwrite
+    deleted them with it: output_dir pointed at the folder of the data)."""
+    (copy / "iris.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    (copy / "notes.txt").write_text("lr 1e-3 next\n")
     with pytest.raises(RanksWouldStart):
         launcher_until_ranks([*ARGS, "--output_dir", str(copy), "--learning_rate", "1e-3", "--overwrite_output_dir",
                               "true"], monkeypatch, capsys)
     out = capsys.readouterr().out
     assert f"overwrite_output_dir: removed a completed run of 4 steps from {copy}" in out
-    assert [p.name for p in copy.iterdir()] == [LOCK_FILE]
+    assert "; kept 2 file(s) no run writes (iris.jsonl, notes.txt)" in out
+    assert sorted(p.name for p in copy.iterdir()) == sorted([LOCK_FILE, "iris.jsonl", "notes.txt"])
 
 
 def test_a_second_run_in_a_busy_output_dir_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, monkeypatch,

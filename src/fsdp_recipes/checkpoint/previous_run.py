@@ -133,18 +133,32 @@ def decide(output_dir: str | Path, previous: Previous | None, now: dict, overrid
                     f"replace it. Fix: a new --output_dir, or --overwrite_output_dir true to replace it.")
 
 
+# Files no run writes, by suffix: a user's data, code and notes in the folder output_dir names (a run writes beside
+# them; --overwrite_output_dir deleted them with the run). A tokenizer's own .txt files are a run's.
+NOT_A_RUNS = (".jsonl", ".csv", ".tsv", ".parquet", ".xlsx", ".xls", ".txt", ".md", ".py", ".ipynb", ".sh",
+              ".yaml", ".yml", ".gz", ".xz", ".zst", ".bz2", ".zip", ".tar")
+RUNS_OWN = ("README.md", "merges.txt", "vocab.txt")
+
+
 def clear(output_dir: str | Path, previous: Previous | None) -> str | None:
-    """--overwrite_output_dir: remove everything but the lock from an output_dir that holds a run (`previous`,
-    read(output_dir): a report, run_args.json or a checkpoint; a folder of other files is left alone). The line to
-    print, or None."""
+    """--overwrite_output_dir: remove everything but the lock and the user's own files (NOT_A_RUNS) from an
+    output_dir that holds a run (`previous`, read(output_dir): a report, run_args.json or a checkpoint; a folder of
+    other files is left alone). The line to print, or None."""
     output_dir = Path(output_dir)
     if previous is None:
         return None
-    entries = [p for p in output_dir.iterdir() if p.name != LOCK_FILE]
+    entries, kept = [], []
+    for p in output_dir.iterdir():
+        if p.name == LOCK_FILE:
+            continue
+        users = p.is_file() and p.suffix.lower() in NOT_A_RUNS and p.name not in RUNS_OWN
+        (kept if users else entries).append(p)
     what = f"a {previous.status} run of {previous.steps} steps" if previous.status else "an unfinished run"
     for p in entries:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    return f"removed {what} from {output_dir} ({len(entries)} files and folders)"
+    names = ", ".join(sorted(p.name for p in kept)[:3]) + (f" and {len(kept) - 3} more" if len(kept) > 3 else "")
+    return (f"removed {what} from {output_dir} ({len(entries)} files and folders)"
+            + (f"; kept {len(kept)} file(s) no run writes ({names})" if kept else ""))
 
 
 def _longer(saved: dict, now: dict) -> bool:
