@@ -120,6 +120,9 @@ def check_values(cfg: RunConfig) -> None:
     check_lora_values(cfg.model)
     if cfg.pack.preemption_grace_s < 0:
         _fail(f"preemption_grace_s is {cfg.pack.preemption_grace_s}", "set it to the seconds a checkpoint save needs")
+    if (size := cfg.pack.eval_split_size) < 0 or (size >= 1 and size % 1):
+        _fail(f"eval_split_size is {size:g}: give a share of the training rows below 1 (0.1 holds out 10%) or a "
+              "whole number of rows", "correct it, or 0 for none")
     check_gate_values(cfg.pack)
     check_output_dir(cfg.training.output_dir)
     lora_config(cfg)
