@@ -3,7 +3,7 @@ backward of the tiny Mistral on tp 2 x dp_shard 2 (4 forked gloo ranks, train/te
 pack's ranks load a tp model), the weights fp32 under bf16 autocast (the tp recipe's dtype: float32, bf16: true),
 and again with a bf16 LoRA base, without and with LoRA dropout.
 
-    python -m bench.tp_cpu_collectives        # ~30 s on 2 cores; writes bench/results/tp-cpu-collectives-<UTC>.json
+    python -m bench.tp_cpu_collectives        # ~40 s on 2 cores; writes bench/results/tp-cpu-collectives-<UTC>.json
 
 Recorded on rank 0, forward and backward apart: every collective the step dispatches (op, dtype, shape, count), by
 a TorchDispatchMode (DTensor's functional all-reduces and all-gathers, FSDP2's all-gathers and reduce-scatters); and
