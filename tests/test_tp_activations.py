@@ -103,7 +103,8 @@ def test_a_lora_layer_under_tp_keeps_each_targeted_linears_own_input_copy():
     # with dropout a GPU keeps its bool mask too: 1 B an input element
     dropout = replace(TINY_LORA, lora_dropout_width=TINY_LORA.lora_input_width)
     assert memory_budget.activations_per_token_per_layer(dropout, LORA_TP) == 8440 + 1752
-    # an fp32 base (the residual stream fp32) keeps the same: measured 8,456 alike (the weight copies apart)
+    # an fp32 base (the residual stream fp32) keeps the same: 8,456 measured alike on 2 tp ranks (a one-off probe of
+    # 2026-11-29, the bench's hooks; autocast's base weight copies apart, which tp_autocast_weight_copies counts)
     assert memory_budget.activations_per_token_per_layer(TINY_LORA, TP_FP32) == 8440
     # without tp the count is the one before: FSDP's mixed-precision policy gives the adapters bf16, no copy to make
     no_tp = replace(LORA_TP, tp=1, shard=4)
