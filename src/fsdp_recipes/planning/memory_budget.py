@@ -103,6 +103,28 @@ layer_1_activations_per_token): layer 1 of 4 keeps 10,192 B per token on a rank,
 10,176 and 16 B of per-row scalars (2 rsqrt, the attention's log-sum-exp); tests/test_tp_activations.py measures
 it again in-process, one process without tp.
 
+LoRA under tp with mixed precision (lora_under_tp_per_layer): the fp32 adapters are not cast either, and PEFT 0.21's
+Linear.forward casts each targeted linear's input up to A's dtype (_cast_input_dtype) and autocast casts it back down
+for A's matmul: a compute-width copy of the input per targeted linear, which A keeps for its weight's gradient. The
+frozen base linears keep only their weights (no input), and the frozen norms only their fp32 input (4h each: the
+weight's multiply needs no normalized tensor), so neither the norms' c-wide outputs nor the MLP's product is kept but
+as those copies. PEFT splits the adapters with the base (peft/tuners/lora/model.py add_lora_tp_hooks_dtensor): on a
+column-wise linear (q, k, v, gate, up) A is whole and reads the whole h-wide input, on a row-wise one (o, down) A
+reads the 1/tp input, and every A's r-wide output is whole on each tp rank (a row-wise A's all-reduced). Per layer:
+
+    8h + c(2q + 2kv + 3I) / tp + (c [+ 1, dropout's mask]) * (col-wise in_features + row-wise in_features / tp)
+       + c * r * targets
+
+The tiny Mistral with r 4 on every linear at tp 2: 2,048 + 2,832 + 2 x 1,752 + 56 = 8,440 B, against 6,620 before;
+measured 8,456 by bench/tp_cpu_collectives.py (2026-11-29, tp 2 x dp_shard 2, bf16 base, fp32 adapters under bf16
+autocast; its layer_1_activations_per_token_by_module lists each tensor), the 16 B over it the per-row scalars (2
+rsqrt, the log-sum-exp). With dropout a GPU keeps a bool mask (torch's fused native_dropout), 1 B an input element;
+a CPU's dropout keeps its scaled noise in the input's dtype, fp32 after PEFT's cast: measured 15,464 = 8,440 +
+4 x 1,752 + 16. The adapters' bf16 copies autocast keeps for the backward go into tp_autocast_weight_copies: each
+layer holding its activations, its adapters on one tp rank (a column-wise B and a row-wise A at 1/tp) at c bytes;
+the bench's 96,512 B on the tiny model is this count's 102,656 less the first layer's q, k, v A copies (its input
+needs no gradient, so their matmuls keep none). Fused experts under tp (target_parameters) are not measured.
+
 Runtime: CUDA context, NCCL and allocator slack, 2 GiB per GPU (a typical figure for H100 nodes, not
 measured by this pack); 0 on CPU.
 """
@@ -143,6 +165,9 @@ class ModelShape:
     top_k: int = 0  # experts each token is routed to
     expert_params: int = 0  # all routed experts' weights, every layer: held in full, top_k / experts of them active
     merged_copy: int = 0  # elements of one layer's LoRA-targeted parameters: ParamWrapper's merged copy per forward
+    lora_input_width: int = 0  # sum of in_features over LoRA-targeted linears of one layer, dropout or not
+    lora_split_input_width: int = 0  # of those, the linears tp splits on their input (the tp plan's rowwise: o, down)
+    lora_split_params: int = 0  # adapter elements of one layer tp splits: a column-wise linear's B, a row-wise one's A
 
     @property
     def active(self) -> int:
@@ -195,6 +220,9 @@ def shape_of(model, model_args, **decided) -> ModelShape:
     base_layer = sum(p.numel() for p in layer0.parameters())
     total = sum(p.numel() for p in model.parameters())
     lora_layer, dropout_width, rank_width, lora_other, saved = 0, 0, 0, 0, 0
+    input_width, split_input_width, split_params = 0, 0, 0
+    # transformers' tp plan of the model ("layers.*.self_attn.o_proj": "rowwise"): a rowwise linear's input is split
+    tp_plan = getattr(cfg, "base_model_tp_plan", None) or {}
     if model_args.use_peft:
         targets = model_args.lora_target_modules
         for name, module in model.named_modules():
@@ -207,6 +235,11 @@ def shape_of(model, model_args, **decided) -> ModelShape:
                     lora_layer += adapter
                     dropout_width += module.in_features if model_args.lora_dropout else 0
                     rank_width += model_args.lora_r
+                    input_width += module.in_features
+                    planned = tp_plan.get("layers.*." + name.removeprefix("model.layers.0."), "")
+                    split_input_width += module.in_features if "rowwise" in planned else 0
+                    split_params += model_args.lora_r * (module.in_features if "rowwise" in planned else
+                                                         module.out_features if "colwise" in planned else 0)
                 elif not name.startswith("model.layers."):
                     lora_other += adapter
             if leaf in (model_args.lora_modules_to_save or []):
@@ -242,6 +275,7 @@ def shape_of(model, model_args, **decided) -> ModelShape:
         intermediate=intermediate or cfg.intermediate_size, vocab=cfg.vocab_size, layer_params=layer_params,
         layer_trainable=lora_layer if model_args.use_peft else base_layer,
         root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
+        lora_input_width=input_width, lora_split_input_width=split_input_width, lora_split_params=split_params,
         embedding=model.get_input_embeddings().weight.numel(), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         **decided,
     )
@@ -259,9 +293,35 @@ def residual_bytes(s: Setup) -> int:
     return s.load_bytes if wide_weights_under_autocast(s) else s.compute_bytes
 
 
+def lora_adapters_under_autocast(m: ModelShape, s: Setup) -> bool:
+    """LoRA under tp with mixed precision: the adapters stay fp32 (transformers' FSDP2 under tp has no mixed-precision
+    policy to cast them), so PEFT casts each targeted linear's input up to them and autocast back down for A's matmul,
+    a copy A keeps (docstring). QLoRA's adapters are bf16 (budget()): not this."""
+    return s.tp > 1 and s.mixed_precision and m.lora_rank_width > 0 and not s.quant_bytes
+
+
+def lora_under_tp_per_layer(m: ModelShape, s: Setup) -> float:
+    """Bytes one token leaves in one layer of a LoRA model under tp (the docstring's tensor-by-tensor count, measured
+    by bench/tp_cpu_collectives.py): the norms' fp32 inputs (frozen norm weights: no normalized tensor kept), the
+    attention's q, k, v and output and the MLP's gate, up and SiLU(gate) at 1/tp (the frozen base linears keep no
+    input), each targeted linear's own compute-width copy of its input (whole for a column-wise one, 1/tp for a
+    row-wise one: o, down) with dropout's 1-byte mask, and each A's r-wide output, whole on every tp rank."""
+    c = s.compute_bytes
+    mlp, routing = 3 * m.intermediate, 0  # the product SiLU(gate) * up: kept only as down's LoRA input copy
+    if m.experts:  # a mixture of experts: activations_per_token_per_layer's routed count (not measured under tp)
+        mlp = m.top_k * (4 * m.intermediate + 2 * m.hidden + 1) + m.hidden
+        routing = 4 * m.experts + 32 * m.top_k
+    inputs = m.lora_input_width - m.lora_split_input_width + m.lora_split_input_width / s.tp  # on one tp rank
+    mask = 1 if m.lora_dropout_width else 0  # a GPU's dropout keeps a bool mask (torch's fused native_dropout)
+    return (2 * 4 * m.hidden + c * (2 * m.q_dim + 2 * m.kv_dim + mlp) / s.tp + routing + (c + mask) * inputs
+            + c * m.lora_rank_width)
+
+
 def activations_per_token_per_layer(m: ModelShape, s: Setup) -> float:
     """Bytes one token leaves in one layer; under tp the head- and MLP-wide tensors are split over the tp ranks
     (transformers' tp_plan: q, k, v, gate, up column-wise), the norms' hidden-wide ones are not."""
+    if lora_adapters_under_autocast(m, s):
+        return lora_under_tp_per_layer(m, s)
     c = s.compute_bytes
     norms = 2 * m.hidden * (4 + c)
     if wide_weights_under_autocast(s):  # the fp32 residual stream (docstring): each norm keeps its fp32 input and
@@ -365,11 +425,14 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
                                                                  * s.compute_bytes + m.vocab * 4))
     elif s.generation == "vllm":  # the engine's weights and KV cache, in the GPU share it is given
         parts["vllm_engine"] = s.vllm_bytes
+    kept = m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every) if s.checkpointed else 0
+    copies = m.layers - kept + (1 if kept else 0)  # the layers holding their activations, and one recomputed
     if wide_weights_under_autocast(s):  # autocast's kept copies of the weights (docstring)
-        kept = m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every) if s.checkpointed else 0
-        copies = m.layers - kept + (1 if kept else 0)
         parts["tp_autocast_weight_copies"] = ((copies * (m.layer_params - 2 * m.hidden) + m.vocab * m.hidden)
                                               * s.compute_bytes / s.tp)
+    elif lora_adapters_under_autocast(m, s):  # of the fp32 adapters alone, on one tp rank (docstring)
+        adapters = m.layer_trainable - m.lora_split_params * (1 - 1 / s.tp)
+        parts["tp_autocast_weight_copies"] = copies * adapters * s.compute_bytes
     if s.cp > 1:  # ring attention: a layer's K and V chunks, the one computed on and the one arriving
         parts["cp_ring_buffers"] = 2 * 2 * tokens * m.kv_dim / s.tp * s.compute_bytes
     parts = {k: int(math.ceil(v)) for k, v in parts.items()}
