@@ -8,7 +8,7 @@ import dataclasses
 from fsdp_recipes.config import accelerate_yaml
 from fsdp_recipes.config.mesh import data_parallel_size
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.planning import comms, duration, fit, mesh_fit, mesh_lines
+from fsdp_recipes.planning import checkpointing, comms, duration, fit, mesh_fit, mesh_lines
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB, budget
 
@@ -35,9 +35,22 @@ def fit_section(p) -> str:
              "  " + boundary(fit.batch(m, s, t.max_length or 1024, usable), usable),
              "  " + boundary(fit.length(m, s, t.per_device_train_batch_size, usable, limit), usable),
              "  " + fit.checkpointing(m, s, usable)]
+    lines += ["  " + line for line in stricter_limit(p)]
     lines += ["  " + line for line in topology_answer(p)]
     lines += ["  " + line for line in mesh_answer(p)]
     return "\n".join(lines)
+
+
+def stricter_limit(p) -> list[str]:
+    """The answers above are against the usable budget; where the recipe's gates set a lower limit (the default's
+    peak_memory_max_fraction 50%), say so, with the figure the plan's checkpointing pick used, so that an answer
+    between the two does not read as safe for the gate."""
+    capacity = p.capacity * GIB
+    share, source = checkpointing.limit_share(p.cfg.pack, p.usable / capacity, p.capacity)
+    if share * capacity >= p.usable:
+        return []
+    return [f"a lower limit: {gib(share * capacity)} GiB per GPU ({source}), which the activation-checkpointing pick "
+            "uses; an answer above it fits the usable budget, not that limit"]
 
 
 def mesh_answer(p) -> list[str]:
