@@ -199,3 +199,32 @@ def test_each_memory_limit_is_named_and_the_gates_is_in_gib():
     assert ("  a lower limit: 39.80 GiB per GPU (the peak_memory_max_fraction gate: 50% of 79.6 GiB, stricter than "
             "the 71.6 GiB usable), which the activation-checkpointing pick uses; an answer above it fits the usable "
             "budget, not that limit") in answers.fit_section(p).splitlines()
+
+
+@pytest.mark.parametrize("name, overrides, batch", [
+    ("llama-3.1-8b-lora-dpo", [], 4),  # 4 pairs x 2 sequences x 2,048 tokens: 16,384 tokens a micro-batch
+    ("llama-3.1-8b-lora-rloo", [], 8),  # 8 completions x (512 + 1,024): GRPOConfig/RLOOConfig have no max_length
+    ("smollm2-135m-grpo", ["--generation_backend", "transformers"], 16),  # + the generate KV cache of 16 x 1
+    ("llama-3.1-8b-lora", [], 1),
+])
+def test_fit_searches_the_batch_as_the_plain_plan_counts_it(name, overrides, batch):
+    """--fit's batch answer is a search over the plain plan's own total: with the usable set to the recipe's own
+    total, the largest batch that fits is the recipe's own (from its YAML); and the answer on the H100, planned
+    plainly at that batch and one more (with the same checkpointing), is the two totals --fit prints. It was 8 for
+    the DPO recipe (a pair counted as one sequence: every DPO answer about twice too large), a traceback for GRPO
+    and RLOO (no max_length), and the policy's generate kept the recipe's KV cache at every batch."""
+    from fsdp_recipes.planning import answers
+
+    p = plan.prepare(name, 8, 1, "H100", REPO / "recipes", overrides)
+    own_total = p.budgets[p.own]["total"]
+    at_own = dataclasses.replace(p, capacity=(own_total + 1) / memory_budget.GIB / plan.HEADROOM)
+    first = answers.fit_section(at_own).splitlines()[1]
+    assert first.startswith(f"  per_device_train_batch_size: {batch} fits ({own_total:,} B"), first
+
+    answer = answers.fit_section(p).splitlines()[1]
+    b = int(answer.split(": ")[1].split(" fits")[0])
+    pinned = [*overrides, "--activation_checkpointing_policy", p.checkpointing.pick]
+    totals = [plan.prepare(name, 8, 1, "H100", REPO / "recipes", [*pinned, "--per_device_train_batch_size", str(n)])
+              .budgets[p.own]["total"] for n in (b, b + 1)]
+    assert answer.startswith(f"  per_device_train_batch_size: {b} fits ({totals[0]:,} B = ") and \
+        f"; {b + 1} does not ({totals[1]:,} B = " in answer, (answer, totals)
