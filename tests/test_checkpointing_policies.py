@@ -264,6 +264,8 @@ def test_the_launcher_resolves_auto_for_the_gpus_it_finds(monkeypatch):
         assert not reads.counts
         assert decided == ["--activation_checkpointing_policy", expected]
         assert notes[0].startswith(f"activation checkpointing: auto -> {expected} (the fastest that fits")
+        # the limit named: 90% of 81,559 / 1,024 = 79.65 GiB is 71.68
+        assert "of 71.7 GiB per GPU (the usable budget: 90% of 79.6 GiB) on 1 x 79.6 GiB" in notes[0], notes[0]
     decided, notes = speed.launch_overrides(recipe.field, 0, None)  # no GPUs: TRL's default, no plan
     assert decided == ["--activation_checkpointing_policy", "full"] and "without GPUs" in notes[0]
     pinned = recipes.load("llama-3.1-8b-lora", ["--activation_checkpointing_policy", "ops"])
