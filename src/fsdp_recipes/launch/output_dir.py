@@ -22,7 +22,7 @@ from fsdp_recipes.train import kinds
 def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = None) -> str | None:
     """Lock output_dir for this run, held until the launcher exits: before the ranks start where the recipe or
     the command names it, so that a busy folder is one line at once (issue 42: lock mistakes within 5 s), else
-    (`output_dir`: TrainingArguments' default, once parsed) in claim_output_dir. The folder locked, or None. On a
+    (`output_dir`: TrainingArguments' default, once parsed) in finished_run. The folder locked, or None. On a
     multi-node job the first node's launcher locks."""
     out = output_dir or recipe.early.output_dir
     if not out or not first_node():
