@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -122,6 +123,15 @@ def output_dir_is_a_file(recipe, tmp):
     return ["--output_dir", str(tmp / "out.txt")]
 
 
+def resume_inside_earlier_run(recipe, tmp):
+    return ["--resume_from_checkpoint", str(tmp / "earlier" / "checkpoint-10")]  # earlier_run's checkpoint
+
+
+def resume_another_adapter(recipe, tmp):
+    return ["--resume_from_checkpoint", str(fake_checkpoint(tmp / "other", Path(os.environ["FSDP_RECIPES_CACHE"]),
+                                                            peft__r=8))]
+
+
 def malformed_yaml(recipe, tmp):
     sft = recipe / "sft.yaml"
     sft.write_text(sft.read_text() + "\nlearning_rate: [1e-3\n")
@@ -175,6 +185,11 @@ CASES = {
     "cli-eval-steps-zero": (cli_case("--eval_strategy", "steps", "--eval_steps", "0"),
                             "eval_steps is 0; it must be positive"),
     "cli-output-dir-is-a-file": (output_dir_is_a_file, "is a file, not a directory"),
+    # a resume that --overwrite_output_dir true would refuse only once it had emptied the earlier run's folder
+    "cli-resume-not-found": (cli_case("--resume_from_checkpoint", "/nonexistent/run/checkpoint-10"), "does not exist"),
+    "cli-resume-inside-the-emptied-output-dir": (resume_inside_earlier_run,
+                                                 "which --overwrite_output_dir true empties"),
+    "cli-resume-another-adapter": (resume_another_adapter, "its LoRA r is 8 and this run's is 32"),
     # data
     "data-malformed-json-line": (data_case([qa(), qa(), '{"prompt": [{"role": "user", "content": "3 + 3?"}'],
                                            name="bad.jsonl"), "bad.jsonl:3: "),

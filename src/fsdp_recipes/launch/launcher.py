@@ -161,7 +161,12 @@ def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | Non
         if build_smoke_model is not None:
             build_smoke_model()
         cfg = check_settings(recipe)
-        if (done := finished_run(recipe, cfg, held, locked)) is None:  # a finished run said before the data's checks
+        try:
+            done = finished_run(recipe, cfg, held, locked)  # "already complete": said before the data's checks
+        except UserError:  # a refusal names the command's other settings: a mistake in those is said first
+            check_model_and_data(recipe, cfg)
+            raise
+        if done is None:
             check_model_and_data(recipe, cfg)
             claim_output_dir(recipe, cfg)
     except BaseException as err:

@@ -22,7 +22,7 @@ from fsdp_recipes.train import kinds
 def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = None) -> str | None:
     """Lock output_dir for this run, held until the launcher exits: before the ranks start where the recipe or
     the command names it, so that a busy folder is one line at once (issue 42: lock mistakes within 5 s), else
-    (`output_dir`: TrainingArguments' default, once parsed) in claim_output_dir. The folder locked, or None. On a
+    (`output_dir`: TrainingArguments' default, once parsed) in finished_run. The folder locked, or None. On a
     multi-node job the first node's launcher locks."""
     out = output_dir or recipe.early.output_dir
     if not out or not first_node():
@@ -81,13 +81,18 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig) -> None:
 
     out, first = cfg.training.output_dir, first_node()
     previous = previous_run.read(Path(out))
+    now = resume_settings_now(recipe, cfg)
     if replaces(cfg, previous):
         if not first:
             return  # the first node is emptying output_dir: there is nothing of the old run to resume
+        # an explicit resume_from_checkpoint (elsewhere: config/value_checks.check_resume_kept) is checked before the
+        # folder is emptied, so that its refusal (not found, another model, other settings) leaves the run there
+        resume, changed = (resume_choice.checkpoint_to_resume(cfg, now, say=say)
+                           if cfg.training.resume_from_checkpoint else (None, {}))
         if removed := previous_run.clear(out, previous):
             say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
-    now = resume_settings_now(recipe, cfg)
-    resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
+    else:
+        resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
     if first:
         superseded(out, resume)
     if changed.get("length"):
