@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 
-# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_settings below, while the ranks
 # import the same in parallel.
 from fsdp_recipes import speed
 from fsdp_recipes.config import accelerate_yaml, hardware, mesh, model_check, value_checks

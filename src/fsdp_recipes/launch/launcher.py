@@ -33,7 +33,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in the checks, while the ranks
 # import the same in parallel.
 from fsdp_recipes import library_logs, speed
 from fsdp_recipes.config import handoff, hardware, model_check, placement, recipes
