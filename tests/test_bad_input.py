@@ -177,6 +177,13 @@ def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, c
     assert_one_line_error(checks([str(recipe), "--output_dir", str(out)]), fragment)
 
 
+def test_a_resume_folder_without_the_trainers_state_is_one_line(recipe, cache_dir, tmp_path, checks):
+    """This run's model and adapter (fake_checkpoint's identity), but no trainer_state.json: a traceback before."""
+    ckpt = fake_checkpoint(tmp_path / "other", cache_dir)
+    res = checks([str(recipe), "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(ckpt)])
+    assert_one_line_error(res, f"{ckpt} has no trainer_state.json, so the Trainer cannot resume from it")
+
+
 def test_a_refused_resume_moves_no_unreadable_checkpoint_aside(recipe, cache_dir, tmp_path, checks):
     """An unfinished run whose newest checkpoint cannot be read and whose older one belongs to another adapter: the
     command is refused, and the folder is as it was (the unreadable checkpoint was moved aside, and "resuming from

@@ -155,8 +155,8 @@ def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | Non
                              locked: str | None = None) -> tuple[RunConfig | None, int | None]:
     """Step 3 of the module docstring: the smoke run's model, the recipe's checks (launch/checks.py), what to do with
     a run output_dir holds (launch/output_dir.py), while the ranks import, or before they start (`ranks` None).
-    Returns the parsed configuration and None; or None and the exit code where the launch ends here (a signal, a run that is complete
-    already), the ranks stopped. A failed check stops them and raises."""
+    Returns the parsed configuration and None; or None and the exit code where the launch ends here (a signal, a run
+    that is complete already), the ranks stopped. A failed check stops them and raises."""
     try:
         if build_smoke_model is not None:
             build_smoke_model()
