@@ -10,13 +10,20 @@ parameter's dtype; AdamW keeps two fp32 moments. Sharding divides all three by t
 
 Activations, bytes per token per decoder layer, counted from what autograd saves in transformers' Llama /
 Mistral / Qwen3 layers with SDPA (no materialised attention matrix; Korthikanti et al. 2022 do the same
-count for GPT) and checked tensor by tensor with saved_tensors_hooks on the tiny model: each RMSNorm keeps
-an fp32 copy of its input and its output (h * (4 + c)); SDPA keeps q, k, v (GQA's k and v unrepeated: torch's
-enable_gqa) and its output, which o_proj reuses (c * (2q + 2kv)); the MLP keeps gate, up, SiLU(gate) and their
-product (4cI); each LoRA-targeted linear keeps its r-wide A output, and with dropout its dropped-out input
-and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
+count for GPT) and checked tensor by tensor with saved_tensors_hooks on the tiny model: each RMSNorm keeps an fp32
+copy of its input and its output (h * (4 + c)), trained (full fine-tuning) its normalized input too (c * h); SDPA
+keeps q, k, v (GQA's k and v unrepeated: torch's enable_gqa) and its output, which o_proj reuses (c * (2q + 2kv));
+the MLP keeps gate, up, SiLU(gate) and their product (4cI); each LoRA-targeted linear keeps its r-wide A output, and
+with dropout its dropped-out input and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
 
-    per_layer = 2h(4 + c) + c(2q + 2kv + 4I + r * targets) [+ (c + 1) * in_features per target, with dropout]
+    per_layer = 2h(4 + c [+ c]) + c(2q + 2kv + 4I + r * targets) [+ (c + 1) * in_features per target, with dropout]
+
+The norms' [+ c], op by op (transformers' RMSNorm, `weight * hidden.to(input_dtype)` last): the fp32 input (4h) is
+kept, the weight's multiply keeps the normalized tensor (ch) only when the weight trains, the next linears its output
+(ch). Measured (2026-11-29, tests/test_norm_activations.py: tiny Mistral, bf16 weights as FSDP2's bf16 policy gathers
+them, autocast or not): layer 1 keeps 11,160 B a token with trained norms, 10,136 frozen; the formula 11,136, 10,112
+(24 B of per-row scalars apart). The final norm alike, and the chunked head keeps its own copy of the labelled rows'
+hidden states (ch): 4h + 2ch trained (8h at c = 2), 4h + ch frozen (LoRA's root counts 8h: left as it was).
 
 A mixture of experts (Qwen3-MoE, Mixtral) holds every expert's weights, gradients and optimizer states (sharded like
 any other parameter, all experts of a layer gathered at once: no expert parallelism), but a token's activations are
@@ -94,10 +101,10 @@ dp_shard 2, fp32 under bf16 autocast, autograd's saved tensors): 2,968,576 B of 
 1/tp x 2 B, exactly. (A plain DDP or one-process run of fp32 weights under autocast would keep the same copies,
 undivided: not counted here, not measured.)
 The same weights keep the residual stream in fp32 (the embedding's output, and each layer's sum of it and a bf16
-projection), so what a layer saves around its norms is wider than the per_layer formula's 2h(4 + c): each norm keeps
+projection), so what a layer saves around its norms is wider than the per_layer formula's 2h(4 + 2c): each norm keeps
 its fp32 input (no copy to make) and its fp32 normalized tensor (the trained weight's multiply), 2 x 2 x 4h, and
 autocast casts the norm's output to bf16 once for each projection reading it, q, k, v, gate and up (5ch; none is
-split by tp): 26h a layer at c = 2 instead of 12h. A checkpointed layer's input is fp32 (4h), the final norm adds
+split by tp): 26h a layer at c = 2 instead of 16h. A checkpointed layer's input is fp32 (4h), the final norm adds
 the LM head's cast (c h), and FSDP gathers the fp32 weights (4 B). Measured by the same bench (2026-11-29, its
 layer_1_activations_per_token): layer 1 of 4 keeps 10,192 B per token on a rank, the formula's 6,656 + 3,520 =
 10,176 and 16 B of per-row scalars (2 rsqrt, the attention's log-sum-exp); tests/test_tp_activations.py measures
@@ -168,6 +175,7 @@ class ModelShape:
     lora_input_width: int = 0  # sum of in_features over LoRA-targeted linears of one layer, dropout or not
     lora_split_input_width: int = 0  # of those, the linears tp splits on their input (the tp plan's rowwise: o, down)
     lora_split_params: int = 0  # adapter elements of one layer tp splits: a column-wise linear's B, a row-wise one's A
+    norms_trained: bool = False  # full fine-tuning: each norm's weight multiply keeps its normalized input
 
     @property
     def active(self) -> int:
@@ -276,6 +284,7 @@ def shape_of(model, model_args, **decided) -> ModelShape:
         layer_trainable=lora_layer if model_args.use_peft else base_layer,
         root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
         lora_input_width=input_width, lora_split_input_width=split_input_width, lora_split_params=split_params,
+        norms_trained=not model_args.use_peft,
         embedding=model.get_input_embeddings().weight.numel(), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         **decided,
     )
@@ -323,7 +332,7 @@ def activations_per_token_per_layer(m: ModelShape, s: Setup) -> float:
     if lora_adapters_under_autocast(m, s):
         return lora_under_tp_per_layer(m, s)
     c = s.compute_bytes
-    norms = 2 * m.hidden * (4 + c)
+    norms = 2 * m.hidden * (4 + c + (c if m.norms_trained else 0))  # + a trained weight's normalized input
     if wide_weights_under_autocast(s):  # the fp32 residual stream (docstring): each norm keeps its fp32 input and
         # its fp32 normalized tensor (the trained weight's multiply), and autocast casts its output to c once for each
         # projection that reads it (q, k, v; gate, up): 5 h-wide copies, none split by tp (a dense layer's count)
@@ -389,8 +398,9 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     activations = tokens * layer_activations(m, s, per_layer)
     # the fused head's backward accumulates in fp32: the hidden states' gradient, and the head's when it trains
     head_grads = tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 / s.tp if m.trainable == m.params else 0)
-    # + the final norm's fp32 tensors, and under tp with fp32 weights the LM head's autocast copy of its output
-    final_norm = m.hidden * (4 * 2 + (s.compute_bytes if wide_weights_under_autocast(s) else 0))
+    # + the final norm's (docstring: 4h + 2ch trained, frozen counted 8h; tp with fp32 weights: fp32 ones, a cast)
+    final_norm = m.hidden * (4 * 2 + s.compute_bytes if wide_weights_under_autocast(s) else
+                             4 + 2 * s.compute_bytes if m.norms_trained else 4 * 2)
     activations += tokens * final_norm + logits(m, s) + head_grads
     # FSDP gathers at the compute width, but under tp at the weights' own (no mixed-precision policy: docstring)
     gather = s.load_bytes if wide_weights_under_autocast(s) else s.compute_bytes
