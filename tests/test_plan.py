@@ -228,3 +228,23 @@ def test_fit_searches_the_batch_as_the_plain_plan_counts_it(name, overrides, bat
               .budgets[p.own]["total"] for n in (b, b + 1)]
     assert answer.startswith(f"  per_device_train_batch_size: {b} fits ({totals[0]:,} B = ") and \
         f"; {b + 1} does not ({totals[1]:,} B = " in answer, (answer, totals)
+
+
+@pytest.mark.parametrize("name, max_steps", [("smollm2-135m-grpo", 56), ("smollm2-135m-rloo", 40)])
+def test_a_sampling_kinds_comms_scale_and_time_read_its_sequence_length(name, max_steps):
+    """GRPOConfig and RLOOConfig have no max_length: --comms and --scale (answers.work) and --time read it, a
+    traceback (AttributeError). A trained sequence is the planned prompt (sampling.PROMPT_TOKENS, 512) + the recipe's
+    max_completion_length 6 = 518 tokens, 16 completions a micro-batch: 8,288 tokens a step on a GPU. --time does not
+    model a sampling kind (a row is a prompt, sampling is not counted) and says so in one line."""
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.planning import answers, fabric
+
+    p = plan.prepare(name, 8, 1, "H100", REPO / "recipes")
+    net = fabric.fabric(plan.gpu_spec("H100")[0], None, None)
+    text, _ = answers.comms_section(p, net, 0.4)
+    assert "1 micro-batch(es) of 16 x 518 tokens" in text and "compute: 8,288 tokens x " in text, text
+    assert "(1 x 16 x 518 tokens per GPU" in answers.scale_section(p, net, 0.4, [1])
+    with pytest.raises(UserError, match=rf"^--time does not model {name.split('-')[-1]}: a row is a prompt .* Fix: "
+                                        rf"time a short run .* to max_steps {max_steps}$") as err:
+        answers.time_section(p, net, 0.4, 1000, None)
+    assert "\n" not in str(err.value)

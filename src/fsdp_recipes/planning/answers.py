@@ -28,6 +28,12 @@ def boundary(a: fit.Answer, usable: float) -> str:
     return f"{a.what}: {a.value:,} fits ({a.fits_bytes:,} B = {gib(a.fits_bytes)} GiB){past}; {a.note}"
 
 
+def sequence_length(p) -> int:
+    """Tokens of one trained sequence as the plain plan counts them: the trainer kind's (max_length, or a sampling
+    kind's planned prompt + max_completion_length: GRPOConfig and RLOOConfig have no max_length)."""
+    return kinds.load(p.cfg.trainer).sequence_length(p.cfg.training)
+
+
 def fit_section(p) -> str:
     t, s, m, usable = p.cfg.training, p.setup, p.shape, p.usable
     limit = getattr(p.model.config, "max_position_embeddings", None)
@@ -79,7 +85,7 @@ def mesh_answer(p) -> list[str]:
     flat = dataclasses.replace(s, tp=1, cp=1)
     alone = fit.smallest_fsdp_world(m, dataclasses.replace(flat, strategy="FSDP"), usable, p.gpus * 1024)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    max_length = getattr(p.cfg.training, "max_length", None) or 1024  # a sampling kind has none
+    max_length = sequence_length(p)
 
     def launchable(world: int, tp: int, cp: int) -> bool:  # only meshes the launcher starts (config/mesh.py)
         return mesh_fit.refusal(p.acc, p.cfg, world, tp, cp, heads, kv_heads, max_length) is None
@@ -207,7 +213,7 @@ def work(p, mfu: float) -> comms.Work:
         gather = s.load_bytes  # LoRA's adapters are fp32 (PEFT upcasts them), a full fine-tune's weights its load
         reduce = 4 if p.cfg.model.use_peft else s.load_bytes
         widths = dict(activation_bytes=s.compute_bytes, residual_bytes=s.load_bytes)
-    return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, t.max_length or 1024,
+    return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, sequence_length(p),
                       gather, reduce, mfu, recompute=s.checkpointed, recompute_every=s.checkpoint_every,
                       attention_saved=s.checkpointed and s.checkpoint_ops, **widths)
 
@@ -306,7 +312,11 @@ def scale_section(p, f: Fabric, mfu: float, node_counts: list[int]) -> str:
 
 def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: float | None) -> str:
     t = p.cfg.training
-    max_length = t.max_length or 1024
+    if not hasattr(t, "max_length"):  # a sampling kind: a dataset row is a prompt, and its steps sample first
+        raise UserError(f"--time does not model {p.cfg.trainer}: a row is a prompt trained as num_generations "
+                        "completions, and each step's sampling is not counted. Fix: time a short run (--max_steps 4; its "
+                        f"report's wall_clock_s) and scale it to max_steps {t.max_steps}")
+    max_length = sequence_length(p)
     data = None
     if rows is None:
         data = duration.local_stats(p.cfg, max_length)
