@@ -314,8 +314,8 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
     t = p.cfg.training
     if not hasattr(t, "max_length"):  # a sampling kind: a dataset row is a prompt, and its steps sample first
         raise UserError(f"--time does not model {p.cfg.trainer}: a row is a prompt trained as num_generations "
-                        "completions, and each step's sampling is not counted. Fix: time a short run (--max_steps 4; its "
-                        f"report's wall_clock_s) and scale it to max_steps {t.max_steps}")
+                        "completions, and each step's sampling is not counted. Fix: time a short run (--max_steps 4; "
+                        f"its report's wall_clock_s) and scale it to max_steps {t.max_steps}")
     max_length = sequence_length(p)
     data = None
     if rows is None:
