@@ -21,9 +21,9 @@ with dropout its dropped-out input and mask. c is the compute width (2 bytes wit
 The norms' [+ c], op by op (transformers' RMSNorm, `weight * hidden.to(input_dtype)` last): the fp32 input (4h) is
 kept, the weight's multiply keeps the normalized tensor (ch) only when the weight trains, the next linears its output
 (ch). Measured (2026-11-29, tests/test_norm_activations.py: tiny Mistral, bf16 weights as FSDP2's bf16 policy gathers
-them, under autocast; a one-off probe without it alike): layer 1 keeps 11,160 B a token with trained norms, 10,136 frozen; the formula 11,136, 10,112
-(24 B of per-row scalars apart). The final norm alike, and the chunked head keeps its own copy of the labelled rows'
-hidden states (ch): 4h + 2ch trained (8h at c = 2), 4h + ch frozen (LoRA's root counts 8h: left as it was).
+them, under autocast; alike without, a one-off probe): layer 1 keeps 11,160 B a token with trained norms, 10,136
+frozen; the formula 11,136, 10,112 (24 B of per-row scalars apart). The final norm alike, the chunked head keeping
+its own copy of the labelled rows' hidden states (ch): 4h + 2ch trained (8h at c = 2), 4h + ch frozen (counted 8h).
 
 A mixture of experts (Qwen3-MoE, Mixtral) holds every expert's weights, gradients and optimizer states (sharded like
 any other parameter, all experts of a layer gathered at once: no expert parallelism), but a token's activations are
