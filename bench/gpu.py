@@ -290,6 +290,24 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def layer_probe_start(name: str, doc: str, argv: list[str] | None, deadline_help: str, dry_help: str,
+                      more=lambda ap: None) -> tuple[argparse.Namespace, Path, float]:
+    """The command line of a one-GPU layer probe (bench/qlora_gpu.py, bench/moe_gpu.py): --dry-run, --results,
+    --deadline-s and the probe's `more`; refused without CUDA unless --dry-run. (args, the results folder, start)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help=dry_help)
+    ap.add_argument("--results", type=Path, default=None, help="default bench/results; --dry-run: runs/results")
+    more(ap)
+    ap.add_argument("--deadline-s", type=float, default=50.0, help=deadline_help)
+    args = ap.parse_args(argv)
+    start = time.time()
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit(f"{name}: no CUDA device here. Fix: --dry-run tests the plumbing on CPU.")
+    return args, args.results or REPO / ("runs/results" if args.dry_run else "bench/results"), start
+
+
 def layer_probe_record(name: str, dry: bool, results: Path, start: float, **fields):
     """What a one-GPU layer probe (bench/qlora_gpu.py, bench/moe_gpu.py) writes: its result, headed by the device,
     versions and date, then `fields`; the path <name>-<device>-<UTC time>.json in `results`; and `save`, which writes

@@ -24,7 +24,6 @@ weights are what it compares); a few seconds once the libraries are imported. No
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -190,20 +189,11 @@ def per_layer(probes: list[dict], plans: list[dict], terms: dict) -> dict:
 
 
 def run(argv: list[str] | None = None) -> tuple[dict, Path]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="on CPU, tiny shapes: plumbing only")
-    ap.add_argument("--results", type=Path, default=None, help="default bench/results; --dry-run: runs/results")
-    ap.add_argument("--deadline-s", type=float, default=50.0, help="seconds for every part (default 50)")
-    args = ap.parse_args(argv)
-    start = time.time()
-    import torch
+    from bench.gpu import layer_probe_record, layer_probe_start
 
-    from bench.gpu import layer_probe_record
-
+    args, results, start = layer_probe_start("moe_gpu", __doc__, argv, "seconds for every part (default 50)",
+                                             "on CPU, tiny shapes: plumbing only")
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        raise SystemExit("moe_gpu: no CUDA device here. Fix: --dry-run tests the plumbing on CPU.")
-    results = args.results or REPO / ("runs/results" if dry else "bench/results")
     results.mkdir(parents=True, exist_ok=True)
     result, path, save = layer_probe_record(
         "moe_gpu", dry, results, start, recipe=RECIPE, shape="dry run: tiny" if dry else "published Qwen3-30B-A3B",

@@ -29,7 +29,6 @@ launch path on CPU is tests/test_qlora.py's); a few seconds once the libraries a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -231,21 +230,13 @@ def judge_default(out: Path, rc: int | None) -> dict:
 
 
 def run(argv: list[str] | None = None) -> tuple[dict, Path]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="on CPU, tiny shapes, no launch: plumbing only")
-    ap.add_argument("--results", type=Path, default=None, help="default bench/results; --dry-run: runs/results")
-    ap.add_argument("--work", type=Path, default=None, help="the launch's model and run (default: under --results)")
-    ap.add_argument("--deadline-s", type=float, default=50.0, help="seconds for both parts (default 50)")
-    args = ap.parse_args(argv)
-    start = time.time()
-    import torch
+    from bench.gpu import layer_probe_record, layer_probe_start
 
-    from bench.gpu import layer_probe_record
-
+    args, results, start = layer_probe_start(
+        "qlora_gpu", __doc__, argv, "seconds for both parts (default 50)", "on CPU, tiny shapes, no launch: plumbing only",
+        more=lambda ap: ap.add_argument("--work", type=Path, default=None,
+                                        help="the launch's model and run (default: under --results)"))
     dry = args.dry_run
-    if not dry and not torch.cuda.is_available():
-        raise SystemExit("qlora_gpu: no CUDA device here. Fix: --dry-run tests the plumbing on CPU.")
-    results = args.results or REPO / ("runs/results" if dry else "bench/results")
     work = args.work or results / "qlora-gpu-work"
     work.mkdir(parents=True, exist_ok=True)
     result, path, save = layer_probe_record("qlora_gpu", dry, results, start, deadline_s=args.deadline_s,

@@ -180,6 +180,31 @@ def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, c
     assert_one_line_error(checks([str(recipe), "--output_dir", str(out)]), fragment)
 
 
+def test_a_resume_folder_without_the_trainers_state_is_one_line(recipe, cache_dir, tmp_path, checks):
+    """This run's model and adapter (fake_checkpoint's identity), but no trainer_state.json: a traceback before."""
+    ckpt = fake_checkpoint(tmp_path / "other", cache_dir)
+    res = checks([str(recipe), "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(ckpt)])
+    assert_one_line_error(res, f"{ckpt} has no trainer_state.json, so the Trainer cannot resume from it")
+
+
+def test_a_refused_resume_moves_no_unreadable_checkpoint_aside(recipe, cache_dir, tmp_path, checks):
+    """An unfinished run whose newest checkpoint cannot be read and whose older one belongs to another adapter: the
+    command is refused, and the folder is as it was (the unreadable checkpoint was moved aside, and "resuming from
+    checkpoint-10" said, before the refusal of that very checkpoint)."""
+    out = tmp_path / "run"
+    fake_checkpoint(out, cache_dir, peft__r=8)  # checkpoint-10
+    cut = out / "checkpoint-20"
+    cut.mkdir()
+    (cut / "checkpoint_complete").write_text("20")
+    (cut / "optimizer.bin").write_bytes(b"cut short")  # not a zip: markers.unreadable
+    from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
+
+    res = checks([str(recipe), "--output_dir", str(out)])
+    assert_one_line_error(res, "its LoRA r is 8 and this run's is 32")
+    assert "moved to" not in res.stdout, res.stdout
+    assert sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE) == ["checkpoint-10", "checkpoint-20"]
+
+
 def test_lora_under_fsdp1_needs_use_orig_params(tmp_path):
     from fsdp_recipes.config.accelerate_yaml import check_fsdp_with_peft
     from fsdp_recipes.errors import UserError

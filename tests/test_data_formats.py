@@ -234,3 +234,49 @@ def test_every_row_the_readme_shows_is_detected_as_its_format_and_converts(tmp_p
         assert spec is not None and spec.name == name, (name, spec)
         out = declaration.convert(ds, spec, lambda i: f"{path}:{i + 1}")
         assert len(out) == 3 and set(out.column_names) & {"messages", "prompt", "text"}, (name, out.column_names)
+
+
+def test_text_prompts_that_run_into_their_answers_are_one_counted_warning():
+    """TRL joins a plain-text prompt and its answer as written (`prompt + completion` in SFTTrainer's, DPOTrainer's
+    and KTOTrainer's tokenize_fn), so "What is 2+2?" + "4" trains "What is 2+2?4". The pack leaves the text as TRL
+    takes it and says so once per split, counted, in what the launcher's checks and `make data` print (the trainer
+    kind's check_data). In memory: rows 1 and 4 of 5 run together; a space or newline on either side, and chat rows
+    (the template separates the turns), do not."""
+    import datasets
+    from types import SimpleNamespace
+
+    from fsdp_recipes.train import kinds
+
+    def cfg(where):
+        return SimpleNamespace(script=SimpleNamespace(dataset_name=where, dataset_train_split="train",
+                                                      dataset_test_split="test"),
+                               training=SimpleNamespace(dataset_text_field="text"),
+                               model=SimpleNamespace(model_name_or_path="unused"))
+
+    rows = [{"prompt": "What is 2+2?", "completion": "4"}, {"prompt": "What is 3+3?", "completion": " 6"},
+            {"prompt": "What is 4+4?\n", "completion": "8"}, {"prompt": "What is 15+15?", "completion": "30"},
+            {"prompt": "Sum:\t", "completion": "9"}]
+    fix = ("TRL joins them as written. Fix: end the prompts with a separator (a space or a newline), or use a chat "
+           "model's conversational format (prompt and completion as lists of chat turns)")
+    warned = kinds.load("sft").check_data(cfg("mem-joined"), (datasets.Dataset.from_list(rows), None), None)
+    assert warned == ["2 of 5 rows of the `train` split: the prompt ends and the completion starts without a space "
+                      "or newline, so the model learns 'What is 2+2?4' (first: mem-joined (train split), row 1): "
+                      + fix]
+    train, test = datasets.Dataset.from_list(rows[1:3]), datasets.Dataset.from_list(rows[3:4])
+    assert kinds.load("sft").check_data(cfg("mem-split"), (train, test), None) == [
+        "1 of 1 rows of the `test` split: the prompt ends and the completion starts without a space or newline, so "
+        "the model learns '...at is 15+15?30' (first: mem-split (test split), row 1): " + fix]
+    chat = [{"prompt": [{"role": "user", "content": "What is 2+2?"}],
+             "completion": [{"role": "assistant", "content": "4"}]}] * 2
+    assert kinds.load("sft").check_data(cfg("mem-chat"), (datasets.Dataset.from_list(chat), None), None) == []
+
+    pairs = [{"prompt": "2 + 3 =", "chosen": " 5", "rejected": " 6"}, {"prompt": "2 + 4 =", "chosen": "6",
+                                                                      "rejected": " 7"}]
+    assert kinds.load("dpo").check_data(cfg("mem-pairs"), (datasets.Dataset.from_list(pairs), None), None) == [
+        "1 of 2 rows of the `train` split: the prompt ends and the answer starts without a space or newline, so the "
+        "model learns '2 + 4 =6' (first: mem-pairs (train split), row 2): " + fix]
+    labelled = [{"prompt": "2 + 3 =", "completion": "5", "label": True},
+                {"prompt": "2 + 4 =", "completion": " 7", "label": False}]
+    assert kinds.load("kto").check_data(cfg("mem-labelled"), (datasets.Dataset.from_list(labelled), None), None) == [
+        "1 of 2 rows of the `train` split: the prompt ends and the completion starts without a space or newline, so "
+        "the model learns '2 + 3 =5' (first: mem-labelled (train split), row 1): " + fix]

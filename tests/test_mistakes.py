@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -81,7 +82,8 @@ def qa(q="What is 1 + 1?", a="2", role="assistant"):
 
 
 # Each case: how to make the mistake (a function of the recipe folder and tmp_path returning extra launcher
-# arguments), and a fragment of the expected error line. The output_dir is the earlier run's unless the case sets it.
+# arguments), and a fragment of the expected error line. The output_dir is the earlier run's, with
+# --overwrite_output_dir true, unless the case sets it.
 def yaml_case(**changes):
     def make(recipe, tmp):
         edit(recipe / "sft.yaml", **changes)
@@ -119,6 +121,15 @@ def acc_case(**fsdp):
 def output_dir_is_a_file(recipe, tmp):
     (tmp / "out.txt").write_text("not a folder")
     return ["--output_dir", str(tmp / "out.txt")]
+
+
+def resume_inside_earlier_run(recipe, tmp):
+    return ["--resume_from_checkpoint", str(tmp / "earlier" / "checkpoint-10")]  # earlier_run's checkpoint
+
+
+def resume_another_adapter(recipe, tmp):
+    return ["--resume_from_checkpoint", str(fake_checkpoint(tmp / "other", Path(os.environ["FSDP_RECIPES_CACHE"]),
+                                                            peft__r=8))]
 
 
 def malformed_yaml(recipe, tmp):
@@ -174,6 +185,11 @@ CASES = {
     "cli-eval-steps-zero": (cli_case("--eval_strategy", "steps", "--eval_steps", "0"),
                             "eval_steps is 0; it must be positive"),
     "cli-output-dir-is-a-file": (output_dir_is_a_file, "is a file, not a directory"),
+    # a resume that --overwrite_output_dir true would refuse only once it had emptied the earlier run's folder
+    "cli-resume-not-found": (cli_case("--resume_from_checkpoint", "/nonexistent/run/checkpoint-10"), "does not exist"),
+    "cli-resume-inside-the-emptied-output-dir": (resume_inside_earlier_run,
+                                                 "which --overwrite_output_dir true empties"),
+    "cli-resume-another-adapter": (resume_another_adapter, "its LoRA r is 8 and this run's is 32"),
     # data
     "data-malformed-json-line": (data_case([qa(), qa(), '{"prompt": [{"role": "user", "content": "3 + 3?"}'],
                                            name="bad.jsonl"), "bad.jsonl:3: "),
@@ -212,8 +228,9 @@ def test_mistake_is_one_line_before_any_rank(name, recipe, earlier_run, tmp_path
     args = make(recipe, tmp_path)
     for key, value in getattr(make, "env", {}).items():
         monkeypatch.setenv(key, value)
-    if "--output_dir" not in args:
-        args += ["--output_dir", str(earlier_run)]
+    if "--output_dir" not in args:  # a command that would replace the earlier run once its checks passed: the
+        # mistake must stop it first (a finished run is decided before the model and data checks: launch/output_dir.py)
+        args += ["--output_dir", str(earlier_run), "--overwrite_output_dir", "true"]
     res = launcher_checks([str(recipe), *args], monkeypatch, capsys)
     code, out, err = res.returncode, res.stdout, res.stderr
     lines = [line for line in err.splitlines() if line.strip()]
@@ -426,13 +443,17 @@ def test_data_the_checks_build_is_left_to_them(tmp_path, cache_dir):
     that does not exist yet is no mistake before them (found by test_default_recipe's SFT -> DPO chain); the same
     folder for a recipe that builds nothing is."""
     from fsdp_recipes.config import recipes
+    from fsdp_recipes.data import files
     from fsdp_recipes.errors import UserError
-    from fsdp_recipes.launch import checks
+
+    def check(overrides):  # as the launcher asks before the ranks start
+        early = recipes.load("smollm2-135m-dpo", overrides).early
+        files.check_named_found(early.dataset_name, built_by_checks=early.addition_preferences)
 
     pairs = ["--dataset_name", str(tmp_path / "pairs")]
-    checks.check_data_found(recipes.load("smollm2-135m-dpo", pairs))  # builds them: no error
+    check(pairs)  # builds them: no error
     with pytest.raises(UserError, match="dataset not found"):
-        checks.check_data_found(recipes.load("smollm2-135m-dpo", [*pairs, "--addition_preferences", "false"]))
+        check([*pairs, "--addition_preferences", "false"])
 
 
 def test_a_mistyped_key_or_value_is_answered_before_the_heavy_imports_once_a_launch_parsed_the_kind(tmp_path,

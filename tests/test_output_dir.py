@@ -64,6 +64,8 @@ def test_the_same_command_again_is_already_complete_and_changes_nothing(finished
     assert res.returncode == 0, res.stdout + res.stderr
     assert "holds a finished run (4 steps" in res.stdout and "already complete" in res.stdout
     assert "continues from checkpoint-4" in res.stdout  # how to train longer
+    # said once the recipe is parsed, before the checks read the model and the rows (its token lengths' table)
+    assert "FSDP wraps" not in res.stdout and "token lengths" not in res.stdout, res.stdout
     assert files(finished) == before
 
 
@@ -77,6 +79,10 @@ def test_other_settings_never_replace_a_finished_run(finished, monkeypatch, caps
     line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--max_steps", "6", "--learning_rate",
                                       "1e-3"], monkeypatch, capsys))
     assert "cannot continue to max_steps=6" in line and "--override_resumed_settings true" in line
+    # a mistake in the other settings is said, not the refusal, whose fix would replace the run for a broken command
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--lora_target_modules", "q_proj", "nope"],
+                                     monkeypatch, capsys))
+    assert "lora_target_modules ['nope'] match no module" in line, line
     line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--max_steps", "2"], monkeypatch, capsys))
     assert "with other settings (max_steps 4 -> 2)" in line
     line = one_error(launcher_checks([*ARGS, "--output_dir", str(finished), "--max_steps", "6", "--auto_resume",

@@ -155,3 +155,96 @@ def test_without_resharding_the_whole_models_gathered_copy_is_counted():
     assert gathered == (134_515_008 + 30 * 162_816) * 2 + 162_816 * 4  # bf16 copies + one layer's fp32 LoRA grads
     resharded = memory_budget.budget(shape, dataclasses.replace(setup, reshard_after_forward=True))
     assert resharded["communication_buffers"] == (2 * shape.layer_params + shape.root_params) * 2 + 162_816 * 4
+
+
+def test_each_memory_limit_is_named_and_the_gates_is_in_gib():
+    """A new user saw "limit 39.8 GiB per GPU" beside "71.6 GiB usable" (smollm2-135m-lora on an H100) and could not
+    tell which applies. The 39.8 is right: the recipe's peak_memory_max_fraction gate, 50% of the H100's 79.6 GiB,
+    which the checkpointing pick respects because the run is judged on it (peak reserved / device total,
+    metrics/gates.py); the 71.6 is the planner's usable 90%. Each line now names its figure. By hand:
+    0.5 x 79.6 = 39.8; 0.9 x 79.6 = 71.64; 0.8 x 79.6 = 63.68; a 95% gate, 75.62, is looser than usable; the
+    estimates 3.2 / 79.6 = 4.0% and 45.0 / 79.6 = 56.5%."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.planning import checkpointing
+
+    default = SimpleNamespace(mfu_min=0.01, peak_memory_max_fraction=0.5, memory_headroom_warning=0.1,
+                              gates_warn_only=True)
+    assert checkpointing.limit_share(default, 0.9, 79.6) == (
+        0.5, "the peak_memory_max_fraction gate: 50% of 79.6 GiB, stricter than the 71.6 GiB usable")
+    looser = SimpleNamespace(peak_memory_max_fraction=0.95, memory_headroom_warning=0.1)
+    assert checkpointing.limit_share(looser, 0.9, 79.6) == (0.9, "the usable budget: 90% of 79.6 GiB")
+    margin = SimpleNamespace(peak_memory_max_fraction=None, memory_headroom_warning=0.2)
+    assert checkpointing.limit_share(margin, 0.9, 79.6) == (
+        0.8, "the memory_headroom_warning margin: 80% of 79.6 GiB, stricter than the 71.6 GiB usable")
+
+    assert plan.gate_lines(default, 3.2, 79.6) == [
+        "gates: MFU >= 1% (mfu_min), peak memory <= 50% of the GPU (peak_memory_max_fraction: the gate's limit "
+        "39.8 GiB of 79.6; this estimate: 3.2 GiB, 4%, under it); warn only (gates_warn_only)"]
+    enforced = SimpleNamespace(mfu_min=None, peak_memory_max_fraction=0.5, gates_warn_only=False)
+    assert plan.gate_lines(enforced, 45.0, 79.6) == [
+        "gates: peak memory <= 50% of the GPU (peak_memory_max_fraction: the gate's limit 39.8 GiB of 79.6; this "
+        "estimate: 45.0 GiB, 57%, over it: the run would fail this gate); a failed gate exits 3"]
+
+    # the trial's recipe, planned as make plan plans it: the pick's limit says it is the gate's, the usable is 71.6
+    p = plan.prepare("smollm2-135m-lora", 8, 1, "H100", REPO / "recipes")
+    text = plan.report(p)
+    assert ("limit 39.8 GiB per GPU (the peak_memory_max_fraction gate: 50% of 79.6 GiB, stricter than the 71.6 GiB "
+            "usable) -> pick none (the recipe's)") in text
+    assert "fits: 3.2 GiB of 71.6 GiB usable per GPU" in text
+    assert "the gate's limit 39.8 GiB of 79.6; this estimate: 3.2 GiB, 4%, under it" in text
+    # --fit answers against the usable 71.64 GiB, and says the gate's 39.80 (0.5 x 79.6) is lower
+    from fsdp_recipes.planning import answers
+
+    assert ("  a lower limit: 39.80 GiB per GPU (the peak_memory_max_fraction gate: 50% of 79.6 GiB, stricter than "
+            "the 71.6 GiB usable), which the activation-checkpointing pick uses; an answer above it fits the usable "
+            "budget, not that limit") in answers.fit_section(p).splitlines()
+
+
+@pytest.mark.parametrize("name, overrides, batch", [
+    ("llama-3.1-8b-lora-dpo", [], 4),  # 4 pairs x 2 sequences x 2,048 tokens: 16,384 tokens a micro-batch
+    ("llama-3.1-8b-lora-rloo", [], 8),  # 8 completions x (512 + 1,024): GRPOConfig/RLOOConfig have no max_length
+    ("smollm2-135m-grpo", ["--generation_backend", "transformers"], 16),  # + the generate KV cache of 16 x 1
+    ("llama-3.1-8b-lora", [], 1),
+])
+def test_fit_searches_the_batch_as_the_plain_plan_counts_it(name, overrides, batch):
+    """--fit's batch answer is a search over the plain plan's own total: with the usable set to the recipe's own
+    total, the largest batch that fits is the recipe's own (from its YAML); and the answer on the H100, planned
+    plainly at that batch and one more (with the same checkpointing), is the two totals --fit prints. It was 8 for
+    the DPO recipe (a pair counted as one sequence: every DPO answer about twice too large), a traceback for GRPO
+    and RLOO (no max_length), and the policy's generate kept the recipe's KV cache at every batch."""
+    from fsdp_recipes.planning import answers
+
+    p = plan.prepare(name, 8, 1, "H100", REPO / "recipes", overrides)
+    own_total = p.budgets[p.own]["total"]
+    at_own = dataclasses.replace(p, capacity=(own_total + 1) / memory_budget.GIB / plan.HEADROOM)
+    first = answers.fit_section(at_own).splitlines()[1]
+    assert first.startswith(f"  per_device_train_batch_size: {batch} fits ({own_total:,} B"), first
+
+    answer = answers.fit_section(p).splitlines()[1]
+    b = int(answer.split(": ")[1].split(" fits")[0])
+    pinned = [*overrides, "--activation_checkpointing_policy", p.checkpointing.pick]
+    totals = [plan.prepare(name, 8, 1, "H100", REPO / "recipes", [*pinned, "--per_device_train_batch_size", str(n)])
+              .budgets[p.own]["total"] for n in (b, b + 1)]
+    assert answer.startswith(f"  per_device_train_batch_size: {b} fits ({totals[0]:,} B = ") and \
+        f"; {b + 1} does not ({totals[1]:,} B = " in answer, (answer, totals)
+
+
+@pytest.mark.parametrize("name, max_steps", [("smollm2-135m-grpo", 56), ("smollm2-135m-rloo", 40)])
+def test_a_sampling_kinds_comms_scale_and_time_read_its_sequence_length(name, max_steps):
+    """GRPOConfig and RLOOConfig have no max_length: --comms and --scale (answers.work) and --time read it, a
+    traceback (AttributeError). A trained sequence is the planned prompt (sampling.PROMPT_TOKENS, 512) + the recipe's
+    max_completion_length 6 = 518 tokens, 16 completions a micro-batch: 8,288 tokens a step on a GPU. --time does not
+    model a sampling kind (a row is a prompt, sampling is not counted) and says so in one line."""
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.planning import answers, fabric
+
+    p = plan.prepare(name, 8, 1, "H100", REPO / "recipes")
+    net = fabric.fabric(plan.gpu_spec("H100")[0], None, None)
+    text, _ = answers.comms_section(p, net, 0.4)
+    assert "1 micro-batch(es) of 16 x 518 tokens" in text and "compute: 8,288 tokens x " in text, text
+    assert "(1 x 16 x 518 tokens per GPU" in answers.scale_section(p, net, 0.4, [1])
+    with pytest.raises(UserError, match=rf"^--time does not model {name.split('-')[-1]}: a row is a prompt .* Fix: "
+                                        rf"time a short run .* to max_steps {max_steps}$") as err:
+        answers.time_section(p, net, 0.4, 1000, None)
+    assert "\n" not in str(err.value)

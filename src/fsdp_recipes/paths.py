@@ -18,6 +18,11 @@ def cache_dir() -> Path:
     return path
 
 
+def in_pack_cache(path: str) -> bool:
+    """Whether `path` lies in the pack's cache, where the checks build the tiny and SmolLM2 assets it names."""
+    return Path(path).absolute().is_relative_to(cache_dir().absolute())
+
+
 def same_path_key(path: str) -> str:
     """A recipe path as comparable text: `$FSDP_RECIPES_CACHE/...` and `~/...` as the YAML writes them, expanded and
     normalised, an unset variable left as it is (a comparison, not a path to open: expand() refuses those)."""

@@ -30,6 +30,7 @@ import torch
 from transformers import TrainerCallback
 
 from fsdp_recipes.dist import gathered_parameters, rank
+from fsdp_recipes.errors import UserError
 from fsdp_recipes.patches.peft_fsdp import without_wrapper_names
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -111,7 +112,13 @@ def verify_resumed_adapter(model, checkpoint: str | Path, is_main: bool) -> dict
 
 
 def checkpoint_step(checkpoint: str | Path) -> int:
-    return int(json.loads((Path(checkpoint) / "trainer_state.json").read_text())["global_step"])
+    """The step the Trainer saved `checkpoint` at; a folder without its trainer_state.json is one line."""
+    state = Path(checkpoint) / "trainer_state.json"
+    if not state.is_file():
+        raise UserError(f"{checkpoint} has no trainer_state.json, so the Trainer cannot resume from it (the step, "
+                        "the schedule and the rows to skip are there). Fix: point resume_from_checkpoint at a "
+                        "checkpoint-N folder that a run saved whole.")
+    return int(json.loads(state.read_text())["global_step"])
 
 
 def verify_optimizer_steps(optimizer, checkpoint: str | Path) -> dict | None:

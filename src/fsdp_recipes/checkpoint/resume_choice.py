@@ -15,8 +15,9 @@ from fsdp_recipes.errors import UserError
 def checkpoint_to_resume(cfg, settings: dict, say=None, move_unreadable: bool = False):
     """(checkpoint or None, what the command changes against it). An explicit resume_from_checkpoint wins; else, with
     auto_resume, the newest complete checkpoint that can be read: newer ones that cannot are skipped, and moved aside
-    where `move_unreadable` (the launcher, which holds the output_dir's lock). The checkpoint must belong to this model
-    and LoRA shape (checked before any weight is loaded) and to this command's `settings` (resume_settings.current).
+    where `move_unreadable` (the launcher, which holds the output_dir's lock) once the resume passed its checks. The
+    checkpoint must belong to this model and LoRA shape (checked before any weight is loaded) and to this command's
+    `settings` (resume_settings.current).
     `say`: where the skipped checkpoints are told (None: nowhere). `cfg`: the parsed recipe (config/run_config.py
     RunConfig, a layer beside this one)."""
     from trl import get_peft_config
@@ -28,21 +29,18 @@ def checkpoint_to_resume(cfg, settings: dict, say=None, move_unreadable: bool = 
     say = say or (lambda line: None)
     training, model_args = cfg.training, cfg.model
     resume = training.resume_from_checkpoint
+    bad, then = [], ""
     if not resume and cfg.pack.auto_resume:
         for skipped in checkpoints.incomplete(training.output_dir):
             say(f"skipping {skipped}: incomplete (no {checkpoints.MARKER} marker)")
         latest, bad = checkpoints.usable(training.output_dir)
         then = f"resuming from {latest.name}" if latest else "no other complete checkpoint: starting from step 0"
-        for ckpt, why in bad:
-            if move_unreadable:
-                say(f"{ckpt} cannot be read ({why}); moved to {checkpoints.move_aside(ckpt).name}; {then}")
-            else:
-                say(f"skipping {ckpt}: cannot be read ({why}); {then}")
         resume = str(latest) if latest else None
     elif resume and Path(resume).is_dir() and (why := checkpoints.unreadable(Path(resume))):
         raise UserError(f"resume_from_checkpoint {resume} cannot be read ({why}). Fix: point it at another "
                         f"checkpoint-N folder.")
     if not resume:
+        set_aside(bad, then, say, checkpoints.move_aside if move_unreadable else None)
         return None, {}
     if not Path(resume).is_dir():
         raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
@@ -51,4 +49,17 @@ def checkpoint_to_resume(cfg, settings: dict, say=None, move_unreadable: bool = 
     saved = checkpoints.saved_identity(Path(resume)) or {}
     changed = resume_settings.check(resume, checkpoint_step(resume), saved.get("settings"), settings,
                                     cfg.pack.override_resumed_settings)
+    # moved once the resume is allowed: a refused command leaves output_dir as it was
+    set_aside(bad, then, say, checkpoints.move_aside if move_unreadable else None)
     return resume, changed
+
+
+def set_aside(bad: list, then: str, say, move_aside=None) -> None:
+    """The newer complete checkpoints that cannot be read (`bad`, markers.usable's): told, and moved aside with
+    `move_aside` (markers.move_aside, for the launcher, which holds the output_dir's lock). `then`: what the run does
+    instead."""
+    for ckpt, why in bad:
+        if move_aside is not None:
+            say(f"{ckpt} cannot be read ({why}); moved to {move_aside(ckpt).name}; {then}")
+        else:
+            say(f"skipping {ckpt}: cannot be read ({why}); {then}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -17,6 +18,7 @@ from typing import NamedTuple
 from fsdp_recipes.config import expert_lora
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.model_folders import adapter_beside_weights
+from fsdp_recipes.paths import in_pack_cache
 
 
 def model_config_source(model_name_or_path: str, recipe: Path | None, revision: str | None = None) -> Path | None:
@@ -59,10 +61,13 @@ def hub_shaped(path: str) -> bool:
 HUB_TIMEOUT_S = 5
 
 
-def check_model_found(path: str, continues_from: str | None = None, revision: str | None = None) -> Path | None:
+def check_model_found(path: str | None, continues_from: str | None = None, revision: str | None = None) -> Path | None:
     """The model exists where the ranks will look: a local folder with config.json (check_local_model), or a hub id
     in the cache or on a hub that answers within HUB_TIMEOUT_S; then its config.json (fetched: a few KB the ranks
-    would fetch anyway), None for a local path. The launcher's, before the ranks start; never a retry."""
+    would fetch anyway), None for a local path. The launcher's, before the ranks start; never a retry. Not for none
+    (the parse names the missing field) nor a model the checks build in the pack's cache (tiny and SmolLM2 assets)."""
+    if path is None or in_pack_cache(path):
+        return None
     check_local_model(path, continues_from)
     if not hub_shaped(path):
         return None
@@ -245,8 +250,6 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_comm
     if isinstance(targets, str) and targets != "all-linear":
         # One string is a regular expression PEFT matches against full module names (`--lora_target_modules
         # '[q_proj, v_proj]'` on the command line arrives as such a string, not a list).
-        import re
-
         full = [name for name, _ in model.named_modules() if name]
         try:
             matched = any(re.fullmatch(targets, name) for name in full)
@@ -257,15 +260,13 @@ def check_recipe_fits_model(model, acc: dict, acc_path, model_args, wrap_on_comm
                 f"lora_target_modules {targets!r} is one string, which PEFT reads as a regular expression over full "
                 f"module names, and it matches no module of {arch}. Fix: give names separated by spaces on the "
                 f"command line (--lora_target_modules q_proj v_proj) or a YAML list; {arch}'s linear layers: "
-                f"{', '.join(linear)}."
-            )
+                f"{', '.join(linear)}.")
     if isinstance(targets, list):
         missing = [t for t in targets if t not in names]
         if missing:
             raise UserError(
                 f"lora_target_modules {missing} match no module of {arch} (its linear layers: {', '.join(linear)}). "
-                "Fix: use names from that list."
-            )
+                "Fix: use names from that list.")
     missing = [m for m in (model_args.lora_modules_to_save or []) if m not in names]
     if missing:
         raise UserError(f"lora_modules_to_save {missing} match no module of {arch}. Fix: remove them or correct the names.")
@@ -280,8 +281,6 @@ def check_lora_on_output_layer(model, targets, target_parameters) -> None:
     the adapter would never train, and each refuses it in every rank's setup ("Applying a PEFT adapter to `lm_head`
     is not supported"; measured on the default, issue 61). Named here before any rank starts, with the way that
     works: the whole head trained (modules_to_save; on a tied model an untied copy, patches/peft_fsdp.py)."""
-    import re
-
     head = model.get_output_embeddings()
     named = [name for name, m in model.named_modules() if m is head and name]
     if not named:

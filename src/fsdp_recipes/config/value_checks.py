@@ -50,6 +50,15 @@ def check_output_dir(path: str) -> None:
               "choose an output_dir you can write, or fix its permissions")
 
 
+def check_resume_kept(resume: str | None, output_dir: str, overwrite: bool) -> None:
+    """--overwrite_output_dir empties output_dir before the run starts: a resume_from_checkpoint inside it would be
+    removed first, and the run refused as "does not exist" once the earlier run was gone."""
+    if overwrite and resume and Path(resume).resolve().is_relative_to(Path(output_dir).resolve()):
+        _fail(f"resume_from_checkpoint {resume} lies in output_dir {output_dir}, which --overwrite_output_dir true "
+              "empties before the run starts", "leave out --overwrite_output_dir (the same output_dir resumes its "
+              "run), or copy the checkpoint out of output_dir first")
+
+
 def check_training_values(t, eval_on: bool) -> None:
     """Ranges of SFTConfig fields that nothing checks before training starts."""
     if t.learning_rate <= 0:
@@ -120,6 +129,10 @@ def check_values(cfg: RunConfig) -> None:
     check_lora_values(cfg.model)
     if cfg.pack.preemption_grace_s < 0:
         _fail(f"preemption_grace_s is {cfg.pack.preemption_grace_s}", "set it to the seconds a checkpoint save needs")
+    if (size := cfg.pack.eval_split_size) < 0 or (size >= 1 and size % 1):
+        _fail(f"eval_split_size is {size:g}: give a share of the training rows below 1 (0.1 holds out 10%) or a "
+              "whole number of rows", "correct it, or 0 for none")
     check_gate_values(cfg.pack)
     check_output_dir(cfg.training.output_dir)
+    check_resume_kept(cfg.training.resume_from_checkpoint, cfg.training.output_dir, cfg.pack.overwrite_output_dir)
     lora_config(cfg)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from fsdp_recipes.config.model_check import looks_local
 from fsdp_recipes.data.rows import file_layout
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.paths import in_pack_cache
 
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # datasets decompresses these itself (fsspec, by the file's extension)
@@ -42,19 +44,25 @@ def check_found(name: str) -> Path:
     return path
 
 
+def check_named_found(name: str | None, built_by_checks: bool) -> None:
+    """The launcher's, before the ranks start (issue 42: data mistakes within 5 s): a mistyped local dataset_name is
+    one line now. Not a hub id or a `datasets:` mixture (checked with the recipe), nor data the checks build: the tiny
+    and SmolLM2 assets in the pack's cache, and DPO's pairs from the SFT model's answers (`built_by_checks`)."""
+    if name is not None and not built_by_checks and looks_local(name) and not in_pack_cache(name):
+        check_found(name)
+
+
 def fix_for_missing(path: Path) -> str:
     """A close name beside the missing path (a typo), else the tiny default's builder where the path is in the
     pack's cache; else to check dataset_name (the builder was named for any path, a user's own file too)."""
     import difflib
-
-    from fsdp_recipes.paths import cache_dir
 
     parent = path.parent if str(path.parent) else Path(".")
     if parent.is_dir():
         close = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=1, cutoff=0.75)
         if close:
             return f"did you mean {parent / close[0] if str(path.parent) not in ('', '.') else close[0]}?"
-    if cache_dir().resolve() in path.absolute().parents:
+    if in_pack_cache(str(path)):
         return "check dataset_name, or build the tiny default's data with `python -m fsdp_recipes.assets.tiny_assets`"
     return "check dataset_name (a file, or a folder of train.jsonl and validation.jsonl)"
 

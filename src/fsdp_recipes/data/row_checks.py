@@ -4,7 +4,8 @@ the launcher only (before any rank starts; the ranks load the same files after i
 the line.
 
 Gap it fills: TRL takes an empty split, a role it does not know or a non-string content, and fails (or trains on
-nothing) inside every rank.
+nothing) inside every rank; and it joins a text prompt and its answer as written, which no one tells a user whose
+prompts end without a space or newline (joined_without_separator).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def turns_or_text(ds, where: str, split: str) -> list[str]:
     chat = conversational(ds)
     if not chat:
         check_text_rows(ds, where, split)
-        return []
+        return joined_without_separator(ds, where, split, ("completion",))
     cols = [c for c in CONVERSATION_COLUMNS if c in ds.column_names]
     without_answer, user_last = [], []
     for i, row in enumerate(ds.select_columns(cols)):
@@ -119,6 +120,37 @@ def check_text_rows(ds, where: str, split: str) -> None:
             if not isinstance(row.get(c), str):
                 raise UserError(f"{row_at(where, split, i)}: `{c}` is {kind_of(row.get(c))}, not text as in the "
                                 f"other rows. Fix: give the row its {c}, or remove the row.")
+
+
+def joined_without_separator(ds, where: str, split: str, answers: tuple[str, ...]) -> list[str]:
+    """Plain-text rows whose prompt and answer meet with no whitespace between them, counted: one warning (returned)
+    for the split. TRL joins a text prompt and its answer as written (`prompt + completion` in SFTTrainer's,
+    DPOTrainer's and KTOTrainer's tokenize_fn, by design: the data says where the answer starts), so "What is 2+2?"
+    and "4" train "What is 2+2?4", and at inference the prompt a user types ends the same way. Not changed here (the
+    training text is TRL's contract and the recipes'), only said, since nothing else tells the user. Chat rows are
+    rendered by the chat template, which separates the turns itself."""
+    cols = ["prompt", *answers]
+    if any(c not in ds.column_names for c in cols):
+        return []
+    joined, first = 0, None
+    for i, row in enumerate(ds.select_columns(cols)):
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt or prompt[-1].isspace():
+            continue
+        answer = next((row[a] for a in answers if isinstance(row[a], str) and row[a] and not row[a][0].isspace()),
+                      None)
+        if answer is not None:
+            joined += 1
+            first = first or (i, prompt, answer)
+    if not joined:
+        return []
+    i, prompt, answer = first
+    what = "completion" if answers == ("completion",) else "answer"
+    seam = ("..." if len(prompt) > 12 else "") + prompt[-12:] + answer[:12] + ("..." if len(answer) > 12 else "")
+    return [f"{joined} of {len(ds)} rows of the `{split}` split: the prompt ends and the {what} starts without a space "
+            f"or newline, so the model learns {seam!r} (first: {row_at(where, split, i)}): TRL joins them as written. "
+            "Fix: end the prompts with a separator (a space or a newline), or use a chat model's conversational format "
+            "(prompt and completion as lists of chat turns)"]
 
 
 def check_chat_template(tokenizer, model: str, where: str) -> None:

@@ -1,23 +1,20 @@
-"""The launcher's checks of a recipe: those that need no heavy import first (keys, the model and data found, the
-topology), then the recipe as the ranks will parse it, the model, the dataset and its rows, while the ranks import."""
+"""The launcher's checks of a recipe: those that need no heavy import first (keys, the topology), then the recipe
+as the ranks will parse it, the model, the dataset and its rows, while the ranks import."""
 
 from __future__ import annotations
 
 import json
 import warnings
-from pathlib import Path
 
-# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_settings below, while the ranks
 # import the same in parallel.
 from fsdp_recipes import speed
 from fsdp_recipes.config import accelerate_yaml, hardware, mesh, model_check, value_checks
 from fsdp_recipes.config.job import job_machines, job_processes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
-from fsdp_recipes.data import files, length_report, lengths, loading, recipe_tokenizer
-from fsdp_recipes.launch import smoke
+from fsdp_recipes.data import length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.launch.lines import say
-from fsdp_recipes.paths import cache_dir
 from fsdp_recipes.train import kinds, run_checks
 
 
@@ -40,38 +37,6 @@ def check_launch(recipe: Recipe) -> None:
     accelerate_yaml.check_topology(acc, recipe.accelerate_path, machines, job_processes(acc))
 
 
-def in_pack_cache(path: str) -> bool:
-    """Whether `path` lies in the pack's cache, where the checks build the tiny and SmolLM2 assets it names."""
-    return Path(path).absolute().is_relative_to(cache_dir().absolute())
-
-
-def check_data_found(recipe: Recipe) -> None:
-    """A mistyped local dataset_name is one line now, not after the checks' imports (issue 42: data mistakes
-    within 5 s); a `datasets:` mixture and a hub id are checked with the recipe (check_recipe), as is data the
-    checks build: the tiny and SmolLM2 assets in the pack's cache, and DPO's pairs from the SFT model's answers
-    (addition_preferences), written where dataset_name says."""
-    early = recipe.early
-    name = early.dataset_name
-    if early.addition_preferences or name is None:
-        return
-    if model_check.looks_local(name) and not in_pack_cache(name):
-        files.check_found(name)
-
-
-def check_model_found(recipe: Recipe) -> None:
-    """A mistyped model path, or a hub id neither cached nor reachable, is one line here, before the ranks start
-    (from_pretrained in a rank retries the hub for most of a minute before it fails). Not for a smoke run, which
-    trains a tiny model instead, nor for a model the pack builds in its cache during the checks (tiny_assets,
-    smollm2_assets)."""
-    early = recipe.early
-    model = early.model_name_or_path
-    if smoke.active() or model is None:
-        return  # no model: the recipe's parse names the missing field
-    if in_pack_cache(model):
-        return
-    model_check.check_model_found(model, early.continues_from, early.model_revision)
-
-
 def warn(recipe: Recipe, lines: list[str]) -> None:
     for line in lines:
         recipe.warnings.append(line)
@@ -79,8 +44,17 @@ def warn(recipe: Recipe, lines: list[str]) -> None:
 
 
 def check_recipe(recipe: Recipe) -> RunConfig:
-    """accelerate's reading of its config; the recipe as the ranks will parse it, the model, the dataset and the
-    checkpoint to resume. Sets recipe.cfg."""
+    """accelerate's reading of its config; the recipe as the ranks will parse it, the model and the dataset. Sets
+    recipe.cfg."""
+    cfg = check_settings(recipe)
+    check_model_and_data(recipe, cfg)
+    return cfg
+
+
+def check_settings(recipe: Recipe) -> RunConfig:
+    """accelerate's reading of its config, the recipe as the ranks will parse it and its settings: what the
+    launcher knows before it reads the model's files and the data (the previous run's decision comes between). Sets
+    recipe.cfg."""
     acc = recipe.accelerate
     named = recipe.folder / "accelerate.yaml"  # what the user edits, also when a smoke test runs a scaled copy
     accelerate_yaml.check_accelerate_keys(named, recipe.accelerate_written)
@@ -91,6 +65,14 @@ def check_recipe(recipe: Recipe) -> RunConfig:
     warn(recipe, value_checks.schedule_warnings(cfg.training))
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
     speed.check_launch(cfg, acc, named)  # their accelerate rules, their GPUs (nvidia-smi)
+    recipe.cfg = cfg
+    return cfg
+
+
+def check_model_and_data(recipe: Recipe, cfg: RunConfig) -> None:
+    """The parsed recipe against its model (the mesh's heads, the wrap class, LoRA targets) and its local data (the
+    format, the rows, the token lengths)."""
+    acc, named = recipe.accelerate, recipe.folder / "accelerate.yaml"
     model_json = model_check.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
     shape = json.loads(model_json.read_text()) if model_json else {}
     mesh.check_mesh_fits(mesh.mesh_of(acc, named), named, shape.get("num_attention_heads"),
@@ -127,6 +109,4 @@ def check_recipe(recipe: Recipe) -> RunConfig:
             for line in table:
                 say(line)
             warn(recipe, cut)
-    recipe.cfg = cfg
-    return cfg
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from fsdp_recipes import speed
 from fsdp_recipes.assets import addition_preferences
 from fsdp_recipes.config import model_check, recipes, run_config, value_checks
-from fsdp_recipes.data import length_report, lengths, loading, recipe_tokenizer
+from fsdp_recipes.data import declaration, length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.data.rows import ROW_ORIGIN, count_rows, row_at, split_file
 from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError, cli
@@ -76,7 +76,7 @@ def load_config(name: str, overrides: list[str]):
         cfg = run_config.parse_args(recipe.argv(), recipe.raw,
                                     world_size=int(recipe.accelerate.get("num_processes", 1) or 1))
         value_checks.check_values(cfg)
-    run_checks.check_data_settings(cfg)
+    declaration.parse_spec(cfg.pack.dataset_format)  # the format's name and mapping, before any row is read
     run_checks.prepare_assets(cfg, quiet=True)
     model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     if cfg.pack.addition_preferences:  # the DPO demo's pairs: made by its first launch, with the SFT model

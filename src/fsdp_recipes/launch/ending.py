@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in the checks, while the ranks
 # import the same in parallel.
 from fsdp_recipes.config.job import machine_rank
 from fsdp_recipes.config.recipes import Recipe

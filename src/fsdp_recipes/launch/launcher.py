@@ -7,9 +7,9 @@
 2. Checks what needs no heavy import (accelerate YAML, GPU requirement, topology), then starts the real
    `accelerate launch --config_file <recipe>/accelerate.yaml -m fsdp_recipes.train.entry`, in a session of its own.
    The recipe is loaded once (config/recipes.py `Recipe`) and everything below reads that object.
-3. While the ranks import torch and the rest, checks the recipe in this one process -- recipe YAML, model,
-   dataset, resume -- and builds the tiny local assets or prepares the
-   default's SmolLM2 (assets/) when the recipe uses them. The ranks wait at a gate
+3. While the ranks import torch and the rest, checks the recipe in this one process -- recipe YAML, a finished
+   run in output_dir (said before the slower checks), model, dataset, resume -- and builds the tiny local assets or
+   prepares the default's SmolLM2 (assets/) when the recipe uses them. The ranks wait at a gate
    (start_gate.py) and their output is held back until the checks pass; a mistake kills them and is one line
    here instead of a traceback from every rank.
 4. Passes on what a scheduler sends (SIGTERM, SIGUSR1, SIGINT) and relays the ranks' output.
@@ -33,19 +33,20 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
-# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in the checks, while the ranks
 # import the same in parallel.
 from fsdp_recipes import library_logs, speed
-from fsdp_recipes.config import handoff, hardware, placement, recipes
+from fsdp_recipes.config import handoff, hardware, model_check, placement, recipes
 from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.data import files
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError, cli
 from fsdp_recipes.launch import smoke, summary
-from fsdp_recipes.launch.checks import check_data_found, check_launch, check_model_found, check_recipe
+from fsdp_recipes.launch.checks import check_launch, check_model_and_data, check_settings
 from fsdp_recipes.launch.ending import how_it_ended, records_exit_code, summarise
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
-from fsdp_recipes.launch.output_dir import claim_output_dir, lock_output_dir
+from fsdp_recipes.launch.output_dir import claim_output_dir, finished_run, lock_output_dir
 from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command, settings_file
 from fsdp_recipes.planning import launch_pick
 
@@ -66,9 +67,11 @@ def launch(argv: list[str], held: ExitStack) -> int:
     with unexpected_errors("reading the recipe"):
         check_launch(recipe)
     extra = place(recipe, gpus)
-    with unexpected_errors("reading the recipe"):
-        check_model_found(recipe)
-        check_data_found(recipe)
+    with unexpected_errors("reading the recipe"):  # a mistyped model or data path: one line before the ranks start
+        early = recipe.early
+        if not smoke.active():  # a smoke run trains a tiny model instead
+            model_check.check_model_found(early.model_name_or_path, early.continues_from, early.model_revision)
+        files.check_named_found(early.dataset_name, built_by_checks=early.addition_preferences)
     locked = lock_output_dir(recipe, held)
     torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))  # torchrun's --log_dir: rank_command
     cmd = rank_command(recipe, extra, torchrun_logs)
@@ -150,15 +153,22 @@ def start_ranks(recipe: Recipe, cmd: list[str], torchrun_logs: Path, said: str, 
 def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | None, torchrun_logs: Path,
                              build_smoke_model: Callable[[], None] | None,
                              locked: str | None = None) -> tuple[RunConfig | None, int | None]:
-    """Step 3 of the module docstring: the smoke run's model, the recipe's checks (check_recipe) and output_dir's
-    (claim_output_dir), while the ranks import, or before they start (`ranks` None). Returns the parsed
-    configuration and None; or None and the exit code where the launch ends here (a signal, a run that is complete
-    already), the ranks stopped. A failed check stops them and raises."""
+    """Step 3 of the module docstring: the smoke run's model, the recipe's checks (launch/checks.py), what to do with
+    a run output_dir holds (launch/output_dir.py), while the ranks import, or before they start (`ranks` None).
+    Returns the parsed configuration and None; or None and the exit code where the launch ends here (a signal, a run
+    that is complete already), the ranks stopped. A failed check stops them and raises."""
     try:
         if build_smoke_model is not None:
             build_smoke_model()
-        cfg = check_recipe(recipe)
-        done = claim_output_dir(recipe, cfg, held, locked)
+        cfg = check_settings(recipe)
+        try:
+            done = finished_run(recipe, cfg, held, locked)  # "already complete": said before the data's checks
+        except UserError:  # a refusal names the command's other settings: a mistake in those is said first
+            check_model_and_data(recipe, cfg)
+            raise
+        if done is None:
+            check_model_and_data(recipe, cfg)
+            claim_output_dir(recipe, cfg)
     except BaseException as err:
         if ranks is not None:
             ranks.abort()

@@ -7,7 +7,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 
-# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in the checks, while the ranks
 # import the same in parallel.
 from fsdp_recipes.errors import UserError
 

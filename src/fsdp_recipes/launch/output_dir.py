@@ -7,8 +7,8 @@ import shlex
 from contextlib import ExitStack
 from pathlib import Path
 
-# Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_recipe, while the ranks
-# import the same in parallel.
+# Only light modules here: the heavy imports (torch, transformers, TRL) happen in the checks, while the ranks
+# import the same in parallel; checkpoint/'s readers of the folder import torch, so inside the functions below.
 from fsdp_recipes.checkpoint import output_lock, resume_choice
 from fsdp_recipes.config.job import first_node, job_processes
 from fsdp_recipes.config.mesh import mesh_of
@@ -22,7 +22,7 @@ from fsdp_recipes.train import kinds
 def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = None) -> str | None:
     """Lock output_dir for this run, held until the launcher exits: before the ranks start where the recipe or
     the command names it, so that a busy folder is one line at once (issue 42: lock mistakes within 5 s), else
-    (`output_dir`: TrainingArguments' default, once parsed) in claim_output_dir. The folder locked, or None. On a
+    (`output_dir`: TrainingArguments' default, once parsed) in finished_run. The folder locked, or None. On a
     multi-node job the first node's launcher locks."""
     out = output_dir or recipe.early.output_dir
     if not out or not first_node():
@@ -41,33 +41,58 @@ def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = No
     return out
 
 
-def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | None = None) -> str | None:
-    """Lock output_dir for this run where lock_output_dir could not yet, apply --overwrite_output_dir, and decide what
-    the command does with a run the folder holds already (checkpoint/previous_run.py): None to go on, or the
-    "already complete" line. Then the checkpoint to resume: refused when incompatible, skipped (and moved aside)
-    when unreadable. On a multi-node job the first node's launcher does this; the others only check the resume."""
-    from fsdp_recipes.checkpoint import previous_run, resume_settings
+def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | None = None) -> str | None:
+    """Lock output_dir for this run where lock_output_dir could not yet, and decide, reading only, what the command
+    does with a finished run the folder holds (checkpoint/previous_run.py): the "already complete" line, a one-line
+    refusal (other settings), or None to go on. Before the checks read the model and the data, so that a finished
+    run is said as soon as the recipe is parsed; every node decides alike (read-only)."""
+    from fsdp_recipes.checkpoint import previous_run
 
     out = cfg.training.output_dir
-    now = resume_settings.current(cfg, job_processes(recipe.accelerate), kinds.load(cfg.trainer).RESUME_SETTINGS,
-                                  mesh=mesh_of(recipe.accelerate, recipe.accelerate_path))
     if locked is None or Path(out).resolve() != Path(locked).resolve():  # the lock first: the folder is read under it
         lock_output_dir(recipe, held, out)
-    first = first_node()
     previous = previous_run.read(Path(out))
-    # a finished smoke run is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)
-    replace = cfg.pack.overwrite_output_dir or (smoke.active() and previous is not None
-                                                and previous.status == "completed")
-    if replace and first and (removed := previous_run.clear(out, previous)):
-        say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
-    if not replace:  # every node decides alike (read-only), so none starts ranks that would wait for the others
-        resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
-        if done := previous_run.decide(out, previous, now, cfg.pack.override_resumed_settings, resumes,
-                                       previous_run.trained(cfg.model)):
-            return done
-    elif not first:
-        return None  # the first node is emptying output_dir: there is nothing of the old run to resume
-    resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
+    if replaces(cfg, previous):
+        return None
+    resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
+    return previous_run.decide(out, previous, resume_settings_now(recipe, cfg), cfg.pack.override_resumed_settings,
+                               resumes, previous_run.trained(cfg.model))
+
+
+def replaces(cfg: RunConfig, previous) -> bool:
+    """--overwrite_output_dir; and a finished smoke run, which is scratch: the next smoke run replaces it (an
+    unfinished one is resumed, as any run)."""
+    return cfg.pack.overwrite_output_dir or (smoke.active() and previous is not None
+                                             and previous.status == "completed")
+
+
+def resume_settings_now(recipe: Recipe, cfg: RunConfig) -> dict:
+    from fsdp_recipes.checkpoint import resume_settings
+
+    return resume_settings.current(cfg, job_processes(recipe.accelerate), kinds.load(cfg.trainer).RESUME_SETTINGS,
+                                   mesh=mesh_of(recipe.accelerate, recipe.accelerate_path))
+
+
+def claim_output_dir(recipe: Recipe, cfg: RunConfig) -> None:
+    """Once the checks passed (finished_run decided to go on, and holds the lock): apply --overwrite_output_dir, then
+    choose the checkpoint to resume: refused when incompatible, skipped (and moved aside) when unreadable. On a
+    multi-node job the first node's launcher changes the folder; the others only check the resume."""
+    from fsdp_recipes.checkpoint import previous_run, resume_settings
+
+    out, first = cfg.training.output_dir, first_node()
+    previous = previous_run.read(Path(out))
+    now = resume_settings_now(recipe, cfg)
+    if replaces(cfg, previous):
+        if not first:
+            return  # the first node is emptying output_dir: there is nothing of the old run to resume
+        # an explicit resume_from_checkpoint (elsewhere: config/value_checks.check_resume_kept) is checked before the
+        # folder is emptied, so that its refusal (not found, another model, other settings) leaves the run there
+        resume, changed = (resume_choice.checkpoint_to_resume(cfg, now, say=say)
+                           if cfg.training.resume_from_checkpoint else (None, {}))
+        if removed := previous_run.clear(out, previous):
+            say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
+    else:
+        resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
     if first:
         superseded(out, resume)
     if changed.get("length"):
@@ -79,17 +104,15 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: st
         say(f"override_resumed_settings: resuming {resume} with {resume_settings.described(changed['changed'])}; the "
             f"new values apply from step {changed['step'] + 1} (run_args.json: resumed_with_changes)"
             + ("; the eval rows are chosen again, so the summary calls none of them held out" if moved else ""))
-    return None
 
 
 def superseded(output_dir: str, resume: str | None) -> None:
     """Complete checkpoints of this output_dir past the step this run starts from (auto_resume false, or an older
     resume_from_checkpoint) are moved aside: the Trainer would save into those folders while their old
     completion marker still stood, and a kill mid-save would leave a mixed folder that looked complete."""
-    from fsdp_recipes.checkpoint import markers
-    from fsdp_recipes.checkpoint.resume_check import checkpoint_step
+    from fsdp_recipes.checkpoint import markers, resume_check
 
-    start = checkpoint_step(resume) if resume else 0
+    start = resume_check.checkpoint_step(resume) if resume else 0
     for ckpt in markers.checkpoint_dirs(output_dir):
         if markers.is_complete(ckpt) and markers.step_of(ckpt) > start:
             moved = markers.move_aside(ckpt, "superseded")

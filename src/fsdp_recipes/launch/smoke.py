@@ -39,7 +39,7 @@ from fsdp_recipes.config import model_check
 from fsdp_recipes.config.model_check import load_config
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.paths import cache_dir
+from fsdp_recipes.paths import cache_dir, in_pack_cache
 from fsdp_recipes.train import kinds
 
 ENV = "FSDP_RECIPES_SMOKE"
@@ -114,7 +114,7 @@ def model_source(recipe: Recipe) -> tuple[Path, str] | None:
     early = recipe.early
     model = str(early.model_name_or_path)
     shipped = recipe.folder / "model_config.json"
-    in_cache = Path(model).absolute().is_relative_to(cache_dir().absolute())  # the pack's assets
+    in_cache = in_pack_cache(model)  # the pack's assets
     if in_cache and early.tiny_assets and not shipped.is_file():
         return None  # the tiny model already
     own = model_check.model_config_json(model, early.model_revision)

@@ -8,9 +8,10 @@ import dataclasses
 from fsdp_recipes.config import accelerate_yaml
 from fsdp_recipes.config.mesh import data_parallel_size
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.planning import comms, duration, fit, mesh_fit, mesh_lines
+from fsdp_recipes.planning import checkpointing, comms, duration, fit, mesh_fit, mesh_lines
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB, budget
+from fsdp_recipes.train import kinds
 
 NODE_GPUS = 8  # GPUs of an HGX/DGX board: the node size a topology answer uses when GPUS names fewer
 
@@ -27,17 +28,50 @@ def boundary(a: fit.Answer, usable: float) -> str:
     return f"{a.what}: {a.value:,} fits ({a.fits_bytes:,} B = {gib(a.fits_bytes)} GiB){past}; {a.note}"
 
 
+def sequence_length(p) -> int:
+    """Tokens of one trained sequence as the plain plan counts them: the trainer kind's (max_length, or a sampling
+    kind's planned prompt + max_completion_length: GRPOConfig and RLOOConfig have no max_length)."""
+    return kinds.load(p.cfg.trainer).sequence_length(p.cfg.training)
+
+
 def fit_section(p) -> str:
     t, s, m, usable = p.cfg.training, p.setup, p.shape, p.usable
     limit = getattr(p.model.config, "max_position_embeddings", None)
+    # a row's tokens as the plain plan counts them (plan.setups): a DPO pair is 2 sequences; a sampling kind's
+    # completion is a planned prompt + max_completion_length, and its config has no max_length
+    kind = kinds.load(p.cfg.trainer)
+    length, sequences = kind.sequence_length(t), kind.SEQUENCES_PER_ROW
+    # the policy's generate holds per_device_train_batch_size x steps_per_generation completions (generation_setup)
+    sampled_per_row = (getattr(t, "steps_per_generation", None) or 1) if s.generation == "generate" else 0
+    if hasattr(t, "max_length"):
+        note = f"at max_length {length:,}" + (f", {sequences} sequences a row" if sequences > 1 else "")
+        longest = "  " + boundary(fit.length(m, s, t.per_device_train_batch_size, usable, limit, sequences), usable)
+    else:
+        prompt = length - t.max_completion_length
+        note = f"at {length:,} tokens a completion (a prompt of {prompt:,} + max_completion_length)"
+        longest = (f"  max_length: not a setting of {p.cfg.trainer} (a completion is planned as a prompt of {prompt:,} "
+                   "tokens + max_completion_length: plan another with --max_completion_length N)")
     lines = [f"fit at {p.nodes} node(s) x {p.gpus} {p.gpu}, usable {usable:,.0f} B = {gib(usable)} GiB per GPU "
              f"({p.own}; each answer is the plain plan's total, and one step past it does not fit):",
-             "  " + boundary(fit.batch(m, s, t.max_length or 1024, usable), usable),
-             "  " + boundary(fit.length(m, s, t.per_device_train_batch_size, usable, limit), usable),
+             "  " + boundary(fit.batch(m, s, length, usable, sequences, note, sampled_per_row), usable),
+             longest,
              "  " + fit.checkpointing(m, s, usable)]
+    lines += ["  " + line for line in stricter_limit(p)]
     lines += ["  " + line for line in topology_answer(p)]
     lines += ["  " + line for line in mesh_answer(p)]
     return "\n".join(lines)
+
+
+def stricter_limit(p) -> list[str]:
+    """The answers above are against the usable budget; where the recipe's gates set a lower limit (the default's
+    peak_memory_max_fraction 50%), say so, with the figure the plan's checkpointing pick used, so that an answer
+    between the two does not read as safe for the gate."""
+    capacity = p.capacity * GIB
+    share, source = checkpointing.limit_share(p.cfg.pack, p.usable / capacity, p.capacity)
+    if share * capacity >= p.usable:
+        return []
+    return [f"a lower limit: {gib(share * capacity)} GiB per GPU ({source}), which the activation-checkpointing pick "
+            "uses; an answer above it fits the usable budget, not that limit"]
 
 
 def mesh_answer(p) -> list[str]:
@@ -51,7 +85,7 @@ def mesh_answer(p) -> list[str]:
     flat = dataclasses.replace(s, tp=1, cp=1)
     alone = fit.smallest_fsdp_world(m, dataclasses.replace(flat, strategy="FSDP"), usable, p.gpus * 1024)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    max_length = p.cfg.training.max_length or 1024
+    max_length = sequence_length(p)
 
     def launchable(world: int, tp: int, cp: int) -> bool:  # only meshes the launcher starts (config/mesh.py)
         return mesh_fit.refusal(p.acc, p.cfg, world, tp, cp, heads, kv_heads, max_length) is None
@@ -179,7 +213,7 @@ def work(p, mfu: float) -> comms.Work:
         gather = s.load_bytes  # LoRA's adapters are fp32 (PEFT upcasts them), a full fine-tune's weights its load
         reduce = 4 if p.cfg.model.use_peft else s.load_bytes
         widths = dict(activation_bytes=s.compute_bytes, residual_bytes=s.load_bytes)
-    return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, t.max_length or 1024,
+    return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, sequence_length(p),
                       gather, reduce, mfu, recompute=s.checkpointed, recompute_every=s.checkpoint_every,
                       attention_saved=s.checkpointed and s.checkpoint_ops, **widths)
 
@@ -278,7 +312,11 @@ def scale_section(p, f: Fabric, mfu: float, node_counts: list[int]) -> str:
 
 def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: float | None) -> str:
     t = p.cfg.training
-    max_length = t.max_length or 1024
+    if not hasattr(t, "max_length"):  # a sampling kind: a dataset row is a prompt, and its steps sample first
+        raise UserError(f"--time does not model {p.cfg.trainer}: a row is a prompt trained as num_generations "
+                        "completions, and each step's sampling is not counted. Fix: time a short run (--max_steps 4; "
+                        f"its report's wall_clock_s) and scale it to max_steps {t.max_steps}")
+    max_length = sequence_length(p)
     data = None
     if rows is None:
         data = duration.local_stats(p.cfg, max_length)

@@ -58,16 +58,24 @@ class Answer:
     note: str = ""
 
 
-def batch(m: ModelShape, s: Setup, max_length: int, usable: float) -> Answer:
-    at = lambda b: total(m, dataclasses.replace(s, tokens=b * max_length))  # noqa: E731
+def batch(m: ModelShape, s: Setup, max_length: int, usable: float, sequences: int = 1, note: str = "",
+          sampled_per_row: int = 0) -> Answer:
+    """`sequences`: a row's sequences (a DPO pair is 2, as the plain plan counts its tokens); `note`: where the
+    answer stands (default: at max_length); `sampled_per_row`: completions the policy's generate holds at once per
+    row of the batch (GRPO's steps_per_generation; 0: its KV cache is not the batch's, or there is none)."""
+    def at(b: int) -> int:
+        sampled = {"generated_sequences": b * sampled_per_row} if sampled_per_row else {}
+        return total(m, dataclasses.replace(s, tokens=b * max_length * sequences, **sampled))
+
     b = largest(lambda n: at(n) <= usable, BATCH_LIMIT)
     return Answer("per_device_train_batch_size", b, at(b) if b else None,
-                  at(b + 1) if b < BATCH_LIMIT else None, f"at max_length {max_length:,}")
+                  at(b + 1) if b < BATCH_LIMIT else None, note or f"at max_length {max_length:,}")
 
 
-def length(m: ModelShape, s: Setup, batch_size: int, usable: float, model_limit: int | None) -> Answer:
+def length(m: ModelShape, s: Setup, batch_size: int, usable: float, model_limit: int | None,
+           sequences: int = 1) -> Answer:
     limit = model_limit or LENGTH_LIMIT
-    at = lambda n: total(m, dataclasses.replace(s, tokens=batch_size * n))  # noqa: E731
+    at = lambda n: total(m, dataclasses.replace(s, tokens=batch_size * n * sequences))  # noqa: E731
     n = largest(lambda k: at(k) <= usable, limit)
     note = f"at per_device_train_batch_size {batch_size}"
     if n == limit:

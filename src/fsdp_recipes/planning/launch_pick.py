@@ -30,6 +30,6 @@ def checkpointing_pick(recipe: Recipe, gpus: int) -> tuple[str, str]:
         return "full", f"the planner could not plan this recipe ({err}): TRL's default"
     choice = planned.checkpointing
     total = choice.totals[choice.pick]
-    return choice.pick, (f"the fastest that fits: {total / GIB:,.1f} of {choice.limit / GIB:,.1f} GiB per GPU "
-                         f"on {gpus} x {capacity:,.1f} GiB" if total <= choice.limit else
-                         f"none fits {choice.limit / GIB:,.1f} GiB per GPU; the least memory, {total / GIB:,.1f} GiB")
+    limit = f"{choice.limit / GIB:,.1f} GiB per GPU ({choice.limit_source})"
+    return choice.pick, (f"the fastest that fits: {total / GIB:,.1f} of {limit} on {gpus} x {capacity:,.1f} GiB"
+                         if total <= choice.limit else f"none fits {limit}; the least memory, {total / GIB:,.1f} GiB")

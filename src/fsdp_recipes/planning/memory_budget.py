@@ -10,13 +10,20 @@ parameter's dtype; AdamW keeps two fp32 moments. Sharding divides all three by t
 
 Activations, bytes per token per decoder layer, counted from what autograd saves in transformers' Llama /
 Mistral / Qwen3 layers with SDPA (no materialised attention matrix; Korthikanti et al. 2022 do the same
-count for GPT) and checked tensor by tensor with saved_tensors_hooks on the tiny model: each RMSNorm keeps
-an fp32 copy of its input and its output (h * (4 + c)); SDPA keeps q, k, v (GQA's k and v unrepeated: torch's
-enable_gqa) and its output, which o_proj reuses (c * (2q + 2kv)); the MLP keeps gate, up, SiLU(gate) and their
-product (4cI); each LoRA-targeted linear keeps its r-wide A output, and with dropout its dropped-out input
-and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
+count for GPT) and checked tensor by tensor with saved_tensors_hooks on the tiny model: each RMSNorm keeps an fp32
+copy of its input and its output (h * (4 + c)), trained (full fine-tuning) its normalized input too (c * h); SDPA
+keeps q, k, v (GQA's k and v unrepeated: torch's enable_gqa) and its output, which o_proj reuses (c * (2q + 2kv));
+the MLP keeps gate, up, SiLU(gate) and their product (4cI); each LoRA-targeted linear keeps its r-wide A output, and
+with dropout its dropped-out input and mask. c is the compute width (2 bytes with bf16 mixed precision, 4 in fp32):
 
-    per_layer = 2h(4 + c) + c(2q + 2kv + 4I + r * targets) [+ (c + 1) * in_features per target, with dropout]
+    per_layer = 2h(4 + c [+ c]) + c(2q + 2kv + 4I + r * targets) [+ (c + 1) * in_features per target, with dropout]
+
+The norms' [+ c], op by op (transformers' RMSNorm, `weight * hidden.to(input_dtype)` last): the fp32 input (4h) is
+kept, the weight's multiply keeps the normalized tensor (ch) only when the weight trains, the next linears its output
+(ch). Measured (2026-11-29, tests/test_norm_activations.py: tiny Mistral, bf16 weights as FSDP2's bf16 policy gathers
+them, under autocast; alike without, a one-off probe): layer 1 keeps 11,160 B a token with trained norms, 10,136
+frozen; the formula 11,136, 10,112 (24 B of per-row scalars apart). The final norm alike, the chunked head keeping
+its own copy of the labelled rows' hidden states (ch): 4h + 2ch trained (8h at c = 2), 4h + ch frozen (counted 8h).
 
 A mixture of experts (Qwen3-MoE, Mixtral) holds every expert's weights, gradients and optimizer states (sharded like
 any other parameter, all experts of a layer gathered at once: no expert parallelism), but a token's activations are
@@ -94,14 +101,36 @@ dp_shard 2, fp32 under bf16 autocast, autograd's saved tensors): 2,968,576 B of 
 1/tp x 2 B, exactly. (A plain DDP or one-process run of fp32 weights under autocast would keep the same copies,
 undivided: not counted here, not measured.)
 The same weights keep the residual stream in fp32 (the embedding's output, and each layer's sum of it and a bf16
-projection), so what a layer saves around its norms is wider than the per_layer formula's 2h(4 + c): each norm keeps
+projection), so what a layer saves around its norms is wider than the per_layer formula's 2h(4 + 2c): each norm keeps
 its fp32 input (no copy to make) and its fp32 normalized tensor (the trained weight's multiply), 2 x 2 x 4h, and
 autocast casts the norm's output to bf16 once for each projection reading it, q, k, v, gate and up (5ch; none is
-split by tp): 26h a layer at c = 2 instead of 12h. A checkpointed layer's input is fp32 (4h), the final norm adds
+split by tp): 26h a layer at c = 2 instead of 16h. A checkpointed layer's input is fp32 (4h), the final norm adds
 the LM head's cast (c h), and FSDP gathers the fp32 weights (4 B). Measured by the same bench (2026-11-29, its
 layer_1_activations_per_token): layer 1 of 4 keeps 10,192 B per token on a rank, the formula's 6,656 + 3,520 =
 10,176 and 16 B of per-row scalars (2 rsqrt, the attention's log-sum-exp); tests/test_tp_activations.py measures
 it again in-process, one process without tp.
+
+LoRA under tp with mixed precision (lora_under_tp_per_layer): the fp32 adapters are not cast either, and PEFT 0.21's
+Linear.forward casts each targeted linear's input up to A's dtype (_cast_input_dtype) and autocast casts it back down
+for A's matmul: a compute-width copy of the input per targeted linear, which A keeps for its weight's gradient. The
+frozen base linears keep only their weights (no input), and the frozen norms only their fp32 input (4h each: the
+weight's multiply needs no normalized tensor), so neither the norms' c-wide outputs nor the MLP's product is kept but
+as those copies. PEFT splits the adapters with the base (peft/tuners/lora/model.py add_lora_tp_hooks_dtensor): on a
+column-wise linear (q, k, v, gate, up) A is whole and reads the whole h-wide input, on a row-wise one (o, down) A
+reads the 1/tp input, and every A's r-wide output is whole on each tp rank (a row-wise A's all-reduced). Per layer:
+
+    8h + c(2q + 2kv + 3I) / tp + (c [+ 1, dropout's mask]) * (col-wise in_features + row-wise in_features / tp)
+       + c * r * targets
+
+The tiny Mistral with r 4 on every linear at tp 2: 2,048 + 2,832 + 2 x 1,752 + 56 = 8,440 B, against 6,620 before;
+measured 8,456 by bench/tp_cpu_collectives.py (2026-11-29, tp 2 x dp_shard 2, bf16 base, fp32 adapters under bf16
+autocast; its layer_1_activations_per_token_by_module lists each tensor), the 16 B over it the per-row scalars (2
+rsqrt, the log-sum-exp). With dropout a GPU keeps a bool mask (torch's fused native_dropout), 1 B an input element;
+a CPU's dropout keeps its scaled noise in the input's dtype, fp32 after PEFT's cast: measured 15,464 = 8,440 +
+4 x 1,752 + 16. The adapters' bf16 copies autocast keeps for the backward go into tp_autocast_weight_copies: each
+layer holding its activations, its adapters on one tp rank (a column-wise B and a row-wise A at 1/tp) at c bytes;
+the bench's 96,512 B on the tiny model is this count's 102,656 less the first layer's q, k, v A copies (its input
+needs no gradient, so their matmuls keep none). Fused experts under tp (target_parameters) are not measured.
 
 Runtime: CUDA context, NCCL and allocator slack, 2 GiB per GPU (a typical figure for H100 nodes, not
 measured by this pack); 0 on CPU.
@@ -143,6 +172,10 @@ class ModelShape:
     top_k: int = 0  # experts each token is routed to
     expert_params: int = 0  # all routed experts' weights, every layer: held in full, top_k / experts of them active
     merged_copy: int = 0  # elements of one layer's LoRA-targeted parameters: ParamWrapper's merged copy per forward
+    lora_input_width: int = 0  # sum of in_features over LoRA-targeted linears of one layer, dropout or not
+    lora_split_input_width: int = 0  # of those, the linears tp splits on their input (the tp plan's rowwise: o, down)
+    lora_split_params: int = 0  # adapter elements of one layer tp splits: a column-wise linear's B, a row-wise one's A
+    norms_trained: bool = False  # full fine-tuning: each norm's weight multiply keeps its normalized input
 
     @property
     def active(self) -> int:
@@ -195,6 +228,9 @@ def shape_of(model, model_args, **decided) -> ModelShape:
     base_layer = sum(p.numel() for p in layer0.parameters())
     total = sum(p.numel() for p in model.parameters())
     lora_layer, dropout_width, rank_width, lora_other, saved = 0, 0, 0, 0, 0
+    input_width, split_input_width, split_params = 0, 0, 0
+    # transformers' tp plan of the model ("layers.*.self_attn.o_proj": "rowwise"): a rowwise linear's input is split
+    tp_plan = getattr(cfg, "base_model_tp_plan", None) or {}
     if model_args.use_peft:
         targets = model_args.lora_target_modules
         for name, module in model.named_modules():
@@ -207,6 +243,11 @@ def shape_of(model, model_args, **decided) -> ModelShape:
                     lora_layer += adapter
                     dropout_width += module.in_features if model_args.lora_dropout else 0
                     rank_width += model_args.lora_r
+                    input_width += module.in_features
+                    planned = tp_plan.get("layers.*." + name.removeprefix("model.layers.0."), "")
+                    split_input_width += module.in_features if "rowwise" in planned else 0
+                    split_params += model_args.lora_r * (module.in_features if "rowwise" in planned else
+                                                         module.out_features if "colwise" in planned else 0)
                 elif not name.startswith("model.layers."):
                     lora_other += adapter
             if leaf in (model_args.lora_modules_to_save or []):
@@ -242,6 +283,8 @@ def shape_of(model, model_args, **decided) -> ModelShape:
         intermediate=intermediate or cfg.intermediate_size, vocab=cfg.vocab_size, layer_params=layer_params,
         layer_trainable=lora_layer if model_args.use_peft else base_layer,
         root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
+        lora_input_width=input_width, lora_split_input_width=split_input_width, lora_split_params=split_params,
+        norms_trained=not model_args.use_peft,
         embedding=model.get_input_embeddings().weight.numel(), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         **decided,
     )
@@ -259,11 +302,37 @@ def residual_bytes(s: Setup) -> int:
     return s.load_bytes if wide_weights_under_autocast(s) else s.compute_bytes
 
 
+def lora_adapters_under_autocast(m: ModelShape, s: Setup) -> bool:
+    """LoRA under tp with mixed precision: the adapters stay fp32 (transformers' FSDP2 under tp has no mixed-precision
+    policy to cast them), so PEFT casts each targeted linear's input up to them and autocast back down for A's matmul,
+    a copy A keeps (docstring). QLoRA's adapters are bf16 (budget()): not this."""
+    return s.tp > 1 and s.mixed_precision and m.lora_rank_width > 0 and not s.quant_bytes
+
+
+def lora_under_tp_per_layer(m: ModelShape, s: Setup) -> float:
+    """Bytes one token leaves in one layer of a LoRA model under tp (the docstring's tensor-by-tensor count, measured
+    by bench/tp_cpu_collectives.py): the norms' fp32 inputs (frozen norm weights: no normalized tensor kept), the
+    attention's q, k, v and output and the MLP's gate, up and SiLU(gate) at 1/tp (the frozen base linears keep no
+    input), each targeted linear's own compute-width copy of its input (whole for a column-wise one, 1/tp for a
+    row-wise one: o, down) with dropout's 1-byte mask, and each A's r-wide output, whole on every tp rank."""
+    c = s.compute_bytes
+    mlp, routing = 3 * m.intermediate, 0  # the product SiLU(gate) * up: kept only as down's LoRA input copy
+    if m.experts:  # a mixture of experts: activations_per_token_per_layer's routed count (not measured under tp)
+        mlp = m.top_k * (4 * m.intermediate + 2 * m.hidden + 1) + m.hidden
+        routing = 4 * m.experts + 32 * m.top_k
+    inputs = m.lora_input_width - m.lora_split_input_width + m.lora_split_input_width / s.tp  # on one tp rank
+    mask = 1 if m.lora_dropout_width else 0  # a GPU's dropout keeps a bool mask (torch's fused native_dropout)
+    return (2 * 4 * m.hidden + c * (2 * m.q_dim + 2 * m.kv_dim + mlp) / s.tp + routing + (c + mask) * inputs
+            + c * m.lora_rank_width)
+
+
 def activations_per_token_per_layer(m: ModelShape, s: Setup) -> float:
     """Bytes one token leaves in one layer; under tp the head- and MLP-wide tensors are split over the tp ranks
     (transformers' tp_plan: q, k, v, gate, up column-wise), the norms' hidden-wide ones are not."""
+    if lora_adapters_under_autocast(m, s):
+        return lora_under_tp_per_layer(m, s)
     c = s.compute_bytes
-    norms = 2 * m.hidden * (4 + c)
+    norms = 2 * m.hidden * (4 + c + (c if m.norms_trained else 0))  # + a trained weight's normalized input
     if wide_weights_under_autocast(s):  # the fp32 residual stream (docstring): each norm keeps its fp32 input and
         # its fp32 normalized tensor (the trained weight's multiply), and autocast casts its output to c once for each
         # projection that reads it (q, k, v; gate, up): 5 h-wide copies, none split by tp (a dense layer's count)
@@ -329,8 +398,9 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     activations = tokens * layer_activations(m, s, per_layer)
     # the fused head's backward accumulates in fp32: the hidden states' gradient, and the head's when it trains
     head_grads = tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 / s.tp if m.trainable == m.params else 0)
-    # + the final norm's fp32 tensors, and under tp with fp32 weights the LM head's autocast copy of its output
-    final_norm = m.hidden * (4 * 2 + (s.compute_bytes if wide_weights_under_autocast(s) else 0))
+    # + the final norm's (docstring: 4h + 2ch trained, frozen counted 8h; tp with fp32 weights: fp32 ones, a cast)
+    final_norm = m.hidden * (4 * 2 + s.compute_bytes if wide_weights_under_autocast(s) else
+                             4 + 2 * s.compute_bytes if m.norms_trained else 4 * 2)
     activations += tokens * final_norm + logits(m, s) + head_grads
     # FSDP gathers at the compute width, but under tp at the weights' own (no mixed-precision policy: docstring)
     gather = s.load_bytes if wide_weights_under_autocast(s) else s.compute_bytes
@@ -365,11 +435,14 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
                                                                  * s.compute_bytes + m.vocab * 4))
     elif s.generation == "vllm":  # the engine's weights and KV cache, in the GPU share it is given
         parts["vllm_engine"] = s.vllm_bytes
+    kept = m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every) if s.checkpointed else 0
+    copies = m.layers - kept + (1 if kept else 0)  # the layers holding their activations, and one recomputed
     if wide_weights_under_autocast(s):  # autocast's kept copies of the weights (docstring)
-        kept = m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every) if s.checkpointed else 0
-        copies = m.layers - kept + (1 if kept else 0)
         parts["tp_autocast_weight_copies"] = ((copies * (m.layer_params - 2 * m.hidden) + m.vocab * m.hidden)
                                               * s.compute_bytes / s.tp)
+    elif lora_adapters_under_autocast(m, s):  # of the fp32 adapters alone, on one tp rank (docstring)
+        adapters = m.layer_trainable - m.lora_split_params * (1 - 1 / s.tp)
+        parts["tp_autocast_weight_copies"] = copies * adapters * s.compute_bytes
     if s.cp > 1:  # ring attention: a layer's K and V chunks, the one computed on and the one arriving
         parts["cp_ring_buffers"] = 2 * 2 * tokens * m.kv_dim / s.tp * s.compute_bytes
     parts = {k: int(math.ceil(v)) for k, v in parts.items()}

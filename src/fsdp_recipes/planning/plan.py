@@ -344,13 +344,18 @@ def report(p: Planned) -> str:
 
 
 def gate_lines(pack, total_gib: float, capacity_gib: float) -> list[str]:
-    """The recipe's acceptance gates beside the estimate (metrics/gates.py judges them at the end of the run)."""
+    """The recipe's acceptance gates beside the estimate (metrics/gates.py judges them at the end of the run). The
+    memory gate's limit is said in GiB and named as the gate's, beside the plan's estimate: a share of the GPU's
+    whole memory (the run's peak reserved / device total), not of the usable budget the "fits" line compares with."""
     gates = []
     if pack.mfu_min is not None:
         gates.append(f"MFU >= {100 * pack.mfu_min:g}% (mfu_min)")
     if pack.peak_memory_max_fraction is not None:
-        gates.append(f"peak memory <= {100 * pack.peak_memory_max_fraction:g}% of the GPU (peak_memory_max_fraction; "
-                     f"this estimate: {100 * total_gib / capacity_gib:.0f}%)")
+        limit = pack.peak_memory_max_fraction * capacity_gib
+        side = "under it" if total_gib <= limit else "over it: the run would fail this gate"
+        gates.append(f"peak memory <= {100 * pack.peak_memory_max_fraction:g}% of the GPU (peak_memory_max_fraction: "
+                     f"the gate's limit {limit:,.1f} GiB of {capacity_gib:.1f}; this estimate: {total_gib:,.1f} GiB, "
+                     f"{100 * total_gib / capacity_gib:.0f}%, {side})")
     if not gates:
         return []
     return [f"gates: {', '.join(gates)}" + ("; warn only (gates_warn_only)" if pack.gates_warn_only else

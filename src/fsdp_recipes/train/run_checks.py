@@ -11,7 +11,6 @@ from fsdp_recipes.assets.tiny_assets import ensure_assets
 from fsdp_recipes.config import hardware, model_check, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.data import declaration
-from fsdp_recipes.errors import UserError
 from fsdp_recipes.evaluation.generation import generate
 from fsdp_recipes.metrics import prometheus
 from fsdp_recipes.train import kinds
@@ -24,17 +23,9 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
     value_checks.check_values(cfg)
-    check_data_settings(cfg)
+    # a misspelt format or column mapping, before any row is read: the registry's names (data/formats/)
+    declaration.parse_spec(cfg.pack.dataset_format)
     kinds.load(cfg.trainer).check_config(cfg)
-
-
-def check_data_settings(cfg: RunConfig) -> None:
-    """The recipe's data fields, before any row is read (also `make data`'s, launch/data_preview.py)."""
-    declaration.parse_spec(cfg.pack.dataset_format)  # a misspelt format or column mapping: one line now (the
-    # registry's names: config/run_config.py, a layer below data/, does not list them)
-    if cfg.pack.eval_split_size < 0 or (cfg.pack.eval_split_size >= 1 and cfg.pack.eval_split_size % 1):
-        raise UserError(f"eval_split_size is {cfg.pack.eval_split_size:g}: give a share of the training rows below 1 "
-                        "(0.1 holds out 10%) or a whole number of rows. Fix: correct it, or 0 for none.")
 
 
 def prepare_assets(cfg: RunConfig, quiet: bool = False) -> None:

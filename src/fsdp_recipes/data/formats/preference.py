@@ -1,7 +1,8 @@
 """Preference pairs: `{"prompt": ..., "chosen": ..., "rejected": ...}`, text or chat turns, or implicit-prompt pairs
 whose prompt is the turns `chosen` and `rejected` share; as TRL takes them. Checked as the file holds them: a
 chosen and a rejected answer that differ, a non-empty prompt where there is a prompt column, text contents and
-known roles (DPO's and KTO's checks, train/kinds/)."""
+known roles (DPO's and KTO's checks, train/kinds/); a warning where text prompts and answers meet with no space or
+newline (TRL joins them as written)."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def check_rows(ds, where: str, split: str) -> list[str]:
         if chosen == rejected:
             raise UserError(f"{at}: `chosen` and `rejected` are the same answer, so the pair prefers nothing. Fix: "
                             "remove the row, or give it a different rejected answer.")
-    return []
+    return row_checks.joined_without_separator(ds, where, split, ANSWERS)  # text pairs: TRL joins prompt + answer
 
 
 def plan_row(row: dict, batch, t) -> Planned:

@@ -4,7 +4,7 @@ pair's) and a true/false label in every row."""
 
 from __future__ import annotations
 
-from fsdp_recipes.data import rows
+from fsdp_recipes.data import row_checks, rows
 from fsdp_recipes.data.formats import preference, prompt_completion
 from fsdp_recipes.data.spec import renamed
 from fsdp_recipes.errors import UserError
@@ -39,8 +39,9 @@ def check_rows(ds, where: str, split: str) -> list[str]:
         preference.text_of(row.get("prompt"), "prompt", at)
         preference.text_of(row.get("completion"), "completion", at)
     one = [name for name, flag in (("desirable", True), ("undesirable", False)) if counts[flag] == 0]
-    return [f"the `{split}` split of {where} has no {one[0]} answers ({counts[True]} desirable, {counts[False]} "
-            "undesirable): KTO will only move the other kind"] if one else []
+    return ([f"the `{split}` split of {where} has no {one[0]} answers ({counts[True]} desirable, {counts[False]} "
+             "undesirable): KTO will only move the other kind"] if one else []) + \
+        row_checks.joined_without_separator(ds, where, split, ("completion",))  # TRL joins prompt + completion
 
 
 def describe_row(row: dict) -> str:

@@ -114,6 +114,6 @@ def check_data(cfg, splits, tokenizer) -> list[str]:
     for split, ds in zip((cfg.script.dataset_train_split, cfg.script.dataset_test_split), splits):
         if ds is None:
             continue
-        formats.check_rows(ds, where, split)  # pairs (data/formats/preference.py); what max_length cuts:
-        # data/lengths.py, in the launcher
+        warned += formats.check_rows(ds, where, split)  # pairs (data/formats/preference.py); what max_length
+        # cuts: data/lengths.py, in the launcher
     return warned
