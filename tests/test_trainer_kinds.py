@@ -166,7 +166,7 @@ def test_pairs_need_a_mistake(tmp_path, monkeypatch):
     assert not (tmp_path / "pairs" / prefs.STAMP).exists()
 
 
-def test_pairs_never_replace_data_they_did_not_write(tmp_path, monkeypatch):
+def test_pairs_never_replace_data_they_did_not_write(tmp_path, monkeypatch, cache_dir):
     """`--dataset_name mine/` on the DPO demo, addition_preferences left on: the user's train.jsonl and test.jsonl
     were replaced by the demo's pairs and trained on, exit 0. Now one line before any answer is generated; a folder
     the demo stamped (for another model, or stopped half-way) is still rewritten."""
@@ -194,6 +194,12 @@ def test_pairs_never_replace_data_they_did_not_write(tmp_path, monkeypatch):
     (ours / prefs.STAMP).write_text('{"writing": {}}')  # stopped half-way: still the demo's, rewritten
     prefs.ensure(str(tmp_path / "model"), str(ours), wrong, quiet=True)
     assert asked == [4, 2, 4, 2] and prefs.is_current(ours, tmp_path / "model")
+    cached = cache_dir / f"pairs-{tmp_path.name}"  # the recipe's own folder, stamped or not
+    cached.mkdir()
+    (cached / "train.jsonl").write_text("{}\n")
+    prefs.ensure(str(tmp_path / "model"), str(cached), wrong, quiet=True)
+    assert prefs.is_current(cached, tmp_path / "model")
+    shutil.rmtree(cached)
 
 
 def test_every_registered_kind_provides_the_interface():

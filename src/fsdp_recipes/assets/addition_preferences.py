@@ -24,6 +24,7 @@ from pathlib import Path
 
 from fsdp_recipes.assets import smollm2
 from fsdp_recipes.errors import UserError
+from fsdp_recipes.paths import in_pack_cache
 
 TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained on the first 768 of a shuffle
 QUESTIONS_ENV = "FSDP_RECIPES_PREFERENCE_QUESTIONS"  # fewer questions (the test suite's short run)
@@ -115,6 +116,8 @@ def check_target(out: Path) -> None:
     """`out` (dataset_name) is a folder this module may write its pairs into: absent, empty, or stamped by it. A
     user's own data there (dataset_name given on the command line, addition_preferences left on) was replaced by
     the demo's pairs, and trained on without a word."""
+    if in_pack_cache(str(out)):  # the recipe's own folder (a half-written one from before the first stamp, too)
+        return
     if out.exists() and not (out / STAMP).is_file() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"addition_preferences is on, and it would replace what {out} holds (dataset_name: data it "
                         "did not write) with addition pairs from the SFT model's answers. Fix: --addition_preferences "
