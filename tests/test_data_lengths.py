@@ -199,6 +199,19 @@ def preview(args, capsys):
     return subprocess.CompletedProcess(args, code, out, err)
 
 
+def test_make_data_names_a_users_own_pairs_the_demo_would_replace(cache_dir, capsys, monkeypatch, tmp_path):
+    """`make data RECIPE=smollm2-135m-dpo ARGS="--dataset_name mine.jsonl"` said the user's file held pairs "made from
+    the SFT model's own answers by the first launch"; it is the launch's refusal (assets/addition_preferences.py)."""
+    monkeypatch.chdir(REPO)
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n')
+    res = preview(["smollm2-135m-dpo", "--dataset_name", mine, "--model_name_or_path", cache_dir / "tiny-mistral"],
+                  capsys)  # a model that is here: the SFT run's is not
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(errors) == 1, res.stdout + res.stderr
+    assert f"it would replace what {mine} holds" in errors[0] and "Fix: --addition_preferences false" in errors[0]
+
+
 def test_make_data_on_the_tiny_recipe(cache_dir, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     res = preview(["tiny-cpu-lora"], capsys)

@@ -533,3 +533,50 @@ def test_the_launcher_writes_its_exit_code_where_the_exit_code_file_variable_say
         except KeyboardInterrupt:  # 130, as a shell reports it
             code = 130
         assert code == expected and path.read_text() == f"{expected}\n", (expected, code)
+
+
+def test_an_exit_code_file_in_a_missing_folder_is_one_line_before_the_launch(tmp_path, monkeypatch, capsys):
+    """launch.sh users (the Makefile checks the same): before, the whole run trained, then a warning."""
+    from fsdp_recipes.launch import launcher
+
+    ran = []
+    monkeypatch.setattr(launcher, "launch", lambda argv, held: ran.append(argv) or 0)
+    monkeypatch.setenv("FSDP_RECIPES_EXIT_CODE_FILE", str(tmp_path / "missing" / "rc"))
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["tiny-cpu-lora"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and ran == [] and len(err) == 1, err
+    assert err[0].startswith(f"error: FSDP_RECIPES_EXIT_CODE_FILE={tmp_path / 'missing' / 'rc'} is in a folder that "
+                             "does not exist") and "Fix: create that folder first" in err[0]
+
+
+def test_a_summary_that_fails_after_a_completed_run_says_the_outputs_are_complete(tmp_path, monkeypatch):
+    """Exit 2 says that nothing ran; a completed run whose summary raised (a bug, or a library's error) is exit 1
+    with the way to make the summary again, its traceback in a file."""
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.launch import ending
+
+    def broken(argv, recipe=None):
+        raise IndexError("list index out of range")
+
+    monkeypatch.setattr(ending.summary, "main", broken)
+    with pytest.raises(UserError) as caught:
+        ending.summarise(None, str(tmp_path))
+    line = str(caught.value)
+    assert caught.value.exit_code == 1, line
+    assert line.startswith("IndexError while summarising the finished run (training completed and "
+                           f"{tmp_path / 'metrics.json'} says so; the outputs in {tmp_path} are complete)"), line
+    assert f"Fix: once the cause is fixed, `python -m fsdp_recipes.launch.summary {tmp_path}` makes the summary" in line
+
+
+def test_an_interrupted_run_names_what_the_same_command_resumes_from(tmp_path):
+    from fsdp_recipes.checkpoint import markers
+    from fsdp_recipes.launch import ending
+
+    assert ending.resumes_from(str(tmp_path)) == (f"no complete checkpoint in {tmp_path}: the same command starts "
+                                                  "again at step 0")
+    for step, complete in ((10, True), (20, True), (30, False)):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        if complete:
+            (tmp_path / f"checkpoint-{step}" / markers.MARKER).write_text(str(step))
+    assert ending.resumes_from(str(tmp_path)) == f"the same command resumes from {tmp_path / 'checkpoint-20'}"

@@ -80,6 +80,7 @@ def load_config(name: str, overrides: list[str]):
     run_checks.prepare_assets(cfg, quiet=True)
     model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     if cfg.pack.addition_preferences:  # the DPO demo's pairs: made by its first launch, with the SFT model
+        addition_preferences.check_target(Path(cfg.script.dataset_name))  # the user's own data is no demo's to make
         if not addition_preferences.is_current(Path(cfg.script.dataset_name), Path(cfg.model.model_name_or_path)):
             raise UserError(f"the pairs in {cfg.script.dataset_name} are made from the SFT model's own answers by "
                             f"the first launch of {recipe.name}, which loads the model; make data loads none. Fix: "

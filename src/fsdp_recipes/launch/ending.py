@@ -13,9 +13,9 @@ from pathlib import Path
 # import the same in parallel.
 from fsdp_recipes.config.job import machine_rank
 from fsdp_recipes.config.recipes import Recipe
-from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, UserError
+from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from fsdp_recipes.launch import explain_failure, summary
-from fsdp_recipes.launch.lines import say, unexpected_errors
+from fsdp_recipes.launch.lines import say, unexpected
 from fsdp_recipes.launch.ranks import Ranks
 from fsdp_recipes.metrics import gates, metrics_file
 
@@ -33,6 +33,12 @@ def records_exit_code(main):
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        if (path := os.environ.get(EXIT_CODE_FILE_ENV)) and not Path(path).absolute().parent.is_dir():
+            # found before the run, not when the code is written after it (launch.sh; the Makefile checks the same)
+            print(f"error: {EXIT_CODE_FILE_ENV}={path} is in a folder that does not exist "
+                  f"({Path(path).absolute().parent}), where the exit code cannot be written. Fix: create that folder "
+                  "first, or name a file in one that exists.", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
         code: object = 1
         try:
             code = main(*args, **kwargs)
@@ -63,13 +69,9 @@ def write_exit_code(code: object) -> None:
 
 def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
     """The ranks were stopped before the preemption checkpoint was complete: say so, in the report too."""
-    from fsdp_recipes.checkpoint import markers as checkpoints
-
-    latest = checkpoints.latest_complete(output_dir)
     note = (f"preempted, but the ranks did not finish within the grace period ({grace_s} s) and were stopped; "
-            f"an incomplete checkpoint is skipped on resume, so the same command resumes from "
-            f"{latest or 'the beginning (no complete checkpoint)'}. Fix: raise preemption_grace_s (and the "
-            f"scheduler's grace) above the checkpoint save time")
+            f"an incomplete checkpoint is skipped on resume: {resumes_from(output_dir)}. Fix: raise "
+            f"preemption_grace_s (and the scheduler's grace) above the checkpoint save time")
     if fresh:
         metrics_file.amend(report.parent, lambda m: {
             **m, "status": "preempted", "error": f"{m.get('error') or ''} -- {note}".lstrip(" -"), "provisional": False})
@@ -117,12 +119,20 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
             f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
         return rc
     if rc != 0 and (ranks.interrupted or metrics.get("status") == "interrupted"):
-        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; run the same command again to resume "
-            f"from the newest complete checkpoint in {output_dir}, if there is one")
+        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; {resumes_from(output_dir)}")
         return EXIT_INTERRUPTED
     if rc != 0:
         raise failed(recipe, ranks, rc, output_dir, report, fresh)
     return None
+
+
+def resumes_from(output_dir: str) -> str:
+    """What the same command does next in `output_dir`: resume from its newest complete checkpoint, or start over."""
+    from fsdp_recipes.checkpoint import markers as checkpoints
+
+    latest = checkpoints.latest_complete(output_dir)
+    return (f"the same command resumes from {latest}" if latest else
+            f"no complete checkpoint in {output_dir}: the same command starts again at step 0")
 
 
 def failed(recipe: Recipe, ranks: Ranks, rc: int, output_dir: str, report: Path, fresh: bool) -> UserError:
@@ -144,13 +154,19 @@ def failed(recipe: Recipe, ranks: Ranks, rc: int, output_dir: str, report: Path,
 def summarise(recipe: Recipe, output_dir: str) -> int:
     """Step 5 of the module docstring, for a completed run (fsdp_recipes.launch.summary)."""
     report = Path(output_dir) / "metrics.json"
-    with unexpected_errors("summarising the finished run"):
-        try:
-            return summary.main(summary_args(output_dir), recipe=recipe)
-        except OSError as err:  # a full disk or a quota, met while writing the generations or the eval section
-            raise UserError(f"training completed and {report} says so, but the summary could not write to "
-                            f"{output_dir} ({err.strerror or err}). Fix: free space there, then `python -m "
-                            f"fsdp_recipes.launch.summary {output_dir}` makes the summary again", exit_code=1) from None
+    again = f"`python -m fsdp_recipes.launch.summary {output_dir}` makes the summary again"
+    try:
+        return summary.main(summary_args(output_dir), recipe=recipe)
+    except UserError:
+        raise
+    except OSError as err:  # a full disk or a quota, met while writing the generations or the eval section
+        raise UserError(f"training completed and {report} says so, but the summary could not write to "
+                        f"{output_dir} ({err.strerror or err}). Fix: free space there, then {again}",
+                        exit_code=1) from None
+    except Exception as err:  # the weights are saved: not exit 2, which says that nothing ran
+        raise unexpected(err, f"summarising the finished run (training completed and {report} says so; the "
+                              f"outputs in {output_dir} are complete)",
+                         fix=f"once the cause is fixed, {again}", exit_code=1) from None
 
 
 def summary_args(output_dir: str) -> list[str]:

@@ -27,7 +27,8 @@ def unexpected_errors(doing: str):
         raise unexpected(err, doing) from None
 
 
-def unexpected(err: Exception, doing: str) -> UserError:
+def unexpected(err: Exception, doing: str, fix: str = "correct the setting or file it names",
+               exit_code: int = 2) -> UserError:
     """An exception no check turned into a UserError (a library's own validation, or a bug): one line, and the
     traceback in a file, since output_dir may be what is wrong."""
     import traceback
@@ -36,6 +37,6 @@ def unexpected(err: Exception, doing: str) -> UserError:
     with os.fdopen(fd, "w") as f:
         f.write("".join(traceback.format_exception(err)))
     first = next((x.strip() for x in str(err).splitlines() if x.strip()), "")
-    return UserError(f"{type(err).__name__} while {doing}: {first}. Fix: correct the setting or file it names; "
-                     f"full traceback: {path}")
+    return UserError(f"{type(err).__name__} while {doing}: {first}. Fix: {fix}; full traceback: {path}",
+                     exit_code=exit_code)
 
