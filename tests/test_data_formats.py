@@ -280,3 +280,26 @@ def test_text_prompts_that_run_into_their_answers_are_one_counted_warning():
     assert kinds.load("kto").check_data(cfg("mem-labelled"), (datasets.Dataset.from_list(labelled), None), None) == [
         "1 of 2 rows of the `train` split: the prompt ends and the completion starts without a space or newline, so "
         "the model learns '2 + 3 =5' (first: mem-labelled (train split), row 1): " + fix]
+
+
+@pytest.mark.parametrize("prompt, completion", [
+    ("Hello", ", how are you?"),  # punctuation written against the text before it
+    ("The dog", "'s bone"),
+    ("(see the note", ")"),
+    ("[INST] What is 2+2? [/INST]", "4"),  # Mistral's rendered generation prompt: its template puts the answer there
+    ("<｜User｜>What is 2+2?<｜Assistant｜>", "4"),  # DeepSeek's
+    ("<|user|>What is 2+2?<|assistant|>", "4"),
+    ("2加2等于几？", "等于4。"),  # a script written without spaces
+])
+def test_a_join_that_is_how_the_text_is_written_is_not_warned(prompt, completion):
+    """The joined-text warning is for two words glued together ("What is 2+2?" + "4"); a completion that starts with
+    punctuation, a prompt rendered by a chat template up to its generation prompt, and Chinese text join as they are
+    meant to, and a warning on every row of such a dataset would teach users to ignore it."""
+    import datasets
+
+    from fsdp_recipes.data import row_checks
+
+    ds = datasets.Dataset.from_list([{"prompt": prompt, "completion": completion}])
+    assert row_checks.joined_without_separator(ds, "mem", "train", ("completion",)) == []
+    glued = datasets.Dataset.from_list([{"prompt": "What is 2+2?", "completion": "4"}])
+    assert len(row_checks.joined_without_separator(glued, "mem", "train", ("completion",))) == 1

@@ -248,3 +248,14 @@ def test_a_sampling_kinds_comms_scale_and_time_read_its_sequence_length(name, ma
                                         rf"time a short run .* to max_steps {max_steps}$") as err:
         answers.time_section(p, net, 0.4, 1000, None)
     assert "\n" not in str(err.value)
+
+
+def test_dpo_comms_count_a_pairs_two_sequences():
+    """A DPO micro-batch of 4 pairs puts 8 sequences through the policy (chosen and rejected concatenated), as the
+    plain plan's memory counts them: --comms counted 4 x 2,048 tokens, half the step's compute. By hand:
+    llama-3.1-8b-lora-dpo, 4 pairs x 2 x 2,048 = 16,384 tokens a micro-batch, 4 micro-batches: 65,536 a step."""
+    from fsdp_recipes.planning import answers, fabric
+
+    p = plan.prepare("llama-3.1-8b-lora-dpo", 8, 1, "H100", REPO / "recipes")
+    text, _ = answers.comms_section(p, fabric.fabric(plan.gpu_spec("H100")[0], None, None), 0.4)
+    assert "4 micro-batch(es) of 8 x 2,048 tokens" in text and "compute: 65,536 tokens x " in text, text

@@ -11,6 +11,8 @@ prompts end without a space or newline (joined_without_separator).
 from __future__ import annotations
 
 import json
+import re
+import unicodedata
 
 from fsdp_recipes.data.rows import row_at, written_rows
 from fsdp_recipes.data.spec import ROLES
@@ -122,6 +124,25 @@ def check_text_rows(ds, where: str, split: str) -> None:
                                 f"other rows. Fix: give the row its {c}, or remove the row.")
 
 
+LEFT_ATTACHING = ",.;:!?'\u2019\u2026%"  # punctuation written against the text before it
+# a rendered chat prompt's last special token (Mistral's [/INST], ChatML-style <|assistant|>, DeepSeek's
+# <｜Assistant｜>): the template puts the answer right after it, so no separator is expected there
+SPECIAL_TOKEN_END = re.compile(r"(\[/?[A-Z_]+\]|<\|[^<>|]*\|>|<｜[^<>｜]*｜>|</?s>)$")
+
+
+def runs_together(prompt: str, answer: str) -> bool:
+    """Whether prompt + answer, joined as written, glue two words: neither side whitespace, the answer not starting
+    with punctuation that attaches to the text before it (", world", "'s", ")"), the seam not inside a script written
+    without spaces (CJK), and the prompt not ending with a chat template's special token."""
+    if not answer or prompt[-1].isspace() or answer[0].isspace():
+        return False
+    if answer[0] in LEFT_ATTACHING or unicodedata.category(answer[0]) in ("Pe", "Pf"):  # closing brackets, quotes
+        return False
+    if unicodedata.east_asian_width(prompt[-1]) in "WF" or unicodedata.east_asian_width(answer[0]) in "WF":
+        return False
+    return not SPECIAL_TOKEN_END.search(prompt)
+
+
 def joined_without_separator(ds, where: str, split: str, answers: tuple[str, ...]) -> list[str]:
     """Plain-text rows whose prompt and answer meet with no whitespace between them, counted: one warning (returned)
     for the split. TRL joins a text prompt and its answer as written (`prompt + completion` in SFTTrainer's,
@@ -135,10 +156,9 @@ def joined_without_separator(ds, where: str, split: str, answers: tuple[str, ...
     joined, first = 0, None
     for i, row in enumerate(ds.select_columns(cols)):
         prompt = row["prompt"]
-        if not isinstance(prompt, str) or not prompt or prompt[-1].isspace():
+        if not isinstance(prompt, str) or not prompt:
             continue
-        answer = next((row[a] for a in answers if isinstance(row[a], str) and row[a] and not row[a][0].isspace()),
-                      None)
+        answer = next((row[a] for a in answers if isinstance(row[a], str) and runs_together(prompt, row[a])), None)
         if answer is not None:
             joined += 1
             first = first or (i, prompt, answer)

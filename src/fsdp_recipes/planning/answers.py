@@ -213,7 +213,9 @@ def work(p, mfu: float) -> comms.Work:
         gather = s.load_bytes  # LoRA's adapters are fp32 (PEFT upcasts them), a full fine-tune's weights its load
         reduce = 4 if p.cfg.model.use_peft else s.load_bytes
         widths = dict(activation_bytes=s.compute_bytes, residual_bytes=s.load_bytes)
-    return comms.Work(t.gradient_accumulation_steps, t.per_device_train_batch_size, sequence_length(p),
+    # a micro-batch's sequences as the plain plan counts them (plan.setups): a DPO pair is its chosen and rejected
+    sequences = t.per_device_train_batch_size * kinds.load(p.cfg.trainer).SEQUENCES_PER_ROW
+    return comms.Work(t.gradient_accumulation_steps, sequences, sequence_length(p),
                       gather, reduce, mfu, recompute=s.checkpointed, recompute_every=s.checkpoint_every,
                       attention_saved=s.checkpointed and s.checkpoint_ops, **widths)
 
