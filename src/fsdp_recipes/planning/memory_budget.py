@@ -94,9 +94,9 @@ bitsandbytes' Linear4bit).
 
 Tensor parallel with weights wider than the compute (a full fine-tune's fp32 weights under bf16, which config/mesh.py
 requires): transformers' FSDP2 under tp has no mixed-precision policy, so autocast casts each linear's 1/tp weight
-to bf16 for its matmul, and autograd keeps that copy for the backward, outside FSDP's resharding: every layer whose
-activations are kept holds its copy from its forward to its backward (a checkpointed one only while it is
-recomputed), and the LM head its one. Measured on CPU (bench/tp_cpu_collectives.py, 2026-11-29: tiny Mistral, tp 2 x
+to bf16 for its matmul, outside FSDP's resharding, and autocast's cast cache holds each copy until the outermost
+autocast exits at the forward's end: every layer's, checkpointed or not, and the LM head's (torch's cached_cast keeps
+a leaf fp32 weight that needs a gradient; through torch.utils.checkpoint too, measured on CPU 2026-11-29). Measured on CPU (bench/tp_cpu_collectives.py, 2026-11-29: tiny Mistral, tp 2 x
 dp_shard 2, fp32 under bf16 autocast, autograd's saved tensors): 2,968,576 B of bf16 weight copies, the 4 layers' linears and the LM head at
 1/tp x 2 B, exactly. (A plain DDP or one-process run of fp32 weights under autocast would keep the same copies,
 undivided: not counted here, not measured.)
@@ -435,8 +435,7 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
                                                                  * s.compute_bytes + m.vocab * 4))
     elif s.generation == "vllm":  # the engine's weights and KV cache, in the GPU share it is given
         parts["vllm_engine"] = s.vllm_bytes
-    kept = m.layers // s.checkpoint_every + bool(m.layers % s.checkpoint_every) if s.checkpointed else 0
-    copies = m.layers - kept + (1 if kept else 0)  # the layers holding their activations, and one recomputed
+    copies = m.layers  # autocast's cache holds every layer's cast to the forward's end, checkpointed too (docstring)
     if wide_weights_under_autocast(s):  # autocast's kept copies of the weights (docstring)
         parts["tp_autocast_weight_copies"] = ((copies * (m.layer_params - 2 * m.hidden) + m.vocab * m.hidden)
                                               * s.compute_bytes / s.tp)
