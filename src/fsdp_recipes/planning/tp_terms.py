@@ -1,5 +1,6 @@
-"""The tensor-parallel terms of the per-GPU memory budget (planning/memory_budget.py counts the rest; these read
-its ModelShape and Setup).
+"""The tensor-parallel terms of the per-GPU memory budget (planning/memory_budget.py counts the rest). Each reads
+memory_budget's ModelShape (m) and Setup (s); memory_budget imports this module, so they are not annotated here
+(no import circle).
 
 Tensor parallel with weights wider than the compute (a full fine-tune's fp32 weights under bf16, which config/mesh.py
 requires): transformers' FSDP2 under tp has no mixed-precision policy, so autocast casts each linear's 1/tp weight
@@ -44,32 +45,27 @@ needs no gradient, so their matmuls keep none). Fused experts under tp (target_p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # memory_budget imports this module
-    from fsdp_recipes.planning.memory_budget import ModelShape, Setup
-
-
-def wide_weights_under_autocast(s: Setup) -> bool:
+def wide_weights_under_autocast(s) -> bool:
     """tp with weights wider than the compute (config/mesh.py's fp32 full fine-tune under bf16): nothing casts them
     down before the matmuls (transformers' FSDP2 under tp has no mixed-precision policy), autocast does, per op."""
     return s.tp > 1 and s.mixed_precision and s.load_bytes > s.compute_bytes
 
 
-def residual_bytes(s: Setup) -> int:
+def residual_bytes(s) -> int:
     """Bytes per element of the residual stream between layers: the embedding's output and each layer's sum keep
     the weights' dtype when nothing casts the weights (fp32 under tp), else the compute width."""
     return s.load_bytes if wide_weights_under_autocast(s) else s.compute_bytes
 
 
-def lora_adapters_under_autocast(m: ModelShape, s: Setup) -> bool:
+def lora_adapters_under_autocast(m, s) -> bool:
     """LoRA under tp with mixed precision: the adapters stay fp32 (transformers' FSDP2 under tp has no mixed-precision
     policy to cast them), so PEFT casts each targeted linear's input up to them and autocast back down for A's matmul,
     a copy A keeps (docstring). QLoRA's adapters are bf16 (budget()): not this."""
     return s.tp > 1 and s.mixed_precision and m.lora_rank_width > 0 and not s.quant_bytes
 
 
-def lora_under_tp_per_layer(m: ModelShape, s: Setup) -> float:
+def lora_under_tp_per_layer(m, s) -> float:
     """Bytes one token leaves in one layer of a LoRA model under tp (the docstring's tensor-by-tensor count, measured
     by bench/tp_cpu_collectives.py): the norms' fp32 inputs (frozen norm weights: no normalized tensor kept), the
     attention's q, k, v and output and the MLP's gate, up and SiLU(gate) at 1/tp (the frozen base linears keep no
