@@ -64,7 +64,8 @@ def test_shape_of_finds_the_head_norms_from_the_models_modules():
 def test_a_tiny_qwen3_layer_saves_what_the_formula_counts():
     """One process, bf16 weights under bf16 autocast, TRL's chunked head, 3 rows of 11 tokens (test_norm_activations'
     setting), trained norms and frozen ones: each head norm keeps exactly its count, and layer 1 the formula's
-    13,464 (11,672 frozen) and 24 B of the other per-row scalars (2 rsqrt, 4 heads' log-sum-exp), as the tiny Mistral."""
+    13,464 (11,672 frozen) and 24 B of the other per-row scalars (2 rsqrt, 4 heads' log-sum-exp), as the tiny
+    Mistral."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
     from trl.trainer.utils import add_fused_lm_head
