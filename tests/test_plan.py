@@ -265,6 +265,7 @@ def test_dpos_comms_and_time_count_a_pair_as_two_sequences():
     assert "compute: 65,536 tokens x " in text, text
     assert "(8 x 4 x 2,048 tokens per GPU" in answers.scale_section(p, net, 0.4, [1])
     worst = answers.time_section(p, net, 0.4, 1000, None)
+    assert "every sequence (2 a row) max_length (2,048) long, the worst case" in worst, worst
     assert "  steps: 8 (1 epoch(s), global batch 128 = 2 x 8 x 8)" in worst, worst
     assert "  tokens: 4,096,000 (1,000 rows read x 4,096.0), " in worst, worst
     assert "(attention at 2,048 tokens)" in worst, worst

@@ -339,8 +339,9 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
         source = f"{rows:,} rows, {tokens_per_row:,.1f} tokens per row (given, cut at {cut})"
         data = duration.Data(rows, min(tokens_per_row, longest), source)
     elif data is None:
-        data = duration.Data(rows, float(longest), f"{rows:,} rows (given); tokens per row unknown: every "
-                                                   f"sequence {cut.replace(' a sequence', '')} long, the worst case")
+        every = "row" if sequences == 1 else f"sequence ({sequences} a row)"
+        data = duration.Data(rows, float(longest), f"{rows:,} rows (given); tokens per row unknown: every {every} "
+                                                   f"max_length ({max_length:,}) long, the worst case")
     world = p.gpus * p.nodes
     dp = data_parallel_size(world, p.setup)  # a mesh's tp and cp ranks share their rows; all of them compute
     global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
