@@ -50,7 +50,8 @@ over each query and key head's head_dim before RoPE keeps, like the others, its 
 (4(q + kv) + 4 x the heads), and trained its c-wide normalized input; its output is not kept (RoPE's multiplies keep
 cos and sin, SDPA the roped q and k already counted): (4 [+ c])(q + kv) + 4(heads + kv_heads). Measured 2026-11-29,
 tests/test_head_norm_activations.py (a tiny Qwen3, 4 + 2 heads of 64, as the norms' test): 2,328 B trained, 1,560
-frozen, exactly; Qwen3-8B's full fine-tune 6 x 5,120 + 160 = 30,880 B a layer-token.
+frozen, exactly; Qwen3-8B's full fine-tune 6 x 5,120 + 160 = 30,880 B a layer-token. Under tp they are split with
+the heads (1/tp each; not measured under tp).
 
 Activation checkpointing (speed/activation_checkpointing.py's policies), per token:
     none        layers x per_layer
