@@ -259,3 +259,33 @@ def test_dpo_comms_count_a_pairs_two_sequences():
     p = plan.prepare("llama-3.1-8b-lora-dpo", 8, 1, "H100", REPO / "recipes")
     text, _ = answers.comms_section(p, fabric.fabric(plan.gpu_spec("H100")[0], None, None), 0.4)
     assert "4 micro-batch(es) of 8 x 2,048 tokens" in text and "compute: 65,536 tokens x " in text, text
+
+
+def test_dpos_comms_and_time_count_a_pair_as_two_sequences():
+    """A DPO pair is 2 sequences (chosen and rejected), as the plain plan and --fit count it; --comms and --time
+    counted a micro-batch as batch x max_length. qwen3-8b-full-dpo: 2 pairs a micro-batch, 8 micro-batches, max_length
+    2,048: 8 x 4 x 2,048 = 65,536 tokens a step on a GPU (32,768 before). --time over 1,000 rows on 8 GPUs: 63
+    micro-batches a GPU, 8 steps; every sequence 2,048 long (the worst case) is 4,096 tokens a row, 4,096,000 in all,
+    attention at 2,048; 3,000 tokens a row given (both sequences) is 1,500 a sequence, not cut at 2,048."""
+    from fsdp_recipes.planning import answers, duration, fabric
+
+    p = plan.prepare("qwen3-8b-full-dpo", 8, 1, "H100", REPO / "recipes")
+    net = fabric.fabric(plan.gpu_spec("H100")[0], None, None)
+    text, _ = answers.comms_section(p, net, 0.4)
+    assert "8 micro-batch(es) of 4 x 2,048 tokens (2 rows of 2 sequences)" in text, text
+    assert "compute: 65,536 tokens x " in text, text
+    assert "(8 x 4 x 2,048 tokens per GPU" in answers.scale_section(p, net, 0.4, [1])
+    worst = answers.time_section(p, net, 0.4, 1000, None)
+    assert "every sequence (2 a row) max_length (2,048) long, the worst case" in worst, worst
+    assert "  steps: 8 (1 epoch(s), global batch 128 = 2 x 8 x 8)" in worst, worst
+    assert "  tokens: 4,096,000 (1,000 rows read x 4,096.0), " in worst, worst
+    assert "(attention at 2,048 tokens)" in worst, worst
+    given = answers.time_section(p, net, 0.4, 1000, 3000)
+    assert "  tokens: 3,000,000 (1,000 rows read x 3,000.0), " in given, given
+    assert "(attention at 1,500 tokens)" in given, given
+    # a local dataset's pair: each sequence cut at max_length 64 (prompt 10 + chosen 60 = 70: 64; + rejected 5: 15)
+    import types
+
+    pair = types.SimpleNamespace(answer_names=["chosen", "rejected"], prompt=[10], answers={"chosen": [60],
+                                                                                            "rejected": [5]})
+    assert duration.row_tokens(pair, 0, 64) == 64 + 15

@@ -213,7 +213,7 @@ def work(p, mfu: float) -> comms.Work:
         gather = s.load_bytes  # LoRA's adapters are fp32 (PEFT upcasts them), a full fine-tune's weights its load
         reduce = 4 if p.cfg.model.use_peft else s.load_bytes
         widths = dict(activation_bytes=s.compute_bytes, residual_bytes=s.load_bytes)
-    # a micro-batch's sequences as the plain plan counts them (plan.setups): a DPO pair is its chosen and rejected
+    # a micro-batch's sequences as the plain plan counts them (plan.setups): a DPO pair is 2 (chosen and rejected)
     sequences = t.per_device_train_batch_size * kinds.load(p.cfg.trainer).SEQUENCES_PER_ROW
     return comms.Work(t.gradient_accumulation_steps, sequences, sequence_length(p),
                       gather, reduce, mfu, recompute=s.checkpointed, recompute_every=s.checkpoint_every,
@@ -231,8 +231,8 @@ def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:
     if t.tp * t.cp > 1:
         group = f"the mesh {mesh_lines.Split.of(p.setup).short()}"
     lines = [f"communication per optimizer step, per GPU: {p.own}, {group}, {t.nodes} node(s) x {t.gpus}; "
-             f"{w.accumulation} micro-batch(es) of {w.micro_batch} x {w.max_length:,} tokens; {gather}gradients "
-             f"reduced at {w.reduce_bytes} B",
+             f"{w.accumulation} micro-batch(es) of {w.micro_batch} x {w.max_length:,} tokens{pairs(p)}; "
+             f"{gather}gradients reduced at {w.reduce_bytes} B",
              "", comms.table(e), "",
              f"network between nodes: {f.network} = {f.network_gbps:g} GB/s per GPU per direction"
              + ("" if t.nodes > 1 else " (unused on one node)")]
@@ -240,6 +240,12 @@ def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:
     lines += compute_lines(e, w, f, mfu)
     lines += [f"warning: {x}" for x in e.warnings + mesh_lines.comms_warnings(p, t)]
     return "\n".join(lines), e
+
+
+def pairs(p) -> str:
+    """What a micro-batch's sequences are where a row has several (DPO: 2 pairs are 4 sequences), else nothing."""
+    n, rows = kinds.load(p.cfg.trainer).SEQUENCES_PER_ROW, p.cfg.training.per_device_train_batch_size
+    return f" ({rows} rows of {n} sequences)" if n > 1 else ""
 
 
 def compute_lines(e: comms.Estimate, w: comms.Work, f: Fabric, mfu: float) -> list[str]:
@@ -319,6 +325,9 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
                         "completions, and each step's sampling is not counted. Fix: time a short run (--max_steps 4; "
                         f"its report's wall_clock_s) and scale it to max_steps {t.max_steps}")
     max_length = sequence_length(p)
+    sequences = kinds.load(p.cfg.trainer).SEQUENCES_PER_ROW  # a DPO pair runs 2 sequences, each cut at max_length
+    longest = sequences * max_length
+    cut = f"max_length {max_length:,}" + (f" a sequence, {sequences} a row" if sequences > 1 else "")
     data = None
     if rows is None:
         data = duration.local_stats(p.cfg, max_length)
@@ -327,11 +336,12 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
                             "Fix: --rows N (and --tokens-per-row T for its mean length).")
         rows = data.rows
     if tokens_per_row is not None:
-        source = f"{rows:,} rows, {tokens_per_row:,.1f} tokens per row (given, cut at max_length {max_length:,})"
-        data = duration.Data(rows, min(tokens_per_row, max_length), source)
+        source = f"{rows:,} rows, {tokens_per_row:,.1f} tokens per row (given, cut at {cut})"
+        data = duration.Data(rows, min(tokens_per_row, longest), source)
     elif data is None:
-        data = duration.Data(rows, float(max_length), f"{rows:,} rows (given); tokens per row unknown: every row "
-                                                      f"max_length ({max_length:,}) long, the worst case")
+        every = "row" if sequences == 1 else f"sequence ({sequences} a row)"
+        data = duration.Data(rows, float(longest), f"{rows:,} rows (given); tokens per row unknown: every {every} "
+                                                   f"max_length ({max_length:,}) long, the worst case")
     world = p.gpus * p.nodes
     dp = data_parallel_size(world, p.setup)  # a mesh's tp and cp ranks share their rows; all of them compute
     global_batch = t.per_device_train_batch_size * t.gradient_accumulation_steps * dp
@@ -340,7 +350,8 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
     read = duration.rows_seen(rows, t.num_train_epochs, t.max_steps, global_batch)
     e = comms.estimate(p.shape, topology(p), work(p, mfu), f) if f.node is not None else None
     # attention at the rows' mean length, not max_length: rows are padded only to the longest in their batch
-    fpt = comms.flops_per_token(p.shape, data.tokens_per_row)
+    per_sequence = data.tokens_per_row / sequences  # a row's tokens are its sequences'
+    fpt = comms.flops_per_token(p.shape, per_sequence)
     d = duration.estimate(data, steps, read, fpt, world, f.peak_flops if e else None, mfu,
                           e.overlapped_s if e else 0.0, e.exposed_s if e else 0.0)
     run = f"max_steps {t.max_steps}" if t.max_steps > 0 else f"{t.num_train_epochs:g} epoch(s)"
@@ -348,7 +359,7 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
              f"  steps: {steps:,} ({run}, global batch {global_batch} = {t.per_device_train_batch_size} x "
              f"{t.gradient_accumulation_steps} x {dp})",
              f"  tokens: {d.tokens:,} ({read:,} rows read x {data.tokens_per_row:,.1f}), "
-             f"{fpt / 1e9:,.2f} GFLOP/token (attention at {data.tokens_per_row:,.0f} tokens)"]
+             f"{fpt / 1e9:,.2f} GFLOP/token (attention at {per_sequence:,.0f} tokens)"]
     if d.seconds is None:
         lines.append(f"  time: unknown (no dense bf16 peak or interconnect figures for the {f.gpu})")
     else:

@@ -5,8 +5,9 @@ each rank's data loader has ceil(rows / (per-device batch x data-parallel GPUs))
 sampler; the last batch is not dropped), an epoch is ceil(micro-batches / accumulation) optimizer steps, and
 max_steps > 0 replaces epochs x that.
 
-Tokens: rows x epochs x the mean tokens per row, each row cut at max_length (what SFTTrainer truncates to). Without
-a figure for the rows (a hub dataset, no --tokens-per-row) the worst case is taken: every row max_length long.
+Tokens: rows x epochs x the mean tokens per row, each sequence cut at max_length (what the trainers truncate to; a
+DPO pair runs 2 sequences, both a row's tokens, as make plan counts a micro-batch). Without a figure for the rows
+(a hub dataset, no --tokens-per-row) the worst case is taken: every sequence max_length long.
 Padding is not counted as work (the worst case includes it).
 
 Time: per optimizer step the longer of compute (FLOPs at the assumed MFU) and communication
@@ -79,10 +80,11 @@ def local_stats(cfg, max_length: int) -> Data | None:
     import datasets
 
     datasets.disable_progress_bars()
-    train, _ = kinds.load(cfg.trainer).load_datasets(cfg, want_eval=False)
-    if not model_check.looks_local(cfg.model.model_name_or_path):
-        return Data(len(train), float(max_length), f"{len(train):,} rows from {cfg.script.dataset_name}; tokens "
-                                                   "per row unknown (hub model): max_length assumed")
+    kind = kinds.load(cfg.trainer)
+    train, _ = kind.load_datasets(cfg, want_eval=False)
+    if not model_check.looks_local(cfg.model.model_name_or_path):  # every sequence max_length: a pair's two
+        return Data(len(train), float(max_length * kind.SEQUENCES_PER_ROW), f"{len(train):,} rows from "
+                    f"{cfg.script.dataset_name}; tokens per row unknown (hub model): max_length a sequence assumed")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(cfg.model.model_name_or_path)
@@ -93,7 +95,7 @@ def local_stats(cfg, max_length: int) -> Data | None:
     if measured is None:
         raise UserError(f"the rows of {cfg.script.dataset_name} are in no layout the pack measures (messages, prompt "
                         "+ completion, a text field, preference pairs). Fix: --tokens-per-row N.")
-    counts = [min(row_tokens(measured, i), max_length) for i in range(measured.sampled)]
+    counts = [row_tokens(measured, i, max_length) for i in range(measured.sampled)]
     mean = statistics.fmean(counts) if counts else 0.0
     of = "every row" if step == 1 else f"every {step}th row"
     longest = max(counts, default=0)
@@ -101,10 +103,10 @@ def local_stats(cfg, max_length: int) -> Data | None:
                                   f"average over {of} (max {longest:,}, cut at max_length {max_length:,})")
 
 
-def row_tokens(measured: lengths.Lengths, i: int) -> int:
-    """Tokens the model runs over for measured row i: each of its sequences (prompt + answer; a pair has two), or
-    its prompt where the answers are generated."""
+def row_tokens(measured: lengths.Lengths, i: int, max_length: int) -> int:
+    """Tokens the model runs over for measured row i: each of its sequences (prompt + answer; a pair has two) cut at
+    max_length (the trainers truncate each sequence), or its prompt where the answers are generated."""
     names = measured.answer_names
     if not names:
-        return measured.prompt[i]
-    return sum(measured.prompt[i] + measured.answers[name][i] for name in names)
+        return min(measured.prompt[i], max_length)
+    return sum(min(measured.prompt[i] + measured.answers[name][i], max_length) for name in names)
