@@ -92,7 +92,8 @@ def test_sft_on_labelled_answers_refuses_the_undesirable_ones(tmp_path):
     rows = [{"prompt": f"What is {i} + 1?", "completion": f" {i + (1 if i % 3 else 2)}", "label": i % 3 != 0}
             for i in range(6)]
     with pytest.raises(UserError, match=r"labelled answers \(`label`\), 2 of its 6 rows labelled undesirable .* Fix: "
-                                        "train it with a KTO recipe"):
+                                        r"train it with a KTO recipe.*where `label` means something else, declare "
+                                        r"`dataset_format: prompt_completion`"):
         load(write_jsonl(tmp_path / "kto.jsonl", rows))
     good = [r for r in rows if r["label"]]
     assert len(load(write_jsonl(tmp_path / "good.jsonl", good))[0]) == 4  # only desirable answers: SFT takes them

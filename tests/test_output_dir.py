@@ -216,6 +216,23 @@ def test_overwrite_output_dir_replaces_the_run(copy, monkeypatch, capsys):
     assert sorted(p.name for p in copy.iterdir()) == sorted([LOCK_FILE, "iris.jsonl", "notes.txt"])
 
 
+def test_overwrite_keeps_the_data_and_model_this_run_reads_from_the_folder(tmp_path):
+    """A .json data file (a format the pack reads, not a NOT_A_RUNS suffix), a data/ folder and the merged/ model
+    this run continues from, all inside output_dir: the overwrite deleted them after the checks had read them."""
+    from fsdp_recipes.checkpoint import previous_run
+
+    out = tmp_path / "out"
+    for name in ("checkpoint-2", "data", "merged"):
+        (out / name).mkdir(parents=True)
+    for name in ("metrics.json", "run_args.json", "train.json", "config.json", "data/train.jsonl",
+                 "merged/config.json", "checkpoint-2/trainer_state.json"):
+        (out / name).write_text("{}\n")
+    removed = previous_run.clear(out, previous_run.read(out), keep=[str(out / "train.json"), str(out / "data"),
+                                                                    str(out / "merged"), None])
+    assert removed.startswith(f"removed an unfinished run from {out} (4 files and folders); kept 3"), removed
+    assert sorted(p.name for p in out.iterdir()) == ["data", "merged", "train.json"]
+    assert (out / "data" / "train.jsonl").is_file() and (out / "merged" / "config.json").is_file()
+
 def test_a_second_run_in_a_busy_output_dir_is_refused_and_a_dead_runs_lock_is_taken_over(tmp_path, monkeypatch,
                                                                                            capsys):
     busy = tmp_path / "busy"

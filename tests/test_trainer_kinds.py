@@ -194,7 +194,20 @@ def test_pairs_never_replace_data_they_did_not_write(tmp_path, monkeypatch, cach
     (ours / prefs.STAMP).write_text('{"writing": {}}')  # stopped half-way: still the demo's, rewritten
     prefs.ensure(str(tmp_path / "model"), str(ours), wrong, quiet=True)
     assert asked == [4, 2, 4, 2] and prefs.is_current(ours, tmp_path / "model")
-    cached = cache_dir / f"pairs-{tmp_path.name}"  # the recipe's own folder, stamped or not
+    # another folder of the cache (the SFT demo's two-digit-addition, which the pairs' questions are read from) and
+    # a user's folder with a source.json of its own are not the demo's to replace
+    sft = cache_dir / f"sft-{tmp_path.name}"
+    sft.mkdir()
+    (sft / "train.jsonl").write_text('{"prompt": "1 + 1", "completion": "2"}\n')
+    (mine / prefs.STAMP).write_text('{"url": "https://example.org/my-pairs"}')
+    for data in (sft, mine):
+        with pytest.raises(UserError, match=f"replace what {data} holds"):
+            prefs.ensure(str(tmp_path / "model"), str(data), wrong, quiet=True)
+    assert (sft / "train.jsonl").read_text() == '{"prompt": "1 + 1", "completion": "2"}\n'
+    shutil.rmtree(sft)
+    # the recipes' own folder in the cache, stamped or not (a name of this test's: the session's cache is shared)
+    monkeypatch.setattr(prefs, "OWN_FOLDER", f"pairs-{tmp_path.name}")
+    cached = cache_dir / prefs.OWN_FOLDER
     cached.mkdir()
     (cached / "train.jsonl").write_text("{}\n")
     prefs.ensure(str(tmp_path / "model"), str(cached), wrong, quiet=True)

@@ -24,12 +24,13 @@ from pathlib import Path
 
 from fsdp_recipes.assets import smollm2
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.paths import in_pack_cache
+from fsdp_recipes.paths import cache_dir
 
 TRAIN_QUESTIONS = 1600  # of the 3,995 training questions; the SFT run trained on the first 768 of a shuffle
 QUESTIONS_ENV = "FSDP_RECIPES_PREFERENCE_QUESTIONS"  # fewer questions (the test suite's short run)
 BATCH = 100
 STAMP = "source.json"
+OWN_FOLDER = "addition-preferences"  # in the pack's cache: the DPO and KTO demos' dataset_name
 VERSION = 4  # of how pairs are built: a change here rebuilds every cached set
 
 
@@ -112,13 +113,26 @@ def write(model: Path, out: Path, generate: Callable, say=print) -> dict[str, in
     return counts
 
 
+def stamped(out: Path) -> bool:
+    """Whether `out` holds this module's stamp: a `source.json` of the shape write() gives it (the name alone is a
+    common one for a data folder's own notes)."""
+    try:
+        stamp = json.loads((out / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(stamp, dict) and ("writing" in stamp or "model" in stamp and (
+        "version" in stamp or "train_questions" in stamp))  # the first stamps had no version
+
+
 def check_target(out: Path) -> None:
-    """`out` (dataset_name) is a folder this module may write its pairs into: absent, empty, or stamped by it. A
-    user's own data there (dataset_name given on the command line, addition_preferences left on) was replaced by
-    the demo's pairs, and trained on without a word."""
-    if in_pack_cache(str(out)):  # the recipe's own folder (a half-written one from before the first stamp, too)
+    """`out` (dataset_name) is a folder this module may write its pairs into: absent, empty, stamped by it, or the
+    recipes' own folder in the pack's cache (OWN_FOLDER). A user's own data there (dataset_name given on the command
+    line, addition_preferences left on) was replaced by the demo's pairs, and trained on without a word; so was the
+    pack's own SFT data (--dataset_name $FSDP_RECIPES_CACHE/two-digit-addition), which this module then reads its
+    questions from."""
+    if out.absolute() == (cache_dir() / OWN_FOLDER).absolute():  # a half-written one from before the first stamp
         return
-    if out.exists() and not (out / STAMP).is_file() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and not stamped(out) and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"addition_preferences is on, and it would replace what {out} holds (dataset_name: data it "
                         "did not write) with addition pairs from the SFT model's answers. Fix: --addition_preferences "
                         f"false (or addition_preferences: false in the recipe) to train on {out} itself.")

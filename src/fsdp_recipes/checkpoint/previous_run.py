@@ -7,7 +7,8 @@ The rule (docs/checkpoints.md, "One output_dir, one run"):
 - An unfinished run (preempted, failed, interrupted, or killed before its report) is resumed from its newest complete
   checkpoint by the same command (checkpoint/resume_settings.py compares the settings), or started over when it has
   none.
-- `--overwrite_output_dir true` removes what the folder holds first, whatever it is, after saying what it removes.
+- `--overwrite_output_dir true` removes what a run left there first, after saying what it removes: the user's own
+  files (NOT_A_RUNS by suffix) and what this run reads (its data or model inside the folder) stay.
 
 The launcher calls `decide` while it holds the output_dir's lock (output_lock.py), before any rank starts.
 """
@@ -140,19 +141,23 @@ NOT_A_RUNS = (".jsonl", ".csv", ".tsv", ".parquet", ".xlsx", ".xls", ".txt", ".m
 RUNS_OWN = ("README.md", "merges.txt", "vocab.txt")
 
 
-def clear(output_dir: str | Path, previous: Previous | None) -> str | None:
+def clear(output_dir: str | Path, previous: Previous | None, keep=()) -> str | None:
     """--overwrite_output_dir: remove everything but the lock and the user's own files (NOT_A_RUNS) from an
     output_dir that holds a run (`previous`, read(output_dir): a report, run_args.json or a checkpoint; a folder of
-    other files is left alone). The line to print, or None."""
+    other files is left alone). `keep`: paths this run reads (its dataset_name, model_name_or_path): an entry that is
+    one of them or holds one stays whatever its suffix (a train.json, a data/ folder, the merged/ model continued from
+    were deleted, and the run failed on the data or model its checks had just read). The line to print, or None."""
     output_dir = Path(output_dir)
     if previous is None:
         return None
+    read = [Path(k).resolve() for k in keep if k]
     entries, kept = [], []
     for p in output_dir.iterdir():
         if p.name == LOCK_FILE:
             continue
         users = p.is_file() and p.suffix.lower() in NOT_A_RUNS and p.name not in RUNS_OWN
-        (kept if users else entries).append(p)
+        needed = any(r == p.resolve() or r.is_relative_to(p.resolve()) for r in read)
+        (kept if users or needed else entries).append(p)
     what = f"a {previous.status} run of {previous.steps} steps" if previous.status else "an unfinished run"
     for p in entries:
         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()

@@ -225,8 +225,9 @@ def check_no_undesirable_answers(ds, where: str) -> None:
     if bad:
         raise UserError(f"dataset {where} holds labelled answers (`label`), {bad} of its {len(labels)} rows labelled "
                         "undesirable (false), and SFT would train on those answers as on the good ones. Fix: train "
-                        "it with a KTO recipe (trainer: kto, e.g. smollm2-135m-kto), or keep only the rows labelled "
-                        "true.")
+                        "it with a KTO recipe (trainer: kto, e.g. smollm2-135m-kto), keep only the rows labelled "
+                        "true, or, where `label` means something else, declare `dataset_format: prompt_completion` "
+                        "(SFT then trains every row).")
 
 
 def carve_size(size: float, n: int) -> int:

@@ -6,9 +6,10 @@ Tensor parallel with weights wider than the compute (a full fine-tune's fp32 wei
 requires): transformers' FSDP2 under tp has no mixed-precision policy, so autocast casts each linear's 1/tp weight
 to bf16 for its matmul, outside FSDP's resharding, and autocast's cast cache holds each copy until the outermost
 autocast exits at the forward's end: every layer's, checkpointed or not, and the LM head's (torch's cached_cast keeps
-a leaf fp32 weight that needs a gradient; through torch.utils.checkpoint too, measured on CPU 2026-11-29). Measured on CPU (bench/tp_cpu_collectives.py, 2026-11-29: tiny Mistral, tp 2 x
-dp_shard 2, fp32 under bf16 autocast, autograd's saved tensors): 2,968,576 B of bf16 weight copies, the 4 layers' linears and the LM head at
-1/tp x 2 B, exactly. (A plain DDP or one-process run of fp32 weights under autocast would keep the same copies,
+a leaf fp32 weight that needs a gradient; through torch.utils.checkpoint too, measured on CPU 2026-11-29). Measured
+on CPU (bench/tp_cpu_collectives.py, 2026-11-29: tiny Mistral, tp 2 x dp_shard 2, fp32 under bf16 autocast,
+autograd's saved tensors): 2,968,576 B of bf16 weight copies, the 4 layers' linears and the LM head at 1/tp x 2 B,
+exactly. (A plain DDP or one-process run of fp32 weights under autocast would keep the same copies,
 undivided: not counted here, not measured.)
 The same weights keep the residual stream in fp32 (the embedding's output, and each layer's sum of it and a bf16
 projection), so what a layer saves around its norms is wider than the per_layer formula's 2h(4 + 2c): each norm keeps
