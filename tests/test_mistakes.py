@@ -548,6 +548,11 @@ def test_an_exit_code_file_in_a_missing_folder_is_one_line_before_the_launch(tmp
     assert stop.value.code == 2 and ran == [] and len(err) == 1, err
     assert err[0].startswith(f"error: FSDP_RECIPES_EXIT_CODE_FILE={tmp_path / 'missing' / 'rc'} is in a folder that "
                              "does not exist") and "Fix: create that folder first" in err[0]
+    monkeypatch.setenv("FSDP_RECIPES_EXIT_CODE_FILE", str(tmp_path))  # a folder: the write would fail after the run
+    with pytest.raises(SystemExit) as stop:
+        launcher.main(["tiny-cpu-lora"])
+    assert stop.value.code == 2 and ran == []
+    assert capsys.readouterr().err.startswith(f"error: FSDP_RECIPES_EXIT_CODE_FILE={tmp_path} is a folder, where")
 
 
 def test_a_summary_that_fails_after_a_completed_run_says_the_outputs_are_complete(tmp_path, monkeypatch):
@@ -568,6 +573,16 @@ def test_a_summary_that_fails_after_a_completed_run_says_the_outputs_are_complet
                            f"{tmp_path / 'metrics.json'} says so; the outputs in {tmp_path} are complete)"), line
     assert f"Fix: once the cause is fixed, `python -m fsdp_recipes.launch.summary {tmp_path}` makes the summary" in line
 
+    def moved(argv, recipe=None):  # the summary reads the data again: a file moved during the run
+        raise UserError("dataset not found: x.jsonl. Fix: check dataset_name")
+
+    monkeypatch.setattr(ending.summary, "main", moved)
+    with pytest.raises(UserError) as caught:
+        ending.summarise(None, str(tmp_path))
+    assert caught.value.exit_code == 1 and str(caught.value).startswith(
+        f"training completed and {tmp_path / 'metrics.json'} says so (the outputs in {tmp_path} are complete), but "
+        "the summary stopped: dataset not found: x.jsonl."), str(caught.value)
+
 
 def test_an_interrupted_run_names_what_the_same_command_resumes_from(tmp_path):
     from fsdp_recipes.checkpoint import markers
@@ -580,3 +595,19 @@ def test_an_interrupted_run_names_what_the_same_command_resumes_from(tmp_path):
         if complete:
             (tmp_path / f"checkpoint-{step}" / markers.MARKER).write_text(str(step))
     assert ending.resumes_from(str(tmp_path)) == f"the same command resumes from {tmp_path / 'checkpoint-20'}"
+    # what the command's own settings do instead (a requeued job runs the same command)
+    from types import SimpleNamespace
+
+    def cfg(overwrite=False, resume=None, auto=True):
+        return SimpleNamespace(pack=SimpleNamespace(overwrite_output_dir=overwrite, auto_resume=auto),
+                               training=SimpleNamespace(resume_from_checkpoint=resume))
+
+    assert ending.resumes_from(str(tmp_path), cfg(overwrite=True)) == (
+        f"the same command (--overwrite_output_dir true) would empty {tmp_path} again, checkpoints and all: leave that "
+        f"flag out to resume from {tmp_path / 'checkpoint-20'}")
+    assert ending.resumes_from(str(tmp_path), cfg(resume=str(tmp_path / "checkpoint-10"))) == (
+        f"the same command resumes from {tmp_path / 'checkpoint-10'} again (its resume_from_checkpoint); leave that "
+        f"out to resume from {tmp_path / 'checkpoint-20'}")
+    assert ending.resumes_from(str(tmp_path), cfg(auto=False)) == (
+        f"the same command starts again at step 0 (--auto_resume false); --auto_resume true resumes from "
+        f"{tmp_path / 'checkpoint-20'}")

@@ -202,18 +202,20 @@ def test_an_unreadable_newest_checkpoint_is_named_and_the_previous_one_used(copy
     assert markers.usable(copy) == (copy / "checkpoint-2", [])
 
 
-def test_overwrite_output_dir_replaces_the_run(copy, monkeypatch, capsys):
+def test_overwrite_output_dir_replaces_the_run(copy, shared, monkeypatch, capsys):
     """The run's files go; the user's own files in that folder stay (a run writes beside them, and the overwrite
-    deleted them with it: output_dir pointed at the folder of the data)."""
+    deleted them with it: output_dir pointed at the folder of the data), and so does the data folder this run reads
+    (a folder is no user's file by its suffix: claim_output_dir names it to previous_run.clear)."""
     (copy / "iris.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
     (copy / "notes.txt").write_text("lr 1e-3 next\n")
+    shutil.copytree(shared.cache / "tiny-arith", copy / "tiny-arith")
     with pytest.raises(RanksWouldStart):
         launcher_until_ranks([*ARGS, "--output_dir", str(copy), "--learning_rate", "1e-3", "--overwrite_output_dir",
-                              "true"], monkeypatch, capsys)
+                              "true", "--dataset_name", str(copy / "tiny-arith")], monkeypatch, capsys)
     out = capsys.readouterr().out
     assert f"overwrite_output_dir: removed a completed run of 4 steps from {copy}" in out
-    assert "; kept 2 file(s) no run writes (iris.jsonl, notes.txt)" in out
-    assert sorted(p.name for p in copy.iterdir()) == sorted([LOCK_FILE, "iris.jsonl", "notes.txt"])
+    assert "; kept 3 file(s)" in out and "iris.jsonl, notes.txt" in out, out
+    assert sorted(p.name for p in copy.iterdir()) == sorted([LOCK_FILE, "iris.jsonl", "notes.txt", "tiny-arith"])
 
 
 def test_overwrite_keeps_the_data_and_model_this_run_reads_from_the_folder(tmp_path):

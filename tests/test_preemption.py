@@ -361,7 +361,7 @@ def test_ctrl_c_that_torchrun_passed_on_as_sigterm_is_still_an_interruption(tmp_
     text = capsys.readouterr().out
     assert rc == EXIT_INTERRUPTED, text[-2000:]
     assert "interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint first " \
-           "(stopped by a signal (rank 0 saw: 15)); run the same command again to resume" in text
+           "(stopped by a signal (rank 0 saw: 15)); " in text  # then what the same command does (ending.resumes_from)
     assert "preempted:" not in text
     assert json.loads((out / "metrics.json").read_text()) == report  # what the ranks did, as they reported it
 

@@ -33,11 +33,13 @@ def records_exit_code(main):
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        if (path := os.environ.get(EXIT_CODE_FILE_ENV)) and not Path(path).absolute().parent.is_dir():
+        if (path := os.environ.get(EXIT_CODE_FILE_ENV)) and (Path(path).is_dir() or
+                                                             not Path(path).absolute().parent.is_dir()):
             # found before the run, not when the code is written after it (launch.sh; the Makefile checks the same)
-            print(f"error: {EXIT_CODE_FILE_ENV}={path} is in a folder that does not exist "
-                  f"({Path(path).absolute().parent}), where the exit code cannot be written. Fix: create that folder "
-                  "first, or name a file in one that exists.", file=sys.stderr, flush=True)
+            where = ("is a folder" if Path(path).is_dir() else
+                     f"is in a folder that does not exist ({Path(path).absolute().parent})")
+            print(f"error: {EXIT_CODE_FILE_ENV}={path} {where}, where the exit code cannot be written. Fix: create "
+                  "that folder first, or name a file in one that exists.", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
         code: object = 1
         try:
@@ -67,10 +69,10 @@ def write_exit_code(code: object) -> None:
               file=sys.stderr, flush=True)
 
 
-def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool) -> str:
+def grace_ran_out(output_dir: str, report: Path, grace_s: str, fresh: bool, cfg=None) -> str:
     """The ranks were stopped before the preemption checkpoint was complete: say so, in the report too."""
     note = (f"preempted, but the ranks did not finish within the grace period ({grace_s} s) and were stopped; "
-            f"an incomplete checkpoint is skipped on resume: {resumes_from(output_dir)}. Fix: raise "
+            f"an incomplete checkpoint is skipped on resume: {resumes_from(output_dir, cfg)}. Fix: raise "
             f"preemption_grace_s (and the scheduler's grace) above the checkpoint save time")
     if fresh:
         metrics_file.amend(report.parent, lambda m: {
@@ -104,12 +106,12 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
             # torch 2.13.0's elastic agent: a SIGINT handled inside its metrics wrapper (metrics/api.py `prof`,
             # before `start` is set) turns into an UnboundLocalError, and torchrun stops the ranks with SIGTERM
             say(f"interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint "
-                f"first ({metrics.get('error')}); run the same command again to resume from it in {output_dir}")
+                f"first ({metrics.get('error')}); {resumes_from(output_dir, recipe.cfg)}")
             return EXIT_INTERRUPTED
-        say(f"preempted: a checkpoint was saved in {output_dir}; run the same command again to resume")
+        say(f"preempted: a checkpoint was saved in {output_dir}; {resumes_from(output_dir, recipe.cfg)}")
         return EXIT_PREEMPTED
     if preempted_by is not None and (metrics.get("provisional") or rc != 0):
-        say(grace_ran_out(output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh))
+        say(grace_ran_out(output_dir, report, os.environ["PET_SHUTDOWN_TIMEOUT"], fresh, recipe.cfg))
         return EXIT_PREEMPTED
     if rc != 0 and completed:
         # Seen twice in CI before ranks skipped interpreter teardown (entry.exit_without_teardown): a rank aborted
@@ -119,18 +121,29 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
             f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
         return rc
     if rc != 0 and (ranks.interrupted or metrics.get("status") == "interrupted"):
-        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; {resumes_from(output_dir)}")
+        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; {resumes_from(output_dir, recipe.cfg)}")
         return EXIT_INTERRUPTED
     if rc != 0:
         raise failed(recipe, ranks, rc, output_dir, report, fresh)
     return None
 
 
-def resumes_from(output_dir: str) -> str:
-    """What the same command does next in `output_dir`: resume from its newest complete checkpoint, or start over."""
+def resumes_from(output_dir: str, cfg=None) -> str:
+    """What the same command does next in `output_dir` (`cfg`: its parsed recipe, recipe.cfg): resume from the newest
+    complete checkpoint it can read (markers.usable, as the resume picks it), or what its settings do instead: a
+    requeued job runs the same command."""
     from fsdp_recipes.checkpoint import markers as checkpoints
 
-    latest = checkpoints.latest_complete(output_dir)
+    latest = checkpoints.usable(output_dir)[0]
+    if cfg is not None and cfg.pack.overwrite_output_dir:  # claim_output_dir empties the folder first
+        return (f"the same command (--overwrite_output_dir true) would empty {output_dir} again, checkpoints and "
+                "all: " + (f"leave that flag out to resume from {latest}" if latest else "nothing would resume"))
+    if cfg is not None and (resume := cfg.training.resume_from_checkpoint):
+        return f"the same command resumes from {resume} again (its resume_from_checkpoint)" + (
+            f"; leave that out to resume from {latest}" if latest and Path(resume) != latest else "")
+    if cfg is not None and not cfg.pack.auto_resume:
+        return "the same command starts again at step 0 (--auto_resume false)" + (
+            f"; --auto_resume true resumes from {latest}" if latest else "")
     return (f"the same command resumes from {latest}" if latest else
             f"no complete checkpoint in {output_dir}: the same command starts again at step 0")
 
@@ -157,8 +170,11 @@ def summarise(recipe: Recipe, output_dir: str) -> int:
     again = f"`python -m fsdp_recipes.launch.summary {output_dir}` makes the summary again"
     try:
         return summary.main(summary_args(output_dir), recipe=recipe)
-    except UserError:
-        raise
+    except UserError as err:
+        if err.exit_code != EXIT_USER_ERROR:
+            raise
+        raise UserError(f"training completed and {report} says so (the outputs in {output_dir} are complete), but the "
+                        f"summary stopped: {err}; once fixed, {again}", exit_code=1) from None
     except OSError as err:  # a full disk or a quota, met while writing the generations or the eval section
         raise UserError(f"training completed and {report} says so, but the summary could not write to "
                         f"{output_dir} ({err.strerror or err}). Fix: free space there, then {again}",

@@ -89,7 +89,8 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig) -> None:
         # folder is emptied, so that its refusal (not found, another model, other settings) leaves the run there
         resume, changed = (resume_choice.checkpoint_to_resume(cfg, now, say=say)
                            if cfg.training.resume_from_checkpoint else (None, {}))
-        if removed := previous_run.clear(out, previous):
+        reads = [cfg.script.dataset_name, cfg.model.model_name_or_path]  # a folder the run reads is never emptied
+        if removed := previous_run.clear(out, previous, keep=[path for path in reads if path]):
             say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
     else:
         resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
