@@ -33,11 +33,11 @@ def records_exit_code(main):
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        if (path := os.environ.get(EXIT_CODE_FILE_ENV)) and (Path(path).is_dir() or
-                                                             not Path(path).absolute().parent.is_dir()):
-            # found before the run, not when the code is written after it (launch.sh; the Makefile checks the same)
-            where = ("is a folder" if Path(path).is_dir() else
-                     f"is in a folder that does not exist ({Path(path).absolute().parent})")
+        path = os.environ.get(EXIT_CODE_FILE_ENV)
+        target = Path(path).absolute() if path else None
+        # found before the run, not when the code is written after it (launch.sh; the Makefile checks the same)
+        if target is not None and (target.is_dir() or not target.parent.is_dir()):
+            where = "is a folder" if target.is_dir() else f"is in a folder that does not exist ({target.parent})"
             print(f"error: {EXIT_CODE_FILE_ENV}={path} {where}, where the exit code cannot be written. Fix: create "
                   "that folder first, or name a file in one that exists.", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
