@@ -161,6 +161,7 @@ def fake_checkpoint(output_dir, cache_dir, **changes):
     ckpt = output_dir / "checkpoint-10"
     ckpt.mkdir(parents=True)
     (ckpt / checkpoints.IDENTITY).write_text(json.dumps(ident))
+    (ckpt / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
     (ckpt / checkpoints.MARKER).write_text("10")
     return ckpt
 
@@ -181,10 +182,13 @@ def test_resuming_from_an_incompatible_checkpoint(recipe, cache_dir, tmp_path, c
 
 
 def test_a_resume_folder_without_the_trainers_state_is_one_line(recipe, cache_dir, tmp_path, checks):
-    """This run's model and adapter (fake_checkpoint's identity), but no trainer_state.json: a traceback before."""
+    """This run's model and adapter (fake_checkpoint's identity), but no trainer_state.json: a traceback before.
+    auto_resume skips such a checkpoint as unreadable (tests/test_mistakes.py); one named explicitly is refused."""
     ckpt = fake_checkpoint(tmp_path / "other", cache_dir)
+    (ckpt / "trainer_state.json").unlink()
     res = checks([str(recipe), "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(ckpt)])
-    assert_one_line_error(res, f"{ckpt} has no trainer_state.json, so the Trainer cannot resume from it")
+    assert_one_line_error(res, f"resume_from_checkpoint {ckpt} cannot be read (trainer_state.json: missing, so the "
+                               "Trainer cannot resume from it")
 
 
 def test_a_refused_resume_moves_no_unreadable_checkpoint_aside(recipe, cache_dir, tmp_path, checks):
@@ -196,6 +200,7 @@ def test_a_refused_resume_moves_no_unreadable_checkpoint_aside(recipe, cache_dir
     cut = out / "checkpoint-20"
     cut.mkdir()
     (cut / "checkpoint_complete").write_text("20")
+    (cut / "trainer_state.json").write_text(json.dumps({"global_step": 20}))
     (cut / "optimizer.bin").write_bytes(b"cut short")  # not a zip: markers.unreadable
     from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
 

@@ -156,6 +156,14 @@ def no_chat_template(recipe, tmp, cache=None):
     return ["--model_name_or_path", str(model), "--lora_modules_to_save", "lm_head"]
 
 
+def model_without_weights(recipe, tmp):
+    """A model folder copied without its weights: rank 0's from_pretrained found it, some 20 s after the start."""
+    model = tmp / "model-without-weights"
+    shutil.copytree(os.environ["FSDP_RECIPES_CACHE"] + "/tiny-mistral", model)
+    (model / "model.safetensors").unlink()
+    return ["--model_name_or_path", str(model)]
+
+
 CASES = {
     # recipe YAML: ranges the libraries accept silently or only check inside the ranks
     "yaml-negative-lr": (yaml_case(learning_rate=-1e-3), "learning_rate is -0.001; it must be positive"),
@@ -205,6 +213,7 @@ CASES = {
     # model
     "model-missing": (cli_case("--model_name_or_path", "/nonexistent/model"), "model not found"),
     "model-no-chat-template": (no_chat_template, "has no chat template"),
+    "model-without-weights": (model_without_weights, "holds config.json but no weights"),
     "model-flash-attn-missing": (cli_case("--attn_implementation", "flash_attention_2"), "needs the flash-attn"),
     # accelerate YAML
     "accelerate-wrong-wrap-class": (acc_case(fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer"),
@@ -257,6 +266,18 @@ def test_settings_that_never_fire_are_warnings(cache_dir):
         "warmup_steps is 10 and the run has 4 steps: the learning rate never leaves warmup"]
     cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml")])
     assert schedule_warnings(cfg.training) == []
+
+
+def test_lora_flags_on_a_full_fine_tuning_run_are_one_warning(monkeypatch, capsys, cache_dir):
+    """--use_peft false with LoRA flags: TRL ignores them silently; the launcher says so, once, and the run goes on."""
+    from conftest import RanksWouldStart, launcher_until_ranks
+
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks(["tiny-cpu-lora", "--use_peft", "false", "--lora_r", "64", "--lora_dropout=0.1"],
+                             monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert out.count("warning: --lora_dropout, --lora_r change nothing: this run fine-tunes every weight (use_peft "
+                     "false). Fix: --use_peft true to train a LoRA adapter, or leave them out") == 1, out
 
 
 def test_the_battery_covers_every_class_of_mistake():
@@ -584,17 +605,22 @@ def test_a_summary_that_fails_after_a_completed_run_says_the_outputs_are_complet
         "the summary stopped: dataset not found: x.jsonl."), str(caught.value)
 
 
-def test_an_interrupted_run_names_what_the_same_command_resumes_from(tmp_path):
+def test_an_interrupted_run_names_what_the_same_command_resumes_from(tmp_path, monkeypatch):
     from fsdp_recipes.checkpoint import markers
     from fsdp_recipes.launch import ending
 
     assert ending.resumes_from(str(tmp_path)) == (f"no complete checkpoint in {tmp_path}: the same command starts "
                                                   "again at step 0")
-    for step, complete in ((10, True), (20, True), (30, False)):
+    # checkpoint-25 is marked complete but lacks the Trainer's state (a copy that left it out): not resumable
+    for step, complete, state in ((10, True, True), (20, True, True), (25, True, False), (30, False, True)):
         (tmp_path / f"checkpoint-{step}").mkdir()
+        if state:
+            (tmp_path / f"checkpoint-{step}" / "trainer_state.json").write_text("{}")
         if complete:
             (tmp_path / f"checkpoint-{step}" / markers.MARKER).write_text(str(step))
     assert ending.resumes_from(str(tmp_path)) == f"the same command resumes from {tmp_path / 'checkpoint-20'}"
+    why = "trainer_state.json: missing, so the Trainer cannot resume from it (its step and the data to skip)"
+    assert markers.usable(tmp_path)[1] == [(tmp_path / "checkpoint-25", why)]
     # what the command's own settings do instead (a requeued job runs the same command)
     from types import SimpleNamespace
 
@@ -602,9 +628,14 @@ def test_an_interrupted_run_names_what_the_same_command_resumes_from(tmp_path):
         return SimpleNamespace(pack=SimpleNamespace(overwrite_output_dir=overwrite, auto_resume=auto),
                                training=SimpleNamespace(resume_from_checkpoint=resume))
 
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert ending.resumes_from(str(tmp_path), cfg(overwrite=True)) == (
         f"the same command (--overwrite_output_dir true) would empty {tmp_path} again, checkpoints and all: leave that "
         f"flag out to resume from {tmp_path / 'checkpoint-20'}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the batch script requeues the job (output_dir.requeued keeps its run)
+    assert ending.resumes_from(str(tmp_path), cfg(overwrite=True)) == (
+        f"a requeue of Slurm job 4242 resumes from {tmp_path / 'checkpoint-20'}; the same command submitted as a new "
+        f"job (--overwrite_output_dir true) would empty {tmp_path}: leave that flag out to resume there")
     assert ending.resumes_from(str(tmp_path), cfg(resume=str(tmp_path / "checkpoint-10"))) == (
         f"the same command resumes from {tmp_path / 'checkpoint-10'} again (its resume_from_checkpoint); leave that "
         f"out to resume from {tmp_path / 'checkpoint-20'}")

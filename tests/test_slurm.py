@@ -127,16 +127,19 @@ def test_multinode_hsdp(cluster, submit, tmp_path):
 
 @pytest.mark.slow
 def test_preempted_job_requeues_and_resumes(cluster, submit, tmp_path):
-    """USR1 to the job's step (what `--signal=USR1@300` sends before the time limit): save, exit 75, requeue, resume."""
+    """USR1 to the job's step (what `--signal=USR1@300` sends before the time limit): save, exit 75, requeue, resume.
+    The job's command carries --overwrite_output_dir true: the requeue keeps its own run (launch/output_dir.py
+    requeued), where it once emptied the checkpoint and started again at step 0."""
     out = tmp_path / "run"
     job, log = submit(MULTI_NODE, ["--max_steps", "30", *QUICK, "--save_strategy", "steps", "--save_steps", "5",
-                                   "--output_dir", str(out)])
+                                   "--output_dir", str(out), "--overwrite_output_dir", "true"])
     wait_for("the first checkpoint", lambda: checkpoints.is_complete(out / "checkpoint-5"), 150, log=log)
     res = subprocess.run(["scancel", "--signal=USR1", str(job)], env=cluster.env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     info, text = finished(cluster, job, log, 240)
     assert info["Restarts"] == "1", info
     assert "preempted: checkpoint saved; requeueing" in text
+    assert f"overwrite_output_dir: kept the unfinished run that Slurm job {job} left in {out}" in text, text
     m = json.loads((out / "metrics.json").read_text())
     assert m["status"] == "completed" and m["steps"] == 30
     assert m["resumed_from"] and m["resumed_from"].startswith(str(out / "checkpoint-")), m

@@ -1,5 +1,5 @@
 """Small helpers for the few collectives the pack runs itself (run report, preemption, checkpoint markers,
-the load and resume checks), and a free local port for a rendezvous or a server."""
+the load and resume checks), a free local port for a rendezvous or a server, and who this process is in its job."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ def rank() -> int:
     """This process's global rank as torchrun set it (RANK); 0 outside a launch. Read from the environment, so it is
     right before the process group exists and costs no import of torch."""
     return int(os.environ.get("RANK", 0))
+
+
+def slurm_job() -> tuple[str, int] | None:
+    """This Slurm job's id and its restart count: `scontrol requeue` runs the same job again, with the same id and
+    SLURM_RESTART_COUNT one higher (an interactive allocation's runs share an id at count 0); None outside Slurm."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return (job, int(os.environ.get("SLURM_RESTART_COUNT") or 0)) if job else None
 
 
 def initialized() -> bool:

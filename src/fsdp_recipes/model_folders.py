@@ -30,6 +30,16 @@ def full_weights(folder: Path) -> list[str]:
     return sorted({p.name for pattern in WEIGHT_GLOBS for p in folder.glob(pattern) if p.is_file()})
 
 
+def without_weights(folder: Path) -> str | None:
+    """Why `folder`, a model folder by its config.json, cannot be loaded for want of weights (None: it has them, or
+    it is no model folder): a copy that left them out is said before the ranks start, not by rank 0's load."""
+    if not (Path(folder) / "config.json").is_file() or full_weights(folder):
+        return None
+    return (f"holds config.json but no weights ({' or '.join(WEIGHT_GLOBS[:2])}), so from_pretrained would fail on "
+            f"every rank. Fix: copy the model's weight files into {folder}, or point model_name_or_path at the "
+            f"folder that holds them.")
+
+
 def adapter_beside_weights(folder: Path) -> str | None:
     """One line when `folder` holds a full model and a PEFT adapter side by side (None otherwise): which one
     transformers loads, and the fix."""

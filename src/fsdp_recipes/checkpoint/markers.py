@@ -59,6 +59,8 @@ def unreadable(ckpt: Path) -> str | None:
 
     from safetensors import safe_open
 
+    if not (ckpt / "trainer_state.json").is_file():  # every Trainer save writes it: the step and the data to skip
+        return "trainer_state.json: missing, so the Trainer cannot resume from it (its step and the data to skip)"
     for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
         try:
             if path.suffix == ".json":

@@ -43,6 +43,7 @@ class Previous:
     last_checkpoint: Path | None  # the newest complete, readable one
     unreadable: list[tuple[Path, str]]  # newer complete ones that cannot be read, with why
     model: dict | None = None  # trained(run_args.json's model_args): the base model and the adapter
+    job: tuple | None = None  # the Slurm job that ran it, and that job's restart count (run_args.json's launcher)
 
 
 def read(output_dir: Path) -> Previous | None:
@@ -57,7 +58,13 @@ def read(output_dir: Path) -> Previous | None:
     last, bad = markers.usable(output_dir)
     recorded = _json(args)
     return Previous(status, metrics.get("steps"), metrics.get("finished_at"), recorded.get("resume_settings"),
-                    last, bad, trained(recorded.get("model_args")))
+                    last, bad, trained(recorded.get("model_args")), slurm_job(recorded.get("launcher") or {}))
+
+
+def slurm_job(launcher: dict) -> tuple[str, int] | None:
+    """(id, restart count) as dist.slurm_job gives them, from run_args.json's launcher; None outside Slurm."""
+    job = launcher.get("slurm_job_id")
+    return (job, int(launcher.get("slurm_restart_count") or 0)) if job else None
 
 
 def trained(model_args) -> dict | None:

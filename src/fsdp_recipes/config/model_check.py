@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from fsdp_recipes.config import expert_lora
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.model_folders import adapter_beside_weights
+from fsdp_recipes.model_folders import adapter_beside_weights, without_weights
 from fsdp_recipes.paths import in_pack_cache
 
 
@@ -69,6 +69,8 @@ def check_model_found(path: str | None, continues_from: str | None = None, revis
     if path is None or in_pack_cache(path):
         return None
     check_local_model(path, continues_from)
+    if why := without_weights(Path(os.path.expandvars(os.path.expanduser(path)))):
+        raise UserError(f"model not found: {path} {why}")
     if not hub_shaped(path):
         return None
     if (cached := model_config_json(path, revision)) is not None:

@@ -100,6 +100,16 @@ def schedule_warnings(t) -> list[str]:
     return found
 
 
+def unused_lora_flags(argv: list[str], use_peft: bool) -> list[str]:
+    """LoRA flags on the command line of a full fine-tuning run, which TRL reads only with use_peft: one warning
+    (a script that switches use_peft keeps the rest; a user who meant LoRA learns it before the run)."""
+    lora = sorted({a[2:].split("=")[0] for a in argv if a.startswith(("--lora_", "--use_rslora", "--use_dora"))})
+    if use_peft or not lora:
+        return []
+    return [(f"{', '.join('--' + k for k in lora)} change nothing: this run fine-tunes every weight (use_peft "
+             "false). Fix: --use_peft true to train a LoRA adapter, or leave them out")]
+
+
 def check_lora_values(model_args) -> None:
     if not model_args.use_peft:
         return

@@ -13,6 +13,7 @@ from pathlib import Path
 # import the same in parallel.
 from fsdp_recipes.config.job import machine_rank
 from fsdp_recipes.config.recipes import Recipe
+from fsdp_recipes.dist import slurm_job
 from fsdp_recipes.errors import EXIT_INTERRUPTED, EXIT_PREEMPTED, EXIT_USER_ERROR, UserError
 from fsdp_recipes.launch import explain_failure, summary
 from fsdp_recipes.launch.lines import say, unexpected
@@ -136,6 +137,9 @@ def resumes_from(output_dir: str, cfg=None) -> str:
 
     latest = checkpoints.usable(output_dir)[0]
     if cfg is not None and cfg.pack.overwrite_output_dir:  # claim_output_dir empties the folder first
+        if latest and (job := slurm_job()):  # ... but not for a requeue of this job (output_dir.requeued)
+            return (f"a requeue of Slurm job {job[0]} resumes from {latest}; the same command submitted as a new job "
+                    f"(--overwrite_output_dir true) would empty {output_dir}: leave that flag out to resume there")
         return (f"the same command (--overwrite_output_dir true) would empty {output_dir} again, checkpoints and "
                 "all: " + (f"leave that flag out to resume from {latest}" if latest else "nothing would resume"))
     if cfg is not None and (resume := cfg.training.resume_from_checkpoint):

@@ -14,6 +14,7 @@ from fsdp_recipes.config.job import first_node, job_processes
 from fsdp_recipes.config.mesh import mesh_of
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
+from fsdp_recipes.dist import slurm_job
 from fsdp_recipes.launch import smoke
 from fsdp_recipes.launch.lines import say
 from fsdp_recipes.train import kinds
@@ -60,10 +61,20 @@ def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | 
 
 
 def replaces(cfg: RunConfig, previous) -> bool:
-    """--overwrite_output_dir; and a finished smoke run, which is scratch: the next smoke run replaces it (an
-    unfinished one is resumed, as any run)."""
-    return cfg.pack.overwrite_output_dir or (smoke.active() and previous is not None
-                                             and previous.status == "completed")
+    """--overwrite_output_dir, but never over the job's own unfinished run (requeued); and a finished smoke run,
+    which is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)."""
+    if cfg.pack.overwrite_output_dir:
+        return not requeued(previous)
+    return smoke.active() and previous is not None and previous.status == "completed"
+
+
+def requeued(previous) -> bool:
+    """The unfinished run in output_dir is this very Slurm job's, before a requeue (the same job id, a lower restart
+    count): the requeued job runs the same command, and --overwrite_output_dir, meant for what the job found at its
+    first start, keeps the job's own progress."""
+    job = slurm_job()
+    return (job is not None and previous is not None and previous.status != "completed" and previous.job is not None
+            and previous.job[0] == job[0] and previous.job[1] < job[1])
 
 
 def resume_settings_now(recipe: Recipe, cfg: RunConfig) -> dict:
@@ -93,6 +104,9 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig) -> None:
         if removed := previous_run.clear(out, previous, keep=[path for path in reads if path]):
             say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
     else:
+        if cfg.pack.overwrite_output_dir and first:  # replaces() kept this job's own run
+            say(f"overwrite_output_dir: kept the unfinished run that Slurm job {slurm_job()[0]} left in {out} before "
+                "its requeue: a requeued job resumes its own run; the flag replaces what a job finds at its start")
         resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
     if first:
         superseded(out, resume)

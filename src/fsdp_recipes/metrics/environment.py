@@ -60,6 +60,7 @@ def launcher_env() -> dict:
         "master_addr": os.environ.get("MASTER_ADDR"),
         "master_port": os.environ.get("MASTER_PORT"),
         "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart_count": (dist.slurm_job() or (None, None))[1],  # a requeue finds its own run (output_dir.py)
     }
 
 
