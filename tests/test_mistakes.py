@@ -632,10 +632,15 @@ def test_an_interrupted_run_names_what_the_same_command_resumes_from(tmp_path, m
     assert ending.resumes_from(str(tmp_path), cfg(overwrite=True)) == (
         f"the same command (--overwrite_output_dir true) would empty {tmp_path} again, checkpoints and all: leave that "
         f"flag out to resume from {tmp_path / 'checkpoint-20'}")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the batch script requeues the job (output_dir.requeued keeps its run)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # a requeue of the job keeps its run (output_dir.requeued)
     assert ending.resumes_from(str(tmp_path), cfg(overwrite=True)) == (
-        f"a requeue of Slurm job 4242 resumes from {tmp_path / 'checkpoint-20'}; the same command submitted as a new "
-        f"job (--overwrite_output_dir true) would empty {tmp_path}: leave that flag out to resume there")
+        f"the same command (--overwrite_output_dir true) would empty {tmp_path} again, checkpoints and all: leave that "
+        f"flag out to resume from {tmp_path / 'checkpoint-20'}; a requeue of Slurm job 4242 keeps it: the requeued "
+        f"job resumes from {tmp_path / 'checkpoint-20'}")
+    assert ending.resumes_from(str(tmp_path), cfg(overwrite=True, auto=False)).endswith(
+        "a requeue of Slurm job 4242 keeps it: the requeued job starts again at step 0 (--auto_resume false); "
+        f"--auto_resume true resumes from {tmp_path / 'checkpoint-20'}")
+    monkeypatch.delenv("SLURM_JOB_ID")
     assert ending.resumes_from(str(tmp_path), cfg(resume=str(tmp_path / "checkpoint-10"))) == (
         f"the same command resumes from {tmp_path / 'checkpoint-10'} again (its resume_from_checkpoint); leave that "
         f"out to resume from {tmp_path / 'checkpoint-20'}")

@@ -100,12 +100,12 @@ def test_the_merge_never_leaves_adapter_files_in_merged(folders, capsys):
 
 def test_the_launcher_refuses_a_model_folder_with_both(folders):
     """What the launcher and every rank check (train/run_checks.py): the ranks would train merged + adapter."""
-    from fsdp_recipes.config import model_check
+    from fsdp_recipes.config import model_found
 
     with pytest.raises(UserError) as err:
-        model_check.check_local_model(str(folders.mixed))
+        model_found.check_local_model(str(folders.mixed))
     assert str(err.value).startswith(f"model_name_or_path: {folders.mixed} holds a full model")
-    model_check.check_local_model(str(folders.merged))
+    model_found.check_local_model(str(folders.merged))
 
 
 @pytest.mark.parametrize("given", ["run", "folder"])

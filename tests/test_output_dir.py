@@ -218,37 +218,45 @@ def test_overwrite_output_dir_replaces_the_run(copy, shared, monkeypatch, capsys
     assert sorted(p.name for p in copy.iterdir()) == sorted([LOCK_FILE, "iris.jsonl", "notes.txt", "tiny-arith"])
 
 
-def test_a_requeued_slurm_job_resumes_its_own_run_despite_overwrite_output_dir(finished, tmp_path, monkeypatch,
-                                                                             capsys):
+def test_a_requeued_slurm_job_keeps_its_own_run_despite_overwrite_output_dir(finished, tmp_path, monkeypatch,
+                                                                            capsys):
     """slurm/common.sh requeues a preempted job, which runs the same command: with --overwrite_output_dir true in it,
     the requeue emptied the job's own preemption checkpoint and started again at step 0. The same job (id 4242) one
-    restart later keeps and resumes it; another job, or the same id at the same count (an interactive allocation's
-    next run), replaces it as asked."""
-    def preempted_by_job_4242(name):
+    restart later keeps and resumes it, and a run it had completed (Slurm's own requeue after the end) is "already
+    complete"; another job, or the same id at the same count (an interactive allocation's next run), replaces it."""
+    def run_of_job_4242(name, status, recorded):
         run = shutil.copytree(finished, tmp_path / name)
         metrics = json.loads((run / "metrics.json").read_text())
-        (run / "metrics.json").write_text(json.dumps({**metrics, "status": "preempted"}))
+        (run / "metrics.json").write_text(json.dumps({**metrics, "status": status}))
         args = json.loads((run / "run_args.json").read_text())
-        args["launcher"].update(slurm_job_id="4242", slurm_restart_count=None)  # what a first start records
+        args["launcher"].update(slurm_job_id="4242", slurm_restart_count=recorded)  # None: an older pack's file
         (run / "run_args.json").write_text(json.dumps(args))
         return run
 
-    for job, restart, kept in (("4242", "1", True), ("4243", "1", False), ("4242", "0", False)):
-        run = preempted_by_job_4242(f"{job}-{restart}")
+    cases = [("4242", "1", "preempted", 0, "kept"), ("4242", "2", "preempted", None, "kept"),
+             ("4242", "1", "completed", 0, "complete"), ("4243", "1", "preempted", 0, "removed"),
+             ("4242", "0", "preempted", 0, "removed")]
+    for i, (job, restart, status, recorded, then) in enumerate(cases):
+        run = run_of_job_4242(f"case-{i}", status, recorded)
+        before = files(run)
         monkeypatch.setenv("SLURM_JOB_ID", job)
         monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
+        command = [*ARGS, "--output_dir", str(run), "--overwrite_output_dir", "true"]
+        if then == "complete":
+            res = launcher_until_ranks(command, monkeypatch, capsys)
+            assert res.returncode == 0 and "already complete" in res.stdout, res.stdout + res.stderr
+            assert files(run) == before
+            continue
         with pytest.raises(RanksWouldStart):
-            launcher_until_ranks([*ARGS, "--output_dir", str(run), "--overwrite_output_dir", "true"], monkeypatch,
-                                 capsys)
+            launcher_until_ranks(command, monkeypatch, capsys)
         out = capsys.readouterr().out
-        if kept:
-            assert (f"overwrite_output_dir: kept the unfinished run that Slurm job 4242 left in {run} before its "
-                    "requeue") in out
-            assert "removed" not in out, out  # the ranks resume from it (tests/test_slurm.py, a real requeue)
-            assert markers.usable(run) == (run / "checkpoint-4", []) and (run / "run_args.json").is_file()
+        if then == "kept":
+            assert (f"overwrite_output_dir: kept the run that Slurm job 4242 left in {run} before its requeue (the "
+                    f"flag replaces what a job finds at its first start): resuming from {run / 'checkpoint-4'}") in out
+            assert "removed" not in out and files(run) == before, out
         else:
-            assert f"overwrite_output_dir: removed a preempted run of 4 steps from {run}" in out, out
-            assert not (run / "checkpoint-4").exists() and "kept the unfinished run" not in out
+            assert f"overwrite_output_dir: removed a {status} run of 4 steps from {run}" in out, out
+            assert not (run / "checkpoint-4").exists() and "kept the run" not in out
 
 
 def test_overwrite_keeps_the_data_and_model_this_run_reads_from_the_folder(tmp_path):

@@ -143,7 +143,7 @@ def test_the_planner_counts_the_reference_model_only_for_full_fine_tuning():
 
 
 def test_continues_from_names_the_recipe_only_for_its_output_path(tmp_path):
-    from fsdp_recipes.config.model_check import check_local_model
+    from fsdp_recipes.config.model_found import check_local_model
     from fsdp_recipes.errors import UserError
 
     check_local_model("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m-lora")  # a hub id: from_pretrained's

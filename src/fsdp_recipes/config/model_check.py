@@ -9,103 +9,14 @@ the meta device (no memory, a second or two even for 123B) lets us name the prob
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 from fsdp_recipes.config import expert_lora
+from fsdp_recipes.config.model_found import model_config_source
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.model_folders import adapter_beside_weights, without_weights
-from fsdp_recipes.paths import in_pack_cache
-
-
-def model_config_source(model_name_or_path: str, recipe: Path | None, revision: str | None = None) -> Path | None:
-    """Where the model's config.json is known without the network: the model's own (a local folder's, or a hub id's
-    in the hub cache), else the recipe's shipped copy of the hub config (`model_config.json`) when it is for the
-    same model."""
-    own = model_config_json(model_name_or_path, revision)
-    if own is not None:
-        return own
-    shipped = recipe / "model_config.json" if recipe else None
-    if shipped and shipped.is_file() and json.loads(shipped.read_text()).get("_name_or_path") == model_name_or_path:
-        return shipped
-    return None
-
-
-def model_config_json(model_name_or_path: str, revision: str | None = None) -> Path | None:
-    """The model's own config.json, read without the network: a local folder's, else the hub cache's
-    (huggingface_hub's try_to_load_from_cache, the file from_pretrained would use offline)."""
-    local = Path(model_name_or_path) / "config.json"
-    if local.is_file():
-        return local
-    if not hub_shaped(model_name_or_path):
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(model_name_or_path, "config.json", revision=revision)
-    except ValueError:  # not a valid repo id: no cache entry either
-        return None
-    return Path(cached) if isinstance(cached, str) else None
-
-
-def hub_shaped(path: str) -> bool:
-    """Could be a hub id (`org/name` or `name`), there being no such local folder."""
-    return not looks_local(path) and path.count("/") <= 1
-
-
-# One HEAD request to the hub, before any rank starts: from_pretrained in a rank retries an unreachable hub with
-# backoff before it fails (issue 42: 24 retry lines and 47 s).
-HUB_TIMEOUT_S = 5
-
-
-def check_model_found(path: str | None, continues_from: str | None = None, revision: str | None = None) -> Path | None:
-    """The model exists where the ranks will look: a local folder with config.json (check_local_model), or a hub id
-    in the cache or on a hub that answers within HUB_TIMEOUT_S; then its config.json (fetched: a few KB the ranks
-    would fetch anyway), None for a local path. The launcher's, before the ranks start; never a retry. Not for none
-    (the parse names the missing field) nor a model the checks build in the pack's cache (tiny and SmolLM2 assets)."""
-    if path is None or in_pack_cache(path):
-        return None
-    check_local_model(path, continues_from)
-    if why := without_weights(Path(os.path.expandvars(os.path.expanduser(path)))):
-        raise UserError(f"model not found: {path} {why}")
-    if not hub_shaped(path):
-        return None
-    if (cached := model_config_json(path, revision)) is not None:
-        return cached
-    from huggingface_hub import constants, hf_hub_download, hf_hub_url
-    from huggingface_hub.file_download import get_hf_file_metadata
-
-    where = f"there is no folder {path} here ({Path(path).absolute()}), and as a hub id it is not in the hub cache " \
-            f"({constants.HF_HUB_CACHE})"
-    fix = (f"Fix: point model_name_or_path at the model's folder (the one holding config.json), or download the "
-           f"model where there is network (`hf download {path}`) into this machine's hub cache")
-    if constants.HF_HUB_OFFLINE:
-        raise UserError(f"model not found: {where}, and HF_HUB_OFFLINE is set. {fix}.")
-    try:
-        get_hf_file_metadata(hf_hub_url(path, "config.json", revision=revision), timeout=HUB_TIMEOUT_S)
-        return Path(hf_hub_download(path, "config.json", revision=revision, etag_timeout=HUB_TIMEOUT_S))
-    except Exception as err:  # noqa: BLE001 -- every way the hub can fail to serve it is one line
-        raise UserError(f"model not found: {where}, and {hub_failure(err, path, revision)}. {fix}.") from None
-
-
-def hub_failure(err: Exception, path: str, revision: str | None) -> str:
-    """What the hub's answer (or its absence) means, in words."""
-    from huggingface_hub import errors
-
-    if isinstance(err, errors.GatedRepoError):
-        return (f"{path} is gated on the hub: accept its terms on https://huggingface.co/{path} and log in here "
-                "(`hf auth login`, or HF_TOKEN)")
-    if isinstance(err, errors.RepositoryNotFoundError):
-        return f"the hub has no model {path} (or it is private: log in with `hf auth login`, or set HF_TOKEN)"
-    if isinstance(err, errors.RevisionNotFoundError):
-        return f"the hub's {path} has no revision {revision}"
-    if isinstance(err, errors.EntryNotFoundError):
-        return f"the hub's {path} has no config.json: not a transformers model"
-    first = next((x.strip() for x in str(err).splitlines() if x.strip()), "")
-    return f"the hub cannot be reached from here ({type(err).__name__}: {first}; waited {HUB_TIMEOUT_S} s at most)"
 
 
 def load_config(config_json: Path):
@@ -396,55 +307,3 @@ def check_stored_tie(folder: Path, model) -> None:
                     "and the ranks disagree on the model's shape (FSDP's setup fails). Fix: set "
                     f"tie_word_embeddings to false in {folder}/config.json (the stored weights are untied), or save "
                     "the model again with its head tied.")
-
-
-def looks_local(path: str) -> bool:
-    """A hub id is `org/name`; anything absolute, relative-explicit, home- or file-like is a local path."""
-    return path.startswith(("/", "./", "../", "~", "$")) or path.endswith(
-        (".json", ".jsonl", ".parquet", ".csv")
-    ) or os.path.exists(path)
-
-
-def check_local_model(path: str, continues_from: str | None = None) -> None:
-    """A local model folder must hold config.json. `continues_from`: the recipe whose output `path` is (a DPO run
-    on the SFT run's merged model): then the fix is to run that recipe first."""
-    check_not_an_adapter(path)
-    mixed = adapter_beside_weights(Path(os.path.expandvars(os.path.expanduser(path))))
-    if mixed:  # the ranks would train on the full weights with the adapter applied on top, without a word
-        raise UserError(f"model_name_or_path: {mixed}")
-    # a hub id is `org/name`: a path with more parts (runs/<recipe>/merged) is the other run's output
-    if continues_from and (looks_local(path) or path.count("/") > 1) and not (Path(path) / "config.json").is_file():
-        raise UserError(
-            f"model not found: {path} is the output of recipe {continues_from}, which has not run here yet. "
-            f"Fix: run `make finetune RECIPE={continues_from}` first (or point model_name_or_path at another model)."
-        )
-    if looks_local(path) and not (Path(path) / "config.json").is_file():
-        missing = "has no config.json" if Path(path).exists() else f"does not exist ({Path(path).absolute()})"
-        raise UserError(
-            f"model not found: {path} {missing}. "
-            "Fix: point model_name_or_path at a model directory or a hub id "
-            "(the tiny default is built by `python -m fsdp_recipes.assets.tiny_assets`)."
-        )
-
-
-def check_not_an_adapter(path: str) -> None:
-    """A LoRA run's output folder (or one of its checkpoints) holds the adapter, not a model: adapter_config.json
-    and no config.json. A recipe that trains on that run's model (DPO, GRPO after SFT) wants its `merged/`, which
-    save_merged_model writes: named, with the path, instead of "has not run here yet"."""
-    p = Path(os.path.expandvars(os.path.expanduser(path)))
-    if not (p / "adapter_config.json").is_file() or (p / "config.json").is_file():
-        return
-    run = p.parent if p.name.startswith("checkpoint-") else p
-    merged = run / "merged"
-    try:
-        base = json.loads((p / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    except (OSError, ValueError):
-        base = None
-    of = f" of {base}" if base else ""
-    if (merged / "config.json").is_file():
-        fix = f"set model_name_or_path to {merged} (the run's base model with this adapter merged into it)"
-    else:
-        fix = (f"rerun that recipe with --save_merged_model true, which writes {merged} (the base model with the "
-               "adapter merged), and point model_name_or_path there")
-    raise UserError(f"model_name_or_path {p} is a LoRA adapter{of} (adapter_config.json, no config.json), the output "
-                    f"of a LoRA run, not a model to train. Fix: {fix}.")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fsdp_recipes.config.model_check import looks_local
+from fsdp_recipes.config.model_found import looks_local
 from fsdp_recipes.data.rows import file_layout
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import in_pack_cache

@@ -5,7 +5,7 @@ dataset or model). The lengths themselves: data/lengths.py.
 
 from __future__ import annotations
 
-from fsdp_recipes.config.model_check import looks_local
+from fsdp_recipes.config.model_found import looks_local
 from fsdp_recipes.data.lengths import Lengths, measure_splits, spread
 from fsdp_recipes.data.loading import is_local
 from fsdp_recipes.data.tokenizing import Truncation

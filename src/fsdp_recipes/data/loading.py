@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from fsdp_recipes.config.model_check import looks_local
+from fsdp_recipes.config.model_found import looks_local
 from fsdp_recipes.data import declaration, formats, rows
 from fsdp_recipes.data.files import (check_file_bytes, check_found, check_not_a_model, explain_load_failure,
                                      file_builder, local_files)

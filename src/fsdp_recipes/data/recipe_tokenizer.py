@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fsdp_recipes.config.model_check import looks_local
+from fsdp_recipes.config.model_found import looks_local
 from fsdp_recipes.errors import UserError
 
 

@@ -9,7 +9,7 @@ import warnings
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in check_settings below, while the ranks
 # import the same in parallel.
 from fsdp_recipes import speed
-from fsdp_recipes.config import accelerate_yaml, hardware, mesh, model_check, value_checks
+from fsdp_recipes.config import accelerate_yaml, hardware, mesh, model_check, model_found, value_checks
 from fsdp_recipes.config.job import job_machines, job_processes
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
@@ -74,7 +74,7 @@ def check_model_and_data(recipe: Recipe, cfg: RunConfig) -> None:
     """The parsed recipe against its model (the mesh's heads, the wrap class, LoRA targets) and its local data (the
     format, the rows, the token lengths)."""
     acc, named = recipe.accelerate, recipe.folder / "accelerate.yaml"
-    model_json = model_check.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
+    model_json = model_found.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
     shape = json.loads(model_json.read_text()) if model_json else {}
     mesh.check_mesh_fits(mesh.mesh_of(acc, named), named, shape.get("num_attention_heads"),
                          shape.get("num_key_value_heads"), getattr(cfg.training, "max_length", None), cfg)

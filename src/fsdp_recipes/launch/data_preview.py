@@ -29,7 +29,7 @@ from pathlib import Path
 
 from fsdp_recipes import speed
 from fsdp_recipes.assets import addition_preferences
-from fsdp_recipes.config import model_check, recipes, run_config, value_checks
+from fsdp_recipes.config import model_found, recipes, run_config, value_checks
 from fsdp_recipes.data import declaration, length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.data.rows import ROW_ORIGIN, count_rows, row_at, split_file
 from fsdp_recipes.data.tokenizing import Truncation
@@ -78,7 +78,7 @@ def load_config(name: str, overrides: list[str]):
         value_checks.check_values(cfg)
     declaration.parse_spec(cfg.pack.dataset_format)  # the format's name and mapping, before any row is read
     run_checks.prepare_assets(cfg, quiet=True)
-    model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
+    model_found.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     if cfg.pack.addition_preferences:  # the DPO demo's pairs: made by its first launch, with the SFT model
         addition_preferences.check_target(Path(cfg.script.dataset_name))  # the user's own data is no demo's to make
         if not addition_preferences.is_current(Path(cfg.script.dataset_name), Path(cfg.model.model_name_or_path)):

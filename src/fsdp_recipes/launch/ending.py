@@ -136,20 +136,28 @@ def resumes_from(output_dir: str, cfg=None) -> str:
     from fsdp_recipes.checkpoint import markers as checkpoints
 
     latest = checkpoints.usable(output_dir)[0]
-    if cfg is not None and cfg.pack.overwrite_output_dir:  # claim_output_dir empties the folder first
-        if latest and (job := slurm_job()):  # ... but not for a requeue of this job (output_dir.requeued)
-            return (f"a requeue of Slurm job {job[0]} resumes from {latest}; the same command submitted as a new job "
-                    f"(--overwrite_output_dir true) would empty {output_dir}: leave that flag out to resume there")
-        return (f"the same command (--overwrite_output_dir true) would empty {output_dir} again, checkpoints and "
-                "all: " + (f"leave that flag out to resume from {latest}" if latest else "nothing would resume"))
+    if cfg is None or not cfg.pack.overwrite_output_dir:
+        return next_start(output_dir, latest, cfg, "the same command")
+    empties = (f"the same command (--overwrite_output_dir true) would empty {output_dir} again, checkpoints and all: "
+               + (f"leave that flag out to resume from {latest}" if latest else "nothing would resume"))
+    if (job := slurm_job()) is None:
+        return empties
+    # output_dir.requeued: a requeue keeps the job's own run, and its other settings decide what then
+    return f"{empties}; a requeue of Slurm job {job[0]} keeps it: " + next_start(output_dir, latest, cfg,
+                                                                               "the requeued job")
+
+
+def next_start(output_dir: str, latest: Path | None, cfg, who: str) -> str:
+    """Where `who` (the same command) starts in `output_dir` by its resume settings, `latest` the checkpoint
+    auto_resume picks."""
     if cfg is not None and (resume := cfg.training.resume_from_checkpoint):
-        return f"the same command resumes from {resume} again (its resume_from_checkpoint)" + (
+        return f"{who} resumes from {resume} again (its resume_from_checkpoint)" + (
             f"; leave that out to resume from {latest}" if latest and Path(resume) != latest else "")
     if cfg is not None and not cfg.pack.auto_resume:
-        return "the same command starts again at step 0 (--auto_resume false)" + (
+        return f"{who} starts again at step 0 (--auto_resume false)" + (
             f"; --auto_resume true resumes from {latest}" if latest else "")
-    return (f"the same command resumes from {latest}" if latest else
-            f"no complete checkpoint in {output_dir}: the same command starts again at step 0")
+    return (f"{who} resumes from {latest}" if latest else
+            f"no complete checkpoint in {output_dir}: {who} starts again at step 0")
 
 
 def failed(recipe: Recipe, ranks: Ranks, rc: int, output_dir: str, report: Path, fresh: bool) -> UserError:

@@ -36,7 +36,7 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in the checks, while the ranks
 # import the same in parallel.
 from fsdp_recipes import library_logs, speed
-from fsdp_recipes.config import handoff, hardware, model_check, placement, recipes
+from fsdp_recipes.config import handoff, hardware, model_found, placement, recipes
 from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
@@ -70,7 +70,7 @@ def launch(argv: list[str], held: ExitStack) -> int:
     with unexpected_errors("reading the recipe"):  # a mistyped model or data path: one line before the ranks start
         early = recipe.early
         if not smoke.active():  # a smoke run trains a tiny model instead
-            model_check.check_model_found(early.model_name_or_path, early.continues_from, early.model_revision)
+            model_found.check_model_found(early.model_name_or_path, early.continues_from, early.model_revision)
         files.check_named_found(early.dataset_name, built_by_checks=early.addition_preferences)
     locked = lock_output_dir(recipe, held)
     torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))  # torchrun's --log_dir: rank_command

@@ -61,7 +61,7 @@ def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | 
 
 
 def replaces(cfg: RunConfig, previous) -> bool:
-    """--overwrite_output_dir, but never over the job's own unfinished run (requeued); and a finished smoke run,
+    """--overwrite_output_dir, but never over the job's own run (requeued); and a finished smoke run,
     which is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)."""
     if cfg.pack.overwrite_output_dir:
         return not requeued(previous)
@@ -69,12 +69,13 @@ def replaces(cfg: RunConfig, previous) -> bool:
 
 
 def requeued(previous) -> bool:
-    """The unfinished run in output_dir is this very Slurm job's, before a requeue (the same job id, a lower restart
-    count): the requeued job runs the same command, and --overwrite_output_dir, meant for what the job found at its
-    first start, keeps the job's own progress."""
+    """The run in output_dir is this very Slurm job's, before a requeue (the same job id, a lower restart count):
+    the requeued job runs the same command, and --overwrite_output_dir, meant for what the job found at its first
+    start, keeps the job's own progress: resumed when unfinished, "already complete" when Slurm requeued it after
+    its end (PreemptMode=REQUEUE, a node failure)."""
     job = slurm_job()
-    return (job is not None and previous is not None and previous.status != "completed" and previous.job is not None
-            and previous.job[0] == job[0] and previous.job[1] < job[1])
+    return (job is not None and previous is not None and previous.job is not None and previous.job[0] == job[0]
+            and previous.job[1] < job[1])
 
 
 def resume_settings_now(recipe: Recipe, cfg: RunConfig) -> dict:
@@ -104,10 +105,11 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig) -> None:
         if removed := previous_run.clear(out, previous, keep=[path for path in reads if path]):
             say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
     else:
-        if cfg.pack.overwrite_output_dir and first:  # replaces() kept this job's own run
-            say(f"overwrite_output_dir: kept the unfinished run that Slurm job {slurm_job()[0]} left in {out} before "
-                "its requeue: a requeued job resumes its own run; the flag replaces what a job finds at its start")
         resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
+        if cfg.pack.overwrite_output_dir and first:  # replaces() kept this job's own run
+            say(f"overwrite_output_dir: kept the run that Slurm job {slurm_job()[0]} left in {out} before its requeue "
+                f"(the flag replaces what a job finds at its first start): "
+                + (f"resuming from {resume}" if resume else "starting at step 0"))
     if first:
         superseded(out, resume)
     if changed.get("length"):

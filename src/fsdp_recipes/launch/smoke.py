@@ -35,7 +35,7 @@ import yaml
 
 from fsdp_recipes import speed
 from fsdp_recipes.assets.tiny_assets import ensure_assets
-from fsdp_recipes.config import model_check
+from fsdp_recipes.config import model_found
 from fsdp_recipes.config.model_check import load_config
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import UserError
@@ -117,7 +117,7 @@ def model_source(recipe: Recipe) -> tuple[Path, str] | None:
     in_cache = in_pack_cache(model)  # the pack's assets
     if in_cache and early.tiny_assets and not shipped.is_file():
         return None  # the tiny model already
-    own = model_check.model_config_json(model, early.model_revision)
+    own = model_found.model_config_json(model, early.model_revision)
     if own is not None:
         arch = (json.loads(own.read_text()).get("architectures") or ["?"])[0]
         return own, f"{model} ({arch}, its own config.json {own})"

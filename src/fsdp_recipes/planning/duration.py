@@ -21,7 +21,7 @@ import dataclasses
 import math
 import statistics
 
-from fsdp_recipes.config import model_check
+from fsdp_recipes.config import model_found
 from fsdp_recipes.data import lengths
 from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError
@@ -75,14 +75,14 @@ def local_stats(cfg, max_length: int) -> Data | None:
     """Rows and mean tokens per row of the recipe's own local dataset, tokenized with its local model's tokenizer as
     the trainer tokenizes them (data/lengths.py, by the rows' layout: a pair counts both its sequences, as the
     policy runs over both); None when the dataset is not local."""
-    if not (cfg.script.dataset_name and model_check.looks_local(cfg.script.dataset_name)):
+    if not (cfg.script.dataset_name and model_found.looks_local(cfg.script.dataset_name)):
         return None
     import datasets
 
     datasets.disable_progress_bars()
     kind = kinds.load(cfg.trainer)
     train, _ = kind.load_datasets(cfg, want_eval=False)
-    if not model_check.looks_local(cfg.model.model_name_or_path):  # every sequence max_length: a pair's two
+    if not model_found.looks_local(cfg.model.model_name_or_path):  # every sequence max_length: a pair's two
         return Data(len(train), float(max_length * kind.SEQUENCES_PER_ROW), f"{len(train):,} rows from "
                     f"{cfg.script.dataset_name}; tokens per row unknown (hub model): max_length a sequence assumed")
     from transformers import AutoTokenizer

@@ -28,7 +28,16 @@ from pathlib import Path
 
 from fsdp_recipes import speed
 from fsdp_recipes.assets.tiny_assets import ensure_assets
-from fsdp_recipes.config import accelerate_yaml, mesh, model_check, recipes, run_config, value_checks, yaml_keys
+from fsdp_recipes.config import (
+    accelerate_yaml,
+    mesh,
+    model_check,
+    model_found,
+    recipes,
+    run_config,
+    value_checks,
+    yaml_keys,
+)
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.planning import answers, checkpointing, comms, fabric, memory_budget, mesh_lines
 from fsdp_recipes.planning.memory_budget import GIB
@@ -78,7 +87,7 @@ def load_recipe(name: str | recipes.Recipe, recipes_root: Path | None = None, ov
 
         ensure_assets(quiet=True)
     model_args = cfg.model
-    source = model_check.model_config_source(model_args.model_name_or_path, recipe)
+    source = model_found.model_config_source(model_args.model_name_or_path, recipe)
     if source is None and (cfg.pack.continues_from or cfg.pack.smollm2_assets) and (
             recipe / "model_config.json").is_file():
         # another run's output (the SFT model a DPO recipe trains on) has its base model's architecture, which the

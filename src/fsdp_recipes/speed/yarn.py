@@ -18,7 +18,7 @@ max_position_embeddings.
 
 from __future__ import annotations
 
-from fsdp_recipes.config import model_check
+from fsdp_recipes.config import model_check, model_found
 from fsdp_recipes.errors import UserError
 
 FIELDS = ("yarn_rope_scaling",)  # its own setting (config/option_registry.py YarnArguments)
@@ -57,7 +57,7 @@ def rope_parameters_for(config, max_length: int | None) -> dict:
 
 def model_config(cfg):
     """The model's config as found without the network (a local folder, the hub cache), else None."""
-    source = model_check.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
+    source = model_found.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
     return model_check.load_config(source) if source else None
 
 

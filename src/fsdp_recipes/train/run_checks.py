@@ -8,7 +8,7 @@ from __future__ import annotations
 from fsdp_recipes import speed
 from fsdp_recipes.assets import addition_preferences, smollm2
 from fsdp_recipes.assets.tiny_assets import ensure_assets
-from fsdp_recipes.config import hardware, model_check, value_checks
+from fsdp_recipes.config import hardware, model_found, value_checks
 from fsdp_recipes.config.run_config import RunConfig, parse_args
 from fsdp_recipes.data import declaration
 from fsdp_recipes.evaluation.generation import generate
@@ -20,7 +20,7 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     """Everything that can be checked without starting processes or loading weights."""
     hardware.check_gpus(cfg.pack.min_gpus, cfg.pack.recipe_name or "(unnamed)", nodes)
     speed.check_config(cfg)
-    model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
+    model_found.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
     prometheus.check_prometheus_textfile(cfg.pack.prometheus_textfile)
     value_checks.check_values(cfg)
     # a misspelt format or column mapping, before any row is read: the registry's names (data/formats/)
@@ -49,7 +49,7 @@ def parse_and_check(argv: list[str], quiet: bool = False, nodes: int | None = No
     prepare_assets(cfg, quiet)
     if cfg.pack.addition_preferences:  # DPO on the default's task: pairs from the SFT model's own answers
 
-        model_check.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
+        model_found.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
         addition_preferences.ensure(cfg.model.model_name_or_path, cfg.script.dataset_name, generate, quiet=quiet)
     check_before_launch(cfg, nodes=hardware.job_nodes() if nodes is None else nodes)
     return cfg

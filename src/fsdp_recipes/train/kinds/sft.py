@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fsdp_recipes.config import model_check
+from fsdp_recipes.config import model_check, model_found
 from fsdp_recipes.data import formats, loading, row_checks
 from fsdp_recipes.errors import UserError
 
@@ -44,7 +44,7 @@ FUSED_LOSS_CANNOT = {"llama4": "Llama 4", "llama4_text": "Llama 4"}
 def check_config(cfg) -> None:
     """What TRL's SFTTrainer cannot train in these releases, from the model's config.json where it is known offline
     (a local folder)."""
-    source = model_check.model_config_source(cfg.model.model_name_or_path, None)
+    source = model_found.model_config_source(cfg.model.model_name_or_path, None)
     if source is None:
         return
     text = model_check.load_config(source).get_text_config()
