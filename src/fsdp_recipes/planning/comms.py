@@ -36,8 +36,8 @@ What runs, per optimizer step of k = gradient_accumulation_steps micro-batches (
   "all-gather (<name>)", scaled by its count per token: DPO's and KTO's reference (full fine-tuning: its own sharded
   copy, the same size; LoRA: the policy with the adapter disabled, its own layers again), KTO's "kl_policy" and
   GRPO's "old_policy" (the policy). A reference copy's root unit (embeddings, final norm, LM head; at most one
-  gather a forward) is left out. Sampling ("generation"), a generate loop whose gathers depend on the decode length and on
-  vLLM, is not modelled.
+  gather a forward) is left out. Sampling ("generation"), a generate loop whose gathers depend on the decode length
+  and on vLLM, is not modelled.
 
 Bytes each GPU sends (and receives) for a collective over n GPUs of a payload of S bytes, by NCCL's ring algorithm:
 all-gather and reduce-scatter (n-1)/n x S, all-reduce 2(n-1)/n x S (NCCL's "bus bandwidth" factors, nccl-tests
@@ -47,8 +47,8 @@ groups. Tree and NVLS algorithms can do better; a lower bound at nominal rates i
 
 Compute per step: model FLOPs per token (fsdp_recipes.metrics.flops: 6N trainable + 4N frozen + attention at the
 worst-case length max_length, plus the kind's extra forwards by flops.extra_forward_flops, as the run report counts
-them: 2N + attention's forward third each) x tokens, at an assumed MFU of the dense bf16 peak. MFU counts model FLOPs, so an
-activation-checkpointing recompute is inside the assumed figure, not added. FSDP overlaps its collectives with
+them: 2N + attention's forward third each) x tokens, at an assumed MFU of the dense bf16 peak. MFU counts model
+FLOPs, so an activation-checkpointing recompute is inside the assumed figure, not added. FSDP overlaps its collectives with
 compute (prefetching the next layer), so a step takes about the longer of the two: communication-bound when the
 collectives' time exceeds the compute time.
 """
