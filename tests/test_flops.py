@@ -101,3 +101,13 @@ def test_unknown_device_gives_none_and_a_reason(name):
 def test_mfu_arithmetic():
     # 8 GPUs at 989 TFLOP/s, 5e10 FLOPs/token, 6,700 tokens/s/GPU -> 6700 * 5e10 / 989e12 = 33.9%
     assert flops.mfu(5e10, 8 * 6700, 989e12, 8) == pytest.approx(0.3387, abs=1e-4)
+
+
+def test_extra_forwards_run_on_the_reference_or_the_policy():
+    """The one rule the run report and make plan share: 2N + 4 x layers x heads x head_dim x length per forward,
+    N the reference's (LoRA: the frozen base; full: a copy of it all) or the policy's (every other forward).
+    10 trainable + 990 frozen weights, 2 layers x 4 heads x 8, 16 tokens: attention's forward third is 4,096."""
+    kto = {"reference": 2.0, "kl_policy": 1.0}
+    assert flops.extra_forward_flops(kto, 10, 990, True, 2, 4, 8, 16) == 2 * (2 * 990 + 4096) + (2 * 1000 + 4096)
+    assert flops.extra_forward_flops(kto, 10, 990, False, 2, 4, 8, 16) == 3 * (2 * 1000 + 4096)
+    assert flops.extra_forward_flops({}, 10, 990, True, 2, 4, 8, 16) == 0

@@ -242,8 +242,8 @@ def test_the_plan_tells_comms_whether_attention_is_recomputed(ops, saved):
     from fsdp_recipes.planning import answers
     training = SimpleNamespace(gradient_accumulation_steps=1, per_device_train_batch_size=1, max_length=1024)
     setup = dataclasses.replace(FLAT, shard=4, cp=2, checkpointed=True, checkpoint_ops=ops)
-    w = answers.work(SimpleNamespace(cfg=SimpleNamespace(training=training, trainer="sft"), setup=setup, own="FSDP"),
-                     0.4)
+    cfg = SimpleNamespace(training=training, trainer="sft", model=SimpleNamespace(use_peft=False))
+    w = answers.work(SimpleNamespace(cfg=cfg, setup=setup, own="FSDP"), 0.4)
     assert w.recompute and w.attention_saved is saved
 
 

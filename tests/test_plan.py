@@ -279,10 +279,10 @@ def test_dpos_comms_and_time_count_a_pair_as_two_sequences():
     assert "every sequence (2 a row) max_length (2,048) long, the worst case" in worst, worst
     assert "  steps: 8 (1 epoch(s), global batch 128 = 2 x 8 x 8)" in worst, worst
     assert "  tokens: 4,096,000 (1,000 rows read x 4,096.0), " in worst, worst
-    assert "(attention at 2,048 tokens)" in worst, worst
+    assert "(incl. the reference forward; attention at 2,048 tokens)" in worst, worst
     given = answers.time_section(p, net, 0.4, 1000, 3000)
     assert "  tokens: 3,000,000 (1,000 rows read x 3,000.0), " in given, given
-    assert "(attention at 1,500 tokens)" in given, given
+    assert "(incl. the reference forward; attention at 1,500 tokens)" in given, given
     # a local dataset's pair: each sequence cut at max_length 64 (prompt 10 + chosen 60 = 70: 64; + rejected 5: 15)
     import types
 

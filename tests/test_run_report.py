@@ -62,6 +62,31 @@ def test_mfu_attention_length_is_token_weighted(tmp_path):
     assert fig["flops_per_token"] == pytest.approx(127_680)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_mfu_counts_each_extra_forward_on_its_weights(tmp_path, lora):
+    """A kind's extra forwards (KTO with its KL term: 2 reference forwards and the policy's), 2N + attention's
+    forward third each (4 x 2 layers x 4 heads x 8 x 5 tokens = 1,280): the reference on the whole model (full
+    fine-tuning: its copy) or, with LoRA, on the frozen weights only (the adapter disabled); the policy's on all.
+    LoRA stands in here as everything frozen but the LM head (2,048 weights)."""
+    args = {"lora_config": {"r": 8}} if lora else {}
+    cb = RunReportCallback(str(tmp_path / "run"), args, recipe="sim", extra_forwards={"reference": 2.0,
+                                                                                       "kl_policy": 1.0})
+    model = tiny_model()
+    if lora:
+        for name, p in model.named_parameters():
+            p.requires_grad = name.startswith("lm_head")
+    cb.on_train_begin(None, SimpleNamespace(global_step=0, log_history=[]), None, model=model)
+    cb.tokens.add({"input_ids": torch.zeros(1, 8, dtype=torch.long),
+                   "position_ids": torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1]])})
+    counts = {k: getattr(cb.tokens, k) for k in tokens.COUNTS}
+    fig = cb.mfu_figures(counts, 8.0, 1, {"type": "cuda", "name": "NVIDIA H100 80GB HBM3"})
+    trained = 64 * 32 if lora else TINY_NON_EMBEDDING
+    frozen = TINY_NON_EMBEDDING - trained
+    training = 6 * trained + 4 * frozen + 12 * 2 * 4 * 8 * 5
+    reference = 2 * (2 * (frozen if lora else TINY_NON_EMBEDDING) + 1_280)
+    assert fig["flops_per_token"] == pytest.approx(training + reference + 2 * TINY_NON_EMBEDDING + 1_280)
+
+
 def test_resume_from_counters_without_squared_lengths_falls_back_to_the_mean_length(tmp_path):
     ckpt = tmp_path / "checkpoint-4"
     ckpt.mkdir()

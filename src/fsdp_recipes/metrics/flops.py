@@ -58,6 +58,25 @@ def forward_flops(params: int, n_layers: int, n_heads: int, head_dim: int, seq_l
     return 2 * params + 4 * n_layers * n_heads * head_dim * seq_len
 
 
+def extra_forward_weights(name: str, trainable_params: int, frozen_params: int, lora: bool) -> int:
+    """The non-embedding weights an extra forward (a trainer kind's extra_forwards, train/kinds) runs: the reference
+    model's for "reference" (LoRA: the base with the adapter disabled, the frozen weights; full fine-tuning: a copy of
+    the whole model), the policy's own for every other ("kl_policy", "old_policy", "generation")."""
+    if name == "reference" and lora:
+        return frozen_params
+    return trainable_params + frozen_params
+
+
+def extra_forward_flops(extra_forwards: dict[str, float], trainable_params: int, frozen_params: int, lora: bool,
+                        n_layers: int, n_heads: int, head_dim: int, seq_len: float) -> float:
+    """FLOPs per trained token of a kind's forwards besides the trained sequence's own forward and backward
+    (extra_forwards: forwards per trained token, by name). One rule for the run report's MFU and make plan's
+    compute time (planning/comms.py), so the two cannot drift."""
+    return sum(per_token * forward_flops(extra_forward_weights(name, trainable_params, frozen_params, lora),
+                                         n_layers, n_heads, head_dim, seq_len)
+               for name, per_token in extra_forwards.items())
+
+
 def experts_of(config) -> tuple[int, int] | None:
     """(top_k, num_experts) of a mixture-of-experts config, None for a dense model. Qwen3-MoE names the experts
     num_experts, Mixtral num_local_experts (its config maps num_experts to it), DeepSeek-style configs n_routed_experts."""

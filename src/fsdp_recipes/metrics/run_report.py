@@ -300,13 +300,12 @@ class RunReportCallback(TrainerCallback):
             # the parameters a token passes through: a mixture of experts' top_k of num_experts (metrics/flops.py)
             trained, frozen = (self.params["trainable_active_non_embedding"], self.params["frozen_active_non_embedding"])
             fpt = flops.flops_per_token(trained, frozen, layers, heads, head_dim, seq_len)
-            # LoRA: the reference is the base with the adapter disabled (the frozen weights); full: a copy of the whole
-            # model. GRPO's sampling ("generation": over its prompt and each new token, a KV cache, no token twice)
-            # and its "old_policy" log-probabilities run the policy itself (docs/run-report.md)
+            # the kind's other forwards per trained token, each on the weights flops.extra_forward_weights names: the
+            # reference's, GRPO's sampling ("generation": over its prompt and each new token, a KV cache, no token
+            # twice), its "old_policy" log-probabilities (docs/run-report.md)
             lora = self.resolved_args.get("lora_config") is not None
-            weights, policy = {"reference": frozen + (0 if lora else trained)}, frozen + trained
-            for name, per_token in self.extra_forwards.items():  # forwards per trained token, by kind
-                fpt += per_token * flops.forward_flops(weights.get(name, policy), layers, heads, head_dim, seq_len)
+            fpt += flops.extra_forward_flops(self.extra_forwards, trained, frozen, lora, layers, heads, head_dim,
+                                             seq_len)
         peak, why = flops.peak_flops(device["name"] if device["type"] == "cuda" else None)
         source = f"against the datasheet's dense bf16 peak of the {device['name']} (metrics/flops.py)" if peak else None
         if device["type"] != "cuda":

@@ -214,10 +214,15 @@ def work(p, mfu: float) -> comms.Work:
         reduce = 4 if p.cfg.model.use_peft else s.load_bytes
         widths = dict(activation_bytes=s.compute_bytes, residual_bytes=s.load_bytes)
     # a micro-batch's sequences as the plain plan counts them (plan.setups): a DPO pair is 2 (chosen and rejected)
-    sequences = t.per_device_train_batch_size * kinds.load(p.cfg.trainer).SEQUENCES_PER_ROW
+    kind = kinds.load(p.cfg.trainer)
+    sequences = t.per_device_train_batch_size * kind.SEQUENCES_PER_ROW
+    # the kind's forwards besides the trained sequence's (DPO's reference): FLOPs as the run report counts them, and
+    # their all-gathers (comms.py)
+    extra = tuple(kind.extra_forwards(t).items())
     return comms.Work(t.gradient_accumulation_steps, sequences, sequence_length(p),
                       gather, reduce, mfu, recompute=s.checkpointed, recompute_every=s.checkpoint_every,
-                      attention_saved=s.checkpointed and s.checkpoint_ops, **widths)
+                      attention_saved=s.checkpointed and s.checkpoint_ops, extra_forwards=extra,
+                      lora=bool(p.cfg.model.use_peft), **widths)
 
 
 def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:
@@ -237,6 +242,8 @@ def comms_section(p, f: Fabric, mfu: float) -> tuple[str, comms.Estimate]:
              f"network between nodes: {f.network} = {f.network_gbps:g} GB/s per GPU per direction"
              + ("" if t.nodes > 1 else " (unused on one node)")]
     lines += mesh_lines.comms_scope(p, t, w)
+    if kinds.load(p.cfg.trainer).samples(p.cfg.training):
+        lines.append("sampling's own communication (the generate loop's gathers, or vLLM's weight sync) is not counted")
     lines += compute_lines(e, w, f, mfu)
     lines += [f"warning: {x}" for x in e.warnings + mesh_lines.comms_warnings(p, t)]
     return "\n".join(lines), e
@@ -248,11 +255,19 @@ def pairs(p) -> str:
     return f" ({rows} rows of {n} sequences)" if n > 1 else ""
 
 
+def extra_forwards_named(w: comms.Work) -> str:
+    """The kind's forwards besides the trained sequence's that a FLOPs figure per token includes, briefly: DPO's
+    "incl. the reference forward"; "" where there are none."""
+    parts = [f"the {name} forward" if n == 1 else f"{n:g} {name} forwards" for name, n in w.extra_forwards if n > 0]
+    return f"incl. {' and '.join(parts)}" if parts else ""
+
+
 def compute_lines(e: comms.Estimate, w: comms.Work, f: Fabric, mfu: float) -> list[str]:
     if e.compute_s is None:
         return [f"compute: no dense bf16 peak for the {f.gpu}, so no time and no verdict"]
     return [
-        f"compute: {w.tokens:,} tokens x {e.flops_per_token / 1e9:,.2f} GFLOP/token = "
+        f"compute: {w.tokens:,} tokens x {e.flops_per_token / 1e9:,.2f} GFLOP/token"
+        + (f" ({extra_forwards_named(w)})" if extra_forwards_named(w) else "") + " = "
         f"{w.tokens * e.flops_per_token / 1e15:,.4g} PFLOP at {mfu:.0%} MFU (assumed) of {f.peak_flops / 1e12:g} "
         f"TFLOP/s = {e.compute_s:,.2f} s",
         f"communication: {e.comm_s:,.2f} s at nominal link rates (a lower bound: no latency, no contention)",
@@ -348,10 +363,11 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
     steps = duration.steps(rows, t.per_device_train_batch_size, dp, t.gradient_accumulation_steps,
                            t.num_train_epochs, t.max_steps)
     read = duration.rows_seen(rows, t.num_train_epochs, t.max_steps, global_batch)
-    e = comms.estimate(p.shape, topology(p), work(p, mfu), f) if f.node is not None else None
+    w = work(p, mfu)
+    e = comms.estimate(p.shape, topology(p), w, f) if f.node is not None else None
     # attention at the rows' mean length, not max_length: rows are padded only to the longest in their batch
     per_sequence = data.tokens_per_row / sequences  # a row's tokens are its sequences'
-    fpt = comms.flops_per_token(p.shape, per_sequence)
+    fpt = comms.flops_per_token(p.shape, per_sequence, w.extra_forwards, w.lora)
     d = duration.estimate(data, steps, read, fpt, world, f.peak_flops if e else None, mfu,
                           e.overlapped_s if e else 0.0, e.exposed_s if e else 0.0)
     run = f"max_steps {t.max_steps}" if t.max_steps > 0 else f"{t.num_train_epochs:g} epoch(s)"
@@ -359,7 +375,8 @@ def time_section(p, f: Fabric, mfu: float, rows: int | None, tokens_per_row: flo
              f"  steps: {steps:,} ({run}, global batch {global_batch} = {t.per_device_train_batch_size} x "
              f"{t.gradient_accumulation_steps} x {dp})",
              f"  tokens: {d.tokens:,} ({read:,} rows read x {data.tokens_per_row:,.1f}), "
-             f"{fpt / 1e9:,.2f} GFLOP/token (attention at {per_sequence:,.0f} tokens)"]
+             f"{fpt / 1e9:,.2f} GFLOP/token ("
+             + "; ".join(x for x in (extra_forwards_named(w), f"attention at {per_sequence:,.0f} tokens") if x) + ")"]
     if d.seconds is None:
         lines.append(f"  time: unknown (no dense bf16 peak or interconnect figures for the {f.gpu})")
     else:

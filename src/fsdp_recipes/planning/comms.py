@@ -31,6 +31,13 @@ What runs, per optimizer step of k = gradient_accumulation_steps micro-batches (
   (frozen embedding), and the adapters' gradient sync over the dp ranks (counted as FSDP's reduce-scatter).
   tp's collectives sit on each layer's critical path (the next matmul waits for them), so they are counted as
   exposed: added to the step, not overlapped with compute as FSDP's prefetched all-gathers are.
+- A trainer kind's extra forwards (train/kinds' extra_forwards: forwards per trained token besides the trained
+  sequence's own): each full-sequence forward of a micro-batch all-gathers every decoder layer once more, a row
+  "all-gather (<name>)", scaled by its count per token: DPO's and KTO's reference (full fine-tuning: its own sharded
+  copy, the same size; LoRA: the policy with the adapter disabled, its own layers again), KTO's "kl_policy" and
+  GRPO's "old_policy" (the policy). A reference copy's root unit (embeddings, final norm, LM head; at most one
+  gather a forward) is left out. Sampling ("generation"), a generate loop whose gathers depend on the decode length
+  and on vLLM, is not modelled.
 
 Bytes each GPU sends (and receives) for a collective over n GPUs of a payload of S bytes, by NCCL's ring algorithm:
 all-gather and reduce-scatter (n-1)/n x S, all-reduce 2(n-1)/n x S (NCCL's "bus bandwidth" factors, nccl-tests
@@ -39,8 +46,9 @@ doc/PERFORMANCE.md). Time = those bytes / the slowest link the ring crosses, per
 groups. Tree and NVLS algorithms can do better; a lower bound at nominal rates is what this is.
 
 Compute per step: model FLOPs per token (fsdp_recipes.metrics.flops: 6N trainable + 4N frozen + attention at the
-worst-case length max_length) x tokens, at an assumed MFU of the dense bf16 peak. MFU counts model FLOPs, so an
-activation-checkpointing recompute is inside the assumed figure, not added. FSDP overlaps its collectives with
+worst-case length max_length, plus the kind's extra forwards by flops.extra_forward_flops, as the run report counts
+them: 2N + attention's forward third each) x tokens, at an assumed MFU of the dense bf16 peak. MFU counts model
+FLOPs, so an activation-checkpointing recompute is inside the assumed figure, not added. FSDP overlaps its collectives with
 compute (prefetching the next layer), so a step takes about the longer of the two: communication-bound when the
 collectives' time exceeds the compute time.
 """
@@ -89,6 +97,9 @@ class Work:
     attention_saved: bool = False
     activation_bytes: int | None = None  # a matmul output (the compute width); None: gather_bytes
     residual_bytes: int | None = None  # the residual stream between layers (the weights' dtype); None: gather_bytes
+    # the trainer kind's forwards per trained token besides its own, by name (train/kinds' extra_forwards)
+    extra_forwards: tuple[tuple[str, float], ...] = ()
+    lora: bool = False  # the reference is the base with the adapter disabled (flops.extra_forward_weights)
 
     def recomputed(self, layers: int) -> int:
         """Layers whose forward runs again: 0, k, 2k, ... (memory_budget's count)."""
@@ -177,10 +188,26 @@ def matmul_params(m: ModelShape) -> tuple[int, int]:
     return trainable, n - trainable
 
 
-def flops_per_token(m: ModelShape, length: float) -> float:
+def flops_per_token(m: ModelShape, length: float, extra_forwards: tuple[tuple[str, float], ...] = (),
+                    lora: bool = False) -> float:
+    """Training FLOPs per token, the kind's extra forwards included (the run report's rule, metrics/flops.py)."""
     trainable, frozen = matmul_params(m)
     # flops_per_token's attention term is 12 x layers x heads x head_dim x length; heads x head_dim is q_dim
-    return flops.flops_per_token(trainable, frozen, m.layers, 1, m.q_dim, length)
+    return (flops.flops_per_token(trainable, frozen, m.layers, 1, m.q_dim, length)
+            + flops.extra_forward_flops(dict(extra_forwards), trainable, frozen, lora, m.layers, 1, m.q_dim, length))
+
+
+def extra_gathers(m: ModelShape, t: Topology, w: Work, name: str, gbps: float) -> list[Collective]:
+    """Each extra full-sequence forward's all-gathers per step: every layer once per micro-batch, times the forwards
+    per trained token (the module docstring); none for sampling, which is not modelled."""
+    out = []
+    for forward, per_token in w.extra_forwards:
+        if forward == "generation" or per_token <= 0:
+            continue
+        payload = round(per_token * (w.accumulation * m.layers * m.layer_params * w.gather_bytes // t.tp))
+        out.append(Collective(f"all-gather ({forward})", t.shard, payload, ring_bytes("all-gather", t.shard, payload),
+                              name, gbps))
+    return out
 
 
 def reduced_params(m: ModelShape, t: Topology) -> int:
@@ -232,6 +259,7 @@ def estimate(m: ModelShape, t: Topology, w: Work, f: Fabric) -> Estimate:
         gathered = (w.accumulation * (per_layer * m.layers * m.layer_params + m.root_params + again) * w.gather_bytes
                     // t.tp)
         out.append(Collective("all-gather", t.shard, gathered, ring_bytes("all-gather", t.shard, gathered), name, gbps))
+        out += extra_gathers(m, t, w, name, gbps)
         out.append(Collective("reduce-scatter", t.shard, grads, ring_bytes("reduce-scatter", t.shard, grads), name,
                               gbps))
         if spans and t.tp * t.cp > 1:
@@ -256,7 +284,7 @@ def estimate(m: ModelShape, t: Topology, w: Work, f: Fabric) -> Estimate:
         name, gbps = link(f, t.world, spans_nodes=t.nodes > 1)
         out.append(Collective("all-reduce", t.world, grads, ring_bytes("all-reduce", t.world, grads), name, gbps))
     out += mesh_collectives(m, t, w, f)
-    fpt = flops_per_token(m, w.max_length)
+    fpt = flops_per_token(m, w.max_length, w.extra_forwards, w.lora)
     # a data-parallel rank's rows are computed by its tp x cp GPUs together
     compute = w.tokens * fpt / (t.tp * t.cp) / (f.peak_flops * w.mfu) if f.peak_flops else None
     return Estimate(out, compute, fpt, warnings)
