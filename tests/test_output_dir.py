@@ -223,7 +223,8 @@ def test_a_requeued_slurm_job_keeps_its_own_run_despite_overwrite_output_dir(fin
     """slurm/common.sh requeues a preempted job, which runs the same command: with --overwrite_output_dir true in it,
     the requeue emptied the job's own preemption checkpoint and started again at step 0. The same job (id 4242) one
     restart later keeps and resumes it, and a run it had completed (Slurm's own requeue after the end) is "already
-    complete"; another job, or the same id at the same count (an interactive allocation's next run), replaces it."""
+    complete"; another job, the same id at the same count (an interactive allocation's next run), or another command
+    of the same job (other settings), replaces it."""
     def run_of_job_4242(name, status, recorded):
         run = shutil.copytree(finished, tmp_path / name)
         metrics = json.loads((run / "metrics.json").read_text())
@@ -233,15 +234,17 @@ def test_a_requeued_slurm_job_keeps_its_own_run_despite_overwrite_output_dir(fin
         (run / "run_args.json").write_text(json.dumps(args))
         return run
 
-    cases = [("4242", "1", "preempted", 0, "kept"), ("4242", "2", "preempted", None, "kept"),
-             ("4242", "1", "completed", 0, "complete"), ("4243", "1", "preempted", 0, "removed"),
-             ("4242", "0", "preempted", 0, "removed")]
-    for i, (job, restart, status, recorded, then) in enumerate(cases):
+    # the last case: a job script whose next command (another learning rate) writes the same folder replaces it
+    cases = [("4242", "1", "preempted", 0, "kept", []), ("4242", "2", "preempted", None, "kept", []),
+             ("4242", "1", "completed", 0, "complete", []), ("4243", "1", "preempted", 0, "removed", []),
+             ("4242", "0", "preempted", 0, "removed", []), ("4242", "1", "preempted", 0, "removed",
+                                                           ["--learning_rate", "1e-3"])]
+    for i, (job, restart, status, recorded, then, other) in enumerate(cases):
         run = run_of_job_4242(f"case-{i}", status, recorded)
         before = files(run)
         monkeypatch.setenv("SLURM_JOB_ID", job)
         monkeypatch.setenv("SLURM_RESTART_COUNT", restart)
-        command = [*ARGS, "--output_dir", str(run), "--overwrite_output_dir", "true"]
+        command = [*ARGS, "--output_dir", str(run), "--overwrite_output_dir", "true", *other]
         if then == "complete":
             res = launcher_until_ranks(command, monkeypatch, capsys)
             assert res.returncode == 0 and "already complete" in res.stdout, res.stdout + res.stderr

@@ -139,7 +139,7 @@ def test_preempted_job_requeues_and_resumes(cluster, submit, tmp_path):
     info, text = finished(cluster, job, log, 240)
     assert info["Restarts"] == "1", info
     assert "preempted: checkpoint saved; requeueing" in text
-    assert f"overwrite_output_dir: kept the unfinished run that Slurm job {job} left in {out}" in text, text
+    assert f"overwrite_output_dir: kept the run that Slurm job {job} left in {out} before its requeue" in text, text
     m = json.loads((out / "metrics.json").read_text())
     assert m["status"] == "completed" and m["steps"] == 30
     assert m["resumed_from"] and m["resumed_from"].startswith(str(out / "checkpoint-")), m

@@ -20,6 +20,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from fsdp_recipes import dist
 from fsdp_recipes.checkpoint import markers, resume_settings
 from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
 from fsdp_recipes.errors import UserError
@@ -59,6 +60,21 @@ def read(output_dir: Path) -> Previous | None:
     recorded = _json(args)
     return Previous(status, metrics.get("steps"), metrics.get("finished_at"), recorded.get("resume_settings"),
                     last, bad, trained(recorded.get("model_args")), slurm_job(recorded.get("launcher") or {}))
+
+
+def requeued(previous: Previous | None, now: dict) -> bool:
+    """The run in output_dir is this very Slurm job's, before a requeue: the same job id, a lower restart count, the
+    same settings (`now`: this command's resume_settings.current; a job script that runs several commands into one
+    folder is not requeueing the first). The requeued job runs the same command, and --overwrite_output_dir, meant for
+    what the job found at its first start, keeps the job's own progress: resumed when unfinished, "already complete"
+    when Slurm requeued it after its end (PreemptMode=REQUEUE, a node failure)."""
+    job = dist.slurm_job()
+    if job is None or previous is None or previous.job is None or previous.job[0] != job[0]:
+        return False
+    saved = previous.settings  # None: a run of a pack version that did not record them
+    same = saved is None or (not resume_settings.changes(saved, now)
+                             and resume_settings.length(saved) == resume_settings.length(now))
+    return previous.job[1] < job[1] and same
 
 
 def slurm_job(launcher: dict) -> tuple[str, int] | None:

@@ -162,13 +162,14 @@ def check_while_ranks_import(recipe: Recipe, held: ExitStack, ranks: Ranks | Non
             build_smoke_model()
         cfg = check_settings(recipe)
         try:
-            done = finished_run(recipe, cfg, held, locked)  # "already complete": said before the data's checks
+            found = finished_run(recipe, cfg, held, locked)  # "already complete": said before the data's checks
         except UserError:  # a refusal names the command's other settings: a mistake in those is said first
             check_model_and_data(recipe, cfg)
             raise
+        done = found.done
         if done is None:
             check_model_and_data(recipe, cfg)
-            claim_output_dir(recipe, cfg)
+            claim_output_dir(cfg, found)
     except BaseException as err:
         if ranks is not None:
             ranks.abort()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shlex
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in the checks, while the ranks
@@ -14,7 +15,6 @@ from fsdp_recipes.config.job import first_node, job_processes
 from fsdp_recipes.config.mesh import mesh_of
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
-from fsdp_recipes.dist import slurm_job
 from fsdp_recipes.launch import smoke
 from fsdp_recipes.launch.lines import say
 from fsdp_recipes.train import kinds
@@ -42,7 +42,17 @@ def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = No
     return out
 
 
-def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | None = None) -> str | None:
+@dataclass
+class Found:
+    """What output_dir holds and what this command does with it, read once under the lock (finished_run) and passed
+    on to claim_output_dir."""
+    previous: object  # checkpoint/previous_run.py Previous, or None for an empty folder
+    now: dict  # resume_settings.current of this command
+    replaces: bool  # the command empties the folder first (--overwrite_output_dir, a smoke run)
+    done: str | None  # the "already complete" line, or None to go on
+
+
+def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | None = None) -> Found:
     """Lock output_dir for this run where lock_output_dir could not yet, and decide, reading only, what the command
     does with a finished run the folder holds (checkpoint/previous_run.py): the "already complete" line, a one-line
     refusal (other settings), or None to go on. Before the checks read the model and the data, so that a finished
@@ -52,30 +62,16 @@ def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | 
     out = cfg.training.output_dir
     if locked is None or Path(out).resolve() != Path(locked).resolve():  # the lock first: the folder is read under it
         lock_output_dir(recipe, held, out)
-    previous = previous_run.read(Path(out))
-    if replaces(cfg, previous):
-        return None
+    previous, now = previous_run.read(Path(out)), resume_settings_now(recipe, cfg)
+    if cfg.pack.overwrite_output_dir:  # but never over this job's own run (previous_run.requeued)
+        replace = not previous_run.requeued(previous, now)
+    else:  # a finished smoke run is scratch: the next one replaces it (an unfinished one is resumed, as any run)
+        replace = smoke.active() and previous is not None and previous.status == "completed"
+    if replace:
+        return Found(previous, now, True, None)
     resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
-    return previous_run.decide(out, previous, resume_settings_now(recipe, cfg), cfg.pack.override_resumed_settings,
-                               resumes, previous_run.trained(cfg.model))
-
-
-def replaces(cfg: RunConfig, previous) -> bool:
-    """--overwrite_output_dir, but never over the job's own run (requeued); and a finished smoke run,
-    which is scratch: the next smoke run replaces it (an unfinished one is resumed, as any run)."""
-    if cfg.pack.overwrite_output_dir:
-        return not requeued(previous)
-    return smoke.active() and previous is not None and previous.status == "completed"
-
-
-def requeued(previous) -> bool:
-    """The run in output_dir is this very Slurm job's, before a requeue (the same job id, a lower restart count):
-    the requeued job runs the same command, and --overwrite_output_dir, meant for what the job found at its first
-    start, keeps the job's own progress: resumed when unfinished, "already complete" when Slurm requeued it after
-    its end (PreemptMode=REQUEUE, a node failure)."""
-    job = slurm_job()
-    return (job is not None and previous is not None and previous.job is not None and previous.job[0] == job[0]
-            and previous.job[1] < job[1])
+    return Found(previous, now, False, previous_run.decide(out, previous, now, cfg.pack.override_resumed_settings,
+                                                           resumes, previous_run.trained(cfg.model)))
 
 
 def resume_settings_now(recipe: Recipe, cfg: RunConfig) -> dict:
@@ -85,16 +81,15 @@ def resume_settings_now(recipe: Recipe, cfg: RunConfig) -> dict:
                                    mesh=mesh_of(recipe.accelerate, recipe.accelerate_path))
 
 
-def claim_output_dir(recipe: Recipe, cfg: RunConfig) -> None:
-    """Once the checks passed (finished_run decided to go on, and holds the lock): apply --overwrite_output_dir, then
-    choose the checkpoint to resume: refused when incompatible, skipped (and moved aside) when unreadable. On a
-    multi-node job the first node's launcher changes the folder; the others only check the resume."""
+def claim_output_dir(cfg: RunConfig, found: Found) -> None:
+    """Once the checks passed (finished_run `found` the folder and decided to go on, and holds the lock): apply
+    --overwrite_output_dir, then choose the checkpoint to resume: refused when incompatible, skipped (and moved aside)
+    when unreadable. On a multi-node job the first node's launcher changes the folder; the others only check the
+    resume."""
     from fsdp_recipes.checkpoint import previous_run, resume_settings
 
-    out, first = cfg.training.output_dir, first_node()
-    previous = previous_run.read(Path(out))
-    now = resume_settings_now(recipe, cfg)
-    if replaces(cfg, previous):
+    out, first, previous, now = cfg.training.output_dir, first_node(), found.previous, found.now
+    if found.replaces:
         if not first:
             return  # the first node is emptying output_dir: there is nothing of the old run to resume
         # an explicit resume_from_checkpoint (elsewhere: config/value_checks.check_resume_kept) is checked before the
@@ -106,8 +101,8 @@ def claim_output_dir(recipe: Recipe, cfg: RunConfig) -> None:
             say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
     else:
         resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
-        if cfg.pack.overwrite_output_dir and first:  # replaces() kept this job's own run
-            say(f"overwrite_output_dir: kept the run that Slurm job {slurm_job()[0]} left in {out} before its requeue "
+        if cfg.pack.overwrite_output_dir and first:  # finished_run kept this job's own run
+            say(f"overwrite_output_dir: kept the run that Slurm job {previous.job[0]} left in {out} before its requeue "
                 f"(the flag replaces what a job finds at its first start): "
                 + (f"resuming from {resume}" if resume else "starting at step 0"))
     if first:
