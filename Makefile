@@ -157,7 +157,7 @@ smollm2: $(STAMP) ## prepare the default's SmolLM2-135M-Instruct (GGUF -> safete
 sync-configs: $(STAMP) ## regenerate the recipes' generated files (accelerate.yaml, launch.sh, variants, README budgets)
 	@$(PY) scripts/sync_recipes.py
 
-test: $(STAMP) ## the whole test suite (CPU, no network; budget 15 minutes on 2 cores)
+test: $(STAMP) ## the whole test suite (CPU, no network; budget 10 minutes on 2 cores)
 	@scripts/install_slurm.sh --if-possible  # tests/test_slurm.py's throw-away cluster: installs it, or says what skips
 	@VENV=$(VENV) scripts/install_promtool.sh --if-possible  # tests/test_gates.py's promtool: into $(VENV)/bin
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -v $(XDIST) -m "not serve" --durations=10 $(PYTEST_ARGS); rc=$$?; \
@@ -241,7 +241,7 @@ test-serve: $(STAMP) serve-env ## the serving checks: the default trained, expor
 	  $(PY) -m pytest -v -m serve --durations=5 tests/test_serving_engines.py
 
 # One 2-process launch whose ranks loop over the families and methods (scripts/arch_matrix.py): outside make test's
-# 15 minutes, after it in .ci/run
+# 10 minutes, after it in .ci/run
 arch-matrix: $(STAMP) ## LoRA and full fine-tuning of tiny models of 26 decoder families (and LoRA on MoE experts) under FSDP2 (2 CPU processes, ~2.5 min); ARGS="--families llama,gemma2"
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/arch_matrix.py $(ARGS)
 
