@@ -179,15 +179,16 @@ def test_a_mesh_divides_states_by_tp_x_dp_shard_x_cp_and_activations_by_cp():
     assert b["optimizer_states"] == 8000 * 8 // 8 == 8000
     # per token per layer: norms 2 x 16 x (4 + 2) = 192; saved 2 x (2x16 + 2x8 + 4x32) = 352, halved by tp: 176
     # -> 368; a GPU holds 1024 / cp = 512 tokens: 2 layers x 368 x 512 = 376,832
-    # + final norm 512 x 16 x 4 x 2 = 65,536 + the chunked head's tile 512 x 64 x 4 = 131,072
+    # + final norm (its fp32 input, the head's bf16 copy of its output) 512 x 16 x (4 + 2) = 49,152 + the chunked
+    # head's tile 512 x 64 x 4 = 131,072
     # + fp32 gradients: hidden 512 x 16 x 4 = 32,768, the head's 64 x 16 x 4 / tp = 2,048
-    assert b["activations"] == 376_832 + 65_536 + 131_072 + 32_768 + 2_048 == 608_256
+    assert b["activations"] == 376_832 + 49_152 + 131_072 + 32_768 + 2_048 == 591_872
     # two layers and the root gathered at 2 B: (2 x 3000 + 2000) x 2 = 16,000, + one layer's fp32 gradients
     # 3000 x 4 = 12,000; each of them split by tp: 28,000 / 2
     assert b["communication_buffers"] == 14_000
     # the ring's K and V chunks, computed-on and arriving: 2 x 2 x 512 tokens x 8 / tp x 2 B
     assert b["cp_ring_buffers"] == 16_384
-    assert b["total"] == 4000 + 4000 + 8000 + 608_256 + 14_000 + 16_384 == 654_640
+    assert b["total"] == 4000 + 4000 + 8000 + 591_872 + 14_000 + 16_384 == 638_256
 
 
 def test_offload_moves_the_checkpoint_inputs_to_host_memory():
@@ -252,11 +253,11 @@ def test_fit_proposes_the_first_mesh_that_fits():
     # ordered by tp x cp, cp first
     assert mesh_fit.splits(8, 4, 2, 1024) == [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (1, 8), (2, 4)]
     # FSDP over 8, by hand: states 4,000 + 4,000 + 8,000; activations 1,024 x (2 x 544) = 1,114,112 + final norm
-    # 131,072 + tile 262,144 + fp32 gradients 65,536 + 4,096 = 1,576,960; buffers 28,000 -> 1,620,960.
-    # cp 2: 512 x 1,088 = 557,056 + 65,536 + 131,072 + 32,768 + 4,096 = 790,528; buffers 28,000; ring
-    # 2 x 2 x 512 x 8 x 2 = 32,768 -> 16,000 + 790,528 + 28,000 + 32,768 = 867,296
+    # 1,024 x 16 x (4 + 2) = 98,304 + tile 262,144 + fp32 gradients 65,536 + 4,096 = 1,544,192; buffers 28,000 ->
+    # 1,588,192. cp 2: 512 x 1,088 = 557,056 + 49,152 + 131,072 + 32,768 + 4,096 = 774,144; buffers 28,000; ring
+    # 2 x 2 x 512 x 8 x 2 = 32,768 -> 16,000 + 774,144 + 28,000 + 32,768 = 850,912
     answer = mesh_fit.propose(SHAPE, FLAT, 1_000_000, 8, 4, 2, 1024)
-    assert (answer.nodes, answer.tp, answer.cp, answer.dp_shard, answer.total) == (1, 1, 2, 4, 867_296)
+    assert (answer.nodes, answer.tp, answer.cp, answer.dp_shard, answer.total) == (1, 1, 2, 4, 850_912)
     assert mesh_fit.propose(SHAPE, FLAT, 1_700_000, 8, 4, 2, 1024).cp == 1  # FSDP alone fits: no split
 
 

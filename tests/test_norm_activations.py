@@ -37,6 +37,9 @@ def test_the_final_norm_of_a_full_fine_tune_keeps_4h_plus_2ch():
     layers = 1024 * 2 * 608
     root = 1024 * 16 * (4 + 2 + 2) + 1024 * 64 * 4 + 1024 * 16 * 4 + 64 * 16 * 4
     assert memory_budget.budget(FULL, BF16)["activations"] == layers + root == 1_708_032
+    # the norms frozen (LoRA's): 4h + ch, the head's copy alone (measured below; the count before: 8h)
+    frozen_root = 1024 * 16 * (4 + 2) + 1024 * 64 * 4 + 1024 * 16 * 4 + 64 * 16 * 4
+    assert memory_budget.budget(FROZEN, BF16)["activations"] == 1024 * 2 * 544 + frozen_root
     # fp32 compute: 4h + 2 x 4h = 12h (the count before: 8h)
     fp32 = replace(BF16, load_bytes=4, compute_bytes=4, mixed_precision=False)
     assert memory_budget.budget(FULL, fp32)["activations"] == (

@@ -300,6 +300,7 @@ def test_what_a_tp_run_cannot_do_is_one_line(monkeypatch, tmp_path):
     ckpt = tmp_path / "checkpoint-4"
     (ckpt / "tp_state").mkdir(parents=True)
     (ckpt / "tp_state" / ".metadata").write_bytes(b"")
+    (ckpt / "trainer_state.json").write_text("{}")  # a Trainer's save: the part of it that is not the pack's
     assert tensor_parallel.model_init_kwargs(cfg(), resume=str(ckpt))["distributed_config"]  # one it resumes from
     from fsdp_recipes.checkpoint.markers import unreadable  # the launcher's check: that empty index cannot be read
 

@@ -24,7 +24,7 @@ kept, the weight's multiply keeps the normalized tensor (ch) only when the weigh
 (ch). Measured (2026-11-29, tests/test_norm_activations.py: tiny Mistral, bf16 weights as FSDP2's bf16 policy gathers
 them, under autocast; alike without, a one-off probe): layer 1 keeps 11,160 B a token with trained norms, 10,136
 frozen; the formula 11,136, 10,112 (24 B of per-row scalars apart). The final norm alike, the chunked head keeping
-its own copy of the labelled rows' hidden states (ch): 4h + 2ch trained (8h at c = 2), 4h + ch frozen (counted 8h).
+its own copy of the labelled rows' hidden states (ch): 4h + 2ch trained (8h at c = 2), 4h + ch frozen.
 
 A mixture of experts (Qwen3-MoE, Mixtral) holds every expert's weights, gradients and optimizer states (sharded like
 any other parameter, all experts of a layer gathered at once: no expert parallelism), but a token's activations are
@@ -351,9 +351,9 @@ def budget(m: ModelShape, s: Setup) -> dict[str, int]:
     activations = tokens * layer_activations(m, s, per_layer)
     # the fused head's backward accumulates in fp32: the hidden states' gradient, and the head's when it trains
     head_grads = tokens * m.hidden * 4 + (m.vocab * m.hidden * 4 / s.tp if m.trainable == m.params else 0)
-    # + the final norm's (docstring: 4h + 2ch trained, frozen counted 8h; tp with fp32 weights: fp32 ones, a cast)
+    # + the final norm's (docstring: 4h + 2ch trained, 4h + ch frozen; tp with fp32 weights: fp32 ones, a cast)
     final_norm = m.hidden * (4 * 2 + s.compute_bytes if wide_weights_under_autocast(s) else
-                             4 + 2 * s.compute_bytes if m.norms_trained else 4 * 2)
+                             4 + (2 if m.norms_trained else 1) * s.compute_bytes)
     activations += tokens * final_norm + logits(m, s) + head_grads
     # FSDP gathers at the compute width, but under tp at the weights' own (no mixed-precision policy: docstring)
     gather = s.load_bytes if wide_weights_under_autocast(s) else s.compute_bytes
