@@ -265,9 +265,10 @@ def extra_forwards_named(w: comms.Work) -> str:
 def compute_lines(e: comms.Estimate, w: comms.Work, f: Fabric, mfu: float) -> list[str]:
     if e.compute_s is None:
         return [f"compute: no dense bf16 peak for the {f.gpu}, so no time and no verdict"]
+    named = extra_forwards_named(w)
     return [
         f"compute: {w.tokens:,} tokens x {e.flops_per_token / 1e9:,.2f} GFLOP/token"
-        + (f" ({extra_forwards_named(w)})" if extra_forwards_named(w) else "") + " = "
+        + (f" ({named})" if named else "") + " = "
         f"{w.tokens * e.flops_per_token / 1e15:,.4g} PFLOP at {mfu:.0%} MFU (assumed) of {f.peak_flops / 1e12:g} "
         f"TFLOP/s = {e.compute_s:,.2f} s",
         f"communication: {e.comm_s:,.2f} s at nominal link rates (a lower bound: no latency, no contention)",

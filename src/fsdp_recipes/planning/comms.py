@@ -48,9 +48,9 @@ groups. Tree and NVLS algorithms can do better; a lower bound at nominal rates i
 Compute per step: model FLOPs per token (fsdp_recipes.metrics.flops: 6N trainable + 4N frozen + attention at the
 worst-case length max_length, plus the kind's extra forwards by flops.extra_forward_flops, as the run report counts
 them: 2N + attention's forward third each) x tokens, at an assumed MFU of the dense bf16 peak. MFU counts model
-FLOPs, so an activation-checkpointing recompute is inside the assumed figure, not added. FSDP overlaps its collectives with
-compute (prefetching the next layer), so a step takes about the longer of the two: communication-bound when the
-collectives' time exceeds the compute time.
+FLOPs, so an activation-checkpointing recompute is inside the assumed figure, not added. FSDP overlaps its
+collectives with compute (prefetching the next layer), so a step takes about the longer of the two:
+communication-bound when the collectives' time exceeds the compute time.
 """
 
 from __future__ import annotations
