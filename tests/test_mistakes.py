@@ -194,6 +194,7 @@ CASES = {
                             "eval_steps is 0; it must be positive"),
     "cli-output-dir-is-a-file": (output_dir_is_a_file, "is a file, not a directory"),
     # a resume that --overwrite_output_dir true would refuse only once it had emptied the earlier run's folder
+    "cli-fp16-on-cpu": (cli_case("--fp16", "true"), "fp16 on a CPU computes in float16 with no loss scaler"),
     "cli-resume-not-found": (cli_case("--resume_from_checkpoint", "/nonexistent/run/checkpoint-10"), "does not exist"),
     "cli-resume-inside-the-emptied-output-dir": (resume_inside_earlier_run,
                                                  "which --overwrite_output_dir true empties"),

@@ -138,12 +138,23 @@ def changed_precision(raw: dict, overrides: list[str], bf16_ok: bool) -> bool:
 CPU_BF16 = ("auto", "false")
 
 
-def cpu_precision(recipe: str, raw: dict, overrides: list[str], flags: list[str]) -> Placement:
+def cpu_precision(recipe: str, raw: dict, overrides: list[str], flags: list[str], smoke: bool = False) -> Placement:
     """A run on CPU: bf16 autocast where the recipe asks for it (`cpu_bf16: auto`) and the CPU has `flags`
-    (hardware.cpu_bf16_flags()); the line that says which, either way. The user's --bf16/--fp16 win.
+    (hardware.cpu_bf16_flags()); the line that says which, either way. The user's --bf16 wins; fp16 is refused (a smoke
+    run, the plumbing only, is told).
     Why autocast and not bf16 weights: the same speed (one step of the default 2.36 s against 2.42 s, float32 4.18 s,
     in a probe while another job ran; bench/README.md), and the optimizer keeps float32 weights. TrainingArguments
     takes bf16 on a CPU only with use_cpu, which the ranks are on anyway."""
+    if truthy(override(overrides, "fp16", raw.get("fp16", False))):
+        # accelerate makes its GradScaler for GPUs only, while FSDP's MixedPrecisionPolicy still casts the parameters
+        # to float16 (accelerate 1.15): tiny-cpu-lora's entropy came out in float16 steps, 2,411 tokens/s against
+        # 3,563 in float32 on the Intel Xeon (AMX) VM, 2026-11-29
+        if smoke:
+            return Placement(notes=[f"recipe {recipe}: fp16 on this CPU computes in float16 without a loss scaler "
+                                    "(accelerate's is for GPUs): this smoke run checks the plumbing, not the numbers"])
+        raise UserError(f"recipe {recipe}: fp16 on a CPU computes in float16 with no loss scaler (accelerate keeps its "
+                        "scaler for GPUs), so gradients below float16's range are lost. Fix: --bf16 true (bf16 "
+                        "compute, float32 master weights, no scaler needed) or --fp16 false (float32)")
     setting = str(override(overrides, "cpu_bf16", raw.get("cpu_bf16", "false"))).strip().lower()
     if setting not in CPU_BF16:
         raise UserError(f"cpu_bf16 {setting!r} is not a setting. Fix: cpu_bf16: auto (bf16 autocast on a CPU with "

@@ -128,7 +128,8 @@ def place(recipe: Recipe, gpus: int) -> list[str]:
     placed = placement.place(recipe.name, recipe.raw, recipe.accelerate, gpus, recipe.overrides, extra,
                              bf16_ok=gpus > 0 and hardware.bf16_supported())
     if placement.runs_on_cpu(recipe.raw, recipe.accelerate, gpus, recipe.overrides):
-        placed = placement.cpu_precision(recipe.name, recipe.raw, recipe.overrides, hardware.cpu_bf16_flags())
+        placed = placement.cpu_precision(recipe.name, recipe.raw, recipe.overrides, hardware.cpu_bf16_flags(),
+                                         smoke=smoke.active())
     for note in placed.notes:
         say(note)
     recipe.overrides = [*placed.overrides, *recipe.overrides]  # the user's last: they win
