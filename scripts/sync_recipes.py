@@ -10,7 +10,8 @@ copy-pasted between recipes. So the shared parts are generated here and a test f
 - launch.sh: the same thin wrapper for every recipe (LAUNCH_SH below);
 - for a recipe with `config_from`, its trainer YAML (sft.yaml, dpo.yaml): the other recipe's with the `config_set`
   fields replaced, line by line, so its comments survive (a replaced field's own comment is dropped, or is the
-  recipe's `config_comments` entry; fields it lacks follow at its end, after `config_note`); with `model_config_from`, model_config.json: that recipe's copy;
+  recipe's `config_comments` entry; fields it lacks follow at its end, after `config_note`; `config_drop` fields
+  leave); with `model_config_from`, model_config.json: that recipe's copy;
 - in README.md, the memory budget between the `<!-- plan -->` markers: `make plan`'s table for the
   recipe's own hardware (with its `plan_args`, if any), so the published estimate is the one the planner computes
   today.
@@ -92,6 +93,8 @@ def render_config(name: str, spec: dict) -> str:
         lines.pop(0)
     todo = dict(spec["config_set"])
     comments = spec.get("config_comments") or {}
+    drop = set(spec.get("config_drop", []))  # the source's fields that mean nothing here (LoRA's on a full run)
+    lines = [line for line in lines if not ((m := re.match(r"^([A-Za-z_][\w]*):", line)) and m.group(1) in drop)]
     for i, line in enumerate(lines):
         match = re.match(r"^([A-Za-z_][\w]*):", line)
         if match and match.group(1) in todo:

@@ -44,6 +44,9 @@ def test_recipe_yaml_parses_with_trl(name, cache_dir, tmp_path):
     # what the launcher hands its ranks (config/handoff.py) makes the same configuration, field for field
     handoff.write(cfg.settings, tmp_path / "settings.json")
     assert parse_args(handoff.rank_argv(tmp_path / "settings.json")).resolved() == cfg.resolved()
+    if not cfg.model.use_peft:  # TRL reads LoRA's fields only with use_peft: on a full recipe they mislead its reader
+        written = recipes.config_file(REPO / "recipes" / name).read_text().splitlines()
+        assert not [line for line in written if line.startswith(("lora_", "use_rslora", "use_dora"))], name
 
 
 def test_ranks_build_their_configuration_from_the_launchers_reading_alone(tmp_path):
