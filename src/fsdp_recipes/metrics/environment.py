@@ -51,6 +51,7 @@ def launcher_env() -> dict:
     """What torchrun / accelerate launch told this process about the job."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    slurm_job_id, slurm_restart_count = dist.slurm_job() or (None, None)  # a requeue finds its own run (output_dir.py)
     return {
         "world_size": world,
         "num_nodes": max(1, world // max(1, local_world)),
@@ -59,8 +60,8 @@ def launcher_env() -> dict:
         "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
         "master_addr": os.environ.get("MASTER_ADDR"),
         "master_port": os.environ.get("MASTER_PORT"),
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-        "slurm_restart_count": (dist.slurm_job() or (None, None))[1],  # a requeue finds its own run (output_dir.py)
+        "slurm_job_id": slurm_job_id,
+        "slurm_restart_count": slurm_restart_count,
     }
 
 
