@@ -410,3 +410,46 @@ def test_a_sampling_kinds_own_settings_are_saved_and_compared_from_its_argument_
     with pytest.raises(UserError, match=r"reward_funcs \['fsdp_recipes.rewards.exact_answer'\] -> "
                                         r"\['fsdp_recipes.rewards.number_only'\]"):
         check("run/checkpoint-4", 4, saved, current(cfg, 2, ("reward_funcs",)), override=False)
+
+
+def test_an_output_dir_that_is_the_model_or_holds_anothers_files_is_refused_and_left_as_it_was(tmp_path, monkeypatch,
+                                                                                               capsys, cache_dir):
+    """A full fine-tuning run with output_dir set to its model's folder replaced the model's weights, tokenizer and
+    config without a word (and the summary then read the trained model as the base); a recipe folder or a project
+    folder got the run's README.md over its own. A folder of the user's data alone is still written beside."""
+    model = shutil.copytree(cache_dir / "tiny-mistral", tmp_path / "model")
+    before = files(model)
+    for extra in ([], ["--overwrite_output_dir", "true"]):
+        line = one_error(launcher_checks([*ARGS, "--use_peft", "false", "--model_name_or_path", str(model),
+                                          "--output_dir", str(model), *extra], monkeypatch, capsys))
+        assert f"output_dir {model} is the folder of the model this run trains from (model_name_or_path)" in line
+        assert f"Fix: a new --output_dir, e.g. {model}-trained" in line
+    assert files(model) == before
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "README.md").write_text("# my notes\n")
+    (project / "train.jsonl").write_text("{}\n")
+    line = one_error(launcher_checks([*ARGS, "--output_dir", str(project)], monkeypatch, capsys))
+    assert f"output_dir {project} holds files that are no run's (README.md), which this run would overwrite" in line
+    assert (project / "README.md").read_text() == "# my notes\n"
+    (project / "README.md").unlink()  # the user's data alone: written beside, as before
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([*ARGS, "--output_dir", str(project)], monkeypatch, capsys)
+    line = one_error(launcher_checks([*ARGS, "--output_dir", ""], monkeypatch, capsys))
+    assert line.startswith("error: output_dir is empty. Fix: name the folder")
+
+
+def test_an_explicit_resume_of_another_models_checkpoint_names_the_fix_that_applies(tmp_path):
+    from fsdp_recipes.errors import UserError
+
+    ckpt = tmp_path / "checkpoint-2"
+    ckpt.mkdir()
+    arch = {k: 1 for k in markers.ARCH_KEYS}
+    saved = {"model": "a", "architecture": {**arch, "model_type": "mistral"}, "peft": None, "settings": {}}
+    (ckpt / markers.IDENTITY).write_text(json.dumps(saved))
+    now = {**saved, "architecture": {**arch, "model_type": "qwen2"}}
+    with pytest.raises(UserError, match=r"another model \(model_type mistral vs qwen2\)\. Fix: point "
+                                        r"--resume_from_checkpoint at a checkpoint of this model"):
+        markers.check_compatible(ckpt, now, explicit=True)
+    with pytest.raises(UserError, match=r"Fix: use a new output_dir, --auto_resume false"):
+        markers.check_compatible(ckpt, now)  # auto_resume found it in output_dir

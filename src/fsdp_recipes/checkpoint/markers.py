@@ -129,12 +129,15 @@ def saved_identity(ckpt: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def check_compatible(ckpt: Path, current: dict) -> None:
-    """Refuse, before any weight is loaded, to resume a run of another model or another LoRA shape."""
+def check_compatible(ckpt: Path, current: dict, explicit: bool = False) -> None:
+    """Refuse, before any weight is loaded, to resume a run of another model or another LoRA shape. `explicit`: the
+    command named the checkpoint (resume_from_checkpoint), rather than auto_resume finding it in output_dir."""
     saved = saved_identity(ckpt)
     if saved is None:
         return  # a checkpoint written by something else: the Trainer's own checks apply
-    fix = "Fix: use a new output_dir, --auto_resume false, or the checkpoint's settings."
+    fix = ("Fix: point --resume_from_checkpoint at a checkpoint of this model and adapter, leave it out to start "
+           "over, or use the checkpoint's settings." if explicit else
+           "Fix: use a new output_dir, --auto_resume false, or the checkpoint's settings.")
     # the model first: another model's checkpoint differs in its LoRA targets too, which would be named instead
     if saved["architecture"] and current["architecture"] and saved["architecture"] != current["architecture"]:
         diff = [k for k in ARCH_KEYS if saved["architecture"].get(k) != current["architecture"].get(k)]

@@ -62,6 +62,36 @@ def read(output_dir: Path) -> Previous | None:
                     last, bad, trained(recorded.get("model_args")), slurm_job(recorded.get("launcher") or {}))
 
 
+# What a run writes at the top of its output_dir besides its report and checkpoints (the Trainer's final save, its model
+# card, the pack's merged model): in a folder that holds no run, an entry of these names is someone else's, which the
+# run would overwrite without a word (a recipe folder's README.md, a model folder's weights).
+RUN_WRITES = ("README.md", "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+              "pytorch_model.bin", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
+              "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "chat_template.jinja",
+              "vocab.json", "merges.txt", "training_args.bin", "merged")
+
+
+def check_not_anothers(output_dir: str | Path, previous: Previous | None, model: str | None) -> None:
+    """Refuse an output_dir that is the folder of the model this run trains from (its final save would replace the
+    base model's files, --overwrite_output_dir would delete them first), and one that holds no run but files a run
+    writes (`previous`: read(output_dir)). Before anything is written or removed."""
+    out = Path(output_dir)
+    if not str(output_dir).strip():
+        raise UserError("output_dir is empty. Fix: name the folder the run writes to, e.g. --output_dir runs/my-run")
+    if model and Path(model).is_dir() and out.resolve() == Path(model).resolve():
+        raise UserError(f"output_dir {output_dir} is the folder of the model this run trains from "
+                        f"(model_name_or_path): the run's final save would replace the model's own files. Fix: a new "
+                        f"--output_dir, e.g. {out.parent / (out.name + '-trained')}")
+    if previous is not None or not out.is_dir():
+        return
+    taken = sorted(p.name for p in out.iterdir() if p.name in RUN_WRITES or p.name.startswith("model-0"))
+    if taken:
+        names = ", ".join(taken[:4]) + (f" and {len(taken) - 4} more" if len(taken) > 4 else "")
+        raise UserError(f"output_dir {output_dir} holds files that are no run's ({names}), which this run would "
+                        f"overwrite. Fix: a new or empty --output_dir (--overwrite_output_dir replaces a run, not "
+                        f"other files)")
+
+
 def requeued(previous: Previous | None, now: dict) -> bool:
     """The run in output_dir is this very Slurm job's, before a requeue: the same job id, a lower restart count, the
     same settings (`now`: this command's resume_settings.current; a job script that runs several commands into one

@@ -45,7 +45,8 @@ def checkpoint_to_resume(cfg, settings: dict, say=None, move_unreadable: bool = 
     if not Path(resume).is_dir():
         raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
     checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
-                                                                    get_peft_config(model_args)))
+                                                                    get_peft_config(model_args)),
+                                 explicit=bool(training.resume_from_checkpoint))
     saved = checkpoints.saved_identity(Path(resume)) or {}
     changed = resume_settings.check(resume, checkpoint_step(resume), saved.get("settings"), settings,
                                     cfg.pack.override_resumed_settings)

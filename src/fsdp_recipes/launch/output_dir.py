@@ -60,9 +60,12 @@ def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | 
     from fsdp_recipes.checkpoint import previous_run
 
     out = cfg.training.output_dir
+    if not str(out).strip():  # Path("") is the working directory: refused before it is locked or read
+        previous_run.check_not_anothers(out, None, None)
     if locked is None or Path(out).resolve() != Path(locked).resolve():  # the lock first: the folder is read under it
         lock_output_dir(recipe, held, out)
     previous, now = previous_run.read(Path(out)), resume_settings_now(recipe, cfg)
+    previous_run.check_not_anothers(out, previous, cfg.model.model_name_or_path)
     if cfg.pack.overwrite_output_dir:  # but never over this job's own run (previous_run.requeued)
         replace = not previous_run.requeued(previous, now)
     else:  # a finished smoke run is scratch: the next one replaces it (an unfinished one is resumed, as any run)
