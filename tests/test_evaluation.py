@@ -224,3 +224,24 @@ def test_every_registered_metric_provides_the_interface():
         assert set(metric.NEEDS) <= set(scores.NEEDS_KINDS) and set(scoring.NEEDED) == set(scores.NEEDS_KINDS)
         assert all(callable(f) for f in (metric.applies, metric.score, metric.lines))
         assert isinstance(metric.INTERVAL, str) and metric.INTERVAL
+
+
+def test_a_run_over_its_own_models_folder_is_one_stage_not_a_loop(tmp_path):
+    """An older launcher let output_dir be the model's folder: its run_args.json then names itself as the model, and
+    the summary printed `base -> sft -> sft -> ...` nine times."""
+    import json
+
+    from fsdp_recipes.evaluation.stages import stages
+
+    run = tmp_path / "model"
+    run.mkdir()
+    args = {"pack_args": {"trainer": "sft"}, "model_args": {"model_name_or_path": str(run)}}
+    (run / "run_args.json").write_text(json.dumps(args))
+    assert stages(run, args, run) == [("base", str(run)), ("sft", str(run))]
+    sft = tmp_path / "sft"  # a real chain still reads every stage: base -> sft -> dpo
+    sft.mkdir()
+    (sft / "run_args.json").write_text(json.dumps({"pack_args": {"trainer": "sft"},
+                                                   "model_args": {"model_name_or_path": "base-model"}}))
+    dpo = {"pack_args": {"trainer": "dpo"}, "model_args": {"model_name_or_path": str(sft / "merged")}}
+    assert stages(tmp_path / "dpo", dpo, tmp_path / "dpo") == [
+        ("base", "base-model"), ("sft", str(sft / "merged")), ("dpo", str(tmp_path / "dpo"))]

@@ -22,11 +22,13 @@ def stages(run_dir: Path, run_args: dict, trained: Path) -> list[tuple[str, str]
     named by that run's trainer, and its own base comes before it."""
     chain = [(run_args.get("pack_args", {}).get("trainer", "trained"), str(trained))]
     model = run_args["model_args"]["model_name_or_path"]
+    seen = {Path(run_dir).resolve()}
     for _ in range(8):  # a chain of runs, each continuing from the one before
         folder = Path(model)
         source = folder.parent if folder.name == "merged" else folder
-        if not (source / "run_args.json").is_file():
+        if not (source / "run_args.json").is_file() or source.resolve() in seen:  # a run trained over its own model
             break
+        seen.add(source.resolve())
         before = json.loads((source / "run_args.json").read_text())
         chain.append((before.get("pack_args", {}).get("trainer", "trained"), model))
         model = before["model_args"]["model_name_or_path"]
