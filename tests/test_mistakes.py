@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -279,6 +280,25 @@ def test_lora_flags_on_a_full_fine_tuning_run_are_one_warning(monkeypatch, capsy
     out = capsys.readouterr().out
     assert out.count("warning: --lora_dropout, --lora_r change nothing: this run fine-tunes every weight (use_peft "
                      "false). Fix: --use_peft true to train a LoRA adapter, or leave them out") == 1, out
+
+
+def test_epochs_under_the_recipes_max_steps_are_one_warning(monkeypatch, capsys, cache_dir):
+    """--num_train_epochs 0.5 under the recipe YAML's max_steps: the Trainer trains max_steps and ignored the epochs
+    without a word; the launcher says so, once, naming --max_steps -1. With it, or with --max_steps too, no hidden
+    surprise: the first is silent, the second names the command line's max_steps."""
+    from conftest import RanksWouldStart, launcher_until_ranks
+    from fsdp_recipes.config.value_checks import epochs_ignored
+
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks(["tiny-cpu-lora", "--num_train_epochs", "0.5"], monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert out.count("warning: --num_train_epochs 0.5 changes nothing: max_steps 300 (in the recipe YAML) decides "
+                     "the run's length, so it trains 300 steps. Fix: --max_steps -1 to train by epochs") == 1, out
+    by_epochs = types.SimpleNamespace(max_steps=-1)
+    assert epochs_ignored(["--num_train_epochs", "0.5", "--max_steps", "-1"], by_epochs) == []
+    assert epochs_ignored(["--max_steps", "4"], types.SimpleNamespace(max_steps=4)) == []
+    assert "max_steps 4 (on the command line)" in epochs_ignored(["--num_train_epochs=2", "--max_steps", "4"],
+                                                                 types.SimpleNamespace(max_steps=4))[0]
 
 
 def test_the_battery_covers_every_class_of_mistake():

@@ -27,7 +27,7 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
-from fsdp_recipes.config import hardware, placement
+from fsdp_recipes.config import hardware, model_check, model_found, placement
 from fsdp_recipes.config.mesh import mesh_of
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.speed import varlen_attention
@@ -120,8 +120,6 @@ def model_class(cfg, config=None):
     if getattr(cfg.model, "trust_remote_code", False) or not (config or cfg.model.model_name_or_path):
         return None
     if config is None:
-        from fsdp_recipes.config import model_check, model_found
-
         source = model_found.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
         if source is None:
             return None
