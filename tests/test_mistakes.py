@@ -165,6 +165,23 @@ def model_without_weights(recipe, tmp):
     return ["--model_name_or_path", str(model)]
 
 
+def gguf_file(recipe, tmp):
+    """A GGUF file (llama.cpp's, what `make gguf` writes) as the model: it was called a folder without config.json,
+    with the tiny default's builder as the fix."""
+    model = tmp / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    return ["--model_name_or_path", str(model)]
+
+
+def tokenizer_only(recipe, tmp):
+    """A folder holding the tiny tokenizer alone (no config.json, no weights)."""
+    model = tmp / "tokenizer-only"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.environ["FSDP_RECIPES_CACHE"] + f"/tiny-mistral/{name}", model / name)
+    return ["--model_name_or_path", str(model)]
+
+
 CASES = {
     # recipe YAML: ranges the libraries accept silently or only check inside the ranks
     "yaml-negative-lr": (yaml_case(learning_rate=-1e-3), "learning_rate is -0.001; it must be positive"),
@@ -214,6 +231,8 @@ CASES = {
     "data-wrong-columns": (data_case([{"question": "q", "answer": "a"}] * 2), "has columns ['answer', 'question']"),
     # model
     "model-missing": (cli_case("--model_name_or_path", "/nonexistent/model"), "model not found"),
+    "model-gguf-file": (gguf_file, ".gguf is a GGUF file (llama.cpp's format), not a model folder"),
+    "model-tokenizer-only": (tokenizer_only, "tokenizer-only has no config.json: it holds a tokenizer but no model"),
     "model-no-chat-template": (no_chat_template, "has no chat template"),
     "model-without-weights": (model_without_weights, "holds config.json but no weights"),
     "model-flash-attn-missing": (cli_case("--attn_implementation", "flash_attention_2"), "needs the flash-attn"),
