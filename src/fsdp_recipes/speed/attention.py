@@ -117,13 +117,17 @@ def model_class(cfg, config=None):
     """The class from_pretrained builds for the recipe's model (AutoModelForCausalLM's, as the launcher's meta-model
     check builds it), from `config` or the model's config.json found without the network; None where neither is
     known, or the model brings its own code (trust_remote_code: its class, not transformers' mapping)."""
-    if getattr(cfg.model, "trust_remote_code", False) or not (config or cfg.model.model_name_or_path):
+    path = getattr(cfg.model, "model_name_or_path", None)
+    if getattr(cfg.model, "trust_remote_code", False) or (config is None and not path):
         return None
     if config is None:
-        source = model_found.model_config_json(cfg.model.model_name_or_path, cfg.model.model_revision)
+        source = model_found.model_config_json(path, getattr(cfg.model, "model_revision", None))
         if source is None:
             return None
-        config = model_check.load_config(source)
+        try:
+            config = model_check.load_config(source)
+        except Exception:  # noqa: BLE001 -- a config transformers cannot read: the model's own checks name it
+            return None
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.auto_factory import _get_model_class
 
