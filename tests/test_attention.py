@@ -241,3 +241,40 @@ def test_the_gpu_check_of_the_kernel_runs_its_plumbing_on_cpu(tmp_path, capsys):
     record = json.loads(next(tmp_path.glob("varlen-check-cpu-*.json")).read_text())
     assert record["ok"] and set(record["agreement"]) == {"out", "dq", "dk", "dv"}
     assert set(record["ms_forward_backward"]) == {"sdpa, block-diagonal mask", "sdpa is_causal, 2 full rows"}
+
+
+def tiny_gemma2_folder(path):
+    """A tiny Gemma2 config (the class transformers 5.23 gives no SDPA: `_supports_sdpa = False`, its softcapping)."""
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16, architectures=["Gemma2ForCausalLM"]).save_pretrained(path)
+    return path
+
+
+def test_an_implementation_the_models_class_lacks_is_one_line_and_auto_avoids_it(cache_dir, tmp_path):
+    """A Gemma2 with the recipe's sdpa passed the launcher's checks and failed in every rank (`ValueError:
+    Gemma2ForCausalLM does not support an attention implementation through
+    torch.nn.functional.scaled_dot_product_attention yet`): refused by the class's own flag before any rank starts,
+    naming eager; `auto` picks eager for it (on this CPU: sdpa otherwise), in the launch line and in the ranks."""
+    from fsdp_recipes.config.run_config import parse_args
+
+    folder = str(tiny_gemma2_folder(tmp_path / "gemma2"))
+    recipe = ["--config", str(REPO / "recipes" / "tiny-cpu-lora" / "sft.yaml"), "--model_name_or_path", folder]
+    cfg = parse_args([*recipe, "--attn_implementation", "sdpa"])
+    with pytest.raises(UserError) as err:
+        speed.check_config(cfg)
+    assert str(err.value) == (
+        "attn_implementation: sdpa is not supported by Gemma2ForCausalLM, the model's class (transformers' "
+        "Gemma2ForCausalLM._supports_sdpa is False: from_pretrained would refuse it in every rank). Fix: "
+        "--attn_implementation eager (or attn_implementation: eager in the recipe YAML; Gemma2ForCausalLM supports "
+        "eager, flex_attention, flash_attention_2, flash_attention_3, flash_attention_4).")
+    speed.check_config(parse_args([*recipe, "--attn_implementation", "eager"]))  # what it names passes
+    cfg = parse_args([*recipe, "--attn_implementation", "auto"])
+    speed.check_config(cfg)
+    lines = []
+    attention.check_launch(cfg, {}, "accelerate.yaml", say=lines.append)
+    assert lines == ["attention: auto -> eager (sdpa would run here, but Gemma2ForCausalLM does not support it "
+                     "(transformers' _supports_sdpa is False))"]
+    speed.settle(cfg)
+    assert cfg.model.attn_implementation == "eager"

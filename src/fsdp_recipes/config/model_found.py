@@ -104,7 +104,7 @@ def hub_failure(err: Exception, path: str, revision: str | None) -> str:
 def looks_local(path: str) -> bool:
     """A hub id is `org/name`; anything absolute, relative-explicit, home- or file-like is a local path."""
     return path.startswith(("/", "./", "../", "~", "$")) or path.endswith(
-        (".json", ".jsonl", ".parquet", ".csv")
+        (".json", ".jsonl", ".parquet", ".csv", ".gguf", ".safetensors")
     ) or os.path.exists(path)
 
 
@@ -122,12 +122,46 @@ def check_local_model(path: str, continues_from: str | None = None) -> None:
             f"Fix: run `make finetune RECIPE={continues_from}` first (or point model_name_or_path at another model)."
         )
     if looks_local(path) and not (Path(path) / "config.json").is_file():
-        missing = "has no config.json" if Path(path).exists() else f"does not exist ({Path(path).absolute()})"
-        raise UserError(
-            f"model not found: {path} {missing}. "
-            "Fix: point model_name_or_path at a model directory or a hub id "
-            "(the tiny default is built by `python -m fsdp_recipes.assets.tiny_assets`)."
-        )
+        raise UserError(f"model not found: {not_a_model_folder(path)}.")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "special_tokens_map.json")
+FOLDER_FIX = ("point model_name_or_path at a transformers model's folder (its config.json beside its *.safetensors "
+              "weights) or a hub id")
+
+
+def not_a_model_folder(path: str) -> str:
+    """Why a local `path` without config.json is no model the ranks can load, and the fix that fits it: a file (a
+    GGUF file: llama.cpp's format, which the pack exports but does not train from), a folder holding a tokenizer or
+    weights alone, a path that does not exist; the tiny default's builder only for a path in the pack's cache."""
+    p = Path(path)
+    gguf = p.suffix.lower() == ".gguf"
+    if p.is_file() or gguf:
+        what = "a GGUF file (llama.cpp's format)" if gguf else "a file"
+        missing = f"does not exist ({p.absolute()})" if not p.exists() else f"is {what}, not a model folder"
+        return (f"{path} {missing}: the pack trains from a transformers model folder (config.json and its weights). "
+                f"Fix: {FOLDER_FIX}" + ("; for a GGUF, the model it was converted from (the hub id its name "
+                                        "gives)" if gguf else ""))
+    if not p.exists():
+        fix = ("build the tiny default with `python -m fsdp_recipes.assets.tiny_assets`" if in_pack_cache(path)
+               else f"{FOLDER_FIX}; check the path for a typo")
+        return f"{path} does not exist ({p.absolute()}). Fix: {fix}"
+    if not p.is_dir():
+        return f"{path} is not a folder. Fix: {FOLDER_FIX}"
+    names = sorted(f.name for f in p.iterdir())
+    tokenizer = [n for n in names if n in TOKENIZER_FILES]
+    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".gguf"))]
+    if in_pack_cache(path):
+        fix = "build the tiny default again with `python -m fsdp_recipes.assets.tiny_assets --force`"
+    elif weights:
+        fix = ("save the model with save_pretrained, which writes config.json beside its weights, or copy the "
+               f"model's config.json there; or {FOLDER_FIX}")
+    else:
+        fix = FOLDER_FIX
+    held = (f": it holds {'weights (' + ', '.join(weights[:3]) + ')' if weights else 'a tokenizer'} but no model "
+            "config" if weights or tokenizer else (": it is empty" if not names else ""))
+    return f"{path} has no config.json{held}. Fix: {fix}"
 
 
 def check_not_an_adapter(path: str) -> None:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fsdp_recipes.config.argv import override
 from fsdp_recipes.errors import UserError
 
 if TYPE_CHECKING:
@@ -108,6 +109,18 @@ def unused_lora_flags(argv: list[str], use_peft: bool) -> list[str]:
         return []
     return [(f"{', '.join('--' + k for k in lora)} change nothing: this run fine-tunes every weight (use_peft "
              "false). Fix: --use_peft true to train a LoRA adapter, or leave them out")]
+
+
+def epochs_ignored(argv: list[str], t) -> list[str]:
+    """--num_train_epochs on the command line of a run whose max_steps (the recipe YAML's, usually) is set: the
+    Trainer takes max_steps and ignores the epochs without a word (`--num_train_epochs 0.5` trained the recipe's 300
+    steps). One warning naming both and the way to train by epochs."""
+    given = override(argv, "num_train_epochs", None)
+    if given is None or t.max_steps <= 0:
+        return []
+    where = "on the command line" if override(argv, "max_steps", None) is not None else "in the recipe YAML"
+    return [f"--num_train_epochs {given} changes nothing: max_steps {t.max_steps} ({where}) decides the run's "
+            f"length, so it trains {t.max_steps} steps. Fix: --max_steps -1 to train by epochs"]
 
 
 def check_lora_values(model_args) -> None:

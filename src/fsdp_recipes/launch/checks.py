@@ -63,7 +63,8 @@ def check_settings(recipe: Recipe) -> RunConfig:
         cfg = run_checks.parse_and_check(recipe.argv(), nodes=job_machines(acc), raw=recipe.raw,
                                          world_size=job_processes(acc))
     warn(recipe, value_checks.schedule_warnings(cfg.training)
-         + value_checks.unused_lora_flags(recipe.overrides, cfg.model.use_peft))
+         + value_checks.unused_lora_flags(recipe.overrides, cfg.model.use_peft)
+         + value_checks.epochs_ignored(recipe.overrides, cfg.training))
     accelerate_yaml.check_fsdp_with_peft(acc, cfg.model.use_peft, named, job_processes(acc))
     speed.check_launch(cfg, acc, named)  # their accelerate rules, their GPUs (nvidia-smi)
     recipe.cfg = cfg

@@ -62,6 +62,9 @@ class Ranks:
             self.gate.open()
         self.preempted_by: int | None = None
         self.interrupted = False  # Ctrl-C after release: the ranks report "interrupted", which is no failure
+        # A signal before release raised in the launcher (stopping), or abort() began (aborting): a second Ctrl-C
+        # (a user pressing it twice) must not raise again out of the cleanup (a traceback, the ranks left behind)
+        self.stopping = self.aborting = False
         self.previous = {sig: signal.signal(sig, self._on_signal) for sig in self.SIGNALS}
         # Its own session, as torchrun gives each rank: Ctrl-C in a terminal reaches the ranks through _on_signal
         # and torchrun (PET_SIGNALS_TO_HANDLE), and a Ctrl-C during the checks stops the launcher alone.
@@ -76,7 +79,10 @@ class Ranks:
         self.output = RankOutput(self.proc, torchrun_logs)
 
     def _on_signal(self, signum, frame):
+        if self.aborting or (self.stopping and not self.released):  # stopping already: this one changes nothing
+            return
         if not self.released:  # the ranks are importing or at the gate: stop everything here
+            self.stopping = True
             raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signal.Signals(signum).name)
         if signum == signal.SIGINT:
             self.interrupted = True
@@ -92,7 +98,9 @@ class Ranks:
     def abort(self) -> None:
         """The checks failed or were interrupted: kill accelerate, torchrun and the ranks, drop their output.
         (torchrun starts each rank in a session of its own, so killing the launcher child's session is not
-        enough; a rank that escapes the list below sees the gate's ABORT and exits by itself.)"""
+        enough; a rank that escapes the list below sees the gate's ABORT and exits by itself.) A signal while it
+        runs is ignored (_on_signal): the cleanup finishes, and the launcher says its one line."""
+        self.aborting = True  # first: a second Ctrl-C must not interrupt the cleanup
         import psutil
 
         self.output.drop()

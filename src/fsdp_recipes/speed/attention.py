@@ -12,7 +12,10 @@
 The launcher's `[launch]` line says which and why; each rank chooses again on its own device, and run_args.json
 records `speed_options.attention` (requested, ran, why).
 
-Checked before any rank starts: a flash-attention choice without its package; flex_attention on CPU, whose
+Checked before any rank starts: an implementation the model's class does not support (transformers' own flags,
+`_supports_sdpa`, `_supports_flash_attn`, `_supports_flex_attn`: Gemma2 has no SDPA, its softcapping), which
+from_pretrained refused in every rank, and `auto` then picks what the class supports; a flash-attention choice
+without its package; flex_attention on CPU, whose
 backward torch 2.13 does not have (NotImplementedError in the first step); anything but sdpa (or auto) under a cp
 mesh. `make smoke` on a machine without
 CUDA runs sdpa instead of those.
@@ -24,7 +27,7 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
 
-from fsdp_recipes.config import hardware, placement
+from fsdp_recipes.config import hardware, model_check, model_found, placement
 from fsdp_recipes.config.mesh import mesh_of
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.speed import varlen_attention
@@ -45,6 +48,11 @@ class Choice:
     name: str  # what from_pretrained gets
     why: str
 
+
+# The flag transformers' PreTrainedModel reads before it loads a model with each implementation
+# (modeling_utils.get_correct_attn_implementation: _sdpa_can_dispatch, _flash_attn_can_dispatch, _flex_attn_can_dispatch)
+SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+                 **{name: "_supports_flash_attn" for name in FLASH_PACKAGES}}
 
 _CHOSEN: dict[int, tuple[str, Choice]] = {}  # id(cfg.model) -> (requested, choice), for the run report
 
@@ -102,6 +110,66 @@ def check_config(cfg) -> None:
         raise UserError(f"attn_implementation {attn!r} is not an attention implementation. Fix: one of "
                         f"{', '.join(NAMES)} (auto picks the fastest installed for the device), or a Hub kernel "
                         "`org/repo`.")
+    check_model_config(cfg, None)  # the model's own config, found without the network
+
+
+def model_class(cfg, config=None):
+    """The class from_pretrained builds for the recipe's model (AutoModelForCausalLM's, as the launcher's meta-model
+    check builds it), from `config` or the model's config.json found without the network; None where neither is
+    known, or the model brings its own code (trust_remote_code: its class, not transformers' mapping)."""
+    path = getattr(cfg.model, "model_name_or_path", None)
+    if getattr(cfg.model, "trust_remote_code", False) or (config is None and not path):
+        return None
+    if config is None:
+        source = model_found.model_config_json(path, getattr(cfg.model, "model_revision", None))
+        if source is None:
+            return None
+        try:
+            config = model_check.load_config(source)
+        except Exception:  # noqa: BLE001 -- a config transformers cannot read: the model's own checks name it
+            return None
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    try:
+        return _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    except (KeyError, ValueError):  # not a causal LM transformers maps: the loader names it
+        return None
+
+
+def supported(cls) -> list[str]:
+    """The implementations `cls` takes, by transformers' flags (eager always)."""
+    return ["eager", *(name for name, flag in SUPPORT_FLAGS.items() if getattr(cls, flag, False))]
+
+
+def unsupported(attn: str | None, cls) -> bool:
+    return cls is not None and attn in SUPPORT_FLAGS and not getattr(cls, SUPPORT_FLAGS[attn], False)
+
+
+def check_model_config(cfg, config) -> None:
+    """An implementation the model's class does not support: from_pretrained refuses it in every rank
+    (`ValueError: Gemma2ForCausalLM does not support an attention implementation through
+    torch.nn.functional.scaled_dot_product_attention yet`), said here in one line."""
+    attn = cfg.model.attn_implementation
+    if attn not in SUPPORT_FLAGS:  # none, auto (resolve picks a supported one), eager, a Hub kernel
+        return
+    cls = model_class(cfg, config)
+    if not unsupported(attn, cls):
+        return
+    flag = SUPPORT_FLAGS[attn]
+    raise UserError(f"attn_implementation: {attn} is not supported by {cls.__name__}, the model's class "
+                    f"(transformers' {cls.__name__}.{flag} is False: from_pretrained would refuse it in every rank). "
+                    f"Fix: --attn_implementation eager (or attn_implementation: eager in the recipe YAML; "
+                    f"{cls.__name__} supports {', '.join(supported(cls))}).")
+
+
+def fit_to_model(choice: Choice, cls) -> Choice:
+    """`auto`'s choice where the model's class does not support it: SDPA if the class has it, else eager."""
+    if not unsupported(choice.name, cls):
+        return choice
+    name = "sdpa" if not unsupported("sdpa", cls) else "eager"
+    return Choice(name, f"{choice.name} would run here, but {cls.__name__} does not support it (transformers' "
+                        f"{SUPPORT_FLAGS[choice.name]} is False)")
 
 
 def check_installed(cfg) -> None:
@@ -151,7 +219,8 @@ def check_launch(cfg, acc: dict, path, say=None) -> None:
         refuse_flex_on_cpu(attn)
     if attn == AUTO:
         capabilities = None if cpu else hardware.gpu_capabilities()
-        choice = choose(not cpu, packed_rows(cfg.training), min(capabilities) if capabilities else None)
+        choice = fit_to_model(choose(not cpu, packed_rows(cfg.training), min(capabilities) if capabilities else None),
+                              model_class(cfg))
         (say or launch_line)(f"attention: auto -> {choice.name} ({choice.why})")
 
 
@@ -184,7 +253,8 @@ def resolve(cfg) -> str | None:
     if attn == "flex_attention" and not cuda:
         refuse_flex_on_cpu(attn)
     if attn == AUTO:
-        choice = choose(cuda, packed_rows(cfg.training), torch.cuda.get_device_capability() if cuda else None)
+        choice = fit_to_model(choose(cuda, packed_rows(cfg.training),
+                                     torch.cuda.get_device_capability() if cuda else None), model_class(cfg))
         _CHOSEN[id(cfg.model)] = (AUTO, choice)
         cfg.model.attn_implementation = attn = choice.name
     if attn == VARLEN:
