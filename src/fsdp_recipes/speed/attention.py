@@ -128,13 +128,16 @@ def model_class(cfg, config=None):
             config = model_check.load_config(source)
         except Exception:  # noqa: BLE001 -- a config transformers cannot read: the model's own checks name it
             return None
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.auto_factory import _get_model_class
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING  # AutoModelForCausalLM's own mapping, public
 
     try:
-        return _get_model_class(config, AutoModelForCausalLM._model_mapping)
-    except (KeyError, ValueError):  # not a causal LM transformers maps: the loader names it
+        found = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:  # not a causal LM transformers maps: the loader names it
         return None
+    if isinstance(found, (list, tuple)):  # several classes for one config: the one its architectures name
+        named = [c for c in found if c.__name__ in (getattr(config, "architectures", None) or [])]
+        found = (named or list(found))[0]
+    return found
 
 
 def supported(cls) -> list[str]:
