@@ -149,7 +149,10 @@ def test_no_answer_left_anywhere_is_one_line(tok):
 
 def test_the_launcher_prints_the_table_and_one_warning(tmp_path, cache_dir, monkeypatch, capsys):
     data = tmp_path / "qa"
-    write_jsonl(data / "train.jsonl", [qa()] * 6 + [qa("9" * 100)] * 2 + [qa(q="1" * 60)])
+    # two rows with a system turn, which the tiny template leaves out (no token more): one warning of its own
+    system = {"role": "system", "content": "Answer with the number only."}
+    with_system = {**qa(), "prompt": [system, *qa()["prompt"]]}
+    write_jsonl(data / "train.jsonl", [qa()] * 4 + [with_system] * 2 + [qa("9" * 100)] * 2 + [qa(q="1" * 60)])
     write_jsonl(data / "test.jsonl", [qa()] * 3)
     folder = recipe_variant(tmp_path, dataset_name=str(data), output_dir=str(tmp_path / "run"))
     with pytest.raises(RanksWouldStart):
@@ -165,6 +168,11 @@ def test_the_launcher_prints_the_table_and_one_warning(tmp_path, cache_dir, monk
     assert warned == ["[launch] warning: max_length 64 cuts the answers of 3 of the 9 `train` rows (33%); 1 of them "
                       "loses the whole answer (the prompt alone fills max_length). Fix: max_length 115 keeps 99% of "
                       "rows whole (--max_length 115, or max_length: 115 in the recipe)"]
+    warned = [line for line in lines if "system turns" in line]
+    assert len(warned) == 1 and warned[0].startswith(
+        "[launch] warning: tiny-mistral's chat template leaves out system turns: 2 of the 9 rows of `train` have one"
+        f", and its text is not in the conversation the trainer renders (first: {data / 'train.jsonl'}:5, system "
+        "'Answer with the number only.'), so the model never sees it. Fix: "), warned
 
 
 def test_rank_0_measures_where_the_launcher_cannot(tmp_path, cache_dir, tok):
