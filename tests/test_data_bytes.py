@@ -151,3 +151,44 @@ def test_a_missing_dataset_names_a_close_file_and_the_tiny_builder_only_for_the_
         load(tmp_path / "wine.csv")
     with pytest.raises(UserError, match="tiny_assets"):
         load(cache_dir / "no-such-data")
+
+
+@pytest.mark.parametrize("text, fragment", [
+    (json.dumps({f"k{i:04d}": f"language {i}" for i in range(8000)}, indent=4),
+     "is a single JSON object (8,000 keys: ['k0000', 'k0001', 'k0002', 'k0003', 'k0004', ...] and 7,995 more), not a "
+     "list of rows or a JSON Lines file"),
+    (json.dumps({"version": 2, "data": [chat(i) for i in range(3)]}, indent=2),
+     "its rows look to be the 3 objects under `data`: jq -c '.data[]' one.json > rows.jsonl"),
+    (json.dumps({"prompt": ["1 + 1?", "2 + 2?"], "completion": ["2", "4"]}),
+     "holds its rows as columns: one JSON object of 2 lists (['completion', 'prompt'])"),
+], ids=["pretty-printed", "rows-under-a-key", "columns"])
+def test_a_file_of_one_json_object_is_one_short_line_naming_it(tmp_path, text, fragment):
+    """A .json file holding one object (datasets' own languages.json): datasets read it as ONE row with a column per
+    key, and the column check's line listed all 8,000 of them (56 KB)."""
+    path = tmp_path / "one.json"
+    path.write_text(text)
+    with pytest.raises(UserError) as err:
+        load(path)
+    line = str(err.value)
+    assert fragment in line and "Fix: " in line and "\n" not in line and len(line.replace(str(path), "F")) < 360, line
+    one_row = write(tmp_path / "one_row.jsonl", [json.dumps(chat(1))])  # one object on one line: a row of JSON Lines
+    assert load(one_row)[0] == chat(1)
+
+
+def test_a_column_list_in_an_error_is_cut_short(tmp_path):
+    """Any column list an error prints: the first 20 names and how many more."""
+    path = write(tmp_path / "wide.jsonl", [json.dumps({f"c{i:03d}": "x" for i in range(300)})] * 2)
+    with pytest.raises(UserError) as err:
+        load(path)
+    line = str(err.value)
+    assert "has columns ['c000', 'c001', " in line and "'c019', ...] and 280 more, but SFT needs" in line, line
+    assert len(line) < 1000, len(line)
+
+
+def test_a_line_cut_short_is_named_by_its_own_column(tmp_path):
+    """A line truncated after `"completion":` was parsed with its newline, which JSON reads as line 2: `(column 1)`.
+    The column is the line's own, where the value is missing (one past its last character)."""
+    cut = '{"prompt": "What is 41 + 1?", "completion":'
+    path = write(tmp_path / "bad.jsonl", [json.dumps(chat(i)) for i in range(3)] + [cut], newline="\r\n")
+    with pytest.raises(UserError, match=rf"{path}:4: Expecting value \(column {len(cut) + 1}\)\. Fix: "):
+        load(path)

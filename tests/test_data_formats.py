@@ -127,7 +127,8 @@ def test_a_declared_format_maps_columns_and_roles(tmp_path):
     ("shargpt", "dataset_format 'shargpt' is not one of messages, sharegpt, alpaca"),
     ("alpaca question=instruction", "'question' is not a column of the alpaca format (instruction, output, input,"),
     ("sharegpt bot", "'bot' is not slot=column or name=role"),
-], ids=["name", "slot", "pair"])
+    ("prompt_completion completion='Adj. Close*", "no closing quotation. Fix: close the quotes"),
+], ids=["name", "slot", "pair", "quote"])
 def test_a_mistyped_declaration_is_one_line_before_any_data_is_read(tmp_path, checks, spec, fragment):
     assert_one_line_error(checks([recipe_variant(tmp_path, dataset_format=spec)]), fragment)
 
@@ -205,6 +206,19 @@ def test_parse_spec_round_trips_the_documented_examples():
         "alpaca", {"instruction": "question", "output": "answer"}, {})
     assert declaration.parse_spec("sharegpt bot=assistant") == Spec("sharegpt", {}, {"bot": "assistant"})
     assert declaration.parse_spec(None) is None and declaration.parse_spec(" ") is None
+
+
+def test_a_column_name_with_spaces_is_quoted_as_in_a_shell(tmp_path):
+    """matplotlib's msft.csv names a column `Adj. Close*`: `completion='Adj. Close*'` was split at the space into
+    `completion='Adj.` and `Close*'`, "not slot=column"."""
+    assert declaration.parse_spec("prompt_completion prompt=Date completion='Adj. Close*'") == Spec(
+        "prompt_completion", {"prompt": "Date", "completion": "Adj. Close*"}, {})
+    assert declaration.parse_spec('alpaca "instruction=the question", output=a') == Spec(
+        "alpaca", {"instruction": "the question", "output": "a"}, {})
+    csv = tmp_path / "msft.csv"
+    csv.write_text("Date,Open,Adj. Close*\n19-Sep-03 ,29.76,29.79\n18-Sep-03 ,28.49,29.53\n")
+    train, _ = load(csv, "prompt_completion prompt=Date completion='Adj. Close*'")
+    assert (train[0]["prompt"], train[0]["completion"]) == ("19-Sep-03 ", "29.79"), train[0]
 
 
 def test_an_alpaca_answer_reaches_grpo_rewards_as_text(tmp_path):

@@ -149,7 +149,10 @@ def test_no_answer_left_anywhere_is_one_line(tok):
 
 def test_the_launcher_prints_the_table_and_one_warning(tmp_path, cache_dir, monkeypatch, capsys):
     data = tmp_path / "qa"
-    write_jsonl(data / "train.jsonl", [qa()] * 6 + [qa("9" * 100)] * 2 + [qa(q="1" * 60)])
+    # two rows with a system turn, which the tiny template leaves out (no token more): one warning of its own
+    system = {"role": "system", "content": "Answer with the number only."}
+    with_system = {**qa(), "prompt": [system, *qa()["prompt"]]}
+    write_jsonl(data / "train.jsonl", [qa()] * 4 + [with_system] * 2 + [qa("9" * 100)] * 2 + [qa(q="1" * 60)])
     write_jsonl(data / "test.jsonl", [qa()] * 3)
     folder = recipe_variant(tmp_path, dataset_name=str(data), output_dir=str(tmp_path / "run"))
     with pytest.raises(RanksWouldStart):
@@ -165,6 +168,11 @@ def test_the_launcher_prints_the_table_and_one_warning(tmp_path, cache_dir, monk
     assert warned == ["[launch] warning: max_length 64 cuts the answers of 3 of the 9 `train` rows (33%); 1 of them "
                       "loses the whole answer (the prompt alone fills max_length). Fix: max_length 115 keeps 99% of "
                       "rows whole (--max_length 115, or max_length: 115 in the recipe)"]
+    warned = [line for line in lines if "system turns" in line]
+    assert len(warned) == 1 and warned[0].startswith(
+        "[launch] warning: tiny-mistral's chat template leaves out system turns: 2 of the 9 rows of `train` have one"
+        f", and its text is not in the conversation the trainer renders (first: {data / 'train.jsonl'}:5, system "
+        "'Answer with the number only.'), so the model never sees it. Fix: "), warned
 
 
 def test_rank_0_measures_where_the_launcher_cannot(tmp_path, cache_dir, tok):
@@ -397,3 +405,56 @@ def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path, cache_dir):
     shutil.copy(cache_dir / "tiny-mistral" / "tokenizer.json", model / "tokenizer.json")
     shutil.copy(cache_dir / "tiny-mistral" / "tokenizer_config.json", model / "tokenizer_config.json")
     assert recipe_tokenizer.load_tokenizer(cfg)[0] is not None
+
+
+# ----------------------------------------------------------------------------------------- what a launch would say
+
+SYSTEM = {"role": "system", "content": "Answer with the number only."}
+
+
+def with_system(q="What is 1 + 1?", a="2"):
+    return {"messages": [SYSTEM, {"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+def test_a_system_turn_the_template_leaves_out_is_one_warning(tok, tmp_path, cache_dir, capsys, monkeypatch):
+    """tiny-mistral's template (as Mistral's and Llama 2's older ones) renders user and assistant turns only: a row's
+    system prompt was trained without, and nothing said so (`make data` showed `<s>[INST] 0 + 0? [/INST] 0</s>`).
+    Only templates that raise on a system turn were caught (chat_render.refused)."""
+    from fsdp_recipes.data import chat_render
+
+    rows = [with_system()] * 3 + [{"messages": with_system()["messages"][1:]}]
+    assert measure(rows, tok).system_dropped == chat_render.Dropped(3, "row 1 of `train`", SYSTEM["content"])
+    renders = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert measure(rows, tok, template=renders).system_dropped is None  # a template that renders the system role
+    monkeypatch.chdir(REPO)
+    sharegpt = [{"conversations": [{"from": "system", "value": SYSTEM["content"]}, {"from": "human", "value": "0 + 0?"},
+                                   {"from": "gpt", "value": "0"}]}] * 3
+    path = write_jsonl(tmp_path / "sys.jsonl", sharegpt)
+    res = preview(["tiny-cpu-lora", "--dataset_name", path, "--eval_strategy", "no", "--examples", "1"], capsys)
+    warned = [line for line in res.stdout.splitlines() if "system turn" in line]
+    assert res.returncode == 0 and warned == [
+        "[data] warning: tiny-mistral's chat template leaves out system turns: 3 of the 3 rows of `train` have one, "
+        f"and its text is not in the conversation the trainer renders (first: {path}:1, system 'Answer with the "
+        "number only.'), so the model never sees it. Fix: set chat_template_path to a template that renders the "
+        "system role (or use a model whose template does), or fold the system text into the first user turn in the "
+        "data (the pack does not fold it)"], res.stdout
+
+
+def test_make_data_refuses_data_without_an_eval_split_as_the_launch_does(tmp_path, cache_dir, capsys, monkeypatch):
+    """tiny-cpu-lora evaluates (eval_strategy: steps): its launch refuses a file with no eval split, and `make data`
+    exited 0 saying "nothing is scored as held out". Now the preview shows the data, then the launch's own line."""
+    from trl import DatasetMixtureConfig, ScriptArguments
+
+    from fsdp_recipes.data import loading
+
+    monkeypatch.chdir(REPO)
+    path = write_jsonl(tmp_path / "only_train.jsonl", [qa()] * 4)
+    with pytest.raises(UserError) as launch:  # what a launch says: the trainer kinds load with want_eval True
+        loading.load_sft_datasets(ScriptArguments(dataset_name=str(path)), DatasetMixtureConfig(), True)
+    res = preview(["tiny-cpu-lora", "--dataset_name", path, "--examples", "1"], capsys)
+    assert res.returncode == 2 and res.stderr.splitlines() == [f"error: {launch.value}"], res.stderr
+    assert (f"[data] eval split: none in {path}, and eval_strategy is \"steps\": a launch of tiny-cpu-lora stops here "
+            "(the error below)") in res.stdout.splitlines(), res.stdout
+    assert "[data] example 1 of 1 " in res.stdout  # the data is still shown
+    res = preview(["tiny-cpu-lora", "--dataset_name", path, "--examples", "1", "--eval_strategy", "no"], capsys)
+    assert res.returncode == 0 and "nothing is scored as held out" in res.stdout, res.stdout + res.stderr

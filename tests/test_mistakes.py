@@ -219,7 +219,7 @@ CASES = {
     "cli-resume-another-adapter": (resume_another_adapter, "its LoRA r is 8 and this run's is 32"),
     # data
     "data-malformed-json-line": (data_case([qa(), qa(), '{"prompt": [{"role": "user", "content": "3 + 3?"}'],
-                                           name="bad.jsonl"), "bad.jsonl:3: "),
+                                           name="bad.jsonl"), "bad.jsonl:3: Expecting ',' delimiter (column 50)"),
     "data-empty-file": (empty_file, "empty"),
     "data-empty-folder": (empty_folder, "the dataset folder"),
     "data-unknown-role": (data_case([qa(), qa(role="bot")]), "train.jsonl:2: role 'bot' is not one of"),

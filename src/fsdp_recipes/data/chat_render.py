@@ -9,11 +9,16 @@ tokenizing in every rank, or in the launcher as "TemplateError while ...", namin
 A template's verdict depends on the turns' roles, not their words: one row of each distinct sequence of roles (with
 whether a turn carries tool calls, or no content) is rendered as the trainer renders it (its layout's plan_row,
 data/formats/), so a split of any size costs one rendering per distinct shape.
+
+A template may also drop a turn without a word: Mistral's and Llama 2's older templates (the tiny assets' too) render
+user and assistant turns only, so a system prompt never reaches the model. The same rendering finds it: a row whose
+system text is in none of its renderings is counted (`Dropped`), one warning for the split (data/length_report.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from fsdp_recipes.data.tokenizing import TemplateRefused
 from fsdp_recipes.errors import UserError
@@ -66,12 +71,38 @@ def refused(err: TemplateRefused, at: str, row: dict, same: int) -> UserError:
                      "remove the row; or set chat_template_path to a template that renders this order.")
 
 
-def check_renders(ds, plan: Callable[[dict], object], at: Callable[[int], str]) -> None:
-    """Render one row of each distinct shape (plan: the layout's rendering of a row); a refusal is one line naming
-    the first row of that shape and how many more share it."""
+@dataclass(frozen=True)
+class Dropped:
+    """Rows whose system turn the chat template left out of every rendering: how many, the first, its text."""
+
+    rows: int
+    first: str  # the first such row's place (file:line)
+    text: str
+
+
+def system_texts(row: dict) -> list[str]:
+    """The text of the row's system turns (any chat column), those with words."""
+    return [t["content"].strip() for c in CHAT_COLUMNS if isinstance(row.get(c), list) for t in row[c]
+            if isinstance(t, dict) and t.get("role") == "system" and isinstance(t.get("content"), str)
+            and t["content"].strip()]
+
+
+def drops_system(row: dict, rendered) -> str | None:
+    """The row's first system text that none of its renderings holds (the template ignores the system role), else
+    None; None where the plan gave no text to look in."""
+    texts = [x for x in (rendered if isinstance(rendered, (list, tuple)) else []) if isinstance(x, str)]
+    if not texts:
+        return None
+    return next((s for s in system_texts(row) if not any(s in x for x in texts)), None)
+
+
+def check_renders(ds, plan: Callable[[dict], object], at: Callable[[int], str]) -> Dropped | None:
+    """Render one row of each distinct shape (plan: the layout's rendering of a row, returning the texts rendered);
+    a refusal is one line naming the first row of that shape and how many more share it. Returns the rows whose
+    system turn the template dropped (Dropped), or None."""
     cols = [c for c in (*CHAT_COLUMNS, "tools") if c in ds.column_names]
     if not cols or not len(ds):
-        return
+        return None
     firsts: dict[tuple, int] = {}
     counts: dict[tuple, int] = {}
     size = 1000  # rows read from Arrow at a time: a row at a time is 7x slower (9 s for 100,000 chat rows)
@@ -80,9 +111,16 @@ def check_renders(ds, plan: Callable[[dict], object], at: Callable[[int], str]) 
             key = shape(dict(zip(cols, values)))
             firsts.setdefault(key, b * size + k)
             counts[key] = counts.get(key, 0) + 1
+    dropped: list[tuple[int, int, str]] = []  # (first row, rows of its shape, the system text missing)
     for key, i in firsts.items():
         row = ds[i]
         try:
-            plan(row)
+            rendered = plan(row)
         except TemplateRefused as err:
             raise refused(err, at(i), row, counts[key]) from None
+        if (missing := drops_system(row, rendered)) is not None:
+            dropped.append((i, counts[key], missing))
+    if not dropped:
+        return None
+    first, _, text = min(dropped)
+    return Dropped(sum(n for _, n, _ in dropped), at(first), text)

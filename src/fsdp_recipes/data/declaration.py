@@ -4,15 +4,18 @@ one line the launcher prints about it.
 
 A declaration is the format's name, then optionally `slot=column` (the file's column for one of the format's
 columns) and, for the chat formats, `name=role` (the file's role name for a chat role):
-`dataset_format: alpaca instruction=question output=answer`, `dataset_format: sharegpt bot=assistant`.
+`dataset_format: alpaca instruction=question output=answer`, `dataset_format: sharegpt bot=assistant`; the words are
+split as a shell splits them, so a column name with spaces is quoted: `prompt_completion completion='Adj. Close*'`.
 The names it accepts are the registry's: config/run_config.py (a layer below) does not list them, and
 train/run_checks.py checks a recipe's declaration here before any row is read.
 """
 
 from __future__ import annotations
 
+import shlex
+
 from fsdp_recipes.data import formats
-from fsdp_recipes.data.spec import DOCS, ROLES, Spec
+from fsdp_recipes.data.spec import DOCS, ROLES, Spec, names_shown
 from fsdp_recipes.errors import UserError
 
 
@@ -20,7 +23,7 @@ def parse_spec(text: str | None) -> Spec | None:
     """`dataset_format:` as written -> Spec, or one line naming what is wrong."""
     if text is None or not str(text).strip():
         return None
-    words = str(text).replace(",", " ").split()
+    words = split_words(str(text))
     name, pairs = words[0], words[1:]
     if name not in formats.FORMATS:
         raise UserError(f"dataset_format {name!r} is not one of {', '.join(formats.names())}. Fix: name one of those "
@@ -42,6 +45,23 @@ def parse_spec(text: str | None) -> Spec | None:
     return Spec(name, columns, roles)
 
 
+def split_words(text: str) -> list[str]:
+    """The declaration's words, split as a shell splits them (shlex), commas separating too: a column name with a
+    space or a comma is quoted, `prompt_completion prompt=Date completion='Adj. Close*'`."""
+    lexer = shlex.shlex(text, posix=True)
+    lexer.whitespace += ","
+    lexer.whitespace_split = True
+    lexer.commenters = ""
+    try:
+        words = list(lexer)
+    except ValueError as err:  # "No closing quotation", "No escaped character"
+        raise UserError(f"dataset_format {text!r}: {str(err)[0].lower()}{str(err)[1:]}. Fix: close the quotes around a "
+                        "column name that has spaces, e.g. `prompt_completion completion='Adj. Close*'`.") from None
+    if not words:
+        raise UserError(f"dataset_format {text!r} names no format. Fix: name one of {', '.join(formats.names())}.")
+    return words
+
+
 def detect(columns: list[str], first: dict | None, text_field: str = "text") -> Spec | None:
     """The Spec of the format a dataset's columns (and first row) fit (formats.detect); None when none fits."""
     fmt = formats.detect(columns, first, text_field)
@@ -60,7 +80,7 @@ def resolve(ds, where: str, declared: str | None, text_field: str = "text") -> S
     missing = [spec.column(c) for c in fmt.COLUMNS if spec.column(c) not in cols]
     if missing:
         raise UserError(f"dataset {where} is declared `dataset_format: {declared}` but has no column "
-                        f"{', '.join(f'`{m}`' for m in missing)} (it has {sorted(cols)}; one {spec.name} row: "
+                        f"{', '.join(f'`{m}`' for m in missing)} (it has {names_shown(cols)}; one {spec.name} row: "
                         f"{fmt.HELP}). Fix: map the column "
                         f"(`{spec.name} {fmt.COLUMNS[0]}=<column>`), or remove dataset_format to detect the format.")
     return spec

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fsdp_recipes.config.model_found import looks_local
 from fsdp_recipes.data.rows import file_layout
+from fsdp_recipes.data.spec import names_shown
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import in_pack_cache
 
@@ -114,6 +115,7 @@ def check_file_bytes(path: Path) -> None:
         raise UserError(f"the dataset file {path} holds only blank lines, no rows. Fix: put the rows in it, or remove "
                         "it.")
     check_csv_separator(path)
+    check_not_one_object(path)
 
 
 CSV_SEPARATORS = {";": "semicolons", "\t": "tabs", "|": "vertical bars"}
@@ -139,16 +141,62 @@ def check_csv_separator(path: Path) -> None:
                             "JSON Lines.")
 
 
+def check_not_one_object(path: Path) -> None:
+    """A .json or .jsonl file whose text is one JSON object, not rows: written over several lines (a table of
+    settings, or rows nested under a key), or holding its rows as columns (`{"prompt": [...], "completion": [...]}`).
+    datasets reads either as ONE row with a column per key, and the column check listed them all (8,000 for
+    datasets' own languages.json, a 56 KB line). One object on one line is a JSON Lines file of one row: left alone."""
+    if path.suffix not in (".json", ".jsonl") or file_layout(path) != "lines":
+        return
+    with open(path, encoding="utf-8-sig", errors="replace") as f:
+        lines = (line for line in f if line.strip())
+        first = next(lines, "")
+        try:
+            obj, spread = json.loads(first), False
+        except json.JSONDecodeError:
+            obj, spread = None, True
+        if not spread and next(lines, None) is not None:  # JSON Lines: a row on each line
+            return
+    if spread:
+        try:
+            obj = json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+        except json.JSONDecodeError:  # a malformed JSON Lines file: explain_load_failure names its line
+            return
+    if not isinstance(obj, dict) or not obj:
+        return
+    # columns: lists of one length of plain values (a chat row's lists hold turns, dicts)
+    columns = (all(isinstance(v, list) for v in obj.values()) and len({len(v) for v in obj.values()}) == 1
+               and len(next(iter(obj.values()))) > 1 and not any(isinstance(x, dict) for v in obj.values() for x in v))
+    if not spread and not columns:
+        return
+    nested = next((k for k, v in obj.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)),
+                  None)
+    if columns:
+        what = (f"holds its rows as columns: one JSON object of {len(obj)} lists ({names_shown(obj, 5)}), which "
+                "datasets reads as one row")
+        fix = ("write one object per row, as JSON Lines (pandas: pd.read_json(path).to_json(\"rows.jsonl\", "
+               "orient=\"records\", lines=True))")
+    else:
+        what = (f"is a single JSON object ({len(obj):,} keys: {names_shown(obj, 5)}), not a list of rows or a JSON "
+                "Lines file: datasets reads it as one row with a column per key")
+        fix = ("write the rows as JSON Lines (one JSON object per line) or as a JSON array of objects"
+               + (f"; its rows look to be the {len(obj[nested])} objects under `{nested}`: jq -c '.{nested}[]' "
+                  f"{path.name} > rows.jsonl" if nested else ""))
+    raise UserError(f"the dataset file {path} {what}. Fix: {fix}.")
+
+
 def find_bad_json_line(path: Path) -> str | None:
-    """`file:line: problem` for the first line of a JSON Lines file that does not parse, else None."""
+    """`file:line: problem (column N)` for the first line of a JSON Lines file that does not parse, else None. The
+    line is parsed without its line ending: with it, a line cut short after `"completion":` failed on the newline,
+    "line 2, column 1" of the text parsed, and the error said column 1 of the file's line."""
     with open(path, encoding="utf-8-sig", errors="replace") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                json.loads(line)
+                json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as err:
-                return f"{path}:{number}: {err.msg} (column {err.colno})"
+                return f"{path}:{number}: {err.msg} (column {err.pos + 1})"
     return None
 
 

@@ -112,8 +112,25 @@ def report(measured: list[Lengths], cfg, tokenizer, where: str) -> tuple[list[st
     nothing can be learned."""
     t = Truncation.of(cfg.training)
     check_learnable(measured, t, where)
-    warning = cut_warning(measured, t)
-    return table(measured, t, tokenizer_name(tokenizer, cfg.model.model_name_or_path)), [warning] if warning else []
+    warnings = [w for w in (cut_warning(measured, t), system_warning(measured, tokenizer, cfg)) if w]
+    return table(measured, t, tokenizer_name(tokenizer, cfg.model.model_name_or_path)), warnings
+
+
+def system_warning(measured: list[Lengths], tokenizer, cfg) -> str | None:
+    """One line where the chat template dropped the system turns of some rows (data/chat_render.py Dropped): the
+    trainer trains on the rendering, so the model never sees the system prompt, and nothing else says so."""
+    hit = [m for m in measured if m.system_dropped is not None]
+    if not hit:
+        return None
+    counts = " and ".join(f"{m.system_dropped.rows} of the {m.rows} rows of `{m.split}`" for m in hit)
+    first = hit[0].system_dropped
+    text = first.text if len(first.text) <= 40 else first.text[:37] + "..."
+    path, model = getattr(cfg.training, "chat_template_path", None), str(cfg.model.model_name_or_path).rstrip("/")
+    whose = f"the chat template {path}" if path else f"{model.rsplit('/', 1)[-1] or model}'s chat template"
+    return (f"{whose} leaves out system turns: {counts} have one, and its text is not in the conversation the "
+            f"trainer renders (first: {first.first}, system {text!r}), so the model never sees it. Fix: set "
+            "chat_template_path to a template that renders the system role (or use a model whose template does), or "
+            "fold the system text into the first user turn in the data (the pack does not fold it)")
 
 
 def measured_by_launcher(cfg) -> bool:

@@ -57,6 +57,7 @@ class Lengths:
     first_trained: list[int] = field(default_factory=list)
     has_prompt: bool = True  # False for a text field
     index: list[int] = field(default_factory=list)  # each measured row's index in the split
+    system_dropped: chat_render.Dropped | None = None  # rows whose system turn the chat template leaves out
 
     @property
     def sampled(self) -> int:
@@ -140,7 +141,12 @@ def measure(ds, tokenizer, split: str, t: Truncation, template: str | None = Non
     batch = Batch(tokenizer, template)
     plan = layout.plan_row if layout else plan_prompt
     at = (lambda i: row_places.row_at(where, split, i)) if where else (lambda i: f"row {i + 1} of `{split}`")
-    chat_render.check_renders(ds, lambda row: plan(row, Batch(tokenizer, template), t), at)
+    def rendered(row: dict) -> list[str]:  # the row's chat renderings, as the trainer renders them
+        batch = Batch(tokenizer, template)
+        plan(row, batch, t)
+        return batch.texts[True]
+
+    dropped = chat_render.check_renders(ds, rendered, at)
     plans = []
     for k, row in enumerate(rows):
         try:
@@ -149,7 +155,7 @@ def measure(ds, tokenizer, split: str, t: Truncation, template: str | None = Non
             raise chat_render.refused(err, at(index[k]), row, 1) from None
     batch.run()
     out = Lengths(split, len(ds), names, has_prompt=layout.HAS_PROMPT if layout else True, index=index,
-                  answers={name: [] for name in names})
+                  answers={name: [] for name in names}, system_dropped=dropped)
     for planned in plans:
         prompt_ids = batch[planned.prompt]
         sequences = {name: batch[ref] for name, ref in planned.full.items()}

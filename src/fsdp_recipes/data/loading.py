@@ -23,7 +23,7 @@ from fsdp_recipes.config.model_found import looks_local
 from fsdp_recipes.data import declaration, formats, rows
 from fsdp_recipes.data.files import (check_file_bytes, check_found, check_not_a_model, explain_load_failure,
                                      file_builder, local_files)
-from fsdp_recipes.data.spec import DOCS
+from fsdp_recipes.data.spec import DOCS, names_shown
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import expand
 
@@ -37,6 +37,9 @@ SFT_FORMATS = ({"messages"}, {"prompt", "completion"}, {"text"})
 NOTES: list[str] = []
 WARNINGS: list[str] = []
 IF_ANY = "if any"  # load_splits' want_eval for `make data`: the eval split where there is one, no error without
+# The refusal a run with eval on would make of the last load (no eval split), where want_eval did not ask for one:
+# `make data` says it and exits as the launch would (launch/data_preview.py)
+NO_EVAL: list[UserError] = []
 
 
 def load_local(path: Path, config_name: str | None = None):
@@ -170,7 +173,7 @@ def load_mixture(mixture, declared: str | None, text_field: str, seed: int):
             raise ValueError("their columns differ")
         combined = datasets.concatenate_datasets(parts)
     except ValueError as err:
-        named = "; ".join(f"{s.data_files or s.path}: {sorted(ds.column_names)}"
+        named = "; ".join(f"{s.data_files or s.path}: {names_shown(ds.column_names)}"
                           for s, ds in zip(mixture.datasets, parts))
         raise UserError(f"the sources of the `datasets:` mixture convert to different layouts ({named}): "
                         f"{str(err).splitlines()[0]}. Fix: mix sources that convert alike (all chat `messages`, or "
@@ -196,7 +199,7 @@ def check_columns(ds, where: str, text_field: str = "text") -> None:
         named = ", ".join(f"{f.LABEL} ({' + '.join(f'`{f.default_columns(text_field).get(c, c)}`' for c in f.COLUMNS)})"
                           for f in takes)
         raise UserError(
-            f"dataset {where} has columns {sorted(cols)}, but SFT needs the columns of one of {named}. Fix: name "
+            f"dataset {where} has columns {names_shown(cols)}, but SFT needs the columns of one of {named}. Fix: name "
             f"your columns with `dataset_format:` (e.g. `prompt_completion prompt=question completion=answer`; "
             f"{DOCS}), or set dataset_text_field."
         )
@@ -206,7 +209,7 @@ def check_columns(ds, where: str, text_field: str = "text") -> None:
 def held_columns(ds, where: str) -> str:
     """A split's columns as a trainer kind's column error tells them: where the pack converted the file's format,
     the format too (DPO on an Alpaca file named columns ['completion', 'prompt'], which the file does not have)."""
-    cols = sorted(ds.column_names or [])
+    cols = names_shown(ds.column_names or [])
     read = {name for (w, split), name in rows.READ_AS.items() if w == where and (w, split) in rows.CONVERTED}
     if len(read) != 1:
         return f"has columns {cols}"
@@ -299,6 +302,7 @@ def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, se
     run's, which chooses the held-out rows."""
     NOTES.clear()
     WARNINGS.clear()
+    NO_EVAL.clear()
     ds = load_raw(script_args, dataset_args, pack, text_field, seed)
     where = script_args.dataset_name or "mixture"
     splits = list(ds.keys())
@@ -308,12 +312,14 @@ def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, se
     check(ds[train_split], where)
     train, evaluation, how = held_out(ds, script_args, pack, seed, where)
     if evaluation is None:
+        refusal = UserError(
+            f"eval is on but dataset {where} has no `{test_split}` split (it has {splits}; also looked for "
+            f"{', '.join(n for n in EVAL_NAMES if n != test_split)}). Fix: set dataset_test_split, "
+            "eval_split_size: 0.1 (hold out 10% of the training rows), or eval_strategy: \"no\"."
+        )
         if want_eval and want_eval != IF_ANY:
-            raise UserError(
-                f"eval is on but dataset {where} has no `{test_split}` split (it has {splits}; also looked for "
-                f"{', '.join(n for n in EVAL_NAMES if n != test_split)}). Fix: set dataset_test_split, "
-                "eval_split_size: 0.1 (hold out 10% of the training rows), or eval_strategy: \"no\"."
-            )
+            raise refusal
+        NO_EVAL.append(refusal)
         NOTES.append(f"eval split: none in {where} (looked for {', '.join(EVAL_NAMES)}): nothing is scored as held "
                      "out. Fix: eval_split_size: 0.1 holds out 10% of the training rows")
         return train, None

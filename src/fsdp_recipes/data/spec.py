@@ -32,3 +32,14 @@ def renamed(ds, spec: Spec, slots: tuple[str, ...], target: dict | None = None):
         if src != dst and src in ds.column_names:
             renames[src] = dst
     return ds.rename_columns(renames) if renames else ds
+
+
+SHOWN = 20  # names a one-line error lists before "and N more"
+
+
+def names_shown(names, limit: int = SHOWN) -> str:
+    """A list of column (or key) names for a one-line error, sorted: the first `limit` and how many more (a JSON file
+    of one object read as one row had 8,000 "columns", and the error that listed them was 56 KB on one line)."""
+    names = sorted(str(n) for n in names)
+    shown = repr(names[:limit])
+    return shown if len(names) <= limit else f"{shown[:-1]}, ...] and {len(names) - limit:,} more"

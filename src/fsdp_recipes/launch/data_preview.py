@@ -6,7 +6,8 @@ Prints, with no process group and no model weights loaded (the tokenizer only; t
 SmolLM2 are prepared into the cache first where the recipe uses them, as `make finetune` does):
 1. the format found or declared and how it maps, one line per file (data/formats/, data/declaration.py);
 2. the splits: the training rows, and the eval split and where it came from (data/loading.py's rules), also
-   where eval_strategy is "no";
+   where eval_strategy is "no"; where there is none and eval_strategy is on, the rest is shown and the preview ends
+   on the launch's own refusal (its `error:` line and exit code);
 3. the token lengths and what max_length cuts (data/lengths.py, data/length_report.py): the table the launcher
    prints;
 4. N examples (3: the first two training rows and the longest one measured), rendered with the chat template and
@@ -181,8 +182,16 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
     if not notes:
         say(f"data {where}: taken as it is ({', '.join(train.column_names)})")
     say(f"train split: `{cfg.script.dataset_train_split}`, {len(train)} rows")
+    # the launch loads with eval on where eval_strategy is not "no" (train/kinds/: load_datasets), and refuses data
+    # without an eval split: its refusal, the preview's last line and exit code
+    refusal = loading.NO_EVAL[0] if evaluation is None and cfg.training.eval_strategy != "no" and loading.NO_EVAL \
+        else None
     for line in loading.NOTES:
-        if line.startswith("eval split"):
+        if line.startswith("eval split") and refusal is not None:
+            strategy = getattr(cfg.training.eval_strategy, "value", cfg.training.eval_strategy)
+            say(f"eval split: none in {where}, and eval_strategy is \"{strategy}\": a launch of "
+                f"{recipe.name} stops here (the error below)")
+        elif line.startswith("eval split"):
             say(line + ("; eval_strategy is \"no\": not evaluated during training" if evaluation is not None
                         and cfg.training.eval_strategy == "no" else ""))
     for line in loading.WARNINGS:
@@ -200,6 +209,8 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
             say(f"example {i + 1} of {n} (train row {i + 1}{', ' + at if at else ''}), as loaded:")
             print(f"    {json.dumps(train[i], ensure_ascii=False)}", flush=True)
         say(f"read and checked in {time.time() - t0:.1f}s; no process group, no model weights")
+        if refusal is not None:
+            raise refusal
         return
     measured = lengths.measure_splits(cfg, splits, tokenizer, template)
     table, cut = length_report.report(measured, cfg, tokenizer, where)
@@ -217,6 +228,8 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
         at = located(where, cfg.script.dataset_train_split, i, len(train))
         show_example(k, n, f"{label}, {at}" if at else label, train[i], tokenizer, t, template, color)
     say(f"read, checked and tokenized in {time.time() - t0:.1f}s; no process group, no model weights")
+    if refusal is not None:
+        raise refusal
 
 
 @cli

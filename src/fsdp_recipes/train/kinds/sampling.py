@@ -237,8 +237,8 @@ def check_reward_func(path: str, columns: set[str] | None = None) -> None:
         missing = [n for n in needed if n not in PASSED | columns]
         if missing:
             raise UserError(f"reward function {path} needs {', '.join(missing)}, which is neither a dataset column "
-                            f"(the data has {sorted(columns)}) nor passed by TRL. Fix: add that column to the data, "
-                            f"or give the argument a default.")
+                            f"(the data has {loading.names_shown(columns)}) nor passed by TRL. Fix: add that column "
+                            "to the data, or give the argument a default.")
 
 
 def check_config(cfg) -> None:
@@ -384,9 +384,9 @@ def with_answer(ds):
 
 def check_columns(ds, where: str) -> None:
     if "prompt" not in set(ds.column_names or []):
-        raise UserError(f"dataset {where} has columns {sorted(ds.column_names or [])}, but GRPO and RLOO need "
-                        "`prompt` (and the columns its reward functions read, e.g. `answer`). Fix: rename the prompt "
-                        "column, or use prompt-completion data (its completion becomes `answer`).")
+        raise UserError(f"dataset {where} has columns {loading.names_shown(ds.column_names or [])}, but GRPO and "
+                        "RLOO need `prompt` (and the columns its reward functions read, e.g. `answer`). Fix: rename "
+                        "the prompt column, or use prompt-completion data (its completion becomes `answer`).")
 
 
 def check_data(cfg, splits, tokenizer) -> list[str]:
