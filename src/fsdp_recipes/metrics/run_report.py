@@ -58,6 +58,19 @@ def param_shards(model) -> dict:
     return {"dtensor_params": dtensors, "global_numel": global_numel, "local_numel": local_numel}
 
 
+def sets_sorted(value):
+    """`value` with every set (PEFT's `target_modules`, ...) as a sorted list, for JSON: json's default=str would
+    write a set's printed form, whose order varies between processes, so two runs with the same modules would read
+    as different settings (`make report`)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted((sets_sorted(v) for v in value), key=str)
+    if isinstance(value, dict):
+        return {k: sets_sorted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [sets_sorted(v) for v in value]
+    return value
+
+
 def capacity(device: dict) -> dict:
     """What the peaks are judged against (metrics/gates.py): the GPU's total memory, the host's RAM, the ranks on
     this node that share it."""
@@ -323,7 +336,7 @@ class RunReportCallback(TrainerCallback):
 
     # -- files --------------------------------------------------------------------------------------
     def run_args(self) -> dict:
-        return {
+        return sets_sorted({
             "schema_version": SCHEMA_VERSION,
             "recipe": self.recipe,
             "started_at": self.started_at,
@@ -334,7 +347,7 @@ class RunReportCallback(TrainerCallback):
             "launcher": launcher_env(),
             "accelerate_env": accelerate_env(),
             **self.resolved_args,
-        }
+        })
 
     def finalize(self, status: str, error: str | None = None) -> dict | None:
         """Write metrics.json once, from rank 0. On a failure path no collectives are attempted."""
