@@ -53,10 +53,10 @@ def evaluate(metrics: dict, pack: dict, losses: list[float], loss_falls: bool = 
     """The run's verdicts: each gate the recipe sets (value, limit, passed), the headroom warning, divergence, and
     `verdict` "pass", "fail" or "no gates"; `enforced` False when the recipe says the gates only warn. A smoke run
     (`smoke`, default smoke_run()) records its figures against the gates but judges none: `judged` False, verdict
-    "not judged" (divergence is still judged)."""
+    "not judged" (divergence is still judged). Reports written before `judged` existed were all judged."""
     smoke = smoke_run() if smoke is None else smoke
     out: dict = {"enforced": not pack.get("gates_warn_only", False) and not smoke, "mfu": None, "peak_memory": None,
-                 "headroom_warning": None, **({"judged": False} if smoke else {})}
+                 "headroom_warning": None, "judged": not smoke}
     failed = []
     if pack.get("mfu_min") is not None:
         mfu = metrics.get("mfu")
