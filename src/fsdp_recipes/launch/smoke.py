@@ -38,7 +38,7 @@ import yaml
 from fsdp_recipes import speed
 from fsdp_recipes.assets.tiny_assets import ensure_assets
 from fsdp_recipes.config import model_found
-from fsdp_recipes.config.argv import given, override
+from fsdp_recipes.config.argv import set_by
 from fsdp_recipes.config.model_check import load_config
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import UserError
@@ -242,7 +242,8 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
     recipe.accelerate_path, recipe.accelerate = path, scaled
     recipe.overrides = [*smoke_args, *user]  # the user's overrides last: they win
     say(run_line(recipe.overrides, user))
-    named = [field for field in ("mfu_min", "peak_memory_max_fraction") if recipe.field(field) is not None]
+    # the recipe's gates (metrics/gates.py) are for a full-size run on its hardware
+    named = list(recipe.differing(dict.fromkeys(("mfu_min", "peak_memory_max_fraction"))))
     if named:
         say(f"gates ({', '.join(named)}): not judged on a smoke run (a tiny model's few steps say nothing of the "
             "recipe's MFU or memory on its hardware; metrics/gates.py)")
@@ -252,14 +253,10 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
 def run_line(overrides: list[str], user: list[str]) -> str:
     """What the smoke run will train, as its overrides stand (the smoke run's, then the user's, which win): its
     steps, its checkpoints and where it writes; `(yours)` after what the user's own overrides set."""
-    def value(key: str):
-        return override(overrides, key, None)
-
-    def yours(*keys: str) -> str:
-        return " (yours)" if given(user, *keys) else ""
-
-    steps, strategy, every = value("max_steps"), str(value("save_strategy")), value("save_steps")
+    (steps, my_steps), (strategy, my_strategy), (every, my_every), (out, my_out) = set_by(
+        overrides, user, "max_steps", "save_strategy", "save_steps", "output_dir").values()
     saves = {"no": "no checkpoint", "steps": f"a checkpoint every {every} step(s)"}.get(
-        strategy, f"checkpoints by save_strategy {strategy}")
-    return (f"run: {steps} step(s){yours('max_steps')}, {saves}{yours('save_strategy', 'save_steps')}, in "
-            f"{value('output_dir')}{yours('output_dir')}")
+        str(strategy), f"checkpoints by save_strategy {strategy}")
+    yours = " (yours)"
+    return (f"run: {steps} step(s){yours * my_steps}, {saves}{yours * (my_strategy or my_every)}, in "
+            f"{out}{yours * my_out}")

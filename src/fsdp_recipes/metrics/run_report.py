@@ -35,7 +35,7 @@ from fsdp_recipes.metrics.metrics_file import same_run
 from fsdp_recipes.metrics.prometheus import write_textfile
 from fsdp_recipes.metrics.tokens import COUNTS, TokenCounter
 from fsdp_recipes.paths import cache_dir
-from fsdp_recipes.records import now_iso, write_json_atomic
+from fsdp_recipes.records import now_iso, sets_sorted, write_json_atomic
 
 SCHEMA_VERSION = 1
 OPTIONAL_LOGS = ("aux_loss",)  # reported only where logged: TRL logs the load-balancing loss of a mixture of experts
@@ -56,19 +56,6 @@ def param_shards(model) -> dict:
         else:
             local_numel += p.numel()
     return {"dtensor_params": dtensors, "global_numel": global_numel, "local_numel": local_numel}
-
-
-def sets_sorted(value):
-    """`value` with every set (PEFT's `target_modules`, ...) as a sorted list, for JSON: json's default=str would
-    write a set's printed form, whose order varies between processes, so two runs with the same modules would read
-    as different settings (`make report`)."""
-    if isinstance(value, (set, frozenset)):
-        return sorted((sets_sorted(v) for v in value), key=str)
-    if isinstance(value, dict):
-        return {k: sets_sorted(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [sets_sorted(v) for v in value]
-    return value
 
 
 def capacity(device: dict) -> dict:
