@@ -86,6 +86,22 @@ def test_exit_codes_and_the_one_line():
     assert exit_code({**failed, "status": "preempted"}) == 0  # judged when the run completes
 
 
+def test_a_smoke_run_judges_no_gate(monkeypatch):
+    """`make smoke` of a GPU recipe printed "gate MFU 0.0%, gate >= 40% (mfu_min): FAIL" for a tiny model on CPU
+    (and exit code 3 where the recipe enforces its gates): a smoke run says the gates are not judged."""
+    pack = {"mfu_min": 0.4, "peak_memory_max_fraction": 0.95, "divergence_factor": 2.0}
+    monkeypatch.setenv("FSDP_RECIPES_SMOKE", "1")  # what `make smoke` sets for the launcher and its ranks
+    g = gates.evaluate(report(mfu=0.0, rss=8 * GIB, host=16 * GIB, ranks=2), pack, [2.0, 1.0])
+    assert (g["verdict"], g["failed"], g["enforced"], g["judged"]) == ("not judged", [], False, False)
+    assert g["mfu"]["value"] == 0.0 and g["mfu"]["passed"] is None  # the figure kept, no verdict
+    assert gates.lines(g) == ["gate        not judged on a smoke run (mfu_min, peak_memory_max_fraction: a tiny "
+                              "model's few steps say nothing of the recipe's MFU or memory on its hardware)"]
+    assert gates.exit_code({**report(), "gates": g}) == 0
+    assert gates.evaluate(report(), pack, [1.0, 3.0])["diverged"]  # divergence is still judged
+    monkeypatch.delenv("FSDP_RECIPES_SMOKE")
+    assert gates.evaluate(report(mfu=0.0), pack, [2.0, 1.0])["verdict"] == "fail"
+
+
 def test_a_value_just_past_its_gate_is_not_printed_as_the_gate():
     """0.952% MFU under the default recipe's 1% floor printed "MFU 1.0%, gate >= 1%: FAIL" (a 10-step CPU run)."""
     low = gates.evaluate(report(mfu=0.00952), {"mfu_min": 0.01, "gates_warn_only": True}, [])

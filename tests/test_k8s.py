@@ -113,6 +113,21 @@ def test_pytorchjob_nodes_resume_and_restart(outputs):
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
 
 
+def test_a_cpu_recipe_as_a_gpu_job_says_so(tmp_path, capsys):
+    """`make k8s RECIPE=tiny-cpu-lora` made 8-GPU manifests for a CPU-only recipe without a word: one line says it is
+    a CPU recipe, what the manifests ask for and what the run uses of it; a GPU recipe gets no such line."""
+    generate("tiny-cpu-lora", tmp_path / "t", "--nodes", "1", "--gpus", "8")
+    out = capsys.readouterr().out
+    assert "[job] note: tiny-cpu-lora is a CPU recipe (min_gpus 0, 2 process(es) in its accelerate.yaml); these " \
+           "files ask for 1 node(s) x 8 GPU(s) (nvidia.com/gpu: 8 per pod), and the launcher runs one process per " \
+           "GPU there, up to 2: GPUS=2 asks for what it uses\n" in out
+    assert command.main(["--launcher", "slurm", "tiny-cpu-lora", "--nodes", "1", "--gpus", "2", "--print"]) == 0
+    err = capsys.readouterr().err  # --print: the files on stdout, the note beside them
+    assert err.count("\n") == 1 and "(--gpus-per-node=2)" in err and "GPUS=2 asks" not in err
+    generate("mistral-small-lora", tmp_path / "m", "--nodes", "1", "--gpus", "8")
+    assert "CPU recipe" not in capsys.readouterr().out
+
+
 def test_single_node_has_no_workers(outputs):
     job = load(outputs["tiny-1x2"]["pytorchjob.yaml"])
     assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Master"]

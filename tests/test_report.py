@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from conftest import need_module
+from fsdp_recipes.errors import UserError
 from fsdp_recipes.metrics import prometheus, run_comparison
 
 REPO = Path(__file__).resolve().parent.parent
@@ -155,6 +156,42 @@ def test_report_names_the_settings_that_differ(tmp_path):
     (runs[1] / "run_args.json").write_text((runs[0] / "run_args.json").read_text())
     run_comparison.write_report(runs)
     assert "the runs' recorded settings (run_args.json) are the same" in (root / "report.md").read_text()
+
+
+def test_report_same_modules_in_another_printed_order_are_the_same_setting(tmp_path):
+    """An older run_args.json holds a set as its printed form, in an order that varies between processes; a newer
+    one as a sorted list. The same modules are the same setting in any of these forms."""
+    root = tmp_path / "runs"
+    runs = [make_run(root / name, GPU_METRICS, None) for name in ("a", "b", "c", "d")]
+    modules = ["{'down_proj', 'q_proj', 'v_proj'}", "{'v_proj', 'down_proj', 'q_proj'}",
+               ["down_proj", "q_proj", "v_proj"], "{'q_proj', 'v_proj'}"]
+    for run, target in zip(runs, modules):
+        args = json.loads((run / "run_args.json").read_text())
+        args["lora_config"] = {"r": 8, "target_modules": target}
+        (run / "run_args.json").write_text(json.dumps(args))
+    run_comparison.write_report(runs[:3])
+    assert "the runs' recorded settings (run_args.json) are the same" in (root / "report.md").read_text()
+    run_comparison.write_report(runs)  # d targets fewer modules: that one is a difference
+    rows = table((root / "report.md").read_text(), "setting")
+    assert list(rows) == ["lora_config.target_modules"]
+    assert rows["lora_config.target_modules"]["d"] == '["q_proj", "v_proj"]'
+
+
+def test_report_refuses_a_common_parent_of_root_or_home(tmp_path, monkeypatch, capsys):
+    """runs/x and /tmp/y have / as their common parent: the report would go to /report.md. Refused in one line
+    naming --out; with --out it is written there."""
+    with pytest.raises(UserError, match=r"common parent is /: .*ARGS=\"--out DIR\""):
+        run_comparison.default_out(Path("/"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    runs = [make_run(tmp_path / "x", CPU_METRICS, None), make_run(tmp_path / "elsewhere" / "y", CPU_METRICS, None)]
+    with pytest.raises(SystemExit) as exit_:
+        run_comparison.main([*map(str, runs)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "common parent is your home folder" in err and "--out DIR" in err
+    assert not (tmp_path / "report.md").exists()
+    run_comparison.main([*map(str, runs), "--out", str(tmp_path / "report")])
+    assert (tmp_path / "report" / "report.md").is_file()
 
 
 def test_report_plots_are_real_pngs(runs, tmp_path):

@@ -336,3 +336,13 @@ def test_a_cpu_run_without_a_measured_peak_has_no_mfu_and_says_why(tmp_path, mon
     monkeypatch.setattr(run_report.RunReportCallback, "measure_cpu_peak", lambda self: None)
     m, _ = simulated_run(tmp_path, monkeypatch)
     assert m["mfu"] is None and "no matmul rate was measured" in m["mfu_note"] and m["peak_flops_source"] is None
+
+
+def test_run_args_writes_sets_as_sorted_lists(tmp_path):
+    """PEFT's target_modules is a set: written with json's default=str it was the set's printed form, whose order
+    varies between processes, so `make report` listed it as a setting that differs between two runs of one recipe."""
+    modules = {"v_proj", "down_proj", "q_proj", "gate_proj"}
+    cb = RunReportCallback(str(tmp_path / "run"), {"lora_config": {"target_modules": modules, "r": 8}}, recipe="sim")
+    write_json_atomic(tmp_path / "run_args.json", cb.run_args())
+    written = json.loads((tmp_path / "run_args.json").read_text())["lora_config"]
+    assert written == {"target_modules": ["down_proj", "gate_proj", "q_proj", "v_proj"], "r": 8}

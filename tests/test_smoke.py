@@ -129,6 +129,25 @@ def test_the_tiny_recipes_smoke_run_would_be_its_own_run():
     assert {k: scaled[k] for k in acc} == acc  # scaling changes nothing it has
 
 
+def test_the_smoke_runs_line_says_what_will_run(cache_dir, tmp_path, capsys):
+    """`make smoke RECIPE=mistral-small-lora ARGS="--max_steps 2"` said "run: 3 steps with a checkpoint at step 2"
+    and trained 2: the line says the overrides the run takes (the user's last, winning), and that the recipe's gates
+    are not judged on a smoke run (it printed "gate MFU 0.0%, gate >= 40% (mfu_min): FAIL" at the end)."""
+    from fsdp_recipes.launch import smoke as smoke_module
+
+    recipe = recipes.load("mistral-small-lora", ["--max_steps", "2", "--output_dir", str(tmp_path / "run")])
+    smoke_module.prepare(recipe)
+    out = capsys.readouterr().out
+    assert f"[smoke] run: 2 step(s) (yours), a checkpoint every 2 step(s), in {tmp_path / 'run'} (yours)\n" in out
+    assert "[smoke] gates (mfu_min, peak_memory_max_fraction): not judged on a smoke run" in out
+    assert recipe.field("max_steps") == "2"  # what the line says is what the ranks get
+    recipe = recipes.load("tiny-cpu-lora", [])
+    smoke_module.prepare(recipe)
+    out = capsys.readouterr().out
+    assert "[smoke] run: 3 step(s), a checkpoint every 2 step(s), in runs/smoke/tiny-cpu-lora\n" in out
+    assert "gates" not in out  # the recipe sets none
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SMOKED)
 def test_smoke_every_recipe(name, cache_dir, tmp_path):

@@ -35,6 +35,19 @@ def write_json_atomic(path: Path, obj: dict) -> None:
         raise
 
 
+def sets_sorted(value):
+    """`value` with every set (PEFT's `target_modules`, ...) as a sorted list, for JSON: json's default=str would
+    write a set's printed form, whose order varies between processes, so two runs with the same modules would read
+    as different settings (`make report`)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted((sets_sorted(v) for v in value), key=str)
+    if isinstance(value, dict):
+        return {k: sets_sorted(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [sets_sorted(v) for v in value]
+    return value
+
+
 def now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes.cluster import registry
-from fsdp_recipes.cluster.job import Job, check_topology, recipe_facts
+from fsdp_recipes.cluster.job import Job, check_topology, cpu_recipe_note, recipe_facts
 from fsdp_recipes.cluster.registry import ClusterLauncher
 from fsdp_recipes.config import recipes
 from fsdp_recipes.errors import UserError, cli
@@ -96,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser(launcher).parse_args(argv)
     job = build(launcher, args.recipe, args.nodes, args.gpus, args)
     files = launcher.render(job)
+    note = cpu_recipe_note(job)
+    if note and args.print:  # the files go to stdout: the note beside them
+        print(f"[job] {note}", file=sys.stderr)
     if args.print:
         for name, text in files.items():
             print(f"# ==> {name} <==\n{text}", end="" if text.endswith("\n") else "\n")
@@ -107,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
           f"preempted by {job.signal.name} with {job.grace_s} s to save -> {out}/")
     for name in files:
         print(f"  {out / name}")
+    if note:
+        print(f"[job] {note}")
     if args.submit:
         return submit(command)
     print(f"[job] submit: {shlex.join(command)}")

@@ -32,6 +32,7 @@ class RecipeFacts:
     dp_shard: int | None
     min_gpus: int
     grace_s: int  # the recipe's preemption_grace_s: the ranks' save
+    num_processes: int = 1  # its accelerate.yaml's: what a min_gpus 0 (CPU) recipe runs, one per GPU up to it on GPUs
 
     @property
     def hsdp(self) -> bool:
@@ -55,6 +56,7 @@ def recipe_facts(folder: Path) -> RecipeFacts:
         dp_shard=int(par.get("parallelism_config_dp_shard_size", 0)) or None,
         min_gpus=loaded.early.min_gpus,
         grace_s=grace_seconds(loaded),
+        num_processes=int(acc.get("num_processes", 1)),
     )
 
 
@@ -99,6 +101,24 @@ class Job:
     def command(self) -> str:
         """The command that regenerates this job, for the files' headers."""
         return f"fsdp-recipes job --launcher {self.launcher} {self.name} --nodes {self.nodes} --gpus {self.gpus}"
+
+
+# how each scheduler's files ask for the GPUs (the local launcher's is a process count on this machine)
+GPU_REQUEST = {"k8s": "nvidia.com/gpu: {gpus} per pod", "slurm": "--gpus-per-node={gpus}"}
+
+
+def cpu_recipe_note(job: Job) -> str | None:
+    """One line for a CPU recipe (min_gpus 0) made into a GPU job: what the files ask for, and what the run uses of
+    it (the launcher puts one process per GPU, up to the accelerate.yaml's count: config/placement.py); None for a
+    GPU recipe or the local launcher."""
+    facts = job.recipe
+    if facts.min_gpus > 0 or job.launcher not in GPU_REQUEST:
+        return None
+    n = facts.num_processes
+    return (f"note: {facts.name} is a CPU recipe (min_gpus 0, {n} process(es) in its accelerate.yaml); these files "
+            f"ask for {job.nodes} node(s) x {job.gpus} GPU(s) ({GPU_REQUEST[job.launcher].format(gpus=job.gpus)}), "
+            f"and the launcher runs one process per GPU there, up to {n}"
+            + (f": GPUS={n} asks for what it uses" if job.gpus > n else ""))
 
 
 def check_topology(facts: RecipeFacts, nodes: int, gpus: int) -> tuple[str, ...]:

@@ -50,3 +50,9 @@ def as_int(key: str, value: Any) -> int:
 def given(argv: list[str], *keys: str) -> bool:
     """Whether any of `--key v` / `--key=v` is among command-line overrides (override() reads its value)."""
     return any(a == f"--{k}" or a.startswith(f"--{k}=") for a in argv for k in keys)
+
+
+def set_by(argv: list[str], user: list[str], *keys: str) -> dict[str, tuple[Any, bool]]:
+    """{key: (its value among `argv`, as the full parse will read it (None: not there), whether `user`, the user's own
+    overrides at the end of `argv`, set it)}: what `make smoke`'s run line says it will run, `(yours)` marked."""
+    return {key: (override(argv, key, None), given(user, key)) for key in keys}

@@ -16,7 +16,9 @@ checks, `accelerate launch`, SFTTrainer and saving as the real job, with these s
   keeps 2 replicas of 2 shards, 4 processes, so that both dimensions exist); where torch sees GPUs, one process per
   GPU (at most the recipe's count; HSDP from 4 GPUs, plain FSDP below) and no --use_cpu: the CUDA/NCCL path.
   FSDP_RECIPES_DEVICE=cpu keeps a GPU machine's smoke run on CPU;
-- the length of the run: a few optimizer steps and one checkpoint, in runs/smoke/<name>.
+- the length of the run: a few optimizer steps and a checkpoint, in runs/smoke/<name> (the user's --max_steps,
+  --save_steps or --output_dir win, and the `run:` line says what will run);
+- the recipe's gates (mfu_min, peak_memory_max_fraction): not judged (metrics/gates.py), each said once.
 
 What would fail on the cluster fails here: a wrap class or LoRA target the architecture lacks (model_check),
 a bad FSDP key (accelerate's own loader and the pack's checks), the FSDP1 or FSDP2 path itself, checkpoint
@@ -36,6 +38,7 @@ import yaml
 from fsdp_recipes import speed
 from fsdp_recipes.assets.tiny_assets import ensure_assets
 from fsdp_recipes.config import model_found
+from fsdp_recipes.config.argv import set_by
 from fsdp_recipes.config.model_check import load_config
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.errors import UserError
@@ -235,7 +238,25 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
     say(f"accelerate: {recipe.accelerate_path} with {acc.get('num_processes', 1)} process(es) on "
         f"{acc.get('num_machines', 1)} machine(s) -> {scaled.get('num_processes', 1)} on this one's {where} "
         f"({path}){dropped}")
-    say(f"run: {STEPS} steps with a checkpoint at step 2, in runs/smoke/{recipe.name}")
+    user = list(recipe.overrides)
     recipe.accelerate_path, recipe.accelerate = path, scaled
-    recipe.overrides = [*smoke_args, *recipe.overrides]  # the user's overrides last: they win
+    recipe.overrides = [*smoke_args, *user]  # the user's overrides last: they win
+    say(run_line(recipe.overrides, user))
+    # the recipe's gates (metrics/gates.py) are for a full-size run on its hardware
+    named = list(recipe.differing(dict.fromkeys(("mfu_min", "peak_memory_max_fraction"))))
+    if named:
+        say(f"gates ({', '.join(named)}): not judged on a smoke run (a tiny model's few steps say nothing of the "
+            "recipe's MFU or memory on its hardware; metrics/gates.py)")
     return build
+
+
+def run_line(overrides: list[str], user: list[str]) -> str:
+    """What the smoke run will train, as its overrides stand (the smoke run's, then the user's, which win): its
+    steps, its checkpoints and where it writes; `(yours)` after what the user's own overrides set."""
+    (steps, my_steps), (strategy, my_strategy), (every, my_every), (out, my_out) = set_by(
+        overrides, user, "max_steps", "save_strategy", "save_steps", "output_dir").values()
+    saves = {"no": "no checkpoint", "steps": f"a checkpoint every {every} step(s)"}.get(
+        str(strategy), f"checkpoints by save_strategy {strategy}")
+    yours = " (yours)"
+    return (f"run: {steps} step(s){yours * my_steps}, {saves}{yours * (my_strategy or my_every)}, in "
+            f"{out}{yours * my_out}")

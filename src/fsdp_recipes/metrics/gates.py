@@ -10,6 +10,7 @@ RSS times the ranks on the node against the host's RAM (the ranks share it).
 from __future__ import annotations
 
 import math
+import os
 
 from fsdp_recipes.errors import EXIT_DIVERGED, EXIT_GATE_FAILED
 
@@ -38,11 +39,24 @@ def diverged(losses: list[float], factor: float) -> str | None:
     return None
 
 
-def evaluate(metrics: dict, pack: dict, losses: list[float], loss_falls: bool = True) -> dict:
+SMOKE_ENV = "FSDP_RECIPES_SMOKE"  # launch/smoke.py's: `make smoke` sets it for the launcher and its ranks
+
+
+def smoke_run() -> bool:
+    """Whether this is a `make smoke` run: a tiny model's few steps, whose MFU and memory say nothing of the recipe's
+    gates (set for a full-size run on its hardware)."""
+    return os.environ.get(SMOKE_ENV, "") not in ("", "0", "false")
+
+
+def evaluate(metrics: dict, pack: dict, losses: list[float], loss_falls: bool = True,
+             smoke: bool | None = None) -> dict:
     """The run's verdicts: each gate the recipe sets (value, limit, passed), the headroom warning, divergence, and
-    `verdict` "pass", "fail" or "no gates"; `enforced` False when the recipe says the gates only warn."""
-    out: dict = {"enforced": not pack.get("gates_warn_only", False), "mfu": None, "peak_memory": None,
-                 "headroom_warning": None}
+    `verdict` "pass", "fail" or "no gates"; `enforced` False when the recipe says the gates only warn. A smoke run
+    (`smoke`, default smoke_run()) records its figures against the gates but judges none: `judged` False, verdict
+    "not judged" (divergence is still judged). Reports written before `judged` existed were all judged."""
+    smoke = smoke_run() if smoke is None else smoke
+    out: dict = {"enforced": not pack.get("gates_warn_only", False) and not smoke, "mfu": None, "peak_memory": None,
+                 "headroom_warning": None, "judged": not smoke}
     failed = []
     if pack.get("mfu_min") is not None:
         mfu = metrics.get("mfu")
@@ -65,9 +79,15 @@ def evaluate(metrics: dict, pack: dict, losses: list[float], loss_falls: bool = 
                                    "step may not fit")
     why = diverged(losses, pack.get("divergence_factor") or 0) if loss_falls else None
     out["diverged"] = why
+    if smoke:
+        failed = []
+        for name in GATES:
+            if out[name]:
+                out[name]["passed"] = None  # not judged: a tiny model's figures
     out["failed"] = failed
     # a diverged run fails whatever its gates say (exit code 4 before a gate's 3: launch/summary.py)
-    out["verdict"] = "fail" if failed or why else ("pass" if out["mfu"] or out["peak_memory"] else "no gates")
+    gated = out["mfu"] or out["peak_memory"]
+    out["verdict"] = "fail" if failed or why else (("not judged" if smoke else "pass") if gated else "no gates")
     return out
 
 
@@ -97,9 +117,14 @@ def gate_percent(g: dict, key: str, op: str) -> str:
 def lines(gates: dict) -> list[str]:
     """The summary's lines for the verdicts (empty for a run with no gates, no warning and no divergence)."""
     out = []
+    if gates.get("judged") is False:  # a smoke run: its figures are in metrics.json, its verdicts not made
+        named = [GATES[name][1] for name in GATES if gates.get(name)]
+        if named:
+            out.append(f"gate        not judged on a smoke run ({', '.join(named)}: a tiny model's few steps say "
+                       "nothing of the recipe's MFU or memory on its hardware)")
     for name, (label, field, key, op) in GATES.items():
         g = gates.get(name)
-        if not g:
+        if not g or gates.get("judged") is False:
             continue
         value = gate_percent(g, key, op) + (" of capacity" if name == "peak_memory" and g["value"] is not None else "")
         limit = f"{op} {100 * g[key]:g}% ({field}" + (f"; {g['of']})" if name == "peak_memory" else ")")

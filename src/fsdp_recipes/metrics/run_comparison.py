@@ -4,13 +4,15 @@
 
 Writes report.md (one table row per run, then the settings that differ between the runs), loss.png (train and
 eval loss against step, all runs on one axes), throughput.png and memory.png (bar charts). By default they go into
-the runs' common parent directory. A run that failed or was preempted is reported with its status. A directory
-without metrics.json is an error.
+the runs' common parent directory; where that is /, the home folder or a folder that cannot be written (runs in
+unrelated places), the report is refused in one line naming --out DIR. A run that failed or was preempted is
+reported with its status. A directory without metrics.json is an error.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import sys
@@ -123,10 +125,26 @@ def setting_sections(args: dict) -> list[str]:
                                  and sec not in SETTING_SECTIONS)]
 
 
+def _printed_set(value: str) -> list | None:
+    """A set that an older run_args.json recorded in its printed form, `"{'q_proj', 'v_proj'}"` (json's
+    default=str), as a sorted list; None for any other string. The printed order varies between processes, so two
+    runs targeting the same modules would otherwise differ."""
+    if not (value.startswith("{'") and value.endswith("'}")):
+        return None
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return None
+    return sorted(parsed, key=str) if isinstance(parsed, (set, frozenset)) else None
+
+
 def _setting_value(value) -> str:
     if value is _ABSENT:
         return "(not recorded)"
-    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    if isinstance(value, str):
+        as_set = _printed_set(value)
+        return value if as_set is None else json.dumps(as_set)
+    return json.dumps(value, sort_keys=True)
 
 
 def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
@@ -229,12 +247,25 @@ def _gib(key: str):
     return lambda m: None if (m.get("peak_memory") or {}).get(key) is None else m["peak_memory"][key] / GIB
 
 
+def default_out(parent: Path) -> Path:
+    """The runs' common parent, where the report goes without --out; refused where runs in unrelated places
+    (runs/x and /tmp/y) would put report.md and the PNGs in / or the home folder, or where it cannot be written."""
+    home = Path.home().resolve()
+    if parent in (Path(parent.anchor), home) or not os.access(parent, os.W_OK):
+        where = "/" if parent == Path(parent.anchor) else ("your home folder" if parent == home else
+                                                          f"{parent}, which is not writable")
+        raise UserError(f"the runs' common parent is {where}: the report would be written there. "
+                        f"Fix: name a folder, make report RUNS=\"...\" ARGS=\"--out DIR\" "
+                        f"(fsdp-recipes report ... --out DIR).")
+    return parent
+
+
 def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path]:
     if not run_dirs:
         raise UserError("no runs given. Fix: make report RUNS=\"runs/a runs/b\".")
     parent = common_parent(run_dirs)
     runs = [load_run(d, parent) for d in run_dirs]
-    out = Path(out_dir) if out_dir else parent
+    out = Path(out_dir) if out_dir else default_out(parent)
     out.mkdir(parents=True, exist_ok=True)
 
     import matplotlib

@@ -35,7 +35,7 @@ from fsdp_recipes.metrics.metrics_file import same_run
 from fsdp_recipes.metrics.prometheus import write_textfile
 from fsdp_recipes.metrics.tokens import COUNTS, TokenCounter
 from fsdp_recipes.paths import cache_dir
-from fsdp_recipes.records import now_iso, write_json_atomic
+from fsdp_recipes.records import now_iso, sets_sorted, write_json_atomic
 
 SCHEMA_VERSION = 1
 OPTIONAL_LOGS = ("aux_loss",)  # reported only where logged: TRL logs the load-balancing loss of a mixture of experts
@@ -323,7 +323,7 @@ class RunReportCallback(TrainerCallback):
 
     # -- files --------------------------------------------------------------------------------------
     def run_args(self) -> dict:
-        return {
+        return sets_sorted({
             "schema_version": SCHEMA_VERSION,
             "recipe": self.recipe,
             "started_at": self.started_at,
@@ -334,7 +334,7 @@ class RunReportCallback(TrainerCallback):
             "launcher": launcher_env(),
             "accelerate_env": accelerate_env(),
             **self.resolved_args,
-        }
+        })
 
     def finalize(self, status: str, error: str | None = None) -> dict | None:
         """Write metrics.json once, from rank 0. On a failure path no collectives are attempted."""
