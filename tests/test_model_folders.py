@@ -155,6 +155,34 @@ def test_make_export_never_writes_an_adapter_beside_a_model_or_a_model_beside_an
         export.export(ckpt, folders.adapter)
 
 
+def test_make_export_never_writes_over_a_run_a_model_or_a_file(folders, tmp_path):
+    """A new user exported checkpoint-2 into its own run folder: the run's final adapter became step 2's while merged/
+    and metrics.json still said step 4 (a full run's export left an index naming a removed shard, then a traceback);
+    another run's merged/ was replaced without a word; OUT naming a file was a FileExistsError traceback."""
+    from fsdp_recipes.checkpoint import export
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoint-2"
+    (ckpt / export.MODEL_DIR).mkdir(parents=True)
+    (ckpt / export.MODEL_DIR / ".metadata").write_bytes(b"")
+    (ckpt / "checkpoint_identity.json").write_text(json.dumps({"model": str(folders.base),
+                                                               "peft_config": {"r": 2, "peft_type": "LORA"}}))
+    (run / "run_args.json").write_text("{}\n")
+    before = sorted(p.name for p in run.iterdir())
+    fix = rf"Fix: export into a new or empty folder, e.g. OUT={ckpt}-exported\.$"
+    with pytest.raises(UserError, match=rf"^{run} is a run's output_dir: the export would replace the run's own "
+                                        rf"final model with checkpoint-2's\. {fix}"):
+        export.export(ckpt, run)
+    assert sorted(p.name for p in run.iterdir()) == before
+    with pytest.raises(UserError, match=rf"^{folders.adapter} already holds a LoRA adapter \(adapter_config.json, "
+                                        rf"adapter_model.safetensors\), which the export would replace\. {fix}"):
+        export.export(ckpt, folders.adapter)
+    (tmp_path / "notes.txt").write_text("mine\n")
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'notes.txt'} is a file, not a folder to export into\. {fix}"):
+        export.export(ckpt, tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
 def test_the_summary_warns_of_a_stage_scored_with_an_adapter_on_top(folders, tmp_path, monkeypatch):
     """The summary's evaluation loads every stage with from_pretrained: a stage folder with both is scored as merged
     + adapter, and the summary says so under the scores."""

@@ -15,6 +15,7 @@ import argparse
 import json
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
@@ -42,8 +43,10 @@ def export(ckpt: Path, out: Path, model_override: str | None = None) -> dict:
     ident_file = ckpt / IDENTITY
     ident = json.loads(ident_file.read_text()) if ident_file.is_file() else {}
     model_ref = model_override or ident.get("model")
-    refuse_a_second_kind(out, adapter=bool(ident.get("peft_config")))
-    tensors = {k: v.contiguous() for k, v in load_sharded(ckpt).items()}
+    refuse_taken(out, ckpt, adapter=bool(ident.get("peft_config")))
+    with warnings.catch_warnings():  # DCP's loader in one process: "torch.distributed is unavailable or uninitialized"
+        warnings.filterwarnings("ignore", message="torch.distributed is unavailable or uninitialized")
+        tensors = {k: v.contiguous() for k, v in load_sharded(ckpt).items()}
     out.mkdir(parents=True, exist_ok=True)
     if ident.get("peft_config"):
         from safetensors.torch import save_file
@@ -72,6 +75,25 @@ def export(ckpt: Path, out: Path, model_override: str | None = None) -> dict:
             if (Path(model_ref) / name).is_file():
                 shutil.copy(Path(model_ref) / name, out / name)
     return compare(tensors, read_saved(out), check_lora_b=False)
+
+
+def refuse_taken(out: Path, ckpt: Path, adapter: bool) -> None:
+    """Before anything is read or written: OUT a file; OUT a run's output_dir (the export replaced the run's final
+    weights with the checkpoint's, and a full model's left the run's index naming a shard it had removed); OUT
+    holding a model or adapter already (another run's merged/ was replaced without a word)."""
+    fix = f"Fix: export into a new or empty folder, e.g. OUT={ckpt.parent / (ckpt.name + '-exported')}"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} is a file, not a folder to export into. {fix}.")
+    if not out.is_dir():
+        return
+    if (out / "run_args.json").is_file() or (out / "metrics.json").is_file() or any(out.glob("checkpoint-*")):
+        raise UserError(f"{out} is a run's output_dir: the export would replace the run's own final model with "
+                        f"{ckpt.name}'s. {fix}.")
+    refuse_a_second_kind(out, adapter)
+    there = adapter_files(out) if adapter else full_weights(out)
+    if there:
+        raise UserError(f"{out} already holds {'a LoRA adapter' if adapter else 'a full model'} "
+                        f"({', '.join(there)}), which the export would replace. {fix}.")
 
 
 def refuse_a_second_kind(out: Path, adapter: bool) -> None:
