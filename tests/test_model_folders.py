@@ -308,3 +308,11 @@ def test_a_path_that_is_no_model_folder_says_what_it_is_and_the_fix_that_fits(tm
             model_found.check_local_model(path)
         assert str(err.value) == f"model not found: {line}.", path
     assert "tiny_assets" not in "".join(list(says.values())[:4])
+
+
+def test_serve_check_of_a_missing_folder_says_it_does_not_exist(tmp_path):
+    """It said `is not a finished run (no run_args.json)` of a path that is not there at all."""
+    from fsdp_recipes.serving import engine_check
+
+    with pytest.raises(UserError, match=rf"^{tmp_path / 'typo'} does not exist\. Fix: RUN=<a finished run's"):
+        engine_check.check_run_files(tmp_path / "typo", ("llama.cpp",))

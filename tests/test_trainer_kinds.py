@@ -99,6 +99,15 @@ def test_trainer_kind_mistakes(tmp_path, cache_dir, checks, yaml_field, fragment
     assert_one_line_error(checks([folder]), fragment)
 
 
+def test_a_trainer_flag_against_the_recipes_file_names_the_flag_not_the_yaml(checks):
+    """`--trainer dpo` on an SFT recipe said `sft.yaml names trainer dpo`, which the YAML does not."""
+    assert_one_line_error(checks(["tiny-cpu-lora", "--trainer", "dpo"]),
+                          "--trainer dpo on the command line asks for a dpo run of recipes/tiny-cpu-lora/sft.yaml, "
+                          "whose settings are sft's. Fix: drop --trainer")
+    assert_one_line_error(checks(["tiny-cpu-lora", "--trainer", "ppo"]),
+                          "unknown trainer `ppo` in --trainer ppo on the command line")
+
+
 def test_two_trainer_yamls_in_one_folder(tmp_path, cache_dir, checks):
     folder = dpo_recipe(tmp_path, cache_dir)
     shutil.copy(REPO / "recipes" / "tiny-cpu-lora" / "sft.yaml", folder / "sft.yaml")

@@ -58,11 +58,16 @@ DEFAULT_TRAINER = "sft"
 def trainer_kind(raw: dict, path: Path | str, overrides: list[str] = ()) -> str:
     """The `trainer` a recipe YAML names (default DEFAULT_TRAINER); it must be a known kind and match the file's
     name."""
-    kind = str(override(list(overrides), "trainer", raw.get("trainer", DEFAULT_TRAINER)))
+    written = raw.get("trainer", DEFAULT_TRAINER)
+    kind = str(override(list(overrides), "trainer", written))
+    named = f"{path}" if str(kind) == str(written) else f"--trainer {kind} on the command line"
     if kind not in TRAINERS:
-        raise UserError(f"unknown trainer `{kind}` in {path}. Fix: one of {', '.join(TRAINERS)}.")
+        raise UserError(f"unknown trainer `{kind}` in {named}. Fix: one of {', '.join(TRAINERS)}.")
     stem = Path(path).stem
     if stem in TRAINERS and stem != kind:
+        if named != f"{path}":  # the recipe's file is another kind's: the flag cannot turn it into this one
+            raise UserError(f"{named} asks for a {kind} run of {path}, whose settings are {stem}'s. Fix: drop "
+                            f"--trainer, or run a {kind} recipe (its settings live in {kind}.yaml).")
         raise UserError(f"{path} names trainer `{kind}`, but a recipe's {kind} settings live in {kind}.yaml. "
                         f"Fix: rename the file to {kind}.yaml, or set `trainer: {stem}`.")
     return kind

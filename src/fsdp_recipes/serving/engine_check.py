@@ -92,6 +92,8 @@ ENGINES = ("llama.cpp", "vllm")
 def check_run_files(run: Path, engines: tuple[str, ...]) -> Path:
     """The run's own problems that its files show, before any engine or environment is looked at: a finished run, its
     model (a LoRA run's merged/), the local base model of an adapter vLLM serves. Returns the model folder."""
+    if not run.is_dir():
+        raise UserError(f"{run} does not exist. Fix: RUN=<a finished run's output_dir>.")
     if not (run / "run_args.json").is_file():
         raise UserError(f"{run} is not a finished run (no run_args.json). Fix: point at a run's output_dir.")
     folder = gguf_export.model_folder(run)
