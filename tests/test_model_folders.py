@@ -287,9 +287,17 @@ def test_a_path_that_is_no_model_folder_says_what_it_is_and_the_fix_that_fits(tm
     weights = tmp_path / "weights-only"
     weights.mkdir()
     (weights / "model.safetensors").write_bytes(b"")
+    sharded = tmp_path / "run" / "checkpoint-4"  # a SHARDED_STATE_DICT checkpoint: its scheduler.pt is no weights
+    (sharded / "pytorch_model_fsdp_0").mkdir(parents=True)
+    for name in ("pytorch_model_fsdp_0/.metadata", "scheduler.pt", "trainer_state.json"):
+        (sharded / name).write_bytes(b"")
     folder = ("point model_name_or_path at a transformers model's folder (its config.json beside its *.safetensors "
               "weights) or a hub id")
     says = {
+        str(sharded): f"{sharded} is a sharded checkpoint (pytorch_model_fsdp_0/, one file per rank), not a model "
+                      f"folder. Fix: make export CKPT={sharded} OUT=<folder> writes its model or adapter, then point "
+                      "model_name_or_path at that folder (an adapter's: its merged model), or resume the run with "
+                      "--resume_from_checkpoint",
         str(gguf): f"{gguf} is a GGUF file (llama.cpp's format), not a model folder: the pack trains from a "
                    f"transformers model folder (config.json and its weights). Fix: {folder}; for a GGUF, the model "
                    "it was converted from (the hub id its name gives)",
@@ -307,7 +315,7 @@ def test_a_path_that_is_no_model_folder_says_what_it_is_and_the_fix_that_fits(tm
         with pytest.raises(UserError) as err:
             model_found.check_local_model(path)
         assert str(err.value) == f"model not found: {line}.", path
-    assert "tiny_assets" not in "".join(list(says.values())[:4])
+    assert "tiny_assets" not in "".join(list(says.values())[:5])
 
 
 def test_serve_check_of_a_missing_folder_says_it_does_not_exist(tmp_path):

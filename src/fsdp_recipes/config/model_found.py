@@ -150,8 +150,14 @@ def not_a_model_folder(path: str) -> str:
     if not p.is_dir():
         return f"{path} is not a folder. Fix: {FOLDER_FIX}"
     names = sorted(f.name for f in p.iterdir())
+    if (p / "pytorch_model_fsdp_0" / ".metadata").is_file():  # a sharded (DCP) checkpoint: a model once exported
+        return (f"{path} is a sharded checkpoint (pytorch_model_fsdp_0/, one file per rank), not a model folder. Fix: "
+                f"make export CKPT={path} OUT=<folder> writes its model or adapter, then point model_name_or_path at "
+                f"that folder (an adapter's: its merged model), or resume the run with --resume_from_checkpoint")
     tokenizer = [n for n in names if n in TOKENIZER_FILES]
-    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".gguf"))]
+    # a model's weights (a trainer's optimizer.pt, scheduler.pt and rng_state.pth are a checkpoint's state, not these)
+    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".gguf"))
+               and not n.startswith(("optimizer", "scheduler", "rng_state", "training_args"))]
     if in_pack_cache(path):
         fix = "build the tiny default again with `python -m fsdp_recipes.assets.tiny_assets --force`"
     elif weights:
