@@ -172,3 +172,17 @@ def test_an_exit_code_file_in_a_missing_folder_is_refused_before_the_run(tmp_pat
     assert errors[0].startswith(f"error: EXIT_CODE_FILE={missing} is in a folder that does not exist") and \
         "Fix: create that folder first" in errors[0]
     assert "[launch]" not in res.stdout
+
+
+def test_ctrl_c_that_no_step_handles_is_one_line_and_exit_130(capsys):
+    """A Ctrl-C pressed again after the launcher's own handling (or during `make plan`) was a traceback."""
+    from fsdp_recipes.errors import EXIT_INTERRUPTED, cli
+
+    @cli
+    def main():
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as stop:
+        main()
+    assert stop.value.code == EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "interrupted\n"

@@ -34,6 +34,9 @@ def cli(main):
         except UserError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(err.exit_code)
+        except KeyboardInterrupt:  # Ctrl-C where no step of the command handles it (pressed again while it stops)
+            print("interrupted", file=sys.stderr, flush=True)
+            sys.exit(EXIT_INTERRUPTED)
         except BrokenPipeError:
             if not reader_left_stdout():  # another pipe or socket broke: a failure, with its traceback
                 raise
