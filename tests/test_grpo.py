@@ -85,6 +85,18 @@ def test_grpo_setting_mistakes(tmp_path, cache_dir, checks, monkeypatch, fields,
     assert_one_line_error(checks([grpo_recipe(tmp_path, **fields)]), fragment)
 
 
+def test_another_kinds_length_field_points_at_this_kinds_length_field(tmp_path, cache_dir, checks):
+    """SFT's max_length in a GRPO recipe was told `did you mean vllm_max_model_length?`, vLLM's context, not what
+    GRPO trains on: the suggestion is the kind's own length field, as YAML key and as flag."""
+    res = checks([grpo_recipe(tmp_path, max_length=64)])
+    assert_one_line_error(res, "Fix: did you mean `max_completion_length`? (the length setting of this trainer kind: "
+                               "`max_completion_length`)")
+    res = checks([grpo_recipe(tmp_path / "flag"), "--max_seq_length", "64"])
+    assert_one_line_error(res, "unknown command-line flag `--max_seq_length`. Fix: did you mean "
+                               "`max_completion_length`?")
+    assert "vllm" not in res.stderr
+
+
 def test_a_reward_function_whose_package_is_missing_is_one_line_before_any_rank(tmp_path, cache_dir, checks,
                                                                                 monkeypatch):
     # as trl.rewards.accuracy_reward without math-verify: importable, failing only when called
