@@ -220,6 +220,23 @@ def test_make_data_names_a_users_own_pairs_the_demo_would_replace(cache_dir, cap
     assert f"it would replace what {mine} holds" in errors[0] and "Fix: --addition_preferences false" in errors[0]
 
 
+@pytest.mark.parametrize("trainer, fields, fragment", [
+    ("grpo", {"reward_funcs": []}, "a GRPO recipe needs reward_funcs"),
+    ("kto", {"per_device_train_batch_size": 1}, "per_device_train_batch_size 1 with KTO's KL term"),
+], ids=["grpo-without-rewards", "kto-one-row-batches"])
+def test_make_data_refuses_what_the_launcher_refuses_of_the_trainer_kind(cache_dir, capsys, tmp_path, trainer,
+                                                                         fields, fragment):
+    """make data passed recipes whose trainer-kind settings the launch refuses: the kind's check_config is run."""
+    from recipe_variant import recipe_variant
+
+    drop = ("max_length", "per_device_eval_batch_size") if trainer == "grpo" else ()
+    folder = recipe_variant(tmp_path, f"tiny-{trainer}", trainer=trainer, drop=drop, eval_strategy="no", **fields)
+    res = preview([folder], capsys)
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(errors) == 1, res.stdout + res.stderr
+    assert fragment in errors[0] and "Fix:" in errors[0], errors[0]
+
+
 def test_make_data_on_the_tiny_recipe(cache_dir, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     res = preview(["tiny-cpu-lora"], capsys)

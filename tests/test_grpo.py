@@ -2,6 +2,7 @@
 starts, one line each; the shipped rewards score what they say; `make plan` counts the sampling's memory. The runs
 themselves: tests/test_default_recipe.py (the real model, after SFT) and tests/test_preemption.py (exact resume)."""
 
+import json
 import os
 import shutil
 import sys
@@ -84,6 +85,18 @@ def test_grpo_setting_mistakes(tmp_path, cache_dir, checks, monkeypatch, fields,
     assert_one_line_error(checks([grpo_recipe(tmp_path, **fields)]), fragment)
 
 
+def test_another_kinds_length_field_points_at_this_kinds_length_field(tmp_path, cache_dir, checks):
+    """SFT's max_length in a GRPO recipe was told `did you mean vllm_max_model_length?`, vLLM's context, not what
+    GRPO trains on: the suggestion is the kind's own length field, as YAML key and as flag."""
+    res = checks([grpo_recipe(tmp_path, max_length=64)])
+    assert_one_line_error(res, "Fix: did you mean `max_completion_length`? (the length setting of this trainer kind: "
+                               "`max_completion_length`)")
+    res = checks([grpo_recipe(tmp_path / "flag"), "--max_seq_length", "64"])
+    assert_one_line_error(res, "unknown command-line flag `--max_seq_length`. Fix: did you mean "
+                               "`max_completion_length`?")
+    assert "vllm" not in res.stderr
+
+
 def test_a_reward_function_whose_package_is_missing_is_one_line_before_any_rank(tmp_path, cache_dir, checks,
                                                                                 monkeypatch):
     # as trl.rewards.accuracy_reward without math-verify: importable, failing only when called
@@ -105,6 +118,21 @@ def test_data_without_prompts(tmp_path, cache_dir, checks):
     (data / "train.jsonl").write_text('{"question": "What is 2 + 3?", "answer": "5"}\n')
     res = checks([grpo_recipe(tmp_path, dataset_name=str(data), dataset_test_split="train")])
     assert_one_line_error(res, "GRPO and RLOO need `prompt`")
+
+
+@pytest.mark.parametrize("kind", ["grpo", "rloo"])
+def test_labelled_answers_with_false_labels_are_refused_not_rewarded(tmp_path, cache_dir, checks, kind):
+    """KTO's labelled rows under a sampling kind: `completion` became `answer` and `label` was dropped, so the
+    exact-answer reward scored the answers labelled false (wrong) as right, and the run trained towards them."""
+    data = tmp_path / "labelled"
+    data.mkdir()
+    rows = [{"prompt": f"What is {i} + 1?", "completion": f"{i + 1 if i % 2 else i + 2}", "label": bool(i % 2)}
+            for i in range(4)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = checks([grpo_recipe(tmp_path, trainer=kind, dataset_name=str(data), dataset_test_split="none")])
+    assert_one_line_error(res, f"2 of its 4 rows labelled undesirable (false), and {kind.upper()} would take their "
+                               "completions as the right answers")
+    assert "keep only the rows labelled true" in res.stderr and "KTO recipe" in res.stderr
 
 
 def test_the_grpo_demo_without_its_sft_run_names_the_command(tmp_path, cache_dir, checks):

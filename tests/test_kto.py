@@ -71,10 +71,12 @@ def test_one_row_batches_pass_without_the_kl_term(tmp_path, cache_dir, monkeypat
 
 @pytest.mark.parametrize("rows, fragment", [
     ([row("5", True), row("6", "no")], "labelled/train.jsonl:2: `label` is 'no', not true or false"),
+    ([row("5", "true"), row("6", False)], 'labelled/train.jsonl:1: `label` is the string "true" (in quotes), which '
+     'is text, not the JSON boolean true. Fix: write it without quotes in the file, "label": true.'),
     ([row("5", True), {"prompt": PROMPT, "completion": [], "label": False}],
      "labelled/train.jsonl:2: `completion` is missing or empty"),
     ([{"prompt": PROMPT, "answer": "5"}], "but KTO needs `prompt`, `completion` and `label`"),
-], ids=["label-not-bool", "empty-answer", "columns"])
+], ids=["label-not-bool", "label-quoted", "empty-answer", "columns"])
 def test_bad_labelled_rows_are_one_line_with_file_and_line(tmp_path, checks, rows, fragment):
     assert_one_line_error(checks([kto_recipe(tmp_path, rows=rows)]), fragment)
 

@@ -158,6 +158,35 @@ def test_report_names_the_settings_that_differ(tmp_path):
     assert "the runs' recorded settings (run_args.json) are the same" in (root / "report.md").read_text()
 
 
+def test_report_compares_an_sft_run_with_a_dpo_run_on_what_both_recorded(tmp_path):
+    """An SFT run beside a DPO run: the table was 40 `dpo_config.*` rows `(not recorded)` for the SFT run and "... and
+    235 more", never the learning rate, the model or the trainer. Now: the kind first, the settings both recorded
+    that differ (the TRL configs' shared fields under one name), and one line per kind for its own fields."""
+    shared = {f"field_{i:02d}": i for i in range(50)}  # TrainingArguments' fields, alike in both
+
+    def args(kind: str, model: str, lr: float, own: dict) -> dict:
+        return {"pack_args": {"recipe_name": f"my-{kind}", "trainer": kind},
+                "model_args": {"model_name_or_path": model},
+                f"{kind}_config": {**shared, "output_dir": f"runs/{kind}", "learning_rate": lr, **own},
+                "versions": {"trl": "1.16.0"}, "lora_config": None}
+
+    root = tmp_path / "runs"
+    runs = [make_run(root / "sft", GPU_METRICS, None), make_run(root / "dpo", GPU_METRICS, None)]
+    own = ({f"sft_only_{i}": i for i in range(3)}, {f"dpo_only_{i:02d}": i for i in range(40)})
+    for run, a in zip(runs, (args("sft", "base", 2e-4, own[0]), args("dpo", "runs/sft/merged", 5e-6, own[1]))):
+        (run / "run_args.json").write_text(json.dumps({**json.loads((run / "run_args.json").read_text()), **a}))
+    run_comparison.write_report(runs)
+    text = (root / "report.md").read_text()
+    rows = table(text, "setting")
+    assert list(rows) == ["trainer", "model_args.model_name_or_path", "sft_config/dpo_config.learning_rate",
+                          "pack_args.recipe_name"], text
+    assert rows["trainer"] == {"setting": "trainer", "sft": "sft", "dpo": "dpo"}
+    assert rows["sft_config/dpo_config.learning_rate"]["dpo"] == "5e-06"
+    assert "(not recorded)" not in text and "more (compare" not in text
+    assert "- dpo_config: 40 fields only the DPO run (dpo) has, a trainer kind's own" in text
+    assert "- sft_config: 3 fields only the SFT run (sft) has, a trainer kind's own" in text
+
+
 def test_report_same_modules_in_another_printed_order_are_the_same_setting(tmp_path):
     """An older run_args.json holds a set as its printed form, in an order that varies between processes; a newer
     one as a sorted list. The same modules are the same setting in any of these forms."""

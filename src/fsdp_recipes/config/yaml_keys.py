@@ -61,9 +61,20 @@ PEFT_ONLY = {
 }
 
 
+def length_fields(known: set[str]) -> list[str]:
+    """The trainer kind's own length settings among its fields (SFT's max_length; GRPO's max_completion_length): a
+    `max_..._length` that is no serving engine's (vllm_max_model_length is vLLM's context, not what is trained)."""
+    return sorted(k for k in known if k.startswith("max_") and k.endswith("_length"))
+
+
 def _suggest(key: str, known: set[str]) -> str:
     if key in PEFT_ONLY:
         return PEFT_ONLY[key]
+    if key.endswith(("_length", "_len")) and (own := length_fields(known)):
+        # a length field of another kind (max_length in a GRPO recipe): the closest name was vLLM's context
+        close = difflib.get_close_matches(key, own, n=1, cutoff=0) or own
+        return f"did you mean `{close[0]}`? (the length setting{'s' * (len(own) > 1)} of this trainer kind: " \
+               f"{', '.join(f'`{k}`' for k in own)})"
     close = difflib.get_close_matches(key, known, n=1)
     return f"did you mean `{close[0]}`?" if close else "remove it, or see `--help` for the valid keys"
 

@@ -216,10 +216,14 @@ def held_columns(ds, where: str) -> str:
     return f"holds {formats.load(read.pop()).LABEL} rows (SFT data), read as columns {cols}"
 
 
-def check_no_undesirable_answers(ds, where: str) -> None:
-    """KTO's labelled answers under SFT: TRL's SFTTrainer reads prompt + completion and drops `label`, so the answers
-    labelled undesirable were trained on as the ones to give, without a word. Rows read as labelled answers only: a
-    declared `dataset_format: prompt_completion` says the label is not what to train on."""
+def check_no_undesirable_answers(ds, where: str, kind: str = "SFT",
+                                 taken: str = "SFT would train on those answers as on the good ones") -> None:
+    """KTO's labelled answers under a kind that reads prompt + completion and drops `label`: SFTTrainer trained the
+    answers labelled undesirable as the ones to give, the sampling kinds took them as the right answers their rewards
+    compare with, without a word. Refused, not filtered: dropping rows the user gave would train on less data than
+    the file holds, and only the user knows whether the false rows are wrong answers (keep the true ones) or the
+    point of the data (KTO). Rows read as labelled answers only: a declared `dataset_format: prompt_completion` says
+    the label is not what to train on. `kind`: the trainer's name; `taken`: what it would do with the false rows."""
     if "label" not in (ds.column_names or []) or not hasattr(ds, "__len__") \
             or "unpaired_preference" not in rows.READ_AS.values():
         return
@@ -227,10 +231,9 @@ def check_no_undesirable_answers(ds, where: str) -> None:
     bad = sum(v is False for v in labels)
     if bad:
         raise UserError(f"dataset {where} holds labelled answers (`label`), {bad} of its {len(labels)} rows labelled "
-                        "undesirable (false), and SFT would train on those answers as on the good ones. Fix: train "
-                        "it with a KTO recipe (trainer: kto, e.g. smollm2-135m-kto), keep only the rows labelled "
-                        "true, or, where `label` means something else, declare `dataset_format: prompt_completion` "
-                        "(SFT then trains every row).")
+                        f"undesirable (false), and {taken}. Fix: train it with a KTO recipe (trainer: kto, e.g. "
+                        "smollm2-135m-kto), keep only the rows labelled true, or, where `label` means something else, "
+                        f"declare `dataset_format: prompt_completion` ({kind} then takes every row).")
 
 
 def carve_size(size: float, n: int) -> int:

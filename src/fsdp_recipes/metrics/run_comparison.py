@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import sys
@@ -147,35 +148,107 @@ def _setting_value(value) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
-    """(section.field, one value per run) for every setting in run_args.json that is not the same in all runs: what
-    was changed between them (a speed option, `learning_rate`, a library version, an accelerate setting, ...).
-    Gap it fills: the metrics say how runs differ in speed and loss; this says what differed in how they ran."""
-    flat = []
-    for r in runs:
-        args = r["run_args"]
-        flat.append({f"{sec}.{k}": v for sec in setting_sections(args) for k, v in (args.get(sec) or {}).items()
-                     if not (sec.endswith("_config") and k in PER_RUN_TRAINING)})
-    keys = sorted(set().union(*flat) - PER_RUN)
-    rows = []
-    for key in keys:
+# settings a reader looks for first, ranked before the rest of those that differ (any section: `.learning_rate` is
+# the kind's TRL config's, whichever kind)
+FIRST_SETTINGS = (".model_name_or_path", ".learning_rate", ".dataset_name", ".recipe_name", ".max_steps",
+                  ".num_train_epochs", ".per_device_train_batch_size", ".gradient_accumulation_steps")
+
+
+def kind_of(run: dict) -> str | None:
+    """The run's trainer kind: pack_args.trainer, else metrics.json's `trainer`, else its `<kind>_config` section."""
+    args = run["run_args"]
+    kind = (args.get("pack_args") or {}).get("trainer") or run["metrics"].get("trainer")
+    if kind:
+        return kind
+    own = [sec.removesuffix("_config") for sec in args if sec.endswith("_config") and sec != "lora_config"]
+    return own[0] if len(own) == 1 else None
+
+
+@dataclasses.dataclass
+class Settings:
+    """What differs between runs' recorded settings: `kinds` (one per run) where the runs' trainer kinds differ,
+    else None; `rows`, (setting, one value per run), the settings every run recorded first; `only` (section, runs
+    that have it, number of fields): the fields of a kind's own section that another kind's runs do not have, told
+    as a count, not a row each (DPO's 40 `dpo_config` fields against an SFT run would fill the table)."""
+
+    kinds: list | None
+    rows: list[tuple[str, list[str]]]
+    only: list[tuple[str, list[str], int]]
+
+
+def _rank(key: str) -> tuple:
+    first = next((i for i, end in enumerate(FIRST_SETTINGS) if key.endswith(end)), len(FIRST_SETTINGS))
+    return first, key
+
+
+def compare_settings(runs: list[dict]) -> Settings:
+    """Every setting in run_args.json that is not the same in all runs: what was changed between them (a speed
+    option, `learning_rate`, a library version, an accelerate setting, ...). Gap it fills: the metrics say how runs
+    differ in speed and loss; this says what differed in how they ran. Runs of different trainer kinds (SFT and
+    DPO) are compared on what both recorded: the trainer kind first, then the fields their TRL configs share under
+    one name (`sft_config/dpo_config.learning_rate`), then the rest; a kind's own fields are counted per section."""
+    kinds = [kind_of(r) for r in runs]
+    mixed = len(set(kinds)) > 1
+    own = {suffix: "/".join(dict.fromkeys(f"{k}{suffix}" for k, r in zip(kinds, runs) if f"{k}{suffix}" in
+                                          r["run_args"])) for suffix in ("_config", "_args")}
+    flat, origin = [], {}  # origin: a shared name's (run index) -> its own section, for the counts
+    for i, (r, kind) in enumerate(zip(runs, kinds)):
+        args, fields = r["run_args"], {}
+        for sec in setting_sections(args):
+            suffix = next((x for x in own if mixed and sec == f"{kind}{x}"), None)
+            name = own[suffix] if suffix else sec
+            for k, v in (args.get(sec) or {}).items():
+                if sec.endswith("_config") and k in PER_RUN_TRAINING:
+                    continue
+                fields[f"{name}.{k}"] = v
+                if suffix:
+                    origin[(i, f"{name}.{k}")] = sec
+        if mixed:
+            fields.pop("pack_args.trainer", None)  # the first row
+        flat.append(fields)
+    keys = set().union(*flat) - PER_RUN
+    rows, partial, only = [], [], {}
+    for key in sorted(keys, key=_rank):
+        have = [i for i, f in enumerate(flat) if key in f]
         values = [_setting_value(f.get(key, _ABSENT)) for f in flat]
+        kind_own = len(have) < len(runs) and all((i, key) in origin for i in have)
+        if kind_own and len({values[i] for i in have}) == 1:  # one kind's field, alike where recorded: counted
+            for i in have:
+                only.setdefault(origin[(i, key)], set()).add(key)
+            continue
         if len(set(values)) > 1:
-            rows.append((key, values))
-    return rows
+            (rows if len(have) == len(runs) else partial).append((key, values))
+    counts = [(sec, [r["name"] for i, r in enumerate(runs) if any(origin.get((i, k)) == sec for k in fields)],
+               len(fields)) for sec, fields in only.items()]
+    counts.sort(key=lambda c: [r["name"] for r in runs].index(c[1][0]))  # in the runs' order
+    return Settings(kinds if mixed else None, rows + partial, counts)
+
+
+def differing_settings(runs: list[dict]) -> list[tuple[str, list[str]]]:
+    """(setting, one value per run) for every differing setting; the trainer kinds first where they differ."""
+    found = compare_settings(runs)
+    return ([("trainer", list(found.kinds))] if found.kinds else []) + found.rows
 
 
 def settings_markdown(runs: list[dict]) -> list[str]:
     if len(runs) < 2 or not any(r["run_args"].get(sec) for r in runs for sec in setting_sections(r["run_args"])):
         return []  # one run, or runs without recorded settings: nothing to compare
-    rows = differing_settings(runs)
-    if not rows:
+    found = compare_settings(runs)
+    rows = ([("trainer", [k or "?" for k in found.kinds])] if found.kinds else []) + found.rows
+    if not rows and not found.only:
         return ["", "Settings: the runs' recorded settings (run_args.json) are the same, output paths aside."]
     lines = ["", "## Settings that differ", "", table_row(["setting", *(r["name"] for r in runs)]),
              "|---|" + "---|" * len(runs)]
     lines += [table_row([key, *values]) for key, values in rows[:MAX_SETTING_ROWS]]
     if len(rows) > MAX_SETTING_ROWS:
         lines.append(f"\n... and {len(rows) - MAX_SETTING_ROWS} more (compare the runs' run_args.json).")
+    if found.only:
+        lines.append("")
+    for sec, names, n in found.only:
+        kind = next((k for k, r in zip(found.kinds or [], runs) if r["name"] in names), None) or "?"
+        lines.append(f"- {sec}: {n} field{'s' * (n != 1)} only the {kind.upper()} run{'s' * (len(names) != 1)} "
+                     f"({', '.join(names)}) {'has' if len(names) == 1 else 'have'}, a trainer kind's own "
+                     "(compare the runs' run_args.json)")
     return lines
 
 

@@ -4,6 +4,8 @@ pair's) and a true/false label in every row."""
 
 from __future__ import annotations
 
+import json
+
 from fsdp_recipes.data import row_checks, rows
 from fsdp_recipes.data.formats import preference, prompt_completion
 from fsdp_recipes.data.spec import renamed
@@ -32,6 +34,10 @@ def check_rows(ds, where: str, split: str) -> list[str]:
     for i, row in enumerate(written):
         at = rows.row_at(where, split, i)
         label = row.get("label")
+        if isinstance(label, str) and label.strip().lower() in ("true", "false"):  # quoted: JSON's text, not a bool
+            value = label.strip().lower()
+            raise UserError(f"{at}: `label` is the string {json.dumps(label)} (in quotes), which is text, not the "
+                            f"JSON boolean {value}. Fix: write it without quotes in the file, \"label\": {value}.")
         if not isinstance(label, bool):
             raise UserError(f"{at}: `label` is {label!r}, not true or false. Fix: label each answer true (desirable) "
                             "or false (undesirable).")

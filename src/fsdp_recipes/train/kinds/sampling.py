@@ -369,6 +369,12 @@ def load_datasets(cfg, want_eval: bool | None = None):
     """(train, eval or None): prompts and the columns the rewards read; a `completion` column becomes `answer`."""
     want_eval = cfg.training.eval_strategy != "no" if want_eval is None else want_eval
     splits = loading.load_for(cfg, want_eval, check_columns)
+    for ds in splits:  # `label` is not read: a false row's completion would become an answer the rewards score right
+        if ds is not None:
+            loading.check_no_undesirable_answers(
+                ds, cfg.script.dataset_name or "mixture", cfg.trainer.upper(),
+                f"{cfg.trainer.upper()} would take their completions as the right answers (`answer`) its rewards "
+                "compare with, and train towards them")
     return tuple(None if ds is None else with_answer(ds) for ds in splits)
 
 
