@@ -117,6 +117,22 @@ def test_bad_input_is_one_line(args, message, monkeypatch, capsys):
     assert "Fix:" in lines[0], lines[0]  # the problem and the fix (errors.py)
 
 
+def test_a_local_model_the_launcher_refuses_is_the_launchers_line(tmp_path, monkeypatch, capsys):
+    """A missing folder and a LoRA run's adapter folder: the launcher's own line (config/model_found.py), not "the
+    config is not available offline" with a fix about model_config.json."""
+    from fsdp_recipes.config.model_found import check_local_model
+    from fsdp_recipes.errors import UserError
+
+    adapter = tmp_path / "lora-run"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "mistralai/Mistral-7B-v0.3"}')
+    for path in (str(tmp_path / "nothere"), str(adapter)):
+        res = plan_here(monkeypatch, capsys, "mistral-7b-full", "--gpus", "8", "--model_name_or_path", path)
+        with pytest.raises(UserError) as launcher:
+            check_local_model(path)
+        assert res.returncode == 2 and res.stderr.strip() == f"error: {launcher.value}", res.stderr
+
+
 @pytest.mark.slow
 def test_make_plan_runs_the_planner():
     res = subprocess.run(["make", "--no-print-directory", "plan", "RECIPE=ddp-baseline", "GPUS=8", "GPU=H200"],
