@@ -11,6 +11,7 @@ from fsdp_recipes.errors import UserError
 from fsdp_recipes.planning import checkpointing, comms, duration, fit, mesh_fit, mesh_lines
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB, budget
+from fsdp_recipes.speed import yarn
 from fsdp_recipes.train import kinds
 
 NODE_GPUS = 8  # GPUs of an HGX/DGX board: the node size a topology answer uses when GPUS names fewer
@@ -47,8 +48,6 @@ def context_warnings(p) -> list[str]:
     """One line where max_length passes the model's trained positions (max_position_embeddings) without YaRN: the
     plan counts rows of that length, which the model was never trained to place (the launcher does not refuse it:
     only rows that long would be affected)."""
-    from fsdp_recipes.speed import yarn
-
     length, limit = getattr(p.cfg.training, "max_length", None), getattr(p.model.config, "max_position_embeddings", 0)
     if not length or not limit or length <= limit or yarn.enabled(p.cfg):
         return []
