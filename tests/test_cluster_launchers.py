@@ -6,6 +6,7 @@ real ones render what their schedulers need (the recipe's world size, the preemp
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,11 +155,27 @@ def test_slurm_jobs_comments_say_its_own_signal_lead_and_usage(capsys, tmp_path)
     assert f'#   ARGS="--max_steps 500" sbatch {tmp_path / "job" / "job.sbatch"}' in said
 
 
-def test_local_job_runs_launch_sh_with_its_gpu_count(tmp_path, capsys):
+def test_local_job_runs_the_launcher_with_its_gpu_count(tmp_path, capsys):
+    """What launch.sh runs, not launch.sh: a recipe folder copied without it got `exec bash <folder>/launch.sh`, which
+    does not exist, where the launcher runs the folder fine."""
+    import importlib.util
+
+    from fsdp_recipes.cluster import local
+
     text = rendered(["--launcher", "local", "tiny-cpu-lora", "--gpus", "2"], capsys)
     assert 'export FSDP_RECIPES_LAUNCH_ARGS="--num_processes 2"' in text
-    assert 'exec bash recipes/tiny-cpu-lora/launch.sh "$@"' in text
+    assert 'exec "$py" -m fsdp_recipes.launch.launcher recipes/tiny-cpu-lora "$@"' in text
     assert "within 120 s" in text  # no scheduler kills after torchrun's own grace: the recipe's
+    copied = tmp_path / "copied"
+    shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", copied, ignore=shutil.ignore_patterns("launch.sh"))
+    text = rendered(["--launcher", "local", str(copied), "--nodes", "1", "--gpus", "2"], capsys)
+    assert f'exec "$py" -m fsdp_recipes.launch.launcher {copied} "$@"' in text
+    assert "bash " not in text.replace("#!/usr/bin/env bash", "")  # nothing runs a launch.sh
+    spec = importlib.util.spec_from_file_location("sync_recipes", REPO / "scripts" / "sync_recipes.py")
+    sync = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sync)
+    assert local.NOT_INSTALLED == sync.NOT_INSTALLED  # launch.sh's line, word for word
+    assert 'py=$(command -v python || command -v python3 || true)' in sync.LAUNCH_SH
 
 
 @pytest.mark.parametrize("args, message", [

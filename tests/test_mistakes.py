@@ -110,10 +110,12 @@ def env_case(**variables):
     return make
 
 
-def acc_case(**fsdp):
+def acc_case(top=None, **fsdp):
+    """The recipe's accelerate.yaml with these fsdp_config keys (and `top`'s top-level keys) set."""
     def make(recipe, tmp):
         acc = yaml.safe_load((recipe / "accelerate.yaml").read_text())
         acc["fsdp_config"].update(fsdp)
+        acc.update(top or {})
         (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
         return []
     return make
@@ -241,6 +243,18 @@ CASES = {
                                     "MistralForCausalLM does not have"),
     "accelerate-fsdp1-key-under-fsdp2": (acc_case(fsdp_sharding_strategy="FULL_SHARD"), "only apply to FSDP1"),
     "accelerate-unknown-key": (acc_case(fsdp_offload_parms=True), "unknown fsdp_config key `fsdp_offload_parms`"),
+    # bad values (config/accelerate_values.py): they failed in the ranks, some cryptically
+    "accelerate-mixed-precision-value": (acc_case({"mixed_precision": "bf17"}),
+                                         "accelerate.yaml: mixed_precision 'bf17' is not one of no, fp16, bf16, fp8"),
+    "accelerate-fsdp-version-3": (acc_case(fsdp_version=3), "fsdp_config.fsdp_version 3 is not one of 1, 2"),
+    "accelerate-reshard-not-yes-no": (acc_case(fsdp_reshard_after_forward="maybe"),
+                                      "fsdp_reshard_after_forward 'maybe' is not one of true, false"),
+    "accelerate-local-state-dict-fsdp2": (acc_case(fsdp_state_dict_type="LOCAL_STATE_DICT"),
+                                          "'LOCAL_STATE_DICT' is not one of FULL_STATE_DICT, SHARDED_STATE_DICT"),
+    "accelerate-wrap-policy-misspelled": (acc_case(fsdp_auto_wrap_policy="TRANSFORMERS_BASED_WRAP"),
+                                          "'TRANSFORMERS_BASED_WRAP' is not one of TRANSFORMER_BASED_WRAP, "),
+    "accelerate-num-processes-word": (acc_case({"num_processes": "two"}),
+                                      "accelerate.yaml: num_processes 'two' is not a whole number"),
     # environment
     "env-unset-variable-in-path": (cli_case("--dataset_name", "$NO_SUCH_VAR_FOR_TEST/data"),
                                    "$NO_SUCH_VAR_FOR_TEST, which is not set here"),

@@ -117,6 +117,22 @@ def test_bad_input_is_one_line(args, message, monkeypatch, capsys):
     assert "Fix:" in lines[0], lines[0]  # the problem and the fix (errors.py)
 
 
+def test_a_local_model_the_launcher_refuses_is_the_launchers_line(tmp_path, monkeypatch, capsys):
+    """A missing folder and a LoRA run's adapter folder: the launcher's own line (config/model_found.py), not "the
+    config is not available offline" with a fix about model_config.json."""
+    from fsdp_recipes.config.model_found import check_local_model
+    from fsdp_recipes.errors import UserError
+
+    adapter = tmp_path / "lora-run"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "mistralai/Mistral-7B-v0.3"}')
+    for path in (str(tmp_path / "nothere"), str(adapter)):
+        res = plan_here(monkeypatch, capsys, "mistral-7b-full", "--gpus", "8", "--model_name_or_path", path)
+        with pytest.raises(UserError) as launcher:
+            check_local_model(path)
+        assert res.returncode == 2 and res.stderr.strip() == f"error: {launcher.value}", res.stderr
+
+
 @pytest.mark.slow
 def test_make_plan_runs_the_planner():
     res = subprocess.run(["make", "--no-print-directory", "plan", "RECIPE=ddp-baseline", "GPUS=8", "GPU=H200"],
@@ -289,3 +305,35 @@ def test_dpos_comms_and_time_count_a_pair_as_two_sequences():
     pair = types.SimpleNamespace(answer_names=["chosen", "rejected"], prompt=[10], answers={"chosen": [60],
                                                                                             "rejected": [5]})
     assert duration.row_tokens(pair, 0, 64) == 64 + 15
+
+
+def test_max_length_past_the_models_context_is_one_warning(monkeypatch, capsys):
+    """Mistral-7B's 32,768 positions: a max_length past them is said in one warning line (the launcher does not
+    refuse it: rows that long are what it affects), not only "does not fit. Fix: more GPUs or nodes"."""
+    res = plan_here(monkeypatch, capsys, "mistral-7b-full", "--gpus", "8", "--max_length", "1000000")
+    warned = [line for line in res.stdout.splitlines() if line.startswith("warning: max_length")]
+    assert warned == ["warning: max_length 1,000,000 is beyond MistralForCausalLM's context of 32,768 tokens "
+                      "(max_position_embeddings): the plan counts rows of 1,000,000 tokens, longer than any it was "
+                      "trained on. Fix: --max_length 32768 or less, or yarn_rope_scaling: true to stretch its "
+                      "positions."], res.stdout
+    res = plan_here(monkeypatch, capsys, "mistral-7b-full", "--gpus", "8", "--max_length", "32768")
+    assert "warning: max_length" not in res.stdout
+
+
+@pytest.mark.parametrize("params, trainable, said", [
+    (3_040_000, 3_040_000, ("3.04M", "3.04M")),  # the tiny model: was "0.00B parameters, 0.003B trainable"
+    (3_700_000, 660_000, ("3.70M", "0.66M")),
+    (8_072_204_288, 41_943_040, ("8.07B", "0.042B")),  # the recipe READMEs' lines, unchanged
+    (8_072_204_288, 200_000, ("8.07B", "0.20M")),  # a few trainable ones: not "0.000B"
+])
+def test_parameter_counts_keep_their_digits(params, trainable, said):
+    from fsdp_recipes.planning.answers import counts
+
+    m = type("Shape", (), {"params": params, "active": params, "trainable": trainable})
+    assert (counts(m)[0], counts(m)[2]) == said
+
+
+def test_a_tiny_models_plan_says_millions(monkeypatch, capsys):
+    res = plan_here(monkeypatch, capsys, "tiny-cpu-lora", "--use_peft", "false", "--gpus", "1")
+    first = res.stdout.splitlines()[0]
+    assert "M parameters, " in first and "M trainable (full fine-tuning)" in first and "0.00B" not in first, first

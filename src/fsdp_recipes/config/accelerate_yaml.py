@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fsdp_recipes.config.accelerate_values import check_values
 from fsdp_recipes.config.yaml_keys import _suggest, load_yaml
 from fsdp_recipes.errors import UserError
 
@@ -22,6 +23,7 @@ def read_accelerate_config(path: str | Path) -> dict:
     """The YAML and the pack's FSDP rules, without importing accelerate (which imports torch, 2 s: the launcher
     needs the config before it starts the ranks, and checks the keys while they import)."""
     raw = load_yaml(path, "accelerate config")
+    check_values(path, raw)  # a bad value: one line now, not an error in the ranks
     fsdp = raw.get("fsdp_config") or {}
     if raw.get("distributed_type") == "FSDP":
         version = int(fsdp.get("fsdp_version", 1))

@@ -11,6 +11,7 @@ from fsdp_recipes.errors import UserError
 from fsdp_recipes.planning import checkpointing, comms, duration, fit, mesh_fit, mesh_lines
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB, budget
+from fsdp_recipes.speed import yarn
 from fsdp_recipes.train import kinds
 
 NODE_GPUS = 8  # GPUs of an HGX/DGX board: the node size a topology answer uses when GPUS names fewer
@@ -32,6 +33,27 @@ def sequence_length(p) -> int:
     """Tokens of one trained sequence as the plain plan counts them: the trainer kind's (max_length, or a sampling
     kind's planned prompt + max_completion_length: GRPOConfig and RLOOConfig have no max_length)."""
     return kinds.load(p.cfg.trainer).sequence_length(p.cfg.training)
+
+
+def counts(m) -> tuple[str, str, str]:
+    """(parameters, active per token, trainable) as the plan's first line says them: in billions (the trainable ones
+    to 3 places) from 0.1B up, else in millions, so a tiny model's are no "0.00B parameters, 0.003B trainable"."""
+    if m.params < 1e8:
+        return f"{m.params / 1e6:.2f}M", f"{m.active / 1e6:.2f}M", f"{m.trainable / 1e6:.2f}M"
+    trainable = f"{m.trainable / 1e9:.3f}B" if not 0 < m.trainable < 5e5 else f"{m.trainable / 1e6:.2f}M"
+    return f"{m.params / 1e9:.2f}B", f"{m.active / 1e9:.2f}B", trainable
+
+
+def context_warnings(p) -> list[str]:
+    """One line where max_length passes the model's trained positions (max_position_embeddings) without YaRN: the
+    plan counts rows of that length, which the model was never trained to place (the launcher does not refuse it:
+    only rows that long would be affected)."""
+    length, limit = getattr(p.cfg.training, "max_length", None), getattr(p.model.config, "max_position_embeddings", 0)
+    if not length or not limit or length <= limit or yarn.enabled(p.cfg):
+        return []
+    return [f"warning: max_length {length:,} is beyond {type(p.model).__name__}'s context of {limit:,} tokens "
+            f"(max_position_embeddings): the plan counts rows of {length:,} tokens, longer than any it was trained "
+            f"on. Fix: --max_length {limit} or less, or yarn_rope_scaling: true to stretch its positions."]
 
 
 def fit_section(p) -> str:

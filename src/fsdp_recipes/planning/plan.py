@@ -94,6 +94,8 @@ def load_recipe(name: str | recipes.Recipe, recipes_root: Path | None = None, ov
         # recipe ships, and so has the default's model before its first launch prepares it: the plan needs neither
         source = recipe / "model_config.json"
     if source is None:
+        if model_found.looks_local(model_args.model_name_or_path):  # the launcher's line: no folder, an adapter
+            model_found.check_local_model(model_args.model_name_or_path)
         raise UserError(f"recipe {recipe.name}: the config of {model_args.model_name_or_path} is not available offline. "
                         "Fix: save the model's config.json as model_config.json in the recipe folder.")
     model = model_check.meta_model(model_check.load_config(source))
@@ -294,11 +296,12 @@ def report(p: Planned) -> str:
     gpus, nodes, own = p.gpus, p.nodes, p.own
     dp = mesh.data_parallel_size(gpus * nodes, p.setup)  # a mesh's tp and cp ranks share their rows
     global_batch = training.per_device_train_batch_size * training.gradient_accumulation_steps * dp
+    params, active, trainable = answers.counts(m)
     lines = [
-        f"recipe {p.recipe.name}: {type(p.model).__name__}, {m.params / 1e9:.2f}B parameters, " + (
-            f"{m.active / 1e9:.2f}B active per token ({m.top_k} of {m.experts} experts: FLOPs and MFU count these; "
+        f"recipe {p.recipe.name}: {type(p.model).__name__}, {params} parameters, " + (
+            f"{active} active per token ({m.top_k} of {m.experts} experts: FLOPs and MFU count these; "
             "memory all), " if m.experts else "") +
-        f"{m.trainable / 1e9:.3f}B trainable ({'LoRA' if model_args.use_peft else 'full fine-tuning'})",
+        f"{trainable} trainable ({'LoRA' if model_args.use_peft else 'full fine-tuning'})",
         mesh_lines.header(p) if mesh_lines.Split.of(p.setup).meshed else
         f"topology {nodes} node(s) x {gpus} {p.gpu} ({p.capacity:.1f} GiB each); recipe strategy {own}, "
         f"parameters sharded over {p.runs[own].shard} GPU(s)",
@@ -319,7 +322,7 @@ def report(p: Planned) -> str:
                      f"row's tokens ({s.local_tokens:,.0f}) and 1/{s.tp} of each layer's heads")
     if p.checkpointing:
         lines.append(checkpointing.line(p.checkpointing))
-    lines += speed.planner_notes(p.cfg, p.model.config)
+    lines += speed.planner_notes(p.cfg, p.model.config) + answers.context_warnings(p)
     host = memory_budget.host_bytes(m, s)
     if host:
         lines.append(f"host memory: {gib(host)} GiB pinned per GPU ({gib(host * gpus)} GiB per node of {gpus}): "

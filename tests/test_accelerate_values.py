@@ -1,0 +1,57 @@
+"""config/accelerate_values.py: its allowed values are accelerate's own, the pack's configs pass, and a bad value is
+one line naming the file, the key, the value and the allowed ones (tests/test_mistakes.py: through the launcher)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdp_recipes.config import accelerate_values as values
+from fsdp_recipes.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_allowed_values_are_accelerates():
+    from accelerate.utils import constants
+    from accelerate.utils.dataclasses import DistributedType, PrecisionType
+
+    assert sorted(values.MIXED_PRECISION) == sorted(p.value for p in PrecisionType)
+    assert sorted(values.DISTRIBUTED_TYPES) == sorted(d.value for d in DistributedType)
+    assert values.FSDP_AUTO_WRAP_POLICY == constants.FSDP_AUTO_WRAP_POLICY
+    assert values.FSDP_STATE_DICT_TYPE == constants.FSDP_STATE_DICT_TYPE
+    assert values.FSDP_SHARDING_STRATEGY == constants.FSDP_SHARDING_STRATEGY
+    assert values.FSDP_BACKWARD_PREFETCH == constants.FSDP_BACKWARD_PREFETCH
+
+
+CONFIGS = sorted(REPO.glob("accelerate_configs/*.yaml")) + sorted(REPO.glob("recipes/*/accelerate.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(REPO)))
+def test_the_packs_configs_pass(path):
+    raw = yaml.safe_load(path.read_text())
+    if "compute_environment" in raw:  # accelerate_configs/recipes.yaml is the recipes' table, no accelerate config
+        values.check_values(path, raw)
+
+
+@pytest.mark.parametrize("raw, fragment", [
+    ({"mixed_precision": False}, "mixed_precision False is not one of no, fp16, bf16, fp8"),
+    ({"distributed_type": "FSPD"}, "distributed_type 'FSPD' is not one of NO, MULTI_CPU"),
+    ({"num_machines": 0}, "num_machines 0 is not a whole number of 1 or more"),
+    ({"fsdp_config": {"fsdp_version": 1, "fsdp_sharding_strategy": "FULL"}}, "fsdp_sharding_strategy 'FULL'"),
+    ({"fsdp_config": {"fsdp_version": 1, "fsdp_reshard_after_forward": "ALL"}}, "'ALL' is not one of FULL_SHARD"),
+    ({"fsdp_config": {"fsdp_offload_params": "sometimes"}}, "fsdp_offload_params 'sometimes' is not one of true"),
+    ({"parallelism_config": {"parallelism_config_dp_shard_size": "eight"}}, "parallelism_config_dp_shard_size 'eight'"),
+])
+def test_a_bad_value_is_one_line(raw, fragment):
+    with pytest.raises(UserError) as err:
+        values.check_values("x/accelerate.yaml", raw)
+    line = str(err.value)
+    assert line.startswith("x/accelerate.yaml: ") and fragment in line and "Fix: " in line and "\n" not in line, line
+
+
+def test_what_accelerate_reads_passes():
+    values.check_values("a.yaml", {"mixed_precision": "BF16", "num_processes": "8", "fsdp_config": {
+        "fsdp_version": 1, "fsdp_reshard_after_forward": "shard_grad_op", "fsdp_sharding_strategy": 1,
+        "fsdp_use_orig_params": "True"}})
+    values.check_values("a.yaml", {"fsdp_config": {"fsdp_version": "2", "fsdp_reshard_after_forward": "false"}})
