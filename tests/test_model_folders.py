@@ -169,7 +169,7 @@ def test_make_export_never_writes_over_a_run_a_model_or_a_file(folders, tmp_path
                                                                "peft_config": {"r": 2, "peft_type": "LORA"}}))
     (run / "run_args.json").write_text("{}\n")
     before = sorted(p.name for p in run.iterdir())
-    fix = rf"Fix: export into a new or empty folder, e.g. OUT={ckpt}-exported\.$"
+    fix = rf"Fix: export into a new or empty folder, e.g. OUT={tmp_path / 'run-checkpoint-2'}\.$"  # beside the run
     with pytest.raises(UserError, match=rf"^{run} is a run's output_dir: the export would replace the run's own "
                                         rf"final model with checkpoint-2's\. {fix}"):
         export.export(ckpt, run)

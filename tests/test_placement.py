@@ -162,8 +162,13 @@ def test_on_a_cpu_with_bf16_arithmetic_the_default_trains_with_bf16_autocast_and
         assert placement.cpu_precision("smollm2-135m-lora", raw, overrides, ["amx_bf16"]) == placement.Placement()
     # fp16 is refused: accelerate's loss scaler is for GPUs, and FSDP still computes in float16 on a CPU
     for overrides, written in ((["--fp16=true"], raw), ([], {**raw, "fp16": True})):
-        with pytest.raises(UserError, match=r"fp16 on a CPU computes in float16 with no loss scaler.*Fix: --bf16 true"):
+        with pytest.raises(UserError, match=r"fp16 on a CPU computes in float16 with no loss scaler.*Fix: --fp16 "
+                                            r"false --bf16 true"):
             placement.cpu_precision("smollm2-135m-lora", written, overrides, ["amx_bf16"])
+    # the fix it names passes: the recipe's fp16 off, bf16 on
+    fixed = placement.cpu_precision("smollm2-135m-lora", {**raw, "fp16": True}, ["--fp16", "false", "--bf16", "true"],
+                                    ["amx_bf16"])
+    assert fixed == placement.Placement()
     smoke = placement.cpu_precision("smollm2-135m-lora", raw, ["--fp16", "true"], [], smoke=True)
     assert smoke.overrides == [] and "checks the plumbing, not the numbers" in smoke.notes[0]
     tiny, _ = recipe_yamls("tiny-cpu-lora")

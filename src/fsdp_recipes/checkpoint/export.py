@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import warnings
@@ -81,12 +82,16 @@ def refuse_taken(out: Path, ckpt: Path, adapter: bool) -> None:
     """Before anything is read or written: OUT a file; OUT a run's output_dir (the export replaced the run's final
     weights with the checkpoint's, and a full model's left the run's index naming a shard it had removed); OUT
     holding a model or adapter already (another run's merged/ was replaced without a word)."""
-    fix = f"Fix: export into a new or empty folder, e.g. OUT={ckpt.parent / (ckpt.name + '-exported')}"
+    # beside the run, not in it: a checkpoint-N-exported folder in output_dir is a checkpoint to the Trainer's
+    # rotation (save_total_limit) and to --overwrite_output_dir, which would delete it
+    beside = ckpt.parent.parent / f"{ckpt.parent.name}-{ckpt.name}"
+    fix = f"Fix: export into a new or empty folder, e.g. OUT={beside}"
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} is a file, not a folder to export into. {fix}.")
     if not out.is_dir():
         return
-    if (out / "run_args.json").is_file() or (out / "metrics.json").is_file() or any(out.glob("checkpoint-*")):
+    if ((out / "run_args.json").is_file() or (out / "metrics.json").is_file()
+            or any(re.fullmatch(r"checkpoint-\d+", p.name) for p in out.iterdir())):
         raise UserError(f"{out} is a run's output_dir: the export would replace the run's own final model with "
                         f"{ckpt.name}'s. {fix}.")
     refuse_a_second_kind(out, adapter)

@@ -153,8 +153,8 @@ def cpu_precision(recipe: str, raw: dict, overrides: list[str], flags: list[str]
             return Placement(notes=[f"recipe {recipe}: fp16 on this CPU computes in float16 without a loss scaler "
                                     "(accelerate's is for GPUs): this smoke run checks the plumbing, not the numbers"])
         raise UserError(f"recipe {recipe}: fp16 on a CPU computes in float16 with no loss scaler (accelerate keeps its "
-                        "scaler for GPUs), so gradients below float16's range are lost. Fix: --bf16 true (bf16 "
-                        "compute, float32 master weights, no scaler needed) or --fp16 false (float32)")
+                        "scaler for GPUs), so gradients below float16's range are lost. Fix: --fp16 false --bf16 true "
+                        "(bf16 compute, float32 master weights, no scaler needed) or --fp16 false (float32)")
     setting = str(override(overrides, "cpu_bf16", raw.get("cpu_bf16", "false"))).strip().lower()
     if setting not in CPU_BF16:
         raise UserError(f"cpu_bf16 {setting!r} is not a setting. Fix: cpu_bf16: auto (bf16 autocast on a CPU with "
