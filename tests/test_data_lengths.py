@@ -237,6 +237,26 @@ def test_make_data_refuses_what_the_launcher_refuses_of_the_trainer_kind(cache_d
     assert fragment in errors[0] and "Fix:" in errors[0], errors[0]
 
 
+def test_make_data_checks_a_vllm_recipe_without_the_gpus_it_runs_on(cache_dir, capsys, tmp_path):
+    """make data parses as on a CPU (use_cpu, as make plan): the sampling backend is the run's machine's to decide
+    (the launcher's and each rank's settle_generation), so `generation_backend: vllm` was refused on every machine."""
+    from recipe_variant import recipe_variant
+
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.train import kinds
+
+    folder = recipe_variant(tmp_path, "tiny-grpo", trainer="grpo", drop=("max_length", "per_device_eval_batch_size"),
+                            eval_strategy="no", generation_backend="vllm",
+                            reward_funcs=["fsdp_recipes.rewards.exact_answer"])
+    res = preview([folder], capsys)
+    assert res.returncode == 0, res.stdout + res.stderr
+    from fsdp_recipes.launch import data_preview  # the run's own decision still refuses vLLM where it cannot run
+
+    cfg = data_preview.load_config(str(folder), [])[1]
+    with pytest.raises(UserError, match="generation_backend vllm, but"):
+        kinds.load("grpo").settle_generation(cfg)
+
+
 def test_make_data_on_the_tiny_recipe(cache_dir, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     res = preview(["tiny-cpu-lora"], capsys)

@@ -25,7 +25,9 @@ def check_before_launch(cfg: RunConfig, nodes: int = 1) -> None:
     value_checks.check_values(cfg)
     # a misspelt format or column mapping, before any row is read: the registry's names (data/formats/)
     declaration.parse_spec(cfg.pack.dataset_format)
-    kinds.load(cfg.trainer).check_config(cfg)
+    kind = kinds.load(cfg.trainer)
+    kind.check_config(cfg)
+    kind.settle_generation(cfg)
 
 
 def prepare_assets(cfg: RunConfig, quiet: bool = False) -> None:

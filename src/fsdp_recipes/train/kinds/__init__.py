@@ -23,7 +23,8 @@ config/kind_registry.py (the config layer needs them before any training code lo
     SMOKE_DATA                        which of tiny_assets' datasets `make smoke` trains on
     describe_tokens                   how tokens/s and MFU count this kind's work (docs/run-report.md)
 Optional, with the defaults of TrainerKind: SMOKE_SETTINGS (fields `make smoke` replaces: a sampling kind's reward),
-generation_setup(cfg, capacity_gib) (`make plan`'s memory for sampling), describe_generation(training) (the run's
+generation_setup(cfg, capacity_gib) (`make plan`'s memory for sampling), settle_generation(cfg) (the sampling
+backend for this machine, after check_config: not in `make data`), describe_generation(training) (the run's
 first lines say how completions are sampled), check_learned(log_history, training) (a run whose rewards never varied
 stops before its final save, in one line), count_prepared(trainer, prepared, counter) (counts the batch that exists
 only after sampling) and summary_lines(metrics) (the end-of-run summary's lines of the kind's own). A kind module may
@@ -82,6 +83,7 @@ class TrainerKind:
     describe_tokens: str
     SMOKE_SETTINGS: dict = dataclasses.field(default_factory=dict)
     generation_setup: Callable = _no_setup
+    settle_generation: Callable = _no_check
     describe_generation: Callable | None = None
     check_learned: Callable = _no_check
     count_prepared: Callable | None = None

@@ -262,6 +262,13 @@ def check_config(cfg) -> None:
                         f"{cfg.training.num_generations} completions, and without randomness they are alike, score "
                         "alike and teach nothing (transformers refuses it for sampling). Fix: set temperature above "
                         "0 (1.0 samples the policy as it is).")
+    check_backend(cfg.kind_args.generation_backend)
+
+
+def settle_generation(cfg) -> None:
+    """Where the completions are sampled on the machine that runs the recipe (the launcher's and each rank's):
+    apart from check_config, so that `make data` on a laptop checks a vLLM recipe's settings without asking for the
+    GPUs it will run on."""
     cfg.training.use_vllm = use_vllm(cfg.kind_args.generation_backend, cfg.training.use_cpu)
 
 
