@@ -169,7 +169,8 @@ class Settings:
     """What differs between runs' recorded settings: `kinds` (one per run) where the runs' trainer kinds differ,
     else None; `rows`, (setting, one value per run), the settings every run recorded first; `only` (section, runs
     that have it, number of fields): the fields of a kind's own section that another kind's runs do not have, told
-    as a count, not a row each (DPO's 40 `dpo_config` fields against an SFT run would fill the table)."""
+    as a count, not a row each (a preference kind's 40 own fields against a run of another kind would fill
+    the table)."""
 
     kinds: list | None
     rows: list[tuple[str, list[str]]]
@@ -186,7 +187,8 @@ def compare_settings(runs: list[dict]) -> Settings:
     option, `learning_rate`, a library version, an accelerate setting, ...). Gap it fills: the metrics say how runs
     differ in speed and loss; this says what differed in how they ran. Runs of different trainer kinds (SFT and
     DPO) are compared on what both recorded: the trainer kind first, then the fields their TRL configs share under
-    one name (`sft_config/dpo_config.learning_rate`), then the rest; a kind's own fields are counted per section."""
+    one name (`<kind a>_config/<kind b>_config.learning_rate`), then the rest; a kind's own fields are counted per
+    section."""
     kinds = [kind_of(r) for r in runs]
     mixed = len(set(kinds)) > 1
     own = {suffix: "/".join(dict.fromkeys(f"{k}{suffix}" for k, r in zip(kinds, runs) if f"{k}{suffix}" in
