@@ -55,3 +55,19 @@ def test_what_accelerate_reads_passes():
         "fsdp_version": 1, "fsdp_reshard_after_forward": "shard_grad_op", "fsdp_sharding_strategy": 1,
         "fsdp_use_orig_params": "True"}})
     values.check_values("a.yaml", {"fsdp_config": {"fsdp_version": "2", "fsdp_reshard_after_forward": "false"}})
+
+
+def test_what_accelerate_skips_or_numbers_passes_and_what_it_rejects_does_not():
+    """A review found: nulls accelerate skips (utils/launch.py) and the enums' numbers it reads
+    (StateDictType(int(...)), BackwardPrefetch(int(...))) were refused; a lowercase distributed_type, which
+    DistributedType("fsdp") rejects in the ranks, passed."""
+    values.check_values("a.yaml", {"fsdp_config": {"fsdp_version": 1, "fsdp_auto_wrap_policy": None,
+                                                   "fsdp_state_dict_type": 2, "fsdp_backward_prefetch": "1"}})
+    values.check_values("a.yaml", {"fsdp_config": {"fsdp_version": 2, "fsdp_state_dict_type": None,
+                                                   "fsdp_backward_prefetch": None}})
+    with pytest.raises(UserError, match=r"fsdp_state_dict_type 4 is not one of"):
+        values.check_values("a.yaml", {"fsdp_config": {"fsdp_version": 1, "fsdp_state_dict_type": 4}})
+    with pytest.raises(UserError, match=r"distributed_type 'fsdp' is not one of NO"):
+        values.check_values("a.yaml", {"distributed_type": "fsdp"})
+    # FSDP2 has no backward prefetch key at all: accelerate_yaml's FSDP1 rule says to remove it, not a value to use
+    values.check_values("a.yaml", {"fsdp_config": {"fsdp_version": 2, "fsdp_backward_prefetch": "PRE"}})

@@ -37,7 +37,7 @@ def check_values(path: str | Path, raw: dict) -> None:
         bad(path, "mixed_precision", mixed, MIXED_PRECISION,
             "bf16 on GPUs that have it, else 'no' (quoted: YAML reads no as false)")
     dist = raw.get("distributed_type")
-    if dist is not None and (dist is False or str(dist).upper() not in DISTRIBUTED_TYPES):
+    if dist is not None and (dist is False or str(dist) not in DISTRIBUTED_TYPES):  # DistributedType(value): as written
         bad(path, "distributed_type", dist, DISTRIBUTED_TYPES,
             "FSDP (write \"NO\" quoted: YAML reads no as false)")
     for key, least in COUNTS.items():
@@ -51,18 +51,23 @@ def check_values(path: str | Path, raw: dict) -> None:
     if not count(version, 1) or int(str(version)) not in FSDP_VERSIONS:
         bad(path, "fsdp_config.fsdp_version", version, FSDP_VERSIONS, "2 (FSDP2)")
     version = int(str(version))
-    for key, allowed, fix in (
+    for key, allowed, fix, numbered in (
             ("fsdp_auto_wrap_policy", FSDP_AUTO_WRAP_POLICY,
-             "TRANSFORMER_BASED_WRAP (one FSDP unit per decoder layer)"),
-            ("fsdp_state_dict_type", FSDP_STATE_DICT_TYPE, "FULL_STATE_DICT or SHARDED_STATE_DICT"),
-            ("fsdp_backward_prefetch", FSDP_BACKWARD_PREFETCH, "BACKWARD_PRE")):
-        if key in fsdp and str(fsdp[key]).upper() not in allowed:
-            bad(path, f"fsdp_config.{key}", fsdp[key], allowed, fix)
+             "TRANSFORMER_BASED_WRAP (one FSDP unit per decoder layer)", False),
+            ("fsdp_state_dict_type", FSDP_STATE_DICT_TYPE, "FULL_STATE_DICT or SHARDED_STATE_DICT", True),
+            ("fsdp_backward_prefetch", FSDP_BACKWARD_PREFETCH, "BACKWARD_PRE", True)):
+        value = fsdp.get(key)
+        if value is None or (key == "fsdp_backward_prefetch" and version == 2):
+            continue  # accelerate skips a null; FSDP2 has no such key, which accelerate_yaml's FSDP1 rule names
+        # accelerate takes the enum's number too (StateDictType(int(...)), BackwardPrefetch(int(...)))
+        in_range = numbered and str(value).isdigit() and 1 <= int(str(value)) <= len(allowed)
+        if not in_range and str(value).upper() not in allowed:
+            bad(path, f"fsdp_config.{key}", value, allowed, fix)
     if version == 2 and str(fsdp.get("fsdp_state_dict_type", "")).upper() == "LOCAL_STATE_DICT":
         bad(path, "fsdp_config.fsdp_state_dict_type", fsdp["fsdp_state_dict_type"], ["FULL_STATE_DICT",
             "SHARDED_STATE_DICT"], "FULL_STATE_DICT or SHARDED_STATE_DICT (FSDP2 has no LOCAL_STATE_DICT)")
     strategy = fsdp.get("fsdp_sharding_strategy")
-    if strategy is not None and not sharding_strategy(strategy):
+    if strategy is not None and version == 1 and not sharding_strategy(strategy):  # FSDP2: accelerate_yaml's rule
         bad(path, "fsdp_config.fsdp_sharding_strategy", strategy, FSDP_SHARDING_STRATEGY, "FULL_SHARD")
     for key in FSDP_YES_NO:
         if key in fsdp and not yes_no(fsdp[key]):
