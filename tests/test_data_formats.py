@@ -215,6 +215,11 @@ def test_a_column_name_with_spaces_is_quoted_as_in_a_shell(tmp_path):
         "prompt_completion", {"prompt": "Date", "completion": "Adj. Close*"}, {})
     assert declaration.parse_spec('alpaca "instruction=the question", output=a') == Spec(
         "alpaca", {"instruction": "the question", "output": "a"}, {})
+    # a quote inside a name, or a backslash, is part of it (they were "no closing quotation", and a lost backslash)
+    assert declaration.parse_spec("prompt_completion prompt=Q completion=it's") == Spec(
+        "prompt_completion", {"prompt": "Q", "completion": "it's"}, {})
+    assert declaration.parse_spec(r"prompt_completion prompt=a\b completion='c\d e'") == Spec(
+        "prompt_completion", {"prompt": r"a\b", "completion": r"c\d e"}, {})
     csv = tmp_path / "msft.csv"
     csv.write_text("Date,Open,Adj. Close*\n19-Sep-03 ,29.76,29.79\n18-Sep-03 ,28.49,29.53\n")
     train, _ = load(csv, "prompt_completion prompt=Date completion='Adj. Close*'")

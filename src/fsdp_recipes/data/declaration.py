@@ -12,7 +12,9 @@ train/run_checks.py checks a recipe's declaration here before any row is read.
 
 from __future__ import annotations
 
+import re
 import shlex
+from typing import NoReturn
 
 from fsdp_recipes.data import formats
 from fsdp_recipes.data.spec import DOCS, ROLES, Spec, names_shown
@@ -48,18 +50,23 @@ def parse_spec(text: str | None) -> Spec | None:
 def split_words(text: str) -> list[str]:
     """The declaration's words, split as a shell splits them (shlex), commas separating too: a column name with a
     space or a comma is quoted, `prompt_completion prompt=Date completion='Adj. Close*'`."""
+    if not re.search(r"""(^|[\s,=])['"]""", text):  # no value starts with a quote: `completion=it's` stays whole
+        return [w for w in re.split(r"[\s,]+", text.strip()) if w] or split_nothing(text)
     lexer = shlex.shlex(text, posix=True)
     lexer.whitespace += ","
     lexer.whitespace_split = True
     lexer.commenters = ""
+    lexer.escape = ""  # a backslash is part of a column name, not an escape
     try:
         words = list(lexer)
     except ValueError as err:  # "No closing quotation", "No escaped character"
         raise UserError(f"dataset_format {text!r}: {str(err)[0].lower()}{str(err)[1:]}. Fix: close the quotes around a "
                         "column name that has spaces, e.g. `prompt_completion completion='Adj. Close*'`.") from None
-    if not words:
-        raise UserError(f"dataset_format {text!r} names no format. Fix: name one of {', '.join(formats.names())}.")
-    return words
+    return words or split_nothing(text)
+
+
+def split_nothing(text: str) -> NoReturn:
+    raise UserError(f"dataset_format {text!r} names no format. Fix: name one of {', '.join(formats.names())}.")
 
 
 def detect(columns: list[str], first: dict | None, text_field: str = "text") -> Spec | None:
