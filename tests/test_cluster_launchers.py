@@ -153,6 +153,13 @@ def test_slurm_jobs_comments_say_its_own_signal_lead_and_usage(capsys, tmp_path)
     assert "USR1@300" not in text and "five minutes" not in text and "minutes before" not in said
     assert "mistral-small-lora" not in said and "slurm/fsdp_1node.sbatch\n" not in text
     assert f'#   ARGS="--max_steps 500" sbatch {tmp_path / "job" / "job.sbatch"}' in said
+    # a template whose usage comment the user edited away keeps its words (it raised "a bug in the repository")
+    from types import SimpleNamespace
+
+    from fsdp_recipes.cluster import slurm
+
+    job = SimpleNamespace(options=SimpleNamespace(out=None), name="tiny-cpu-lora", grace_s=180)
+    assert slurm.job_comments("#!/bin/bash\n# my own notes\n", job) == "#!/bin/bash\n# my own notes\n"
 
 
 def test_local_job_runs_the_launcher_with_its_gpu_count(tmp_path, capsys):

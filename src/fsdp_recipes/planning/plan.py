@@ -95,7 +95,7 @@ def load_recipe(name: str | recipes.Recipe, recipes_root: Path | None = None, ov
         source = recipe / "model_config.json"
     if source is None:
         if model_found.looks_local(model_args.model_name_or_path):  # the launcher's line: no folder, an adapter
-            model_found.check_local_model(model_args.model_name_or_path)
+            model_found.check_local_model(model_args.model_name_or_path, cfg.pack.continues_from)
         raise UserError(f"recipe {recipe.name}: the config of {model_args.model_name_or_path} is not available offline. "
                         "Fix: save the model's config.json as model_config.json in the recipe folder.")
     model = model_check.meta_model(model_check.load_config(source))

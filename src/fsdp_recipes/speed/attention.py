@@ -49,8 +49,10 @@ class Choice:
     why: str
 
 
-# The flag transformers' PreTrainedModel reads before it loads a model with each implementation
-# (modeling_utils.get_correct_attn_implementation: _sdpa_can_dispatch, _flash_attn_can_dispatch, _flex_attn_can_dispatch)
+# The flag transformers' PreTrainedModel reads before it loads a model with each implementation (private class
+# attributes: modeling_utils _sdpa_can_dispatch, _flash_attn_can_dispatch, _flex_attn_can_dispatch; checked on
+# transformers 5.23). A class without the flag is not judged (a later transformers that renames them refuses no
+# launch); tests/test_attention.py fails then, as Gemma2 stops being refused
 SUPPORT_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
                  **{name: "_supports_flash_attn" for name in FLASH_PACKAGES}}
 
@@ -146,7 +148,8 @@ def supported(cls) -> list[str]:
 
 
 def unsupported(attn: str | None, cls) -> bool:
-    return cls is not None and attn in SUPPORT_FLAGS and not getattr(cls, SUPPORT_FLAGS[attn], False)
+    return (cls is not None and attn in SUPPORT_FLAGS and hasattr(cls, SUPPORT_FLAGS[attn])
+            and not getattr(cls, SUPPORT_FLAGS[attn]))
 
 
 def check_model_config(cfg, config) -> None:
