@@ -71,3 +71,13 @@ def test_what_accelerate_skips_or_numbers_passes_and_what_it_rejects_does_not():
         values.check_values("a.yaml", {"distributed_type": "fsdp"})
     # FSDP2 has no backward prefetch key at all: accelerate_yaml's FSDP1 rule says to remove it, not a value to use
     values.check_values("a.yaml", {"fsdp_config": {"fsdp_version": 2, "fsdp_backward_prefetch": "PRE"}})
+
+
+def test_ram_efficient_loadings_yes_no_is_its_speed_options_to_check():
+    from fsdp_recipes.speed import ram_efficient_loading
+
+    acc = {"distributed_type": "FSDP", "fsdp_config": {"fsdp_version": 2, "fsdp_cpu_ram_efficient_loading": "maybe"}}
+    values.check_values("a.yaml", acc)  # not this module's key (test_speed_options: named in speed/ alone)
+    with pytest.raises(UserError, match=r"^a.yaml: fsdp_config.fsdp_cpu_ram_efficient_loading 'maybe' is not one of "
+                                        r"true, false\. Fix: fsdp_cpu_ram_efficient_loading: true or false\.$"):
+        ram_efficient_loading.check_accelerate(acc, "a.yaml")

@@ -25,8 +25,9 @@ FSDP_BACKWARD_PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
 FSDP_VERSIONS = [1, 2]
 # accelerate.utils.environment.str_to_bool, which reads the env vars `accelerate launch` writes from these keys
 TRUTH = ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0")
-FSDP_YES_NO = ["fsdp_offload_params", "fsdp_cpu_ram_efficient_loading", "fsdp_activation_checkpointing",
-               "fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_forward_prefetch"]
+# (RAM-efficient loading's own key is its speed option's to check: speed/ram_efficient_loading.py)
+FSDP_YES_NO = ["fsdp_offload_params", "fsdp_activation_checkpointing", "fsdp_use_orig_params",
+               "fsdp_sync_module_states", "fsdp_forward_prefetch"]
 COUNTS = {"num_processes": 1, "num_machines": 1, "machine_rank": 0}  # the smallest each may be
 
 

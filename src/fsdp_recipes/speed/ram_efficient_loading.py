@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+from fsdp_recipes.config import accelerate_values
 from fsdp_recipes.errors import UserError
 
 FIELDS = ("fsdp_cpu_ram_efficient_loading",)  # accelerate's FSDP setting (the recipe's accelerate.yaml)
@@ -32,6 +33,10 @@ def enabled(cfg) -> bool:
 def check_accelerate(acc: dict, path) -> None:
     """FSDP1 with RAM-efficient loading needs the broadcast of rank 0's weights (the accelerate YAML alone)."""
     fsdp = acc.get("fsdp_config") or {}
+    value = fsdp.get("fsdp_cpu_ram_efficient_loading")
+    if value is not None and not accelerate_values.yes_no(value):  # the other FSDP yes/no keys: accelerate_values
+        accelerate_values.bad(path, "fsdp_config.fsdp_cpu_ram_efficient_loading", value, ["true", "false"],
+                              "true or false")
     if acc.get("distributed_type") == "FSDP" and int(fsdp.get("fsdp_version", 1)) == 1 and \
             fsdp.get("fsdp_cpu_ram_efficient_loading") and not fsdp.get("fsdp_sync_module_states"):
         raise UserError(
