@@ -315,3 +315,18 @@ def test_beta_0_passes_where_no_loss_it_scales_is_weighted(tmp_path):
 
     for kwargs in ({"loss_type": ["sft"]}, {"loss_type": ["sigmoid", "sft"], "loss_weights": [0.0, 1.0]}):
         dpo.check_trains_something(DPOConfig(output_dir=str(tmp_path), beta=0.0, use_cpu=True, **kwargs))
+
+
+def test_labelled_answers_given_to_dpo_point_at_kto_not_sft():
+    """A new user's prompt/completion/label rows under a DPO recipe were told to use an SFT recipe, which would train
+    on the answers labelled bad too."""
+    from datasets import Dataset
+
+    from fsdp_recipes.errors import UserError
+    from fsdp_recipes.train.kinds import dpo
+
+    labelled = Dataset.from_dict({"prompt": ["2+2?"], "completion": ["5"], "label": [False]})
+    with pytest.raises(UserError, match=r"Fix: rename the columns, or use a KTO recipe for these labelled answers"):
+        dpo.check_columns(labelled, "rows.jsonl")
+    with pytest.raises(UserError, match=r"or use an SFT recipe for this data\.$"):
+        dpo.check_columns(labelled.remove_columns("label"), "rows.jsonl")

@@ -62,9 +62,11 @@ def load_datasets(cfg, want_eval: bool | None = None):
 def check_columns(ds, where: str) -> None:
     cols = set(ds.column_names or [])
     if not {"chosen", "rejected"} <= cols:
+        other = ("a KTO recipe for these labelled answers (`label`: true or false)" if "label" in cols else
+                 "an SFT recipe for this data")
         raise UserError(f"dataset {where} {loading.held_columns(ds, where)}, but DPO needs `prompt`, `chosen` and "
                         "`rejected` (or `chosen` and `rejected` with the prompt inside them). Fix: rename the columns, "
-                        "or use an SFT recipe for this data.")
+                        f"or use {other}.")
 
 
 BETA_FREE = ("sft",)  # DPO loss types that beta neither scales nor divides (trl 1.16 DPOTrainer._compute_loss)
