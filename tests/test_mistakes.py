@@ -315,6 +315,23 @@ def test_lora_flags_on_a_full_fine_tuning_run_are_one_warning(monkeypatch, capsy
                      "false). Fix: --use_peft true to train a LoRA adapter, or leave them out") == 1, out
 
 
+def test_a_max_length_past_the_models_context_is_one_warning_in_the_launcher_too(monkeypatch, capsys, cache_dir):
+    """make plan warned of it and the launcher trained on without a word (speed/yarn.beyond_context says it in both)."""
+    import json
+
+    from conftest import RanksWouldStart, launcher_until_ranks
+
+    limit = json.loads((cache_dir / "tiny-mistral" / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks(["tiny-cpu-lora", "--max_length", str(2 * limit)], monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert out.count(f"warning: max_length {2 * limit:,} is beyond MistralForCausalLM's context of {limit:,} tokens "
+                     f"(max_position_embeddings)") == 1, out
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks(["tiny-cpu-lora"], monkeypatch, capsys)
+    assert "is beyond" not in capsys.readouterr().out
+
+
 def test_epochs_under_the_recipes_max_steps_are_one_warning(monkeypatch, capsys, cache_dir):
     """--num_train_epochs 0.5 under the recipe YAML's max_steps: the Trainer trains max_steps and ignored the epochs
     without a word; the launcher says so, once, naming --max_steps -1. With it, or with --max_steps too, no hidden

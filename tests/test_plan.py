@@ -313,9 +313,9 @@ def test_max_length_past_the_models_context_is_one_warning(monkeypatch, capsys):
     res = plan_here(monkeypatch, capsys, "mistral-7b-full", "--gpus", "8", "--max_length", "1000000")
     warned = [line for line in res.stdout.splitlines() if line.startswith("warning: max_length")]
     assert warned == ["warning: max_length 1,000,000 is beyond MistralForCausalLM's context of 32,768 tokens "
-                      "(max_position_embeddings): the plan counts rows of 1,000,000 tokens, longer than any it was "
-                      "trained on. Fix: --max_length 32768 or less, or yarn_rope_scaling: true to stretch its "
-                      "positions."], res.stdout
+                      "(max_position_embeddings): rows that long, or packed to it, reach positions it was never trained "
+                      "on. Fix: --max_length 32768 or less, or yarn_rope_scaling: true to stretch its positions."], \
+        res.stdout
     res = plan_here(monkeypatch, capsys, "mistral-7b-full", "--gpus", "8", "--max_length", "32768")
     assert "warning: max_length" not in res.stdout
 

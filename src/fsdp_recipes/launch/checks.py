@@ -15,6 +15,7 @@ from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.data import length_report, lengths, loading, recipe_tokenizer
 from fsdp_recipes.launch.lines import say
+from fsdp_recipes.speed import yarn
 from fsdp_recipes.train import kinds, run_checks
 
 
@@ -79,6 +80,9 @@ def check_model_and_data(recipe: Recipe, cfg: RunConfig) -> None:
     shape = json.loads(model_json.read_text()) if model_json else {}
     mesh.check_mesh_fits(mesh.mesh_of(acc, named), named, shape.get("num_attention_heads"),
                          shape.get("num_key_value_heads"), getattr(cfg.training, "max_length", None), cfg)
+    beyond = yarn.beyond_context(cfg, shape.get("max_position_embeddings"), (shape.get("architectures") or
+                                                                             ["the model"])[0])
+    warn(recipe, [beyond] if beyond else [])
     wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
                              wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model,
                              model_named=recipe.user_model is not None)

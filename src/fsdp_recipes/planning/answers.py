@@ -45,15 +45,10 @@ def counts(m) -> tuple[str, str, str]:
 
 
 def context_warnings(p) -> list[str]:
-    """One line where max_length passes the model's trained positions (max_position_embeddings) without YaRN: the
-    plan counts rows of that length, which the model was never trained to place (the launcher does not refuse it:
-    only rows that long would be affected)."""
-    length, limit = getattr(p.cfg.training, "max_length", None), getattr(p.model.config, "max_position_embeddings", 0)
-    if not length or not limit or length <= limit or yarn.enabled(p.cfg):
-        return []
-    return [f"warning: max_length {length:,} is beyond {type(p.model).__name__}'s context of {limit:,} tokens "
-            f"(max_position_embeddings): the plan counts rows of {length:,} tokens, longer than any it was trained "
-            f"on. Fix: --max_length {limit} or less, or yarn_rope_scaling: true to stretch its positions."]
+    """One line where max_length passes the model's trained positions without YaRN (speed/yarn.beyond_context, as
+    the launcher says it)."""
+    line = yarn.beyond_context(p.cfg, getattr(p.model.config, "max_position_embeddings", 0), type(p.model).__name__)
+    return [f"warning: {line}."] if line else []
 
 
 def fit_section(p) -> str:

@@ -28,6 +28,18 @@ def enabled(cfg) -> bool:
     return bool(cfg.option("yarn").yarn_rope_scaling)
 
 
+def beyond_context(cfg, limit: int | None, model: str) -> str | None:
+    """The line where max_length passes the model's trained positions (`limit`, max_position_embeddings) without
+    YaRN: rows that long, or packed to it, reach positions the model never saw. `make plan` and the launcher warn;
+    neither refuses (only rows that long are affected)."""
+    length = max_length_of(cfg)
+    if not length or not limit or length <= limit or enabled(cfg):
+        return None
+    return (f"max_length {length:,} is beyond {model}'s context of {limit:,} tokens (max_position_embeddings): rows "
+            f"that long, or packed to it, reach positions it was never trained on. Fix: --max_length {limit} or "
+            f"less, or yarn_rope_scaling: true to stretch its positions")
+
+
 def max_length_of(cfg) -> int | None:
     return getattr(cfg.training, "max_length", None)
 
