@@ -71,13 +71,17 @@ RUN_WRITES = ("README.md", "config.json", "generation_config.json", "model.safet
               "vocab.json", "merges.txt", "training_args.bin", "merged")
 
 
+def check_named(output_dir: str | Path) -> None:
+    """An empty output_dir: Path("") is the working directory, which would be locked, read and written."""
+    if not str(output_dir).strip():
+        raise UserError("output_dir is empty. Fix: name the folder the run writes to, e.g. --output_dir runs/my-run")
+
+
 def check_not_anothers(output_dir: str | Path, previous: Previous | None, model: str | None) -> None:
     """Refuse an output_dir that is the folder of the model this run trains from (its final save would replace the
     base model's files, --overwrite_output_dir would delete them first), and one that holds no run but files a run
     writes (`previous`: read(output_dir)). Before anything is written or removed."""
     out = Path(output_dir)
-    if not str(output_dir).strip():
-        raise UserError("output_dir is empty. Fix: name the folder the run writes to, e.g. --output_dir runs/my-run")
     if model and Path(model).is_dir() and out.resolve() == Path(model).resolve():
         raise UserError(f"output_dir {output_dir} is the folder of the model this run trains from "
                         f"(model_name_or_path): the run's final save would replace the model's own files. Fix: a new "

@@ -60,8 +60,7 @@ def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | 
     from fsdp_recipes.checkpoint import previous_run
 
     out = cfg.training.output_dir
-    if not str(out).strip():  # Path("") is the working directory: refused before it is locked or read
-        previous_run.check_not_anothers(out, None, None)
+    previous_run.check_named(out)  # before it is locked or read
     if locked is None or Path(out).resolve() != Path(locked).resolve():  # the lock first: the folder is read under it
         lock_output_dir(recipe, held, out)
     previous, now = previous_run.read(Path(out)), resume_settings_now(recipe, cfg)
