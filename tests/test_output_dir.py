@@ -138,6 +138,15 @@ def test_an_adapter_field_an_older_run_never_recorded_is_unknown_not_a_differenc
         decide("out", previous, dict(settings), model={**trained(now), "lora_r": 8})
 
 
+def test_the_same_command_again_starts_no_ranks(finished, monkeypatch, capsys):
+    """The ranks import while the launcher checks (the default): the same command again started them, and stopped
+    them some 10 s later at "already complete". A finished run in the named output_dir now waits for the checks."""
+    before = files(finished)
+    res = launcher_until_ranks([*ARGS, "--output_dir", str(finished)], monkeypatch, capsys, checks_first=False)
+    assert res.returncode == 0 and "already complete" in res.stdout, res.stdout + res.stderr
+    assert "starting" not in res.stdout and files(finished) == before
+
+
 def test_an_unfinished_run_never_resumes_with_another_lora_scale(copy, monkeypatch, capsys):
     """lora_alpha (with r, the adapter's scale) and DoRA or rsLoRA change what the checkpoint's adapter weights
     compute: a resume with another was not refused (the checkpoint's identity compared r, the targets and

@@ -46,7 +46,7 @@ from fsdp_recipes.launch import smoke, summary
 from fsdp_recipes.launch.checks import check_launch, check_model_and_data, check_settings
 from fsdp_recipes.launch.ending import how_it_ended, records_exit_code, summarise
 from fsdp_recipes.launch.lines import say, unexpected, unexpected_errors
-from fsdp_recipes.launch.output_dir import claim_output_dir, finished_run, lock_output_dir
+from fsdp_recipes.launch.output_dir import claim_output_dir, finished_run, holds_finished_run, lock_output_dir
 from fsdp_recipes.launch.ranks import Preempted, Ranks, overlap_checks, rank_command, settings_file
 from fsdp_recipes.planning import launch_pick
 
@@ -76,7 +76,8 @@ def launch(argv: list[str], held: ExitStack) -> int:
     torchrun_logs = Path(tempfile.mkdtemp(prefix="fsdp-recipes-torchrun-"))  # torchrun's --log_dir: rank_command
     cmd = rank_command(recipe, extra, torchrun_logs)
     started = time.time()
-    ranks = start_ranks(recipe, cmd, torchrun_logs, "", gated=True) if overlap_checks() else None
+    overlap = overlap_checks() and not holds_finished_run(recipe)  # the ranks import while the launcher checks
+    ranks = start_ranks(recipe, cmd, torchrun_logs, "", gated=True) if overlap else None
     launched_with = list(recipe.launch_options)
     cfg, code = check_while_ranks_import(recipe, held, ranks, torchrun_logs, build_smoke_model, locked)
     if code is not None:

@@ -17,6 +17,7 @@ from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
 from fsdp_recipes.launch import smoke
 from fsdp_recipes.launch.lines import say
+from fsdp_recipes.metrics import metrics_file
 from fsdp_recipes.train import kinds
 
 
@@ -40,6 +41,20 @@ def lock_output_dir(recipe: Recipe, held: ExitStack, output_dir: str | None = No
     if lock.note:
         say(f"warning: {lock.note}")
     return out
+
+
+def holds_finished_run(recipe: Recipe) -> bool:
+    """The output_dir that the recipe or the command names holds a finished run (metrics.json `completed`): the ranks
+    then start once the checks pass, not while they run. The same command again ends at "already complete", with no
+    process started and stopped; another one is refused, or continues the run once checked. A smoke run replaces
+    its finished run (finished_run), so its ranks start early as ever."""
+    out = recipe.early.output_dir
+    if not out or smoke.active():
+        return False
+    try:
+        return metrics_file.read(out).get("status") == "completed"
+    except (OSError, AttributeError):  # unreadable, or not a report: finished_run says what it is
+        return False
 
 
 @dataclass
