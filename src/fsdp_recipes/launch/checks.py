@@ -80,11 +80,15 @@ def check_model_and_data(recipe: Recipe, cfg: RunConfig) -> None:
     shape = json.loads(model_json.read_text()) if model_json else {}
     mesh.check_mesh_fits(mesh.mesh_of(acc, named), named, shape.get("num_attention_heads"),
                          shape.get("num_key_value_heads"), getattr(cfg.training, "max_length", None), cfg)
-    beyond = yarn.beyond_context(cfg, shape.get("max_position_embeddings"), (shape.get("architectures") or
-                                                                             ["the model"])[0])
-    warn(recipe, [beyond] if beyond else [])
+
+    def more(model, acc: dict, path) -> None:  # the meta-device model's checks: the options', and its context
+        speed.check_model(model, acc, path)
+        beyond = yarn.beyond_context(cfg, getattr(model.config, "max_position_embeddings", None),
+                                     type(model).__name__)  # the class `make plan` names
+        warn(recipe, [beyond] if beyond else [])
+
     wrap = model_check.check(cfg.model.model_name_or_path, recipe.folder, acc, named, cfg.model,
-                             wrap_on_command_line=bool(recipe.launch_options), more=speed.check_model,
+                             wrap_on_command_line=bool(recipe.launch_options), more=more,
                              model_named=recipe.user_model is not None)
     if wrap and wrap.warning:  # which layers FSDP wraps, and why those
         warn(recipe, [wrap.line])
