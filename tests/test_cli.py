@@ -13,6 +13,7 @@ import pytest
 
 from conftest import REPO
 from fsdp_recipes.cli.commands import COMMANDS, Command
+from fsdp_recipes.config.kind_registry import TRAINERS
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -186,3 +187,26 @@ def test_ctrl_c_that_no_step_handles_is_one_line_and_exit_130(capsys):
         main()
     assert stop.value.code == EXIT_INTERRUPTED == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_finetune_help_is_its_usage_or_the_recipes_fields():
+    """`fsdp-recipes finetune --help` was an error naming `python -m fsdp_recipes.launch.launcher`, and
+    `finetune RECIPE --help` started the ranks, then failed on a `%` in a help text (argparse formats them)."""
+    usage = cli("finetune", "--help")
+    assert usage.returncode == 0 and usage.stdout.startswith(
+        "usage: fsdp-recipes finetune <recipe name or folder> [--field value ...]\n"), usage.stdout + usage.stderr
+    fields = cli("finetune", "tiny-cpu-lora", "--help")
+    assert fields.returncode == 0 and fields.stderr == "", fields.stderr
+    assert fields.stdout.startswith("usage: fsdp-recipes finetune tiny-cpu-lora [--field value ...]")
+    assert "starting" not in fields.stdout  # nothing was started
+    # each field's default is the recipe YAML's where it sets one (recipes/tiny-cpu-lora/sft.yaml)
+    assert re.search(r"--lora_r LORA_R.*?\n\s+LoRA R value\. \(default: 32\)", fields.stdout, re.S), fields.stdout
+    assert re.search(r"--max_steps MAX_STEPS.*?\(default: 300\)", fields.stdout, re.S)
+
+
+@pytest.mark.parametrize("trainer", sorted(TRAINERS))
+def test_every_trainer_kinds_fields_help_renders(trainer):
+    from fsdp_recipes.config.run_config import fields_help
+
+    text = fields_help(trainer, "prog", {}, "x.yaml")
+    assert "--output_dir" in text and "--mfu_min" in text

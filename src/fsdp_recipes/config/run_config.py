@@ -125,7 +125,7 @@ class PackArguments:
     # Acceptance gates (metrics/gates.py), judged at the end of every run from its own report; docs/run-report.md.
     mfu_min: float | None = field(
         default=None,
-        metadata={"help": "Gate: the run's MFU must reach this (0.4 = 40%); below it the launcher exits 3. On CPU the "
+        metadata={"help": "Gate: the run's MFU must reach this (0.4: 40 per cent); below it the launcher exits 3. On CPU the "
                           "MFU is against a matmul rate measured here (metrics/cpu_peak.py)."},
     )
     peak_memory_max_fraction: float | None = field(
@@ -234,6 +234,18 @@ def dataclass_types(trainer: str = DEFAULT_TRAINER, world_size: int | None = Non
     renamed = new_training_field_names(config_class)
     types = (ScriptArguments, config_class, ModelConfig, DatasetMixtureConfig, PackArguments, *argument_classes())
     return types + ((registered.arguments,) if registered.arguments else ()) + ((renamed,) if renamed else ())
+
+
+def fields_help(trainer: str, prog: str, raw: dict, path: str) -> str:
+    """Every field a recipe of this trainer kind takes (its YAML's keys, the command line's flags), as TRL's parser
+    words them, each default the recipe YAML's (`raw`, read from `path`) where it sets one: `<recipe> --help`."""
+    from trl import TrlParser
+
+    parser = TrlParser(dataclass_types(trainer), prog=prog, usage="%(prog)s [--field value ...]",
+                       description=f"Each field can be set in {path} or given on the command line; a default is "
+                                   "that file's value where it sets one.")
+    parser.set_defaults_with_config(**{k: v for k, v in raw.items() if k != "env"})
+    return parser.format_help()
 
 
 def as_seen_by_ranks(config_class: type, world_size: int) -> type:

@@ -36,7 +36,7 @@ from pathlib import Path
 # Only light modules here: the heavy imports (torch, transformers, TRL) happen in the checks, while the ranks
 # import the same in parallel.
 from fsdp_recipes import library_logs, speed
-from fsdp_recipes.config import handoff, hardware, model_found, placement, recipes
+from fsdp_recipes.config import handoff, hardware, model_found, placement, recipes, run_config
 from fsdp_recipes.config.job import first_node, launch_args
 from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.config.run_config import RunConfig
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
 def launch(argv: list[str], held: ExitStack) -> int:
     """The steps of the module docstring, in order. The exit code, or a UserError's one line."""
     t0 = time.time()
+    if any(a in HELP for a in argv):
+        return show_help(argv)
     recipe = load_recipe(argv)
     gpus, build_smoke_model = set_up(recipe)
     with unexpected_errors("reading the recipe"):
@@ -97,13 +99,36 @@ def launch(argv: list[str], held: ExitStack) -> int:
     return summarise(recipe, output_dir)
 
 
+HELP = ("-h", "--help")
+
+
+def usage() -> str:
+    """The launcher as it was called: `fsdp-recipes finetune` (cli/main.py names it so), else `python -m`."""
+    prog = sys.argv[0] if sys.argv[0].startswith("fsdp-recipes") else "python -m fsdp_recipes.launch.launcher"
+    return f"usage: {prog} <recipe name or folder> [--field value ...]"
+
+
 def load_recipe(argv: list[str]) -> Recipe:
     """The recipe named first on the command line, loaded once (config/recipes.py), with the rest as overrides; a
     mistyped key or value said at once."""
     if not argv or argv[0].startswith("-"):
-        raise UserError("usage: python -m fsdp_recipes.launch.launcher <recipe name or folder> [--field value ...]")
+        raise UserError(f"{usage()}. Fix: name a recipe (fsdp-recipes recipes list), e.g. tiny-cpu-lora")
     with unexpected_errors("reading the recipe"):
         return recipes.load(argv[0], argv[1:], check_keys=True)
+
+
+def show_help(argv: list[str]) -> int:
+    """`--help`: the usage, or with a recipe named, every field it takes; nothing is checked or started."""
+    if not argv or argv[0] in HELP:
+        print(f"{usage()}\n\nChecks the recipe, runs `accelerate launch` over its accelerate.yaml and trainer YAML with "
+              "the fields given as overrides, then prints the run's summary. <recipe> --help lists its fields.")
+        return 0
+    recipe = load_recipe([a for a in argv if a not in HELP])
+    prog = usage().split(" <")[0].removeprefix("usage: ")
+    with unexpected_errors("reading the recipe"):
+        text = run_config.fields_help(recipe.trainer, f"{prog} {recipe.name}", recipe.raw, str(recipe.config_path))
+    print(text, end="")  # `| head` closing the pipe: errors.cli's quiet exit
+    return 0
 
 
 def set_up(recipe: Recipe) -> tuple[int, Callable[[], None] | None]:
