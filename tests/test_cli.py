@@ -210,3 +210,18 @@ def test_every_trainer_kinds_fields_help_renders(trainer):
 
     text = fields_help(trainer, "prog", {}, "x.yaml")
     assert "--output_dir" in text and "--mfu_min" in text
+
+
+@pytest.mark.parametrize("command", [c.name for c in COMMANDS])
+def test_every_commands_help_is_its_usage_and_exit_0(command, capsys):
+    """`fsdp-recipes data --help` and `recipes --help` were `error:` lines, exit 2; `finetune --help` named
+    `python -m fsdp_recipes.launch.launcher`."""
+    from fsdp_recipes.cli.main import main
+
+    try:
+        code = main([command, "--help"])
+    except SystemExit as stop:  # argparse's own --help
+        code = stop.code
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "", err
+    assert out.startswith(f"usage: fsdp-recipes {command} "), out

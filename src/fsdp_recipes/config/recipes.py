@@ -226,7 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["check"] and len(argv) == 2:
         resolve(argv[1])
         return 0
-    raise UserError("usage: fsdp-recipes recipes list | check NAME. Fix: fsdp-recipes recipes list")
+    usage = "usage: fsdp-recipes recipes list | check NAME"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\n  list        the recipes here, with their trainer and what each is\n"
+              "  check NAME  exit 0 where NAME is a recipe here, else one line naming the nearest")
+        return 0
+    raise UserError(f"{usage}. Fix: fsdp-recipes recipes list")
 
 
 if __name__ == "__main__":

@@ -47,11 +47,14 @@ def say(msg: str) -> None:
     print(f"[data] {msg}", flush=True)
 
 
+USAGE = ("usage: fsdp-recipes data <recipe name or folder> [--examples N] [--field value ...] "
+         "(make data RECIPE=<name> ARGS=\"...\")")
+
+
 def parse(argv: list[str]) -> tuple[str, list[str], int]:
     """(recipe, the run's overrides, examples): --examples N is the preview's, everything else the run's."""
     if not argv or argv[0].startswith("-"):
-        raise UserError("usage: fsdp-recipes data <recipe name or folder> [--examples N] "
-                        "[--field value ...] (make data RECIPE=<name> ARGS=\"...\")")
+        raise UserError(f"{USAGE}. Fix: name a recipe (fsdp-recipes recipes list)")
     rest, examples, i = [], EXAMPLES, 1
     while i < len(argv):
         word = argv[i]
@@ -237,7 +240,12 @@ def preview(name: str, overrides: list[str], examples: int = EXAMPLES, color: bo
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    name, overrides, examples = parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\nThe recipe's data as its run reads it: the format found, the splits, the token lengths "
+              f"against max_length, and --examples rows (default {EXAMPLES}) with the tokens it trains on.")
+        return 0
+    name, overrides, examples = parse(argv)
     color = sys.stdout.isatty() and not os.environ.get("NO_COLOR")
     with unexpected_errors("previewing the data"):
         preview(name, overrides, examples, color)
