@@ -132,6 +132,24 @@ def test_a_mistyped_recipe_names_the_nearest_one():
         resolve("nope")
 
 
+def test_a_recipe_named_outside_the_project_says_where_names_are_looked_up(tmp_path, monkeypatch):
+    """It said "Available: none found under ./recipes. Fix: RECIPE=<one of those> (see `make help`)": no recipe to
+    choose, and make's words for a user of the installed command."""
+    from fsdp_recipes.config.recipes import resolve
+    from fsdp_recipes.errors import UserError
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FSDP_RECIPES_DIR", raising=False)
+    with pytest.raises(UserError) as err:
+        resolve("tiny-cpu-lora")
+    assert str(err.value) == (f"unknown recipe 'tiny-cpu-lora': no recipe folders in {tmp_path.resolve() / 'recipes'}, "
+                              "where names are looked up. Fix: give the recipe's folder (path/to/recipes/tiny-cpu-lora),"
+                              " run from the project that holds recipes/, or set FSDP_RECIPES_DIR to that recipes/ "
+                              "folder.")
+    monkeypatch.setenv("FSDP_RECIPES_DIR", str(REPO / "recipes"))  # the way it names
+    assert resolve("tiny-cpu-lora") == REPO / "recipes" / "tiny-cpu-lora"
+
+
 def test_a_reader_that_closes_the_pipe_is_no_traceback():
     """`make plan ... | head -2` printed a 15-line BrokenPipeError traceback."""
     script = ("from fsdp_recipes.errors import cli\n"

@@ -71,7 +71,6 @@ def resolve(name_or_path: str) -> Path:
     candidate = recipes_root() / name_or_path
     if is_recipe(candidate):
         return candidate
-    names = ", ".join(available()) or "none found under ./recipes"
     for folder in (path, candidate):
         if folder.is_dir() and len(trainer_files(folder)) > 1:
             found = ", ".join(p.name for p in trainer_files(folder))
@@ -87,7 +86,12 @@ def resolve(name_or_path: str) -> Path:
     if close:
         raise UserError(f"unknown recipe '{name_or_path}'. Fix: did you mean "
                         f"{' or '.join(f'RECIPE={n}' for n in close)}? (all of them: `make help`)")
-    raise UserError(f"unknown recipe '{name_or_path}'. Available: {names}. Fix: RECIPE=<one of those> (see `make help`).")
+    if not available():  # run outside the project: names are looked up in ./recipes (or $FSDP_RECIPES_DIR)
+        raise UserError(f"unknown recipe '{name_or_path}': no recipe folders in {recipes_root().resolve()}, where "
+                        f"names are looked up. Fix: give the recipe's folder (path/to/recipes/{name_or_path}), run from the project "
+                        "that holds recipes/, or set FSDP_RECIPES_DIR to that recipes/ folder.")
+    raise UserError(f"unknown recipe '{name_or_path}'. Available: {', '.join(available())}. Fix: RECIPE=<one of "
+                    "those> (see `make help`).")
 
 
 def config_file(folder: Path) -> Path:
