@@ -462,3 +462,15 @@ def test_an_explicit_resume_of_another_models_checkpoint_names_the_fix_that_appl
         markers.check_compatible(ckpt, now, explicit=True)
     with pytest.raises(UserError, match=r"Fix: use a new output_dir, --auto_resume false"):
         markers.check_compatible(ckpt, now)  # auto_resume found it in output_dir
+
+
+def test_the_files_a_run_writes_include_every_weight_and_adapter_name_a_model_folder_has():
+    """The list was written by hand beside model_folders' and missed sharded .bin weights and adapter_model.bin."""
+    from fsdp_recipes.checkpoint.previous_run import run_writes
+
+    for name in ("model.safetensors", "model-00001-of-00004.safetensors", "pytorch_model.bin",
+                 "pytorch_model-00002-of-00003.bin", "pytorch_model.bin.index.json", "adapter_model.bin",
+                 "adapter_config.json", "README.md", "merged"):
+        assert run_writes(name), name
+    for name in ("train.jsonl", "notes.md", "data", "model_config.json"):
+        assert not run_writes(name), name

@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 
-from fsdp_recipes import dist
+from fsdp_recipes import dist, model_folders
 from fsdp_recipes.checkpoint import markers, resume_settings
 from fsdp_recipes.checkpoint.output_lock import LOCK_FILE
 from fsdp_recipes.errors import UserError
@@ -62,13 +63,18 @@ def read(output_dir: Path) -> Previous | None:
                     last, bad, trained(recorded.get("model_args")), slurm_job(recorded.get("launcher") or {}))
 
 
-# What a run writes at the top of its output_dir besides its report and checkpoints (the Trainer's final save, its model
-# card, the pack's merged model): in a folder that holds no run, an entry of these names is someone else's, which the
-# run would overwrite without a word (a recipe folder's README.md, a model folder's weights).
-RUN_WRITES = ("README.md", "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-              "pytorch_model.bin", "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
-              "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "chat_template.jinja",
-              "vocab.json", "merges.txt", "training_args.bin", "merged")
+# What a run writes at the top of its output_dir besides its report and checkpoints: the Trainer's final save (weights
+# or adapter, model_folders' names, and these), its model card, the pack's merged model. In a folder that holds no run,
+# an entry of these names is someone else's, which the run would overwrite without a word (a recipe folder's README.md,
+# a model folder's weights).
+RUN_WRITES = ("README.md", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "tokenizer.model", "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+              "training_args.bin", "merged")
+
+
+def run_writes(name: str) -> bool:
+    return (name in RUN_WRITES or name in model_folders.ADAPTER_FILES
+            or any(fnmatch(name, pattern) for pattern in model_folders.WEIGHT_GLOBS))
 
 
 def check_named(output_dir: str | Path) -> None:
@@ -88,7 +94,7 @@ def check_not_anothers(output_dir: str | Path, previous: Previous | None, model:
                         f"--output_dir, e.g. {out.parent / (out.name + '-trained')}")
     if previous is not None or not out.is_dir():
         return
-    taken = sorted(p.name for p in out.iterdir() if p.name in RUN_WRITES or p.name.startswith("model-0"))
+    taken = sorted(p.name for p in out.iterdir() if run_writes(p.name))
     if taken:
         names = ", ".join(taken[:4]) + (f" and {len(taken) - 4} more" if len(taken) > 4 else "")
         raise UserError(f"output_dir {output_dir} holds files that are no run's ({names}), which this run would "
