@@ -92,7 +92,7 @@ def run_items(label: str, rc: int | None, metrics: dict | None, run_args: dict |
                         f"{gpu_figures}" + (f"; missing {missing}, mfu_note {metrics.get('mfu_note')!r}"
                                             if missing else "")))
         gates = metrics.get("gates") or {}
-        out.append(item(f"{label}: gates judged against the GPU's memory",
+        out.append(item(f"{label}: gates' verdict recorded with the GPU's memory total",
                         bool(gates.get("verdict")) and bool(peak.get("device_total_bytes")),
                         f"verdict {gates.get('verdict')!r}, device_total_bytes {peak.get('device_total_bytes')}, "
                         f"peak_memory gate {gates.get('peak_memory')}"))

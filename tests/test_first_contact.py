@@ -27,7 +27,7 @@ def test_a_good_gpu_run_passes_every_item():
         "smoke x: status completed": "pass",
         "smoke x: device is CUDA": "pass",
         "smoke x: peak allocated/reserved memory and MFU recorded": "pass",
-        "smoke x: gates judged against the GPU's memory": "pass",
+        "smoke x: gates' verdict recorded with the GPU's memory total": "pass",
         "smoke x: no CPU-only patch applied": "pass",
         "smoke x: final save checked": "pass",
     }
@@ -43,7 +43,7 @@ def test_each_missing_gpu_figure_or_cpu_patch_fails_its_item():
     assert results(run_items("r", 0, on_cpu, GPU_ARGS, on_gpu=True))["r: device is CUDA"] == "FAIL"
     no_capacity = dict(GPU_METRICS, peak_memory=dict(GPU_METRICS["peak_memory"], device_total_bytes=None))
     assert results(run_items("r", 0, no_capacity, GPU_ARGS, on_gpu=True))[
-        "r: gates judged against the GPU's memory"] == "FAIL"
+        "r: gates' verdict recorded with the GPU's memory total"] == "FAIL"
     unchecked = dict(GPU_METRICS, final_save_check=None)
     assert results(run_items("r", 0, unchecked, GPU_ARGS, on_gpu=True))["r: final save checked"] == "FAIL"
 
