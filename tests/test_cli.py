@@ -243,3 +243,14 @@ def test_every_commands_help_is_its_usage_and_exit_0(command, capsys):
     out, err = capsys.readouterr()
     assert code == 0 and err == "", err
     assert out.startswith(f"usage: fsdp-recipes {command} "), out
+
+
+def test_a_recipe_given_as_dot_has_its_folders_name(monkeypatch):
+    """`cd recipes/tiny-cpu-lora && fsdp-recipes smoke .` printed `recipe  (.)` and wrote its run straight into
+    runs/smoke/, the folder of every smoke run, and its accelerate copy as `.accelerate.yaml`."""
+    from fsdp_recipes.config import recipes
+    from fsdp_recipes.launch import smoke
+
+    monkeypatch.chdir(REPO / "recipes" / "tiny-cpu-lora")
+    assert recipes.load(".").name == "tiny-cpu-lora"
+    assert smoke.model_dir(Path(".")).name == "tiny-cpu-lora"

@@ -155,7 +155,7 @@ class Recipe:
 
     @property
     def name(self) -> str:
-        return self.folder.name
+        return Path(os.path.abspath(self.folder)).name  # "." (the folder one stands in) has a name too
 
     def field(self, key: str, default: Any = None) -> Any:
         """A field as the run will see it before the full parse: the command line's value, else the YAML's."""

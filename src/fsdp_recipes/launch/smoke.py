@@ -85,7 +85,7 @@ def fit_tokenizer(config, tokenizer):
 
 def model_dir(recipe: Path) -> Path:
     """Where the tiny model of `recipe` lives; prepare() names it to the ranks before build_model writes it."""
-    return cache_dir() / "smoke" / recipe.name
+    return cache_dir() / "smoke" / Path(os.path.abspath(recipe)).name  # "." too: the folder's own name
 
 
 def build_model(recipe: Path, source: Path, assets: dict) -> Path:
