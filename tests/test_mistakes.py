@@ -295,12 +295,27 @@ def test_settings_that_never_fire_are_warnings(cache_dir):
     cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), "--max_steps", "4", "--save_strategy",
                       "steps", "--save_steps", "1000"])
     assert schedule_warnings(cfg.training) == [
-        "save_steps is 1000 but the run has only max_steps 4, so it never fires: no checkpoint will be written",
-        "eval_steps is 100 but the run has only max_steps 4, so it never fires",
+        "save_steps is 1000 but the run has only max_steps 4: the one checkpoint is the last step's (a preemption "
+        "before step 4 leaves none to resume from)",
+        "eval_steps is 100 but the run has only max_steps 4: the one evaluation is the last step's, at step 4",
         "logging_steps is 10 but the run has only max_steps 4, so it never fires",
         "warmup_steps is 10 and the run has 4 steps: the learning rate never leaves warmup"]
     cfg = parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml")])
     assert schedule_warnings(cfg.training) == []
+
+
+def test_transformers_saves_and_evaluates_at_the_last_step_but_does_not_log_there():
+    """What the warnings above say of save_steps, eval_steps and logging_steps past max_steps, held against
+    transformers' own DefaultFlowCallback (the warning said "never fires: no checkpoint will be written", and the run
+    then evaluated and saved at its last step)."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+    from transformers.trainer_callback import DefaultFlowCallback
+
+    args = TrainingArguments(output_dir="unused", eval_strategy="steps", eval_steps=100, save_strategy="steps",
+                             save_steps=1000, logging_strategy="steps", logging_steps=10, max_steps=4, use_cpu=True)
+    state = TrainerState(global_step=4, max_steps=4, eval_steps=100, save_steps=1000, logging_steps=10)
+    control = DefaultFlowCallback().on_step_end(args, state, TrainerControl())
+    assert control.should_evaluate and control.should_save and not control.should_log
 
 
 def test_lora_flags_on_a_full_fine_tuning_run_are_one_warning(monkeypatch, capsys, cache_dir):

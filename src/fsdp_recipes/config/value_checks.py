@@ -88,13 +88,17 @@ def schedule_warnings(t) -> list[str]:
         return []
     found = []
     # save/eval/logging `steps` under 1 are a fraction of the run (transformers' convention): they always fire.
+    # transformers' DefaultFlowCallback still saves and evaluates at the last step (5.17-5.24); it does not log there.
+    after = {"save_steps": f": the one checkpoint is the last step's (a preemption before step {steps} leaves none to "
+                           "resume from)",
+             "eval_steps": f": the one evaluation is the last step's, at step {steps}",
+             "logging_steps": ", so it never fires"}
     for strategy, field in (("save_strategy", "save_steps"), ("eval_strategy", "eval_steps"),
                             ("logging_strategy", "logging_steps")):
         value = getattr(t, field)
         if str(getattr(getattr(t, strategy), "value", getattr(t, strategy))) == "steps" and value \
                 and value >= 1 and value > steps:
-            found.append(f"{field} is {value:g} but the run has only max_steps {steps}, so it never fires"
-                         + (": no checkpoint will be written" if field == "save_steps" else ""))
+            found.append(f"{field} is {value:g} but the run has only max_steps {steps}{after[field]}")
     if t.warmup_steps and t.warmup_steps >= 1 and t.warmup_steps >= steps:
         found.append(f"warmup_steps is {t.warmup_steps:g} and the run has {steps} steps: the learning rate never "
                      "leaves warmup")
