@@ -733,3 +733,15 @@ def test_an_interrupted_run_names_what_the_same_command_resumes_from(tmp_path, m
     assert ending.resumes_from(str(tmp_path), cfg(auto=False)) == (
         f"the same command starts again at step 0 (--auto_resume false); --auto_resume true resumes from "
         f"{tmp_path / 'checkpoint-20'}")
+
+
+def test_a_flag_without_its_value_names_the_quoting_make_needs(cache_dir):
+    """`make plan ARGS=--max_length 8192` (unquoted) hands the flag alone: the line said "expected one argument.
+    Fix: correct that value in the recipe YAML", which no value in the YAML fixes."""
+    from fsdp_recipes.config.run_config import parse_args
+    from fsdp_recipes.errors import UserError
+
+    with pytest.raises(UserError) as err:
+        parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), "--max_length"])
+    assert str(err.value) == ('--max_length is given no value. Fix: --max_length <value>; through make, quote the '
+                              'flags and values together: ARGS="--max_length <value>".')

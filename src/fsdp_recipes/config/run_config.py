@@ -194,6 +194,11 @@ def _one_line(message: str):
     import re
 
     message = re.sub(r"^argument (--[\w]+)(/--[\w-]+)*: ", r"\1: ", message)
+    missing = re.match(r"(--\w+): expected (one|at least one) argument", message)
+    if missing:  # `make plan ARGS=--max_length 8192`: make split the unquoted words, the flag came alone
+        flag = missing.group(1)
+        raise UserError(f"{flag} is given no value. Fix: {flag} <value>; through make, quote the flags and values "
+                        f"together: ARGS=\"{flag} <value>\".")
     raise UserError(f"{message}. Fix: correct that value in the recipe YAML or on the command line.")
 
 
