@@ -29,8 +29,8 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     (["export"], "error: the following arguments are required: checkpoint, out. Fix: see `fsdp-recipes export "
                  "--help`."),
     (["plan"], "error: the following arguments are required: recipe. Fix: see `fsdp-recipes plan --help`."),
-    (["report", "runs/a", "--outt", "x"], "error: unrecognized arguments: --outt x. Fix: see `fsdp-recipes report "
-                                          "--help`."),
+    (["report", "runs/a", "--outt", "x"], "error: unrecognized arguments: --outt x. Fix: did you mean --out? see "
+                                          "`fsdp-recipes report --help`."),
     (["plan", "mistral-7b-full", "--gpus", "abc"], "error: --gpus takes a whole number, not 'abc'. Fix: --gpus <n> "
                                                    "(make: GPUS=<n>)."),  # make plan GPUS=abc
     (["recipes", "check", "no-such-recipe"], None),  # the recipes module's own one line

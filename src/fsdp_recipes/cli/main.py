@@ -53,7 +53,11 @@ def as_command(command: Command):
             flag, value = bad.groups()
             make = f" (make: {MAKE_VARIABLES[flag]}=<n>)" if flag in MAKE_VARIABLES else ""
             raise UserError(f"{flag} takes a whole number, not '{value}'. Fix: {flag} <n>{make}.")
-        raise UserError(f"{message}. Fix: see `{parser.prog} --help`.")
+        unknown = message.removeprefix("unrecognized arguments: ").split() if message.startswith("unrecognized") else []
+        close = [c for word in unknown if word.startswith("-")
+                 for c in difflib.get_close_matches(word.split("=")[0], parser._option_string_actions, n=1)]
+        hint = f"did you mean {' and '.join(close)}? " if close else ""
+        raise UserError(f"{message}. Fix: {hint}see `{parser.prog} --help`.")
 
     sys.argv[0] = f"{PROG} {command.name}"  # argparse's default prog
     argparse.ArgumentParser.error = one_line  # parsers with an `error` of their own keep it
