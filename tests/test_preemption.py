@@ -366,6 +366,21 @@ def test_ctrl_c_that_torchrun_passed_on_as_sigterm_is_still_an_interruption(tmp_
     assert json.loads((out / "metrics.json").read_text()) == report  # what the ranks did, as they reported it
 
 
+def test_ctrl_c_without_a_checkpoint_says_how_to_stop_and_keep_the_progress(tmp_path, monkeypatch, capsys):
+    """A run of save_strategy "no" stopped with Ctrl-C starts again at step 0; SIGTERM would have saved first. The
+    line said the first and not the second (a new-user trial, 2026-11-29)."""
+    out = tmp_path / "run"
+    report = {"status": "interrupted", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 8,
+              "error": "KeyboardInterrupt"}
+    rc = launcher_with_fake_ranks(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "100"], out, report,
+                                  (130, None), monkeypatch, interrupted=True)
+    text = capsys.readouterr().out
+    assert rc == EXIT_INTERRUPTED, text[-2000:]
+    assert "interrupted (Ctrl-C): no checkpoint was saved on the way out; " in text
+    assert "send the launcher SIGTERM instead (kill -TERM <its pid>), as a scheduler's preemption does: the ranks " \
+           "save a checkpoint first and the same command resumes" in text, text[-2000:]
+
+
 def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_path, cache_dir, monkeypatch, capsys):
     """Found by bench/first_contact.py's CPU dry run: a 12-step run ended in 0.7 s, the SIGTERM reached torchrun after
     the ranks' final report, torchrun exited non-zero for its own signal, and the launcher called the completed run

@@ -122,11 +122,17 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
             f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
         return rc
     if rc != 0 and (ranks.interrupted or metrics.get("status") == "interrupted"):
-        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; {resumes_from(output_dir, recipe.cfg)}")
+        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; {resumes_from(output_dir, recipe.cfg)}"
+            + STOP_AND_SAVE)
         return EXIT_INTERRUPTED
     if rc != 0:
         raise failed(recipe, ranks, rc, output_dir, report, fresh)
     return None
+
+
+# Ctrl-C stops the ranks at once; the preemption signals make them save first (train/preemption.py).
+STOP_AND_SAVE = ("; to stop a run and keep its progress, send the launcher SIGTERM instead (kill -TERM <its pid>), as "
+                 "a scheduler's preemption does: the ranks save a checkpoint first and the same command resumes")
 
 
 def resumes_from(output_dir: str, cfg=None) -> str:
