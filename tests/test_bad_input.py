@@ -406,3 +406,16 @@ def test_a_config_that_ties_a_stored_separate_head_is_one_line_before_any_rank(t
     model = tied_copy_of_the_tiny_model(tmp_path / "faithful", cache_dir)
     with pytest.raises(RanksWouldStart):  # lora_modules_to_save: [lm_head], as tiny-cpu-lora trains it
         launcher_until_ranks([*args[:2], str(model), *args[3:]], monkeypatch, capsys)
+
+
+def test_a_key_without_its_colon_is_said_at_its_own_line(tmp_path):
+    """`max_steps 12` on line 2 was said "at line 3", where PyYAML noticed it."""
+    from fsdp_recipes.config.yaml_keys import load_yaml
+    from fsdp_recipes.errors import UserError
+
+    path = tmp_path / "sft.yaml"
+    path.write_text("learning_rate: 1.0e-4\nmax_steps 12\nlogging_steps: 1\n")
+    with pytest.raises(UserError) as err:
+        load_yaml(path)
+    assert str(err.value) == (f"malformed YAML in {path} at line 2 (while scanning a simple key; noticed at line 3): "
+                              "could not find expected ':'. Fix: correct the YAML syntax there.")

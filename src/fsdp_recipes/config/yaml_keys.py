@@ -33,8 +33,10 @@ def load_yaml(path: str | Path, what: str = "config") -> dict:
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
+        mark, context = getattr(err, "problem_mark", None), getattr(err, "context_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        if mark and context and context.line < mark.line:  # "max_steps 12" without its colon: said one line on
+            where = f" at line {context.line + 1} ({err.context}; noticed at line {mark.line + 1})"
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise UserError(f"malformed YAML in {path}{where}: {problem}. Fix: correct the YAML syntax there.") from None
     if not isinstance(data, dict):
