@@ -745,3 +745,24 @@ def test_a_flag_without_its_value_names_the_quoting_make_needs(cache_dir):
         parse_args(["--config", str(REPO / "recipes/tiny-cpu-lora/sft.yaml"), "--max_length"])
     assert str(err.value) == ('--max_length is given no value. Fix: --max_length <value>; through make, quote the '
                               'flags and values together: ARGS="--max_length <value>".')
+
+
+def test_a_failure_after_the_last_step_is_not_said_at_a_step_past_max_steps():
+    """A 4-step run whose final save failed was said to fail "at step 5" (the step the record counted as in
+    progress); it failed after its 4 steps. The record's trained_steps is set when the Trainer's loop ends."""
+    from fsdp_recipes.launch.explain_failure import describe
+    from fsdp_recipes.train import failure_record
+
+    callback = failure_record.make_phase_callback()
+    state = type("State", (), {"global_step": 4})()
+    saved = dict(failure_record.STATE)
+    try:
+        callback.on_step_end(None, state, None)
+        callback.on_train_end(None, state, None)
+        rec = {"rank": 1, "type": "fsdp_recipes.checkpoint.save_check.IncompleteSave", "error": "final save failed",
+               "phase": failure_record.STATE["phase"], "step": failure_record.STATE["step"],
+               "trained_steps": failure_record.STATE["trained_steps"], "time": 0.0}
+    finally:
+        failure_record.STATE.update(saved)
+    line, _ = describe([rec], 1, None, "tiny-cpu-lora", None)
+    assert "after its 4 steps" in line and "at step 5" not in line, line

@@ -44,6 +44,8 @@ def _first_line(text: str, limit: int = 400) -> str:
 def _where(rec: dict) -> str:
     if rec.get("phase") == "setup":
         return "before the first optimizer step"
+    if rec.get("trained_steps") is not None:  # the final save, its check, the merged model
+        return f"after its {rec['trained_steps']} steps"
     return f"at step {rec['step']}" if rec.get("step") else "during training"
 
 

@@ -25,7 +25,7 @@ ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each worker
 DETAILS_FILE = "details.log"
 
 # Where this rank is: the launcher's exit code is 2 for a failure before the first optimizer step, 1 after it.
-STATE = {"phase": "setup", "step": None}
+STATE = {"phase": "setup", "step": None, "trained_steps": None}  # trained_steps: set once the Trainer's loop ended
 
 
 class NonFiniteLoss(RuntimeError):
@@ -63,6 +63,7 @@ def record(err: BaseException) -> dict:
                 "rank": dist.rank(),
                 "phase": STATE["phase"],
                 "step": STATE["step"],
+                "trained_steps": STATE["trained_steps"],
             },
         }
     }
@@ -86,6 +87,9 @@ def make_phase_callback():
 
         def on_step_end(self, args, state, control, **kwargs):
             training_started(state.global_step)  # global_step is updated after on_optimizer_step
+
+        def on_train_end(self, args, state, control, **kwargs):
+            STATE["trained_steps"] = state.global_step  # what fails now fails after the loop, in no step
 
     return PhaseCallback()
 
