@@ -290,6 +290,12 @@ def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+def no_cuda(name: str) -> None:
+    """A GPU benchmark asked for where torch sees no GPU: the pack's one-line form, exit 2 (a usage mistake)."""
+    print(f"error: {name}: no CUDA device here. Fix: --dry-run tests the plumbing on CPU.", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def layer_probe_start(name: str, doc: str, argv: list[str] | None, deadline_help: str, dry_help: str,
                       more=lambda ap: None) -> tuple[argparse.Namespace, Path, float]:
     """The command line of a one-GPU layer probe (bench/qlora_gpu.py, bench/moe_gpu.py): --dry-run, --results,
@@ -304,7 +310,7 @@ def layer_probe_start(name: str, doc: str, argv: list[str] | None, deadline_help
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
-        raise SystemExit(f"{name}: no CUDA device here. Fix: --dry-run tests the plumbing on CPU.")
+        no_cuda(name)
     return args, args.results or REPO / ("runs/results" if args.dry_run else "bench/results"), start
 
 
@@ -765,7 +771,7 @@ def run(argv: list[str] | None = None) -> tuple[dict, str, Path]:
     if args.results is None:
         args.results = REPO / ("runs" if dry else "bench") / "results"
     if not dry and not torch.cuda.is_available():
-        raise SystemExit("bench_gpu: no CUDA device here. Use --dry-run to test the plumbing on CPU.")
+        no_cuda("bench_gpu")
     sizes = {**(DRY_RUN if dry else GPU_RUN)}
     for k in ("warmup", "steps", "deadline_s", "rung_timeout_s", "min_rung_s"):
         if getattr(args, k) is not None:

@@ -535,3 +535,16 @@ def test_the_gpu_plan_names_the_moe_step_in_its_second_call():
     assert "call-2) TOTAL_S=${CALL_S[call-2]}; run_named ladder-8b-lora; run_named moe; run_named varlen ;;" in text
     assert "call-1) TOTAL_S=${CALL_S[call-1]}; run_named ladder-1b; run_named qlora; run_named launch ;;" in text
     assert 'moe) step moe 60 s_moe ;;' in text and '"$PY" -m bench.moe_gpu' in text
+
+
+def test_a_gpu_benchmark_without_a_gpu_is_one_error_line_and_exit_2(capsys, monkeypatch):
+    """`make bench-gpu` on a CPU machine said "bench_gpu: no CUDA device here. Use --dry-run ..." and exited 1."""
+    import torch
+
+    from bench import gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        gpu.main(["--sizes", "tiny"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == "error: bench_gpu: no CUDA device here. Fix: --dry-run tests the plumbing on CPU.\n"
