@@ -298,11 +298,29 @@ def test_cheap_commands_run_as_documented(shown, monkeypatch):
     expected = {canonical(k): v for k, v in RUN_HERE.items()}[shown.key]
     code, output = run_here(shown.command, monkeypatch)
     assert code == expected, f"{shown}: exit {code}, expected {expected}\n{output[-3000:]}"
-    printed = {line.rstrip() for line in output.splitlines()}
+    printed = [line.rstrip() for line in output.splitlines() if line.strip()]
     for same in (s for s in SHOWN if s.key == shown.key):  # every place that shows this command and its output
         missing = [line for line in same.output
                    if line.strip() and line.strip() != "..." and line.rstrip() not in printed]
         assert not missing, f"{same}: the doc shows lines the command does not print:\n" + "\n".join(missing)
+        assert not unmarked_cuts(same.output, printed), f"{same}: {unmarked_cuts(same.output, printed)}"
+
+
+def unmarked_cuts(shown: list[str], printed: list[str]) -> str | None:
+    """Where a block shows its lines out of the printed order, or leaves printed lines out between two it shows
+    without a `...` line there (a block may start and end anywhere in the output); None when it holds."""
+    at, cut_marked = None, False
+    for line in (x.rstrip() for x in shown if x.strip()):
+        if line.strip() == "...":
+            cut_marked = True
+            continue
+        later = [i for i, p in enumerate(printed) if p == line and (at is None or i > at)]
+        if not later:
+            return f"{line!r} is not printed after the line shown before it"
+        if at is not None and later[0] > at + 1 and not cut_marked:
+            return f"printed lines left out before {line!r} with no `...` line: {printed[at + 1:later[0]][:3]}"
+        at, cut_marked = later[0], False
+    return None
     if shown.key == "make help":
         assert all(name in output for name in recipes.available(REPO / "recipes"))
 
