@@ -254,3 +254,17 @@ def test_a_recipe_given_as_dot_has_its_folders_name(monkeypatch):
     monkeypatch.chdir(REPO / "recipes" / "tiny-cpu-lora")
     assert recipes.load(".").name == "tiny-cpu-lora"
     assert smoke.model_dir(Path(".")).name == "tiny-cpu-lora"
+
+
+def test_make_data_checks_the_speed_options_fields_as_the_launcher_does(cache_dir, capsys, monkeypatch):
+    """`make data ARGS="--attn_implementation foo"` passed; the launcher refuses it in one line."""
+    from fsdp_recipes.launch import data_preview
+
+    monkeypatch.chdir(REPO)
+    try:
+        code = data_preview.main(["tiny-cpu-lora", "--attn_implementation", "foo"])
+    except SystemExit as stop:
+        code = stop.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: attn_implementation 'foo' is not an attention implementation. Fix: ")

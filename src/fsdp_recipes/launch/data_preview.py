@@ -83,6 +83,7 @@ def load_config(name: str, overrides: list[str]):
         # the trainer kind's own settings, as the launcher checks them (train/run_checks.py): a recipe make data
         # passes is not one the launch refuses (GRPO without reward_funcs, KTO's KL term on one-row batches)
         kinds.load(cfg.trainer).check_config(cfg)
+        speed.check_config(cfg, installed=False)  # the options' settings (as make plan: the training machine's packages)
     declaration.parse_spec(cfg.pack.dataset_format)  # the format's name and mapping, before any row is read
     run_checks.prepare_assets(cfg, quiet=True)
     model_found.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)

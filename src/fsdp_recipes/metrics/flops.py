@@ -41,7 +41,7 @@ def peak_flops(device_name: str | None) -> tuple[float | None, str | None]:
     for key, flops in PEAK_BF16_DENSE_FLOPS:
         if key in device_name:
             return flops, None
-    return None, f"no peak-FLOPs figure for device '{device_name}' (CPUs and unlisted GPUs give no MFU)"
+    return None, f"no peak-FLOPs figure for device '{device_name}' (a GPU this table does not list)"
 
 
 def flops_per_token(
