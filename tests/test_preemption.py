@@ -348,18 +348,24 @@ def launcher_with_fake_ranks(argv, out: Path, report: dict, ended: tuple, monkey
         os.environ.update(saved)
 
 
+def ctrl_c_ending(report: dict, torchrun_rc: int, tmp_path, monkeypatch, capsys) -> tuple[Path, str]:
+    """The launcher's ending after Ctrl-C reached it, the ranks having left `report`: (output_dir, its output)."""
+    out = tmp_path / "run"
+    rc = launcher_with_fake_ranks(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "100"], out, report,
+                                  (torchrun_rc, None), monkeypatch, interrupted=True)
+    text = capsys.readouterr().out
+    assert rc == EXIT_INTERRUPTED, text[-2000:]
+    return out, text
+
+
 def test_ctrl_c_that_torchrun_passed_on_as_sigterm_is_still_an_interruption(tmp_path, monkeypatch, capsys):
     """Seen once in a whole suite run: torch 2.13.0's elastic agent handled the launcher's SIGINT inside its metrics
     wrapper before that set `start` (torch/distributed/elastic/metrics/api.py), the UnboundLocalError replaced its
     SignalException, and its clean-up stopped the ranks with SIGTERM: they saved a checkpoint and reported
     `preempted`. torchrun then exited 1, and no SIGTERM or SIGUSR1 had reached the launcher."""
-    out = tmp_path / "run"
     report = {"status": "preempted", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 8,
               "error": "stopped by a signal (rank 0 saw: 15)"}
-    rc = launcher_with_fake_ranks(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "100"], out, report,
-                                  (1, None), monkeypatch, interrupted=True)
-    text = capsys.readouterr().out
-    assert rc == EXIT_INTERRUPTED, text[-2000:]
+    out, text = ctrl_c_ending(report, 1, tmp_path, monkeypatch, capsys)
     assert "interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint first " \
            "(stopped by a signal (rank 0 saw: 15)); " in text  # then what the same command does (ending.resumes_from)
     assert "preempted:" not in text
@@ -369,13 +375,9 @@ def test_ctrl_c_that_torchrun_passed_on_as_sigterm_is_still_an_interruption(tmp_
 def test_ctrl_c_without_a_checkpoint_says_how_to_stop_and_keep_the_progress(tmp_path, monkeypatch, capsys):
     """A run of save_strategy "no" stopped with Ctrl-C starts again at step 0; SIGTERM would have saved first. The
     line said the first and not the second (a new-user trial, 2026-11-29)."""
-    out = tmp_path / "run"
     report = {"status": "interrupted", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 8,
               "error": "KeyboardInterrupt"}
-    rc = launcher_with_fake_ranks(["tiny-cpu-lora", "--output_dir", str(out), "--max_steps", "100"], out, report,
-                                  (130, None), monkeypatch, interrupted=True)
-    text = capsys.readouterr().out
-    assert rc == EXIT_INTERRUPTED, text[-2000:]
+    _, text = ctrl_c_ending(report, 130, tmp_path, monkeypatch, capsys)
     assert "interrupted (Ctrl-C): no checkpoint was saved on the way out; " in text
     assert "send the launcher SIGTERM instead (kill -TERM <its pid>), as a scheduler's preemption does: the ranks " \
            "save a checkpoint first and the same command resumes" in text, text[-2000:]
