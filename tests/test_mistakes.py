@@ -766,3 +766,23 @@ def test_a_failure_after_the_last_step_is_not_said_at_a_step_past_max_steps():
         failure_record.STATE.update(saved)
     line, _ = describe([rec], 1, None, "tiny-cpu-lora", None)
     assert "after its 4 steps" in line and "at step 5" not in line, line
+
+
+def test_a_field_of_another_trainer_kind_is_named_as_such(monkeypatch, capsys, cache_dir):
+    """`ARGS="--beta 0.1"` on an SFT recipe said "remove it, or see `--help` for the valid keys": beta is DPO's."""
+    from conftest import launcher_checks
+
+    from fsdp_recipes.config.kind_registry import TRAINERS
+    from fsdp_recipes.config.run_config import dataclass_types, kinds_with_field
+    from fsdp_recipes.config.yaml_keys import known_fields
+
+    has_beta = [k for k in TRAINERS if "beta" in known_fields(dataclass_types(k))]
+    assert "sft" not in has_beta and len(has_beta) > 1  # the premise, from TRL's classes
+    assert kinds_with_field("beta", but="sft") == has_beta
+    for _ in range(2):  # the parse's check, then the early one (its fields remembered by the first launch)
+        res = launcher_checks(["tiny-cpu-lora", "--beta", "0.1"], monkeypatch, capsys)
+        named = ", ".join(has_beta[:-1]) + " and " + has_beta[-1]
+        assert res.returncode == 2 and res.stderr.strip() == (
+            f"error: unknown command-line flag `--beta`. Fix: `beta` is a field of the {named} trainers, not of "
+            "this recipe's: remove it, or use a recipe of that trainer (fsdp-recipes recipes list names each one's)"), \
+            res.stderr

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import sys
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from fsdp_recipes.config.accelerate_yaml import read_accelerate_config, take_wrap_override
 from fsdp_recipes.config.argv import as_bool, as_int, override
 from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER, TRAINERS, trainer_kind
-from fsdp_recipes.config.run_config import PATH_FIELDS, PackArguments
+from fsdp_recipes.config.run_config import PATH_FIELDS, PackArguments, kinds_with_field
 from fsdp_recipes.config.value_checks import check_training_values
 from fsdp_recipes.config.yaml_keys import load_yaml, remembered_values
 from fsdp_recipes.errors import UserError, cli
@@ -201,7 +202,7 @@ def check_keys_early(kind: str, raw: dict, path: Path, overrides: list[str]) -> 
     """A mistyped key or flag, a word where a number goes and a value out of its range (config/value_checks.py) are
     one line before the config classes' imports, where an earlier launch remembered the kind's fields
     (config/yaml_keys.py); otherwise the checks name them, the ranks started."""
-    values = remembered_values(kind, raw, path, overrides, cache_dir())
+    values = remembered_values(kind, raw, path, overrides, cache_dir(), functools.partial(kinds_with_field, but=kind))
     if values is None:
         return
     try:

@@ -10,6 +10,7 @@ planner and the benchmarks all parse a recipe here, so they agree on what it say
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -241,6 +242,11 @@ def dataclass_types(trainer: str = DEFAULT_TRAINER, world_size: int | None = Non
     return types + ((registered.arguments,) if registered.arguments else ()) + ((renamed,) if renamed else ())
 
 
+def kinds_with_field(key: str, but: str) -> list[str]:
+    """The trainer kinds other than `but` that have `key` among their fields: what an unknown key's line names."""
+    return [k for k in TRAINERS if k != but and key in yaml_keys.known_fields(dataclass_types(k))]
+
+
 def fields_help(trainer: str, prog: str, raw: dict, path: str) -> str:
     """Every field a recipe of this trainer kind takes (its YAML's keys, the command line's flags), as TRL's parser
     words them, each default the recipe YAML's (`raw`, read from `path`) where it sets one: `<recipe> --help`."""
@@ -298,8 +304,9 @@ def parse_args(argv: list[str], raw: dict | None = None, world_size: int | None 
     types = dataclass_types(kind, world_size)
     yaml_keys.remember_keys(kind, types, cache_dir())
     known = yaml_keys.known_fields(types)
-    yaml_keys.check_known_keys(raw, known, path)
-    yaml_keys.check_known_flags(argv, known)
+    elsewhere = functools.partial(kinds_with_field, but=kind)
+    yaml_keys.check_known_keys(raw, known, path, elsewhere)
+    yaml_keys.check_known_flags(argv, known, elsewhere)
     env = raw.pop("env", None) or {}
     if not isinstance(env, dict):
         raise UserError(f"`env` in {path} must be a mapping of NAME: value lines. Fix: indent the variables under it.")

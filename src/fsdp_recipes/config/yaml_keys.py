@@ -17,6 +17,7 @@ import difflib
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -69,7 +70,8 @@ def length_fields(known: set[str]) -> list[str]:
     return sorted(k for k in known if k.startswith("max_") and k.endswith("_length"))
 
 
-def _suggest(key: str, known: set[str]) -> str:
+def _suggest(key: str, known: set[str], elsewhere: Callable[[str], list[str]] | None = None) -> str:
+    """`elsewhere(key)`: the other trainer kinds that have the field (config/run_config.py kinds_with_field)."""
     if key in PEFT_ONLY:
         return PEFT_ONLY[key]
     if key.endswith(("_length", "_len")) and (own := length_fields(known)):
@@ -78,18 +80,24 @@ def _suggest(key: str, known: set[str]) -> str:
         return f"did you mean `{close[0]}`? (the length setting{'s' * (len(own) > 1)} of this trainer kind: " \
                f"{', '.join(f'`{k}`' for k in own)})"
     close = difflib.get_close_matches(key, known, n=1)
-    return f"did you mean `{close[0]}`?" if close else "remove it, or see `--help` for the valid keys"
+    if close:
+        return f"did you mean `{close[0]}`?"
+    if kinds := (elsewhere(key) if elsewhere else []):  # a DPO field in an SFT recipe
+        named = " and ".join([", ".join(kinds[:-1]), kinds[-1]] if len(kinds) > 1 else kinds)
+        return (f"`{key}` is a field of the {named} trainer{'s' * (len(kinds) > 1)}, not of this "
+                f"recipe's: remove it, or use a recipe of that trainer (fsdp-recipes recipes list names each one's)")
+    return "remove it, or see `--help` for the valid keys"
 
 
-def check_known_keys(config: dict, known: set[str], path: str | Path) -> None:
+def check_known_keys(config: dict, known: set[str], path: str | Path, elsewhere: Callable | None = None) -> None:
     """Every key must be a known field (`known`: the parser's dataclasses' field names, known_fields) or TRL's `env`."""
     known = known | {"env"}
     for key in config:
         if key not in known:
-            raise UserError(f"unknown config key `{key}` in {path}. Fix: {_suggest(key, known)}")
+            raise UserError(f"unknown config key `{key}` in {path}. Fix: {_suggest(key, known, elsewhere)}")
 
 
-def check_known_flags(argv: list[str], known: set[str]) -> None:
+def check_known_flags(argv: list[str], known: set[str], elsewhere: Callable | None = None) -> None:
     """Command-line overrides must name fields too (`--no_<bool field>` included, as HfArgumentParser allows)."""
     known = known | {"config", "help", "h"}
     for arg in argv:
@@ -97,7 +105,7 @@ def check_known_flags(argv: list[str], known: set[str]) -> None:
             continue
         key = arg[2:].split("=", 1)[0]
         if key not in known and not (key.startswith("no_") and key[3:] in known):
-            raise UserError(f"unknown command-line flag `--{key}`. Fix: {_suggest(key, known)}")
+            raise UserError(f"unknown command-line flag `--{key}`. Fix: {_suggest(key, known, elsewhere)}")
 
 
 def _keys_file(kind: str, cache: Path) -> Path:
@@ -169,7 +177,8 @@ def _as(kind: str | None, value, flag: str):
                     "the command line.")
 
 
-def remembered_values(kind: str, config: dict, path: str | Path, argv: list[str], cache: Path):
+def remembered_values(kind: str, config: dict, path: str | Path, argv: list[str], cache: Path,
+                      elsewhere: Callable | None = None):
     """The recipe's settings as the parser would resolve its plain fields (the kind's defaults, the YAML, then the
     command line), with every key, flag and int/float/bool value checked against the fields a launch remembered
     under the same fingerprint, before any heavy import: a namespace, or None where none is remembered (the parser
@@ -182,8 +191,8 @@ def remembered_values(kind: str, config: dict, path: str | Path, argv: list[str]
     except (OSError, ValueError, TypeError, AssertionError):
         return None
     known = set(fields)
-    check_known_keys(config, known, path)
-    check_known_flags(argv, known)
+    check_known_keys(config, known, path, elsewhere)
+    check_known_flags(argv, known, elsewhere)
     values = {name: spec[1] for name, spec in fields.items() if len(spec) > 1}
     values.update(config)
     i = 0
