@@ -300,17 +300,20 @@ def test_latest_complete_skips_unmarked(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_writes_status_interrupted(tmp_path, cache_dir):
+def test_ctrl_c_saves_a_checkpoint_first_and_the_same_command_resumes(tmp_path, cache_dir):
+    """The first Ctrl-C stops the ranks as a preemption does (it stopped them at once: a run that saved no
+    checkpoint started again at step 0, where SIGTERM would have kept its progress)."""
     out = tmp_path / "run"
     rc, out_text = signal_launch(["tiny-cpu-lora", "--max_steps", "100000", "--eval_strategy", "no", "--output_dir",
                                   str(out)], cache_dir, (out / "run_args.json").exists, signal.SIGINT, settle=2)
     metrics = json.loads((out / "metrics.json").read_text())
-    if metrics["status"] == "preempted":  # torchrun's race, once in ~10 suite runs (the next test): SIGTERM, saved
-        assert "interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM" in out_text, out_text[-3000:]
-    else:
-        assert metrics["status"] == "interrupted", out_text[-3000:]
-    assert metrics["tokens"]["scope"] == "rank0_only" and metrics["tokens"]["non_padding"] > 0
+    assert metrics["status"] == "preempted" and not metrics.get("provisional"), out_text[-3000:]
+    assert metrics["tokens"]["scope"] == "all_ranks" and metrics["tokens"]["non_padding"] > 0  # a whole report
     assert rc == EXIT_INTERRUPTED and "error:" not in out_text, out_text[-3000:]  # Ctrl-C is no failure
+    assert "[launch] Ctrl-C: the ranks save a checkpoint at the end of this step, then stop" in out_text
+    last = checkpoints.usable(out)[0]
+    assert last is not None and "interrupted (Ctrl-C): the ranks saved a checkpoint first" in out_text
+    assert f"resumes from {last}" in out_text, out_text[-3000:]
 
 
 def launcher_with_fake_ranks(argv, out: Path, report: dict, ended: tuple, monkeypatch, interrupted=False) -> int:
@@ -358,29 +361,55 @@ def ctrl_c_ending(report: dict, torchrun_rc: int, tmp_path, monkeypatch, capsys)
     return out, text
 
 
-def test_ctrl_c_that_torchrun_passed_on_as_sigterm_is_still_an_interruption(tmp_path, monkeypatch, capsys):
-    """Seen once in a whole suite run: torch 2.13.0's elastic agent handled the launcher's SIGINT inside its metrics
-    wrapper before that set `start` (torch/distributed/elastic/metrics/api.py), the UnboundLocalError replaced its
-    SignalException, and its clean-up stopped the ranks with SIGTERM: they saved a checkpoint and reported
-    `preempted`. torchrun then exited 1, and no SIGTERM or SIGUSR1 had reached the launcher."""
+def test_ctrl_c_passed_on_as_sigterm_is_still_an_interruption(tmp_path, monkeypatch, capsys):
+    """The first Ctrl-C reaches the ranks as SIGTERM (Ranks._on_signal): they save a checkpoint and report
+    `preempted`, torchrun exits non-zero, and no SIGTERM or SIGUSR1 reached the launcher: an interruption (130), not
+    a preemption (75), said with what the same command does."""
     report = {"status": "preempted", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 8,
               "error": "stopped by a signal (rank 0 saw: 15)"}
     out, text = ctrl_c_ending(report, 1, tmp_path, monkeypatch, capsys)
-    assert "interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint first " \
-           "(stopped by a signal (rank 0 saw: 15)); " in text  # then what the same command does (ending.resumes_from)
+    assert "interrupted (Ctrl-C): the ranks saved a checkpoint first (stopped by a signal (rank 0 saw: 15)); " \
+           in text  # then what the same command does (ending.resumes_from)
     assert "preempted:" not in text
     assert json.loads((out / "metrics.json").read_text()) == report  # what the ranks did, as they reported it
 
 
-def test_ctrl_c_without_a_checkpoint_says_how_to_stop_and_keep_the_progress(tmp_path, monkeypatch, capsys):
-    """A run of save_strategy "no" stopped with Ctrl-C starts again at step 0; SIGTERM would have saved first. The
-    line said the first and not the second (a new-user trial, 2026-11-29)."""
+def test_ctrl_c_twice_stops_at_once_and_says_nothing_was_saved(tmp_path, monkeypatch, capsys):
     report = {"status": "interrupted", "provisional": False, "recipe": "tiny-cpu-lora", "steps": 8,
               "error": "KeyboardInterrupt"}
     _, text = ctrl_c_ending(report, 130, tmp_path, monkeypatch, capsys)
-    assert "interrupted (Ctrl-C): no checkpoint was saved on the way out; " in text
-    assert "send the launcher SIGTERM instead (kill -TERM <its pid>), as a scheduler's preemption does: the ranks " \
-           "save a checkpoint first and the same command resumes" in text, text[-2000:]
+    assert "interrupted (Ctrl-C): the ranks stopped at once, with no checkpoint saved on the way out; no complete " \
+           "checkpoint in" in text, text[-2000:]
+
+
+def test_the_first_ctrl_c_reaches_the_ranks_as_sigterm_and_the_second_as_itself(tmp_path):
+    """In-process: a child that records the signals it gets stands in for `accelerate launch`, released."""
+    from fsdp_recipes.launch import ranks as ranks_module
+
+    seen = tmp_path / "seen"
+    child = ("import signal, sys, time\n"
+             "for s in (signal.SIGTERM, signal.SIGINT):\n"
+             f"    signal.signal(s, lambda n, _: open({str(seen)!r}, 'a').write(signal.Signals(n).name + ' '))\n"
+             f"open({str(seen)!r}, 'w').close()\n"
+             "time.sleep(60)\n")
+
+    def wait_for(words: int) -> list[str]:
+        deadline = time.time() + 60
+        while not (seen.exists() and len(seen.read_text().split()) >= words) and time.time() < deadline:
+            time.sleep(0.1)
+        return seen.read_text().split()
+
+    ranks = ranks_module.Ranks([sys.executable, "-c", child], tmp_path / "torchrun", gated=False)
+    try:
+        ranks.release(None)
+        assert wait_for(0) == []  # its handlers are in
+        os.kill(os.getpid(), signal.SIGINT)
+        assert wait_for(1) == ["SIGTERM"] and ranks.interrupted and ranks.preempted_by is None
+        os.kill(os.getpid(), signal.SIGINT)
+        assert wait_for(2) == ["SIGTERM", "SIGINT"]
+    finally:
+        ranks.proc.kill()
+        ranks.wait()
 
 
 def test_a_signal_after_the_final_report_leaves_a_completed_run_completed(tmp_path, cache_dir, monkeypatch, capsys):

@@ -103,11 +103,9 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
             f"checked, and the run report {report} is final; nothing to resume (the summary is skipped)")
         return gates.exit_code(metrics)  # its gates and divergence still decide: 3 or 4 as after a summary
     if metrics.get("status") == "preempted" and not metrics.get("provisional"):
-        if ranks.interrupted and preempted_by is None:
-            # torch 2.13.0's elastic agent: a SIGINT handled inside its metrics wrapper (metrics/api.py `prof`,
-            # before `start` is set) turns into an UnboundLocalError, and torchrun stops the ranks with SIGTERM
-            say(f"interrupted (Ctrl-C): torchrun passed it on to the ranks as SIGTERM, so they saved a checkpoint "
-                f"first ({metrics.get('error')}); {resumes_from(output_dir, recipe.cfg)}")
+        if ranks.interrupted and preempted_by is None:  # Ctrl-C, passed on as SIGTERM (Ranks._on_signal)
+            say(f"interrupted (Ctrl-C): the ranks saved a checkpoint first ({metrics.get('error')}); "
+                f"{resumes_from(output_dir, recipe.cfg)}")
             return EXIT_INTERRUPTED
         say(f"preempted: a checkpoint was saved in {output_dir}; {resumes_from(output_dir, recipe.cfg)}")
         return EXIT_PREEMPTED
@@ -122,17 +120,12 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
             f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
         return rc
     if rc != 0 and (ranks.interrupted or metrics.get("status") == "interrupted"):
-        say(f"interrupted (Ctrl-C): no checkpoint was saved on the way out; {resumes_from(output_dir, recipe.cfg)}"
-            + STOP_AND_SAVE)
+        say(f"interrupted (Ctrl-C): the ranks stopped at once, with no checkpoint saved on the way out; "
+            f"{resumes_from(output_dir, recipe.cfg)}")
         return EXIT_INTERRUPTED
     if rc != 0:
         raise failed(recipe, ranks, rc, output_dir, report, fresh)
     return None
-
-
-# Ctrl-C stops the ranks at once; the preemption signals make them save first (train/preemption.py).
-STOP_AND_SAVE = ("; to stop a run and keep its progress, send the launcher SIGTERM instead (kill -TERM <its pid>), as "
-                 "a scheduler's preemption does: the ranks save a checkpoint first and the same command resumes")
 
 
 def resumes_from(output_dir: str, cfg=None) -> str:

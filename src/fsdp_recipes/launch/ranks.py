@@ -19,6 +19,7 @@ from fsdp_recipes.config.recipes import Recipe
 from fsdp_recipes.dist import free_port
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.launch import explain_failure
+from fsdp_recipes.launch.lines import say
 from fsdp_recipes.launch.rank_output import RankOutput
 from fsdp_recipes.train import failure_record, start_gate
 from fsdp_recipes.config.preemption import grace_seconds
@@ -61,7 +62,7 @@ class Ranks:
         if not gated:
             self.gate.open()
         self.preempted_by: int | None = None
-        self.interrupted = False  # Ctrl-C after release: the ranks report "interrupted", which is no failure
+        self.interrupted = False  # Ctrl-C after release: the ranks save and stop (a second one: at once), no failure
         # A signal before release raised in the launcher (stopping), or abort() began (aborting): a second Ctrl-C
         # (a user pressing it twice) must not raise again out of the cleanup (a traceback, the ranks left behind)
         self.stopping = self.aborting = False
@@ -84,9 +85,14 @@ class Ranks:
         if not self.released:  # the ranks are importing or at the gate: stop everything here
             self.stopping = True
             raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signal.Signals(signum).name)
-        if signum == signal.SIGINT:
+        if signum == signal.SIGINT and not self.interrupted:
+            # the first Ctrl-C stops the ranks as a preemption does: a checkpoint at the end of this step, then
+            # exit; a second one is passed on as it is and stops them at once (train/preemption.py)
             self.interrupted = True
-        elif self.preempted_by is None:
+            say("Ctrl-C: the ranks save a checkpoint at the end of this step, then stop (Ctrl-C again stops them "
+                "at once, without one)")
+            signum = signal.SIGTERM
+        elif signum != signal.SIGINT and self.preempted_by is None:
             self.preempted_by = signum
         self.proc.send_signal(signum)
 
