@@ -40,7 +40,8 @@ IDENTICAL = 0.9
 
 
 def by_hand(run: Path) -> str:
-    return f"for this one, compare by hand (fsdp-recipes gguf {run}, then llama-server -m <its gguf>)"
+    return (f"for this one, compare by hand (fsdp-recipes gguf {run}, or make gguf RUN={run}, then llama-server -m "
+            f"<its gguf>)")
 
 
 def held_out(run: Path, folder: Path) -> tuple[list[dict], str, int]:

@@ -74,7 +74,7 @@ def refuse_quantized(run: Path, folder: Path) -> None:
     if (run / "run_args.json").is_file():  # a run of the pack's: its merge is the dequantised model
         where = (f"the pack's merge of a 4-bit (QLoRA) run writes the dequantised base + adapter as "
                  f"{run / 'merged'}: rerun the recipe with --save_merged_model true (docs/training.md, QLoRA), then "
-                 f"fsdp-recipes gguf {run}")
+                 f"fsdp-recipes gguf {run} (make gguf RUN={run})")
     else:
         where = ("dequantise it first: load it with transformers and bitsandbytes, then save model.dequantize() "
                  "with save_pretrained into a folder and export that; or export the model's full-precision release")
