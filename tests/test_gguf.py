@@ -5,6 +5,7 @@ same logits from these files: tests/test_serving_engines.py (make test-serve).""
 
 import json
 import shutil
+from pathlib import Path
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.serving import gguf_export
+from fsdp_recipes.serving import gguf_export, llamacpp_converter
 from gguf_tiny import VARIABLE, check_family_export, use_converter
 
 
@@ -46,7 +47,7 @@ def test_what_is_refused_before_converting_is_one_line_and_leaves_the_output_alo
     else:
         monkeypatch.setenv(VARIABLE, str(tmp_path / "nowhere"))
         said = (f"no llama.cpp converter at {tmp_path / 'nowhere'} (convert_hf_to_gguf.py with its gguf-py). Fix: "
-                "make gguf-converter")
+                "fsdp-recipes gguf --install-converter (in a checkout of the pack also make gguf-converter")
     with pytest.raises(UserError) as err:
         gguf_export.export(tiny, out, qtype)
     assert str(err.value).startswith(said) and "\n" not in str(err.value)
@@ -59,6 +60,9 @@ def test_what_is_refused_before_converting_is_one_line_and_leaves_the_output_alo
 def test_a_converter_failure_is_one_line_with_its_reason_and_its_log(tiny, tmp_path, monkeypatch, capsys):
     """The pack's own tiny model: its 268-token byte-level BPE tokenizer is none llama.cpp knows by hash."""
     use_converter(monkeypatch)
+    # the pack's own check refuses this tokenizer first (test_an_unknown_pre_tokenizer_is_refused_before_converting);
+    # taken away here, the converter's own failure is what is said
+    monkeypatch.setattr(llamacpp_converter, "unknown_pre_tokenizer", lambda folder: None)
     out = tmp_path / "out" / "tiny.f16.gguf"
     with pytest.raises(SystemExit) as code:
         gguf_export.main([str(tiny), "--out", str(out)])
@@ -96,3 +100,94 @@ def test_a_run_without_a_merged_model_and_a_bad_type_are_one_line(tmp_path):
 def test_make_gguf_without_a_run_is_one_line():
     res = subprocess.run(["make", "-s", "gguf"], capture_output=True, text=True, cwd=REPO)
     assert res.returncode == 2 and "make gguf needs RUN=" in res.stderr
+
+
+CHKTXT = "Hello  world 333 3.3 I've"
+
+
+def fake_converter(folder, known=()):
+    """A converter folder whose get_vocab_base_pre lists the hashes `known`, laid out as llama.cpp 0.3.36's
+    (conversion/base.py: the test string, then `if chkhsh == "..."` per tokenizer, then its end marker)."""
+    (folder / "conversion").mkdir(parents=True)
+    (folder / "convert_hf_to_gguf.py").write_text("")
+    cases = "".join(f'        if chkhsh == "{h}":\n            res = "known"\n' for h in known)
+    (folder / "conversion" / "base.py").write_text(
+        "class TextModel:\n    def get_vocab_base_pre(self, tokenizer) -> str:\n"
+        f"        chktxt = {CHKTXT!r}\n        chktok = tokenizer.encode(chktxt)\n{cases}"
+        "        # Marker: End get_vocab_base_pre\n")
+    return folder
+
+
+def tokenizer_hash(folder) -> str:
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    return hashlib.sha256(str(AutoTokenizer.from_pretrained(str(folder)).encode(CHKTXT)).encode()).hexdigest()
+
+
+def test_an_unknown_pre_tokenizer_is_refused_before_converting(tiny, tmp_path, monkeypatch, capsys):
+    """`make gguf RUN=runs/tiny-cpu-lora` (every smoke run: the tiny tokenizer) was offered by the summary and failed
+    in llama.cpp's converter, "BPE pre-tokenizer was not recognized" (2026-11-29): --check-only now says so in a
+    second, from the installed converter's own list of hashes; a tokenizer it lists passes."""
+    monkeypatch.setenv(VARIABLE, str(fake_converter(tmp_path / "converter")))
+    with pytest.raises(SystemExit) as code:
+        gguf_export.main([str(tiny), "--check-only"])
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert code.value.code == 2 and len(errors) == 1, errors
+    assert errors[0].startswith(f"error: llama.cpp's converter (llama-cpp-python 0.3.36) does not know the byte-level "
+                                f"BPE pre-tokenizer of {tiny}'s tokenizer (its hash ")
+    assert '"BPE pre-tokenizer was not recognized". Fix: export a model whose tokenizer llama.cpp knows' in errors[0]
+    assert not (tiny / "gguf").exists()
+    monkeypatch.setenv(VARIABLE, str(fake_converter(tmp_path / "knows", [tokenizer_hash(tiny)])))
+    assert gguf_export.main([str(tiny), "--check-only"]) == 0
+    monkeypatch.setenv(VARIABLE, str(tmp_path / "none"))  # no converter: it cannot tell, and does not guess
+    assert llamacpp_converter.unknown_pre_tokenizer(tiny) is None
+
+
+def test_the_real_converter_does_not_know_the_tiny_tokenizer(tiny, monkeypatch):
+    """The check reads llama.cpp 0.3.36's own list: the tiny tokenizer, which its converter refuses
+    (test_a_converter_failure_is_one_line_with_its_reason_and_its_log), is not in it."""
+    converter = use_converter(monkeypatch)
+    chktxt, hashes = llamacpp_converter.known_pre_tokenizers(converter)
+    assert len(hashes) > 50 and "\n" in chktxt
+    assert "does not know the byte-level BPE pre-tokenizer" in llamacpp_converter.unknown_pre_tokenizer(tiny)
+
+
+def test_the_converter_installs_without_make(tmp_path, monkeypatch, capsys):
+    """A wheel user has no Makefile: `fsdp-recipes gguf --install-converter` does what make gguf-converter does
+    (pip download of the llama-cpp-python sdist, its vendor/llama.cpp converter files unpacked, sentencepiece into
+    site/). pip is stood in for here: no network in the tests."""
+    import tarfile
+
+    version = llamacpp_converter.VERSION
+    made = tmp_path / "sdist"
+    vendor = made / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    fake_converter(vendor)
+    (vendor / "gguf-py" / "gguf").mkdir(parents=True)
+    (vendor / "LICENSE").write_text("MIT")
+    (vendor / "ggml").mkdir()  # the rest of llama.cpp's source: not kept
+    sdist = tmp_path / f"llama_cpp_python-{version}.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(made / f"llama_cpp_python-{version}", arcname=f"llama_cpp_python-{version}")
+    calls = []
+
+    def pip(cmd, **kwargs):
+        calls.append(cmd[3:])
+        if cmd[3] == "download":
+            shutil.copy(sdist, cmd[cmd.index("-d") + 1])
+        else:
+            (Path(cmd[cmd.index("--target") + 1]) / "sentencepiece").mkdir(parents=True)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(llamacpp_converter.subprocess, "run", pip)
+    monkeypatch.setenv("FSDP_RECIPES_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(VARIABLE, raising=False)
+    assert gguf_export.main(["--install-converter"]) == 0
+    folder = tmp_path / "cache" / "serve-env" / "llamacpp-converter"
+    assert sorted(p.name for p in folder.iterdir()) == ["LICENSE", "conversion", "convert_hf_to_gguf.py", "gguf-py",
+                                                        "site"]
+    assert [c[0] for c in calls] == ["download", "install"] and "sentencepiece==0.2.3" in calls[1]
+    assert llamacpp_converter.location() == folder
+    assert gguf_export.main(["--install-converter"]) == 0  # kept: nothing downloaded again
+    assert len(calls) == 2 and capsys.readouterr().out.splitlines()[-1] == f"[gguf] llama.cpp's converter is at {folder}"

@@ -246,7 +246,8 @@ def test_make_gguf_of_a_4bit_folder_says_it_is_4bit_and_where_the_dequantised_mo
         folder = four_bit_folder(run / "merged", cache_dir)
         (run / "run_args.json").write_text("{}")
         where = (f"Fix: the pack's merge of a 4-bit (QLoRA) run writes the dequantised base + adapter as {folder}: "
-                 f"rerun the recipe with --save_merged_model true (docs/training.md, QLoRA), then make gguf RUN={run}.")
+                 f"rerun the recipe with --save_merged_model true (docs/training.md, QLoRA), then fsdp-recipes gguf {run} "
+                 f"(make gguf RUN={run}).")
     else:
         run = folder = four_bit_folder(tmp_path / "llama-bnb-4bit", cache_dir)
         where = ("Fix: dequantise it first: load it with transformers and bitsandbytes, then save model.dequantize() "

@@ -123,7 +123,7 @@ def test_report_table_has_each_runs_figures(runs):
         "device": "cuda: NVIDIA H100 80GB HBM3", "tokens/s": "123,457", "tokens/s per device": "15,432",
         "MFU": "41.2%", "peak device memory (allocated)": "40.0 GiB", "peak host RSS": "12.5 GiB",
         "time to first step": "42.0 s", "final train loss": "0.1235", "final eval loss": "0.2345",
-        "commit": "c3e1aa1d",
+        "held-out answer loss": "n/a", "exact match": "n/a", "commit": "c3e1aa1d",
     }
     assert (cpu["MFU"], cpu["peak device memory (allocated)"], cpu["peak host RSS"]) == ("n/a", "n/a", "596.6 MiB")
     assert (cpu["tokens/s"], cpu["tokens/s per device"], cpu["time to first step"]) == ("3,352", "1,676", "5.8 s")
@@ -388,3 +388,80 @@ def test_alert_rules_structure_and_promql():
 
     with pytest.raises(ValueError):  # the parser does reject what promtool would: a range function on a vector
         promql.parse("training_mfu < 0.8 * avg_over_time(training_mfu offset 10m)")
+
+
+# The summary's `eval` section as launch/summary.py writes it into metrics.json (evaluation/scoring.py eval_section):
+# the held-out loss of the reference answers and the exact match with its Wilson interval.
+EVAL_SECTION = {
+    "prompts": 100, "held_out": True, "base_correct": 0, "trained_correct": 93,
+    "held_out_loss": {"rows": 100, "tokens": 457, "base": 2.727, "trained": 0.0556},
+    "stages": [{"stage": "base", "correct": 0, "n": 100, "wilson95": [0.0, 0.037]},
+               {"stage": "sft", "correct": 93, "n": 100, "wilson95": [0.863, 0.966]}],
+}
+
+
+def test_report_shows_the_summarys_held_out_loss_and_exact_match_where_recorded(tmp_path):
+    """Both trial runs had an `eval` section; the table showed only TRL's final eval loss (2026-11-29)."""
+    root = tmp_path / "runs"
+    scored = make_run(root / "scored", {**CPU_METRICS, "eval": EVAL_SECTION}, None)
+    long_answers = make_run(root / "long", {**CPU_METRICS, "eval": {
+        **EVAL_SECTION, "trained_correct": None, "base_correct": None,
+        "stages": [{"stage": "base", "correct": None}, {"stage": "sft", "correct": None}]}}, None)
+    unscored = make_run(root / "unscored", CPU_METRICS, None)  # generations skipped: no `eval`
+    run_comparison.write_report([scored, long_answers, unscored])
+    text = (root / "report.md").read_text()
+    rows = table(text)
+    assert (rows["scored"]["held-out answer loss"], rows["scored"]["exact match"]) == ("0.0556", "93/100 (86.3-96.6%)")
+    assert (rows["long"]["held-out answer loss"], rows["long"]["exact match"]) == ("0.0556", "n/a")
+    assert (rows["unscored"]["held-out answer loss"], rows["unscored"]["exact match"]) == ("n/a", "n/a")
+    assert rows["scored"]["final eval loss"] == "0.0247"  # TRL's, beside it, and said which tokens each counts
+    assert "Final eval loss: TRL's" in text and "the reference answers' tokens alone" in text
+
+
+def test_report_says_what_it_replaced(runs, capsys):
+    """`make report` twice into one folder replaced report.md and the plots without a word (2026-11-29)."""
+    run_comparison.write_report(runs)
+    assert "replacing" not in capsys.readouterr().out
+    run_comparison.write_report(runs)
+    said = [line for line in capsys.readouterr().out.splitlines() if "replacing" in line]
+    assert said == [f"[report] replacing the earlier report.md, loss.png, throughput.png, memory.png in "
+                    f"{runs[0].parent}"]
+
+
+@pytest.mark.parametrize("case", ["file", "folder-of-runs", "missing"])
+def test_a_path_that_is_not_a_run_says_what_it_is(runs, case):
+    """`prometheus runs/*` said `run directory runs/loss.png does not exist` of a file, and runs/smoke (a folder of
+    runs) `has no metrics.json` (2026-11-29)."""
+    root = runs[0].parent
+    path = {"file": root / "loss.png", "folder-of-runs": root / "nightly", "missing": root / "nowhere"}[case]
+    if case == "file":
+        path.write_bytes(b"png")
+    with pytest.raises(UserError) as err:
+        run_comparison.load_metrics(path)
+    said = str(err.value)
+    assert "\n" not in said
+    assert said.startswith({
+        "file": f"{path} is a file, not a run's folder. Fix: ",
+        "folder-of-runs": f"{path} is a folder of 1 run(s) ({root / 'nightly' / 'hsdp'}), not a run itself "
+                          f"(no metrics.json). Fix: pass its runs ({path}/*), or leave it out.",
+        "missing": f"run directory {path} does not exist. Fix: ",
+    }[case]), said
+
+
+def test_prometheus_over_a_glob_skips_files_and_folders_of_runs_with_a_line_each(runs, tmp_path, capsys):
+    """docs/monitoring.md's `fsdp-recipes prometheus runs/* --out ...` once runs/ holds report.md and a folder of
+    runs: those are skipped, each said; the runs are written."""
+    root = runs[0].parent
+    (root / "report.md").write_text("earlier report")
+    out = tmp_path / "all.prom"
+    assert prometheus.main([*map(str, sorted(root.iterdir())), "--out", str(out)]) == 0
+    said = capsys.readouterr().out.splitlines()
+    assert said[:2] == [f"[prometheus] skipped {root / 'nightly'} is a folder of 1 run(s) ({root / 'nightly' / 'hsdp'}),"
+                        f" not a run itself (no metrics.json); its runs: {root / 'nightly'}/*",
+                        f"[prometheus] skipped {root / 'report.md'} is a file, not a run's folder"]
+    assert said[2].startswith("[prometheus] 2 run(s) -> ")
+    text = out.read_text()
+    assert "gpu-full" in text and "cpu-lora" in text
+    with pytest.raises(SystemExit) as code:  # nothing left: one line
+        prometheus.main([str(root / "report.md"), "--out", str(out)])
+    assert code.value.code == 2

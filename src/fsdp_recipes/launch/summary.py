@@ -36,6 +36,7 @@ from fsdp_recipes.evaluation.stages import trained_model_dir
 from fsdp_recipes.metrics import gates, metrics_file
 from fsdp_recipes.metrics.figures import figure, percent
 from fsdp_recipes.metrics.run_comparison import human_bytes
+from fsdp_recipes.serving import llamacpp_converter
 from fsdp_recipes.train import kinds
 
 
@@ -154,6 +155,33 @@ def shown(text: str) -> str:
     return ascii(text)
 
 
+def run_args_of(run_dir: Path) -> dict:
+    """The run's run_args.json, {} where it is missing or unreadable (the summary's lines then say less)."""
+    try:
+        return json.loads((Path(run_dir) / "run_args.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def eval_loss_counts(metrics: dict, run_args: dict) -> str:
+    """What TRL's eval loss (metrics.json final_eval_loss) is and which tokens it counts: the trainer's own loss on
+    the whole eval split, masked as the training loss is (SFT: completion_only_loss, assistant_only_loss; a chat
+    `messages` row without assistant_only_loss counts its prompt too). The summary's held-out loss, beside it, counts
+    the reference answers' tokens alone (evaluation/answer_loss.py): the two differ by design."""
+    kind = metrics.get("trainer") or (run_args.get("pack_args") or {}).get("trainer") or "sft"
+    if kind != "sft":
+        return f"TRL's {kind.upper()} loss on the eval split during training"
+    sft = run_args.get("sft_config") or {}
+    if sft.get("assistant_only_loss"):
+        counts = "the assistant tokens alone (assistant_only_loss)"
+    elif sft.get("completion_only_loss") is False:
+        counts = "every token, prompts included (completion_only_loss false)"
+    else:
+        counts = ("every token of a chat `messages` row, its prompt included (assistant_only_loss off), or a "
+                  "prompt/completion row's completion")
+    return f"TRL's, on the eval split during training, over the tokens the training loss counts: {counts}"
+
+
 def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None = None) -> str:
     m = metrics
     lines = [f"== {m.get('recipe') or run_dir.name}: {m['status']} in {figure(m.get('wall_clock_s'), '.0f')}s =="]
@@ -161,6 +189,10 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
         ev = f", eval {figure(m['final_eval_loss'], '.3f')}" if m.get("final_eval_loss") is not None else ""
         lines.append(f"loss        {figure(m['first_train_loss'], '.3f')} -> {figure(m.get('final_train_loss'), '.3f')} "
                      f"(train){ev}")
+        if ev:  # two eval losses in one summary: which tokens each counts
+            answers = ("; the held-out loss below: the reference answers' tokens alone, no prompt"
+                       if (check or {}).get("loss") else "")
+            lines.append(f"            eval: {eval_loss_counts(m, run_args_of(run_dir))}{answers}")
     tps = m.get("tokens_per_second")
     lines.append(
         f"throughput  {figure(tps, ',.0f')} tokens/s ({figure(m.get('tokens_per_second_per_device'), ',.0f')} per "
@@ -204,7 +236,8 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
 
 def serve_lines(run_dir: Path) -> list[str]:
     """How to serve what this run made: vLLM on its merged (or full) model, and on the base model with its LoRA
-    adapter; llama.cpp and Ollama through `make gguf`; `make serve-check` to compare their answers (docs/serving.md)."""
+    adapter; llama.cpp and Ollama through `fsdp-recipes gguf` (`make gguf`), left out where llama.cpp's converter would
+    refuse the tokenizer; `fsdp-recipes serve-check` to compare their answers (docs/serving.md)."""
     model = trained_model_dir(run_dir)
     if model is None:
         return []
@@ -223,10 +256,32 @@ def serve_lines(run_dir: Path) -> list[str]:
             lines.append(f"            vLLM, base + adapter: vllm serve {base} --enable-lora --max-lora-rank "
                          f"{vllm_max_lora_rank(config)} --lora-modules {run_dir.name}={run_dir}{tokenizer}")
     name = run_dir.resolve().name  # serving/gguf_export.py's file name for it
-    lines.append(f"            llama.cpp / Ollama: make gguf RUN={run_dir}, then llama-server -m "
-                 f"{run_dir}/gguf/{name}.f16.gguf, or ollama create {name} -f {run_dir}/gguf/Modelfile")
-    lines.append(f"            check they answer like this run: make serve-check RUN={run_dir}")
+    # the `fsdp-recipes` form works wherever the pack is installed; the make target in the pack's checkout
+    refused = llamacpp_converter.unknown_pre_tokenizer(model)  # the converter's refusal, where it is installed
+    if refused:
+        lines.append(f"            llama.cpp / Ollama: not offered: {refused}")
+        lines.append(f"            check they answer like this run: fsdp-recipes serve-check {run_dir} --engine vllm "
+                     f"(make serve-check RUN={run_dir} ENGINE=vllm)")
+        return lines
+    unsure = ""
+    if llamacpp_converter.byte_level_bpe(model) and not converter_installed():
+        unsure = (" (llama.cpp's converter refuses a byte-level BPE tokenizer it does not know; with the converter "
+                  f"installed, fsdp-recipes gguf --install-converter, `fsdp-recipes gguf {run_dir} --check-only` "
+                  "tells in seconds)")
+    lines.append(f"            llama.cpp / Ollama: fsdp-recipes gguf {run_dir} (make gguf RUN={run_dir}){unsure}, then "
+                 f"llama-server -m {run_dir}/gguf/{name}.f16.gguf, or ollama create {name} -f "
+                 f"{run_dir}/gguf/Modelfile")
+    lines.append(f"            check they answer like this run: fsdp-recipes serve-check {run_dir} "
+                 f"(make serve-check RUN={run_dir})")
     return lines
+
+
+def converter_installed() -> bool:
+    try:
+        llamacpp_converter.location()
+    except UserError:
+        return False
+    return True
 
 
 @cli

