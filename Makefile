@@ -182,21 +182,8 @@ FSDP_RECIPES_VLLM_PYTHON ?= $(VLLM_ENV)/bin/python
 # (serving/llamacpp_converter.py). The sdist stays beside it: serve-env builds llama-cpp-python from that file.
 LLAMACPP_VERSION = 0.3.36
 LLAMACPP_SDIST = $(SERVE_ENVS)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
-LLAMACPP_CONVERTER = $(SERVE_ENVS)/llamacpp-converter
-CONVERTER_FILES = convert_hf_to_gguf.py conversion gguf-py LICENSE
 gguf-converter: $(STAMP) ## llama.cpp's convert_hf_to_gguf.py from the llama-cpp-python sdist, kept once (make gguf's converter; ~2 min)
-	@if [ ! -f "$(LLAMACPP_SDIST)" ]; then \
-	  echo "[gguf-converter] downloading llama-cpp-python $(LLAMACPP_VERSION)'s source to $(SERVE_ENVS) (once; its log: $(LLAMACPP_CONVERTER).log)"; \
-	  mkdir -p "$(SERVE_ENVS)" && $(PY) -m pip download --no-deps --no-binary :all: "llama-cpp-python==$(LLAMACPP_VERSION)" -d "$(SERVE_ENVS)" \
-	    >"$(LLAMACPP_CONVERTER).log" 2>&1 || { rm -f "$(LLAMACPP_SDIST)"; echo "error: downloading llama-cpp-python's source failed. Fix: read $(LLAMACPP_CONVERTER).log (it needs PyPI once)" >&2; exit 2; }; fi
-	@if [ ! -f "$(LLAMACPP_CONVERTER)/convert_hf_to_gguf.py" ] || [ ! -d "$(LLAMACPP_CONVERTER)/site/sentencepiece" ]; then \
-	  echo "[gguf-converter] unpacking llama.cpp's converter into $(LLAMACPP_CONVERTER)"; \
-	  rm -rf "$(LLAMACPP_CONVERTER)" "$(LLAMACPP_CONVERTER).tmp" && mkdir -p "$(LLAMACPP_CONVERTER).tmp" && \
-	  tar -xzf "$(LLAMACPP_SDIST)" -C "$(LLAMACPP_CONVERTER).tmp" --strip-components=3 \
-	    $(addprefix llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp/,$(CONVERTER_FILES)) >>"$(LLAMACPP_CONVERTER).log" 2>&1 && \
-	  $(PY) -m pip install --no-deps --target "$(LLAMACPP_CONVERTER).tmp/site" "sentencepiece==0.2.3" >>"$(LLAMACPP_CONVERTER).log" 2>&1 && \
-	  mv "$(LLAMACPP_CONVERTER).tmp" "$(LLAMACPP_CONVERTER)" || { \
-	    echo "error: unpacking llama.cpp's converter failed. Fix: read $(LLAMACPP_CONVERTER).log" >&2; exit 2; }; fi
+	@$(CLI) gguf --install-converter
 
 serve-env: ## ENGINE=llama.cpp|vllm|all: the serving engines' environments, made once (llama.cpp 3-7 min, vLLM 1-3)
 	@case "$(ENGINE)" in llama.cpp|vllm|all) ;; *) echo "error: no engine named '$(ENGINE)'. Fix: ENGINE=llama.cpp, vllm or all" >&2; exit 2;; esac

@@ -191,3 +191,16 @@ def test_the_converter_installs_without_make(tmp_path, monkeypatch, capsys):
     assert llamacpp_converter.location() == folder
     assert gguf_export.main(["--install-converter"]) == 0  # kept: nothing downloaded again
     assert len(calls) == 2 and capsys.readouterr().out.splitlines()[-1] == f"[gguf] llama.cpp's converter is at {folder}"
+
+
+def test_the_makefile_builds_llama_cpp_from_the_sdist_the_converter_comes_from():
+    """make serve-env builds llama-cpp-python from the sdist that install() unpacked the converter from: one
+    llama.cpp commit for both, so the Makefile's version is the module's."""
+    import re
+
+    from conftest import REPO
+    from fsdp_recipes.serving import llamacpp_converter
+
+    makefile = (REPO / "Makefile").read_text()
+    assert re.search(r"^LLAMACPP_VERSION = (\S+)$", makefile, re.M).group(1) == llamacpp_converter.VERSION
+    assert "@$(CLI) gguf --install-converter" in makefile  # one way to install it, the module's

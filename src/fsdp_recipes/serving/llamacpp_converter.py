@@ -33,11 +33,11 @@ from pathlib import Path
 from fsdp_recipes.errors import UserError
 from fsdp_recipes.paths import cache_dir
 
-SOURCE = "llama-cpp-python 0.3.36"  # the sdist the Makefile's gguf-converter target unpacks (LLAMACPP_VERSION)
+VERSION = "0.3.36"  # = the Makefile's LLAMACPP_VERSION, the sdist `make serve-env` builds llama.cpp from
+SOURCE = f"llama-cpp-python {VERSION}"  # the sdist install() unpacks the converter from
 VARIABLE = "FSDP_RECIPES_LLAMACPP_CONVERTER"
 SCRIPT = "convert_hf_to_gguf.py"
-VERSION = "0.3.36"  # = the Makefile's LLAMACPP_VERSION
-FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")  # = the Makefile's CONVERTER_FILES
+FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "LICENSE")
 SENTENCEPIECE = "sentencepiece==0.2.3"
 INSTALL = "fsdp-recipes gguf --install-converter"  # works wherever the pack is installed; `make gguf-converter` too
 
@@ -58,8 +58,8 @@ def location() -> Path:
 
 
 def install(folder: Path | None = None, say=print) -> Path:
-    """What `make gguf-converter` does, without make (a wheel user has no Makefile): pip downloads the
-    llama-cpp-python sdist once into the serve-env folder, its vendor/llama.cpp FILES are unpacked into `folder`
+    """`make gguf-converter` and `fsdp-recipes gguf --install-converter` (a wheel user has no Makefile): pip downloads
+    the llama-cpp-python sdist once into the serve-env folder, its vendor/llama.cpp FILES are unpacked into `folder`
     (default_location()) and sentencepiece is pip-installed into its site/. Kept where it is already complete."""
     folder = Path(folder or default_location())
     if (folder / SCRIPT).is_file() and (folder / "site" / "sentencepiece").is_dir():
