@@ -15,6 +15,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.checkpoint.fingerprint import weights_changed, weights_fingerprint
 from fsdp_recipes.dist import barrier, rank
 from fsdp_recipes.errors import UserError
 
@@ -107,9 +108,11 @@ def incomplete(output_dir: str | Path) -> list[Path]:
     return [p for p in checkpoint_dirs(output_dir) if not is_complete(p)]
 
 
-def identity(model_name_or_path: str, peft_config, settings: dict | None = None) -> dict:
-    """The model architecture (from a local config.json) and the adapter shape a checkpoint belongs to, and the
-    settings it fixes (resume_settings.py)."""
+def identity(model_name_or_path: str, peft_config, settings: dict | None = None,
+             revision: str | None = None) -> dict:
+    """The model architecture (from a local config.json), a fingerprint of its weights (fingerprint.py: a few KiB of
+    each tensor; a hub id's commit where cached) and the adapter shape a checkpoint belongs to, and the settings it
+    fixes (resume_settings.py). `revision`: the model's pinned revision (ModelConfig.model_revision), where known."""
     config_file = Path(model_name_or_path) / "config.json"
     arch = None
     if config_file.is_file():
@@ -121,8 +124,9 @@ def identity(model_name_or_path: str, peft_config, settings: dict | None = None)
         peft = {k: sorted(d[k]) if isinstance(d.get(k), (list, set)) else d.get(k) for k in PEFT_KEYS}
         # the whole config, so `make export` can write adapter_config.json for a sharded checkpoint
         peft_full = json.loads(json.dumps(d, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-    return {"model": model_name_or_path, "architecture": arch, "peft": peft, "peft_config": peft_full,
-            "settings": settings}
+    return {"model": model_name_or_path, "architecture": arch,
+            "weights": weights_fingerprint(model_name_or_path, revision),
+            "peft": peft, "peft_config": peft_full, "settings": settings}
 
 
 def saved_identity(ckpt: Path) -> dict | None:
@@ -144,6 +148,14 @@ def check_compatible(ckpt: Path, current: dict, explicit: bool = False) -> None:
         diff = [k for k in ARCH_KEYS if saved["architecture"].get(k) != current["architecture"].get(k)]
         raise UserError(f"cannot resume from {ckpt}: it was trained on another model ({diff[0]} "
                         f"{saved['architecture'][diff[0]]} vs {current['architecture'][diff[0]]}). {fix}")
+    # a checkpoint written before the fingerprint was recorded, or a model whose weights are not known: not compared
+    if saved.get("weights") and current.get("weights") and (how := weights_changed(saved["weights"],
+                                                                                   current["weights"])):
+        other = ("point --resume_from_checkpoint at a checkpoint of these weights, or leave it out to start over"
+                 if explicit else "use a new output_dir to train on these weights")
+        raise UserError(f"cannot resume from {ckpt}: the base model {current['model']} holds other weights than the "
+                        f"ones it was trained on ({how}). Fix: put the weights it was trained on back at "
+                        f"{current['model']}, or {other}.")
     if (saved["peft"] is None) != (current["peft"] is None):
         kinds = ["full fine-tuning", "LoRA"]
         raise UserError(f"cannot resume from {ckpt}: it is a {kinds[saved['peft'] is not None]} checkpoint and "

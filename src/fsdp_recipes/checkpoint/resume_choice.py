@@ -45,8 +45,9 @@ def checkpoint_to_resume(cfg, settings: dict, say=None, move_unreadable: bool = 
         return None, {}
     if not Path(resume).is_dir():
         raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
-    checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
-                                                                    get_peft_config(model_args)),
+    now = checkpoints.identity(model_args.model_name_or_path, get_peft_config(model_args),
+                               revision=getattr(model_args, "model_revision", None))
+    checkpoints.check_compatible(Path(resume), now,
                                  explicit=bool(training.resume_from_checkpoint))
     checkpoints.check_state_dict_type(Path(resume), checkpoints.run_state_dict_type(accelerate),
                                       explicit=bool(training.resume_from_checkpoint))
