@@ -121,3 +121,64 @@ def test_under_the_override_the_summary_does_not_call_the_rows_held_out():
     kept = {"held_out": True, "split": "the `test` split (4 rows)"}
     chosen_again(kept, {"resumed_with_changes": {"changed": {"learning_rate": [1e-4, 1e-5]}}})
     assert kept == {"held_out": True, "split": "the `test` split (4 rows)"}
+
+
+def test_a_data_file_changed_in_place_is_refused_in_one_line(tmp_path):
+    """The same dataset_name, its rows shuffled in place between an interruption and the resume: it went ahead
+    silently, and the summary called rows the first part trained on held out (eval_split_size carves by row index).
+    The local data's fingerprint (checkpoint/fingerprint.py: size and its first and last MiB) is a resume setting."""
+    import os
+    import random
+
+    LOCAL_DATA = "local_data"  # noqa: N806 - resume_settings.LOCAL_DATA, the settings' name for it
+
+    data = tmp_path / "qa.jsonl"
+    rows = [f'{{"prompt": "q{i}", "completion": "a{i}"}}\n' for i in range(50)]
+    data.write_text("".join(rows))
+    cfg = recipe()
+    cfg.script.dataset_name = str(data)
+    saved = current(cfg, 2, ("packing",))
+    os.utime(data, (1, 1))  # touched, or copied back: the same rows
+    assert check("run/checkpoint-4", 4, saved, current(cfg, 2, ("packing",)), override=False) == {}
+    random.Random(0).shuffle(rows)
+    data.write_text("".join(rows))  # the same size, other order
+    now = current(cfg, 2, ("packing",))
+    with pytest.raises(UserError) as err:
+        check("run/checkpoint-4", 4, saved, now, override=False)
+    assert str(err.value) == (
+        f"cannot resume from run/checkpoint-4: {data} changed in place since it was saved, so the resumed steps would "
+        "read other rows than the ones it counts as trained, and rows it trained on could be scored as held out. Fix: "
+        "put the data back as it was, or use a new --output_dir, or --override_resumed_settings true to go on (the "
+        "summary then scores no rows as held out).")
+    assert set(saved[LOCAL_DATA]) == {str(data)}
+    report = check("run/checkpoint-4", 4, saved, now, override=True)
+    assert list(eval_rows_changed(report)) == [LOCAL_DATA]  # the summary calls no row held out
+    from fsdp_recipes.checkpoint.resume_settings import described
+
+    assert described(eval_rows_changed(report)) == f"the local data: {data} changed in place"
+    # a checkpoint saved before the fingerprint was recorded resumes as before
+    old = {k: v for k, v in saved.items() if k != LOCAL_DATA}
+    assert check("run/checkpoint-4", 4, old, now, override=False) == {}
+
+
+def test_a_hub_dataset_has_no_local_fingerprint():
+    from fsdp_recipes.checkpoint import fingerprint
+
+    assert fingerprint.data_fingerprint(["trl-lib/Capybara", None]) is None  # a hub id: not local
+
+
+def test_a_data_folders_files_are_fingerprinted(tmp_path):
+    from fsdp_recipes.checkpoint import fingerprint
+
+    folder = tmp_path / "capitals"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    (folder / "test.jsonl").write_text('{"a": 3}\n')
+    before = fingerprint.data_fingerprint([str(folder)])
+    (folder / "cache-0123.arrow").write_bytes(b"written by datasets' map()")  # not the user's data
+    assert fingerprint.data_fingerprint([str(folder)]) == before
+    (folder / "train.jsonl").write_text('{"a": 2}\n{"a": 1}\n')
+    after = fingerprint.data_fingerprint([str(folder)])
+    assert fingerprint.data_changed(before, after) == f"files in the folder {folder} changed"
+    # another path is another dataset_name, which is compared by name: not a change of the local data
+    assert fingerprint.same_paths_changed(before, {str(tmp_path / "other"): "0"}) == []

@@ -335,3 +335,56 @@ def test_the_replica_model_names_experts_as_the_files_do(tmp_path):
     replica = empty_model(str(tmp_path), {"dtype": "float32"})
     names = checkpoint_layout(replica, {"model.layers.0.mlp.experts.down_proj": torch.zeros(4, 32, 8)})
     assert sorted(names) == [f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4)]
+
+
+def _tiny_family(family: str):
+    """A random tiny model of a family whose save renames or converts weights (transformers 5.23 conversion_mapping):
+    GPT-NeoX writes its LM head (lm_head in memory) as embed_out, by a mapping keyed by class name; Mixtral renames
+    block_sparse_moe and splits the fused experts; Qwen2-MoE splits them (both keyed by model_type)."""
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    if family == "gpt_neox":
+        return transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**common))
+    if family == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2))
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **common, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        shared_expert_intermediate_size=16))
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "mixtral", "qwen2_moe"])
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+def test_every_rank_checks_its_shards_under_the_names_rank_0_wrote(world_of_one, tmp_path, monkeypatch, family):
+    """Rank 1 of a RAM-efficient run (speed/ram_efficient_loading.py: no weights loaded, no conversion on record),
+    FSDP2-sharded, checks its shards against the files rank 0's save wrote. fully_shard renames the class
+    (FSDPGPTNeoXForCausalLM), so transformers' lookup by class missed GPT-NeoX's rename there: 'rank 1: lm_head.weight
+    missing' failed every 2-rank GPT-NeoX full fine-tune. Every rank now takes rank 0's conversions."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes.checkpoint import save_check
+    from fsdp_recipes.speed.ram_efficient_loading import empty_model
+
+    _tiny_family(family).save_pretrained(tmp_path / "base")
+    rank0 = AutoModelForCausalLM.from_pretrained(tmp_path / "base")  # records the conversions its checkpoint used
+    rank0.save_pretrained(tmp_path / "out")  # what the final save writes
+    files = open_saved(tmp_path / "out")
+    replica = empty_model(str(tmp_path / "base"), {"dtype": "float32"})
+    replica.load_state_dict(rank0.state_dict())  # accelerate's broadcast of rank 0's weights
+    fully_shard(replica, mesh=init_device_mesh("cpu", (1,)))
+    renamed = [name for name, _ in replica.named_parameters() if name not in files]
+    assert renamed, "the family's save writes some tensors under other names"
+    # this process plays rank 1; rank 0 sends its record through the all-gather
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
+    monkeypatch.setattr(save_check, "gather_objects", lambda sent: [save_check.conversions_record(rank0), sent],
+                        raising=False)
+    assert save_check.verify_against_memory(replica, tmp_path / "out", is_main=False) == save_check.LIVE_SHARDS
+    with torch.no_grad():  # and a wrong value in a renamed tensor is still found, under the file's name
+        dict(replica.named_parameters())[renamed[-1]].to_local().view(-1)[0] += 1
+    with pytest.raises(IncompleteSave, match=rf"rank 0: .*\({renamed[-1]} in memory\) differs"):
+        save_check.verify_against_memory(replica, tmp_path / "out", is_main=False)

@@ -9,11 +9,13 @@ ranks in `on_save` and then rank 0 writes a marker file into the folder.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.checkpoint.fingerprint import weights_changed, weights_fingerprint
 from fsdp_recipes.dist import barrier, rank
 from fsdp_recipes.errors import UserError
 
@@ -106,9 +108,11 @@ def incomplete(output_dir: str | Path) -> list[Path]:
     return [p for p in checkpoint_dirs(output_dir) if not is_complete(p)]
 
 
-def identity(model_name_or_path: str, peft_config, settings: dict | None = None) -> dict:
-    """The model architecture (from a local config.json) and the adapter shape a checkpoint belongs to, and the
-    settings it fixes (resume_settings.py)."""
+def identity(model_name_or_path: str, peft_config, settings: dict | None = None,
+             revision: str | None = None) -> dict:
+    """The model architecture (from a local config.json), a fingerprint of its weights (fingerprint.py: a few KiB of
+    each tensor; a hub id's commit where cached) and the adapter shape a checkpoint belongs to, and the settings it
+    fixes (resume_settings.py). `revision`: the model's pinned revision (ModelConfig.model_revision), where known."""
     config_file = Path(model_name_or_path) / "config.json"
     arch = None
     if config_file.is_file():
@@ -120,8 +124,9 @@ def identity(model_name_or_path: str, peft_config, settings: dict | None = None)
         peft = {k: sorted(d[k]) if isinstance(d.get(k), (list, set)) else d.get(k) for k in PEFT_KEYS}
         # the whole config, so `make export` can write adapter_config.json for a sharded checkpoint
         peft_full = json.loads(json.dumps(d, default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
-    return {"model": model_name_or_path, "architecture": arch, "peft": peft, "peft_config": peft_full,
-            "settings": settings}
+    return {"model": model_name_or_path, "architecture": arch,
+            "weights": weights_fingerprint(model_name_or_path, revision),
+            "peft": peft, "peft_config": peft_full, "settings": settings}
 
 
 def saved_identity(ckpt: Path) -> dict | None:
@@ -143,6 +148,14 @@ def check_compatible(ckpt: Path, current: dict, explicit: bool = False) -> None:
         diff = [k for k in ARCH_KEYS if saved["architecture"].get(k) != current["architecture"].get(k)]
         raise UserError(f"cannot resume from {ckpt}: it was trained on another model ({diff[0]} "
                         f"{saved['architecture'][diff[0]]} vs {current['architecture'][diff[0]]}). {fix}")
+    # a checkpoint written before the fingerprint was recorded, or a model whose weights are not known: not compared
+    if saved.get("weights") and current.get("weights") and (how := weights_changed(saved["weights"],
+                                                                                   current["weights"])):
+        other = ("point --resume_from_checkpoint at a checkpoint of these weights, or leave it out to start over"
+                 if explicit else "use a new output_dir to train on these weights")
+        raise UserError(f"cannot resume from {ckpt}: the base model {current['model']} holds other weights than the "
+                        f"ones it was trained on ({how}). Fix: put the weights it was trained on back at "
+                        f"{current['model']}, or {other}.")
     if (saved["peft"] is None) != (current["peft"] is None):
         kinds = ["full fine-tuning", "LoRA"]
         raise UserError(f"cannot resume from {ckpt}: it is a {kinds[saved['peft'] is not None]} checkpoint and "
@@ -152,6 +165,54 @@ def check_compatible(ckpt: Path, current: dict, explicit: bool = False) -> None:
         if key in saved["peft"] and saved["peft"][key] != current["peft"][key]:
             raise UserError(f"cannot resume from {ckpt}: its LoRA {key} is {saved['peft'][key]} and this run's is "
                             f"{current['peft'][key]}. {fix}")
+
+
+# What accelerate writes for the model under each fsdp_state_dict_type (accelerate 1.15 save_fsdp_model,
+# FSDP_MODEL_NAME; the optimizer's files follow the same type), and reads back under the run's own type only
+STATE_DICT_FILES = {"SHARDED_STATE_DICT": "pytorch_model_fsdp_0", "FULL_STATE_DICT": "pytorch_model_fsdp.bin",
+                    "LOCAL_STATE_DICT": "pytorch_model_fsdp_rank0.bin"}
+_STATE_DICT_TYPES = {"1": "FULL_STATE_DICT", "2": "LOCAL_STATE_DICT", "3": "SHARDED_STATE_DICT"}  # torch's enum
+
+
+def saved_state_dict_type(ckpt: Path) -> str | None:
+    """The fsdp_state_dict_type a checkpoint was saved with, from its files; None for one that FSDP did not write
+    (DDP, tensor parallel, another tool's)."""
+    return next((kind for kind, name in STATE_DICT_FILES.items() if (Path(ckpt) / name).exists()), None)
+
+
+def run_state_dict_type(acc: dict | None = None) -> str | None:
+    """The fsdp_state_dict_type this run saves and loads checkpoints with, as accelerate reads it: from the accelerate
+    YAML (`acc`, in the launcher) or from the environment `accelerate launch` gives the ranks; unset, accelerate's
+    default (FULL_STATE_DICT under FSDP1, SHARDED_STATE_DICT under FSDP2). None without FSDP."""
+    if acc is not None:
+        fsdp = acc.get("fsdp_config") or {}
+        if acc.get("distributed_type") != "FSDP":
+            return None
+        value, version = fsdp.get("fsdp_state_dict_type"), fsdp.get("fsdp_version", 1)
+    else:
+        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("true", "1"):
+            return None
+        value, version = os.environ.get("FSDP_STATE_DICT_TYPE"), os.environ.get("FSDP_VERSION", "1")
+    if value is None:
+        return "FULL_STATE_DICT" if str(version) == "1" else "SHARDED_STATE_DICT"
+    value = str(value).upper().removeprefix("STATEDICTTYPE.")
+    return _STATE_DICT_TYPES.get(value, value)
+
+
+def check_state_dict_type(ckpt: Path, run_type: str | None, explicit: bool = False) -> None:
+    """Refuse, before any rank loads it, a checkpoint saved with another fsdp_state_dict_type than this run's:
+    accelerate loads only the run's own files (a FULL_STATE_DICT checkpoint resumed under SHARDED_STATE_DICT failed on
+    every rank, 'FileNotFoundError ... pytorch_model_fsdp_0/.metadata', then 'CheckpointException ranks:dict_keys([0,
+    1])', no cause named). `run_type`: run_state_dict_type's."""
+    saved = saved_state_dict_type(ckpt)
+    if saved is None or run_type is None or saved == run_type:
+        return
+    other = (f"point --resume_from_checkpoint at a {run_type} checkpoint" if explicit else
+             f"use a new output_dir to start over with {run_type}")
+    raise UserError(f"cannot resume from {ckpt}: it was saved with fsdp_state_dict_type {saved} "
+                    f"({STATE_DICT_FILES[saved]}); this run's accelerate config says {run_type}, and accelerate loads "
+                    f"only that type's files. Fix: set fsdp_state_dict_type: {saved} in the recipe's accelerate.yaml "
+                    f"to resume, or {other}.")
 
 
 class CompletionMarkerCallback(TrainerCallback):

@@ -12,14 +12,15 @@ from pathlib import Path
 from fsdp_recipes.errors import UserError
 
 
-def checkpoint_to_resume(cfg, settings: dict, say=None, move_unreadable: bool = False):
+def checkpoint_to_resume(cfg, settings: dict, say=None, move_unreadable: bool = False, accelerate: dict | None = None):
     """(checkpoint or None, what the command changes against it). An explicit resume_from_checkpoint wins; else, with
     auto_resume, the newest complete checkpoint that can be read: newer ones that cannot are skipped, and moved aside
     where `move_unreadable` (the launcher, which holds the output_dir's lock) once the resume passed its checks. The
     checkpoint must belong to this model and LoRA shape (checked before any weight is loaded) and to this command's
     `settings` (resume_settings.current).
     `say`: where the skipped checkpoints are told (None: nowhere). `cfg`: the parsed recipe (config/run_config.py
-    RunConfig, a layer beside this one)."""
+    RunConfig, a layer beside this one). `accelerate`: the recipe's accelerate config (the launcher's), whose
+    fsdp_state_dict_type the checkpoint must have been saved with; None: accelerate's environment (in the ranks)."""
     from trl import get_peft_config
 
     from fsdp_recipes.checkpoint import markers as checkpoints
@@ -44,9 +45,12 @@ def checkpoint_to_resume(cfg, settings: dict, say=None, move_unreadable: bool = 
         return None, {}
     if not Path(resume).is_dir():
         raise UserError(f"resume_from_checkpoint {resume} does not exist. Fix: point it at a checkpoint-N folder.")
-    checkpoints.check_compatible(Path(resume), checkpoints.identity(model_args.model_name_or_path,
-                                                                    get_peft_config(model_args)),
+    now = checkpoints.identity(model_args.model_name_or_path, get_peft_config(model_args),
+                               revision=getattr(model_args, "model_revision", None))
+    checkpoints.check_compatible(Path(resume), now,
                                  explicit=bool(training.resume_from_checkpoint))
+    checkpoints.check_state_dict_type(Path(resume), checkpoints.run_state_dict_type(accelerate),
+                                      explicit=bool(training.resume_from_checkpoint))
     saved = checkpoints.saved_identity(Path(resume)) or {}
     changed = resume_settings.check(resume, checkpoint_step(resume), saved.get("settings"), settings,
                                     cfg.pack.override_resumed_settings)

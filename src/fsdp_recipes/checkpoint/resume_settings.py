@@ -27,9 +27,11 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from enum import Enum
+from pathlib import Path
 
 from transformers import TrainerCallback
 
+from fsdp_recipes.checkpoint import fingerprint
 from fsdp_recipes.errors import UserError
 
 OVERRIDABLE = (
@@ -41,8 +43,10 @@ OVERRIDABLE = (
 )
 # What decides the eval rows (data/loading.py held_out; TRL's DatasetMixtureConfig for a `datasets:` mixture): the
 # data and its splits, eval_split_size and the seed that chooses the carved rows (which also orders the batches)
+# and the local data files' contents (LOCAL_DATA): a file shuffled or rewritten in place carves other rows by index
+LOCAL_DATA = "local_data"  # {path: fingerprint} of the local data paths (checkpoint/fingerprint.py data_fingerprint)
 EVAL_ROWS = ("seed", "dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split", "eval_split_size",
-             "datasets", "test_split_size")
+             "datasets", "test_split_size", LOCAL_DATA)
 OVERRIDABLE = (*OVERRIDABLE, *EVAL_ROWS)
 # dataset_test_split as the recipe names it: the launcher compares after its checks loaded the data, and loading sets
 # the field to the split it found under one of the usual names (data/loading.py EVAL_NAMES) when `test` is missing;
@@ -84,7 +88,8 @@ def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_se
     data_parallel = world_size if mesh is None else mesh.data_parallel_size(world_size)
     values = {"global_batch": t.per_device_train_batch_size * t.gradient_accumulation_steps * data_parallel,
               "dataset_name": cfg.script.dataset_name, "dtype": cfg.model.dtype, "trainer": cfg.trainer,
-              OPTIONS_FIXED: list(option_settings), MESH: recorded_mesh(mesh), DATA_PARALLEL: data_parallel}
+              OPTIONS_FIXED: list(option_settings), MESH: recorded_mesh(mesh), DATA_PARALLEL: data_parallel,
+              LOCAL_DATA: fingerprint.data_fingerprint(local_data_paths(cfg))}
     sources = (t, cfg.model, getattr(cfg, "kind_args", None), *getattr(cfg, "option_args", ()),
                getattr(cfg, "script", None), getattr(cfg, "pack", None), getattr(cfg, "mixture", None))
     for name in (*OVERRIDABLE, *FIXED, *LENGTH, *kind_settings, *option_settings):
@@ -100,6 +105,23 @@ def current(cfg, world_size: int, kind_settings: tuple[str, ...] = (), option_se
             value = value.value if isinstance(value, Enum) else value  # lr_scheduler_type: SchedulerType.COSINE
             values[name] = value if isinstance(value, (int, float, str, bool, type(None), list, dict)) else str(value)
     return values
+
+
+def local_data_paths(cfg) -> list[str]:
+    """The data paths a run reads that may be local: dataset_name, and a `datasets:` mixture's paths, data_dirs and
+    data_files (TRL's DatasetConfig). fingerprint.data_fingerprint keeps the local ones."""
+    script, mixture = getattr(cfg, "script", None), getattr(cfg, "mixture", None)
+    paths = [getattr(script, "dataset_name", None)]
+    for source in getattr(mixture, "datasets", None) or []:
+        get = source.get if isinstance(source, dict) else lambda k, s=source: getattr(s, k, None)
+        files = get("data_files")
+        files = list(files.values()) if isinstance(files, dict) else files
+        paths += [get("path"), *([get("data_dir")] if get("data_dir") and get("path") else []),
+                  *(files if isinstance(files, list) else [files])]
+    flat = []
+    for p in paths:
+        flat += p if isinstance(p, list) else [p]
+    return [str(p) for p in flat if isinstance(p, (str, Path))]
 
 
 def recorded_mesh(mesh) -> dict | None:
@@ -124,6 +146,8 @@ def changes(saved: dict, now: dict) -> dict[str, list]:
 
 
 def differs(name: str, saved, now) -> bool:
+    if name == LOCAL_DATA:  # the same path, other contents (another path is another dataset_name, compared as such)
+        return bool(fingerprint.same_paths_changed(saved, now))
     if name == MESH:  # another dp_shard resumes (MESH above): only the tp size is fixed
         return tp_of(saved) != tp_of(now)
     return saved != now
@@ -143,7 +167,8 @@ def is_fixed(name: str, now: dict) -> bool:
 
 
 def described(diff: dict[str, list]) -> str:
-    return ", ".join(f"{k} {shown(k, old)} -> {shown(k, new)}" for k, (old, new) in diff.items())
+    return ", ".join(f"the local data: {fingerprint.data_changed(old, new)} in place" if k == LOCAL_DATA else
+                     f"{k} {shown(k, old)} -> {shown(k, new)}" for k, (old, new) in diff.items())
 
 
 def shown(name: str, value) -> str:
@@ -211,6 +236,12 @@ def check(checkpoint: str, step: int, saved: dict | None, now: dict, override: b
     if name == "max_steps" and total < step:
         raise UserError(f"cannot resume from {checkpoint}: it is at step {step}, past max_steps {total}. Fix: "
                         f"--max_steps {step} or more, or a new --output_dir.")
+    if LOCAL_DATA in diff and not override:
+        raise UserError(f"cannot resume from {checkpoint}: {fingerprint.data_changed(*diff[LOCAL_DATA])} in place "
+                        "since it was saved, so the resumed steps would read other rows than the ones it counts as "
+                        "trained, and rows it trained on could be scored as held out. Fix: put the data back as it "
+                        "was, or use a new --output_dir, or --override_resumed_settings true to go on (the summary "
+                        "then scores no rows as held out).")
     if diff and not override:
         rows, batch = eval_rows_changed({"changed": diff}), other_rows(saved, now, diff)
         why = (f"{described(rows)} chooses other eval rows than the first part held out, so rows it trained on would "

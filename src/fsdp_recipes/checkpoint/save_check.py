@@ -18,15 +18,17 @@ A mismatch fails the run.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import pickle
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from fsdp_recipes.checkpoint.resume_check import adapter_key, trainable_tensors
-from fsdp_recipes.dist import all_reduce, barrier, fsdp1_units
+from fsdp_recipes.dist import all_reduce, barrier, fsdp1_units, gather_objects, initialized
 
 
 class IncompleteSave(RuntimeError):
@@ -218,17 +220,61 @@ def verify_final_save(trainer, output_dir: str, full: dict | None = None, gather
                    layout=layout)
 
 
-def checkpoint_layout(model, state: dict) -> dict:
+OWN = object()  # checkpoint_layout's default: the conversions `model` itself holds
+
+
+def checkpoint_layout(model, state: dict, conversions=OWN) -> dict:
     """`state` (the model's names) under the names and shapes save_pretrained writes, with the function it uses.
+    `conversions`: the weight conversions the writing rank's save reverted (writer_conversions), where this rank's
+    own record may differ; by default the model's own.
 
     Why: transformers 5 converts some checkpoints' weights at load and reverts the conversion at save: a
     mixture-of-experts layer's experts, one fused tensor in memory (model.layers.0.mlp.experts.gate_up_proj), are
-    written one tensor per expert and projection (...experts.0.gate_proj.weight, ...). Compared by the model's names,
-    the save of every Qwen3-MoE and Mixtral full fine-tune failed its check (scripts/arch_matrix.py found it). A model
-    without conversions comes back as it is."""
+    written one tensor per expert and projection (...experts.0.gate_proj.weight, ...); GPT-NeoX's LM head, lm_head
+    in memory, is written as embed_out. Compared by the model's names, the save of every Qwen3-MoE and Mixtral full
+    fine-tune failed its check (scripts/arch_matrix.py found it). A model without conversions comes back as it is."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return revert_weight_conversion(model, state)
+    if conversions is OWN:
+        return revert_weight_conversion(model, state)
+    had, held = "_weight_conversions" in model.__dict__, model.__dict__.get("_weight_conversions")
+    model.__dict__["_weight_conversions"] = copy.deepcopy(conversions)
+    try:
+        return revert_weight_conversion(model, state)
+    finally:
+        if had:
+            model.__dict__["_weight_conversions"] = held
+        else:
+            model.__dict__.pop("_weight_conversions", None)
+
+
+def writer_conversions(model):
+    """The weight conversions that rank 0's save reverted (transformers' `_weight_conversions`, which from_pretrained
+    records: those its checkpoint used; None: the architecture's own, looked up again at save), on every rank. A
+    collective.
+
+    Why: rank 0 wrote the files, but every rank checks its shards against them under its own record. Under
+    fsdp_cpu_ram_efficient_loading the other ranks loaded no weights (speed/ram_efficient_loading.py) and hold no
+    record, so transformers looks the architecture's own up again, by class name first; FSDP2's fully_shard had
+    renamed the class (GPTNeoXForCausalLM -> FSDPGPTNeoXForCausalLM), so GPT-NeoX's rename (embed_out, lm_head in
+    memory), the one causal LM mapping keyed by class (transformers 5.23), was not found there: rank 1 looked for
+    lm_head.weight in files that hold embed_out.weight, and every GPT-NeoX full fine-tune with 2 ranks failed its
+    final save (`tests/test_save_check.py`)."""
+    if not initialized():
+        return OWN
+    import torch.distributed as dist
+
+    kind, data = gather_objects(conversions_record(model) if dist.get_rank() == 0 else None)[0]
+    return pickle.loads(data) if kind == "sent" else OWN
+
+
+def conversions_record(model) -> tuple[str, bytes | None]:
+    """What rank 0 sends in writer_conversions: its record, pickled, or ("own", None) where it cannot be (a
+    quantizer's operations): then each rank keeps its own, as before."""
+    try:
+        return "sent", pickle.dumps(model.__dict__.get("_weight_conversions"))
+    except Exception:  # noqa: BLE001 - whatever pickling raises
+        return "own", None
 
 
 def _local_slice(param):
@@ -243,15 +289,17 @@ def _local_slice(param):
     return param.to_local(), tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
-def shard_mismatches(state: dict, directory: Path, pattern: str = "model*.safetensors", model=None) -> list[str]:
+def shard_mismatches(state: dict, directory: Path, pattern: str = "model*.safetensors", model=None,
+                     conversions=OWN) -> list[str]:
     """This rank's part of every tensor against the same region of the safetensors files in `directory`. `model`:
-    the model whose save wrote some tensors under other names (checkpoint_layout), where the files may do so."""
+    the model whose save wrote some tensors under other names (checkpoint_layout), where the files may do so;
+    `conversions`: the ones that save reverted (writer_conversions)."""
     where = safetensors_index(directory, pattern)
     problems = []
     for name, tensor in state.items():
         local, region = _local_slice(tensor)
         if name not in where and model is not None:
-            problems.extend(converted_mismatches(model, name, tensor, local, region, where))
+            problems.extend(converted_mismatches(model, name, tensor, local, region, where, conversions))
             continue
         if name not in where:
             problems.append(f"{name} missing")
@@ -266,14 +314,15 @@ def shard_mismatches(state: dict, directory: Path, pattern: str = "model*.safete
     return problems
 
 
-def converted_mismatches(model, name: str, tensor, local, region, where: dict) -> list[str]:
+def converted_mismatches(model, name: str, tensor, local, region, where: dict, conversions=OWN) -> list[str]:
     """This rank's part of a tensor that the save wrote under other names (a MoE layer's fused experts, one tensor per
     expert in the files): the part placed in a zero tensor of the full shape, and a mask of it, both through the save's
     conversion (checkpoint_layout); each file tensor compared where the mask is set. Allocates the one full tensor,
     never gathers it."""
     full, mask = torch.zeros(tuple(tensor.shape), dtype=local.dtype), torch.zeros(tuple(tensor.shape), dtype=torch.bool)
     full[region or ...], mask[region or ...] = local.detach().cpu(), True
-    values, masks = checkpoint_layout(model, {name: full}), checkpoint_layout(model, {name: mask})
+    values = checkpoint_layout(model, {name: full}, conversions)
+    masks = checkpoint_layout(model, {name: mask}, conversions)
     problems = [f"{key} missing" for key in values if key not in where]
     for key in [k for k in values if k in where]:
         written = where[key].get_tensor(key)
@@ -295,8 +344,9 @@ def verify_live_shards(model, output_dir: str | Path) -> int:
     peft = hasattr(model, "peft_config")
     state = {adapter_key(name) if peft else name: param for name, param in model.named_parameters()
              if param.requires_grad or not peft}  # named_parameters lists a tied LM head once, as save_pretrained
+    conversions = OWN if peft else writer_conversions(model)  # on every rank: a collective
     problems = shard_mismatches(state, Path(output_dir), "adapter_model.safetensors" if peft else "model*.safetensors",
-                                model=None if peft else model)
+                                model=None if peft else model, conversions=conversions)
     bad = int(all_reduce([len(problems)], "sum")[0])
     if bad:
         raise IncompleteSave(f"final save failed its check against the weights in memory on {bad} tensor shard(s)"
