@@ -474,3 +474,23 @@ def test_the_files_a_run_writes_include_every_weight_and_adapter_name_a_model_fo
         assert run_writes(name), name
     for name in ("train.jsonl", "notes.md", "data", "model_config.json"):
         assert not run_writes(name), name
+
+
+def test_a_resume_under_another_state_dict_type_is_one_line_before_any_rank_starts(copy, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """The run saved FULL_STATE_DICT checkpoints; the same command from a copy of the recipe whose accelerate.yaml
+    says SHARDED_STATE_DICT printed four tracebacks and `CheckpointException ranks:dict_keys([0, 1])`. The ranks now
+    refuse it (checkpoint/markers.py), and the launcher before they start (launch/output_dir.py)."""
+    import yaml
+
+    from conftest import REPO
+
+    recipe = shutil.copytree(REPO / "recipes" / "tiny-cpu-lora", tmp_path / "tiny-sharded")
+    acc = yaml.safe_load((recipe / "accelerate.yaml").read_text())
+    acc["fsdp_config"]["fsdp_state_dict_type"] = "SHARDED_STATE_DICT"
+    (recipe / "accelerate.yaml").write_text(yaml.safe_dump(acc))
+    metrics = json.loads((copy / "metrics.json").read_text())
+    (copy / "metrics.json").write_text(json.dumps({**metrics, "status": "preempted"}))
+    line = one_error(launcher_checks([str(recipe), *ARGS[1:], "--output_dir", str(copy), "--max_steps", "6"],
+                                     monkeypatch, capsys))
+    assert "FULL_STATE_DICT" in line and "SHARDED_STATE_DICT" in line, line

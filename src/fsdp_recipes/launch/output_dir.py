@@ -65,6 +65,7 @@ class Found:
     now: dict  # resume_settings.current of this command
     replaces: bool  # the command empties the folder first (--overwrite_output_dir, a smoke run)
     done: str | None  # the "already complete" line, or None to go on
+    accelerate: dict | None = None  # the recipe's accelerate config: the state dict type a resume must match
 
 
 def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | None = None) -> Found:
@@ -85,10 +86,11 @@ def finished_run(recipe: Recipe, cfg: RunConfig, held: ExitStack, locked: str | 
     else:  # a finished smoke run is scratch: the next one replaces it (an unfinished one is resumed, as any run)
         replace = smoke.active() and previous is not None and previous.status == "completed"
     if replace:
-        return Found(previous, now, True, None)
+        return Found(previous, now, True, None, recipe.accelerate)
     resumes = cfg.pack.auto_resume or bool(cfg.training.resume_from_checkpoint)
     return Found(previous, now, False, previous_run.decide(out, previous, now, cfg.pack.override_resumed_settings,
-                                                           resumes, previous_run.trained(cfg.model)))
+                                                           resumes, previous_run.trained(cfg.model)),
+                 recipe.accelerate)
 
 
 def resume_settings_now(recipe: Recipe, cfg: RunConfig) -> dict:
@@ -111,13 +113,14 @@ def claim_output_dir(cfg: RunConfig, found: Found) -> None:
             return  # the first node is emptying output_dir: there is nothing of the old run to resume
         # an explicit resume_from_checkpoint (elsewhere: config/value_checks.check_resume_kept) is checked before the
         # folder is emptied, so that its refusal (not found, another model, other settings) leaves the run there
-        resume, changed = (resume_choice.checkpoint_to_resume(cfg, now, say=say)
+        resume, changed = (resume_choice.checkpoint_to_resume(cfg, now, say=say, accelerate=found.accelerate)
                            if cfg.training.resume_from_checkpoint else (None, {}))
         reads = [cfg.script.dataset_name, cfg.model.model_name_or_path]  # a folder the run reads is never emptied
         if removed := previous_run.clear(out, previous, keep=[path for path in reads if path]):
             say(f"{'overwrite_output_dir' if cfg.pack.overwrite_output_dir else 'smoke run'}: {removed}")
     else:
-        resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first)
+        resume, changed = resume_choice.checkpoint_to_resume(cfg, now, say=say, move_unreadable=first,
+                                                             accelerate=found.accelerate)
         if cfg.pack.overwrite_output_dir and first:  # finished_run kept this job's own run
             say(f"overwrite_output_dir: kept the run that Slurm job {previous.job[0]} left in {out} before its requeue "
                 f"(the flag replaces what a job finds at its first start): "
