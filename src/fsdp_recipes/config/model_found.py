@@ -87,14 +87,17 @@ def check_model_found(path: str | None, continues_from: str | None = None, revis
 
 
 # the files one of transformers' tokenizers loads its vocabulary from (tokenizer_config.json alone names a class, and
-# loads none); besides these names, any *.model (SentencePiece) or *.tiktoken file
-VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "merges.txt")
+# loads none; tekken.json: Mistral's own format); besides these names, any vocab.*, *.model (SentencePiece,
+# ChatGLM's, Kimi's) or *.tiktoken (Qwen1's) file: generous, a folder refused here is one whose tokenizer would be empty
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "merges.txt",
+                    "tekken.json")
+VOCABULARY_PATTERNS = ("vocab.*", "*.model", "*.tiktoken")
 
 
 def holds_tokenizer(folder: Path) -> bool:
-    """Whether a model folder holds a tokenizer's vocabulary (VOCABULARY_FILES, a *.model or *.tiktoken file)."""
+    """Whether a model folder holds a tokenizer's vocabulary (VOCABULARY_FILES, VOCABULARY_PATTERNS)."""
     return any((folder / name).is_file() for name in VOCABULARY_FILES) or any(
-        p.is_file() for pattern in ("*.model", "*.tiktoken") for p in folder.glob(pattern))
+        p.is_file() for pattern in VOCABULARY_PATTERNS for p in folder.glob(pattern))
 
 
 def save_tokenizer_fix(folder: Path) -> str:

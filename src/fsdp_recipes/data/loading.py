@@ -209,11 +209,12 @@ def columns_fix(ds) -> str:
     """The fix for columns SFT does not take, with the file's own column names: its one text column read as the
     text to train on (a CSV of jokes), else its first two as prompt and completion."""
     features = getattr(ds, "features", None) or {}
-    texts = [c for c in (ds.column_names or []) if getattr(features.get(c), "dtype", None) in ("string", "large_string")]
+    texts = [c for c in (ds.column_names or [])
+             if getattr(features.get(c), "dtype", None) in ("string", "large_string")]
     if len(texts) == 1:
         return (f"train on the text of `{texts[0]}`: `dataset_format: text text={texts[0]}` in the recipe (on the "
-                f"command line --dataset_format \"text text={texts[0]}\"), or dataset_text_field: {texts[0]}; the other "
-                f"formats: {DOCS}")
+                f"command line --dataset_format \"text text={texts[0]}\"), or dataset_text_field: {texts[0]}; the "
+                f"other formats: {DOCS}")
     prompt, completion = texts[:2] if len(texts) >= 2 else ("question", "answer")
     return (f"name your columns with `dataset_format:` (e.g. `prompt_completion prompt={prompt} completion="
             f"{completion}`; {DOCS}), or set dataset_text_field")
