@@ -140,6 +140,26 @@ def test_a_binary_file_under_a_text_files_name_is_named_for_what_it_is(tmp_path)
     assert len(load(tmp_path / "zipped.jsonl.gz")) == 1  # the name the line gives is one datasets reads
 
 
+def test_a_relative_path_that_is_not_there_names_the_absolute_one_and_where_it_is_taken_from(tmp_path, monkeypatch):
+    """Trial: `dataset not found: mine.jsonl`, written from the recipe's folder, said nowhere where it was looked for
+    (the model's line did); both now say it, and that relative paths are taken from where the command runs."""
+    from fsdp_recipes.config import model_found
+    from fsdp_recipes.data import files
+
+    monkeypatch.chdir(tmp_path)
+    note = "a relative path is taken from the folder the command runs in, not from the recipe's folder"
+    with pytest.raises(UserError) as err:
+        files.check_found("mine.jsonl")
+    assert str(err.value).startswith(f"dataset not found: mine.jsonl ({tmp_path}/mine.jsonl; {note}). Fix: ")
+    with pytest.raises(UserError) as err:
+        files.check_found(str(tmp_path / "mine.jsonl"))  # absolute: as it was
+    assert str(err.value).startswith(f"dataset not found: {tmp_path}/mine.jsonl. Fix: ")
+    with pytest.raises(UserError) as err:
+        model_found.check_local_model("./models/mine")
+    assert str(err.value).startswith(f"model not found: ./models/mine does not exist ({tmp_path}/models/mine; {note})"
+                                     ". Fix: ")
+
+
 def test_a_missing_dataset_names_a_close_file_and_the_tiny_builder_only_for_the_cache(tmp_path, cache_dir):
     """`dataset not found: data/iris_alpaka.jsonl. Fix: ... build the tiny default's data with tiny_assets` for a
     user's own misspelt file."""

@@ -323,3 +323,21 @@ def test_a_join_that_is_how_the_text_is_written_is_not_warned(prompt, completion
     assert row_checks.joined_without_separator(ds, "mem", "train", ("completion",)) == []
     glued = datasets.Dataset.from_list([{"prompt": "What is 2+2?", "completion": "4"}])
     assert len(row_checks.joined_without_separator(glued, "mem", "train", ("completion",))) == 1
+
+
+def test_the_column_error_suggests_the_files_own_columns(tmp_path):
+    """Trial: a CSV whose only column is `joke` was told `e.g. prompt_completion prompt=question completion=answer`;
+    one text column is a text field (the declaration the line gives reads it), two are prompt and completion."""
+    jokes = tmp_path / "jokes.csv"
+    jokes.write_text("joke\nUbuntu users are apt to get this joke.\n\"A second one, with a comma.\"\n")
+    with pytest.raises(UserError) as err:
+        load(jokes)
+    assert str(err.value).endswith("Fix: train on the text of `joke`: `dataset_format: text text=joke` in the recipe "
+                                   "(on the command line --dataset_format \"text text=joke\"), or dataset_text_field: "
+                                   "joke; the other formats: docs/training.md#dataset-formats.")
+    train, _ = load(jokes, "text text=joke")  # the suggestion works as written
+    assert train.column_names == ["text"] and train[0]["text"].startswith("Ubuntu")
+    qa = write_jsonl(tmp_path / "qa.jsonl", [{"q": "2 + 3?", "a": "5", "n": 1}])
+    with pytest.raises(UserError, match=r"Fix: name your columns with `dataset_format:` \(e.g. `prompt_completion "
+                                        r"prompt=q completion=a`"):
+        load(qa)

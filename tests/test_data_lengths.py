@@ -8,6 +8,7 @@ Under the tiny tokenizer (assets/tiny_assets.py: digits are single tokens; the c
 (<s> [INST] Ġ What Ġis Ġ 1 Ġ+ Ġ 1 ? Ġ [/INST]) and an answer of n digits is n + 2 tokens (Ġ, the digits, </s>).
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -301,6 +302,19 @@ def test_make_data_on_a_users_alpaca_file(tmp_path, cache_dir, capsys, monkeypat
     assert text.startswith("    «<s>[INST] What is 1 + 1? [/INST]» 9999") and "|max_length 64 cuts here| «" in text
 
 
+def test_make_data_refuses_an_eval_split_size_that_leaves_a_rank_without_training_rows(tmp_path, cache_dir, capsys,
+                                                                                       monkeypatch):
+    """Trial: `make data RECIPE=tiny-cpu-lora ARGS="--dataset_name mine.jsonl --eval_split_size 20"` on 10 rows said
+    train 1 row, eval 9. tiny-cpu-lora runs 2 processes (its accelerate.yaml): 9 held out leaves 1 row for 2 ranks."""
+    monkeypatch.chdir(REPO)
+    path = write_jsonl(tmp_path / "mine.jsonl", [qa(str(i)) for i in range(10)])
+    assert_one_line_error(preview(["tiny-cpu-lora", "--dataset_name", path, "--eval_split_size", "20"], capsys),
+                          f"eval_split_size 20 holds out 20 rows, and `train` in {path} has 10, leaving none to "
+                          "train on. Fix: hold out at most 8")
+    assert_one_line_error(preview(["tiny-cpu-lora", "--dataset_name", path, "--eval_split_size", "9"], capsys),
+                          "leaving 1 to train on for 2 ranks")
+
+
 def test_make_data_bad_input_is_one_line(tmp_path, cache_dir, capsys, monkeypatch):
     monkeypatch.chdir(REPO)
     assert_one_line_error(preview(["tiny-cpu-lora", "--dataset_name", tmp_path / "none.jsonl"], capsys),
@@ -442,6 +456,72 @@ def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path, cache_dir):
     shutil.copy(cache_dir / "tiny-mistral" / "tokenizer.json", model / "tokenizer.json")
     shutil.copy(cache_dir / "tiny-mistral" / "tokenizer_config.json", model / "tokenizer_config.json")
     assert recipe_tokenizer.load_tokenizer(cfg)[0] is not None
+
+
+def neox_folder(folder, cache_dir=None, tokenizer: bool = False):
+    """A GPT-NeoX model folder (vocab_size 1024) without tokenizer files: transformers 5 builds an empty 2-token
+    GPTNeoXTokenizer from it, with no error; `tokenizer`: tiny-mistral's tokenizer files copied in (another model's,
+    of fewer tokens than the model's vocab_size)."""
+    import shutil
+
+    import torch
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=1024, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, max_position_embeddings=64)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer else ():
+        shutil.copy(cache_dir / "tiny-mistral" / name, folder / name)
+    return folder
+
+
+def test_a_model_folder_whose_tokenizer_would_be_empty_or_another_models_is_one_line(tmp_path, cache_dir):
+    """Trial: a GPT-NeoX folder saved without its tokenizer passed every check (transformers 5 built an empty
+    tokenizer, no error): `make data` showed every row as `1 tokens`, a launch trained on nothing (loss 0) and failed at
+    its end on an IncompleteSave line. Now one line before launch, from the launcher's model check and the tokenizer
+    load that the launcher and make data share; the pack's tiny model passes."""
+    from types import SimpleNamespace
+
+    from fsdp_recipes.config import model_found
+
+    def cfg(model):
+        return SimpleNamespace(model=SimpleNamespace(model_name_or_path=str(model)), training=SimpleNamespace())
+
+    bare = neox_folder(tmp_path / "neox-notok")
+    fix = r"Fix: save the tokenizer there too \(tokenizer.save_pretrained"
+    with pytest.raises(UserError, match=rf"model_name_or_path {bare} holds no tokenizer .*{fix}"):
+        recipe_tokenizer.load_tokenizer(cfg(bare))
+    with pytest.raises(UserError, match=rf"model_name_or_path {bare} holds no tokenizer .*{fix}"):
+        model_found.check_model_found(str(bare))  # the launcher's, before anything else: hub data too
+    other = neox_folder(tmp_path / "neox-other", cache_dir, tokenizer=True)
+    with pytest.raises(UserError, match=rf"the tokenizer of model_name_or_path {other} has \d+ tokens, and the model's "
+                                        rf"config.json says vocab_size 1,024: not the model's own tokenizer .*{fix}"):
+        recipe_tokenizer.load_tokenizer(cfg(other))
+    tokenizer, _ = recipe_tokenizer.load_tokenizer(cfg(cache_dir / "tiny-mistral"))  # the pack's own: passes
+    assert len(tokenizer) > 256
+    assert model_found.check_model_found(str(cache_dir / "tiny-mistral")) is None
+
+
+def test_rows_of_one_token_or_fewer_are_one_counted_warning(tok, cache_dir):
+    """The second guard: rows that tokenize to their end-of-text token alone (a tokenizer with no vocabulary the
+    checks above miss, or empty text) are one counted line, naming the first."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(model=SimpleNamespace(model_name_or_path=str(cache_dir / "tiny-mistral")),
+                          training=SimpleNamespace(max_length=64))
+    short = lengths.Lengths("train", 3, ("answer",), prompt=[0, 0, 0], answers={"answer": [1, 1, 5]},
+                            whole=[1, 1, 5], index=[0, 1, 2], has_prompt=False)
+    fine = lengths.Lengths("test", 2, ("answer",), prompt=[0, 0], answers={"answer": [4, 5]}, whole=[4, 5],
+                           index=[0, 1], has_prompt=False)
+    line = length_report.short_warning([short, fine], tok, cfg, "mine.jsonl")
+    assert line.startswith("2 of the 3 rows of `train` tokenize to 1 token or fewer (first: mine.jsonl (train "
+                           "split), row 1): nothing there to learn. Fix: check that model_name_or_path holds the "
+                           "model's own tokenizer files"), line
+    assert length_report.short_warning([fine], tok, cfg, "mine.jsonl") is None
+    every = length_report.short_warning([dataclasses.replace(short, whole=[1, 1, 1])], tok, cfg, "mine.jsonl")
+    assert f"row 1): tiny-mistral's tokenizer has {len(tok):,} tokens, nothing" in every
+    _, warnings = length_report.report([short, fine], cfg, tok, "mine.jsonl")
+    assert any("tokenize to 1 token or fewer" in w for w in warnings)
 
 
 # ----------------------------------------------------------------------------------------- what a launch would say

@@ -174,9 +174,11 @@ def test_smoke_of_a_hub_id_uses_its_cached_config_else_refuses_the_stale_copy(qw
 
 
 @pytest.mark.parametrize("model, says", [
-    ("./models/qwen", "error: model not found: ./models/qwen does not exist ({cwd}/models/qwen)"),
-    ("models/qwen", "error: model not found: there is no folder models/qwen here ({cwd}/models/qwen), and as a hub "
-                    "id it is not in the hub cache ({home}/hub), and HF_HUB_OFFLINE is set. Fix: point "
+    ("./models/qwen", "error: model not found: ./models/qwen does not exist ({cwd}/models/qwen; a relative path is "
+                      "taken from the folder the command runs in, not from the recipe's folder)"),
+    ("models/qwen", "error: model not found: there is no folder models/qwen here ({cwd}/models/qwen; a relative path "
+                    "is taken from the folder the command runs in, not from the recipe's folder), and as a hub id it "
+                    "is not in the hub cache ({home}/hub), and HF_HUB_OFFLINE is set. Fix: point "
                     "model_name_or_path at the model's folder"),
     ("someorg/qwen-tiny", "error: model not found: there is no folder someorg/qwen-tiny here"),
 ], ids=["dot-relative-path", "relative-path", "hub-id"])

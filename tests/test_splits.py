@@ -80,6 +80,72 @@ def test_a_split_named_otherwise_is_still_one_line(tmp_path):
                                   DatasetMixtureConfig(), True)
 
 
+def test_a_named_eval_split_the_data_lacks_is_refused_naming_the_splits_it_has(tmp_path):
+    """Trial: `--dataset_test_split validation` on a folder of train.jsonl and test.jsonl said `eval split: none in
+    ... (looked for test, validation, ...)` although test was there, and trained with no held-out rows; a wrong
+    dataset_train_split was already one line naming the splits. The default `test` keeps its quiet lookup."""
+    folder = tmp_path / "capitals"
+    write_jsonl(folder / "train.jsonl", [chat(i) for i in range(6)])
+    write_jsonl(folder / "test.jsonl", [chat(i) for i in range(10, 13)])
+    script = ScriptArguments(dataset_name=str(folder), dataset_test_split="validation")
+    for want_eval in (True, False, loading.IF_ANY):  # eval on or off, and make data's
+        with pytest.raises(UserError) as err:
+            loading.load_sft_datasets(script, DatasetMixtureConfig(), want_eval)
+        assert str(err.value) == (f"dataset {folder} has no `validation` split, which dataset_test_split names (it has "
+                                  "['train', 'test']). Fix: set dataset_test_split to `test` (--dataset_test_split "
+                                  "test).")
+    with pytest.raises(UserError, match=r"has no `holdout` split, which dataset_test_split names"):  # not carved
+        loading.load_sft_datasets(ScriptArguments(dataset_name=str(folder), dataset_test_split="holdout"),
+                                  DatasetMixtureConfig(), False, pack=PackArguments(eval_split_size=2))
+    train, ev, script = load(folder)  # named none: found as before
+    assert (len(train), len(ev), script.dataset_test_split) == (6, 3, "test")
+    # data of the training split alone: no split it could mean; eval_split_size carves that name, else none is said
+    data = write_jsonl(tmp_path / "alone" / "train.jsonl", [chat(i) for i in range(6)])
+    script = ScriptArguments(dataset_name=str(data), dataset_test_split="validation")
+    assert loading.load_sft_datasets(script, DatasetMixtureConfig(), False)[1] is None
+    assert loading.NOTES[-1].startswith(f"eval split: none in {data} (no `validation` split): nothing is scored")
+    with pytest.raises(UserError, match=r"no `validation` split \(it has \['train'\]; a split named otherwise is "
+                                        r"not looked for\)"):
+        loading.load_sft_datasets(script, DatasetMixtureConfig(), True)
+    train, ev = loading.load_sft_datasets(script, DatasetMixtureConfig(), True, pack=PackArguments(eval_split_size=2))
+    assert (len(train), len(ev)) == (4, 2)
+
+
+@pytest.mark.parametrize("size, says", [
+    (20, "eval_split_size 20 holds out 20 rows, and `train` in {data} has 10, leaving none to train on. Fix: hold "
+         "out at most 9 (eval_split_size 9, or a share such as 0.1), or give the data an eval split of its own (a "
+         "validation.jsonl beside train.jsonl)."),
+    (0.99, "eval_split_size 0.99 holds out 10 of the 10 rows of `train` in {data}, leaving none to train on. Fix: "
+           "hold out at most 9"),
+    (10, "eval_split_size 10 holds out 10 of the 10 rows of `train` in {data}, leaving none to train on."),
+])
+def test_an_eval_split_size_as_large_as_the_data_is_refused_not_capped(tmp_path, size, says):
+    """Trial: eval_split_size 20 (or 0.99, or 10) of a 10-row file trained on 1 row and held out 9, without a word."""
+    data = write_jsonl(tmp_path / "mine.jsonl", [chat(i) for i in range(10)])
+    with pytest.raises(UserError) as err:
+        load(data, eval_split_size=size)
+    assert str(err.value).startswith(says.format(data=data)), str(err.value)
+    assert [len(x) for x in load(data, eval_split_size=9)[:2]] == [1, 9]  # one process: one row is enough
+
+
+def test_the_held_out_rows_leave_a_training_row_for_each_rank(tmp_path):
+    """The job's ranks (the launcher's and make data's config sees the accelerate config's num_processes; a rank's,
+    its process group) need a training row each."""
+    from types import SimpleNamespace
+
+    data = write_jsonl(tmp_path / "mine.jsonl", [chat(i) for i in range(10)])
+    script = ScriptArguments(dataset_name=str(data))
+    with pytest.raises(UserError, match=r"eval_split_size 9 holds out 9 of the 10 rows of `train` in .*, leaving 1 to "
+                                        r"train on for 2 ranks. Fix: hold out at most 8 \(eval_split_size 8, or a "
+                                        r"share such as 0.1; each of the 2 ranks needs a training row\)"):
+        loading.load_splits(script, DatasetMixtureConfig(), False, loading.check_columns,
+                            PackArguments(eval_split_size=9), ranks=2)
+    train, _ = loading.load_splits(script, DatasetMixtureConfig(), False, loading.check_columns,
+                                   PackArguments(eval_split_size=8), ranks=2)
+    assert len(train) == 2
+    assert loading.job_ranks(SimpleNamespace(world_size=4)) == 4 and loading.job_ranks(SimpleNamespace()) == 1
+
+
 def test_eval_split_size_holds_out_seeded_rows_that_are_never_trained_on(tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", [chat(i) for i in range(20)])
     train, ev, _ = load(data, eval_split_size=0.25)

@@ -62,8 +62,10 @@ def check_model_found(path: str | None, continues_from: str | None = None, revis
     if path is None or in_pack_cache(path):
         return None
     check_local_model(path, continues_from)
-    if why := without_weights(Path(os.path.expandvars(os.path.expanduser(path)))):
+    folder = Path(os.path.expandvars(os.path.expanduser(path)))
+    if why := without_weights(folder):
         raise UserError(f"model not found: {path} {why}")
+    check_has_tokenizer(folder)
     if not hub_shaped(path):
         return None
     if (cached := model_config_json(path, revision)) is not None:
@@ -71,8 +73,8 @@ def check_model_found(path: str | None, continues_from: str | None = None, revis
     from huggingface_hub import constants, hf_hub_download, hf_hub_url
     from huggingface_hub.file_download import get_hf_file_metadata
 
-    where = f"there is no folder {path} here ({Path(path).absolute()}), and as a hub id it is not in the hub cache " \
-            f"({constants.HF_HUB_CACHE})"
+    where = f"there is no folder {path} here ({absolute_where(path) or path}), and as a hub id it is not in the hub " \
+            f"cache ({constants.HF_HUB_CACHE})"
     fix = (f"Fix: point model_name_or_path at the model's folder (the one holding config.json), or download the "
            f"model where there is network (`hf download {path}`) into this machine's hub cache")
     if constants.HF_HUB_OFFLINE:
@@ -82,6 +84,39 @@ def check_model_found(path: str | None, continues_from: str | None = None, revis
         return Path(hf_hub_download(path, "config.json", revision=revision, etag_timeout=HUB_TIMEOUT_S))
     except Exception as err:  # noqa: BLE001 -- every way the hub can fail to serve it is one line
         raise UserError(f"model not found: {where}, and {hub_failure(err, path, revision)}. {fix}.") from None
+
+
+# the files one of transformers' tokenizers loads its vocabulary from (tokenizer_config.json alone names a class, and
+# loads none; tekken.json: Mistral's own format); besides these names, any vocab.*, *.model (SentencePiece,
+# ChatGLM's, Kimi's) or *.tiktoken (Qwen1's) file: generous, a folder refused here is one whose tokenizer would be empty
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "merges.txt",
+                    "tekken.json")
+VOCABULARY_PATTERNS = ("vocab.*", "*.model", "*.tiktoken")
+
+
+def holds_tokenizer(folder: Path) -> bool:
+    """Whether a model folder holds a tokenizer's vocabulary (VOCABULARY_FILES, VOCABULARY_PATTERNS)."""
+    return any((folder / name).is_file() for name in VOCABULARY_FILES) or any(
+        p.is_file() for pattern in VOCABULARY_PATTERNS for p in folder.glob(pattern))
+
+
+def save_tokenizer_fix(folder: Path) -> str:
+    """The fix for a model folder without its tokenizer: the trainer loads the tokenizer from model_name_or_path (TRL's
+    trainers take no separate tokenizer path, and neither does the pack), so the tokenizer goes into that folder."""
+    return (f"save the tokenizer there too (tokenizer.save_pretrained(\"{folder}\")), or copy in the tokenizer files "
+            "(tokenizer.json, tokenizer_config.json, ...) of the model it was trained from: the trainer loads the "
+            "tokenizer from model_name_or_path")
+
+
+def check_has_tokenizer(folder: Path) -> None:
+    """A model folder without a tokenizer (a model's save_pretrained writes none): transformers 5 built an empty
+    tokenizer from its config (a GPT-NeoX folder: 2 tokens, every row 1 token, a run that trained on nothing and
+    failed at its end), or said "Couldn't instantiate the backend tokenizer from one of:". A file-only check: the
+    launcher's for any local model (check_model_found), and data/recipe_tokenizer.py's before it loads one."""
+    if folder.is_dir() and (folder / "config.json").is_file() and not holds_tokenizer(folder):
+        raise UserError(f"model_name_or_path {folder} holds no tokenizer (none of {', '.join(VOCABULARY_FILES)}): a "
+                        "model's save_pretrained does not write one, and transformers would build an empty one. Fix: "
+                        f"{save_tokenizer_fix(folder)}.")
 
 
 def hub_failure(err: Exception, path: str, revision: str | None) -> str:
@@ -99,6 +134,16 @@ def hub_failure(err: Exception, path: str, revision: str | None) -> str:
         return f"the hub's {path} has no config.json: not a transformers model"
     first = next((x.strip() for x in str(err).splitlines() if x.strip()), "")
     return f"the hub cannot be reached from here ({type(err).__name__}: {first}; waited {HUB_TIMEOUT_S} s at most)"
+
+
+RELATIVE = "a relative path is taken from the folder the command runs in, not from the recipe's folder"
+
+
+def absolute_where(path) -> str:
+    """A relative path's absolute one and where relative paths are taken from, for a `not found` line (the data's
+    and the model's alike); "" for an absolute path, which says where it is already."""
+    p = Path(os.path.expandvars(os.path.expanduser(str(path))))
+    return "" if p.is_absolute() else f"{p.absolute()}; {RELATIVE}"
 
 
 def looks_local(path: str) -> bool:
@@ -139,14 +184,14 @@ def not_a_model_folder(path: str) -> str:
     gguf = p.suffix.lower() == ".gguf"
     if p.is_file() or gguf:
         what = "a GGUF file (llama.cpp's format)" if gguf else "a file"
-        missing = f"does not exist ({p.absolute()})" if not p.exists() else f"is {what}, not a model folder"
+        missing = f"does not exist ({absolute_where(p) or p})" if not p.exists() else f"is {what}, not a model folder"
         return (f"{path} {missing}: the pack trains from a transformers model folder (config.json and its weights). "
                 f"Fix: {FOLDER_FIX}" + ("; for a GGUF, the model it was converted from (the hub id its name "
                                         "gives)" if gguf else ""))
     if not p.exists():
         fix = ("build the tiny default with `python -m fsdp_recipes.assets.tiny_assets`" if in_pack_cache(path)
                else f"{FOLDER_FIX}; check the path for a typo")
-        return f"{path} does not exist ({p.absolute()}). Fix: {fix}"
+        return f"{path} does not exist ({absolute_where(p) or p}). Fix: {fix}"
     if not p.is_dir():
         return f"{path} is not a folder. Fix: {FOLDER_FIX}"
     names = sorted(f.name for f in p.iterdir())

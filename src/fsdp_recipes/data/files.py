@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fsdp_recipes.config.model_found import looks_local
+from fsdp_recipes.config.model_found import absolute_where, looks_local
 from fsdp_recipes.data.rows import file_layout
 from fsdp_recipes.data.spec import names_shown
 from fsdp_recipes.errors import UserError
@@ -41,8 +41,15 @@ def check_found(name: str) -> Path:
     path = Path(name)
     if not path.exists():
         fix = fix_for_missing(path)
-        raise UserError(f"dataset not found: {path}. Fix: {fix}{'' if fix.endswith('?') else '.'}")
+        raise UserError(f"dataset not found: {path}{resolved(path)}. Fix: {fix}{'' if fix.endswith('?') else '.'}")
     return path
+
+
+def resolved(path: Path) -> str:
+    """` (<the absolute path>; ...)` for a relative path: it is taken from the folder the command runs in, and a
+    user who wrote it from the recipe's folder (`mine.jsonl` beside sft.yaml) saw only `mine.jsonl`."""
+    where = absolute_where(path)
+    return f" ({where})" if where else ""
 
 
 def check_named_found(name: str | None, built_by_checks: bool) -> None:

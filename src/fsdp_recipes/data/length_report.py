@@ -8,6 +8,7 @@ from __future__ import annotations
 from fsdp_recipes.config.model_found import looks_local
 from fsdp_recipes.data.lengths import Lengths, measure_splits, spread
 from fsdp_recipes.data.loading import is_local
+from fsdp_recipes.data.rows import row_at
 from fsdp_recipes.data.tokenizing import Truncation
 from fsdp_recipes.errors import UserError
 
@@ -112,8 +113,28 @@ def report(measured: list[Lengths], cfg, tokenizer, where: str) -> tuple[list[st
     nothing can be learned."""
     t = Truncation.of(cfg.training)
     check_learnable(measured, t, where)
-    warnings = [w for w in (cut_warning(measured, t), system_warning(measured, tokenizer, cfg)) if w]
+    warnings = [w for w in (cut_warning(measured, t), system_warning(measured, tokenizer, cfg),
+                            short_warning(measured, tokenizer, cfg, where)) if w]
     return table(measured, t, tokenizer_name(tokenizer, cfg.model.model_name_or_path)), warnings
+
+
+def short_warning(measured: list[Lengths], tokenizer, cfg, where: str) -> str | None:
+    """One counted line where rows tokenize to 1 token or fewer (their end-of-text token alone): a tokenizer with no
+    vocabulary (transformers built an empty one from a model folder without tokenizer files: every row `1 tokens`,
+    and a run that trained on nothing), or empty rows. None where every row has more."""
+    hit = [(m, [i for i, w in zip(m.index or range(m.sampled), m.whole) if w <= 1]) for m in measured]
+    hit = [(m, short) for m, short in hit if short]
+    if not hit:
+        return None
+    counts = " and ".join(f"{len(short)} of the {m.sampled if m.sampled < m.rows else m.rows}"
+                          f"{' sampled' if m.sampled < m.rows else ''} rows of `{m.split}`" for m, short in hit)
+    first = row_at(where, hit[0][0].split, hit[0][1][0])
+    every = all(len(short) == m.sampled for m, short in hit) and len(hit) == len(measured)
+    model = str(cfg.model.model_name_or_path).rstrip("/")
+    why = f"{model.rsplit('/', 1)[-1] or model}'s tokenizer has {len(tokenizer):,} tokens, " if every else ""
+    return (f"{counts} tokenize to 1 token or fewer (first: {first}): {why}nothing there to learn. Fix: check that "
+            "model_name_or_path holds the model's own tokenizer files (tokenizer.json, ...), and that those rows "
+            "have text in the column read (dataset_text_field, dataset_format)")
 
 
 def system_warning(measured: list[Lengths], tokenizer, cfg) -> str | None:

@@ -7,9 +7,11 @@ as TRL's `get_dataset` loads them, so that each is converted from its own format
 conversion and the split rules are ours:
 
 - the eval split is `dataset_test_split`; when that is `test` (the default) and the data has none, the first of
-  `validation`, `valid`, `eval`, `dev` it has (dataset_test_split is set to it, so run_args.json says which);
+  `validation`, `valid`, `eval`, `dev` it has (dataset_test_split is set to it, so run_args.json says which); a name
+  other than `test` that the data lacks while it has a split besides the training one is refused, naming them;
 - else, with `eval_split_size` (a fraction below 1, or a number of rows), that many training rows are held out,
-  chosen with the run's seed: the same rows in every rank, and in the summary, which scores them;
+  chosen with the run's seed: the same rows in every rank, and in the summary, which scores them; a size that leaves
+  a rank of the job without a training row is refused, not capped;
 - else there is no eval split: one line says so, and nothing is scored as held out.
 """
 
@@ -198,12 +200,24 @@ def check_columns(ds, where: str, text_field: str = "text") -> None:
         takes = [f for f in formats.FORMATS.values() if set(formats.layout(f).COLUMNS) in SFT_FORMATS]
         named = ", ".join(f"{f.LABEL} ({' + '.join(f'`{f.default_columns(text_field).get(c, c)}`' for c in f.COLUMNS)})"
                           for f in takes)
-        raise UserError(
-            f"dataset {where} has columns {names_shown(cols)}, but SFT needs the columns of one of {named}. Fix: name "
-            f"your columns with `dataset_format:` (e.g. `prompt_completion prompt=question completion=answer`; "
-            f"{DOCS}), or set dataset_text_field."
-        )
+        raise UserError(f"dataset {where} has columns {names_shown(cols)}, but SFT needs the columns of one of "
+                        f"{named}. Fix: {columns_fix(ds)}.")
     check_no_undesirable_answers(ds, where)
+
+
+def columns_fix(ds) -> str:
+    """The fix for columns SFT does not take, with the file's own column names: its one text column read as the
+    text to train on (a CSV of jokes), else its first two as prompt and completion."""
+    features = getattr(ds, "features", None) or {}
+    texts = [c for c in (ds.column_names or [])
+             if getattr(features.get(c), "dtype", None) in ("string", "large_string")]
+    if len(texts) == 1:
+        return (f"train on the text of `{texts[0]}`: `dataset_format: text text={texts[0]}` in the recipe (on the "
+                f"command line --dataset_format \"text text={texts[0]}\"), or dataset_text_field: {texts[0]}; the "
+                f"other formats: {DOCS}")
+    prompt, completion = texts[:2] if len(texts) >= 2 else ("question", "answer")
+    return (f"name your columns with `dataset_format:` (e.g. `prompt_completion prompt={prompt} completion="
+            f"{completion}`; {DOCS}), or set dataset_text_field")
 
 
 def held_columns(ds, where: str) -> str:
@@ -236,15 +250,28 @@ def check_no_undesirable_answers(ds, where: str, kind: str = "SFT",
                         f"declare `dataset_format: prompt_completion` ({kind} then takes every row).")
 
 
-def carve_size(size: float, n: int) -> int:
-    """Rows eval_split_size holds out of n: a fraction below 1, else a number of rows; at least 1, at most n - 1."""
-    held = round(size * n) if size < 1 else int(size)
-    return max(1, min(held, n - 1))
+def carve_size(size: float, n: int, ranks: int = 1, split: str = "train", where: str = "the dataset") -> int:
+    """Rows eval_split_size holds out of n: a fraction below 1, else a number of rows; at least 1. One line where
+    that leaves fewer training rows than the job's ranks (`ranks`; one each at least): it was capped at n - 1 without
+    a word (20 of 10 rows, or 0.99: 9 held out, 1 trained on)."""
+    held = max(1, round(size * n) if size < 1 else int(size))
+    ranks = max(1, ranks)
+    if n - held >= ranks:
+        return held
+    most = n - ranks
+    asked = (f"{held} of the {n} rows of `{split}` in {where}" if held <= n else
+             f"{held} rows, and `{split}` in {where} has {n}")
+    left = "none to train on" if held >= n else f"{n - held} to train on for {ranks} ranks"
+    each = f"; each of the {ranks} ranks needs a training row" if ranks > 1 else ""
+    room = f"hold out at most {most} (eval_split_size {most}, or a share such as 0.1{each})" if most >= 1 else \
+        f"add rows{each}"
+    raise UserError(f"eval_split_size {size:g} holds out {asked}, leaving {left}. Fix: {room}, or give the data an "
+                    "eval split of its own (a validation.jsonl beside train.jsonl).")
 
 
-def held_out(ds, script_args, pack, seed: int, where: str):
+def held_out(ds, script_args, pack, seed: int, where: str, ranks: int = 1):
     """(train, eval or None, how the eval split was found) under the module's rules; script_args.dataset_test_split
-    becomes the split found by another of the usual names."""
+    becomes the split found by another of the usual names. `ranks`: the job's, each of which needs a training row."""
     train_name, test_name = script_args.dataset_train_split, script_args.dataset_test_split
     train = ds[train_name]
     if test_name not in ds and test_name == "test":
@@ -272,7 +299,7 @@ def held_out(ds, script_args, pack, seed: int, where: str):
         if n < 2:
             raise UserError(f"eval_split_size {size:g}: the `{train_name}` split of {where} has {n} row(s), too few "
                             "to hold any out. Fix: add rows, or remove eval_split_size.")
-        k = carve_size(size, n)
+        k = carve_size(size, n, ranks, train_name, where)
         chosen = sorted(random.Random(seed).sample(range(n), k))
         taken = set(chosen)
         rest = [i for i in range(n) if i not in taken]
@@ -298,11 +325,11 @@ def shared_rows(train, evaluation) -> int:
 
 
 def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, seed: int = 42,
-                text_field: str = "text"):
+                text_field: str = "text", ranks: int = 1):
     """(train, eval or None), with one-line errors for missing splits; `check(split, where)` is the trainer kind's
     column check (SFT's check_columns, DPO's). `want_eval`: True needs an eval split, False returns None for it,
     IF_ANY the one there is. `pack`: the recipe's PackArguments (dataset_format, eval_split_size); `seed`: the
-    run's, which chooses the held-out rows."""
+    run's, which chooses the held-out rows; `ranks`: the job's processes, each of which needs a training row."""
     NOTES.clear()
     WARNINGS.clear()
     NO_EVAL.clear()
@@ -313,18 +340,21 @@ def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, se
     if train_split not in ds:
         raise UserError(f"dataset {where} has no `{train_split}` split (it has {splits}). Fix: set dataset_train_split.")
     check(ds[train_split], where)
-    train, evaluation, how = held_out(ds, script_args, pack, seed, where)
+    check_named_eval_split(ds, where, train_split, test_split)
+    train, evaluation, how = held_out(ds, script_args, pack, seed, where, ranks)
     if evaluation is None:
+        looked = (f"also looked for {', '.join(n for n in EVAL_NAMES if n != test_split)}" if test_split == "test"
+                  else "a split named otherwise is not looked for")
         refusal = UserError(
-            f"eval is on but dataset {where} has no `{test_split}` split (it has {splits}; also looked for "
-            f"{', '.join(n for n in EVAL_NAMES if n != test_split)}). Fix: set dataset_test_split, "
-            "eval_split_size: 0.1 (hold out 10% of the training rows), or eval_strategy: \"no\"."
+            f"eval is on but dataset {where} has no `{test_split}` split (it has {splits}; {looked}). Fix: set "
+            "dataset_test_split, eval_split_size: 0.1 (hold out 10% of the training rows), or eval_strategy: \"no\"."
         )
         if want_eval and want_eval != IF_ANY:
             raise refusal
         NO_EVAL.append(refusal)
-        NOTES.append(f"eval split: none in {where} (looked for {', '.join(EVAL_NAMES)}): nothing is scored as held "
-                     "out. Fix: eval_split_size: 0.1 holds out 10% of the training rows")
+        looked = f"looked for {', '.join(EVAL_NAMES)}" if test_split == "test" else f"no `{test_split}` split"
+        NOTES.append(f"eval split: none in {where} ({looked}): nothing is scored as held out. Fix: eval_split_size: "
+                     "0.1 holds out 10% of the training rows")
         return train, None
     check(evaluation, where)
     NOTES.append(f"eval split: {how}")
@@ -332,6 +362,21 @@ def load_splits(script_args, dataset_args, want_eval: bool, check, pack=None, se
         WARNINGS.append(f"{shared} of the {len(evaluation)} eval rows also appear in the training data: their scores "
                         "are not held out")
     return train, (evaluation if want_eval else None)
+
+
+def check_named_eval_split(ds, where: str, train_split: str, test_split: str) -> None:
+    """A dataset_test_split named other than `test` (the default, whose absence starts the lookup by the usual
+    names) that the data lacks while it has a split besides the training one: a typo or another name for the split
+    that is there (`validation` for a folder's test.jsonl), which held out nothing, without a word, and trained on
+    no held-out rows. One line naming the splits, as a missing dataset_train_split is. Data of the training split
+    alone keeps the rules (eval_split_size carves that name; else no eval split, refused where eval is on)."""
+    others = [name for name in ds if name != train_split]
+    if test_split == "test" or test_split in ds or not others:
+        return
+    usual = "" if "test" in others else f", or to `test` (the default: the first of {', '.join(EVAL_NAMES)} there is)"
+    raise UserError(f"dataset {where} has no `{test_split}` split, which dataset_test_split names (it has "
+                    f"{list(ds.keys())}). Fix: set dataset_test_split to {' or '.join(f'`{n}`' for n in others)} "
+                    f"(--dataset_test_split {others[0]}){usual}.")
 
 
 def load_sft_datasets(script_args, dataset_args, want_eval: bool, text_field: str = "text", pack=None,
@@ -344,7 +389,17 @@ def load_sft_datasets(script_args, dataset_args, want_eval: bool, text_field: st
 def load_for(cfg, want_eval: bool, check):
     """load_splits with a run's settings: its dataset_format, eval_split_size, seed and text field."""
     return load_splits(cfg.script, cfg.mixture, want_eval, check, cfg.pack, cfg.training.seed,
-                       getattr(cfg.training, "dataset_text_field", None) or "text")
+                       getattr(cfg.training, "dataset_text_field", None) or "text", job_ranks(cfg.training))
+
+
+def job_ranks(training) -> int:
+    """The job's processes as the trainer config sees them: the launcher's and `make data`'s config is parsed with
+    the job's world size (config/run_config.py as_seen_by_ranks), a rank's has its process group's; 1 where
+    neither is known."""
+    try:
+        return max(1, int(training.world_size))
+    except Exception:  # noqa: BLE001 -- a config without torch's state (a test's namespace): one process
+        return 1
 
 
 def is_local(script_args, mixture) -> bool:

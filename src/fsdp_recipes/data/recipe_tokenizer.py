@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from fsdp_recipes.config.model_found import looks_local
+from fsdp_recipes.config.model_found import check_has_tokenizer, looks_local, save_tokenizer_fix
 from fsdp_recipes.errors import UserError
 
 
@@ -39,17 +39,29 @@ def chat_template(tokenizer, training) -> str | None:
                         "false.") from None
 
 
-# the files one of transformers' tokenizers loads from (tokenizer_config.json alone names a class, and loads none)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+def model_vocab_size(folder: Path) -> int | None:
+    """config.json's vocab_size (a multimodal model's text_config's), None where it names none."""
+    import json
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None
 
 
-def check_has_tokenizer(folder: Path) -> None:
-    """A model folder without a tokenizer (a model's save_pretrained writes none): transformers said "Couldn't
-    instantiate the backend tokenizer from one of:" and stopped there."""
-    if folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise UserError(f"model_name_or_path {folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): a "
-                        "model's save_pretrained does not write one. Fix: save the tokenizer there too "
-                        f"(tokenizer.save_pretrained(\"{folder}\")).")
+def check_vocabulary(tokenizer, folder: Path) -> None:
+    """A tokenizer whose vocabulary is far smaller than the model's embedding (under half of config.json's
+    vocab_size): built from a tokenizer_config.json without its vocabulary, or another model's. Padded embeddings
+    (Qwen's 151,936 rows for 151,665 tokens) are well within."""
+    size = model_vocab_size(folder)
+    if size is None or len(tokenizer) * 2 >= size:
+        return
+    raise UserError(f"the tokenizer of model_name_or_path {folder} has {len(tokenizer):,} tokens, and the model's "
+                    f"config.json says vocab_size {size:,}: not the model's own tokenizer (its vocabulary files are "
+                    f"missing, or they are another model's), so the rows would not be tokenized as the model reads "
+                    f"them. Fix: {save_tokenizer_fix(folder)}.")
 
 
 def load_tokenizer(cfg, cached: bool = True):
@@ -59,11 +71,10 @@ def load_tokenizer(cfg, cached: bool = True):
 
     model = cfg.model.model_name_or_path
     if looks_local(model):
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model)
-        except (OSError, ValueError):
-            check_has_tokenizer(Path(os.path.expandvars(os.path.expanduser(model))))
-            raise
+        folder = Path(os.path.expandvars(os.path.expanduser(model)))
+        check_has_tokenizer(folder)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        check_vocabulary(tokenizer, folder)
     elif not cached:
         return None, None
     else:
