@@ -1,8 +1,9 @@
 """The architecture matrix's families: tiny random decoders built from transformers' own config classes.
 
-Every family gets the same small shape (2 layers, hidden 64, 4 query and 2 key/value heads) and keeps its own quirks,
-the settings that make it that family and that a fine-tuning path can trip on: tied or untied embeddings, sliding
-windows, attention and logit softcapping, fused projections, mixture-of-experts layers, Granite's multipliers.
+Every family gets the same small shape (2 layers, hidden 64, 4 query and 2 key/value heads; GPT-NeoX and OPT, which have
+no key/value head setting, 4 of each) and keeps its own quirks, the settings that make it that family and that a
+fine-tuning path can trip on: tied or untied embeddings, sliding windows, attention and logit softcapping, fused
+projections, mixture-of-experts layers, Granite's multipliers, layers outside model.layers.
 scripts/arch_matrix.py trains each under FSDP2; this module is the pure part (no torch at import), tested in process by
 tests/test_arch_matrix.py, with the check of a merge of LoRA on the experts (expert_merge).
 """
@@ -38,7 +39,8 @@ class Family:
     fsdp_config keys) and `args` (recipe fields on the command line): what a user of this family must set, and
     `note` why (shown with its results). `refused`: method -> why it cannot work, naming whose limitation it is;
     listed, not run. `methods`: the methods it runs (a variant for LoRA targets only has no full case to add; `head`
-    runs on tied families only)."""
+    runs on tied families only). `drop`: SHAPE's names its config lacks, left out rather than stored unused (a
+    planner or launcher check that reads num_key_value_heads would see GQA the model does not have)."""
 
     name: str
     model_type: str
@@ -49,6 +51,7 @@ class Family:
     note: str = ""
     refused: dict = field(default_factory=dict)
     methods: tuple = ("lora", "full", "head")
+    drop: tuple = ()  # SHAPE's settings the family's config does not have (GPT-NeoX: no num_key_value_heads)
 
 
 FAMILIES = (
@@ -119,6 +122,14 @@ FAMILIES = (
     Family("lfm2", "lfm2", dict(tie_word_embeddings=True)),  # short convolutions and attention layers
     # TRL 1.16's SFT loss cannot run Llama 4 (the pack refuses it in one line): listed to show that line
     Family("llama4-text", "llama4_text", dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=128)),
+    # decoders outside model.layers, without num_key_value_heads (as many key/value heads as query heads): GPT-NeoX
+    # (Pythia) keeps its layers in gpt_neox.layers, fuses query_key_value, runs attention and MLP in parallel, rotary
+    # on a quarter of each head, an untied head; OPT in model.decoder.layers, learned positions, ReLU
+    # MLP of width ffn_dim, its head tied
+    Family("gpt-neox", "gpt_neox", dict(tie_word_embeddings=False),
+           drop=("num_key_value_heads", "head_dim")),
+    Family("opt", "opt", dict(ffn_dim=128, tie_word_embeddings=True),
+           drop=("num_key_value_heads", "head_dim", "intermediate_size")),
 )
 
 
@@ -157,7 +168,7 @@ def parse_cases(cases: list[str]) -> list[tuple[Family, str]]:
 def config_kwargs(family: Family, vocab_size: int, bos: int, eos: int, pad: int) -> dict:
     """The keyword arguments of the family's config class: the shared shape, the tokenizer's ids, the quirks.
     GPT-2 names its shape otherwise (n_embd, n_layer, ...): its quirks replace SHAPE."""
-    shape = {} if family.model_type == "gpt2" else SHAPE
+    shape = {} if family.model_type == "gpt2" else {k: v for k, v in SHAPE.items() if k not in family.drop}
     return dict(shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, dtype="float32",
                 **family.quirks)
 

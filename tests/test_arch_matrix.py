@@ -280,3 +280,24 @@ def test_a_launch_that_hung_in_a_case_fails_that_case_and_goes_on(tmp_path, monk
     results = json.loads((tmp_path / "m" / "results.json").read_text())
     assert results[0]["reason"].startswith("launch 1 ended in this case (exit code 1): ")
     assert [r["outcome"] for r in results] == ["fail", "pass"]
+
+
+@pytest.mark.parametrize("name, layers", [("gpt-neox", "gpt_neox.layers"), ("opt", "model.decoder.layers")])
+def test_the_families_outside_model_layers_keep_their_own_config_names(name, layers):
+    """GPT-NeoX (a new-user trial's family: the planner and the smoke run stopped on it) and OPT keep their decoder
+    layers outside model.layers and have no num_key_value_heads: the matrix's config does not add one (unused, it
+    would tell the planner and the launcher's mesh checks of GQA the model does not have), nor OPT an unused
+    intermediate_size (its MLP's width is ffn_dim)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_recipes.planning import decoder
+
+    family = families.by_name([name])[0]
+    config = families.build_config(family, Tokenizer())
+    assert not {"num_key_value_heads", "head_dim"} & config.to_dict().keys()
+    assert decoder.kv_heads(config) == config.num_attention_heads == 4
+    assert decoder.intermediate(config) == 128
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert decoder.layers(model)[0] == layers

@@ -288,3 +288,48 @@ def test_smoke_catches_a_bad_fsdp_key(cache_dir, tmp_path, monkeypatch, capsys, 
 def test_smoke_of_an_unknown_recipe(cache_dir):
     res = smoke("nope", cache_dir, "/tmp/unused")
     assert res.returncode != 0 and "unknown recipe 'nope'" in res.stderr and "Traceback" not in res.stderr
+
+
+class Tokenizer:
+    """What shrink reads of the tiny tokenizer: its size and special ids."""
+
+    bos_token_id, eos_token_id, pad_token_id = 1, 2, 0
+
+    def __len__(self):
+        return 512
+
+
+# model_type -> its config's settings on top of transformers' defaults (full-size ones): families whose configs do
+# not use Llama's names (no num_key_value_heads: GPT-NeoX, GPT-2, OPT; Falcon's num_kv_heads and its head_dim, a
+# property; GPT-2's n_inner, OPT's ffn_dim, Falcon's ffn_hidden_size; GPT-J's rotary_dim; OPT-350M's projection)
+SHRUNK_FAMILIES = {
+    "gpt_neox": {}, "gpt2": {}, "phi": {}, "gptj": {}, "opt": {},
+    "opt-350m": ("opt", dict(hidden_size=1024, num_attention_heads=16, word_embed_proj_dim=512, ffn_dim=4096)),
+    "falcon": {},  # Falcon 7B: multi-query attention
+    "falcon-40b": ("falcon", dict(new_decoder_architecture=True, hidden_size=8192, num_attention_heads=128,
+                                  num_kv_heads=8)),
+}
+
+
+@pytest.mark.parametrize("family", SHRUNK_FAMILIES)
+def test_smoke_shrinks_families_without_llamas_config_names(family):
+    """A trial's smoke run of a GPT-NeoX recipe stopped at `'GPTNeoXConfig' object has no attribute
+    'num_key_value_heads'`: shrink read Llama's names. Each family's full-size config becomes a tiny model of 2
+    layers of 64 that trains a step (a width left full size -- Falcon 40B's 8 key/value heads over 4 query heads,
+    GPT-J's rotary_dim 64 of a 16-wide head -- would not build, or not be tiny)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fsdp_recipes.launch import smoke as smoke_module
+
+    spec = SHRUNK_FAMILIES[family]
+    model_type, settings = spec if isinstance(spec, tuple) else (family, spec)
+    config = smoke_module.shrink(AutoConfig.for_model(model_type, **settings), Tokenizer())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (2, 64, 512)
+    assert sum(p.numel() for p in model.parameters()) < 300_000
+    ids = torch.randint(0, 512, (2, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)

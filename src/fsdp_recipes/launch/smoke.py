@@ -60,12 +60,38 @@ def say(msg: str) -> None:
     print(f"[smoke] {msg}", flush=True)
 
 
+# Each family's names for its key/value heads (Llama's num_key_value_heads, Falcon's num_kv_heads; GPT-NeoX, GPT-2 and
+# OPT have none: one per query head) and for its MLP's width (GPT-2's n_inner, None for 4 x hidden; OPT's ffn_dim;
+# Falcon's ffn_hidden_size), as the planner reads them (planning/decoder.py)
+KV_HEADS = ("num_key_value_heads", "num_kv_heads")
+MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+
+
+def settable(config, key: str) -> bool:
+    """The config has `key` and it is not a computed property (Falcon's head_dim: hidden / heads)."""
+    return hasattr(config, key) and not isinstance(getattr(type(config), key, None), property)
+
+
 def shrink(config, tokenizer):
-    """The real config with fewer, narrower layers; everything that selects code paths is left alone."""
-    gqa = config.num_key_value_heads < config.num_attention_heads
+    """The real config with fewer, narrower layers; everything that selects code paths is left alone. A setting the
+    family does not have is not added (GPT-2 has no intermediate_size: its n_inner, or 4 x hidden)."""
+    heads = getattr(config, "num_attention_heads", None) or SHAPE["num_attention_heads"]
+    kv_key = next((key for key in KV_HEADS if getattr(config, key, None)), None)
+    gqa = kv_key is not None and getattr(config, kv_key) < heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    hidden = config.hidden_size
     for key, value in SHAPE.items():
-        setattr(config, key, value)
-    config.num_key_value_heads = 2 if gqa else SHAPE["num_attention_heads"]
+        if key in ("num_hidden_layers", "hidden_size", "num_attention_heads") or settable(config, key):
+            setattr(config, key, value)
+    for key in MLP_WIDTHS[1:]:  # None stays None (GPT-2: 4 x hidden)
+        if getattr(config, key, None) and settable(config, key):
+            setattr(config, key, SHAPE["intermediate_size"])
+    if kv_key:
+        setattr(config, kv_key, 2 if gqa else SHAPE["num_attention_heads"])
+    if getattr(config, "rotary_dim", None):  # GPT-J, CodeGen: rotary on this many of each head's dims, in proportion
+        config.rotary_dim = max(2, config.rotary_dim * SHAPE["head_dim"] // head_dim // 2 * 2)
+    if getattr(config, "word_embed_proj_dim", None):  # OPT: embeddings of this width, projected to hidden (350M's)
+        config.word_embed_proj_dim = max(2, config.word_embed_proj_dim * SHAPE["hidden_size"] // hidden)
     if getattr(config, "layer_types", None):  # per-layer attention types must match the layer count
         config.layer_types = config.layer_types[: SHAPE["num_hidden_layers"]]
     if getattr(config, "max_window_layers", None):

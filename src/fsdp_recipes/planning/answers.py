@@ -8,7 +8,7 @@ import dataclasses
 from fsdp_recipes.config import accelerate_yaml
 from fsdp_recipes.config.mesh import data_parallel_size
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.planning import checkpointing, comms, duration, fit, mesh_fit, mesh_lines
+from fsdp_recipes.planning import checkpointing, comms, decoder, duration, fit, mesh_fit, mesh_lines
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB, budget
 from fsdp_recipes.speed import yarn
@@ -101,7 +101,7 @@ def mesh_answer(p) -> list[str]:
     config = p.model.config
     flat = dataclasses.replace(s, tp=1, cp=1)
     alone = fit.smallest_fsdp_world(m, dataclasses.replace(flat, strategy="FSDP"), usable, p.gpus * 1024)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    heads, kv_heads = decoder.heads(config), decoder.kv_heads(config)  # GPT-NeoX: no num_key_value_heads
     max_length = sequence_length(p)
 
     def launchable(world: int, tp: int, cp: int) -> bool:  # only meshes the launcher starts (config/mesh.py)

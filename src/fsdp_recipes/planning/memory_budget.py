@@ -101,6 +101,11 @@ in the load dtype (transformers' bitsandbytes quantizer keeps the output layer).
 for its matmul: the largest linear of a layer, once, is the working copy (QLoRA paper, Dettmers et al. 2023, section 3;
 bitsandbytes' Linear4bit).
 
+Other families (planning/decoder.py): the decoder layers wherever the family keeps them (gpt_neox.layers,
+transformer.h, model.decoder.layers), its widths by its own config names; each layer counted, the per-layer terms
+taken from the largest (Jamba's Mamba and attention layers differ). The activation count above is Llama's layer's on
+those widths: for a GELU MLP (GPT-NeoX, GPT-2) or parallel attention and MLP an estimate, not measured.
+
 Tensor parallel: planning/tp_terms.py (autocast's copies under tp, its fp32 residual stream, LoRA's
 adapters under tp), measured on CPU.
 
@@ -114,6 +119,7 @@ import dataclasses
 import math
 
 from fsdp_recipes.metrics import flops
+from fsdp_recipes.planning import decoder
 from fsdp_recipes.planning.tp_terms import (lora_adapters_under_autocast, lora_under_tp_per_layer, residual_bytes,
                                              wide_weights_under_autocast)
 
@@ -197,33 +203,53 @@ def shape_of(model, model_args, **decided) -> ModelShape:
     import torch
 
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layers = model.model.layers
-    layer0 = layers[0]
-    base_layer = sum(p.numel() for p in layer0.parameters())
+    hd = decoder.head_dim(cfg)
+    prefix, layers = decoder.layers(model)  # "model.layers" (Llama), "gpt_neox.layers", "transformer.h", ...
+
+    def layer_of(name: str) -> tuple[int | None, str]:
+        """(the decoder layer `name` is in, or None outside them; its name inside the layer)."""
+        if not name.startswith(prefix + "."):
+            return None, name
+        index, _, rest = name[len(prefix) + 1:].partition(".")
+        return int(index), rest
+
+    n = len(layers)
+    base = [sum(p.numel() for p in layer.parameters()) for layer in layers]
     total = sum(p.numel() for p in model.parameters())
-    lora_layer, dropout_width, rank_width, lora_other, saved = 0, 0, 0, 0, 0
-    input_width, split_input_width, split_params = 0, 0, 0
-    # transformers' tp plan of the model ("layers.*.self_attn.o_proj": "rowwise"): a rowwise linear's input is split
+    # per layer: LoRA's parameters and the widths its activations take (dropout's inputs, r per target, the inputs,
+    # those of the linears tp splits on their input, the adapter elements tp splits), the merged copy's elements
+    lora, dropout_width, rank_width, input_width, split_input_width, split_params, merged = (
+        [0] * n for _ in range(7))
+    lora_other, saved = 0, 0
+    # transformers' tp plan of the model ("layers.*.self_attn.o_proj": "rowwise"): a rowwise linear's input is split;
+    # its keys are named from the base model (model.model, model.gpt_neox): the layers' list as it names it
     tp_plan = getattr(cfg, "base_model_tp_plan", None) or {}
+    tp_prefix = prefix.removeprefix(getattr(model, "base_model_prefix", "") + ".") + ".*."
     if model_args.use_peft:
+        from transformers.pytorch_utils import Conv1D
+
         targets = model_args.lora_target_modules
+        head = model.get_output_embeddings()  # PEFT's all-linear leaves it out, whatever its name
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
-            hit = isinstance(module, torch.nn.Linear) and (
-                targets == "all-linear" and leaf != "lm_head" or isinstance(targets, list) and leaf in targets)
+            # PEFT's linear layers: torch's Linear, GPT-2's Conv1D (its weight stored (in, out))
+            hit = isinstance(module, (torch.nn.Linear, Conv1D)) and (
+                targets == "all-linear" and module is not head or isinstance(targets, list) and leaf in targets)
             if hit:
-                adapter = model_args.lora_r * (module.in_features + module.out_features)
-                if name.startswith("model.layers.0."):
-                    lora_layer += adapter
-                    dropout_width += module.in_features if model_args.lora_dropout else 0
-                    rank_width += model_args.lora_r
-                    input_width += module.in_features
-                    planned = tp_plan.get("layers.*." + name.removeprefix("model.layers.0."), "")
-                    split_input_width += module.in_features if "rowwise" in planned else 0
-                    split_params += model_args.lora_r * (module.in_features if "rowwise" in planned else
-                                                         module.out_features if "colwise" in planned else 0)
-                elif not name.startswith("model.layers."):
+                fan_in, fan_out = (module.weight.shape if isinstance(module, Conv1D) else
+                                   (module.in_features, module.out_features))
+                adapter = model_args.lora_r * (fan_in + fan_out)
+                i, inner = layer_of(name)
+                if i is not None:
+                    lora[i] += adapter
+                    dropout_width[i] += fan_in if model_args.lora_dropout else 0
+                    rank_width[i] += model_args.lora_r
+                    input_width[i] += fan_in
+                    planned = tp_plan.get(tp_prefix + inner, "")
+                    split_input_width[i] += fan_in if "rowwise" in planned else 0
+                    split_params[i] += model_args.lora_r * (fan_in if "rowwise" in planned else
+                                                            fan_out if "colwise" in planned else 0)
+                else:
                     lora_other += adapter
             if leaf in (model_args.lora_modules_to_save or []):
                 saved += sum(p.numel() for p in module.parameters())
@@ -236,21 +262,27 @@ def shape_of(model, model_args, **decided) -> ModelShape:
             if any(name == t or name.endswith("." + t) for t in wanted):
                 experts, fan_in, fan_out = param.shape if param.dim() == 3 else (1, param.shape[1], param.shape[0])
                 adapter = model_args.lora_r * experts * (fan_in + fan_out)
-                if name.startswith("model.layers.0."):
-                    lora_layer += adapter
-                    decided["merged_copy"] = decided.get("merged_copy", 0) + param.numel()
-                elif not name.startswith("model.layers."):
+                i, _ = layer_of(name)
+                if i is not None:
+                    lora[i] += adapter
+                    merged[i] += param.numel()
+                else:
                     lora_other += adapter
-        trainable = lora_layer * len(layers) + lora_other + saved
+        trainable = sum(lora) + lora_other + saved
     else:
         trainable = total
     params = total + (trainable if model_args.use_peft else 0)
-    layer_params = base_layer + lora_layer
+    # the layer budget() counts for each: the largest (every layer alike in Llama; Jamba's attention or Mamba ones)
+    at = max(range(n), key=lambda i: base[i] + lora[i])
+    layer_params = base[at] + lora[at]
+    if merged[at]:
+        decided["merged_copy"] = decided.get("merged_copy", 0) + merged[at]
     # Qwen3's q_norm / k_norm (each query and key head normalized over head_dim): rows a token has, by their widths
-    q_norm, k_norm = (getattr(layer0.self_attn, n, None) for n in ("q_norm", "k_norm"))
+    attention = getattr(layers[at], "self_attn", None)
+    q_norm, k_norm = (getattr(attention, name, None) for name in ("q_norm", "k_norm"))
     if q_norm is not None and k_norm is not None:
-        decided["head_norm_rows"] = (cfg.num_attention_heads * head_dim // q_norm.weight.numel()
-                                     + cfg.num_key_value_heads * head_dim // k_norm.weight.numel())
+        decided["head_norm_rows"] = (decoder.heads(cfg) * hd // q_norm.weight.numel()
+                                     + decoder.kv_heads(cfg) * hd // k_norm.weight.numel())
     moe = flops.experts_of(cfg)  # (top_k, experts): the experts' weights are named mlp.experts.* (flops.is_expert_param)
     if moe:
         decided.update(top_k=moe[0], experts=moe[1], expert_params=sum(
@@ -258,12 +290,13 @@ def shape_of(model, model_args, **decided) -> ModelShape:
     # one expert's width: Qwen3-MoE's intermediate_size is its dense MLP's (unused where every layer is sparse)
     intermediate = getattr(cfg, "moe_intermediate_size", None) if moe else None
     return ModelShape(
-        params=params, trainable=trainable, layers=len(layers), hidden=cfg.hidden_size,
-        q_dim=cfg.num_attention_heads * head_dim, kv_dim=cfg.num_key_value_heads * head_dim,
-        intermediate=intermediate or cfg.intermediate_size, vocab=cfg.vocab_size, layer_params=layer_params,
-        layer_trainable=lora_layer if model_args.use_peft else base_layer,
-        root_params=params - layer_params * len(layers), lora_dropout_width=dropout_width, lora_rank_width=rank_width,
-        lora_input_width=input_width, lora_split_input_width=split_input_width, lora_split_params=split_params,
+        params=params, trainable=trainable, layers=n, hidden=cfg.hidden_size,
+        q_dim=decoder.heads(cfg) * hd, kv_dim=decoder.kv_heads(cfg) * hd,
+        intermediate=intermediate or decoder.intermediate(cfg), vocab=cfg.vocab_size, layer_params=layer_params,
+        layer_trainable=lora[at] if model_args.use_peft else base[at],
+        root_params=params - sum(base) - sum(lora), lora_dropout_width=dropout_width[at],
+        lora_rank_width=rank_width[at], lora_input_width=input_width[at],
+        lora_split_input_width=split_input_width[at], lora_split_params=split_params[at],
         norms_trained=not model_args.use_peft,
         embedding=model.get_input_embeddings().weight.numel(), tied=bool(getattr(cfg, "tie_word_embeddings", False)),
         **decided,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdp_recipes.planning import mesh_fit
+from fsdp_recipes.planning import decoder, mesh_fit
 from fsdp_recipes.planning.memory_budget import GIB, budget
 
 
@@ -81,8 +81,8 @@ def refusal(p, nodes: int, per_node: int, replicate: int = 1) -> str | None:
     """Whether the launcher starts the recipe's tp and cp kept on `nodes` x `per_node` GPUs, replicated `replicate`
     times (HSDP): its one line, or None."""
     s, config = p.setup, p.model.config
-    return mesh_fit.refusal(p.acc, p.cfg, nodes * per_node, s.tp, s.cp, config.num_attention_heads,
-                            config.num_key_value_heads, p.cfg.training.max_length or 1024, replicate=replicate)
+    return mesh_fit.refusal(p.acc, p.cfg, nodes * per_node, s.tp, s.cp, decoder.heads(config),
+                            decoder.kv_heads(config), p.cfg.training.max_length or 1024, replicate=replicate)
 
 
 def hsdp_refusal(p, nodes: int, per_node: int | None = None) -> str | None:
