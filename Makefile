@@ -229,7 +229,7 @@ test-serve: $(STAMP) serve-env ## the serving checks: the default trained, expor
 
 # One 2-process launch whose ranks loop over the families and methods (scripts/arch_matrix.py): outside make test's
 # 10 minutes, after it in .ci/run
-arch-matrix: $(STAMP) ## LoRA and full fine-tuning of tiny models of 26 decoder families (and LoRA on MoE experts) under FSDP2 (2 CPU processes, ~2.5 min); ARGS="--families llama,gemma2"
+arch-matrix: $(STAMP) ## LoRA and full fine-tuning of tiny models of 28 decoder families (and LoRA on MoE experts) under FSDP2 (2 CPU processes, ~2.5 min); ARGS="--families llama,gemma2"
 	@PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/arch_matrix.py $(ARGS)
 
 test-fast: $(STAMP) ## the in-process tests only (no launcher, planner or training processes): about 5 minutes

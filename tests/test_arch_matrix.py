@@ -291,7 +291,7 @@ def test_the_families_outside_model_layers_keep_their_own_config_names(name, lay
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_recipes.planning import decoder
+    from fsdp_recipes import decoder
 
     family = families.by_name([name])[0]
     config = families.build_config(family, Tokenizer())

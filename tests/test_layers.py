@@ -21,6 +21,7 @@ LAYER = {
     "checkpoint": 3, "metrics": 3, "config": 3, "assets": 3,
     "patches": 2,
     "dist": 1, "records": 1, "paths": 1, "rewards": 1, "library_logs": 1, "registry": 1, "model_folders": 1,
+    "decoder": 1,
     "errors": 0,
 }
 

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
-from fsdp_recipes.planning import decoder, memory_budget
+from fsdp_recipes import decoder
+from fsdp_recipes.planning import memory_budget
 
 # model_type -> (its config's settings, where its layers are, its hidden width, its key/value width, its MLP's width,
 # LoRA targets by name): the widths by hand from the settings (4 heads of 64 / 4 = 16)
@@ -124,3 +125,15 @@ def test_the_mesh_answer_of_a_model_without_num_key_value_heads(neox_folder, mon
                          "--max_length", "131072", "--per_device_train_batch_size", "1024")
     assert code == 1 and "does not fit" in err, err
     assert "  mesh: " in out and "Traceback" not in err
+
+
+def test_the_4bit_plan_of_a_gpt_neox_model(neox_folder, monkeypatch, capsys):
+    """The QLoRA recipe planned for another family read `model.model.layers` (speed/four_bit.py planner_shape): an
+    AttributeError traceback for any model not kept there."""
+    from test_plan_questions import run
+
+    monkeypatch.chdir(REPO)
+    code, out, err = run(capsys, "smollm2-135m-qlora", "--gpus", "2", "--gpu", "H100", "--model_name_or_path",
+                         str(neox_folder), "--lora_target_modules", "query_key_value", "dense")
+    assert code == 0 and "Traceback" not in err, err
+    assert out.startswith("recipe smollm2-135m-qlora: GPTNeoXForCausalLM"), out

@@ -62,7 +62,7 @@ def say(msg: str) -> None:
 
 # Each family's names for its key/value heads (Llama's num_key_value_heads, Falcon's num_kv_heads; GPT-NeoX, GPT-2 and
 # OPT have none: one per query head) and for its MLP's width (GPT-2's n_inner, None for 4 x hidden; OPT's ffn_dim;
-# Falcon's ffn_hidden_size), as the planner reads them (planning/decoder.py)
+# Falcon's ffn_hidden_size), as the planner reads them (decoder.py)
 KV_HEADS = ("num_key_value_heads", "num_kv_heads")
 MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_recipes import decoder
 from fsdp_recipes.config import accelerate_yaml
 from fsdp_recipes.config.mesh import data_parallel_size
 from fsdp_recipes.errors import UserError
-from fsdp_recipes.planning import checkpointing, comms, decoder, duration, fit, mesh_fit, mesh_lines
+from fsdp_recipes.planning import checkpointing, comms, duration, fit, mesh_fit, mesh_lines
 from fsdp_recipes.planning.fabric import Fabric
 from fsdp_recipes.planning.memory_budget import GIB, budget
 from fsdp_recipes.speed import yarn

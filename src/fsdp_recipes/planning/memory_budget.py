@@ -101,7 +101,7 @@ in the load dtype (transformers' bitsandbytes quantizer keeps the output layer).
 for its matmul: the largest linear of a layer, once, is the working copy (QLoRA paper, Dettmers et al. 2023, section 3;
 bitsandbytes' Linear4bit).
 
-Other families (planning/decoder.py): the decoder layers wherever the family keeps them (gpt_neox.layers,
+Other families (decoder.py): the decoder layers wherever the family keeps them (gpt_neox.layers,
 transformer.h, model.decoder.layers), its widths by its own config names; each layer counted, the per-layer terms
 taken from the largest (Jamba's Mamba and attention layers differ). The activation count above is Llama's layer's on
 those widths: for a GELU MLP (GPT-NeoX, GPT-2) or parallel attention and MLP an estimate, not measured.
@@ -118,8 +118,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from fsdp_recipes import decoder
 from fsdp_recipes.metrics import flops
-from fsdp_recipes.planning import decoder
 from fsdp_recipes.planning.tp_terms import (lora_adapters_under_autocast, lora_under_tp_per_layer, residual_bytes,
                                              wide_weights_under_autocast)
 

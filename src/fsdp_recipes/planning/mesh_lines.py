@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdp_recipes.planning import decoder, mesh_fit
+from fsdp_recipes import decoder
+from fsdp_recipes.planning import mesh_fit
 from fsdp_recipes.planning.memory_budget import GIB, budget
 
 

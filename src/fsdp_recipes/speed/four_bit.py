@@ -29,6 +29,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+from fsdp_recipes import decoder
 from fsdp_recipes.errors import UserError
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -140,7 +141,7 @@ def planner_shape(model, model_args) -> dict:
         return {}
     import torch
 
-    layers = model.model.layers
+    layers = decoder.layers(model)[1]
     linears = [m.weight.numel() for m in layers[0].modules() if isinstance(m, torch.nn.Linear)]
     quantized = sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
     return {"quantized": quantized, "layer_quantized": sum(linears), "largest_quantized": max(linears)}

@@ -4,7 +4,7 @@ Llama, Mistral and Qwen keep their layers in `model.layers` and name their width
 intermediate_size; GPT-NeoX keeps them in `gpt_neox.layers`, GPT-2, Falcon and Bloom in `transformer.h`, OPT in
 `model.decoder.layers`, Mamba in `backbone.layers`, and GPT-NeoX, GPT-2 and OPT have no num_key_value_heads (one
 key/value head per query head), GPT-2 calls its MLP's width n_inner (None: 4 x hidden), OPT ffn_dim. The planner
-(memory_budget.shape_of) reads them here.
+(memory_budget.shape_of) and the 4-bit option's planner terms (speed/four_bit.py) read them here.
 
 The layers are found as accelerate finds what FSDP wraps: by the model's `_no_split_modules` (the decoder layer
 classes; config/model_check.py checks the recipe's wrap classes against them): the module list holding such layers,
