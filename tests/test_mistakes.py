@@ -786,3 +786,14 @@ def test_a_field_of_another_trainer_kind_is_named_as_such(monkeypatch, capsys, c
             f"error: unknown command-line flag `--beta`. Fix: `beta` is a field of the {named} trainers, not of "
             "this recipe's: remove it, or use a recipe of that trainer (fsdp-recipes recipes list names each one's)"), \
             res.stderr
+
+
+def test_a_ranks_long_one_line_error_keeps_its_whole_fix():
+    """A rank's UserError longer than 400 characters was cut mid-fix ("... to star.")."""
+    from fsdp_recipes.launch.explain_failure import describe
+
+    fix = "resume with the state dict type it was saved with, " * 8 + "or start over in a new output_dir"
+    rec = {"rank": 0, "type": "fsdp_recipes.errors.UserError", "error": f"checkpoint-4 cannot be resumed. Fix: {fix}",
+           "phase": "setup", "step": None, "time": 0.0}
+    line, code = describe([rec], 2, None, "tiny-cpu-lora", None)
+    assert line.startswith("checkpoint-4 cannot be resumed. Fix: ") and fix in line and code == 2, line

@@ -72,7 +72,8 @@ def fix_for(rec: dict, recipe: str, last_good: str | None, output_dir: str = "ou
     """(problem, fix) for a record: the pack's own errors carry their fix; known library errors get one here;
     anything else names the log."""
     kind = rec["type"].rsplit(".", 1)[-1]
-    error = _first_line(rec["error"])
+    # the pack's own line is whole (cut at 400 characters it lost the end of its fix); a library's is cut
+    error = _first_line(rec["error"], limit=4000 if kind == "UserError" else 400)
     if kind == "UserError":  # the message is already "<problem>. Fix: <what to do>"
         problem, _, fix = error.partition(" Fix: ")
         return problem.rstrip("."), fix.rstrip(".")

@@ -9,7 +9,8 @@ checks, `accelerate launch`, SFTTrainer and saving as the real job, with these s
   kept as it is -- architecture class, decoder layer class, GQA, rope scaling, biases, tied embeddings -- except
   for fewer and narrower layers and the tiny local tokenizer's vocabulary; random weights, saved with
   save_pretrained and loaded back through from_pretrained;
-- the data: the local synthetic chat dataset, or for a DPO recipe the synthetic preference pairs (tiny_assets);
+- the data: tiny_assets' synthetic data, whichever the trainer kind names (its SMOKE_DATA: the prompt/completion
+  rows, or the preference pairs a preference kind reads);
 - the speed options this machine cannot run, each option's `smoke` (speed/): flash-attn becomes sdpa, a kernel
   package that is not installed is turned off, each with its line;
 - the accelerate YAML: the recipe's own, with the processes scaled to 2 on one machine (an HSDP recipe
@@ -258,7 +259,8 @@ def prepare(recipe: Recipe, gpus: int = 0) -> Callable[[], Path] | None:
     split = scaled.get("parallelism_config") or {}
     if int(split.get("parallelism_config_cp_size", 1)) > 1:  # context parallel kept: rows split over the cp ranks
         shard, cp = split["parallelism_config_dp_shard_size"], split["parallelism_config_cp_size"]
-        dropped = f" as dp_shard {shard} x cp {cp}" + ("" if gpus else " (context parallel: the all-to-all form on CPU)")
+        dropped = f" as dp_shard {shard} x cp {cp}" + ("" if gpus else
+                                                         " (context parallel: the all-to-all form on CPU)")
     if int(split.get("parallelism_config_tp_size", 1)) > 1:  # tensor parallel kept: each layer split over 2 ranks
         dropped = f" as dp_shard {split['parallelism_config_dp_shard_size']} x tp 2" + ("" if gpus else " (over gloo)")
     say(f"accelerate: {recipe.accelerate_path} with {acc.get('num_processes', 1)} process(es) on "
