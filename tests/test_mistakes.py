@@ -797,3 +797,25 @@ def test_a_ranks_long_one_line_error_keeps_its_whole_fix():
            "phase": "setup", "step": None, "time": 0.0}
     line, code = describe([rec], 2, None, "tiny-cpu-lora", None)
     assert line.startswith("checkpoint-4 cannot be resumed. Fix: ") and fix in line and code == 2, line
+
+
+def test_a_local_models_foreign_tokenizer_is_refused_whatever_the_data(tmp_path, monkeypatch, capsys, cache_dir):
+    """The tokenizer's vocabulary against the model's was checked only with local data (the launcher loads the
+    tokenizer to measure its rows); with hub data a model folder holding another model's tokenizer reached the ranks."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from conftest import launcher_checks
+
+    model = shutil.copytree(cache_dir / "tiny-mistral", tmp_path / "model")
+    other = Tokenizer(models.BPE(unk_token="<unk>"))
+    other.pre_tokenizer = pre_tokenizers.Whitespace()
+    other.train_from_iterator(["a b c"], trainers.BpeTrainer(vocab_size=20, special_tokens=["<unk>"]))
+    other.save(str(model / "tokenizer.json"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    res = launcher_checks(["tiny-cpu-lora", "--model_name_or_path", str(model), "--dataset_name", "trl-lib/Capybara"],
+                          monkeypatch, capsys)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"error: the tokenizer of model_name_or_path {model} has ") and "vocab_size" in lines[0]

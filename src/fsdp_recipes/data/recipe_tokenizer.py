@@ -64,6 +64,18 @@ def check_vocabulary(tokenizer, folder: Path) -> None:
                     f"them. Fix: {save_tokenizer_fix(folder)}.")
 
 
+def local_tokenizer(model: str):
+    """A local model folder's tokenizer, checked: there at all (transformers 5 builds an empty one from a folder
+    without), and of the model's vocabulary."""
+    from transformers import AutoTokenizer
+
+    folder = Path(os.path.expandvars(os.path.expanduser(model)))
+    check_has_tokenizer(folder)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    check_vocabulary(tokenizer, folder)
+    return tokenizer
+
+
 def load_tokenizer(cfg, cached: bool = True):
     """The recipe's tokenizer with the chat template the trainer uses, and that template (chat_template): from the
     model's folder or, with `cached`, a hub id's files already on this machine; (None, None) when neither."""
@@ -71,10 +83,7 @@ def load_tokenizer(cfg, cached: bool = True):
 
     model = cfg.model.model_name_or_path
     if looks_local(model):
-        folder = Path(os.path.expandvars(os.path.expanduser(model)))
-        check_has_tokenizer(folder)
-        tokenizer = AutoTokenizer.from_pretrained(model)
-        check_vocabulary(tokenizer, folder)
+        tokenizer = local_tokenizer(model)
     elif not cached:
         return None, None
     else:

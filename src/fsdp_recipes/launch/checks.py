@@ -98,6 +98,8 @@ def check_model_and_data(recipe: Recipe, cfg: RunConfig) -> None:
         recipe.launch_options = [accelerate_yaml.WRAP_OPTION, ",".join(wrap.chosen)]
         fsdp = dict(acc["fsdp_config"], **{model_check.WRAP_KEY: ",".join(wrap.chosen)})
         recipe.accelerate = acc = dict(acc, fsdp_config=fsdp)
+    if not loading.is_local(cfg.script, cfg.mixture) and model_found.looks_local(cfg.model.model_name_or_path):
+        recipe_tokenizer.local_tokenizer(cfg.model.model_name_or_path)  # the hub data's rows are rank 0's to read
     if loading.is_local(cfg.script, cfg.mixture):
         import datasets
 
