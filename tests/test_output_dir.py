@@ -494,3 +494,17 @@ def test_a_resume_under_another_state_dict_type_is_one_line_before_any_rank_star
     line = one_error(launcher_checks([str(recipe), *ARGS[1:], "--output_dir", str(copy), "--max_steps", "6"],
                                      monkeypatch, capsys))
     assert "FULL_STATE_DICT" in line and "SHARDED_STATE_DICT" in line, line
+
+
+def test_an_unfinished_run_without_a_checkpoint_is_said_to_be_replaced(copy, monkeypatch, capsys):
+    """An interrupted run that saved no checkpoint, run again (here with another learning rate): it started over
+    and its report replaced the old one without a word."""
+    for ckpt in markers.checkpoint_dirs(copy):
+        shutil.rmtree(ckpt)
+    metrics = json.loads((copy / "metrics.json").read_text())
+    (copy / "metrics.json").write_text(json.dumps({**metrics, "status": "interrupted", "steps": 3}))
+    with pytest.raises(RanksWouldStart):
+        launcher_until_ranks([*ARGS, "--output_dir", str(copy), "--learning_rate", "1e-3"], monkeypatch, capsys)
+    out = capsys.readouterr().out
+    assert (f"{copy} holds an unfinished run (interrupted, 3 steps) with no checkpoint this command resumes: it starts "
+            "at step 0, and its report replaces that run's") in out, out

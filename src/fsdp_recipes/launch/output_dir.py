@@ -127,6 +127,9 @@ def claim_output_dir(cfg: RunConfig, found: Found) -> None:
                 + (f"resuming from {resume}" if resume else "starting at step 0"))
     if first:
         superseded(out, resume)
+    if not found.replaces and resume is None and previous is not None and previous.status != "completed":
+        say(f"{out} holds an unfinished run ({previous.status or 'no report'}, {previous.steps or 0} steps) with no "
+            "checkpoint this command resumes: it starts at step 0, and its report replaces that run's")
     if changed.get("length"):
         (_, was), (name, now_len) = changed["length"]
         say(f"continuing {resume} to {name} {now_len} (it was trained toward {was}): the learning-rate schedule is "
