@@ -315,3 +315,19 @@ def test_lora_targets_that_match_nothing_list_what_lora_can_target(qwen):
         model_check.check_recipe_fits_model(qwen2, fsdp2(), "acc.yaml", lora)
     assert ("['qkv'] match no module of Qwen2ForCausalLM (its linear layers: down_proj, gate_proj, k_proj, o_proj, "
             "q_proj, up_proj, v_proj). Fix:") in str(refused.value)  # its untied lm_head left out
+
+
+def test_a_model_without_no_split_modules_gets_its_layer_class_named_in_the_fix():
+    """BioGPT lists no _no_split_modules: the fix said `<its decoder layer class>`, a placeholder to look up."""
+    from transformers import AutoConfig
+
+    from fsdp_recipes.config import model_check
+    from fsdp_recipes.errors import UserError
+
+    config = AutoConfig.for_model("biogpt", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64)
+    model = model_check.meta_model(config)
+    assert not getattr(model, "_no_split_modules", None)  # the premise, transformers' own
+    with pytest.raises(UserError) as refused:
+        model_check.check_wrap_classes(model, fsdp2("NoSuchLayer"), "acc.yaml")
+    assert "set it to BioGptDecoderLayer" in str(refused.value), refused.value

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+from fsdp_recipes import decoder
 from fsdp_recipes.config import expert_lora
 from fsdp_recipes.config.model_found import model_config_source
 from fsdp_recipes.errors import UserError
@@ -85,6 +86,15 @@ class Wrap(NamedTuple):
     chosen: tuple[str, ...] = ()
 
 
+def decoder_layer_class(model) -> str:
+    """The class of the layers in the model's decoder layer list (decoder.py), for a model that names none in its
+    _no_split_modules (BioGPT): what the fix names."""
+    try:
+        return ",".join(sorted({type(m).__name__ for m in decoder.layers(model)[1]}))
+    except UserError:
+        return "<its decoder layer class>"
+
+
 def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False,
                        model_named: bool = False) -> Wrap | None:
     """The wrap classes exist in `model`; returns the line that says which classes FSDP wraps (and whether it is a
@@ -98,7 +108,7 @@ def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False
     classes = {type(m).__name__ for m in model.modules()}
     own = sorted(getattr(model, "_no_split_modules", None) or [])  # a set in many models: in a stable order
     present = [c for c in own if c in classes]
-    layer = ",".join(present) or "<its decoder layer class>"  # as accelerate reads it: split at commas, not stripped
+    layer = ",".join(present) or decoder_layer_class(model)  # as accelerate reads it: split at commas, not stripped
     named = wrap_classes(acc)
     where = f"--{WRAP_KEY} on the command line" if on_command_line else f"{WRAP_KEY} in {acc_path}"
     written = str((acc.get("fsdp_config") or {}).get(WRAP_KEY) or "")
@@ -132,8 +142,8 @@ def check_wrap_classes(model, acc: dict, acc_path, on_command_line: bool = False
     wrapped = fsdp_wrapped(model, acc)
     if not wrapped:
         return Wrap(f"FSDP wraps no layer of {arch} on its own: {arch} lists no _no_split_modules, so the whole model "
-                    f"is one FSDP unit, gathered whole on every rank. Fix: set {WRAP_KEY} to its decoder layer class "
-                    f"in {acc_path}", True)
+                    f"is one FSDP unit, gathered whole on every rank. Fix: set {WRAP_KEY}: {layer} in {acc_path}",
+                    True)
     each = " and each ".join(f"{cls} ({n} of them)" for cls, n in wrapped.items())
     if named:
         return Wrap(f"FSDP wraps each {each} in {arch}, as {where} says", False)
