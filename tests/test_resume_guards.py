@@ -190,25 +190,61 @@ def test_the_weights_fingerprint_reads_little_and_ignores_copies(tmp_path):
         "model.safetensors changed"
 
 
-def test_a_hub_models_fingerprint_is_its_cached_commit(tmp_path, monkeypatch):
+def test_a_hub_models_fingerprint_is_the_blobs_of_its_weight_files(tmp_path, monkeypatch):
+    """Two commits whose weight files link to the same blobs (a README edited on the hub) are the same weights: the
+    commit alone refused such a resume. Other blobs are other weights, and the fix pins the commit trained on."""
     import huggingface_hub.constants
 
     from fsdp_recipes.checkpoint import fingerprint
 
     repo = tmp_path / "hub" / "models--org--tiny"
-    for sha in ("a" * 40, "b" * 40):
+    (repo / "blobs").mkdir(parents=True)
+    for blob in ("w1", "w2"):
+        (repo / "blobs" / blob).write_bytes(blob.encode())
+    for sha, blob in (("a" * 40, "w1"), ("b" * 40, "w1"), ("c" * 40, "w2")):
         (repo / "snapshots" / sha).mkdir(parents=True)
         (repo / "snapshots" / sha / "config.json").write_text("{}")
+        (repo / "snapshots" / sha / "model.safetensors").symlink_to(repo / "blobs" / blob)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("a" * 40)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert fingerprint.weights_fingerprint("org/tiny") == {"commit": "a" * 40}
-    assert fingerprint.weights_fingerprint("org/tiny", revision="v1") is None  # pinned: not known to every caller
+    assert fingerprint.weights_fingerprint("org/tiny") == {"blobs": {"model.safetensors": "w1"}, "commit": "a" * 40}
     assert fingerprint.weights_fingerprint("org/not-cached") is None
-    saved = {"model": "org/tiny", "architecture": None, "weights": {"commit": "a" * 40}, "peft": None}
+    saved = {"model": "org/tiny", "architecture": None, "weights": fingerprint.weights_fingerprint("org/tiny"),
+             "peft": None}
     ckpt = tmp_path / "checkpoint-2"
     ckpt.mkdir()
     (ckpt / markers.IDENTITY).write_text(json.dumps(saved))
-    (repo / "refs" / "main").write_text("b" * 40)  # the hub's main moved, and was downloaded again
-    with pytest.raises(UserError, match=r"other weights than the ones it was trained on \(commit a{40} -> b{40}\)"):
+    (repo / "refs" / "main").write_text("b" * 40)  # a new commit, the same weights
+    markers.check_compatible(ckpt, markers.identity("org/tiny", None))
+    (repo / "refs" / "main").write_text("c" * 40)  # new weights
+    with pytest.raises(UserError) as refused:
         markers.check_compatible(ckpt, markers.identity("org/tiny", None))
+    assert (f"other weights than the ones it was trained on (commit {'a' * 40}'s weight files -> commit {'c' * 40}'s). "
+            f"Fix: --model_revision {'a' * 40} (the commit it was trained on), or ") in str(refused.value)
+
+
+def test_only_the_files_that_load_and_the_data_files_are_fingerprinted(tmp_path):
+    """A model folder with model.safetensors and an unused pytorch_model.bin was refused once the .bin was deleted;
+    a README edited in the data folder refused the resume as changed data."""
+    from fsdp_recipes.checkpoint import fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (model / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(8))
+    (model / "pytorch_model.bin").write_bytes(b"old")
+    before = fingerprint.weights_fingerprint(str(model))
+    (model / "pytorch_model.bin").unlink()
+    assert fingerprint.weights_fingerprint(str(model)) == before == {
+        "files": {"model.safetensors": fingerprint.file_fingerprint(model / "model.safetensors")}}
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text('{"text": "a"}\n')
+    (data / "README.md").write_text("notes\n")
+    was = fingerprint.data_fingerprint([str(data)])
+    (data / "README.md").write_text("other notes\n")
+    assert fingerprint.data_fingerprint([str(data)]) == was
+    (data / "train.jsonl").write_text('{"text": "b"}\n{"text": "a"}\n')
+    assert fingerprint.same_paths_changed(was, fingerprint.data_fingerprint([str(data)])) == [str(data)]

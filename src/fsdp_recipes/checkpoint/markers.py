@@ -111,7 +111,7 @@ def incomplete(output_dir: str | Path) -> list[Path]:
 def identity(model_name_or_path: str, peft_config, settings: dict | None = None,
              revision: str | None = None) -> dict:
     """The model architecture (from a local config.json), a fingerprint of its weights (fingerprint.py: a few KiB of
-    each tensor; a hub id's commit where cached) and the adapter shape a checkpoint belongs to, and the settings it
+    each file; a hub id's weight blobs where cached) and the adapter shape a checkpoint belongs to, and the settings it
     fixes (resume_settings.py). `revision`: the model's pinned revision (ModelConfig.model_revision), where known."""
     config_file = Path(model_name_or_path) / "config.json"
     arch = None
@@ -153,9 +153,10 @@ def check_compatible(ckpt: Path, current: dict, explicit: bool = False) -> None:
                                                                                    current["weights"])):
         other = ("point --resume_from_checkpoint at a checkpoint of these weights, or leave it out to start over"
                  if explicit else "use a new output_dir to train on these weights")
+        back = (f"--model_revision {saved['weights']['commit']} (the commit it was trained on)"
+                if "blobs" in saved["weights"] else f"put the weights it was trained on back at {current['model']}")
         raise UserError(f"cannot resume from {ckpt}: the base model {current['model']} holds other weights than the "
-                        f"ones it was trained on ({how}). Fix: put the weights it was trained on back at "
-                        f"{current['model']}, or {other}.")
+                        f"ones it was trained on ({how}). Fix: {back}, or {other}.")
     if (saved["peft"] is None) != (current["peft"] is None):
         kinds = ["full fine-tuning", "LoRA"]
         raise UserError(f"cannot resume from {ckpt}: it is a {kinds[saved['peft'] is not None]} checkpoint and "
