@@ -64,14 +64,14 @@ def check_vocabulary(tokenizer, folder: Path) -> None:
                     f"them. Fix: {save_tokenizer_fix(folder)}.")
 
 
-def local_tokenizer(model: str):
+def local_tokenizer(model: str, trust_remote_code: bool = False):
     """A local model folder's tokenizer, checked: there at all (transformers 5 builds an empty one from a folder
-    without), and of the model's vocabulary."""
+    without), and of the model's vocabulary. `trust_remote_code`: the recipe's (a ChatGLM's own tokenizer class)."""
     from transformers import AutoTokenizer
 
     folder = Path(os.path.expandvars(os.path.expanduser(model)))
     check_has_tokenizer(folder)
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     check_vocabulary(tokenizer, folder)
     return tokenizer
 
@@ -82,13 +82,15 @@ def load_tokenizer(cfg, cached: bool = True):
     from transformers import AutoTokenizer
 
     model = cfg.model.model_name_or_path
+    remote = bool(getattr(cfg.model, "trust_remote_code", False))
     if looks_local(model):
-        tokenizer = local_tokenizer(model)
+        tokenizer = local_tokenizer(model, remote)
     elif not cached:
         return None, None
     else:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True, trust_remote_code=remote,
+                                                      revision=getattr(cfg.model, "model_revision", None))
         except (OSError, ValueError):
             return None, None
     return tokenizer, chat_template(tokenizer, cfg.training)

@@ -87,7 +87,7 @@ def load_config(name: str, overrides: list[str]):
     declaration.parse_spec(cfg.pack.dataset_format)  # the format's name and mapping, before any row is read
     run_checks.prepare_assets(cfg, quiet=True)
     model_found.check_local_model(cfg.model.model_name_or_path, cfg.pack.continues_from)
-    model_found.check_has_tokenizer(Path(cfg.model.model_name_or_path))  # before the format and split lines
+    model_found.check_has_tokenizer(Path(os.path.expandvars(os.path.expanduser(cfg.model.model_name_or_path))))
     if cfg.pack.addition_preferences:  # the DPO demo's pairs: made by its first launch, with the SFT model
         addition_preferences.check_target(Path(cfg.script.dataset_name))  # the user's own data is no demo's to make
         if not addition_preferences.is_current(Path(cfg.script.dataset_name), Path(cfg.model.model_name_or_path)):

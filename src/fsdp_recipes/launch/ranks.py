@@ -63,6 +63,7 @@ class Ranks:
             self.gate.open()
         self.preempted_by: int | None = None
         self.interrupted = False  # Ctrl-C after release: the ranks save and stop (a second one: at once), no failure
+        self.killed = False  # the second Ctrl-C killed them (their save, if it had begun, is incomplete)
         # A signal before release raised in the launcher (stopping), or abort() began (aborting): a second Ctrl-C
         # (a user pressing it twice) must not raise again out of the cleanup (a traceback, the ranks left behind)
         self.stopping = self.aborting = False
@@ -87,14 +88,34 @@ class Ranks:
             raise KeyboardInterrupt if signum == signal.SIGINT else Preempted(signal.Signals(signum).name)
         if signum == signal.SIGINT and not self.interrupted:
             # the first Ctrl-C stops the ranks as a preemption does: a checkpoint at the end of this step, then
-            # exit; a second one is passed on as it is and stops them at once (train/preemption.py)
+            # exit (train/preemption.py); a second one kills them
             self.interrupted = True
             say("Ctrl-C: the ranks save a checkpoint at the end of this step, then stop (Ctrl-C again stops them "
                 "at once, without one)")
             signum = signal.SIGTERM
-        elif signum != signal.SIGINT and self.preempted_by is None:
+        elif signum == signal.SIGINT:  # the second: torchrun would wait out its grace period again, so kill them
+            self.killed = True
+            self.kill_tree()
+            return
+        elif self.preempted_by is None:
             self.preempted_by = signum
         self.proc.send_signal(signum)
+
+    def kill_tree(self) -> list:
+        """SIGKILL to accelerate, torchrun and the ranks (each rank in a session of its own: found by parenthood);
+        returns the processes signalled, for abort() to wait on."""
+        import psutil
+
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            procs = []
+        for p in [psutil.Process(self.proc.pid), *procs] if self.proc.poll() is None else procs:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        return procs
 
     def release(self, log_dir: Path | None) -> None:
         self.released = True  # first: from here on a signal is passed on, never raised in the launcher
@@ -112,15 +133,7 @@ class Ranks:
         self.output.drop()
         self.output.close()
         self.gate.abort()
-        try:
-            procs = psutil.Process(self.proc.pid).children(recursive=True)
-        except psutil.Error:
-            procs = []
-        for p in [psutil.Process(self.proc.pid), *procs] if self.proc.poll() is None else procs:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        procs = self.kill_tree()
         self.proc.wait()
         psutil.wait_procs(procs, timeout=10)
         self._done()

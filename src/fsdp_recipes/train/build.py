@@ -143,7 +143,8 @@ def pack_callbacks(cfg: RunConfig, peft_config, report, preemption, resume, sett
     failure phase, the load checks and, on a resume, its checks."""
     training, model_args, pack = cfg.training, cfg.model, cfg.pack
     # Order matters: the report saves its counters into a checkpoint before the marker says it is complete.
-    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config, settings)),
+    callbacks = [report, CompletionMarkerCallback(identity(model_args.model_name_or_path, peft_config, settings,
+                                                           revision=model_args.model_revision)),
                  preemption, failure_record.make_phase_callback(), TiedEmbeddingsCheck(report)]
     if pack.verify_loaded_weights and resume and peft_config is None:
         # A resumed full fine-tune trains on the checkpoint's weights, loaded before training begins: compared with
