@@ -182,3 +182,12 @@ def test_a_data_folders_files_are_fingerprinted(tmp_path):
     assert fingerprint.data_changed(before, after) == f"files in the folder {folder} changed"
     # another path is another dataset_name, which is compared by name: not a change of the local data
     assert fingerprint.same_paths_changed(before, {str(tmp_path / "other"): "0"}) == []
+
+
+def test_the_summary_names_changed_local_data_in_words():
+    """Resumed over data changed in place with --override_resumed_settings, the summary printed the two hash dicts."""
+    from fsdp_recipes.launch.summary import rows_note
+
+    line = rows_note({"eval_rows_changed": {"local_data": [{"data/x.jsonl": "88fd"}, {"data/x.jsonl": "12ab"}]}})
+    assert line == ["            the held-out rows changed on resume (the local data changed in place): rows the "
+                    "first part trained on may be among these, so they are not held out"]

@@ -134,7 +134,8 @@ def eval_lines(check: dict, on_pairs: bool = False) -> list[str]:
 def rows_note(check: dict) -> list[str]:
     """Where the scored rows were not all held out: the line that says so, after the scores on them."""
     if check.get("eval_rows_changed"):
-        moved = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in check["eval_rows_changed"].items())
+        moved = ", ".join("the local data changed in place" if k == "local_data" else f"{k} {old!r} -> {new!r}"
+                          for k, (old, new) in check["eval_rows_changed"].items())
         return [f"            the held-out rows changed on resume ({moved}): rows the first part trained on may be "
                 "among these, so they are not held out"]
     if not check.get("held_out", True):

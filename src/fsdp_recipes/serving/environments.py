@@ -26,6 +26,6 @@ def engine_python(engine: str) -> Path:
     variable, module, folder, name, make = ENGINES[engine]
     path = Path(os.environ.get(variable) or cache_dir() / "serve-env" / folder / "bin" / "python")
     if not path.is_file():
-        raise UserError(f"no {name} environment at {path}. Fix: {make}, then set {variable}=DIR/bin/python (any "
-                        f"python that has {module}).")
+        raise UserError(f"no {name} environment at {path}. Fix: {make}, then set {variable}=DIR/bin/python (or to "
+                        f"any python that has {module}).")
     return path

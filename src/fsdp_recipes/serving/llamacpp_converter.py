@@ -88,7 +88,8 @@ def install(folder: Path | None = None, say=print) -> Path:
         for member in tar.getmembers():
             if member.name.startswith(prefix) and member.name[len(prefix):].split("/")[0] in FILES:
                 member.name = member.name[len(prefix):]
-                tar.extract(member, tmp, filter="data")
+                # the data filter (no links out, no devices) where this Python has it: 3.10.12 and later
+                tar.extract(member, tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     if not (tmp / SCRIPT).is_file():
         raise UserError(f"{sdist} holds no vendor/llama.cpp/{SCRIPT}. Fix: delete it and run {INSTALL} again.")
     pip("install", "--no-deps", "--target", str(tmp / "site"), SENTENCEPIECE)
