@@ -255,3 +255,21 @@ def test_an_options_accelerate_rule_holds_wherever_a_recipe_is_read(tmp_path, ca
     assert stopped.value.code == 2 and re.search(rule, capsys.readouterr().err)
     res = launcher_until_ranks([str(recipe)], monkeypatch, capsys)
     assert res.returncode == 2 and res.stderr.strip().startswith(f"error: {recipe}/accelerate.yaml: ")
+
+
+def test_trust_remote_code_is_read_where_the_recipe_sets_it(cache_dir):
+    """trust_remote_code is a TrainingArguments field (TRL's ModelConfig has none): the checks read it from the model
+    args, where it never is, and judged a remote-code model by transformers' own classes."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from trl import ModelConfig, SFTConfig
+
+    from fsdp_recipes.speed import attention
+
+    assert "trust_remote_code" in {f.name for f in dataclasses.fields(SFTConfig)}
+    assert "trust_remote_code" not in {f.name for f in dataclasses.fields(ModelConfig)}
+    model = ModelConfig(model_name_or_path=str(cache_dir / "tiny-mistral"))
+    assert attention.model_class(SimpleNamespace(model=model, training=SimpleNamespace(trust_remote_code=False)))
+    cfg = SimpleNamespace(model=model, training=SimpleNamespace(trust_remote_code=True))
+    assert attention.model_class(cfg) is None  # its own code builds it: not transformers' mapping

@@ -82,7 +82,7 @@ def load_tokenizer(cfg, cached: bool = True):
     from transformers import AutoTokenizer
 
     model = cfg.model.model_name_or_path
-    remote = bool(getattr(cfg.model, "trust_remote_code", False))
+    remote = bool(getattr(cfg.training, "trust_remote_code", False))
     if looks_local(model):
         tokenizer = local_tokenizer(model, remote)
     elif not cached:

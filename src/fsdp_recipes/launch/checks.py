@@ -100,7 +100,8 @@ def check_model_and_data(recipe: Recipe, cfg: RunConfig) -> None:
         recipe.accelerate = acc = dict(acc, fsdp_config=fsdp)
     if not loading.is_local(cfg.script, cfg.mixture) and model_found.looks_local(cfg.model.model_name_or_path):
         # the hub data's rows are rank 0's to read; the tokenizer is the model folder's
-        recipe_tokenizer.local_tokenizer(cfg.model.model_name_or_path, bool(cfg.model.trust_remote_code))
+        recipe_tokenizer.local_tokenizer(cfg.model.model_name_or_path,
+                                        bool(getattr(cfg.training, "trust_remote_code", False)))
     if loading.is_local(cfg.script, cfg.mixture):
         import datasets
 

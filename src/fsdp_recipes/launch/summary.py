@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from fsdp_recipes import library_logs
+from fsdp_recipes.config.kind_registry import DEFAULT_TRAINER
 from fsdp_recipes.speed.four_bit import load_4bit, recorded
 from fsdp_recipes.errors import UserError, cli
 from fsdp_recipes.evaluation import scores, scoring
@@ -165,22 +166,14 @@ def run_args_of(run_dir: Path) -> dict:
 
 
 def eval_loss_counts(metrics: dict, run_args: dict) -> str:
-    """What TRL's eval loss (metrics.json final_eval_loss) is and which tokens it counts: the trainer's own loss on
-    the whole eval split, masked as the training loss is (SFT: completion_only_loss, assistant_only_loss; a chat
-    `messages` row without assistant_only_loss counts its prompt too). The summary's held-out loss, beside it, counts
+    """What TRL's eval loss (metrics.json final_eval_loss) is and which tokens it counts, as the run's kind says
+    (its eval_loss): the trainer's own loss on the whole eval split. The summary's held-out loss, beside it, counts
     the reference answers' tokens alone (evaluation/answer_loss.py): the two differ by design."""
-    kind = metrics.get("trainer") or (run_args.get("pack_args") or {}).get("trainer") or "sft"
-    if kind != "sft":
-        return f"TRL's {kind.upper()} loss on the eval split during training"
-    sft = run_args.get("sft_config") or {}
-    if sft.get("assistant_only_loss"):
-        counts = "the assistant tokens alone (assistant_only_loss)"
-    elif sft.get("completion_only_loss") is False:
-        counts = "every token, prompts included (completion_only_loss false)"
-    else:
-        counts = ("every token of a chat `messages` row, its prompt included (assistant_only_loss off), or a "
-                  "prompt/completion row's completion")
-    return f"TRL's, on the eval split during training, over the tokens the training loss counts: {counts}"
+    name = metrics.get("trainer") or (run_args.get("pack_args") or {}).get("trainer") or DEFAULT_TRAINER
+    kind = kinds.KINDS.get(name)
+    if kind is None or kind.eval_loss is None:
+        return f"TRL's {name.upper()} loss on the eval split during training"
+    return kind.eval_loss(run_args)
 
 
 def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None = None) -> str:

@@ -120,7 +120,7 @@ def model_class(cfg, config=None):
     check builds it), from `config` or the model's config.json found without the network; None where neither is
     known, or the model brings its own code (trust_remote_code: its class, not transformers' mapping)."""
     path = getattr(cfg.model, "model_name_or_path", None)
-    if getattr(cfg.model, "trust_remote_code", False) or (config is None and not path):
+    if getattr(cfg.training, "trust_remote_code", False) or (config is None and not path):
         return None
     if config is None:
         source = model_found.model_config_json(path, getattr(cfg.model, "model_revision", None))

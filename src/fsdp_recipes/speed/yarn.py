@@ -91,7 +91,7 @@ def model_init_kwargs(cfg) -> dict:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(cfg.model.model_name_or_path, revision=cfg.model.model_revision,
-                                        trust_remote_code=getattr(cfg.model, "trust_remote_code", False))
+                                        trust_remote_code=getattr(cfg.training, "trust_remote_code", False))
     return {"rope_parameters": rope_parameters_for(config, max_length_of(cfg))}
 
 

@@ -27,7 +27,8 @@ generation_setup(cfg, capacity_gib) (`make plan`'s memory for sampling), settle_
 backend for this machine, after check_config: not in `make data`), describe_generation(training) (the run's
 first lines say how completions are sampled), check_learned(log_history, training) (a run whose rewards never varied
 stops before its final save, in one line), count_prepared(trainer, prepared, counter) (counts the batch that exists
-only after sampling) and summary_lines(metrics) (the end-of-run summary's lines of the kind's own). A kind module may
+only after sampling), summary_lines(metrics) (the end-of-run summary's lines of the kind's own) and
+eval_loss(run_args) (what TRL's eval loss of a run counts, said under it in the summary). A kind module may
 name SHARED_WITH, a module whose members it takes where it defines none: the sampling kinds take sampling.py's.
 
 Adding a kind: that module, its line in config/kind_registry.py, and recipes whose settings live in <kind>.yaml
@@ -88,6 +89,7 @@ class TrainerKind:
     check_learned: Callable = _no_check
     count_prepared: Callable | None = None
     summary_lines: Callable = _nothing
+    eval_loss: Callable | None = None  # None: the kind's own loss, on the eval split
     config_class: str = ""  # TRL's config class (config/kind_registry.py)
     module: ModuleType | None = None
 

@@ -63,6 +63,20 @@ def check_config(cfg) -> None:
                         "the router.")
 
 
+def eval_loss(run_args: dict) -> str:
+    """What TRL's eval loss of an SFT run counts: the trainer's own loss, masked as the training loss is
+    (completion_only_loss, assistant_only_loss; a chat `messages` row without assistant_only_loss counts its prompt)."""
+    sft = run_args.get("sft_config") or {}
+    if sft.get("assistant_only_loss"):
+        counts = "the assistant tokens alone (assistant_only_loss)"
+    elif sft.get("completion_only_loss") is False:
+        counts = "every token, prompts included (completion_only_loss false)"
+    else:
+        counts = ("every token of a chat `messages` row, its prompt included (assistant_only_loss off), or a "
+                  "prompt/completion row's completion")
+    return f"TRL's, on the eval split during training, over the tokens the training loss counts: {counts}"
+
+
 def summary_lines(metrics: dict) -> list[str]:
     """A mixture of experts: the load-balancing loss and the expert load (docs/run-report.md, "Mixture of experts")."""
     from fsdp_recipes.metrics.figures import figure
