@@ -62,10 +62,14 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or (config.hidden_size // n if n else 0)
 
 
+# The MLP width's names, Llama's first: GPT-2's and GPT-J's n_inner, OPT's ffn_dim, Falcon's ffn_hidden_size
+MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+
+
 def intermediate(config) -> int:
     """The MLP's width: intermediate_size (Llama, GPT-NeoX), n_inner (GPT-2, GPT-J), ffn_dim (OPT), ffn_hidden_size
     (Falcon), expansion_ratio x hidden (MPT); else, or where it is None, 4 x hidden (GPT-2's and Bloom's)."""
-    for key in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size"):
+    for key in MLP_WIDTHS:
         value = getattr(config, key, None)
         if value:
             return value

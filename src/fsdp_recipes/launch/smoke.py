@@ -36,7 +36,7 @@ from pathlib import Path
 
 import yaml
 
-from fsdp_recipes import speed
+from fsdp_recipes import decoder, speed
 from fsdp_recipes.assets.tiny_assets import ensure_assets
 from fsdp_recipes.config import model_found
 from fsdp_recipes.config.argv import set_by
@@ -62,10 +62,8 @@ def say(msg: str) -> None:
 
 
 # Each family's names for its key/value heads (Llama's num_key_value_heads, Falcon's num_kv_heads; GPT-NeoX, GPT-2 and
-# OPT have none: one per query head) and for its MLP's width (GPT-2's n_inner, None for 4 x hidden; OPT's ffn_dim;
-# Falcon's ffn_hidden_size), as the planner reads them (decoder.py)
+# OPT have none: one per query head); its MLP width's are decoder.py's MLP_WIDTHS, as the planner reads them
 KV_HEADS = ("num_key_value_heads", "num_kv_heads")
-MLP_WIDTHS = ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
 
 
 def settable(config, key: str) -> bool:
@@ -84,7 +82,7 @@ def shrink(config, tokenizer):
     for key, value in SHAPE.items():
         if key in ("num_hidden_layers", "hidden_size", "num_attention_heads") or settable(config, key):
             setattr(config, key, value)
-    for key in MLP_WIDTHS[1:]:  # None stays None (GPT-2: 4 x hidden)
+    for key in decoder.MLP_WIDTHS[1:]:  # None stays None (GPT-2: 4 x hidden)
         if getattr(config, key, None) and settable(config, key):
             setattr(config, key, SHAPE["intermediate_size"])
     if kv_key:
