@@ -102,10 +102,13 @@ def launch(argv: list[str], held: ExitStack) -> int:
 HELP = ("-h", "--help")
 
 
-def usage() -> str:
+def prog() -> str:
     """The launcher as it was called: `fsdp-recipes finetune` (cli/main.py names it so), else `python -m`."""
-    prog = sys.argv[0] if sys.argv[0].startswith("fsdp-recipes") else "python -m fsdp_recipes.launch.launcher"
-    return f"usage: {prog} <recipe name or folder> [--field value ...]"
+    return sys.argv[0] if sys.argv[0].startswith("fsdp-recipes") else "python -m fsdp_recipes.launch.launcher"
+
+
+def usage() -> str:
+    return f"usage: {prog()} <recipe name or folder> [--field value ...]"
 
 
 def load_recipe(argv: list[str]) -> Recipe:
@@ -124,9 +127,8 @@ def show_help(argv: list[str]) -> int:
               "the fields given as overrides, then prints the run's summary. <recipe> --help lists its fields.")
         return 0
     recipe = load_recipe([a for a in argv if a not in HELP])
-    prog = usage().split(" <")[0].removeprefix("usage: ")
     with unexpected_errors("reading the recipe"):
-        text = run_config.fields_help(recipe.trainer, f"{prog} {recipe.name}", recipe.raw, str(recipe.config_path))
+        text = run_config.fields_help(recipe.trainer, f"{prog()} {recipe.name}", recipe.raw, str(recipe.config_path))
     print(text, end="")  # `| head` closing the pipe: errors.cli's quiet exit
     return 0
 
