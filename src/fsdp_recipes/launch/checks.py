@@ -98,10 +98,6 @@ def check_model_and_data(recipe: Recipe, cfg: RunConfig) -> None:
         recipe.launch_options = [accelerate_yaml.WRAP_OPTION, ",".join(wrap.chosen)]
         fsdp = dict(acc["fsdp_config"], **{model_check.WRAP_KEY: ",".join(wrap.chosen)})
         recipe.accelerate = acc = dict(acc, fsdp_config=fsdp)
-    if not loading.is_local(cfg.script, cfg.mixture) and model_found.looks_local(cfg.model.model_name_or_path):
-        # the hub data's rows are rank 0's to read; the tokenizer is the model folder's
-        recipe_tokenizer.local_tokenizer(cfg.model.model_name_or_path,
-                                        bool(getattr(cfg.training, "trust_remote_code", False)))
     if loading.is_local(cfg.script, cfg.mixture):
         import datasets
 
@@ -123,4 +119,6 @@ def check_model_and_data(recipe: Recipe, cfg: RunConfig) -> None:
             for line in table:
                 say(line)
             warn(recipe, cut)
-
+    elif model_found.looks_local(cfg.model.model_name_or_path):  # hub data's rows are rank 0's; its tokenizer ours
+        recipe_tokenizer.local_tokenizer(cfg.model.model_name_or_path,
+                                        bool(getattr(cfg.training, "trust_remote_code", False)))
