@@ -327,6 +327,7 @@ def launcher_with_fake_ranks(argv, out: Path, report: dict, ended: tuple, monkey
 
     class FakeRanks:
         log_failure = None  # the logs were written
+        killed = False  # no second Ctrl-C
 
         def __init__(self, cmd, torchrun_logs, gated=True):
             self.torchrun_logs, self.interrupted = torchrun_logs, interrupted

@@ -120,9 +120,13 @@ def how_it_ended(recipe: Recipe, ranks: Ranks, rc: int, preempted_by: int | None
             f"exited with code {rc} afterwards, while shutting down; the outputs in {output_dir} are complete")
         return rc
     if rc != 0 and (ranks.interrupted or metrics.get("status") == "interrupted"):
-        how = ("the second Ctrl-C stopped the ranks at once" if getattr(ranks, "killed", False) else
-               f"the ranks' checkpoint did not finish within the grace period ({os.environ.get('PET_SHUTDOWN_TIMEOUT')}"
-               " s, preemption_grace_s)" if metrics.get("status") == "preempted" else "the ranks stopped at once")
+        if ranks.killed:
+            how = "the second Ctrl-C stopped the ranks at once"
+        elif metrics.get("status") == "preempted":  # the first Ctrl-C's checkpoint was begun: the grace ran out
+            how = (f"the ranks' checkpoint did not finish within the grace period "
+                   f"({os.environ.get('PET_SHUTDOWN_TIMEOUT')} s, preemption_grace_s)")
+        else:
+            how = "the ranks stopped at once"
         say(f"interrupted (Ctrl-C): {how}, with no checkpoint saved on the way out; "
             f"{resumes_from(output_dir, recipe.cfg)}")
         return EXIT_INTERRUPTED
