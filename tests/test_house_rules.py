@@ -13,8 +13,8 @@ CENTRAL = {"launch/launcher.py": 300, "train/entry.py": 300}
 # the pack's imports inside functions, by module, each for a reason its line gives (entry.py: after the log diversion;
 # a tool's own heavy path): a new one is a decision, made here
 INNER_IMPORTS = {"checkpoint/export.py": 2, "checkpoint/resume_choice.py": 3, "evaluation/scoring.py": 1,
-                 "launch/ending.py": 2, "launch/output_dir.py": 4, "train/entry.py": 11, "train/final_save.py": 1,
-                 "train/kinds/sft.py": 1}
+                 "launch/ending.py": 2, "launch/output_dir.py": 4, "launch/summary.py": 1, "train/entry.py": 11,
+                 "train/final_save.py": 1, "train/kinds/sft.py": 1}
 # the recipe read outside config/: raw YAML (`raw.get(`), single flags (config/argv.py's override and given, and
 # config/recipes.py's Recipe.field)
 RAW_READ = re.compile(r"\braw\.get\(|\boverride\(|\bgiven\(|(?<!dataclasses)\.field\(")

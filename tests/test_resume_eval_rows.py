@@ -189,5 +189,5 @@ def test_the_summary_names_changed_local_data_in_words():
     from fsdp_recipes.launch.summary import rows_note
 
     line = rows_note({"eval_rows_changed": {"local_data": [{"data/x.jsonl": "88fd"}, {"data/x.jsonl": "12ab"}]}})
-    assert line == ["            the held-out rows changed on resume (the local data changed in place): rows the "
-                    "first part trained on may be among these, so they are not held out"]
+    assert line == ["            the held-out rows changed on resume (the local data: data/x.jsonl changed in place): "
+                    "rows the first part trained on may be among these, so they are not held out"]

@@ -135,8 +135,9 @@ def eval_lines(check: dict, on_pairs: bool = False) -> list[str]:
 def rows_note(check: dict) -> list[str]:
     """Where the scored rows were not all held out: the line that says so, after the scores on them."""
     if check.get("eval_rows_changed"):
-        moved = ", ".join("the local data changed in place" if k == "local_data" else f"{k} {old!r} -> {new!r}"
-                          for k, (old, new) in check["eval_rows_changed"].items())
+        from fsdp_recipes.checkpoint import resume_settings  # imports transformers: not in the launcher's start
+
+        moved = resume_settings.described(check["eval_rows_changed"])
         return [f"            the held-out rows changed on resume ({moved}): rows the first part trained on may be "
                 "among these, so they are not held out"]
     if not check.get("held_out", True):
@@ -157,14 +158,6 @@ def shown(text: str) -> str:
     return ascii(text)
 
 
-def run_args_of(run_dir: Path) -> dict:
-    """The run's run_args.json, {} where it is missing or unreadable (the summary's lines then say less)."""
-    try:
-        return json.loads((Path(run_dir) / "run_args.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def eval_loss_counts(metrics: dict, run_args: dict) -> str:
     """What TRL's eval loss (metrics.json final_eval_loss) is and which tokens it counts, as the run's kind says
     (its eval_loss): the trainer's own loss on the whole eval split. The summary's held-out loss, beside it, counts
@@ -176,7 +169,9 @@ def eval_loss_counts(metrics: dict, run_args: dict) -> str:
     return kind.eval_loss(run_args)
 
 
-def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None = None) -> str:
+def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None = None,
+           run_args: dict | None = None) -> str:
+    """The summary's lines; `run_args`: the run's run_args.json (what its eval loss counts)."""
     m = metrics
     lines = [f"== {m.get('recipe') or run_dir.name}: {m['status']} in {figure(m.get('wall_clock_s'), '.0f')}s =="]
     if m.get("first_train_loss") is not None:
@@ -186,7 +181,7 @@ def render(run_dir: Path, metrics: dict, check: dict | None, skipped: str | None
         if ev:  # two eval losses in one summary: which tokens each counts
             answers = ("; the held-out loss below: the reference answers' tokens alone, no prompt"
                        if (check or {}).get("loss") else "")
-            lines.append(f"            eval: {eval_loss_counts(m, run_args_of(run_dir))}{answers}")
+            lines.append(f"            eval: {eval_loss_counts(m, run_args or {})}{answers}")
     tps = m.get("tokens_per_second")
     lines.append(
         f"throughput  {figure(tps, ',.0f')} tokens/s ({figure(m.get('tokens_per_second_per_device'), ',.0f')} per "
@@ -312,7 +307,7 @@ def main(argv: list[str] | None = None, recipe=None) -> int:
     if check:
         (args.run_dir / "sample_generations.json").write_text(json.dumps(check, indent=2) + "\n")
         metrics = metrics_file.amend(args.run_dir, lambda m: {**m, "eval": scoring.eval_section(check)})
-    print(render(args.run_dir, metrics, check, skipped))
+    print(render(args.run_dir, metrics, check, skipped, run_args))
     code = gates.exit_code(metrics)
     if code:
         print(f"error: {gates.verdict_line(metrics['gates'])}", file=sys.stderr, flush=True)
