@@ -88,8 +88,6 @@ def weights_changed(saved: dict, now: dict) -> str | None:
         if saved.get("blobs") == now.get("blobs"):
             return None
         return f"commit {saved.get('commit', 'unknown')}'s weight files -> commit {now.get('commit', 'unknown')}'s"
-    if "commit" in saved or "commit" in now:  # recorded before blobs were: not compared
-        return None
     if saved == now:
         return None
     was, new = saved.get("files") or {}, now.get("files") or {}
