@@ -381,10 +381,11 @@ def test_every_rank_checks_its_shards_under_the_names_rank_0_wrote(world_of_one,
     assert renamed, "the family's save writes some tensors under other names"
     # this process plays rank 1; rank 0 sends its record through the all-gather
     monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 1)
+    monkeypatch.setenv("RANK", "1")  # fsdp_recipes.dist.rank(): torchrun's variable
     monkeypatch.setattr(save_check, "gather_objects", lambda sent: [save_check.conversions_record(rank0), sent],
                         raising=False)
     assert save_check.verify_against_memory(replica, tmp_path / "out", is_main=False) == save_check.LIVE_SHARDS
     with torch.no_grad():  # and a wrong value in a renamed tensor is still found, under the file's name
         dict(replica.named_parameters())[renamed[-1]].to_local().view(-1)[0] += 1
-    with pytest.raises(IncompleteSave, match=rf"rank 0: .*\({renamed[-1]} in memory\) differs"):
+    with pytest.raises(IncompleteSave, match=rf"rank 1: .*\({renamed[-1]} in memory\) differs"):  # played rank
         save_check.verify_against_memory(replica, tmp_path / "out", is_main=False)

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from fsdp_recipes.checkpoint.resume_check import adapter_key, trainable_tensors
-from fsdp_recipes.dist import all_reduce, barrier, fsdp1_units, gather_objects, initialized
+from fsdp_recipes.dist import all_reduce, barrier, fsdp1_units, gather_objects, initialized, rank
 
 
 class IncompleteSave(RuntimeError):
@@ -262,19 +262,17 @@ def writer_conversions(model):
     final save (`tests/test_save_check.py`)."""
     if not initialized():
         return OWN
-    import torch.distributed as dist
-
-    kind, data = gather_objects(conversions_record(model) if dist.get_rank() == 0 else None)[0]
-    return pickle.loads(data) if kind == "sent" else OWN
+    data = gather_objects(conversions_record(model) if rank() == 0 else None)[0]
+    return OWN if data is None else pickle.loads(data)
 
 
-def conversions_record(model) -> tuple[str, bytes | None]:
-    """What rank 0 sends in writer_conversions: its record, pickled, or ("own", None) where it cannot be (a
-    quantizer's operations): then each rank keeps its own, as before."""
+def conversions_record(model) -> bytes | None:
+    """What rank 0 sends in writer_conversions: its record, pickled (a record of None too), or None where it cannot
+    be pickled (a quantizer's operations): then each rank keeps its own, as before."""
     try:
-        return "sent", pickle.dumps(model.__dict__.get("_weight_conversions"))
+        return pickle.dumps(model.__dict__.get("_weight_conversions"))
     except Exception:  # noqa: BLE001 - whatever pickling raises
-        return "own", None
+        return None
 
 
 def _local_slice(param):
