@@ -170,8 +170,7 @@ def check_local_model(path: str, continues_from: str | None = None) -> None:
         raise UserError(f"model not found: {not_a_model_folder(path)}.")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
-                   "special_tokens_map.json")
+TOKENIZER_FILES = (*VOCABULARY_FILES, "tokenizer_config.json", "special_tokens_map.json")  # a tokenizer's folder
 FOLDER_FIX = ("point model_name_or_path at a transformers model's folder (its config.json beside its *.safetensors "
               "weights) or a hub id")
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -41,8 +42,6 @@ def chat_template(tokenizer, training) -> str | None:
 
 def model_vocab_size(folder: Path) -> int | None:
     """config.json's vocab_size (a multimodal model's text_config's), None where it names none."""
-    import json
-
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
