@@ -89,8 +89,8 @@ def resolve(name_or_path: str) -> Path:
                         f"{' or '.join(f'RECIPE={n}' for n in close)}? (all of them: `make help`)")
     if not available():  # run outside the project: names are looked up in ./recipes (or $FSDP_RECIPES_DIR)
         raise UserError(f"unknown recipe '{name_or_path}': no recipe folders in {recipes_root().resolve()}, where "
-                        f"names are looked up. Fix: give the recipe's folder (path/to/recipes/{name_or_path}), run from the project "
-                        "that holds recipes/, or set FSDP_RECIPES_DIR to that recipes/ folder.")
+                        f"names are looked up. Fix: give the recipe's folder (path/to/recipes/{name_or_path}), run "
+                        "from the project that holds recipes/, or set FSDP_RECIPES_DIR to that recipes/ folder.")
     raise UserError(f"unknown recipe '{name_or_path}'. Available: {', '.join(available())}. Fix: RECIPE=<one of "
                     "those> (see `make help`).")
 

@@ -126,8 +126,8 @@ class PackArguments:
     # Acceptance gates (metrics/gates.py), judged at the end of every run from its own report; docs/run-report.md.
     mfu_min: float | None = field(
         default=None,
-        metadata={"help": "Gate: the run's MFU must reach this (0.4: 40 per cent); below it the launcher exits 3. On CPU the "
-                          "MFU is against a matmul rate measured here (metrics/cpu_peak.py)."},
+        metadata={"help": "Gate: the run's MFU must reach this (0.4: 40 per cent); below it the launcher exits 3. On "
+                          "CPU the MFU is against a matmul rate measured here (metrics/cpu_peak.py)."},
     )
     peak_memory_max_fraction: float | None = field(
         default=None,
